@@ -1,0 +1,1 @@
+"""hostagent: lends idle passthrough GPUs to a Kubernetes worker VM."""
