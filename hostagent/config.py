@@ -1,0 +1,661 @@
+"""Read hostagent's configuration: one TOML file, checked whole before the agent starts.
+
+The agent moves hardware between running VMs, so it refuses to start on a file it does
+not fully understand. Every mistake is a `ConfigError` that names the file, the key
+(``owners.gaming1.gpus[1]``), what is wrong and how to fix it.
+
+Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional)::
+
+    libvirt_uri = "qemu:///system"
+    hook_socket = "/run/hostagent/hook.sock"
+    control_socket = "/run/hostagent/control.sock"
+    state_dir = "/var/lib/hostagent"        # state.toml and spool/ live here
+
+    [lendee]                                # the Kubernetes worker VM that borrows GPUs
+    domain = "gpu-node"                     # libvirt domain name
+    node = "gpu-node"                       # Kubernetes node name; defaults to domain
+    gpus = ["gpu-a", "gpu-b", "gpu-c"]      # GPU labels, or PCI addresses
+
+    [gpus.gpu-a]                            # a label of your choosing
+    pci = "0000:01:00.0"                    # the GPU function
+    functions = ["0000:01:00.1"]            # other functions (audio) that move with it
+    uuid = "GPU-5f2ab1c4-0000-4000-8000-000000000001"  # checked inside the lendee
+    name = "RTX 3050"                       # for messages
+
+    [gpus.gpu-b]
+    pci = "0000:02:00.0"
+    functions = ["0000:02:00.1"]
+
+    [gpus.gpu-c]
+    pci = "0000:03:00.0"
+
+    [owners.gaming1]                        # a gaming VM, by libvirt domain name
+    gpus = ["gpu-a"]
+
+    [owners.gaming2]
+    gpus = ["gpu-b"]
+
+    [timeouts]                              # durations: "500ms", "90s", "2m", "1h30m"
+    guest_agent = "3m"                      # for the lendee's guest agent to answer
+    shutdown = "2m"                         # for the lendee to stop after guest-shutdown
+    start = "2m"                            # for a VM to start
+    drain = "5m"                            # for the node to drain
+    ready = "10m"                           # for the node to be Ready with its GPUs
+
+    [policy]
+    relend_delay = "30s"                    # quiet time before lending GPUs back
+    force_off_after = ""                    # "" = never destroy the lendee (default)
+    on_drain_timeout = "proceed"            # or "abort"
+
+    [kubernetes]
+    kubeconfig = "/etc/rancher/k3s/k3s.yaml"  # default: the client's own lookup
+    annotation_prefix = "hostagent.io/"
+    gpu_resource = "nvidia.com/gpu"
+    drain_emptydir = true                   # evict pods that use emptyDir volumes
+    drain_unmanaged = false                 # evict pods no controller will recreate
+
+Rules beyond the types:
+
+- A GPU reference (in ``lendee.gpus`` or ``owners.*.gpus``) is a label from ``[gpus]``
+  or a PCI address. The address of a declared GPU means that GPU; any other address
+  stands for a GPU with that single function (declare it under ``[gpus]`` to move its
+  audio function along). Addresses are written ``DDDD:BB:DD.F``; ``BB:DD.F`` means
+  domain 0000. They are kept lowercase with the domain.
+- A GPU has at most one owner, and a PCI function belongs to one GPU.
+- The lendee is not an owner: it borrows, it does not lend.
+- The lendee may borrow a GPU no owner claims: that GPU is simply always the lendee's.
+- An owner may keep a GPU the lendee does not borrow: hostagent leaves it alone.
+- A ``[gpus]`` entry nobody references is allowed and ignored.
+- Timeouts must be longer than zero; ``relend_delay`` and ``force_off_after`` may be 0.
+- Paths must be absolute: the agent's working directory is nobody's business.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import json
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import date, datetime, time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+__all__ = [
+    "DEFAULT_PATH",
+    "Config",
+    "ConfigError",
+    "DrainTimeoutAction",
+    "Gpu",
+    "Kubernetes",
+    "Lendee",
+    "Owner",
+    "Policy",
+    "Timeouts",
+    "load",
+    "parse",
+    "parse_duration",
+]
+
+DEFAULT_PATH = Path("/etc/hostagent/config.toml")
+
+
+class ConfigError(Exception):
+    """A configuration file hostagent cannot use, and what to do about it."""
+
+    def __init__(
+        self,
+        *,
+        source: str,
+        problem: str,
+        fix: str = "",
+        key: str | None = None,
+        line: int | None = None,
+        column: int | None = None,
+    ) -> None:
+        self.source = source
+        self.key = key
+        self.problem = problem
+        self.fix = fix
+        self.line = line
+        self.column = column
+        where = source
+        if line is not None:
+            where += f":{line}" + (f":{column}" if column is not None else "")
+        if key:
+            where += f": {key}"
+        super().__init__(f"{where}: {problem}" + (f"; {fix}" if fix else ""))
+
+
+# --- durations -------------------------------------------------------------------------
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+_DURATION_HINT = 'write a number with a unit, e.g. "500ms", "90s", "2m" or "1h30m"'
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a duration such as ``"500ms"``, ``"90s"``, ``"2m"`` or ``"1h30m"``.
+
+    A bare number is refused rather than guessed: "90" could mean seconds or minutes.
+    Raises ValueError with a message that says how to write it.
+    """
+    s = text.strip()
+    if re.fullmatch(r"\d+(?:\.\d+)?", s):
+        raise ValueError(f'"{text}" has no unit; write "{s}s" for seconds (units: ms, s, m, h)')
+    parts = list(_DURATION_PART.finditer(s))
+    if not s or "".join(m.group(0) for m in parts) != s:
+        raise ValueError(f'"{text}" is not a duration; {_DURATION_HINT}')
+    return sum(float(m.group(1)) * _UNITS[m.group(2)] for m in parts)
+
+
+# --- the reading machinery -------------------------------------------------------------
+#
+# Each configuration dataclass is its own schema: a field that appears in the file
+# carries, in its metadata, the reader that checks and converts the TOML value (and, if
+# required, an example for the "missing" message). `_build` walks those fields, so a new
+# key is one field declaration, not a new branch of checks.
+
+
+class _Problem(Exception):
+    def __init__(self, key: str, problem: str, fix: str = "") -> None:
+        super().__init__(problem)
+        self.key = key
+        self.problem = problem
+        self.fix = fix
+
+
+_Reader = Callable[[object, str], Any]
+_READ = "hostagent.read"
+_EXAMPLE = "hostagent.example"
+_T = TypeVar("_T", bound="DataclassInstance")
+
+
+def _key(read: _Reader, example: str = "") -> dict[str, object]:
+    """Field metadata: how to read this key, and what to suggest when it is missing."""
+    return {_READ: read, _EXAMPLE: example}
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _join(prefix: str, key: str) -> str:
+    shown = key if _BARE_KEY.fullmatch(key) else json.dumps(key)
+    return f"{prefix}.{shown}" if prefix else shown
+
+
+def _toml_type(value: object) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a float"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "a table"
+    if isinstance(value, datetime | date | time):
+        return "a date/time"
+    return type(value).__name__
+
+
+def _wrong_type(key: str, value: object, wanted: str, fix: str) -> _Problem:
+    return _Problem(key, f"expected {wanted}, got {_toml_type(value)}", fix)
+
+
+def _build(cls: type[_T], table: object, where: str, **given: Any) -> _T:
+    """An instance of dataclass `cls` from a TOML table, every key checked."""
+    if not isinstance(table, dict):
+        raise _wrong_type(where, table, "a table", f"write it as a [{where}] section")
+    fields = {f.name: f for f in dataclasses.fields(cls) if _READ in f.metadata}
+    for name in table:
+        if name not in fields:
+            raise _unknown_key(_join(where, name), name, list(fields))
+    values: dict[str, Any] = dict(given)
+    for name, f in fields.items():
+        key = _join(where, name)
+        if name in table:
+            values[name] = f.metadata[_READ](table[name], key)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise _Problem(key, "missing", "add " + _example(name, f.metadata[_EXAMPLE], where))
+    return cls(**values)
+
+
+def _example(name: str, example: str, where: str) -> str:
+    if example.startswith(f"[{name}]"):  # a whole section
+        return example
+    return f"{name} = {example} " + (f"under [{where}]" if where else "before any [section]")
+
+
+def _unknown_key(key: str, name: str, known: list[str]) -> _Problem:
+    if "." in key and name in _TOP_LEVEL_KEYS:
+        # TOML puts every key after a [section] header into that section.
+        return _Problem(
+            key, "unknown key", f"{name} is a top-level key: move it above the first [section]"
+        )
+    close = difflib.get_close_matches(name, known, n=1)
+    if close:
+        return _Problem(key, "unknown key", f'did you mean "{close[0]}"?')
+    return _Problem(key, "unknown key", "known keys here: " + ", ".join(known))
+
+
+def _section(cls: type[_T]) -> _Reader:
+    return lambda value, key: _build(cls, value, key)
+
+
+def _table_of(cls: type[_T], name_field: str) -> _Reader:
+    """A table of same-shaped tables, e.g. [owners.NAME]; NAME goes into `name_field`."""
+
+    def read(value: object, key: str) -> dict[str, _T]:
+        if not isinstance(value, dict):
+            raise _wrong_type(key, value, "a table", f"write entries as [{key}.NAME] sections")
+        return {
+            name: _build(cls, entry, _join(key, name), **{name_field: name})
+            for name, entry in value.items()
+        }
+
+    return read
+
+
+def _text(value: object, key: str) -> str:
+    if not isinstance(value, str):
+        raise _wrong_type(key, value, "a string", "put the value in double quotes")
+    if not value.strip():
+        raise _Problem(key, "is empty", "give it a value or remove the key")
+    return value
+
+
+def _absolute_path(value: object, key: str) -> Path:
+    path = Path(_text(value, key))
+    if not path.is_absolute():
+        raise _Problem(key, f'"{path}" is a relative path', "write the full path from /")
+    return path
+
+
+def _optional_path(value: object, key: str) -> Path | None:
+    if value == "":
+        return None
+    return _absolute_path(value, key)
+
+
+def _bool(value: object, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise _wrong_type(key, value, "true or false", "write true or false, without quotes")
+    return value
+
+
+def _duration(value: object, key: str) -> float:
+    if not isinstance(value, str):
+        fix = _DURATION_HINT
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            fix = f'write "{value}s" for seconds (in quotes, with a unit)'
+        raise _wrong_type(key, value, "a duration string", fix)
+    try:
+        return parse_duration(value)
+    except ValueError as e:
+        raise _Problem(key, str(e)) from e
+
+
+def _positive_duration(value: object, key: str) -> float:
+    seconds = _duration(value, key)
+    if seconds <= 0:
+        raise _Problem(key, "must be longer than zero", 'e.g. "90s"')
+    return seconds
+
+
+def _optional_duration(value: object, key: str) -> float | None:
+    if value == "":
+        return None
+    return _duration(value, key)
+
+
+def _choice(kind: type[enum.StrEnum]) -> _Reader:
+    allowed = [str(member) for member in kind]
+
+    def read(value: object, key: str) -> enum.StrEnum:
+        text = _text(value, key)
+        if text not in allowed:
+            raise _Problem(key, f'"{text}" is not allowed', "write one of: " + ", ".join(allowed))
+        return kind(text)
+
+    return read
+
+
+def _annotation_prefix(value: object, key: str) -> str:
+    prefix = _text(value, key)
+    if not prefix.endswith("/"):
+        raise _Problem(key, f'"{prefix}" does not end with "/"', f'write "{prefix}/"')
+    return prefix
+
+
+_PCI = re.compile(r"(?:([0-9a-f]{4}):)?([0-9a-f]{2}):([01][0-9a-f])\.([0-7])")
+
+
+def _canonical_pci(text: str) -> str | None:
+    """``0000:01:00.0`` for any accepted spelling of a PCI address, None if it is not one."""
+    m = _PCI.fullmatch(text.strip().lower())
+    if m is None:
+        return None
+    domain, bus, device, function = m.groups()
+    return f"{domain or '0000'}:{bus}:{device}.{function}"
+
+
+def _pci(value: object, key: str) -> str:
+    address = _canonical_pci(_text(value, key))
+    if address is None:
+        raise _Problem(
+            key,
+            f'"{value}" is not a PCI address',
+            'write it as domain:bus:device.function, e.g. "0000:01:00.0" (see lspci -D)',
+        )
+    return address
+
+
+def _list(item: _Reader, *, at_least_one: str = "") -> _Reader:
+    """An array of distinct items; `at_least_one`, if given, is the fix for an empty one."""
+
+    def read(value: object, key: str) -> tuple[Any, ...]:
+        if not isinstance(value, list):
+            fix = f'write it in brackets: ["{value}"]' if isinstance(value, str) else ""
+            raise _wrong_type(key, value, "an array", fix or "write it in brackets: [...]")
+        if not value and at_least_one:
+            raise _Problem(key, "is empty", at_least_one)
+        items = tuple(item(v, f"{key}[{i}]") for i, v in enumerate(value))
+        for i, v in enumerate(items):
+            if v in items[:i]:
+                raise _Problem(f"{key}[{i}]", f'"{v}" is listed twice', "remove one")
+        return items
+
+    return read
+
+
+_GPU_REFS = _list(_text, at_least_one="list GPU labels from [gpus] or PCI addresses")
+
+
+# --- the configuration -----------------------------------------------------------------
+
+
+class DrainTimeoutAction(enum.StrEnum):
+    """What to do when the node has not drained within ``timeouts.drain``."""
+
+    PROCEED = "proceed"  # shut the lendee down anyway: the gamer waits no longer
+    ABORT = "abort"  # give up: the lendee keeps its GPUs and the owner does not start
+
+
+@dataclass(frozen=True, kw_only=True)
+class Gpu:
+    """One passthrough GPU: its main PCI function and the functions that move with it."""
+
+    label: str
+    pci: str = field(metadata=_key(_pci, example='"0000:01:00.0"'))
+    functions: tuple[str, ...] = field(default=(), metadata=_key(_list(_pci)))
+    uuid: str | None = field(default=None, metadata=_key(_text))
+    name: str | None = field(default=None, metadata=_key(_text))
+
+    @property
+    def pci_functions(self) -> tuple[str, ...]:
+        """Every PCI function of this GPU, the main one first."""
+        return (self.pci, *self.functions)
+
+    def __str__(self) -> str:
+        return f"{self.label} ({self.name}, {self.pci})" if self.name else self.label
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lendee:
+    """The Kubernetes worker VM that borrows every idle GPU."""
+
+    domain: str = field(metadata=_key(_text, example='"gpu-node"'))
+    node: str = field(default="", metadata=_key(_text))
+    gpus: tuple[str, ...] = field(metadata=_key(_GPU_REFS, example='["gpu-a"]'))
+
+    def __post_init__(self) -> None:
+        # Most setups name the node after the VM, so that is the default.
+        if not self.node:
+            object.__setattr__(self, "node", self.domain)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Owner:
+    """A gaming VM and the GPUs it must have back before it starts."""
+
+    domain: str
+    gpus: tuple[str, ...] = field(metadata=_key(_GPU_REFS, example='["gpu-a"]'))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timeouts:
+    """How long each step may take, in seconds."""
+
+    # The guest agent takes 30-60 s to come up in a freshly booted VM.
+    guest_agent: float = field(default=180.0, metadata=_key(_positive_duration))
+    shutdown: float = field(default=120.0, metadata=_key(_positive_duration))
+    start: float = field(default=120.0, metadata=_key(_positive_duration))
+    drain: float = field(default=300.0, metadata=_key(_positive_duration))
+    ready: float = field(default=600.0, metadata=_key(_positive_duration))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policy:
+    """Choices an administrator makes; the defaults are the careful ones."""
+
+    relend_delay: float = field(default=30.0, metadata=_key(_duration))
+    # None: never destroy. Destroying a booting VM has left a GPU in a power state only a
+    # host reboot cured, so forcing is opt-in.
+    force_off_after: float | None = field(default=None, metadata=_key(_optional_duration))
+    on_drain_timeout: DrainTimeoutAction = field(
+        default=DrainTimeoutAction.PROCEED, metadata=_key(_choice(DrainTimeoutAction))
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Kubernetes:
+    """How to reach the cluster and how to drain the lendee's node."""
+
+    kubeconfig: Path | None = field(default=None, metadata=_key(_optional_path))
+    annotation_prefix: str = field(default="hostagent.io/", metadata=_key(_annotation_prefix))
+    gpu_resource: str = field(default="nvidia.com/gpu", metadata=_key(_text))
+    drain_emptydir: bool = field(default=True, metadata=_key(_bool))
+    drain_unmanaged: bool = field(default=False, metadata=_key(_bool))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    """The whole configuration. GPU references are resolved to labels of `gpus`."""
+
+    lendee: Lendee = field(
+        metadata=_key(
+            _section(Lendee), example='[lendee] with domain = "gpu-node" and gpus = ["gpu-a"]'
+        )
+    )
+    gpus: Mapping[str, Gpu] = field(default_factory=dict, metadata=_key(_table_of(Gpu, "label")))
+    owners: Mapping[str, Owner] = field(
+        default_factory=dict, metadata=_key(_table_of(Owner, "domain"))
+    )
+    timeouts: Timeouts = field(default_factory=Timeouts, metadata=_key(_section(Timeouts)))
+    policy: Policy = field(default_factory=Policy, metadata=_key(_section(Policy)))
+    kubernetes: Kubernetes = field(default_factory=Kubernetes, metadata=_key(_section(Kubernetes)))
+    libvirt_uri: str = field(default="qemu:///system", metadata=_key(_text))
+    hook_socket: Path = field(
+        default=Path("/run/hostagent/hook.sock"), metadata=_key(_absolute_path)
+    )
+    control_socket: Path = field(
+        default=Path("/run/hostagent/control.sock"), metadata=_key(_absolute_path)
+    )
+    state_dir: Path = field(default=Path("/var/lib/hostagent"), metadata=_key(_absolute_path))
+    source: str = "<config>"  # where it was read from, for messages
+
+    @property
+    def state_file(self) -> Path:
+        return self.state_dir / "state.toml"
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.state_dir / "spool"
+
+    def owner_of(self, gpu: str) -> str | None:
+        """The domain that owns GPU label `gpu`, or None if only the lendee uses it."""
+        for owner in self.owners.values():
+            if gpu in owner.gpus:
+                return owner.domain
+        return None
+
+    def gpus_of(self, domain: str) -> tuple[str, ...]:
+        """GPU labels that `domain` (the lendee or an owner) uses; () for any other VM."""
+        if domain == self.lendee.domain:
+            return self.lendee.gpus
+        owner = self.owners.get(domain)
+        return owner.gpus if owner else ()
+
+    def shared_gpus(self, owner: str) -> frozenset[str]:
+        """The GPUs the lendee must give back before `owner` can start."""
+        return frozenset(self.gpus_of(owner)) & frozenset(self.lendee.gpus)
+
+
+_TOP_LEVEL_KEYS = frozenset(f.name for f in dataclasses.fields(Config) if _READ in f.metadata)
+
+
+# --- cross-references ------------------------------------------------------------------
+
+
+def _link(config: Config) -> Config:
+    """Check what spans sections, and resolve every GPU reference to a label."""
+    gpus = dict(config.gpus)
+    holder: dict[str, tuple[str, str]] = {}  # PCI function -> (GPU label, key that set it)
+    for label, gpu in gpus.items():
+        keys = [f"{_join('gpus', label)}.pci"] + [
+            f"{_join('gpus', label)}.functions[{i}]" for i in range(len(gpu.functions))
+        ]
+        for address, key in zip(gpu.pci_functions, keys, strict=True):
+            if address in holder:
+                other, other_key = holder[address]
+                raise _Problem(
+                    key,
+                    f"{address} is already a function of GPU {other} ({other_key})",
+                    "a PCI function belongs to one GPU: remove one of them",
+                )
+            holder[address] = (label, key)
+
+    def resolve(ref: str, key: str) -> str:
+        if ref in gpus:
+            return ref
+        address = _canonical_pci(ref)
+        if address is None:
+            # Labels often differ by one letter (gpu-a, gpu-b): list them, do not guess.
+            fix = f"define it as a [{_join('gpus', ref)}] section"
+            if gpus:
+                fix += " or use one of: " + ", ".join(gpus)
+            raise _Problem(key, f'unknown GPU "{ref}"', fix)
+        if address not in holder:
+            gpus[address] = Gpu(label=address, pci=address)
+            holder[address] = (address, key)
+            return address
+        label, _ = holder[address]
+        if gpus[label].pci != address:
+            raise _Problem(
+                key,
+                f"{address} is not a GPU but another function of GPU {label}",
+                f'list "{label}" instead: its functions move with it',
+            )
+        return label
+
+    def resolve_all(refs: tuple[str, ...], key: str) -> tuple[str, ...]:
+        labels = tuple(resolve(ref, f"{key}[{i}]") for i, ref in enumerate(refs))
+        for i, label in enumerate(labels):
+            if label in labels[:i]:
+                raise _Problem(
+                    f"{key}[{i}]",
+                    f"GPU {label} is already listed at {key}[{labels.index(label)}]",
+                    "remove one",
+                )
+        return labels
+
+    lendee = dataclasses.replace(config.lendee, gpus=resolve_all(config.lendee.gpus, "lendee.gpus"))
+    owners: dict[str, Owner] = {}
+    owner_of: dict[str, str] = {}
+    for domain, owner in config.owners.items():
+        key = _join("owners", domain)
+        if domain == lendee.domain:
+            raise _Problem(
+                key,
+                f"{domain} is the lendee, and the lendee cannot also own GPUs",
+                f"remove [{key}]: the lendee borrows what lendee.gpus lists",
+            )
+        labels = resolve_all(owner.gpus, f"{key}.gpus")
+        for i, label in enumerate(labels):
+            if label in owner_of:
+                raise _Problem(
+                    f"{key}.gpus[{i}]",
+                    f"GPU {label} is already owned by {owner_of[label]}",
+                    "a GPU has one owner: remove it from one of them",
+                )
+            owner_of[label] = domain
+        owners[domain] = dataclasses.replace(owner, gpus=labels)
+    return dataclasses.replace(config, lendee=lendee, owners=owners, gpus=gpus)
+
+
+# --- entry points ----------------------------------------------------------------------
+
+_TOML_POSITION = re.compile(r"\s*\(at line (\d+), column (\d+)\)$")
+
+
+def parse(text: str, source: str = "<config>") -> Config:
+    """The configuration in TOML `text`; `source` names it in error messages."""
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise _syntax_error(e, text, source) from None
+    try:
+        return _link(_build(Config, document, "", source=source))
+    except _Problem as p:
+        raise ConfigError(source=source, key=p.key, problem=p.problem, fix=p.fix) from None
+
+
+def _syntax_error(error: tomllib.TOMLDecodeError, text: str, source: str) -> ConfigError:
+    message = str(error)
+    m = _TOML_POSITION.search(message)
+    if m is None:
+        return ConfigError(source=source, problem=f"not valid TOML: {message}")
+    line, column = int(m.group(1)), int(m.group(2))
+    lines = text.splitlines()
+    shown = f' in "{lines[line - 1].strip()}"' if 0 < line <= len(lines) else ""
+    return ConfigError(
+        source=source,
+        line=line,
+        column=column,
+        problem=f"not valid TOML: {message[: m.start()]}{shown}",
+        fix='check quotes, brackets and "key = value" on that line',
+    )
+
+
+def load(path: Path = DEFAULT_PATH) -> Config:
+    """The configuration in file `path`."""
+    source = str(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(
+            source=source,
+            problem="no such file",
+            fix="create one with `hostagent config init`, then edit it",
+        ) from None
+    except OSError as e:
+        raise ConfigError(source=source, problem=f"cannot read it: {e.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            source=source,
+            problem=f"not UTF-8 text (byte {e.start})",
+            fix="save the file as UTF-8",
+        ) from None
+    return parse(text, source)
