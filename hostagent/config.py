@@ -67,6 +67,8 @@ Rules beyond the types:
 - An owner may keep a GPU the lendee does not borrow: hostagent leaves it alone.
 - A ``[gpus]`` entry nobody references is allowed and ignored.
 - Timeouts must be longer than zero; ``relend_delay`` and ``force_off_after`` may be 0.
+- ``force_off_after`` is how long after a guest-agent shutdown timed out the lendee is
+  destroyed. Unset (or ``""``), it never is.
 - Paths must be absolute: the agent's working directory is nobody's business.
 """
 
