@@ -192,22 +192,20 @@ def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{shown}" if prefix else shown
 
 
+# bool before int: in Python, True is an int.
+_TOML_TYPES: tuple[tuple[type | tuple[type, ...], str], ...] = (
+    (bool, "a boolean"),
+    (int, "an integer"),
+    (float, "a float"),
+    (str, "a string"),
+    (list, "an array"),
+    (dict, "a table"),
+    ((datetime, date, time), "a date/time"),
+)
+
+
 def _toml_type(value: object) -> str:
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int):
-        return "an integer"
-    if isinstance(value, float):
-        return "a float"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "a table"
-    if isinstance(value, datetime | date | time):
-        return "a date/time"
-    return type(value).__name__
+    return next((name for kind, name in _TOML_TYPES if isinstance(value, kind)), "a value")
 
 
 def _wrong_type(key: str, value: object, wanted: str, fix: str) -> _Problem:
