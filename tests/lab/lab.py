@@ -1,0 +1,438 @@
+"""The lab: a private libvirtd, a private journald and real TCG guests.
+
+Everything runs inside one mount namespace held by a sleeping process. In it, tmpfs
+covers /run, /var/lib, /var/log and /var/cache, and the lab's own directories are
+bound over /etc/libvirt and the few paths libvirtd, journald and hostagent use, so
+the machine's own libvirt, journal and /etc are never touched. libvirtd runs hooks
+with a scrubbed environment, which is why the hook's *default* paths
+(/run/hostagent/hook.sock, /var/lib/hostagent/spool) must be the lab's inside it.
+
+From outside the namespace the lab is reached through its directory: libvirt at
+`qemu:///system?socket=<dir>/run-libvirt/libvirt-sock`, the hook socket at
+`<dir>/run-hostagent/hook.sock`, the journal with `journalctl -D <dir>/journal`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.lab import image
+
+REPO = Path(__file__).resolve().parents[2]
+HOOK = REPO / "hooks" / "qemu"
+
+# Inside the namespace → directory under the lab root.
+BINDS = {
+    "/etc/libvirt": "etc-libvirt",
+    "/run/libvirt": "run-libvirt",
+    "/run/hostagent": "run-hostagent",
+    "/run/log/journal": "journal",
+    "/var/lib/libvirt": "var-lib-libvirt",
+    "/var/lib/hostagent": "var-lib-hostagent",
+    "/var/log/libvirt": "log-libvirt",
+    "/etc/hostagent": "etc-hostagent",
+}
+TMPFS = ("/run", "/var/lib", "/var/log", "/var/cache")
+
+LIBVIRTD_CONF = """\
+unix_sock_dir = "/run/libvirt"
+unix_sock_group = "root"
+unix_sock_ro_perms = "0700"
+unix_sock_rw_perms = "0700"
+auth_unix_ro = "none"
+auth_unix_rw = "none"
+log_outputs = "3:file:/var/log/libvirt/libvirtd.log"
+"""
+# No cgroups, namespaces, security driver or virtlogd: the lab runs in a plain
+# container as root, and each of those would need more of the host than we take.
+QEMU_CONF = """\
+user = "root"
+group = "root"
+dynamic_ownership = 0
+remember_owner = 0
+security_driver = "none"
+cgroup_controllers = [ ]
+namespaces = [ ]
+stdio_handler = "file"
+"""
+JOURNALD_CONF = """\
+[Journal]
+Storage=volatile
+ReadKMsg=no
+ForwardToSyslog=no
+ForwardToWall=no
+ForwardToConsole=no
+RateLimitBurst=0
+"""
+
+# A lab GPU: a small raw disk. QEMU takes a write lock on it, so a second VM that
+# wants it fails to start ("Failed to get "write" lock"), as vfio refuses a busy device.
+GPUS = {
+    "gpu-a": ("GPU-a0a0a0a0-0000-4000-8000-00000000000a", "Lab RTX 3050 A"),
+    "gpu-b": ("GPU-b0b0b0b0-0000-4000-8000-00000000000b", "Lab RTX 3050 B"),
+}
+LENDEE = "gpu-node"
+OWNERS = {"gaming1": ("gpu-a",), "gaming2": ("gpu-b",)}
+
+
+@dataclass
+class Lab:
+    root: Path
+    cache: Path = REPO / ".lab"
+    guest: image.GuestImage | None = None
+    host_before: dict[str, object] = field(default_factory=dict)
+    holder: subprocess.Popen[bytes] | None = None
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    # ---- paths -----------------------------------------------------------------
+    def path(self, inside: str) -> Path:
+        """Where a path inside the namespace lives on the host."""
+        for mount, name in BINDS.items():
+            if inside == mount or inside.startswith(mount + "/"):
+                return self.root / name / inside[len(mount):].lstrip("/")
+        raise ValueError(f"{inside} is not shared with the lab directory")
+
+    @property
+    def uri(self) -> str:
+        return f"qemu:///system?socket={self.root}/run-libvirt/libvirt-sock"
+
+    @property
+    def hook_socket(self) -> Path:
+        return self.root / "run-hostagent" / "hook.sock"
+
+    @property
+    def spool(self) -> Path:
+        return self.root / "var-lib-hostagent" / "spool"
+
+    # ---- life cycle ---------------------------------------------------------
+    def up(self) -> Lab:
+        self.host_before = host_fingerprint()
+        self.guest = image.build(self.cache)
+        self.root.mkdir(parents=True, exist_ok=True)
+        for name in BINDS.values():
+            (self.root / name).mkdir(exist_ok=True)
+        # QEMU's capabilities take seconds to probe; they are the same for every lab.
+        caps = self.cache / "libvirt-cache"
+        caps.mkdir(parents=True, exist_ok=True)
+        for d in ("gpus", "console", "hooks-log"):
+            (self.root / d).mkdir(exist_ok=True)
+        etc = self.root / "etc-libvirt"
+        (etc / "libvirtd.conf").write_text(LIBVIRTD_CONF)
+        (etc / "qemu.conf").write_text(QEMU_CONF)
+        (self.root / "journald.conf").write_text(JOURNALD_CONF)
+        (etc / "hooks").mkdir(exist_ok=True)
+        # The repository's hook itself, not a copy: libvirtd executes the real file.
+        hook = etc / "hooks" / "qemu"
+        if hook.is_symlink() or hook.exists():
+            hook.unlink()
+        hook.symlink_to(HOOK)
+        self._start_namespace()
+        self._start_journald()
+        self._start_libvirtd()
+        self.reset()
+        return self
+
+    def down(self) -> None:
+        """Stop every lab process; the namespace, and so every mount, dies with the holder."""
+        if self.holder is not None and self.holder.poll() is None and self._libvirtd_alive():
+            for dom in self.running():
+                self.virsh("destroy", dom, check=False)
+        for proc in reversed(list(self.procs.values())):
+            _stop(proc)
+        self.procs.clear()
+        # QEMU processes are libvirtd's children, re-parented when it dies: find them
+        # by the lab path on their command line.
+        for pid in self.pids_using_lab():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.holder is not None:
+            _stop(self.holder)
+            self.holder = None
+
+    def reset(self) -> None:
+        """Every VM off, lab GPUs as new, nothing spooled: the state each test starts from."""
+        for dom in self.running():
+            self.virsh("destroy", dom, check=False)
+        for gpu, (gpu_uuid, name) in GPUS.items():
+            self.write_gpu(gpu, f"LABGPU {gpu_uuid} {name}")
+        for dom in (LENDEE, *OWNERS):
+            self.define(dom)
+        if self.spool.exists():
+            shutil.rmtree(self.spool)
+
+    def pids_using_lab(self) -> list[int]:
+        found = []
+        marker = str(self.root).encode()
+        for p in Path("/proc").iterdir():
+            if not p.name.isdigit() or int(p.name) == os.getpid():
+                continue
+            try:
+                cmdline = (p / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if marker in cmdline:
+                found.append(int(p.name))
+        return found
+
+    def _start_namespace(self) -> None:
+        script = ["set -e"]
+        for t in TMPFS:
+            script.append(f"mount -t tmpfs -o mode=0755 lab-tmpfs {t}")
+        for inside, name in BINDS.items():
+            script.append(f"mkdir -p {inside} && mount --bind {self.root / name} {inside}")
+        script.append(f"mkdir -p /var/cache/libvirt && mount --bind {self.cache / 'libvirt-cache'} "
+                      "/var/cache/libvirt")
+        script.append(f"mount --bind {self.root / 'journald.conf'} /etc/systemd/journald.conf"
+                      if Path("/etc/systemd/journald.conf").exists() else "true")
+        # Debian's libvirtd resolves its compiled-in user libvirt-qemu before it reads
+        # qemu.conf: give the namespace its own passwd/group that have it.
+        for db, entry in (("passwd", "libvirt-qemu:x:64055:64055::/var/lib/libvirt:/bin/false"),
+                          ("group", "libvirt-qemu:x:64055:")):
+            text = Path(f"/etc/{db}").read_text()
+            if not any(line.startswith("libvirt-qemu:") for line in text.splitlines()):
+                text = text.rstrip("\n") + "\n" + entry + "\n"
+            (self.root / db).write_text(text)
+            script.append(f"mount --bind {self.root / db} /etc/{db}")
+        script.append("echo ready")
+        script.append(f"exec sleep infinity # hostagent-lab {self.root}")
+        self.holder = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "sh", "-c", "\n".join(script)],
+            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        assert self.holder.stdout is not None
+        with self.holder.stdout:
+            ready = self.holder.stdout.readline().strip() == b"ready"
+        if not ready:
+            raise RuntimeError("could not set up the lab's mount namespace (are you root?)")
+
+    def nsenter(self, *argv: str) -> list[str]:
+        """The command line that runs argv inside the lab's mount namespace."""
+        assert self.holder is not None
+        return ["nsenter", f"--mount=/proc/{self.holder.pid}/ns/mnt", "--", *argv]
+
+    def spawn(self, name: str, argv: list[str], **kw: Any) -> subprocess.Popen[bytes]:
+        with open(self.root / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(self.nsenter(*argv), stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, **kw)
+        self.procs[name] = proc
+        return proc
+
+    def _start_journald(self) -> None:
+        journald = next((p for p in ("/lib/systemd/systemd-journald",
+                                     "/usr/lib/systemd/systemd-journald") if Path(p).exists()),
+                        None)
+        if journald is None:
+            return
+        self.spawn("journald", [journald])
+        _wait_for(lambda: (self.root / "journal").exists()
+                  and any((self.root / "journal").iterdir()), 10, "journald to start")
+
+    def _start_libvirtd(self) -> None:
+        self.spawn("libvirtd", ["libvirtd", "--config", "/etc/libvirt/libvirtd.conf"],
+                   env={**os.environ, "LIBVIRT_LOG_OUTPUTS": "3:stderr"})
+        _wait_for(self._libvirtd_alive, 30, "libvirtd to answer")
+
+    def _libvirtd_alive(self) -> bool:
+        return self.virsh("version", check=False).returncode == 0
+
+    def restart_libvirtd(self) -> None:
+        _stop(self.procs.pop("libvirtd"))
+        self._start_libvirtd()
+
+    # ---- domains ------------------------------------------------------------
+    def gpu_image(self, gpu: str) -> Path:
+        return self.root / "gpus" / f"{gpu}.img"
+
+    def write_gpu(self, gpu: str, first_line: str) -> None:
+        """What the guest's stand-in nvidia-smi will read off this GPU's disk."""
+        data = (first_line + "\n").encode().ljust(1 << 20, b"\0")
+        self.gpu_image(gpu).write_bytes(data)
+
+    def define(self, name: str, *, agent_delay: float = 0) -> None:
+        """(Re)define a lab domain: the lendee takes every lab GPU, an owner its own."""
+        gpus = OWNERS.get(name, tuple(sorted(GPUS)))
+        assert self.guest is not None, "define() needs the lab up"
+        xml = domain_xml(name, self.guest, [self.gpu_image(g) for g in gpus],
+                         console=self.root / "console" / f"{name}.log",
+                         agent_delay=agent_delay)
+        f = self.root / f"{name}.xml"
+        f.write_text(xml)
+        self.virsh("define", str(f))
+
+    def virsh(self, *args: str, check: bool = True,
+              timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(["virsh", "-c", self.uri, *args], capture_output=True, text=True,
+                              timeout=timeout)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"virsh {' '.join(args)} failed: {proc.stderr.strip()}")
+        return proc
+
+    def running(self) -> list[str]:
+        out = self.virsh("list", "--name", check=False).stdout
+        return [line for line in out.split() if line]
+
+    def state(self, name: str) -> str:
+        return self.virsh("domstate", name).stdout.strip()
+
+    def wait_state(self, name: str, state: str, timeout: float = 60) -> None:
+        _wait_for(lambda: self.state(name) == state, timeout, f"{name} to be {state}")
+
+    def agent(self, name: str, command: str, timeout: float = 10) -> Any:
+        out = self.virsh("qemu-agent-command", name, json.dumps({"execute": command}),
+                         "--timeout", str(int(timeout)), check=False)
+        if out.returncode != 0:
+            return None
+        return json.loads(out.stdout)["return"]
+
+    def wait_agent(self, name: str, timeout: float = 60) -> None:
+        _wait_for(lambda: self.agent(name, "guest-ping", timeout=2) is not None, timeout,
+                  f"{name}'s guest agent")
+
+    def guest_exec(self, name: str, path: str, *args: str, timeout: float = 20) -> GuestResult:
+        """Run a program in the guest through its agent and wait for it."""
+        cmd = {"execute": "guest-exec",
+               "arguments": {"path": path, "arg": list(args), "capture-output": True}}
+        pid = json.loads(self.virsh("qemu-agent-command", name, json.dumps(cmd)).stdout)
+        status = {"execute": "guest-exec-status", "arguments": {"pid": pid["return"]["pid"]}}
+        deadline = time.monotonic() + timeout
+        while True:
+            ret = json.loads(self.virsh("qemu-agent-command", name,
+                                        json.dumps(status)).stdout)["return"]
+            if ret["exited"]:
+                return GuestResult(ret.get("exitcode", -1),
+                                   base64.b64decode(ret.get("out-data", "")).decode(),
+                                   base64.b64decode(ret.get("err-data", "")).decode())
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path} did not exit in {name} within {timeout:g}s")
+            time.sleep(0.1)
+
+    def console(self, name: str) -> str:
+        f = self.root / "console" / f"{name}.log"
+        return f.read_text(errors="replace") if f.exists() else ""
+
+    def wait_console(self, name: str, text: str, timeout: float = 60) -> None:
+        _wait_for(lambda: text in self.console(name), timeout, f"{text!r} on {name}'s console")
+
+    # ---- journal ------------------------------------------------------------
+    def journal(self, *match: str) -> list[dict[str, Any]]:
+        out = subprocess.run(["journalctl", "-D", str(self.root / "journal"), "-o", "json",
+                              "--no-pager", *match], capture_output=True, text=True, check=False)
+        return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+@dataclass(frozen=True)
+class GuestResult:
+    exitcode: int
+    stdout: str
+    stderr: str
+
+
+def host_fingerprint() -> dict[str, object]:
+    """What the lab must never change on the machine: libvirt's and hostagent's
+    system paths, the user database and journald's configuration."""
+    seen: dict[str, object] = {}
+    for top in ("/etc/libvirt", "/run/libvirt", "/var/lib/libvirt", "/var/log/libvirt",
+                "/run/hostagent", "/var/lib/hostagent", "/etc/hostagent", "/etc/passwd",
+                "/etc/group", "/etc/systemd/journald.conf", "/run/systemd/journal"):
+        p = Path(top)
+        paths = [p, *sorted(p.rglob("*"))] if p.is_dir() else [p]
+        for f in paths:
+            try:
+                st = f.lstat()
+            except OSError:
+                seen[str(f)] = None
+                continue
+            seen[str(f)] = (st.st_mode, st.st_size, st.st_mtime_ns, st.st_ino)
+    return seen
+
+
+def domain_xml(name: str, guest: image.GuestImage, gpus: list[Path], *, console: Path,
+               agent_delay: float = 0) -> str:
+    disks = "\n".join(
+        f"""    <disk type='file' device='disk'>
+      <driver name='qemu' type='raw'/>
+      <source file='{img}'/>
+      <target dev='vd{chr(ord("b") + i)}' bus='virtio'/>
+      <serial>{img.stem}</serial>
+    </disk>""" for i, img in enumerate(gpus))
+    return f"""<domain type='qemu'>
+  <name>{name}</name>
+  <uuid>{uuid.uuid5(uuid.NAMESPACE_DNS, name + ".lab.hostagent")}</uuid>
+  <memory unit='MiB'>192</memory>
+  <vcpu>1</vcpu>
+  <os>
+    <type arch='x86_64' machine='q35'>hvm</type>
+    <kernel>{guest.kernel}</kernel>
+    <initrd>{guest.initrd}</initrd>
+    <cmdline>console=ttyS0 quiet panic=-1 hostagent.agent_delay={agent_delay:g}</cmdline>
+  </os>
+  <features><acpi/></features>
+  <on_poweroff>destroy</on_poweroff>
+  <on_reboot>destroy</on_reboot>
+  <on_crash>destroy</on_crash>
+  <devices>
+    <emulator>/usr/bin/qemu-system-x86_64</emulator>
+{disks}
+    <channel type='unix'>
+      <target type='virtio' name='org.qemu.guest_agent.0'/>
+    </channel>
+    <serial type='file'>
+      <source path='{console}' append='on'/>
+      <target port='0'/>
+    </serial>
+    <console type='file'>
+      <source path='{console}' append='on'/>
+      <target type='serial' port='0'/>
+    </console>
+    <video><model type='vga'/></video>
+    <graphics type='vnc' socket='/run/libvirt/{name}-vnc.sock'/>
+    <memballoon model='none'/>
+  </devices>
+</domain>
+"""
+
+
+def _stop(proc: subprocess.Popen[bytes], timeout: float = 10) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_for(cond: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def need_lab() -> str | None:
+    """Why the lab cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "the lab needs root (mount namespaces, libvirtd)"
+    for tool in ("libvirtd", "virsh", "qemu-system-x86_64", "unshare", "nsenter", "cpio"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (run `make setup`)"
+    return None
+
+
+if __name__ == "__main__":
+    lab = Lab(Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / ".lab" / "manual")
+    lab.up()
+    print("lab up:", lab.uri)

@@ -1,0 +1,91 @@
+"""The lab itself: real guests, the private libvirtd, and nothing leaking out of it."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.lab.lab import GPUS, Lab, host_fingerprint, need_lab
+
+pytestmark = pytest.mark.lab
+
+
+def test_lendee_boots_answers_ping_and_powers_off_through_its_agent(lab: Lab) -> None:
+    lab.virsh("start", "gpu-node")
+    lab.wait_agent("gpu-node")
+    assert lab.agent("gpu-node", "guest-ping") == {}
+    lab.virsh("shutdown", "--mode", "agent", "gpu-node")
+    lab.wait_state("gpu-node", "shut off", timeout=30)
+
+
+def test_an_owner_cannot_start_while_the_lendee_holds_its_gpu(lab: Lab) -> None:
+    lab.virsh("start", "gpu-node")
+    refused = lab.virsh("start", "gaming1", check=False)
+    assert refused.returncode != 0
+    assert "write" in refused.stderr and "lock" in refused.stderr
+    assert str(lab.gpu_image("gpu-a")) in refused.stderr
+    assert lab.state("gaming1") == "shut off"
+    # gaming2's GPU is held too; with the lendee gone both owners start together.
+    lab.virsh("destroy", "gpu-node")
+    lab.virsh("start", "gaming1")
+    lab.virsh("start", "gaming2")
+    assert sorted(lab.running()) == ["gaming1", "gaming2"]
+
+
+def test_the_stand_in_nvidia_smi_reports_the_lab_gpus_or_none(lab: Lab) -> None:
+    lab.virsh("start", "gpu-node")
+    lab.wait_agent("gpu-node")
+    out = lab.guest_exec("gpu-node", "/usr/bin/nvidia-smi", "-L")
+    assert out.exitcode == 0
+    for uuid, name in GPUS.values():
+        assert f"{name} (UUID: {uuid})" in out.stdout
+    lab.virsh("destroy", "gpu-node")
+    # A GPU whose driver finds nothing: the disk is there, the device is not.
+    for gpu in GPUS:
+        lab.write_gpu(gpu, "no driver")
+    lab.virsh("start", "gpu-node")
+    lab.wait_agent("gpu-node")
+    out = lab.guest_exec("gpu-node", "/usr/bin/nvidia-smi", "-L")
+    assert (out.exitcode, out.stdout.strip()) == (6, "No devices were found")
+
+
+def test_agent_delay_on_the_kernel_command_line_keeps_the_agent_down(lab: Lab) -> None:
+    lab.define("gpu-node", agent_delay=30)
+    lab.virsh("start", "gpu-node")
+    lab.wait_console("gpu-node", "agent delay 30s")
+    assert lab.agent("gpu-node", "guest-ping", timeout=2) is None
+
+
+def test_the_machines_own_libvirt_journal_and_etc_are_untouched(lab_session: Lab) -> None:
+    lab_session.virsh("start", "gaming1")
+    lab_session.virsh("destroy", "gaming1")
+    assert host_fingerprint() == lab_session.host_before
+    assert str(lab_session.root) not in Path("/proc/self/mounts").read_text()
+    # ...while the lab's daemon has its own configuration and domains.
+    assert (lab_session.root / "etc-libvirt" / "qemu" / "gpu-node.xml").exists()
+
+
+def test_teardown_leaves_no_process_or_mount_behind() -> None:
+    reason = need_lab()
+    if reason:
+        pytest.skip(reason)
+    lab = Lab(Path(tempfile.mkdtemp(prefix="hostagent-lab-")))
+    try:
+        lab.up()
+        lab.virsh("start", "gaming1")
+        assert lab.pids_using_lab()
+        ns = os.readlink(f"/proc/{lab.holder.pid}/ns/mnt") if lab.holder else None
+    finally:
+        lab.down()
+    assert lab.pids_using_lab() == []
+    assert str(lab.root) not in Path("/proc/self/mounts").read_text()
+    # No process is left in the lab's mount namespace.
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                assert os.readlink(p / "ns/mnt") != ns
+            except OSError:
+                pass
