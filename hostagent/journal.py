@@ -275,7 +275,7 @@ class LogHandler(logging.Handler):
                 code=(record.pathname, record.lineno, record.funcName),
             )
             (self._sink or current_sink()).write(entry)
-        except Exception:  # noqa: BLE001 - logging's contract: report, never raise
+        except Exception:  # logging's contract: report, never raise
             self.handleError(record)
 
 
