@@ -1,0 +1,174 @@
+"""How much time the qemu hook adds to each libvirt operation.
+
+libvirtd runs the hook synchronously for every domain operation, so its cost is the
+interpreter's start plus whatever the hook does. This runs the real hooks/qemu, as
+libvirtd does, against an agent that answers, an absent agent (the event is spooled)
+and a hung agent (the budget runs out, then the event is spooled), and compares each
+with a bare `python -I -S -c pass`.
+
+    python bench/hook.py [--runs 300] [--python /usr/bin/python3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+HOOK = Path(__file__).resolve().parents[1] / "hooks" / "qemu"
+# A domain XML about the size of a real gaming VM's (passthrough, disks, NICs).
+XML = (
+    "<domain type='kvm'><name>gaming1</name><uuid>6f1c2b8e-0000-4000-8000-000000000001</uuid>"
+    + "".join(
+        f"<hostdev mode='subsystem' type='pci' managed='yes'><source>"
+        f"<address domain='0x0000' bus='0x{i:02x}' slot='0x00' function='0x0'/></source></hostdev>"
+        for i in range(8)
+    )
+    + "<devices>"
+    + "<disk type='file' device='disk'><source file='/var/lib/x.qcow2'/></disk>" * 20
+    + "</devices></domain>\n"
+)
+
+
+def shebang_interpreter(hook: Path) -> list[str]:
+    first = hook.read_text().splitlines()[0]
+    if not first.startswith("#!"):
+        raise SystemExit(f"{hook} has no shebang line")
+    return shlex.split(first[2:])
+
+
+def serve(path: Path, answer: bool) -> Callable[[], None]:
+    """A stand-in agent on `path`: answers "proceed", or accepts and never answers."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(64)
+    held: list[socket.socket] = []
+
+    def loop() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return  # closed: the benchmark is over
+            if not answer:
+                held.append(conn)
+                continue
+            with conn:
+                data = b""
+                while not data.endswith(b"\n"):
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                event_id = json.loads(data)["id"]
+                reply = {"v": 1, "id": event_id, "verdict": "proceed", "message": ""}
+                conn.sendall(json.dumps(reply).encode() + b"\n")
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        thread.join(5)
+        for conn in held:
+            conn.close()
+
+    return stop
+
+
+@contextmanager
+def place() -> Iterator[Path]:
+    # Short, so that the socket path fits in sun_path.
+    with tempfile.TemporaryDirectory(prefix="hookbench-") as d:
+        yield Path(d)
+
+
+def timed(cmd: list[str], env: dict[str, str]) -> float:
+    start = time.perf_counter()
+    done = subprocess.run(cmd, input=XML.encode(), capture_output=True, env=env, check=False)
+    elapsed = time.perf_counter() - start
+    if done.returncode != 0 or done.stdout:
+        raise SystemExit(f"{shlex.join(cmd)}: exit {done.returncode}, stdout {done.stdout!r}")
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=300, help="runs per case (default 300)")
+    parser.add_argument("--python", help="interpreter (default: the hook's shebang line)")
+    parser.add_argument("--hook", type=Path, default=HOOK, help="the hook script")
+    opts = parser.parse_args()
+    interpreter = [opts.python, "-I", "-S"] if opts.python else shebang_interpreter(opts.hook)
+    hook = [*interpreter, str(opts.hook), "gaming1", "prepare", "begin", "-"]
+    bare = [*interpreter, "-c", "pass"]
+
+    with place() as up_dir, place() as absent_dir, place() as hung_dir:
+        stop_up = serve(up_dir / "hook.sock", answer=True)
+        stop_hung = serve(hung_dir / "hook.sock", answer=False)
+        base_env = {"PATH": "/usr/bin:/bin"}
+        cases: dict[str, tuple[list[str], dict[str, str]]] = {
+            "bare interpreter": (bare, base_env),
+        }
+        for name, d in [
+            ("agent up", up_dir),
+            ("agent absent", absent_dir),
+            ("agent hung", hung_dir),
+        ]:
+            env = {**base_env, "HOSTAGENT_SOCKET": str(d / "hook.sock")}
+            env["HOSTAGENT_SPOOL"] = str(d / "spool")
+            cases[name] = (hook, env)
+        times: dict[str, list[float]] = {name: [] for name in cases}
+        try:
+            for cmd, env in cases.values():  # warm the page cache first
+                timed(cmd, env)
+            # Interleaved, so that a change in machine load hits every case alike.
+            for i in range(opts.runs):
+                for name, (cmd, env) in cases.items():
+                    times[name].append(timed(cmd, env))
+                if (i + 1) % 50 == 0:
+                    print(f"{i + 1}/{opts.runs} runs", file=sys.stderr)
+        finally:
+            stop_up()
+            stop_hung()
+        spooled = {
+            name: len(list((d / "spool").glob("*.json"))) if (d / "spool").is_dir() else 0
+            for name, d in [
+                ("agent up", up_dir),
+                ("agent absent", absent_dir),
+                ("agent hung", hung_dir),
+            ]
+        }
+
+    print(f"hook: {shlex.join(hook[:-4])}, {opts.runs} runs per case, {os.cpu_count()} CPUs")
+    print(f"spooled: {spooled}")
+    rows = {name: summary(ms) for name, ms in times.items()}
+    base = rows["bare interpreter"]
+    head = ["p50 ms", "p99 ms", "max ms", "p50 ×", "p99 ×", "Δp99 ms"]
+    print(f"{'case':18}" + "".join(f"{h:>9}" for h in head))
+    for name, (p50, p99, top) in rows.items():
+        print(
+            f"{name:18}{p50:9.1f}{p99:9.1f}{top:9.1f}{p50 / base[0]:9.2f}{p99 / base[1]:9.2f}"
+            f"{p99 - base[1]:+9.1f}"
+        )
+
+
+def summary(seconds: list[float]) -> tuple[float, float, float]:
+    ms = [s * 1000 for s in seconds]
+    p99 = statistics.quantiles(ms, n=100, method="inclusive")[98] if len(ms) > 1 else ms[0]
+    return statistics.median(ms), p99, max(ms)
+
+
+if __name__ == "__main__":
+    main()
