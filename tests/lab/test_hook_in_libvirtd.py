@@ -1,0 +1,137 @@
+"""The real hook, executed by the lab's libvirtd, talking to the real inbox."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from hostagent.inbox import HookEvent, Inbox, Verdict, replay_spool, serve_hooks
+from tests.lab.lab import Lab
+
+pytestmark = pytest.mark.lab
+log = logging.getLogger("test.inbox")
+
+
+class Recorder:
+    def __init__(self, defer: set[tuple[str, str, str]] = frozenset()) -> None:
+        self.events: list[HookEvent] = []
+        self.defer = defer
+
+    async def __call__(self, event: HookEvent) -> Verdict:
+        self.events.append(event)
+        if (event.domain, event.op, event.sub) in self.defer or ("*", event.op, event.sub) \
+                in self.defer:
+            return Verdict("defer", f"{event.domain} waits: its GPU is being reclaimed.")
+        return Verdict("proceed")
+
+    def ops(self, domain: str) -> list[str]:
+        return [f"{e.op} {e.sub}" for e in self.events if e.domain == domain]
+
+
+async def virsh(lab: Lab, *args: str, check: bool = True) -> tuple[int, str]:
+    # Off the event loop: libvirtd waits for the hook, which waits for our inbox.
+    proc = await asyncio.to_thread(lab.virsh, *args, check=check)
+    return proc.returncode, proc.stderr
+
+
+@pytest.fixture
+async def served(lab: Lab) -> AsyncIterator[tuple[Lab, Recorder]]:
+    rec = Recorder()
+    server = await serve_hooks(lab.hook_socket, rec, log=log)
+    yield lab, rec
+    server.close()
+    await server.wait_closed()
+    lab.hook_socket.unlink(missing_ok=True)
+
+
+async def test_libvirtd_runs_the_hook_for_each_step_in_order(
+        served: tuple[Lab, Recorder]) -> None:
+    lab, rec = served
+    await virsh(lab, "start", "gaming1")
+    await asyncio.to_thread(lab.wait_agent, "gaming1")
+    await virsh(lab, "shutdown", "--mode", "agent", "gaming1")
+    await asyncio.to_thread(lab.wait_state, "gaming1", "shut off")
+    for _ in range(50):  # release end runs just after the state change
+        if "release end" in rec.ops("gaming1"):
+            break
+        await asyncio.sleep(0.1)
+    assert rec.ops("gaming1") == ["prepare begin", "start begin", "started begin",
+                                  "stopped end", "release end"]
+    for e in rec.events:
+        assert "<name>gaming1</name>" in e.xml
+        assert e.extra == "-"
+    assert not any(lab.spool.glob("*.json"))
+
+
+async def test_a_deferred_prepare_stops_the_start_and_tells_the_user_why(lab: Lab) -> None:
+    rec = Recorder(defer={("gaming1", "prepare", "begin")})
+    server = await serve_hooks(lab.hook_socket, rec, log=log)
+    try:
+        code, stderr = await virsh(lab, "start", "gaming1", check=False)
+    finally:
+        server.close()
+    assert code != 0
+    assert "gaming1 waits: its GPU is being reclaimed." in stderr
+    assert lab.state("gaming1") == "shut off"
+    assert rec.ops("gaming1")[0] == "prepare begin"
+
+
+async def test_agent_absent_the_events_are_spooled_then_replayed_once(lab: Lab) -> None:
+    lab.hook_socket.unlink(missing_ok=True)
+    await virsh(lab, "start", "gaming1")  # fail-open: the start is not blocked
+    await virsh(lab, "destroy", "gaming1")
+    spooled = sorted(lab.spool.glob("*.json"))
+    assert len(spooled) == 5
+    rec = Recorder()
+    inbox = Inbox(rec)
+    assert await replay_spool(lab.spool, inbox, log=log) == 5
+    assert rec.ops("gaming1") == ["prepare begin", "start begin", "started begin",
+                                  "stopped end", "release end"]
+    assert not any(lab.spool.glob("*.json"))
+    assert await replay_spool(lab.spool, inbox, log=log) == 0
+    assert len(rec.events) == 5
+
+
+async def test_agent_hung_the_start_goes_on_and_the_events_are_spooled(lab: Lab) -> None:
+    hung: list[asyncio.StreamWriter] = []
+
+    async def never_answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        hung.append(w)
+
+    server = await asyncio.start_unix_server(never_answer, path=str(lab.hook_socket))
+    try:
+        await virsh(lab, "start", "gaming1")
+    finally:
+        server.close()
+        for w in hung:
+            w.close()
+        lab.hook_socket.unlink(missing_ok=True)
+    assert lab.state("gaming1") == "running"
+    ops = sorted(p.read_text() for p in lab.spool.glob("*.json"))
+    assert len(ops) == 3  # prepare, start, started
+
+
+async def test_reconnect_begin_never_fails_even_when_everything_is_deferred(lab: Lab) -> None:
+    await virsh(lab, "start", "gaming1")
+    rec = Recorder(defer={("*", "reconnect", "begin"), ("*", "prepare", "begin")})
+    server = await serve_hooks(lab.hook_socket, rec, log=log)
+    try:
+        await asyncio.to_thread(lab.restart_libvirtd)
+        for _ in range(50):
+            if "reconnect begin" in rec.ops("gaming1"):
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        server.close()
+    assert "reconnect begin" in rec.ops("gaming1")
+    # libvirt would have killed QEMU had the hook failed.
+    assert lab.state("gaming1") == "running"
+
+
+def test_hook_is_the_repositorys_file(lab: Lab) -> None:
+    hook = lab.root / "etc-libvirt" / "hooks" / "qemu"
+    assert hook.resolve() == (Path(__file__).parents[2] / "hooks" / "qemu").resolve()
