@@ -483,7 +483,8 @@ class Config:
     )
     timeouts: Timeouts = field(default_factory=Timeouts, metadata=_key(_section(Timeouts)))
     policy: Policy = field(default_factory=Policy, metadata=_key(_section(Policy)))
-    kubernetes: Kubernetes = field(default_factory=Kubernetes, metadata=_key(_section(Kubernetes)))
+    # None: no [kubernetes] section, the agent moves GPUs between VMs only.
+    kubernetes: Kubernetes | None = field(default=None, metadata=_key(_section(Kubernetes)))
     libvirt_uri: str = field(default="qemu:///system", metadata=_key(_text))
     hook_socket: Path = field(
         default=Path("/run/hostagent/hook.sock"), metadata=_key(_absolute_path)

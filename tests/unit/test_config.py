@@ -76,11 +76,15 @@ def test_minimal_gets_defaults() -> None:
     assert cfg.policy.relend_delay == 30.0
     assert cfg.policy.force_off_after is None
     assert cfg.policy.on_drain_timeout is DrainTimeoutAction.PROCEED
-    assert cfg.kubernetes.kubeconfig is None
-    assert cfg.kubernetes.annotation_prefix == "hostagent.io/"
-    assert cfg.kubernetes.gpu_resource == "nvidia.com/gpu"
-    assert cfg.kubernetes.drain_emptydir is True
-    assert cfg.kubernetes.drain_unmanaged is False
+    # No [kubernetes] section: VM-only.
+    assert cfg.kubernetes is None
+    kube = parse(MINIMAL + "[kubernetes]\n").kubernetes
+    assert kube is not None
+    assert kube.kubeconfig is None
+    assert kube.annotation_prefix == "hostagent.io/"
+    assert kube.gpu_resource == "nvidia.com/gpu"
+    assert kube.drain_emptydir is True
+    assert kube.drain_unmanaged is False
 
 
 def test_every_key_set() -> None:
