@@ -16,7 +16,9 @@ APT_PACKAGES := libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients \
 .PHONY: setup demo test check unit lab faults bench clean
 .DEFAULT_GOAL := test
 
+# The lab guest image is cached in .lab/image/ and rebuilt only when its inputs change.
 setup: $(STAMPS)/venv
+	$(VENV)/bin/python -m tests.lab.image
 
 $(STAMPS)/apt: Makefile
 	@mkdir -p $(STAMPS)

@@ -64,6 +64,7 @@ def build(cache: Path) -> GuestImage:
     image = GuestImage(out / "vmlinuz", out / "initrd.img")
     if image.kernel.exists() and image.initrd.exists():
         return image
+    cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         work = Path(tmp)
         debs = work / "debs"
