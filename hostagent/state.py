@@ -38,6 +38,8 @@ from typing import Any
 
 import tomli_w
 
+from hostagent.model import IntentSource
+
 __all__ = [
     "STATE_VERSION",
     "Intent",
@@ -49,13 +51,6 @@ __all__ = [
 ]
 
 STATE_VERSION = 1
-
-
-class IntentSource(enum.StrEnum):
-    """Where an owner's start request came from."""
-
-    HOOK = "hook"  # `virsh start` (or anything through libvirt), deferred by the hook
-    CONTROL = "control"  # the control socket: CLI, SSH, home automation
 
 
 class IntentStatus(enum.StrEnum):

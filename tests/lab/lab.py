@@ -41,7 +41,6 @@ BINDS = {
     "/var/lib/libvirt": "var-lib-libvirt",
     "/var/lib/hostagent": "var-lib-hostagent",
     "/var/log/libvirt": "log-libvirt",
-    "/etc/hostagent": "etc-hostagent",
 }
 TMPFS = ("/run", "/var/lib", "/var/log", "/var/cache")
 
@@ -84,6 +83,39 @@ GPUS = {
 }
 LENDEE = "gpu-node"
 OWNERS = {"gaming1": ("gpu-a",), "gaming2": ("gpu-b",)}
+
+# The agent's configuration in the lab. Lab GPUs are disks, so their PCI addresses
+# are made up; everything else is what a user writes.
+AGENT_CONFIG = """\
+[lendee]
+domain = "gpu-node"
+gpus = ["gpu-a", "gpu-b"]
+
+[gpus.gpu-a]
+pci = "0000:0a:00.0"
+functions = ["0000:0a:00.1"]
+uuid = "GPU-a0a0a0a0-0000-4000-8000-00000000000a"
+name = "Lab RTX 3050 A"
+
+[gpus.gpu-b]
+pci = "0000:0b:00.0"
+uuid = "GPU-b0b0b0b0-0000-4000-8000-00000000000b"
+name = "Lab RTX 3050 B"
+
+[owners.gaming1]
+gpus = ["gpu-a"]
+
+[owners.gaming2]
+gpus = ["gpu-b"]
+
+[timeouts]
+guest_agent = "60s"
+shutdown = "30s"
+start = "60s"
+
+[policy]
+relend_delay = "{relend_delay}"
+"""
 
 
 @dataclass
@@ -163,15 +195,21 @@ class Lab:
             self.holder = None
 
     def reset(self) -> None:
-        """Every VM off, lab GPUs as new, nothing spooled: the state each test starts from."""
+        """No agent, every VM off, lab GPUs as new, no agent state or spool: the state
+        each test starts from."""
+        if "agent" in self.procs:
+            _stop(self.procs.pop("agent"))
         for dom in self.running():
             self.virsh("destroy", dom, check=False)
         for gpu, (gpu_uuid, name) in GPUS.items():
             self.write_gpu(gpu, f"LABGPU {gpu_uuid} {name}")
         for dom in (LENDEE, *OWNERS):
             self.define(dom)
-        if self.spool.exists():
-            shutil.rmtree(self.spool)
+        # Emptied, not replaced: the namespace's bind mount holds the directory itself.
+        for d in (self.root / "var-lib-hostagent", self.root / "agent"):
+            d.mkdir(exist_ok=True)
+            for f in d.iterdir():
+                shutil.rmtree(f) if f.is_dir() else f.unlink()
 
     def pids_using_lab(self) -> list[int]:
         found = []
@@ -192,7 +230,12 @@ class Lab:
         for t in TMPFS:
             script.append(f"mount -t tmpfs -o mode=0755 lab-tmpfs {t}")
         for inside, name in BINDS.items():
-            script.append(f"mkdir -p {inside} && mount --bind {self.root / name} {inside}")
+            # Mount points are made only inside the tmpfs: never a new directory on the host.
+            if any(inside.startswith(t + "/") for t in TMPFS):
+                script.append(f"mkdir -p {inside}")
+            else:
+                script.append(f"test -d {inside} || {{ echo 'missing {inside}'; exit 1; }}")
+            script.append(f"mount --bind {self.root / name} {inside}")
         script.append(f"mkdir -p /var/cache/libvirt && mount --bind {self.cache / 'libvirt-cache'} "
                       "/var/cache/libvirt")
         script.append(f"mount --bind {self.root / 'journald.conf'} /etc/systemd/journald.conf"
@@ -250,6 +293,50 @@ class Lab:
     def restart_libvirtd(self) -> None:
         _stop(self.procs.pop("libvirtd"))
         self._start_libvirtd()
+
+    # ---- the agent ----------------------------------------------------------
+    @property
+    def config(self) -> Path:
+        # Under the lab root, which the namespace shares: /etc stays the machine's.
+        return self.root / "agent" / "config.toml"
+
+    def write_config(self, text: str | None = None, *, relend_delay: str = "2s") -> Path:
+        f = self.config
+        f.write_text(text if text is not None else AGENT_CONFIG.format(relend_delay=relend_delay))
+        return f
+
+    def start_agent(self, *args: str) -> subprocess.Popen[bytes]:
+        """`hostagent run` inside the lab, as systemd would start it."""
+        if not self.config.exists():
+            self.write_config()
+        proc = self.spawn("agent", [str(REPO / ".venv" / "bin" / "hostagent"),
+                                    "--config", str(self.config), *args, "run"],
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        _wait_for(lambda: proc.poll() is not None or self.agent_ready(), 30, "the agent")
+        return proc
+
+    def agent_ready(self) -> bool:
+        return any(e.get("HOSTAGENT_RESULT") == "ready" and
+                   int(e.get("_PID", 0)) == self.procs["agent"].pid for e in self.journal())
+
+    def stop_agent(self, sig: int = signal.SIGTERM) -> int:
+        proc = self.procs.pop("agent")
+        proc.send_signal(sig)
+        return proc.wait(30)
+
+    def hostagent(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """The CLI, run inside the lab (its control socket is the lab's)."""
+        return subprocess.run(self.nsenter(str(REPO / ".venv" / "bin" / "hostagent"),
+                                           "--config", str(self.config), *args),
+                              capture_output=True, text=True, timeout=60, check=False)
+
+    def records(self, **match: str) -> list[dict[str, Any]]:
+        """hostagent's journal records, optionally filtered on HOSTAGENT_* fields."""
+        out = []
+        for e in self.journal("SYSLOG_IDENTIFIER=hostagent"):
+            if all(e.get(f"HOSTAGENT_{k.upper()}") == v for k, v in match.items()):
+                out.append(e)
+        return out
 
     # ---- domains ------------------------------------------------------------
     def gpu_image(self, gpu: str) -> Path:

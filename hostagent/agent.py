@@ -1,0 +1,509 @@
+"""The service: wires libvirt, the hook and control sockets and the cluster to the machine.
+
+Everything that happens becomes an `Event` applied by `Agent.apply`, on the event loop
+thread, one at a time: the pure `machine.step` decides, the agent persists what must
+survive a crash, writes one journal record per transition, and runs the actions as
+tasks. Each task reports back with another event. The loop itself never blocks:
+libvirt calls run in worker threads (see `libvirt_host`), so the hook socket is
+answered while libvirtd is busy starting the VM whose hook is asking.
+
+Level-triggered: at start and after every libvirt reconnect the agent reads which
+VMs run and hands that to the machine (`Observed`); events only wake it up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from hostagent import journal, machine, state as persisted
+from hostagent.config import Config
+from hostagent.control import Reply, serve_control
+from hostagent.inbox import HookEvent, Inbox, Verdict, replay_spool, serve_hooks
+from hostagent.libvirt_host import DomainNotFound, HostError, Libvirt, Lifecycle
+from hostagent.model import (
+    Action,
+    AgentTimeout,
+    AgentUp,
+    CancelRelend,
+    CompleteIntent,
+    Drain,
+    Drained,
+    DrainFailed,
+    Event,
+    FailIntent,
+    ForceOff,
+    Hold,
+    Intent,
+    IntentSource,
+    KubeReturn,
+    LendeeStarted,
+    LendeeStopped,
+    Observed,
+    OwnerStarted,
+    OwnerStopped,
+    OwnerWants,
+    Phase,
+    Policy,
+    RelendDue,
+    Resume,
+    ReturnDone,
+    ReturnFailed,
+    ScheduleRelend,
+    ShutdownLendee,
+    ShutdownTimeout,
+    StartFailed,
+    StartLendee,
+    StartOwner,
+    State,
+    Topology,
+    WaitAgent,
+)
+
+log = logging.getLogger("hostagent")
+
+
+class StartupError(Exception):
+    """The agent cannot start; the message says what is wrong and how to fix it."""
+
+
+class Cluster(Protocol):
+    """The Kubernetes steps of a cycle. Without a [kubernetes] section: `NoCluster`."""
+
+    async def reclaim(self, owners: list[str]) -> str | None:
+        """Cordon and drain; None when done, or why the reclaim must be aborted."""
+
+    async def give_back(self, gpus: int) -> str | None:
+        """Wait Ready and GPUs, uncordon; None when done, or why the node stays cordoned."""
+
+
+class NoCluster:
+    async def reclaim(self, owners: list[str]) -> str | None:
+        return None
+
+    async def give_back(self, gpus: int) -> str | None:
+        return None
+
+
+def topology(cfg: Config) -> Topology:
+    return Topology(lendee=cfg.lendee.domain, lendee_gpus=frozenset(cfg.lendee.gpus),
+                    owners={d: frozenset(o.gpus) for d, o in cfg.owners.items()})
+
+
+def _now() -> float:
+    # Wall time: intents are persisted with it and must age correctly across restarts.
+    return time.time()
+
+
+class Agent:
+    def __init__(self, cfg: Config, *, cluster: Cluster | None = None) -> None:
+        self.cfg = cfg
+        self.topo = topology(cfg)
+        self.policy = Policy(relend_delay=cfg.policy.relend_delay,
+                             force_off=cfg.policy.force_off_after is not None)
+        self.cluster: Cluster = cluster or NoCluster()
+        self.lendee = cfg.lendee.domain
+        self.state = State()
+        self.phase_since = _now()
+        self.cordoned_by_us = False
+        self.started_at = _now()
+        self.libvirt = Libvirt(cfg.libvirt_uri, on_lifecycle=self._lifecycle,
+                               on_reconnect=self._reconnected)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._relend: asyncio.TimerHandle | None = None
+        self._stopped: dict[str, asyncio.Event] = {}
+        # Control clients waiting on an intent: intent id → future of (ok, message).
+        self._waiters: dict[str, asyncio.Future[tuple[bool, str]]] = {}
+        self._fatal: asyncio.Future[BaseException] | None = None
+
+    # ---- the one place where state changes -----------------------------------------
+    def apply(self, event: Event) -> bool:
+        """Step the machine; persist, journal and act. False if the event was stale."""
+        try:
+            new, actions = machine.step(self.state, event, topo=self.topo, policy=self.policy)
+        except machine.IllegalTransition as e:
+            log.debug("ignored: %s", e)
+            return False
+        old, self.state = self.state, new
+        for intent in new.intents:
+            if intent not in old.intents:
+                self._record_intent(intent)
+        if old.phase is not new.phase:
+            self._record_phase(old, new, event)
+        if old.intents != new.intents or old.phase is not new.phase:
+            self._save()
+        for action in actions:
+            self._execute(action)
+        if old.phase is not new.phase or old.intents != new.intents:
+            journal.notify(self._status_line())
+        return True
+
+    # ---- start-up --------------------------------------------------------------------
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._fatal = loop.create_future()
+        self._load()
+        await self.libvirt.connect()
+        await self._check_domains()
+        inbox = Inbox(self._on_hook)
+        hooks = await serve_hooks(self.cfg.hook_socket, inbox, log=log)
+        control = await serve_control(self.cfg.control_socket, self._verbs(), log=log)
+        try:
+            await self._observe()
+            replayed = await replay_spool(self.cfg.spool_dir, inbox, log=log)
+            if replayed:
+                log.info("replayed %d hook event(s) spooled while the agent was down", replayed)
+            journal.record("agent", f"hostagent is running: {self._status_line()}",
+                           result="ready")
+            journal.notify(self._status_line(), ready=True)
+            watchdog = journal.watchdog_interval()
+            if watchdog:
+                self._spawn(self._watchdog(watchdog / 2))
+            raise await self._fatal
+        finally:
+            hooks.close()
+            control.close()
+            for task in list(self._tasks):
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self.libvirt.close()
+
+    def stop(self) -> None:
+        if self._fatal is not None and not self._fatal.done():
+            self._fatal.set_exception(asyncio.CancelledError())
+
+    def _load(self) -> None:
+        saved, warning = persisted.load_state(self.cfg.state_file)
+        if warning:
+            journal.record("state", warning, result="rebuilt", priority=journal.Priority.ERR)
+        self.cordoned_by_us = saved.cordoned_by_us
+        intents = tuple(Intent(id=i.id, owner=i.owner, created_at=i.created.timestamp(),
+                               source=i.source) for i in saved.intents)
+        self.state = State(intents=intents)
+
+    def _save(self) -> None:
+        persisted.save_state(self.cfg.state_file, persisted.State(
+            intents=tuple(persisted.Intent(
+                id=i.id, owner=i.owner, source=i.source,
+                created=datetime.fromtimestamp(i.created_at, UTC))
+                for i in self.state.intents),
+            cordoned_by_us=self.cordoned_by_us,
+            lendee_phase=self.state.phase.value,
+            lendee_phase_since=datetime.fromtimestamp(self.phase_since, UTC)))
+
+    async def _check_domains(self) -> None:
+        defined = await self.libvirt.defined_domains()
+        wanted = {"lendee.domain": self.lendee,
+                  **{f"owners.{d}": d for d in self.cfg.owners}}
+        for key, dom in wanted.items():
+            if dom not in defined:
+                raise StartupError(
+                    f"{self.cfg.source}: {key}: libvirt at {self.cfg.libvirt_uri} has no domain "
+                    f"{dom!r} (it has: {', '.join(sorted(defined)) or 'none'}); fix the name, "
+                    f"or define the VM first (virsh define)")
+
+    async def _observe(self) -> None:
+        running = await self.libvirt.running_domains()
+        self.apply(Observed(at=_now(), lendee_running=self.lendee in running,
+                            owners_running=frozenset(running & set(self.topo.owners))))
+
+    def _reconnected(self) -> None:
+        self._spawn(self._observe())
+
+    # ---- inputs ----------------------------------------------------------------------
+    async def _on_hook(self, event: HookEvent) -> Verdict:
+        if event.time < self.started_at:
+            # Spooled while the agent was down: libvirt went ahead (fail-open) and the
+            # fresh read of reality at start already accounts for it.
+            log.info("while the agent was down: %s %s %s", event.domain, event.op, event.sub)
+            return Verdict("proceed")
+        if (event.op, event.sub) == ("prepare", "begin"):
+            decision, message = machine.verdict(self.state, event.domain, topo=self.topo)
+            if decision == "defer" and self.topo.is_owner(event.domain):
+                # Persisted (inside apply) before the hook hears "defer": invariant 4.
+                self.apply(OwnerWants(at=_now(), owner=event.domain, intent_id=event.id,
+                                      source=IntentSource.HOOK))
+            if decision == "defer":
+                journal.record("defer", f"deferred the start of {event.domain}: {message}",
+                               vm=event.domain, result="deferred")
+            return Verdict(decision, message)
+        if (event.op, event.sub) == ("release", "end"):
+            # The owner's devices are released: the surest sign it stopped.
+            self._lifecycle(event.domain, Lifecycle.STOPPED)
+        return Verdict("proceed")
+
+    def _lifecycle(self, domain: str, kind: Lifecycle) -> None:
+        now = _now()
+        if kind is Lifecycle.STOPPED:
+            self._stopped.setdefault(domain, asyncio.Event()).set()
+        if domain == self.lendee:
+            running = self.state.phase is not Phase.OFF
+            if kind is Lifecycle.STARTED and not running:
+                self.apply(LendeeStarted(at=now))
+            elif kind is Lifecycle.STOPPED and running:
+                self.apply(LendeeStopped(at=now))
+        elif self.topo.is_owner(domain):
+            running = domain in self.state.running_owners
+            if kind is Lifecycle.STARTED and not running:
+                if self.apply(OwnerStarted(at=now, owner=domain)):
+                    journal.record("owner", f"{domain} is running: it holds "
+                                   f"{self._gpu_names(self.topo.owners[domain])}",
+                                   vm=domain, from_="off", to="running", result="ok")
+            elif kind is Lifecycle.STOPPED and running:
+                if self.apply(OwnerStopped(at=now, owner=domain)):
+                    then = (f"lending them back in {self.policy.relend_delay:g}s"
+                            if self.state.relend_at else "they stay free")
+                    journal.record("owner", f"{domain} stopped: "
+                                   f"{self._gpu_names(self.topo.owners[domain])} free; {then}",
+                                   vm=domain, from_="running", to="off", result="ok")
+
+    # ---- actions ---------------------------------------------------------------------
+    def _execute(self, action: Action) -> None:
+        match action:
+            case Drain(ticket=t):
+                self._spawn(self._drain(t))
+            case WaitAgent(ticket=t):
+                self._spawn(self._wait_agent(t))
+            case ShutdownLendee(ticket=t):
+                self._spawn(self._shutdown(t))
+            case ForceOff():
+                self._spawn(self._force_off())
+            case StartOwner(owner=owner):
+                self._spawn(self._start(owner))
+            case StartLendee():
+                self._spawn(self._start(self.lendee))
+            case KubeReturn(ticket=t):
+                self._spawn(self._give_back(t))
+            case ScheduleRelend(at=at):
+                self._cancel_relend()
+                self._relend = asyncio.get_running_loop().call_later(
+                    max(0.0, at - _now()), lambda: self.apply(RelendDue(at=_now())))
+            case CancelRelend():
+                self._cancel_relend()
+            case CompleteIntent(intent_id=iid, owner=owner):
+                journal.record("intent", f"{owner} is running, as asked", vm=owner,
+                               to="done", result="ok", intent=iid)
+                self._answer(iid, True, f"{owner} is running")
+            case FailIntent(intent_id=iid, owner=owner, reason=reason):
+                journal.record("intent", f"could not start {owner}: {reason}", vm=owner,
+                               to="failed", result="failed", intent=iid,
+                               priority=journal.Priority.ERR)
+                self._answer(iid, False, reason)
+            case _:
+                raise AssertionError(f"unhandled action {action}")
+
+    def _cancel_relend(self) -> None:
+        if self._relend is not None:
+            self._relend.cancel()
+            self._relend = None
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(self._guard(coro))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _guard(self, coro: Awaitable[None]) -> None:
+        # A bug in one action must not wedge the agent silently: end the process and let
+        # systemd restart it; the restart resumes from libvirt and the state file.
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            log.exception("an action failed unexpectedly; stopping so that systemd restarts us")
+            if self._fatal is not None and not self._fatal.done():
+                self._fatal.set_exception(e)
+
+    def _current(self, ticket: int) -> bool:
+        return self.state.ticket == ticket
+
+    async def _drain(self, ticket: int) -> None:
+        problem = await self.cluster.reclaim(list(self.state.waiting_owners))
+        if problem is None:
+            self.apply(Drained(at=_now(), ticket=ticket))
+        else:
+            self.apply(DrainFailed(at=_now(), ticket=ticket, reason=problem))
+
+    async def _wait_agent(self, ticket: int) -> None:
+        """guest-ping until it answers, bounded: the agent needs 30-60 s in a fresh VM."""
+        deadline = time.monotonic() + self.cfg.timeouts.guest_agent
+        delay = 0.5
+        while self._current(ticket):
+            try:
+                if await self.libvirt.ping_agent(self.lendee, timeout=3):
+                    self.apply(AgentUp(at=_now(), ticket=ticket))
+                    return
+            except DomainNotFound:
+                pass
+            if time.monotonic() >= deadline:
+                self.apply(AgentTimeout(at=_now(), ticket=ticket))
+                return
+            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 1.5, 3.0)
+
+    async def _shutdown(self, ticket: int) -> None:
+        stopped = self._stopped.setdefault(self.lendee, asyncio.Event())
+        stopped.clear()
+        for attempt in range(3):
+            try:
+                await self.libvirt.shutdown_via_agent(self.lendee)
+                break
+            except HostError as e:
+                if not await self.libvirt.is_running(self.lendee):
+                    break
+                log.warning("guest-agent shutdown of %s failed (%s); retrying", self.lendee, e)
+                await asyncio.sleep(1 + attempt + random.random())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopped.wait(), self.cfg.timeouts.shutdown)
+        if await self.libvirt.is_running(self.lendee):
+            self.apply(ShutdownTimeout(at=_now(), ticket=ticket))
+        elif self.state.phase is not Phase.OFF:
+            self.apply(LendeeStopped(at=_now()))  # the event was lost; reality says off
+
+    async def _force_off(self) -> None:
+        grace = self.cfg.policy.force_off_after or 0.0
+        journal.record("force-off", f"{self.lendee} did not shut down: forcing it off in "
+                       f"{grace:g}s as policy.force_off_after allows", vm=self.lendee,
+                       result="forced", priority=journal.Priority.WARNING)
+        await asyncio.sleep(grace)
+        with contextlib.suppress(HostError):
+            await self.libvirt.destroy(self.lendee)
+
+    async def _start(self, vm: str) -> None:
+        try:
+            await asyncio.wait_for(self.libvirt.start(vm), self.cfg.timeouts.start)
+        except (HostError, TimeoutError) as e:
+            reason = str(e) or f"no answer within {self.cfg.timeouts.start:g}s"
+            self.apply(StartFailed(at=_now(), vm=vm, reason=reason))
+            return
+        # The lifecycle event normally got here first; if it was lost, reality decides.
+        self._lifecycle(vm, Lifecycle.STARTED)
+
+    async def _give_back(self, ticket: int) -> None:
+        problem = await self.cluster.give_back(len(self.topo.lendee_gpus))
+        if problem is None:
+            self.apply(ReturnDone(at=_now(), ticket=ticket))
+        else:
+            self.apply(ReturnFailed(at=_now(), ticket=ticket, reason=problem))
+
+    async def _watchdog(self, interval: float) -> None:
+        # Sent from the loop itself: a blocked loop stops the pings and systemd restarts us.
+        while True:
+            journal.notify(watchdog=True)
+            await asyncio.sleep(interval)
+
+    # ---- journal ---------------------------------------------------------------------
+    def _gpu_names(self, labels: frozenset[str] | tuple[str, ...]) -> str:
+        return ", ".join(str(self.cfg.gpus[g]) if g in self.cfg.gpus else g
+                         for g in sorted(labels))
+
+    def _record_phase(self, old: State, new: State, event: Event) -> None:
+        now = _now()
+        took = (now - self.phase_since) * 1000
+        self.phase_since = now
+        lendee, gpus = self.lendee, self._gpu_names(self.topo.lendee_gpus)
+        wanting = [o for o in new.waiting_owners if self.topo.needs_lendee_gpus(o)]
+        wanted = frozenset().union(*(self.topo.shared_gpus(o) for o in wanting))
+        who = ", ".join(wanting) or "an owner VM"
+        messages = {
+            Phase.BOOTING: f"{lendee} is running: waiting for its guest agent",
+            Phase.JOINING: f"{lendee}'s guest agent answered: returning it to the cluster",
+            Phase.LENT: f"{lendee} is lent: {gpus} are the cluster's",
+            Phase.DRAINING: f"{who} wants {self._gpu_names(wanted or self.topo.lendee_gpus)}: "
+                            f"draining {lendee}",
+            Phase.STOPPING: f"{lendee} is drained: shutting it down through its guest agent "
+                            "once the agent answers",
+            Phase.OFF: f"{lendee} is off: its GPUs are free",
+            Phase.FAILED: f"{lendee} needs attention: {new.reason}",
+        }
+        failed = new.phase is Phase.FAILED
+        journal.record("phase", messages[new.phase], vm=lendee, from_=old.phase.value,
+                       to=new.phase.value, duration_ms=took,
+                       result="failed" if failed else "ok", cause=type(event).__name__,
+                       priority=journal.Priority.ERR if failed else journal.Priority.INFO)
+
+    def _record_intent(self, intent: Intent) -> None:
+        shared = self.topo.shared_gpus(intent.owner)
+        how = {IntentSource.HOOK: "through libvirt", IntentSource.CONTROL: "by hostagent play",
+               IntentSource.RESUME: "before the agent restarted"}[intent.source]
+        journal.record("intent", f"{intent.owner} asked to start {how}: "
+                       f"{self._gpu_names(shared)} {'are' if len(shared) > 1 else 'is'} lent to "
+                       f"{self.lendee}; {intent.owner} will start by itself once "
+                       f"{'they are' if len(shared) > 1 else 'it is'} free",
+                       vm=intent.owner, to="pending", result="deferred", intent=intent.id)
+
+    def _status_line(self) -> str:
+        pending = ", ".join(self.state.waiting_owners)
+        return f"{self.lendee} {self.state.phase.value}" + (f"; waiting: {pending}"
+                                                            if pending else "")
+
+    # ---- control ---------------------------------------------------------------------
+    def _verbs(self) -> dict[str, Callable[[dict[str, Any]], AsyncIterator[Reply]]]:
+        return {"status": self._verb_status, "hold": self._verb_hold,
+                "resume": self._verb_resume}
+
+    def status(self) -> dict[str, Any]:
+        now = _now()
+        holders = machine.holders(self.state, self.topo)
+        gpus = []
+        for label in sorted(self.topo.gpus):
+            gpu = self.cfg.gpus.get(label)
+            gpus.append({"gpu": label, "name": gpu.name if gpu else None,
+                         "pci": gpu.pci if gpu else label,
+                         "owner": self.cfg.owner_of(label), "holder": holders.get(label)})
+        return {
+            "lendee": {"domain": self.lendee, "phase": self.state.phase.value,
+                       "reason": self.state.reason, "since": self.phase_since,
+                       "hold": self.state.hold},
+            "gpus": gpus,
+            "owners": {o: o in self.state.running_owners for o in sorted(self.topo.owners)},
+            "intents": [{"id": i.id, "owner": i.owner, "source": i.source.value,
+                         "age_s": round(now - i.created_at, 1)} for i in self.state.intents],
+            "relend_in_s": round(self.state.relend_at - now, 1) if self.state.relend_at else None,
+            "libvirt_connected": self.libvirt.connected,
+        }
+
+    async def _verb_status(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
+        yield {"ok": True, "data": self.status()}
+
+    async def _verb_hold(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
+        self.apply(Hold(at=_now()))
+        yield {"ok": True, "data": self.status()}
+
+    async def _verb_resume(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
+        self.apply(Resume(at=_now()))
+        yield {"ok": True, "data": self.status()}
+
+    def _answer(self, intent_id: str, ok: bool, message: str) -> None:
+        waiter = self._waiters.pop(intent_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result((ok, message))
+
+
+def run(cfg: Config) -> int:
+    """`hostagent run`: the service's main; returns the process exit status."""
+    agent = Agent(cfg)
+
+    async def main() -> None:
+        import signal
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, agent.stop)
+        await agent.run()
+
+    try:
+        asyncio.run(main())
+    except StartupError as e:
+        journal.record("agent", f"cannot start: {e}", result="failed",
+                       priority=journal.Priority.ERR)
+        return 2
+    except asyncio.CancelledError:
+        return 0
+    return 0
+

@@ -1,0 +1,801 @@
+"""The lend/reclaim state machine: (state, event) → (state, actions), and nothing else.
+
+This module contains no I/O whatsoever. It does not start VMs, talk to Kubernetes, read
+the clock or log; time arrives inside events (``at``), and everything the world should
+do leaves as `Action` values for the executor in `hostagent.agent`. The lend/reclaim
+policy lives here and only here, so it can be read in one sitting and tested
+exhaustively in milliseconds.
+
+The cycle
+---------
+One lendee VM (a Kubernetes worker) borrows GPUs that owner VMs (games) own. The
+lendee's domain XML holds all its GPUs, so it can only run when no owner that needs one
+of them runs; and an owner that needs one may only start once the lendee is off::
+
+        StartLendee        AgentUp             ReturnDone
+    OFF ──(Lendee- ──▶ BOOTING ──▶ JOINING ─────────────▶ LENT
+     ▲    Started)        │           │                    │
+     │                    └───────────┴─── OwnerWants ─────┤
+     │                                                     ▼
+     │  LendeeStopped                     Drained      DRAINING
+     └──────────────── STOPPING ◀──────────────────────────┘
+      (StartOwner for     WaitAgent → AgentUp → ShutdownLendee
+       every waiting owner)
+
+FAILED is where the lendee stays, running, when a step cannot finish without a human:
+its guest agent never answered, it ignored a shutdown, the drain was aborted, or the
+node came back without all its GPUs. The reason says what to do. An owner asking again
+(or ``hostagent resume``) retries; the lendee stopping by any means resumes the cycle.
+
+What this machine promises
+--------------------------
+1. **Never two running holders of a GPU.** An owner that needs a lendee GPU is only
+   started (`StartOwner`) when the lendee is off and no lendee start is in flight; the
+   lendee is only started (`StartLendee`) when no such owner runs or waits.
+2. **Never a shutdown before the guest agent answered.** `ShutdownLendee` is only ever
+   the answer to an `AgentUp` in STOPPING, and STOPPING always begins with a fresh
+   `WaitAgent`: an agent that answered an hour ago may have been restarted since.
+3. **Never a destroy unless the policy allows it.** `ForceOff` only with
+   ``policy.force_off``; otherwise the machine stops in FAILED and says so.
+4. **An intent is never dropped.** An owner's start request ends only through
+   `CompleteIntent` (the owner runs) or `FailIntent` (with a reason). It survives
+   failures, retries and restarts of the agent (`Observed`).
+5. **One reclaim serves everyone.** Owners asking while a reclaim is under way join it;
+   they are all started when the lendee stops.
+
+How to read it
+--------------
+`TRANSITIONS`, near the end, is the whole machine: for each phase, which event types it
+accepts and which rule handles them. A few events mean the same in every phase (an
+owner asking, starting or stopping; hold and resume; a fresh observation; a failed
+start) and share one rule each. Every rule is a small function above the table, and its
+docstring says why the rule is what it is.
+
+An event the table does not list for the current phase raises `IllegalTransition`,
+and so does an event the rule recognises as stale (a report whose ticket is not the
+current one, a timer that was cancelled, a start that is not in flight). The state the
+caller holds is untouched (states are immutable; the caller simply keeps the old one).
+In an asynchronous agent stale events are normal: the executor logs them and moves on.
+Being strict here is what makes that safe: a stale `AgentTimeout` from the boot-time
+wait must not fail the shutdown that began since.
+
+After every rule one bookkeeping step runs: a scheduled relend that is no longer
+allowed (a game started, lending was put on hold, the lendee started by hand) is
+cancelled. Rules therefore only ever need to *schedule*; they cannot forget to cancel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any, Literal, TypeVar
+
+from hostagent.model import (
+    Action,
+    AgentTimeout,
+    AgentUp,
+    CancelRelend,
+    CompleteIntent,
+    Drain,
+    Drained,
+    DrainFailed,
+    Event,
+    FailIntent,
+    ForceOff,
+    Hold,
+    Intent,
+    KubeReturn,
+    LendeeStarted,
+    LendeeStopped,
+    Observed,
+    OwnerStarted,
+    OwnerStopped,
+    OwnerWants,
+    Phase,
+    Policy,
+    RelendDue,
+    Resume,
+    ReturnDone,
+    ReturnFailed,
+    ScheduleRelend,
+    ShutdownLendee,
+    ShutdownTimeout,
+    StartFailed,
+    StartLendee,
+    StartOwner,
+    State,
+    Topology,
+    WaitAgent,
+)
+
+__all__ = [
+    "FOLLOW",
+    "TRANSITIONS",
+    "IllegalTransition",
+    "Decision",
+    "holders",
+    "step",
+    "verdict",
+]
+
+Decision = Literal["proceed", "defer"]
+
+FOLLOW = "follow with: journalctl -u hostagent -f"
+
+
+class IllegalTransition(Exception):
+    """`event` cannot happen in `phase` (or is a stale report); the state is unchanged."""
+
+    def __init__(self, phase: Phase, event: Event, why: str = "") -> None:
+        self.phase = phase
+        self.event = event
+        self.why = why or f"{phase} does not accept it"
+        super().__init__(f"{type(event).__name__} refused in phase {phase}: {self.why}")
+
+
+# --- helpers: the questions every rule asks --------------------------------------------
+
+_Outcome = tuple[State, list[Action]]
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    topo: Topology
+    policy: Policy
+
+
+def _enter(state: State, phase: Phase, **changes: Any) -> State:
+    """`state` in `phase`, with a new ticket: reports for the previous phase go stale."""
+    return replace(state, phase=phase, ticket=state.ticket + 1, **changes)
+
+
+def _stale(state: State, event: Event, why: str) -> IllegalTransition:
+    return IllegalTransition(state.phase, event, why)
+
+
+_Report = (
+    AgentUp | AgentTimeout | Drained | DrainFailed | ShutdownTimeout | ReturnDone | ReturnFailed
+)
+
+
+def _check_ticket(state: State, event: _Report) -> None:
+    """A report answers the action of one phase entry; any other ticket is stale."""
+    if event.ticket != state.ticket:
+        raise _stale(state, event, f"stale report (ticket {event.ticket}, now {state.ticket})")
+
+
+def _check_owner(state: State, event: Event, owner: str, ctx: _Ctx) -> None:
+    if not ctx.topo.is_owner(owner):
+        raise _stale(state, event, f"{owner} is not an owner VM in the topology")
+
+
+def _claimants(state: State, topo: Topology) -> list[str]:
+    """Owners that need a lendee GPU and run or wait: each is a reason to keep it off."""
+    running = sorted(o for o in state.running_owners if topo.needs_lendee_gpus(o))
+    waiting = [o for o in state.waiting_owners if topo.needs_lendee_gpus(o)]
+    return list(dict.fromkeys(running + waiting))
+
+
+def _relend_allowed(state: State, topo: Topology) -> bool:
+    """Whether nothing stands between an idle lendee and its next start.
+
+    Only owners that share a GPU with the lendee count: an owner with GPUs of its own
+    starting or playing is no reason to leave the cluster's GPUs idle.
+    """
+    return (
+        state.phase is Phase.OFF
+        and not state.lendee_starting
+        and not state.hold
+        and not _claimants(state, topo)
+    )
+
+
+def _schedule_relend(state: State, ctx: _Ctx, due: float) -> _Outcome:
+    """Arm the relend timer if lending is allowed and it is not armed already.
+
+    An armed timer is left alone: it was set when the last reason to keep the lendee off
+    went away, and something that is no reason (an unrelated owner stopping) must not
+    push it back.
+    """
+    if state.relend_at is not None or not _relend_allowed(state, ctx.topo):
+        return state, []
+    return replace(state, relend_at=due), [ScheduleRelend(at=due)]
+
+
+def _start_waiting(state: State, topo: Topology, *, all_owners: bool = False) -> list[Action]:
+    """StartOwner for each waiting owner that was waiting for the lendee's GPUs.
+
+    Owners that need no lendee GPU were started when they asked; `all_owners` also
+    starts them, for when in-flight starts may have been lost (a restart of the agent).
+    """
+    return [
+        StartOwner(owner=o) for o in state.waiting_owners if all_owners or topo.needs_lendee_gpus(o)
+    ]
+
+
+def _reclaim(state: State) -> _Outcome:
+    """Begin taking the GPUs back: cordon and drain first, never shut down a busy node."""
+    new = _enter(state, Phase.DRAINING, reason=None, shutdown_sent=False)
+    return new, [Drain(ticket=new.ticket)]
+
+
+def _boot(state: State) -> _Outcome:
+    """The lendee runs and nobody wants its GPUs: wait for its agent, then lend it."""
+    new = _enter(state, Phase.BOOTING, reason=None, agent_up=False, shutdown_sent=False)
+    return new, [WaitAgent(ticket=new.ticket)]
+
+
+def _rebuild_running(state: State, ctx: _Ctx) -> _Outcome:
+    """Resume a running lendee from the top of whichever road it is on.
+
+    Each road is idempotent from its first step: `Drain` of a drained node returns at
+    once, `WaitAgent` of an answering agent too, and `KubeReturn` re-verifies what it
+    finds. So starting over is always correct, and never destroys anything.
+    """
+    if _claimants(state, ctx.topo):
+        return _reclaim(state)
+    return _boot(state)
+
+
+# --- rules for every phase -------------------------------------------------------------
+
+
+def _owner_wants(state: State, event: OwnerWants, ctx: _Ctx) -> _Outcome:
+    """Someone asked for an owner to start: record the intent, then free its GPUs.
+
+    - The same intent id twice is a replay (a spooled hook event read again): stale.
+    - An owner that already runs has what was asked for: the intent completes at once.
+    - Otherwise the intent is kept until `OwnerStarted` completes it or `StartFailed`
+      fails it. A second caller for the same owner gets an intent of its own (its own
+      id, answered on its own), but the owner is started once.
+    - An owner that shares no GPU with the lendee is started right away.
+    - With the lendee off, the owner is started right away, unless a lendee start is in
+      flight: the two starts would race for the same device. The intent then waits for
+      the lendee's start to end (`LendeeStarted` reclaims it, `StartFailed` frees it).
+    - With the lendee running, a reclaim begins (or the one under way is joined: one
+      drain and one shutdown serve two owners that asked 100 ms apart). From FAILED
+      this is the retry: the player asking again is the signal to try again.
+    """
+    _check_owner(state, event, event.owner, ctx)
+    if any(i.id == event.intent_id for i in state.intents):
+        raise _stale(state, event, f"intent {event.intent_id} is already pending")
+    if event.owner in state.running_owners:
+        return state, [CompleteIntent(intent_id=event.intent_id, owner=event.owner)]
+    first = not state.intents_of(event.owner)
+    intent = Intent(id=event.intent_id, owner=event.owner, created_at=event.at, source=event.source)
+    new = replace(state, intents=(*state.intents, intent))
+    if not ctx.topo.needs_lendee_gpus(event.owner):
+        return new, [StartOwner(owner=event.owner)] if first else []
+    if state.phase is Phase.OFF:
+        if state.lendee_starting or not first:
+            return new, []
+        return new, [StartOwner(owner=event.owner)]
+    if state.phase in (Phase.DRAINING, Phase.STOPPING):
+        return new, []
+    return _reclaim(new)
+
+
+def _owner_started(state: State, event: OwnerStarted, ctx: _Ctx) -> _Outcome:
+    """An owner runs: every request for it is done.
+
+    If it shares a GPU with a lendee that is lending or about to (BOOTING, JOINING,
+    LENT), reality contradicts the topology: libvirt refuses a device in use, so this
+    only happens when the configuration does not describe the domain XML. The machine
+    believes reality and reclaims the lendee, gently (drain, agent shutdown), because
+    the owner's claim comes first. In FAILED it does not act on its own: a human is
+    already asked to look.
+    """
+    _check_owner(state, event, event.owner, ctx)
+    if event.owner in state.running_owners:
+        raise _stale(state, event, f"{event.owner} is already running")
+    mine = state.intents_of(event.owner)
+    new = replace(
+        state,
+        running_owners=state.running_owners | {event.owner},
+        intents=tuple(i for i in state.intents if i.owner != event.owner),
+    )
+    actions: list[Action] = [CompleteIntent(intent_id=i.id, owner=i.owner) for i in mine]
+    if ctx.topo.needs_lendee_gpus(event.owner) and state.phase in (
+        Phase.BOOTING,
+        Phase.JOINING,
+        Phase.LENT,
+    ):
+        new, more = _reclaim(new)
+        actions += more
+    return new, actions
+
+
+def _owner_stopped(state: State, event: OwnerStopped, ctx: _Ctx) -> _Outcome:
+    """An owner stopped: if it was the last reason to keep the lendee off, lend again
+    after `relend_delay`, not at once: a game VM that reboots stops and starts within
+    seconds, and a lend/reclaim round trip for it would cost the player minutes."""
+    _check_owner(state, event, event.owner, ctx)
+    if event.owner not in state.running_owners:
+        raise _stale(state, event, f"{event.owner} was not running")
+    new = replace(state, running_owners=state.running_owners - {event.owner})
+    return _schedule_relend(new, ctx, event.at + ctx.policy.relend_delay)
+
+
+def _start_failed(state: State, event: StartFailed, ctx: _Ctx) -> _Outcome:
+    """A start the machine asked for failed (the executor already retried).
+
+    The lendee: back to plain OFF with the reason, and every owner that waited for the
+    start to end is started. No relend is scheduled: the start would most likely fail
+    the same way; lending is retried when an owner stops, on ``resume`` or at the next
+    agent start.
+
+    An owner: its intents fail with the reason, except when it shares a GPU with a
+    lendee that is running now. Then the lendee being in the way explains the failure
+    (it was started by hand while the owner's start was in flight) and the intents stay:
+    the reclaim under way, or the next retry, starts the owner when the lendee stops.
+    """
+    if event.vm == ctx.topo.lendee:
+        if state.phase is not Phase.OFF or not state.lendee_starting:
+            raise _stale(state, event, f"no start of {event.vm} is in flight")
+        new = replace(
+            state,
+            lendee_starting=False,
+            reason=(
+                f"{event.vm} failed to start: {event.reason}; lending resumes when an "
+                "owner stops or on `hostagent resume`"
+            ),
+        )
+        return new, _start_waiting(new, ctx.topo)
+    _check_owner(state, event, event.vm, ctx)
+    mine = state.intents_of(event.vm)
+    if not mine:
+        raise _stale(state, event, f"no start of {event.vm} was requested")
+    if ctx.topo.needs_lendee_gpus(event.vm) and state.phase.lendee_running:
+        return state, []
+    new = replace(state, intents=tuple(i for i in state.intents if i.owner != event.vm))
+    actions: list[Action] = [
+        FailIntent(
+            intent_id=i.id, owner=i.owner, reason=f"{event.vm} failed to start: {event.reason}"
+        )
+        for i in mine
+    ]
+    new, more = _schedule_relend(new, ctx, event.at + ctx.policy.relend_delay)
+    return new, actions + more
+
+
+def _hold(state: State, event: Hold, ctx: _Ctx) -> _Outcome:
+    """Suspend lending. A lendee that is up stays up (holding is not reclaiming), and a
+    reclaim still works: hold stops the *next* lend. Holding twice changes nothing."""
+    return replace(state, hold=True), []
+
+
+def _resume(state: State, event: Resume, ctx: _Ctx) -> _Outcome:
+    """Resume lending, and retry.
+
+    From OFF the lendee is started now, not after `relend_delay`: the operator asked.
+    From FAILED the stuck step is retried from the top of its road (reclaim if someone
+    wants the GPUs, else the return to the cluster). This is the operator's "try again".
+    """
+    new = replace(state, hold=False)
+    if new.phase is Phase.FAILED:
+        return _rebuild_running(new, ctx)
+    return _schedule_relend(new, ctx, event.at)
+
+
+def _observed(state: State, event: Observed, ctx: _Ctx) -> _Outcome:
+    """Rebuild from a fresh read of libvirt, at agent start or after a reconnect.
+
+    Only two things cannot be re-read and come from memory (the persisted state):
+    intents and hold. Everything else is reality: which VMs run. In-flight actions
+    (starts, waits, timers) are assumed lost, so whatever the new phase needs is
+    issued again; every action is idempotent, so issuing one twice is harmless.
+
+    - Intents whose owner runs are complete (it started while the agent was away);
+      intents for a VM the configuration no longer names as an owner fail.
+    - Lendee running: reclaim if anyone wants its GPUs (`Drain` of a drained node is
+      quick), else go through BOOTING again (`WaitAgent`, then `KubeReturn`, which
+      verifies the GPUs and uncordons only what we cordoned). Owners that need no lendee
+      GPU and still wait are started again.
+    - Lendee off: start every waiting owner; if nobody wants the GPUs and lending is not
+      on hold, relend at once, or when an earlier relend was due if that is later (the
+      owner's reboot grace still applies).
+    """
+    unknown = sorted(o for o in event.owners_running if not ctx.topo.is_owner(o))
+    if unknown:
+        raise _stale(state, event, f"{', '.join(unknown)} is not an owner VM in the topology")
+    actions: list[Action] = []
+    kept: list[Intent] = []
+    for intent in state.intents:
+        if not ctx.topo.is_owner(intent.owner):
+            actions.append(
+                FailIntent(
+                    intent_id=intent.id,
+                    owner=intent.owner,
+                    reason=f"{intent.owner} is no longer an owner VM in the configuration",
+                )
+            )
+        elif intent.owner in event.owners_running:
+            actions.append(CompleteIntent(intent_id=intent.id, owner=intent.owner))
+        else:
+            kept.append(intent)
+    new = replace(
+        state,
+        running_owners=event.owners_running,
+        intents=tuple(kept),
+        lendee_starting=False,
+    )
+    if event.lendee_running:
+        # Same instance or not, nobody knows: its agent must answer again.
+        new, more = _rebuild_running(replace(new, agent_up=False), ctx)
+        others = [
+            StartOwner(owner=o) for o in new.waiting_owners if not ctx.topo.needs_lendee_gpus(o)
+        ]
+        return new, actions + more + others
+    new = _enter(
+        new,
+        Phase.OFF,
+        agent_up=False,
+        shutdown_sent=False,
+        reason=new.reason if new.phase is Phase.OFF else None,
+    )
+    actions += _start_waiting(new, ctx.topo, all_owners=True)
+    if not _relend_allowed(new, ctx.topo):
+        return new, actions  # an armed timer is cancelled by the bookkeeping in step()
+    # Armed again even if it was: the timer may have died with the previous agent.
+    due = event.at if new.relend_at is None else max(event.at, new.relend_at)
+    return replace(new, relend_at=due), [*actions, ScheduleRelend(at=due)]
+
+
+# --- rules for the lendee, phase by phase ----------------------------------------------
+
+
+def _lendee_started(state: State, event: LendeeStarted, ctx: _Ctx) -> _Outcome:
+    """OFF → the lendee runs (our `StartLendee`, or by hand).
+
+    Usually BOOTING: wait for the agent. But if an owner asked while the start was in
+    flight, the lendee now holds that owner's GPUs: reclaim at once (the drain is
+    cheap on a node that just booted cordoned; the shutdown still waits for the agent).
+    An owner needing its GPUs that *runs* cannot coexist with it (QEMU refuses a device
+    in use, and the hook defers the start); if reality shows it anyway, the topology is
+    wrong, and the lendee is reclaimed the same gentle way rather than lent.
+    """
+    new = replace(state, lendee_starting=False, reason=None, agent_up=False)
+    return _rebuild_running(new, ctx)
+
+
+def _relend_due(state: State, event: RelendDue, ctx: _Ctx) -> _Outcome:
+    """OFF → the relend timer fired: start the lendee, and stay OFF until it runs.
+
+    The start may fail (StartFailed), and until it succeeds the GPUs are not held, so
+    the phase says OFF; `lendee_starting` makes owners wait instead of racing it. A
+    timer that was cancelled or re-armed since (its RelendDue already queued) is stale.
+    No further check is needed: the bookkeeping after every step cancels a relend the
+    moment it stops being allowed, so an armed timer means lending is allowed.
+    """
+    if state.relend_at is None:
+        raise _stale(state, event, "no relend is scheduled")
+    if event.at < state.relend_at:
+        raise _stale(state, event, f"the relend is due at {state.relend_at}, not {event.at}")
+    return replace(state, relend_at=None, lendee_starting=True), [StartLendee()]
+
+
+def _agent_up_booting(state: State, event: AgentUp, ctx: _Ctx) -> _Outcome:
+    """BOOTING → JOINING: the guest answers; now the node must rejoin, whole.
+
+    Intents cannot be pending here (an owner asking during BOOTING starts a reclaim),
+    so the only road is the return: wait Ready and the GPUs, then uncordon.
+    """
+    _check_ticket(state, event)
+    new = _enter(state, Phase.JOINING, agent_up=True)
+    return new, [KubeReturn(ticket=new.ticket)]
+
+
+def _agent_timeout_booting(state: State, event: AgentTimeout, ctx: _Ctx) -> _Outcome:
+    """BOOTING → FAILED: the lendee runs but its agent never answered.
+
+    It is not lent (nothing proves it booted) and it is not stopped (there is no clean
+    way without the agent, and the node holds no work). A reclaim still works: the
+    shutdown road waits for the agent again, and may find it up by then.
+    """
+    _check_ticket(state, event)
+    return _enter(
+        state,
+        Phase.FAILED,
+        reason=(
+            f"{ctx.topo.lendee}'s guest agent did not answer guest-ping after it started; it "
+            "keeps running but is not lent (is qemu-guest-agent running in the guest?)"
+        ),
+    ), []
+
+
+def _returned(state: State, event: ReturnDone, ctx: _Ctx) -> _Outcome:
+    """JOINING → LENT: Ready, every GPU counted, uncordoned."""
+    _check_ticket(state, event)
+    return _enter(state, Phase.LENT), []
+
+
+def _return_failed(state: State, event: ReturnFailed, ctx: _Ctx) -> _Outcome:
+    """JOINING → FAILED: Ready is not enough. A node that came back short of GPUs stays
+    cordoned and says so; it keeps running, and a reclaim still works."""
+    _check_ticket(state, event)
+    return _enter(
+        state,
+        Phase.FAILED,
+        reason=(
+            f"{ctx.topo.lendee} did not come back whole: {event.reason}; the node stays "
+            "cordoned (`hostagent resume` retries)"
+        ),
+    ), []
+
+
+def _drained(state: State, event: Drained, ctx: _Ctx) -> _Outcome:
+    """DRAINING → STOPPING: the node is empty; now wait for the guest agent.
+
+    Always a fresh `WaitAgent`, even if the agent answered at boot: it may have been
+    restarted inside the guest since, and a shutdown it cannot receive is the bug this
+    project exists to avoid. If it answers at once, this costs one round trip.
+
+    The reclaim is finished even if the reason for it went away meanwhile (the owner's
+    request failed, or the owner that appeared by hand stopped): a half-drained node is
+    the worst of both worlds, and the relend after it is automatic.
+    """
+    _check_ticket(state, event)
+    new = _enter(state, Phase.STOPPING, shutdown_sent=False)
+    return new, [WaitAgent(ticket=new.ticket)]
+
+
+def _drain_failed(state: State, event: DrainFailed, ctx: _Ctx) -> _Outcome:
+    """DRAINING → FAILED (the policy chose abort on a drain timeout).
+
+    The intents stay: the players' requests are not lost, and `hostagent status` shows
+    why they wait. The node stays cordoned. The next request, or ``resume``, retries.
+    """
+    _check_ticket(state, event)
+    return _enter(
+        state,
+        Phase.FAILED,
+        reason=(
+            f"draining {ctx.topo.lendee} failed: {event.reason}; the waiting VMs start once "
+            "it is stopped (`hostagent resume` retries the drain)"
+        ),
+    ), []
+
+
+def _agent_up_stopping(state: State, event: AgentUp, ctx: _Ctx) -> _Outcome:
+    """STOPPING: the agent answered, so now, and only now, the shutdown is sent."""
+    _check_ticket(state, event)
+    if state.shutdown_sent:
+        raise _stale(state, event, "the shutdown was already sent")
+    new = replace(state, agent_up=True, shutdown_sent=True)
+    return new, [ShutdownLendee(ticket=new.ticket)]
+
+
+def _agent_timeout_stopping(state: State, event: AgentTimeout, ctx: _Ctx) -> _Outcome:
+    """STOPPING: the agent never answered, so a clean shutdown is impossible.
+
+    With force_off set the operator accepted the risk: destroy. Without it the machine
+    will not: FAILED, the lendee keeps running, the intents keep waiting, and the
+    reason tells a human how to unblock them (any stop of the lendee starts them).
+    """
+    _check_ticket(state, event)
+    if state.shutdown_sent:
+        raise _stale(state, event, "the agent already answered")
+    return _give_up_stopping(state, ctx, "its guest agent never answered guest-ping")
+
+
+def _shutdown_timeout(state: State, event: ShutdownTimeout, ctx: _Ctx) -> _Outcome:
+    """STOPPING: the guest accepted the shutdown but did not stop. As above."""
+    _check_ticket(state, event)
+    if not state.shutdown_sent:
+        raise _stale(state, event, "no shutdown was sent")
+    return _give_up_stopping(state, ctx, "it did not stop after a guest-agent shutdown")
+
+
+def _give_up_stopping(state: State, ctx: _Ctx, what: str) -> _Outcome:
+    if ctx.policy.force_off:
+        return state, [ForceOff()]
+    lendee = ctx.topo.lendee
+    return _enter(
+        state,
+        Phase.FAILED,
+        reason=(
+            f"{lendee} cannot be shut down cleanly: {what}; hostagent never destroys it "
+            f"unless force_off_after is set: stop it by hand (virsh shutdown {lendee}) and "
+            "the waiting VMs start"
+        ),
+    ), []
+
+
+def _lendee_stopped(state: State, event: LendeeStopped, ctx: _Ctx) -> _Outcome:
+    """Any running phase → OFF, whatever stopped it: our shutdown, a destroy, a crash,
+    a human. The GPUs are free: start every owner that waited for them. If nobody did
+    and nobody plays, lend again after `relend_delay` (a crashed lendee comes back)."""
+    new = _enter(state, Phase.OFF, agent_up=False, shutdown_sent=False, reason=None)
+    starts = _start_waiting(new, ctx.topo)
+    new, relend = _schedule_relend(new, ctx, event.at + ctx.policy.relend_delay)
+    return new, starts + relend
+
+
+# --- the table -------------------------------------------------------------------------
+
+_E = TypeVar("_E", bound=Event)
+_Rule = Callable[[State, Any, _Ctx], _Outcome]
+
+
+def _on(
+    event_type: type[_E], rule: Callable[[State, _E, _Ctx], _Outcome]
+) -> tuple[type[Event], _Rule]:
+    """One table entry; the type checker makes sure the rule takes that event."""
+    return event_type, rule
+
+
+# Meaningful whatever the lendee is doing: VMs are started and stopped by people, the
+# operator holds and resumes, and the agent re-reads the world after a restart. The
+# rules themselves refuse the combinations that are stale.
+_EVERY_PHASE = dict(
+    [
+        _on(OwnerWants, _owner_wants),
+        _on(OwnerStarted, _owner_started),
+        _on(OwnerStopped, _owner_stopped),
+        _on(StartFailed, _start_failed),  # the lendee's only in OFF with a start in flight
+        _on(Hold, _hold),
+        _on(Resume, _resume),
+        _on(Observed, _observed),
+    ]
+)
+
+# The lendee stops whenever it likes: every phase in which it runs accepts it.
+_STOPS = dict([_on(LendeeStopped, _lendee_stopped)])
+
+_BY_PHASE: dict[Phase, dict[type[Event], _Rule]] = {
+    # Off: it can only start, by the relend timer or by hand.
+    Phase.OFF: dict(
+        [
+            _on(RelendDue, _relend_due),
+            _on(LendeeStarted, _lendee_started),
+        ]
+    ),
+    # Booting: only its agent's answer (or silence) moves it on.
+    Phase.BOOTING: dict(
+        [
+            _on(AgentUp, _agent_up_booting),
+            _on(AgentTimeout, _agent_timeout_booting),
+            *_STOPS.items(),
+        ]
+    ),
+    # Joining: the cluster's verdict on the node.
+    Phase.JOINING: dict(
+        [
+            _on(ReturnDone, _returned),
+            _on(ReturnFailed, _return_failed),
+            *_STOPS.items(),
+        ]
+    ),
+    # Lent: steady state; only an owner (above) or a stop moves it.
+    Phase.LENT: dict(_STOPS),
+    # Draining: the drain's verdict. Reports of the boot road are stale here.
+    Phase.DRAINING: dict(
+        [
+            _on(Drained, _drained),
+            _on(DrainFailed, _drain_failed),
+            *_STOPS.items(),
+        ]
+    ),
+    # Stopping: the agent's answer, then the shutdown's outcome.
+    Phase.STOPPING: dict(
+        [
+            _on(AgentUp, _agent_up_stopping),
+            _on(AgentTimeout, _agent_timeout_stopping),
+            _on(ShutdownTimeout, _shutdown_timeout),
+            *_STOPS.items(),
+        ]
+    ),
+    # Failed: waits for a human, a retry (owner asking, resume), or a stop.
+    Phase.FAILED: dict(_STOPS),
+}
+
+TRANSITIONS: Mapping[tuple[Phase, type[Event]], _Rule] = MappingProxyType(
+    {
+        (phase, event_type): rule
+        for phase in Phase
+        for event_type, rule in (_EVERY_PHASE | _BY_PHASE[phase]).items()
+    }
+)
+"""(phase, event type) → the rule that handles it. Anything absent is illegal."""
+
+
+# --- the entry points ------------------------------------------------------------------
+
+
+def step(
+    state: State, event: Event, *, topo: Topology, policy: Policy
+) -> tuple[State, list[Action]]:
+    """The next state and the actions that get there. Pure; raises IllegalTransition."""
+    rule = TRANSITIONS.get((state.phase, type(event)))
+    if rule is None:
+        raise IllegalTransition(state.phase, event)
+    new, actions = rule(state, event, _Ctx(topo=topo, policy=policy))
+    if new.relend_at is not None and not _relend_allowed(new, topo):
+        new = replace(new, relend_at=None)
+        actions = [CancelRelend(), *actions]
+    return new, actions
+
+
+def verdict(state: State, domain: str, *, topo: Topology) -> tuple[Decision, str]:
+    """The hook's answer to libvirt's ``prepare begin`` for `domain`, from memory.
+
+    Pure and cheap: libvirtd waits on it with its locks held. "defer" comes with one
+    sentence for whoever ran ``virsh start``. On defer for an owner, the agent records
+    the request (`OwnerWants`) and persists it before answering; this function only
+    decides. The agent's own `StartOwner` passes: by then the lendee is off.
+
+    A start that is allowed here still races a relend that fires before libvirt reports
+    the start; QEMU's lock on the device settles that race (one start fails, and the
+    owner's hook then defers).
+    """
+    lendee = topo.lendee
+    if domain == lendee:
+        playing = sorted(o for o in state.running_owners if topo.needs_lendee_gpus(o))
+        if playing:
+            return "defer", (
+                f"{lendee}'s GPUs are in use by {', '.join(playing)}; hostagent lends them "
+                f"again by itself when {'that VM stops' if len(playing) == 1 else 'those VMs stop'}"
+                f" ({FOLLOW})"
+            )
+        waiting = [o for o in state.waiting_owners if topo.needs_lendee_gpus(o)]
+        if waiting:
+            return "defer", (
+                f"{lendee}'s GPUs are being handed to {', '.join(waiting)}; hostagent lends "
+                f"them again by itself when that is over ({FOLLOW})"
+            )
+        return "proceed", f"no owner VM needs {lendee}'s GPUs"
+    if not topo.is_owner(domain):
+        return "proceed", f"{domain} is not managed by hostagent"
+    if not topo.needs_lendee_gpus(domain):
+        return "proceed", f"{domain} shares no GPU with {lendee}"
+    if domain in state.running_owners:
+        return "proceed", f"{domain} is already running"
+    if state.phase is Phase.OFF and not state.lendee_starting:
+        return "proceed", f"{lendee} is off"
+    gpus = ", ".join(sorted(topo.shared_gpus(domain)))
+    later = f"{domain} will start by itself"
+    match state.phase:
+        case Phase.OFF:
+            what = (
+                f"{lendee} is starting and about to take {gpus}; hostagent will shut it "
+                f"down cleanly to free them and {later} then"
+            )
+        case Phase.BOOTING | Phase.JOINING | Phase.LENT:
+            what = (
+                f"{lendee} holds {gpus}; hostagent is draining it and shutting it "
+                f"down to free them, and {later} then"
+            )
+        case Phase.DRAINING:
+            what = (
+                f"hostagent is draining {lendee} to free {gpus}; {later} once "
+                f"{lendee} has shut down"
+            )
+        case Phase.STOPPING:
+            what = f"{lendee} is shutting down to free {gpus}; {later} when it has stopped"
+        case Phase.FAILED:
+            what = (
+                f"{lendee} holds {gpus} and is stuck ({state.reason}); hostagent "
+                f"retries, and {later} once {lendee} stops"
+            )
+    return "defer", f"{what} ({FOLLOW})"
+
+
+def holders(state: State, topo: Topology) -> dict[str, str | None]:
+    """Which running VM holds each GPU, as the machine knows it (for ``status``).
+
+    A GPU that both a running owner and a running lendee claim (a topology reality
+    contradicted, see `_owner_started`) is shown as the owner's: its claim comes first,
+    and the lendee's phase already says it is being reclaimed.
+    """
+    out: dict[str, str | None] = {}
+    owner_of = {gpu: owner for owner, gpus in topo.owners.items() for gpu in gpus}
+    for gpu in sorted(topo.gpus):
+        owner = owner_of.get(gpu)
+        if owner is not None and owner in state.running_owners:
+            out[gpu] = owner
+        elif gpu in topo.lendee_gpus and state.phase.lendee_running:
+            out[gpu] = topo.lendee
+        else:
+            out[gpu] = None
+    return out

@@ -1,0 +1,421 @@
+"""The nouns of lending: who holds which GPU, what the machine remembers, what happens.
+
+This module is plain data. It imports no I/O library and has no side effects, so that
+`hostagent.machine` (the rules) and its tests can be read and run without a host.
+
+Three kinds of values live here:
+
+- **The world as configured**: `Topology` (which VM borrows which GPUs, which VMs own
+  them) and `Policy` (how patient and how forceful the agent may be). The agent builds
+  both from its configuration; they do not depend on the configuration module, so the
+  rules can be tested with a three-line topology.
+- **What the machine remembers**: `State`, with the lendee's `Phase` and the pending
+  `Intent` s (owners someone asked to start).
+- **What flows through it**: events (facts that happened, each stamped with ``at``, the
+  agent's clock in seconds) and actions (requests to the executor). Events and actions
+  are frozen dataclasses with keyword-only fields: they are messages, never mutated.
+
+Tickets
+-------
+Some actions report back: `WaitAgent` answers `AgentUp` or `AgentTimeout`, `Drain`
+answers `Drained` or `DrainFailed`, and so on. The executor runs them concurrently with
+everything else, so a report can arrive after the situation that asked for it is gone
+(the node was drained while the boot-time `WaitAgent` was still waiting, and its timeout
+now lands in the middle of the shutdown). Each such action carries the ``ticket`` of the
+phase that issued it, and its report carries the same ticket back; the machine bumps the
+ticket whenever it enters a phase, and refuses a report whose ticket is not current.
+This is how "stale" is decided: by bookkeeping, not by guessing from timestamps.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+__all__ = [
+    "Action",
+    "AgentTimeout",
+    "AgentUp",
+    "CancelRelend",
+    "CompleteIntent",
+    "Drain",
+    "DrainFailed",
+    "Drained",
+    "Event",
+    "FailIntent",
+    "ForceOff",
+    "Hold",
+    "Intent",
+    "IntentSource",
+    "KubeReturn",
+    "LendeeStarted",
+    "LendeeStopped",
+    "Observed",
+    "OwnerStarted",
+    "OwnerStopped",
+    "OwnerWants",
+    "Phase",
+    "Policy",
+    "RelendDue",
+    "Resume",
+    "ReturnDone",
+    "ReturnFailed",
+    "ScheduleRelend",
+    "ShutdownLendee",
+    "ShutdownTimeout",
+    "StartFailed",
+    "StartLendee",
+    "StartOwner",
+    "State",
+    "Topology",
+    "WaitAgent",
+]
+
+
+# --- the world as configured -----------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """Which GPUs the lendee borrows and which VM owns each of them.
+
+    ``owners`` maps an owner's libvirt domain name to the GPU labels it owns. Owners own
+    disjoint sets (a GPU has one owner); the lendee may also hold GPUs nobody owns, and
+    an owner may own GPUs the lendee never borrows. Checked on construction.
+    """
+
+    lendee: str
+    lendee_gpus: frozenset[str]
+    owners: Mapping[str, frozenset[str]] = field(hash=False)
+
+    def __post_init__(self) -> None:
+        if not self.lendee_gpus:
+            raise ValueError(f"lendee {self.lendee} borrows no GPU: there is nothing to lend")
+        if self.lendee in self.owners:
+            raise ValueError(f"{self.lendee} is the lendee and cannot also be an owner")
+        seen: dict[str, str] = {}
+        for owner, gpus in self.owners.items():
+            if not gpus:
+                raise ValueError(f"owner {owner} owns no GPU")
+            for gpu in sorted(gpus):
+                if gpu in seen:
+                    raise ValueError(f"GPU {gpu} is owned by both {seen[gpu]} and {owner}")
+                seen[gpu] = owner
+        # Frozen means frozen: nobody edits the topology behind the machine's back.
+        object.__setattr__(self, "owners", MappingProxyType(dict(self.owners)))
+
+    def is_owner(self, domain: str) -> bool:
+        return domain in self.owners
+
+    def needs_lendee_gpus(self, owner: str) -> bool:
+        """Whether `owner` can only run while the lendee is off. KeyError if unknown."""
+        return not self.owners[owner].isdisjoint(self.lendee_gpus)
+
+    def shared_gpus(self, owner: str) -> frozenset[str]:
+        """The GPUs `owner` and the lendee both use (empty if they never meet)."""
+        return self.owners[owner] & self.lendee_gpus
+
+    @property
+    def gpus(self) -> frozenset[str]:
+        """Every GPU the agent knows about."""
+        return self.lendee_gpus.union(*self.owners.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policy:
+    """How the machine may act. Timeouts belong to the executor; these are decisions.
+
+    ``relend_delay``: quiet seconds after the last owner stopped before the lendee is
+    started again (an owner that reboots must not trigger a lend/reclaim round trip).
+    ``force_off``: whether ``force_off_after`` is set, i.e. whether the lendee may be
+    destroyed when its guest agent never answers or it ignores a shutdown. Off by
+    default: destroying a VM whose GPUs are mid-initialisation can leave a card in a
+    power state only a host reboot clears.
+    """
+
+    relend_delay: float = 30.0
+    force_off: bool = False
+
+
+# --- what the machine remembers --------------------------------------------------------
+
+
+class Phase(enum.StrEnum):
+    """Where the lendee is in its lend/reclaim cycle."""
+
+    OFF = "off"  # not running (a start may be pending: State.lendee_starting)
+    BOOTING = "booting"  # running; its guest agent has not answered yet
+    JOINING = "joining"  # agent answered; waiting Ready + GPUs, then uncordon
+    LENT = "lent"  # in the cluster, GPUs verified, schedulable
+    DRAINING = "draining"  # reclaim: cordon + drain
+    STOPPING = "stopping"  # drained; waiting for the agent, then its shutdown
+    FAILED = "failed"  # running, stuck; State.reason says why and what to do
+
+    @property
+    def lendee_running(self) -> bool:
+        """Whether the lendee's QEMU process exists (and so holds all its GPUs)."""
+        return self is not Phase.OFF
+
+
+class IntentSource(enum.StrEnum):
+    """Where an owner's start request came from."""
+
+    HOOK = "hook"  # `virsh start` (or anything through libvirt), deferred by the hook
+    CONTROL = "control"  # the control socket: CLI, SSH, home automation
+    RESUME = "resume"  # re-read after a restart (spooled while the agent was down)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Intent:
+    """An owner someone asked to start. It ends only as completed or failed."""
+
+    id: str
+    owner: str
+    created_at: float
+    source: IntentSource
+
+
+@dataclass(frozen=True, kw_only=True)
+class State:
+    """Everything the machine knows. The default is a fresh agent: off, nothing pending.
+
+    ``reason``: in FAILED, what went wrong and what a human can do; in OFF, why the last
+    lendee start failed (lending then waits for an owner to stop or for ``resume``).
+    ``agent_up``: the lendee's guest agent answered guest-ping since the lendee last
+    started. ``shutdown_sent``: in STOPPING, the guest-agent shutdown was requested.
+    ``lendee_starting``: in OFF, a `StartLendee` is in flight and its outcome unknown.
+    ``intents``: pending start requests, oldest first; one owner may appear more than
+    once (two callers asked), each id ends on its own. ``hold``: automatic lending is
+    suspended. ``relend_at``: when a scheduled relend is due (None: none scheduled).
+    ``ticket``: bumped on every phase entry; see the module docstring.
+    """
+
+    phase: Phase = Phase.OFF
+    reason: str | None = None
+    agent_up: bool = False
+    shutdown_sent: bool = False
+    lendee_starting: bool = False
+    running_owners: frozenset[str] = frozenset()
+    intents: tuple[Intent, ...] = ()
+    hold: bool = False
+    relend_at: float | None = None
+    ticket: int = 0
+
+    def intents_of(self, owner: str) -> tuple[Intent, ...]:
+        return tuple(i for i in self.intents if i.owner == owner)
+
+    @property
+    def waiting_owners(self) -> tuple[str, ...]:
+        """Owners with a pending intent, each once, in the order they first asked."""
+        return tuple(dict.fromkeys(i.owner for i in self.intents))
+
+
+# --- events: facts, each stamped with the agent's clock --------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """Something that happened. ``at``: seconds on the agent's clock."""
+
+    at: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class OwnerWants(Event):
+    """Someone asked for `owner` to start (the hook deferred it, or a control request)."""
+
+    owner: str
+    intent_id: str
+    source: IntentSource
+
+
+@dataclass(frozen=True, kw_only=True)
+class OwnerStarted(Event):
+    """libvirt: the owner VM is running."""
+
+    owner: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class OwnerStopped(Event):
+    """libvirt: the owner VM stopped (shut down, crashed or destroyed)."""
+
+    owner: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LendeeStarted(Event):
+    """libvirt: the lendee VM is running (started by the agent or by hand)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LendeeStopped(Event):
+    """libvirt: the lendee VM stopped, whatever the cause."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentUp(Event):
+    """Report of `WaitAgent`: the lendee's guest agent answered guest-ping."""
+
+    ticket: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentTimeout(Event):
+    """Report of `WaitAgent`: the guest agent did not answer in time."""
+
+    ticket: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Drained(Event):
+    """Report of `Drain`: the node is cordoned and drained (or the policy let it pass)."""
+
+    ticket: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class DrainFailed(Event):
+    """Report of `Drain`: draining timed out and the policy is to abort."""
+
+    ticket: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShutdownTimeout(Event):
+    """Report of `ShutdownLendee`: the lendee ignored the guest-agent shutdown."""
+
+    ticket: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReturnDone(Event):
+    """Report of `KubeReturn`: Ready, every GPU seen, uncordoned."""
+
+    ticket: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReturnFailed(Event):
+    """Report of `KubeReturn`: the node did not come back whole (the node stays cordoned)."""
+
+    ticket: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RelendDue(Event):
+    """The relend timer set by `ScheduleRelend` fired."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartFailed(Event):
+    """Report of `StartOwner` or `StartLendee`: `vm` could not be started."""
+
+    vm: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hold(Event):
+    """An operator suspended lending."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resume(Event):
+    """An operator resumed lending (and asked to retry whatever failed)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Observed(Event):
+    """A fresh read of libvirt, at agent start or after a reconnect."""
+
+    lendee_running: bool
+    owners_running: frozenset[str]
+
+
+# --- actions: requests to the executor -------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Action:
+    """Something the executor must do. Actions that report back carry a ticket."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Drain(Action):
+    """Cordon (marking the cordon as ours) and drain the node; a running `KubeReturn`
+    is superseded. Reports `Drained` or `DrainFailed`."""
+
+    ticket: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class WaitAgent(Action):
+    """Poll guest-ping on the lendee, bounded. Reports `AgentUp` or `AgentTimeout`."""
+
+    ticket: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShutdownLendee(Action):
+    """Guest-agent shutdown of the lendee. Reports `LendeeStopped` or `ShutdownTimeout`."""
+
+    ticket: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForceOff(Action):
+    """Destroy the lendee (after the force_off_after grace). Reports `LendeeStopped`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartOwner(Action):
+    """Start the owner VM. Reports `OwnerStarted` or `StartFailed`."""
+
+    owner: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartLendee(Action):
+    """Start the lendee VM. Reports `LendeeStarted` or `StartFailed`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class KubeReturn(Action):
+    """Wait Ready and the GPUs, then uncordon (if we cordoned). Reports `ReturnDone`
+    or `ReturnFailed`."""
+
+    ticket: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleRelend(Action):
+    """Arm (or re-arm) the one relend timer to report `RelendDue` at `at`."""
+
+    at: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class CancelRelend(Action):
+    """Disarm the relend timer."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailIntent(Action):
+    """Tell whoever asked that the start request failed, and why."""
+
+    intent_id: str
+    owner: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompleteIntent(Action):
+    """Tell whoever asked that the owner is running."""
+
+    intent_id: str
+    owner: str
