@@ -16,7 +16,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from datetime import UTC, datetime
@@ -502,6 +504,8 @@ def run(cfg: Config) -> int:
     except StartupError as e:
         journal.record("agent", f"cannot start: {e}", result="failed",
                        priority=journal.Priority.ERR)
+        if "JOURNAL_STREAM" not in os.environ:  # under systemd, stderr *is* the journal
+            print(f"hostagent: cannot start: {e}", file=sys.stderr)
         return 2
     except asyncio.CancelledError:
         return 0

@@ -124,6 +124,7 @@ class Lab:
     cache: Path = REPO / ".lab"
     guest: image.GuestImage | None = None
     host_before: dict[str, object] = field(default_factory=dict)
+    mark_us: int = 0
     holder: subprocess.Popen[bytes] | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
@@ -199,6 +200,8 @@ class Lab:
         each test starts from."""
         if "agent" in self.procs:
             _stop(self.procs.pop("agent"))
+        # The journal outlives a test: records() only shows what came after this.
+        self.mark_us = time.time_ns() // 1000
         for dom in self.running():
             self.virsh("destroy", dom, check=False)
         for gpu, (gpu_uuid, name) in GPUS.items():
@@ -300,10 +303,15 @@ class Lab:
         # Under the lab root, which the namespace shares: /etc stays the machine's.
         return self.root / "agent" / "config.toml"
 
+    @staticmethod
+    def config_text(*, relend_delay: str = "2s") -> str:
+        return AGENT_CONFIG.format(relend_delay=relend_delay)
+
     def write_config(self, text: str | None = None, *, relend_delay: str = "2s") -> Path:
-        f = self.config
-        f.write_text(text if text is not None else AGENT_CONFIG.format(relend_delay=relend_delay))
-        return f
+        self.config.parent.mkdir(exist_ok=True)
+        self.config.write_text(text if text is not None
+                               else self.config_text(relend_delay=relend_delay))
+        return self.config
 
     def start_agent(self, *args: str) -> subprocess.Popen[bytes]:
         """`hostagent run` inside the lab, as systemd would start it."""
@@ -334,9 +342,20 @@ class Lab:
         """hostagent's journal records, optionally filtered on HOSTAGENT_* fields."""
         out = []
         for e in self.journal("SYSLOG_IDENTIFIER=hostagent"):
-            if all(e.get(f"HOSTAGENT_{k.upper()}") == v for k, v in match.items()):
+            if int(e["__REALTIME_TIMESTAMP"]) >= self.mark_us and all(e.get(f"HOSTAGENT_{k.upper()}") == v for k, v in match.items()):
                 out.append(e)
         return out
+
+    def wait_record(self, timeout: float = 60, **match: str) -> dict[str, Any]:
+        """The first journal record matching, once it is there."""
+        found: list[dict[str, Any]] = []
+        _wait_for(lambda: bool(found.extend(self.records(**match)) or found), timeout,
+                  f"a journal record with {match}")
+        return found[0]
+
+    def phases(self) -> list[str]:
+        """The lendee's phase transitions so far, as 'from>to'."""
+        return [f"{e['HOSTAGENT_FROM']}>{e['HOSTAGENT_TO']}" for e in self.records(event="phase")]
 
     # ---- domains ------------------------------------------------------------
     def gpu_image(self, gpu: str) -> Path:

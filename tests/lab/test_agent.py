@@ -1,0 +1,191 @@
+"""The agent end to end: real libvirtd, real hook, real guests, real journald."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import pytest
+
+from tests.lab.lab import Lab
+
+pytestmark = pytest.mark.lab
+
+DEFER = "hostagent is draining it and shutting it down to free them"
+
+
+def lent(lab: Lab, timeout: float = 60) -> None:
+    """Wait until the lendee is lent (a new LENT record after the last one seen)."""
+    before = len(lab.records(event="phase", to="lent"))
+    deadline = time.monotonic() + timeout
+    while len(lab.records(event="phase", to="lent")) <= before:
+        assert time.monotonic() < deadline, f"never lent again; phases: {lab.phases()}"
+        time.sleep(0.2)
+
+
+def wait_lent(lab: Lab, timeout: float = 60) -> None:
+    lab.wait_record(timeout, event="phase", to="lent")
+
+
+def status(lab: Lab) -> dict:
+    out = lab.hostagent("status", "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_full_cycle_virsh_start_reclaims_and_the_game_end_lends_back(lab: Lab) -> None:
+    lab.start_agent()
+    wait_lent(lab)
+    assert lab.state("gpu-node") == "running"
+    st = status(lab)
+    assert st["lendee"]["phase"] == "lent"
+    assert {g["gpu"]: g["holder"] for g in st["gpus"]} == {"gpu-a": "gpu-node",
+                                                          "gpu-b": "gpu-node"}
+
+    refused = lab.virsh("start", "gaming1", check=False)
+    assert refused.returncode != 0
+    assert DEFER in refused.stderr and "gaming1 will start by itself" in refused.stderr
+    assert "journalctl -u hostagent -f" in refused.stderr
+    lab.wait_state("gaming1", "running", timeout=60)
+    assert lab.state("gpu-node") == "shut off"
+    # It powered off through its guest agent, not by destroy.
+    assert "lab guest: shutdown" in lab.console("gpu-node")
+    st = status(lab)
+    assert {g["gpu"]: g["holder"] for g in st["gpus"]} == {"gpu-a": "gaming1", "gpu-b": None}
+    assert st["intents"] == []
+
+    lab.wait_agent("gaming1")
+    lab.virsh("shutdown", "--mode", "agent", "gaming1")
+    lent(lab)
+    assert lab.state("gpu-node") == "running"
+    assert lab.phases() == ["off>booting", "booting>joining", "joining>lent", "lent>draining",
+                            "draining>stopping", "stopping>off", "off>booting",
+                            "booting>joining", "joining>lent"]
+    # One structured record per transition, with stable fields and a duration.
+    for rec in lab.records(event="phase"):
+        assert rec["SYSLOG_IDENTIFIER"] == "hostagent"
+        assert rec["HOSTAGENT_VM"] == "gpu-node"
+        assert int(rec["HOSTAGENT_DURATION_MS"]) >= 0
+        assert rec["HOSTAGENT_RESULT"] == "ok"
+    intent = lab.records(event="intent", to="pending")
+    assert len(intent) == 1 and intent[0]["HOSTAGENT_VM"] == "gaming1"
+    assert "gaming1 will start by itself" in intent[0]["MESSAGE"]
+    assert len(lab.records(event="intent", to="done")) == 1
+
+
+def test_owner_started_while_the_lendee_boots_waits_for_its_agent(lab: Lab) -> None:
+    lab.define("gpu-node", agent_delay=8)
+    lab.start_agent()
+    lab.wait_record(event="phase", to="booting")
+    refused = lab.virsh("start", "gaming1", check=False)
+    assert refused.returncode != 0
+    lab.wait_state("gaming1", "running", timeout=90)
+    console = lab.console("gpu-node")
+    # The guest agent came up first, then the shutdown went through it: never a
+    # shutdown sent into a VM whose agent was not answering, never a destroy.
+    assert console.index("starting qemu-ga") < console.index("lab guest: shutdown")
+    assert not lab.records(event="phase", to="failed")
+
+
+def test_two_owners_within_100ms_share_one_reclaim(lab: Lab) -> None:
+    lab.start_agent()
+    wait_lent(lab)
+    results = {}
+
+    def start(vm: str) -> None:
+        results[vm] = lab.virsh("start", vm, check=False)
+
+    threads = [threading.Thread(target=start, args=(vm,)) for vm in ("gaming1", "gaming2")]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert all(r.returncode != 0 for r in results.values())
+    lab.wait_state("gaming1", "running", timeout=60)
+    lab.wait_state("gaming2", "running", timeout=60)
+    assert lab.phases().count("lent>draining") == 1
+    assert lab.phases().count("stopping>off") == 1
+    assert len(lab.records(event="intent", to="done")) == 2
+
+
+def test_owner_restarted_within_relend_delay_does_not_boot_the_lendee(lab: Lab) -> None:
+    lab.write_config(relend_delay="20s")
+    lab.start_agent()
+    wait_lent(lab)
+    lab.virsh("start", "gaming1", check=False)
+    lab.wait_state("gaming1", "running", timeout=60)
+    lab.virsh("destroy", "gaming1")
+    lab.wait_record(event="owner", to="off")
+    lab.virsh("start", "gaming1")  # within the delay: gpu-node is off, nothing to reclaim
+    assert lab.state("gaming1") == "running"
+    time.sleep(1)
+    assert lab.phases().count("off>booting") == 1  # only the first lend
+    assert status(lab)["relend_in_s"] is None
+
+
+def test_lendee_started_by_hand_mid_game_is_deferred(lab: Lab) -> None:
+    lab.start_agent()
+    wait_lent(lab)
+    lab.virsh("start", "gaming1", check=False)
+    lab.wait_state("gaming1", "running", timeout=60)
+    refused = lab.virsh("start", "gpu-node", check=False)
+    assert refused.returncode != 0
+    assert "gpu-node's GPUs are in use by gaming1" in refused.stderr
+    assert lab.state("gaming1") == "running"
+    assert lab.state("gpu-node") == "shut off"
+
+
+def test_agent_killed_mid_reclaim_finishes_after_restart(lab: Lab) -> None:
+    # A slow guest agent keeps the reclaim in STOPPING long enough to kill us there.
+    lab.define("gpu-node", agent_delay=10)
+    lab.start_agent()
+    lab.wait_record(event="phase", to="booting")
+    refused = lab.virsh("start", "gaming1", check=False)
+    assert refused.returncode != 0
+    lab.wait_record(event="phase", to="stopping")
+    lab.stop_agent(signal.SIGKILL)
+    saved = (lab.root / "var-lib-hostagent" / "state.toml").read_text()
+    assert 'owner = "gaming1"' in saved  # persisted before the hook heard "defer"
+    assert lab.state("gpu-node") == "running"
+    lab.start_agent()
+    lab.wait_state("gaming1", "running", timeout=90)
+    assert lab.state("gpu-node") == "shut off"
+    assert "lab guest: shutdown" in lab.console("gpu-node")
+    assert len(lab.records(event="intent", to="done")) == 1
+
+
+def test_libvirtd_restart_mid_game_reconnects_and_lends_back(lab: Lab) -> None:
+    lab.start_agent()
+    wait_lent(lab)
+    lab.virsh("start", "gaming1", check=False)
+    lab.wait_state("gaming1", "running", timeout=60)
+    lab.restart_libvirtd()
+    assert lab.state("gaming1") == "running"  # reconnect begin did not fail
+    lab.wait_agent("gaming1")
+    time.sleep(2)  # the agent's reconnect backoff
+    lab.virsh("shutdown", "--mode", "agent", "gaming1")
+    lent(lab, timeout=90)
+    assert lab.state("gpu-node") == "running"
+
+
+def test_unknown_domain_in_config_is_a_clear_startup_error(lab: Lab) -> None:
+    lab.write_config(lab.config_text().replace("[owners.gaming2]", "[owners.gaming3]"))
+    proc = lab.start_agent()
+    assert proc.wait(30) == 2
+    for text in ((lab.root / "agent.log").read_text(),
+                 lab.wait_record(event="agent", result="failed")["MESSAGE"]):
+        assert "owners.gaming3: libvirt" in text and "has no domain 'gaming3'" in text
+        assert "virsh define" in text
+
+
+def test_garbage_state_file_is_kept_and_rebuilt_from_reality(lab: Lab) -> None:
+    state = lab.root / "var-lib-hostagent" / "state.toml"
+    state.write_text("intents = [[[ garbage")
+    lab.start_agent()
+    wait_lent(lab)
+    err = lab.records(event="state")
+    assert err and "corrupt" in err[0]["MESSAGE"]
+    assert list(state.parent.glob("state.toml.corrupt-*"))
