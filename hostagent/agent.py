@@ -120,6 +120,8 @@ class Agent:
         self._tasks: set[asyncio.Task[None]] = set()
         self._relend: asyncio.TimerHandle | None = None
         self._stopped: dict[str, asyncio.Event] = {}
+        # Set when libvirt sees the lendee's qemu-ga connect: wakes the guest-ping wait.
+        self._agent_connected = asyncio.Event()
         # Control clients waiting on an intent: intent id → future of (ok, message).
         self._waiters: dict[str, asyncio.Future[tuple[bool, str]]] = {}
         self._fatal: asyncio.Future[BaseException] | None = None
@@ -244,6 +246,9 @@ class Agent:
         now = _now()
         if kind is Lifecycle.STOPPED:
             self._stopped.setdefault(domain, asyncio.Event()).set()
+        if kind is Lifecycle.AGENT_CONNECTED:
+            self._agent_connected.set()
+            return
         if domain == self.lendee:
             running = self.state.phase is not Phase.OFF
             if kind is Lifecycle.STARTED and not running:
@@ -333,21 +338,28 @@ class Agent:
             self.apply(DrainFailed(at=_now(), ticket=ticket, reason=problem))
 
     async def _wait_agent(self, ticket: int) -> None:
-        """guest-ping until it answers, bounded: the agent needs 30-60 s in a fresh VM."""
+        """guest-ping until it answers, bounded: the agent needs 30-60 s in a fresh VM.
+
+        libvirt tells us when qemu-ga connects its port, so the wait is mostly asleep;
+        the pings with backoff are what decides (a connected agent may still not answer).
+        """
         deadline = time.monotonic() + self.cfg.timeouts.guest_agent
-        delay = 0.5
+        delay = 1.0
         while self._current(ticket):
+            self._agent_connected.clear()
             try:
                 if await self.libvirt.ping_agent(self.lendee, timeout=3):
                     self.apply(AgentUp(at=_now(), ticket=ticket))
                     return
             except DomainNotFound:
                 pass
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 self.apply(AgentTimeout(at=_now(), ticket=ticket))
                 return
-            await asyncio.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 1.5, 3.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._agent_connected.wait(), min(delay, left))
+            delay = min(delay * 1.5, 5.0)
 
     async def _shutdown(self, ticket: int) -> None:
         stopped = self._stopped.setdefault(self.lendee, asyncio.Event())
@@ -378,12 +390,24 @@ class Agent:
             await self.libvirt.destroy(self.lendee)
 
     async def _start(self, vm: str) -> None:
-        try:
-            await asyncio.wait_for(self.libvirt.start(vm), self.cfg.timeouts.start)
-        except (HostError, TimeoutError) as e:
-            reason = str(e) or f"no answer within {self.cfg.timeouts.start:g}s"
-            self.apply(StartFailed(at=_now(), vm=vm, reason=reason))
-            return
+        """Start a VM; a failed start is retried twice with jittered backoff (starting a
+        running VM is a no-op, so retrying is safe), all within timeouts.start."""
+        deadline = time.monotonic() + self.cfg.timeouts.start
+        for attempt in range(3):
+            try:
+                await asyncio.wait_for(self.libvirt.start(vm), deadline - time.monotonic())
+                break
+            except DomainNotFound as e:
+                self.apply(StartFailed(at=_now(), vm=vm, reason=str(e)))
+                return
+            except (HostError, TimeoutError) as e:
+                reason = str(e) or f"no answer within {self.cfg.timeouts.start:g}s"
+                pause = (1 + attempt) * (0.5 + random.random())
+                if attempt == 2 or time.monotonic() + pause >= deadline:
+                    self.apply(StartFailed(at=_now(), vm=vm, reason=reason))
+                    return
+                log.warning("starting %s failed (%s); retrying in %.1fs", vm, reason, pause)
+                await asyncio.sleep(pause)
         # The lifecycle event normally got here first; if it was lost, reality decides.
         self._lifecycle(vm, Lifecycle.STARTED)
 

@@ -44,6 +44,7 @@ class Disconnected(HostError):
 class Lifecycle(enum.StrEnum):
     STARTED = "started"
     STOPPED = "stopped"
+    AGENT_CONNECTED = "agent-connected"  # qemu-ga opened its port: worth a ping now
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ class Libvirt:
                 delay = min(delay * 2, 10.0)
         conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_LIFECYCLE,
                                     self._lifecycle, None)
+        conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_AGENT_LIFECYCLE,
+                                    self._agent_lifecycle, None)
         conn.registerCloseCallback(self._closed, None)
         # Keepalive lets us notice a hung or killed libvirtd without a failing call.
         conn.setKeepAlive(5, 3)
@@ -112,6 +115,11 @@ class Libvirt:
                 libvirt.VIR_DOMAIN_EVENT_STOPPED: Lifecycle.STOPPED}.get(event)
         if kind is not None:
             self._on_lifecycle(dom.name(), kind)
+
+    def _agent_lifecycle(self, _conn: Any, dom: Any, state: int, _reason: int,
+                         _opaque: Any) -> None:
+        if state == libvirt.VIR_CONNECT_DOMAIN_EVENT_AGENT_LIFECYCLE_STATE_CONNECTED:
+            self._on_lifecycle(dom.name(), Lifecycle.AGENT_CONNECTED)
 
     def _closed(self, _conn: Any, reason: int, _opaque: Any) -> None:
         log.warning("lost the connection to libvirtd (reason %d); reconnecting", reason)

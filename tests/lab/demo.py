@@ -1,0 +1,98 @@
+"""`make demo`: the real swap in the lab, with hostagent's journal printed as it comes.
+
+gpu-node (the lendee) is lent; `virsh start gaming1` is deferred by the hook while the
+agent reclaims gaming1's GPU; gaming1 runs; `virsh shutdown gaming1`; gpu-node is lent
+again. Every component is real except the Kubernetes API server (not installed here).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tests.lab.lab import Lab, need_lab
+
+
+def say(text: str) -> None:
+    print(f"\n\033[1m{text}\033[0m", flush=True)
+
+
+def shell(lab: Lab, *argv: str) -> subprocess.CompletedProcess[str]:
+    print(f"$ {' '.join(argv)}", flush=True)
+    if argv[0] == "virsh":
+        out = lab.virsh(*argv[1:], check=False)
+    else:
+        out = lab.hostagent(*argv[1:])
+    for text in (out.stdout.strip(), out.stderr.strip()):
+        if text:
+            print("  " + text.replace("\n", "\n  "), flush=True)
+    return out
+
+
+def wait_phase(lab: Lab, to: str, count: int, timeout: float = 120) -> float:
+    start = time.monotonic()
+    while len(lab.records(event="phase", to=to)) < count:
+        if time.monotonic() - start > timeout:
+            raise TimeoutError(f"gpu-node never reached {to}; phases: {lab.phases()}")
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def main() -> int:
+    reason = need_lab()
+    if reason:
+        print(f"demo: {reason}", file=sys.stderr)
+        return 1
+    lab = Lab(Path(tempfile.mkdtemp(prefix="hostagent-demo-")))
+    follow: subprocess.Popen[bytes] | None = None
+    try:
+        say("Bringing up the lab: private libvirtd + journald, gpu-node, gaming1, gaming2")
+        t = time.monotonic()
+        lab.up()
+        lab.reset()
+        print(f"  lab up in {time.monotonic() - t:.1f}s; libvirt at {lab.uri}")
+        say("Starting hostagent; following its journal (journalctl -f, the lab's journald)")
+        follow = subprocess.Popen(["journalctl", "-D", str(lab.root / "journal"), "-f", "-n", "0",
+                                   "-o", "short-precise", "SYSLOG_IDENTIFIER=hostagent"])
+        lab.start_agent()
+        wait_phase(lab, "lent", 1)
+        shell(lab, "hostagent", "status")
+
+        say("A player starts gaming1, whose GPU gpu-node holds")
+        t = time.monotonic()
+        shell(lab, "virsh", "start", "gaming1")
+        lab.wait_state("gaming1", "running", timeout=120)
+        reclaim = time.monotonic() - t
+        print(f"  gaming1 running {reclaim:.1f}s after `virsh start`", flush=True)
+        shell(lab, "hostagent", "status")
+
+        say("The game ends")
+        lab.wait_agent("gaming1")
+        t = time.monotonic()
+        shell(lab, "virsh", "shutdown", "--mode", "agent", "gaming1")
+        wait_phase(lab, "lent", 2)
+        lend = time.monotonic() - t
+        print(f"  gpu-node lent again {lend:.1f}s after the shutdown "
+              f"(relend_delay 2s in the lab)", flush=True)
+        shell(lab, "hostagent", "status")
+
+        say("Phases, as recorded in the journal")
+        for rec in lab.records(event="phase"):
+            print(f"  {rec['HOSTAGENT_FROM']:>9} → {rec['HOSTAGENT_TO']:<9}"
+                  f" after {int(rec['HOSTAGENT_DURATION_MS']) / 1000:6.2f}s  {rec['MESSAGE']}")
+        print(f"\n  reclaim (virsh start → gaming1 running): {reclaim:.1f}s")
+        print(f"  lend (gaming1 shutdown → gpu-node lent): {lend:.1f}s")
+        return 0
+    finally:
+        time.sleep(0.3)  # let journalctl print the last lines
+        if follow is not None:
+            follow.terminate()
+            follow.wait()
+        lab.down()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
