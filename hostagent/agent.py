@@ -261,14 +261,16 @@ class Agent:
                 if self.apply(OwnerStarted(at=now, owner=domain)):
                     journal.record("owner", f"{domain} is running: it holds "
                                    f"{self._gpu_names(self.topo.owners[domain])}",
-                                   vm=domain, from_="off", to="running", result="ok")
+                                   vm=domain, from_="off", to="running", result="ok",
+                                   holders=self._holders())
             elif kind is Lifecycle.STOPPED and running:
                 if self.apply(OwnerStopped(at=now, owner=domain)):
                     then = (f"lending them back in {self.policy.relend_delay:g}s"
                             if self.state.relend_at else "they stay free")
                     journal.record("owner", f"{domain} stopped: "
                                    f"{self._gpu_names(self.topo.owners[domain])} free; {then}",
-                                   vm=domain, from_="running", to="off", result="ok")
+                                   vm=domain, from_="running", to="off", result="ok",
+                                   holders=self._holders())
 
     # ---- actions ---------------------------------------------------------------------
     def _execute(self, action: Action) -> None:
@@ -452,7 +454,13 @@ class Agent:
         journal.record("phase", messages[new.phase], vm=lendee, from_=old.phase.value,
                        to=new.phase.value, duration_ms=took,
                        result="failed" if failed else "ok", cause=type(event).__name__,
+                       holders=self._holders(),
                        priority=journal.Priority.ERR if failed else journal.Priority.INFO)
+
+    def _holders(self) -> str:
+        """HOSTAGENT_HOLDERS: who holds each GPU after this transition, for `history`."""
+        return ",".join(f"{gpu}={vm or '-'}" for gpu, vm in
+                        machine.holders(self.state, self.topo).items())
 
     def _record_intent(self, intent: Intent) -> None:
         shared = self.topo.shared_gpus(intent.owner)
