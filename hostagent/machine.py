@@ -12,15 +12,18 @@ One lendee VM (a Kubernetes worker) borrows GPUs that owner VMs (games) own. The
 lendee's domain XML holds all its GPUs, so it can only run when no owner that needs one
 of them runs; and an owner that needs one may only start once the lendee is off::
 
-        StartLendee        AgentUp             ReturnDone
-    OFF ──(Lendee- ──▶ BOOTING ──▶ JOINING ─────────────▶ LENT
-     ▲    Started)        │           │                    │
-     │                    └───────────┴─── OwnerWants ─────┤
-     │                                                     ▼
-     │  LendeeStopped                     Drained      DRAINING
-     └──────────────── STOPPING ◀──────────────────────────┘
-      (StartOwner for     WaitAgent → AgentUp → ShutdownLendee
-       every waiting owner)
+              RelendDue → StartLendee,
+        ┌──── then LendeeStarted ─────┐
+        │                             ▼
+       OFF                         BOOTING ── AgentUp → KubeReturn ──▶ JOINING
+        ▲                             │                                   │
+        │                             │ OwnerWants → Drain                │ ReturnDone
+        │                             ▼   (from JOINING, LENT, FAILED too) ▼
+        │ LendeeStopped            DRAINING ◀──────── OwnerWants ──────── LENT
+        │ → StartOwner for            │
+        │   each waiting owner        │ Drained → WaitAgent
+        └──────── STOPPING ◀──────────┘
+                  AgentUp → ShutdownLendee
 
 FAILED is where the lendee stays, running, when a step cannot finish without a human:
 its guest agent never answered, it ignored a shutdown, the drain was aborted, or the
@@ -112,10 +115,11 @@ from hostagent.model import (
 __all__ = [
     "FOLLOW",
     "TRANSITIONS",
-    "IllegalTransition",
     "Decision",
+    "IllegalTransition",
     "holders",
     "step",
+    "still_wanted",
     "verdict",
 ]
 
@@ -130,7 +134,7 @@ class IllegalTransition(Exception):
     def __init__(self, phase: Phase, event: Event, why: str = "") -> None:
         self.phase = phase
         self.event = event
-        self.why = why or f"{phase} does not accept it"
+        self.why = why or "no rule for it in this phase"
         super().__init__(f"{type(event).__name__} refused in phase {phase}: {self.why}")
 
 
@@ -146,8 +150,9 @@ class _Ctx:
 
 
 def _enter(state: State, phase: Phase, **changes: Any) -> State:
-    """`state` in `phase`, with a new ticket: reports for the previous phase go stale."""
-    return replace(state, phase=phase, ticket=state.ticket + 1, **changes)
+    """`state` in `phase`, with a new ticket: actions and reports of the previous phase
+    go stale. No phase begins with a shutdown already sent (STOPPING sends its own)."""
+    return replace(state, phase=phase, ticket=state.ticket + 1, shutdown_sent=False, **changes)
 
 
 def _stale(state: State, event: Event, why: str) -> IllegalTransition:
@@ -216,13 +221,13 @@ def _start_waiting(state: State, topo: Topology, *, all_owners: bool = False) ->
 
 def _reclaim(state: State) -> _Outcome:
     """Begin taking the GPUs back: cordon and drain first, never shut down a busy node."""
-    new = _enter(state, Phase.DRAINING, reason=None, shutdown_sent=False)
+    new = _enter(state, Phase.DRAINING, reason=None)
     return new, [Drain(ticket=new.ticket)]
 
 
 def _boot(state: State) -> _Outcome:
     """The lendee runs and nobody wants its GPUs: wait for its agent, then lend it."""
-    new = _enter(state, Phase.BOOTING, reason=None, agent_up=False, shutdown_sent=False)
+    new = _enter(state, Phase.BOOTING, reason=None, agent_up=False)
     return new, [WaitAgent(ticket=new.ticket)]
 
 
@@ -431,7 +436,6 @@ def _observed(state: State, event: Observed, ctx: _Ctx) -> _Outcome:
         new,
         Phase.OFF,
         agent_up=False,
-        shutdown_sent=False,
         reason=new.reason if new.phase is Phase.OFF else None,
     )
     actions += _start_waiting(new, ctx.topo, all_owners=True)
@@ -463,15 +467,18 @@ def _relend_due(state: State, event: RelendDue, ctx: _Ctx) -> _Outcome:
     """OFF → the relend timer fired: start the lendee, and stay OFF until it runs.
 
     The start may fail (StartFailed), and until it succeeds the GPUs are not held, so
-    the phase says OFF; `lendee_starting` makes owners wait instead of racing it. A
-    timer that was cancelled or re-armed since (its RelendDue already queued) is stale.
-    No further check is needed: the bookkeeping after every step cancels a relend the
-    moment it stops being allowed, so an armed timer means lending is allowed.
+    the phase says OFF; `lendee_starting` makes owners wait instead of racing it.
+
+    A timer that was cancelled is stale. Nothing else is checked, on purpose:
+    - not the conditions: the bookkeeping after every step cancels a relend the moment
+      it stops being allowed, so an armed timer means lending is allowed;
+    - not ``at`` against ``relend_at``: the executor keeps one timer and replaces it on
+      every `ScheduleRelend`, so the one that fires is the current one; and timers run on
+      a monotonic clock while events are stamped with wall time, which may lag it by a
+      few milliseconds. Refusing an "early" timer would lose the relend for good.
     """
     if state.relend_at is None:
         raise _stale(state, event, "no relend is scheduled")
-    if event.at < state.relend_at:
-        raise _stale(state, event, f"the relend is due at {state.relend_at}, not {event.at}")
     return replace(state, relend_at=None, lendee_starting=True), [StartLendee()]
 
 
@@ -531,12 +538,12 @@ def _drained(state: State, event: Drained, ctx: _Ctx) -> _Outcome:
     restarted inside the guest since, and a shutdown it cannot receive is the bug this
     project exists to avoid. If it answers at once, this costs one round trip.
 
-    The reclaim is finished even if the reason for it went away meanwhile (the owner's
-    request failed, or the owner that appeared by hand stopped): a half-drained node is
-    the worst of both worlds, and the relend after it is automatic.
+    The reclaim is finished even if the reason for it went away meanwhile (the owner
+    that appeared by hand stopped again): a cordoned, half-drained node is the worst of
+    both worlds, and the relend after the shutdown is automatic.
     """
     _check_ticket(state, event)
-    new = _enter(state, Phase.STOPPING, shutdown_sent=False)
+    new = _enter(state, Phase.STOPPING)
     return new, [WaitAgent(ticket=new.ticket)]
 
 
@@ -589,7 +596,7 @@ def _shutdown_timeout(state: State, event: ShutdownTimeout, ctx: _Ctx) -> _Outco
 
 def _give_up_stopping(state: State, ctx: _Ctx, what: str) -> _Outcome:
     if ctx.policy.force_off:
-        return state, [ForceOff()]
+        return state, [ForceOff(ticket=state.ticket)]
     lendee = ctx.topo.lendee
     return _enter(
         state,
@@ -606,7 +613,7 @@ def _lendee_stopped(state: State, event: LendeeStopped, ctx: _Ctx) -> _Outcome:
     """Any running phase → OFF, whatever stopped it: our shutdown, a destroy, a crash,
     a human. The GPUs are free: start every owner that waited for them. If nobody did
     and nobody plays, lend again after `relend_delay` (a crashed lendee comes back)."""
-    new = _enter(state, Phase.OFF, agent_up=False, shutdown_sent=False, reason=None)
+    new = _enter(state, Phase.OFF, agent_up=False, reason=None)
     starts = _start_waiting(new, ctx.topo)
     new, relend = _schedule_relend(new, ctx, event.at + ctx.policy.relend_delay)
     return new, starts + relend
@@ -733,10 +740,10 @@ def verdict(state: State, domain: str, *, topo: Topology) -> tuple[Decision, str
     if domain == lendee:
         playing = sorted(o for o in state.running_owners if topo.needs_lendee_gpus(o))
         if playing:
+            stop = "that VM stops" if len(playing) == 1 else "those VMs stop"
             return "defer", (
                 f"{lendee}'s GPUs are in use by {', '.join(playing)}; hostagent lends them "
-                f"again by itself when {'that VM stops' if len(playing) == 1 else 'those VMs stop'}"
-                f" ({FOLLOW})"
+                f"again by itself when {stop} ({FOLLOW})"
             )
         waiting = [o for o in state.waiting_owners if topo.needs_lendee_gpus(o)]
         if waiting:
@@ -758,8 +765,8 @@ def verdict(state: State, domain: str, *, topo: Topology) -> tuple[Decision, str
     match state.phase:
         case Phase.OFF:
             what = (
-                f"{lendee} is starting and about to take {gpus}; hostagent will shut it "
-                f"down cleanly to free them and {later} then"
+                f"{lendee} is starting and would take {gpus}; hostagent frees them first "
+                f"(shutting {lendee} down cleanly if it got them), and {later} then"
             )
         case Phase.BOOTING | Phase.JOINING | Phase.LENT:
             what = (
@@ -775,10 +782,35 @@ def verdict(state: State, domain: str, *, topo: Topology) -> tuple[Decision, str
             what = f"{lendee} is shutting down to free {gpus}; {later} when it has stopped"
         case Phase.FAILED:
             what = (
-                f"{lendee} holds {gpus} and is stuck ({state.reason}); hostagent "
-                f"retries, and {later} once {lendee} stops"
+                f"{lendee} holds {gpus} and is stuck (`hostagent status` says why); "
+                f"hostagent retries now, and {later} once {lendee} stops"
             )
     return "defer", f"{what} ({FOLLOW})"
+
+
+def still_wanted(state: State, action: Action, *, topo: Topology) -> bool:
+    """Whether `action`, emitted earlier, should still be run in `state`.
+
+    The executor asks just before it runs an action, and skips (and logs) the ones that
+    went stale in the queue. The lendee's actions are wanted while their ticket is
+    current. A `StartOwner` while its owner still waits and, if it shares a GPU with the
+    lendee, the lendee is off with no start in flight: a start nobody waits for any
+    more would be deferred by the hook, which would record it as a *new* request and
+    start a game nobody asked for. A `StartLendee` while its start is expected. The
+    rest (timers, answers to callers) always.
+    """
+    match action:
+        case Drain() | WaitAgent() | ShutdownLendee() | ForceOff() | KubeReturn():
+            return action.ticket == state.ticket
+        case StartOwner(owner=owner):
+            if not state.intents_of(owner) or owner in state.running_owners:
+                return False
+            if not topo.needs_lendee_gpus(owner):
+                return True
+            return state.phase is Phase.OFF and not state.lendee_starting
+        case StartLendee():
+            return state.lendee_starting
+    return True
 
 
 def holders(state: State, topo: Topology) -> dict[str, str | None]:

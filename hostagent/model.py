@@ -17,14 +17,20 @@ Three kinds of values live here:
 
 Tickets
 -------
-Some actions report back: `WaitAgent` answers `AgentUp` or `AgentTimeout`, `Drain`
-answers `Drained` or `DrainFailed`, and so on. The executor runs them concurrently with
-everything else, so a report can arrive after the situation that asked for it is gone
-(the node was drained while the boot-time `WaitAgent` was still waiting, and its timeout
-now lands in the middle of the shutdown). Each such action carries the ``ticket`` of the
-phase that issued it, and its report carries the same ticket back; the machine bumps the
-ticket whenever it enters a phase, and refuses a report whose ticket is not current.
-This is how "stale" is decided: by bookkeeping, not by guessing from timestamps.
+The executor runs actions concurrently with everything else, so an action can outlive
+the situation that asked for it, and so can its report (the node was drained while the
+boot-time `WaitAgent` was still waiting, and its timeout now lands in the middle of the
+shutdown). The lendee's actions (`Drain`, `WaitAgent`, `ShutdownLendee`, `ForceOff`,
+`KubeReturn`) carry the ``ticket`` of the phase that issued them; the machine bumps the
+ticket whenever it enters a phase. Both directions use it:
+
+- a report (`AgentUp`, `Drained`, ...) carries its action's ticket back, and the machine
+  refuses one whose ticket is not current;
+- the executor does not *start* an action the machine no longer wants
+  (`hostagent.machine.still_wanted`), and cancels one in progress when its ticket goes
+  stale: a late `Drain` must not cordon a node that has been lent again since.
+
+Staleness is decided by bookkeeping, not by guessing from timestamps.
 """
 
 from __future__ import annotations
@@ -110,12 +116,17 @@ class Topology:
         return domain in self.owners
 
     def needs_lendee_gpus(self, owner: str) -> bool:
-        """Whether `owner` can only run while the lendee is off. KeyError if unknown."""
-        return not self.owners[owner].isdisjoint(self.lendee_gpus)
+        """Whether `owner` can only run while the lendee is off.
+
+        False for a VM that is not an owner: it needs nothing from the lendee. (An intent
+        persisted for an owner since removed from the configuration must not crash the
+        agent before `Observed` fails it.)
+        """
+        return bool(self.shared_gpus(owner))
 
     def shared_gpus(self, owner: str) -> frozenset[str]:
         """The GPUs `owner` and the lendee both use (empty if they never meet)."""
-        return self.owners[owner] & self.lendee_gpus
+        return self.owners.get(owner, frozenset()) & self.lendee_gpus
 
     @property
     def gpus(self) -> frozenset[str]:
@@ -342,7 +353,7 @@ class Observed(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Action:
-    """Something the executor must do. Actions that report back carry a ticket."""
+    """Something the executor must do. The lendee's actions carry a ticket."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -370,6 +381,8 @@ class ShutdownLendee(Action):
 @dataclass(frozen=True, kw_only=True)
 class ForceOff(Action):
     """Destroy the lendee (after the force_off_after grace). Reports `LendeeStopped`."""
+
+    ticket: int
 
 
 @dataclass(frozen=True, kw_only=True)
