@@ -1,0 +1,107 @@
+"""systemd/hostagent.service: systemd itself accepts it, and it says what the agent needs.
+
+`systemd-analyze verify` runs against a temporary root that holds the unit where
+`make install` puts it, a stub executable at its ExecStart= path and stub targets
+for the default dependencies, so nothing of this machine's systemd is consulted.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+UNIT = REPO / "systemd" / "hostagent.service"
+ANALYZE = shutil.which("systemd-analyze")
+needs_analyze = pytest.mark.skipif(
+    ANALYZE is None, reason="systemd-analyze is not installed (Debian package systemd)"
+)
+
+
+def settings(text: str) -> dict[str, list[str]]:
+    """Every `Key=value` of a unit, by key, in order (comments and sections dropped)."""
+    found: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";", "[")):
+            continue
+        key, _, value = line.partition("=")
+        found.setdefault(key, []).append(value)
+    return found
+
+
+def stub_root(tmp_path: Path, unit_text: str) -> Path:
+    root = tmp_path / "root"
+    units = root / "etc" / "systemd" / "system"
+    units.mkdir(parents=True)
+    (units / "hostagent.service").write_text(unit_text)
+    # The default dependencies of a service; the agent's own Wants= may be absent.
+    vendor = root / "usr" / "lib" / "systemd" / "system"
+    vendor.mkdir(parents=True)
+    for target in ("sysinit", "basic", "shutdown", "multi-user", "network-online"):
+        (vendor / f"{target}.target").write_text("[Unit]\nDescription=stub\n")
+    for command in settings(unit_text)["ExecStart"]:
+        executable = root / command.split()[0].lstrip("/")
+        executable.parent.mkdir(parents=True, exist_ok=True)
+        executable.write_text("#!/bin/sh\nexit 0\n")
+        executable.chmod(0o755)
+    return root
+
+
+def analyze(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    assert ANALYZE is not None
+    return subprocess.run(
+        [ANALYZE, *args, f"--root={root}", "hostagent.service"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )
+
+
+@needs_analyze
+def test_systemd_analyze_verify_accepts_the_unit(tmp_path: Path) -> None:
+    out = analyze(stub_root(tmp_path, UNIT.read_text()), "verify")
+    # An unknown or misspelt key is only a warning ("ignoring"): any output fails.
+    assert (out.returncode, out.stdout + out.stderr) == (0, "")
+
+
+@needs_analyze
+def test_verify_would_catch_a_mistake(tmp_path: Path) -> None:
+    """The check above is not vacuous: a misspelt key does produce output."""
+    text = UNIT.read_text().replace("WatchdogSec=", "WatchDogSec=")
+    out = analyze(stub_root(tmp_path, text), "verify")
+    assert "WatchDogSec" in out.stderr
+
+
+@needs_analyze
+def test_hardening_keeps_exposure_low(tmp_path: Path) -> None:
+    root = stub_root(tmp_path, UNIT.read_text())
+    out = analyze(root, "security", "--offline=yes", "--threshold=30")
+    if "--offline" in out.stderr and "unrecognized" in out.stderr:
+        pytest.skip("this systemd-analyze has no offline security review (systemd < 250)")
+    level = re.search(r"Overall exposure level for hostagent\.service: ([\d.]+)", out.stdout)
+    assert level is not None, out.stdout + out.stderr
+    assert out.returncode == 0, f"exposure {level.group(1)} is over 3.0:\n{out.stdout}"
+
+
+def test_the_unit_says_what_the_issue_asks() -> None:
+    s = settings(UNIT.read_text())
+    assert s["Type"] == ["notify"]
+    assert s["WatchdogSec"] and s["Restart"] == ["on-failure"]
+    assert "libvirtd.service" in " ".join(s["After"]).split()
+    assert "libvirtd.service" in " ".join(s["Wants"]).split()
+    assert "Requires" not in s and "BindsTo" not in s  # a libvirtd restart must not stop us
+    assert s["RuntimeDirectory"] == ["hostagent"] and s["StateDirectory"] == ["hostagent"]
+    assert s["ExecStart"] == [
+        "/opt/hostagent/bin/hostagent --config /etc/hostagent/config.toml run"
+    ]
+    assert s["ProtectSystem"] == ["strict"]
+    assert s["NoNewPrivileges"] == ["yes"] and s["PrivateTmp"] == ["yes"]
+    assert s["SystemCallFilter"] == ["@system-service"]
+    families = s["RestrictAddressFamilies"][0].split()
+    # libvirt, the hook and control sockets, journald; the Kubernetes API over TCP.
+    assert {"AF_UNIX", "AF_INET", "AF_INET6"} <= set(families)
+    assert "ProtectHome" in s
+
