@@ -20,7 +20,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -140,7 +140,7 @@ class Agent:
                 self._record_intent(intent)
         if old.phase is not new.phase:
             self._record_phase(old, new, event)
-        if old.intents != new.intents or old.phase is not new.phase:
+        if (old.intents, old.phase, old.hold) != (new.intents, new.phase, new.hold):
             self._save()
         for action in actions:
             self._execute(action)
@@ -155,11 +155,12 @@ class Agent:
         self._load()
         await self.libvirt.connect()
         await self._check_domains()
+        # Reality first: until the machine knows what runs, its verdicts would be guesses.
+        await self._observe()
         inbox = Inbox(self._on_hook)
         hooks = await serve_hooks(self.cfg.hook_socket, inbox, log=log)
         control = await serve_control(self.cfg.control_socket, self._verbs(), log=log)
         try:
-            await self._observe()
             replayed = await replay_spool(self.cfg.spool_dir, inbox, log=log)
             if replayed:
                 log.info("replayed %d hook event(s) spooled while the agent was down", replayed)
@@ -189,7 +190,7 @@ class Agent:
         self.cordoned_by_us = saved.cordoned_by_us
         intents = tuple(Intent(id=i.id, owner=i.owner, created_at=i.created.timestamp(),
                                source=i.source) for i in saved.intents)
-        self.state = State(intents=intents)
+        self.state = State(intents=intents, hold=saved.hold)
 
     def _save(self) -> None:
         persisted.save_state(self.cfg.state_file, persisted.State(
@@ -198,6 +199,7 @@ class Agent:
                 created=datetime.fromtimestamp(i.created_at, UTC))
                 for i in self.state.intents),
             cordoned_by_us=self.cordoned_by_us,
+            hold=self.state.hold,
             lendee_phase=self.state.phase.value,
             lendee_phase_since=datetime.fromtimestamp(self.phase_since, UTC)))
 
@@ -276,19 +278,19 @@ class Agent:
     def _execute(self, action: Action) -> None:
         match action:
             case Drain(ticket=t):
-                self._spawn(self._drain(t))
+                self._spawn(self._drain(t), action)
             case WaitAgent(ticket=t):
-                self._spawn(self._wait_agent(t))
+                self._spawn(self._wait_agent(t), action)
             case ShutdownLendee(ticket=t):
-                self._spawn(self._shutdown(t))
-            case ForceOff():
-                self._spawn(self._force_off())
+                self._spawn(self._shutdown(t), action)
+            case ForceOff(ticket=t):
+                self._spawn(self._force_off(t), action)
             case StartOwner(owner=owner):
-                self._spawn(self._start(owner))
+                self._spawn(self._start(owner, action), action)
             case StartLendee():
-                self._spawn(self._start(self.lendee))
+                self._spawn(self._start(self.lendee, action), action)
             case KubeReturn(ticket=t):
-                self._spawn(self._give_back(t))
+                self._spawn(self._give_back(t), action)
             case ScheduleRelend(at=at):
                 self._cancel_relend()
                 self._relend = asyncio.get_running_loop().call_later(
@@ -312,12 +314,22 @@ class Agent:
             self._relend.cancel()
             self._relend = None
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(self._guard(coro))
+    def _spawn(self, coro: Coroutine[Any, Any, None], action: Action | None = None) -> None:
+        task = asyncio.get_running_loop().create_task(self._guard(coro, action))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _guard(self, coro: Awaitable[None]) -> None:
+    def _wanted(self, action: Action) -> bool:
+        """An action can go stale between being issued and running (see the machine)."""
+        if machine.still_wanted(self.state, action, topo=self.topo):
+            return True
+        log.debug("skipped, no longer wanted: %s", action)
+        return False
+
+    async def _guard(self, coro: Coroutine[Any, Any, None], action: Action | None) -> None:
+        if action is not None and not self._wanted(action):
+            coro.close()
+            return
         # A bug in one action must not wedge the agent silently: end the process and let
         # systemd restart it; the restart resumes from libvirt and the state file.
         try:
@@ -382,20 +394,23 @@ class Agent:
         elif self.state.phase is not Phase.OFF:
             self.apply(LendeeStopped(at=_now()))  # the event was lost; reality says off
 
-    async def _force_off(self) -> None:
+    async def _force_off(self, ticket: int) -> None:
         grace = self.cfg.policy.force_off_after or 0.0
         journal.record("force-off", f"{self.lendee} did not shut down: forcing it off in "
                        f"{grace:g}s as policy.force_off_after allows", vm=self.lendee,
                        result="forced", priority=journal.Priority.WARNING)
         await asyncio.sleep(grace)
-        with contextlib.suppress(HostError):
-            await self.libvirt.destroy(self.lendee)
+        if self._current(ticket):
+            with contextlib.suppress(HostError):
+                await self.libvirt.destroy(self.lendee)
 
-    async def _start(self, vm: str) -> None:
+    async def _start(self, vm: str, action: Action) -> None:
         """Start a VM; a failed start is retried twice with jittered backoff (starting a
         running VM is a no-op, so retrying is safe), all within timeouts.start."""
         deadline = time.monotonic() + self.cfg.timeouts.start
         for attempt in range(3):
+            if attempt and not self._wanted(action):
+                return
             try:
                 await asyncio.wait_for(self.libvirt.start(vm), deadline - time.monotonic())
                 break

@@ -8,6 +8,7 @@ in ``state.toml`` under ``state_dir``::
 
     version = 1
     cordoned_by_us = true
+    hold = false
     lendee_phase = "draining"
     lendee_phase_since = 2026-01-10T20:15:02.125000+00:00
     last_verified = 2026-01-10T18:00:41+00:00
@@ -78,6 +79,7 @@ class State:
 
     intents: tuple[Intent, ...] = ()
     cordoned_by_us: bool = False
+    hold: bool = False  # lending suspended by `hostagent hold`, until `resume`
     lendee_phase: str | None = None  # the state machine's name for it; None: unknown
     lendee_phase_since: datetime | None = None
     last_verified: datetime | None = None  # when the lent GPUs were last seen working
@@ -137,6 +139,7 @@ def _decode(data: bytes) -> State:
     state = State(
         intents=tuple(_intent(entry, i) for i, entry in enumerate(intents)),
         cordoned_by_us=_get(doc, "cordoned_by_us", bool, False),
+        hold=_get(doc, "hold", bool, False),
         lendee_phase=_get(doc, "lendee_phase", str, None),
         lendee_phase_since=_time(doc, "lendee_phase_since"),
         last_verified=_time(doc, "last_verified"),
@@ -188,7 +191,8 @@ def _intent(entry: object, index: int) -> Intent:
 
 
 def _encode(state: State) -> dict[str, Any]:
-    doc: dict[str, Any] = {"version": STATE_VERSION, "cordoned_by_us": state.cordoned_by_us}
+    doc: dict[str, Any] = {"version": STATE_VERSION, "cordoned_by_us": state.cordoned_by_us,
+                           "hold": state.hold}
     optional = {
         "lendee_phase": state.lendee_phase,
         "lendee_phase_since": _aware(state.lendee_phase_since, "lendee_phase_since"),

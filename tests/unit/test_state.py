@@ -193,3 +193,12 @@ def test_bad_file_that_cannot_be_moved_is_still_reported(
     assert state == State()
     assert warning is not None
     assert "could not be moved" in warning and "Read-only file system" in warning
+
+
+def test_hold_survives_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "state.toml"
+    save_state(path, State(hold=True))
+    loaded, warning = load_state(path)
+    assert warning is None and loaded.hold is True
+    save_state(path, State())
+    assert load_state(path)[0].hold is False
