@@ -43,8 +43,14 @@ test: setup
 unit: setup
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/unit
 
+# Benchmarks, not tests: figures and ratios measured in one run, kept in bench/RESULTS.md.
 bench: setup
-	$(VENV)/bin/python bench/hook.py
+	{ echo "# Benchmark results"; echo; \
+	  echo "Measured $$(date -u '+%Y-%m-%d %H:%M UTC') on $$(nproc) CPUs ($$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')), $$(uname -sr)."; \
+	  echo; echo '```'; \
+	  $(VENV)/bin/python bench/hook.py --runs 500; echo; \
+	  $(VENV)/bin/python -m bench.agent; \
+	  echo '```'; } | tee bench/RESULTS.md
 
 clean:
 	rm -rf $(STAMPS) .lab
