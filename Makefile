@@ -54,3 +54,76 @@ bench: setup
 
 clean:
 	rm -rf $(STAMPS) .lab
+
+# --- installing on Debian (or any systemd distribution) -------------------------------
+#   make install     the package in a venv at PREFIX, the unit, the libvirt hook, and
+#                    CONFDIR/config.toml from examples/ unless one is already there
+#   make uninstall   all of that but the configuration and /var/lib/hostagent
+# DESTDIR stages the whole tree under another directory (the tests do) and then
+# nothing outside it is touched: no systemctl, no libvirtd.
+DESTDIR  ?=
+PREFIX   ?= /opt/hostagent
+BINDIR   ?= /usr/local/bin
+CONFDIR  ?= /etc/hostagent
+UNITDIR  ?= /etc/systemd/system
+# libvirt >= 6.5 runs every executable in qemu.d/ after hooks/qemu (Debian 12 has 9.0).
+HOOKDIR  ?= /etc/libvirt/hooks/qemu.d
+# libvirtd runs hooks with a fixed PATH, so the hook's interpreter is an absolute
+# path. The hook needs the standard library only: the system interpreter starts
+# fastest with -I -S, and it outlives the venv (a hook whose interpreter is gone makes
+# every VM start fail).
+HOOK_PYTHON ?= $(PYTHON)
+# e.g. --no-deps, or --index-url for a mirror.
+PIP_INSTALL_FLAGS ?=
+
+.PHONY: install uninstall
+install:
+	@test -x $(PYTHON) || { echo "make install: $(PYTHON) not found"; exit 1; }
+	test -x $(DESTDIR)$(PREFIX)/bin/python || $(PYTHON) -m venv $(DESTDIR)$(PREFIX)
+	@# Built from a copy, so the working tree gets no build/ or egg-info from it.
+	src=$$(mktemp -d) && trap 'rm -rf "$$src"' EXIT && \
+	cp -R pyproject.toml README.md hostagent "$$src"/ && \
+	$(DESTDIR)$(PREFIX)/bin/python -m pip install -q --disable-pip-version-check \
+		$(PIP_INSTALL_FLAGS) "$$src"
+	@# A venv records its own path in its scripts: make them name the final one.
+	@if [ -n "$(DESTDIR)" ]; then \
+		grep -rlI -- "$(DESTDIR)$(PREFIX)" $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/pyvenv.cfg \
+		| xargs -r sed -i "s|$(DESTDIR)$(PREFIX)|$(PREFIX)|g"; fi
+	install -d -m 0755 $(DESTDIR)$(BINDIR)
+	ln -sfn $(PREFIX)/bin/hostagent $(DESTDIR)$(BINDIR)/hostagent
+	install -d -m 0755 $(DESTDIR)$(PREFIX)/share/hostagent
+	install -m 0644 examples/config.toml $(DESTDIR)$(PREFIX)/share/hostagent/config.example.toml
+	install -d -m 0755 $(DESTDIR)$(CONFDIR)
+	test -e $(DESTDIR)$(CONFDIR)/config.toml || \
+		install -m 0644 examples/config.toml $(DESTDIR)$(CONFDIR)/config.toml
+	install -d -m 0755 $(DESTDIR)$(UNITDIR)
+	sed -e 's|/opt/hostagent/|$(PREFIX)/|g' -e 's|/etc/hostagent/|$(CONFDIR)/|g' \
+		systemd/hostagent.service > $(DESTDIR)$(UNITDIR)/.hostagent.service.tmp
+	chmod 0644 $(DESTDIR)$(UNITDIR)/.hostagent.service.tmp
+	mv -f $(DESTDIR)$(UNITDIR)/.hostagent.service.tmp $(DESTDIR)$(UNITDIR)/hostagent.service
+	@# Written beside qemu.d/, then renamed into it: libvirtd may run the hook at any
+	@# moment and must never find half a file.
+	install -d -m 0755 $(DESTDIR)$(HOOKDIR)
+	sed '1s|^#!.*|#!$(HOOK_PYTHON) -IS|' hooks/qemu > $(DESTDIR)$(HOOKDIR)/../.hostagent-hook.tmp
+	chmod 0755 $(DESTDIR)$(HOOKDIR)/../.hostagent-hook.tmp
+	mv -f $(DESTDIR)$(HOOKDIR)/../.hostagent-hook.tmp $(DESTDIR)$(HOOKDIR)/hostagent
+	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+	@echo
+	@echo "hostagent is installed in $(PREFIX). Next:"
+	@echo "  1. edit $(CONFDIR)/config.toml, then check it: hostagent check-config"
+	@echo "  2. start it now and at every boot: systemctl enable --now hostagent"
+	@echo "  3. libvirtd looks for hooks only when it starts: if $(HOOKDIR)/hostagent is"
+	@echo "     the first hook on this machine, restart it once (running VMs keep running):"
+	@echo "       systemctl restart libvirtd"
+	@echo "  Follow it with: journalctl -u hostagent -f"
+
+uninstall:
+	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then \
+		systemctl disable --now hostagent.service || true; fi
+	rm -f $(DESTDIR)$(HOOKDIR)/hostagent $(DESTDIR)$(UNITDIR)/hostagent.service
+	@# Only what install made: the link if it is ours, the prefix if it is a venv.
+	if [ "$$(readlink $(DESTDIR)$(BINDIR)/hostagent)" = "$(PREFIX)/bin/hostagent" ]; then \
+		rm -f $(DESTDIR)$(BINDIR)/hostagent; fi
+	if [ -f $(DESTDIR)$(PREFIX)/pyvenv.cfg ]; then rm -rf $(DESTDIR)$(PREFIX); fi
+	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+	@echo "Kept $(CONFDIR) and /var/lib/hostagent (configuration and state): remove them by hand if you want."
