@@ -28,13 +28,21 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("hold", help="stop lending: the lendee stays off until `resume`")
     sub.add_parser("resume", help="lend again (and retry a step that failed)")
     sub.add_parser("check-config", help="read the configuration and report every problem")
+    gp = sub.add_parser("gpus", help="this host's GPUs: NVML (index, UUID, PCI) and sysfs")
+    gp.add_argument("--json", action="store_true", help="machine-readable output")
+    gp.add_argument("--sysfs", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # These work before there is a configuration.
+    if args.command == "gpus":
+        return _gpus(args)
     try:
         cfg = configuration.load(args.config)
+        if args.command == "run":
+            cfg = _placed(cfg)
     except configuration.ConfigError as e:
         print(f"hostagent: {e}", file=sys.stderr)
         return 2
@@ -61,6 +69,29 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(format_status(data))
     return 0
+
+
+def _placed(cfg: configuration.Config) -> configuration.Config:
+    """`cfg` with GPUs given by UUID placed at the address NVML reports for them."""
+    if not any(g.uuid for g in cfg.gpus.values()):
+        return cfg
+    from hostagent import gpus
+    try:
+        seen, error = gpus.read_nvml(), None
+    except gpus.NvmlUnavailable as e:
+        seen, error = [], str(e)
+    return gpus.resolve_uuids(cfg, seen, nvml_error=error)
+
+
+def _gpus(args: argparse.Namespace) -> int:
+    from hostagent import gpus
+    inv = gpus.inventory(args.sysfs)
+    if args.json:
+        json.dump(gpus.inventory_json(inv), sys.stdout, indent=2)
+        print()
+    else:
+        print(gpus.format_inventory(inv))
+    return 0 if inv.nvml or inv.pci else 1
 
 
 def _last(replies: Any) -> dict[str, Any]:

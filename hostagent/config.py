@@ -29,6 +29,9 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     [gpus.gpu-c]
     pci = "0000:03:00.0"
 
+    [gpus.gpu-d]                            # by UUID alone: placed where NVML sees it
+    uuid = "GPU-5f2ab1c4-0000-4000-8000-000000000004"
+
     [owners.gaming1]                        # a gaming VM, by libvirt domain name
     gpus = ["gpu-a"]
 
@@ -46,6 +49,19 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     relend_delay = "30s"                    # quiet time before lending GPUs back
     force_off_after = ""                    # "" = never destroy the lendee (default)
     on_drain_timeout = "proceed"            # or "abort"
+    lint_before_start = true                # refuse to start a VM whose XML has errors
+
+    [verify]                                # after a lend: does the guest see its GPUs?
+    method = "guest-agent"                  # "guest-agent" (guest-exec), "ssh" or "none"
+    command = "nvidia-smi"                  # run in the guest (PATH is searched)
+    timeout = "2m"                          # keep asking this long: drivers load late
+
+    [verify.ssh]                            # only for method = "ssh"
+    host = "gpu-node.lan"
+    port = 22
+    user = "hostagent"
+    key = "/var/lib/hostagent/id_ed25519"
+    known_hosts = "/var/lib/hostagent/known_hosts"  # the guest's host key is checked
 
     [kubernetes]
     kubeconfig = "/etc/rancher/k3s/k3s.yaml"  # default: the client's own lookup
@@ -54,13 +70,21 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     drain_emptydir = true                   # evict pods that use emptyDir volumes
     drain_unmanaged = false                 # evict pods no controller will recreate
 
+    [metrics]                               # Prometheus /metrics and /healthz; off without it
+    listen = "127.0.0.1:9477"               # host:port ("[::1]:9477"; ":9477" = every address)
+
 Rules beyond the types:
 
-- A GPU reference (in ``lendee.gpus`` or ``owners.*.gpus``) is a label from ``[gpus]``
-  or a PCI address. The address of a declared GPU means that GPU; any other address
-  stands for a GPU with that single function (declare it under ``[gpus]`` to move its
-  audio function along). Addresses are written ``DDDD:BB:DD.F``; ``BB:DD.F`` means
-  domain 0000. They are kept lowercase with the domain.
+- A GPU reference (in ``lendee.gpus`` or ``owners.*.gpus``) is a label from ``[gpus]``,
+  a PCI address, or a UUID (``GPU-…``). The address of a declared GPU means that GPU;
+  any other address stands for a GPU with that single function (declare it under
+  ``[gpus]`` to move its audio function along); so does any other UUID, by UUID alone.
+  Addresses are written ``DDDD:BB:DD.F``; ``BB:DD.F`` means domain 0000. They are kept
+  lowercase with the domain.
+- A ``[gpus]`` entry has a ``pci`` address, a ``uuid``, or both. One given by UUID alone
+  is placed where NVML sees it when the agent starts (`hostagent.gpus.resolve_uuids`);
+  NVML cannot see a GPU bound to vfio-pci, so passthrough GPUs need ``pci`` (``hostagent
+  config init`` writes both). A UUID names one GPU.
 - A GPU has at most one owner, and a PCI function belongs to one GPU.
 - The lendee is not an owner: it borrows, it does not lend.
 - The lendee may borrow a GPU no owner claims: that GPU is simply always the lendee's.
@@ -70,6 +94,8 @@ Rules beyond the types:
 - ``force_off_after`` is how long after a guest-agent shutdown timed out the lendee is
   destroyed. Unset (or ``""``), it never is.
 - Paths must be absolute: the agent's working directory is nobody's business.
+- ``verify.method = "ssh"`` needs ``[verify.ssh]``; its ``known_hosts`` is required,
+  because a check that trusts any host key proves nothing.
 """
 
 from __future__ import annotations
@@ -97,9 +123,13 @@ __all__ = [
     "Gpu",
     "Kubernetes",
     "Lendee",
+    "Metrics",
     "Owner",
     "Policy",
+    "Ssh",
     "Timeouts",
+    "Verify",
+    "VerifyMethod",
     "load",
     "parse",
     "parse_duration",
@@ -381,6 +411,38 @@ def _list(item: _Reader, *, at_least_one: str = "") -> _Reader:
 _GPU_REFS = _list(_text, at_least_one="list GPU labels from [gpus] or PCI addresses")
 
 
+def _port(value: object, key: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _wrong_type(key, value, "an integer", "write the port number without quotes")
+    if not 0 < value < 65536:
+        raise _Problem(key, f"{value} is not a TCP port", "write a number from 1 to 65535")
+    return value
+
+
+_LISTEN = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]]*):([0-9]+)")
+
+
+def _split_listen(text: str) -> tuple[str, int] | None:
+    """(host, port) of "host:port", "[v6]:port" or ":port" (host "": every address)."""
+    m = _LISTEN.fullmatch(text.strip())
+    if m is None or not 0 < int(m.group(2)) < 65536:
+        return None
+    return m.group(1).strip("[]"), int(m.group(2))
+
+
+def _listen(value: object, key: str) -> str | None:
+    if value == "":
+        return None
+    text = _text(value, key)
+    if _split_listen(text) is None:
+        raise _Problem(
+            key,
+            f'"{text}" is not an address to listen on',
+            'write host:port, e.g. "127.0.0.1:9477", "[::1]:9477" or ":9477" for every address',
+        )
+    return text.strip()
+
+
 # --- the configuration -----------------------------------------------------------------
 
 
@@ -396,18 +458,19 @@ class Gpu:
     """One passthrough GPU: its main PCI function and the functions that move with it."""
 
     label: str
-    pci: str = field(metadata=_key(_pci, example='"0000:01:00.0"'))
+    # None: given by uuid alone, placed where NVML sees it when the agent starts.
+    pci: str | None = field(default=None, metadata=_key(_pci))
     functions: tuple[str, ...] = field(default=(), metadata=_key(_list(_pci)))
     uuid: str | None = field(default=None, metadata=_key(_text))
     name: str | None = field(default=None, metadata=_key(_text))
 
     @property
     def pci_functions(self) -> tuple[str, ...]:
-        """Every PCI function of this GPU, the main one first."""
-        return (self.pci, *self.functions)
+        """Every PCI function of this GPU, the main one first (if its address is known)."""
+        return (self.pci, *self.functions) if self.pci else self.functions
 
     def __str__(self) -> str:
-        return f"{self.label} ({self.name}, {self.pci})" if self.name else self.label
+        return f"{self.label} ({self.name}, {self.pci or self.uuid})" if self.name else self.label
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -455,6 +518,42 @@ class Policy:
     on_drain_timeout: DrainTimeoutAction = field(
         default=DrainTimeoutAction.PROCEED, metadata=_key(_choice(DrainTimeoutAction))
     )
+    # Lint a domain's XML against the host before starting it; refuse on errors.
+    lint_before_start: bool = field(default=True, metadata=_key(_bool))
+
+
+class VerifyMethod(enum.StrEnum):
+    """How the agent asks the lendee which GPUs its driver sees, after a lend."""
+
+    GUEST_AGENT = "guest-agent"  # guest-exec through qemu-ga: nothing else to set up
+    SSH = "ssh"  # for guests whose qemu-ga refuses guest-exec
+    NONE = "none"  # trust the cluster's nvidia.com/gpu count alone
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ssh:
+    """Where and as whom to reach the lendee over SSH; its host key is always checked."""
+
+    host: str = field(metadata=_key(_text, example='"gpu-node.lan"'))
+    port: int = field(default=22, metadata=_key(_port))
+    user: str = field(metadata=_key(_text, example='"hostagent"'))
+    key: Path = field(metadata=_key(_absolute_path, example='"/var/lib/hostagent/id_ed25519"'))
+    known_hosts: Path = field(
+        metadata=_key(_absolute_path, example='"/var/lib/hostagent/known_hosts"')
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Verify:
+    """The in-guest check after a lend: the UUIDs nvidia-smi lists in the lendee."""
+
+    method: VerifyMethod = field(
+        default=VerifyMethod.GUEST_AGENT, metadata=_key(_choice(VerifyMethod))
+    )
+    command: str = field(default="nvidia-smi", metadata=_key(_text))
+    # The NVIDIA driver may load after the guest agent answers: keep asking this long.
+    timeout: float = field(default=120.0, metadata=_key(_positive_duration))
+    ssh: Ssh | None = field(default=None, metadata=_key(_section(Ssh)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -466,6 +565,19 @@ class Kubernetes:
     gpu_resource: str = field(default="nvidia.com/gpu", metadata=_key(_text))
     drain_emptydir: bool = field(default=True, metadata=_key(_bool))
     drain_unmanaged: bool = field(default=False, metadata=_key(_bool))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Metrics:
+    """Where to serve Prometheus metrics and /healthz over HTTP; nowhere unless set."""
+
+    # No authentication: keep it on loopback or a trusted network.
+    listen: str | None = field(default=None, metadata=_key(_listen))
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """(host, port) to bind, host "" meaning every address; None when off."""
+        return None if self.listen is None else _split_listen(self.listen)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -485,6 +597,8 @@ class Config:
     policy: Policy = field(default_factory=Policy, metadata=_key(_section(Policy)))
     # None: no [kubernetes] section, the agent moves GPUs between VMs only.
     kubernetes: Kubernetes | None = field(default=None, metadata=_key(_section(Kubernetes)))
+    verify: Verify = field(default_factory=Verify, metadata=_key(_section(Verify)))
+    metrics: Metrics = field(default_factory=Metrics, metadata=_key(_section(Metrics)))
     libvirt_uri: str = field(default="qemu:///system", metadata=_key(_text))
     hook_socket: Path = field(
         default=Path("/run/hostagent/hook.sock"), metadata=_key(_absolute_path)
@@ -532,8 +646,25 @@ def _link(config: Config) -> Config:
     """Check what spans sections, and resolve every GPU reference to a label."""
     gpus = dict(config.gpus)
     holder: dict[str, tuple[str, str]] = {}  # PCI function -> (GPU label, key that set it)
+    by_uuid: dict[str, str] = {}  # UUID -> GPU label
     for label, gpu in gpus.items():
-        keys = [f"{_join('gpus', label)}.pci"] + [
+        if gpu.pci is None and gpu.uuid is None:
+            where = _join("gpus", label)
+            raise _Problem(
+                f"{where}.pci",
+                "missing",
+                f'add pci = "0000:01:00.0" under [{where}] (see lspci -D), or uuid = '
+                '"GPU-..." if NVML on this host sees it (see hostagent gpus)',
+            )
+        if gpu.uuid is not None:
+            if gpu.uuid in by_uuid:
+                raise _Problem(
+                    f"{_join('gpus', label)}.uuid",
+                    f"{gpu.uuid} is already the UUID of GPU {by_uuid[gpu.uuid]}",
+                    "a UUID names one GPU: fix one of them",
+                )
+            by_uuid[gpu.uuid] = label
+        keys = [f"{_join('gpus', label)}.pci"] * (gpu.pci is not None) + [
             f"{_join('gpus', label)}.functions[{i}]" for i in range(len(gpu.functions))
         ]
         for address, key in zip(gpu.pci_functions, keys, strict=True):
@@ -549,6 +680,11 @@ def _link(config: Config) -> Config:
     def resolve(ref: str, key: str) -> str:
         if ref in gpus:
             return ref
+        if ref.startswith("GPU-"):
+            if ref not in by_uuid:
+                gpus[ref] = Gpu(label=ref, uuid=ref)
+                by_uuid[ref] = ref
+            return by_uuid[ref]
         address = _canonical_pci(ref)
         if address is None:
             # Labels often differ by one letter (gpu-a, gpu-b): list them, do not guess.
@@ -580,6 +716,12 @@ def _link(config: Config) -> Config:
                 )
         return labels
 
+    if config.verify.method is VerifyMethod.SSH and config.verify.ssh is None:
+        raise _Problem(
+            "verify.ssh",
+            'missing: verify.method = "ssh" needs it',
+            "add a [verify.ssh] section with host, user, key and known_hosts",
+        )
     lendee = dataclasses.replace(config.lendee, gpus=resolve_all(config.lendee.gpus, "lendee.gpus"))
     owners: dict[str, Owner] = {}
     owner_of: dict[str, str] = {}
