@@ -50,9 +50,9 @@ How to read it
 --------------
 `TRANSITIONS`, near the end, is the whole machine: for each phase, which event types it
 accepts and which rule handles them. A few events mean the same in every phase (an
-owner asking, starting or stopping; hold and resume; a fresh observation; a failed
-start) and share one rule each. Every rule is a small function above the table, and its
-docstring says why the rule is what it is.
+owner asking, starting or stopping; hold, resume and a reclaim by hand; a fresh
+observation; a failed start) and share one rule each. Every rule is a small function
+above the table, and its docstring says why the rule is what it is.
 
 An event the table does not list for the current phase raises `IllegalTransition`,
 and so does an event the rule recognises as stale (a report whose ticket is not the
@@ -97,6 +97,7 @@ from hostagent.model import (
     OwnerWants,
     Phase,
     Policy,
+    Reclaim,
     RelendDue,
     Resume,
     ReturnDone,
@@ -383,6 +384,25 @@ def _resume(state: State, event: Resume, ctx: _Ctx) -> _Outcome:
     return _schedule_relend(new, ctx, event.at)
 
 
+def _reclaim_by_hand(state: State, event: Reclaim, ctx: _Ctx) -> _Outcome:
+    """The operator takes the GPUs back with no owner asking: hold, then the reclaim road.
+
+    Hold is what keeps the lendee off once it has stopped (no relend is scheduled while
+    it is set), so a manual reclaim is a hold plus the same gentle road an owner's
+    request takes: drain, wait for the guest agent, shut down. ``resume`` lends again.
+
+    - Running in a lending phase (BOOTING, JOINING, LENT) or stuck (FAILED): reclaim.
+    - DRAINING, STOPPING: a reclaim is already under way; holding is all that is left.
+    - OFF: hold, which cancels a scheduled relend. A lendee start already in flight is
+      not recalled (nothing can stop a start libvirt is running): it lands as
+      `LendeeStarted`, and the caller reclaims again once the lendee runs.
+    """
+    new = replace(state, hold=True)
+    if state.phase in (Phase.BOOTING, Phase.JOINING, Phase.LENT, Phase.FAILED):
+        return _reclaim(new)
+    return new, []
+
+
 def _observed(state: State, event: Observed, ctx: _Ctx) -> _Outcome:
     """Rebuild from a fresh read of libvirt, at agent start or after a reconnect.
 
@@ -633,8 +653,8 @@ def _on(
 
 
 # Meaningful whatever the lendee is doing: VMs are started and stopped by people, the
-# operator holds and resumes, and the agent re-reads the world after a restart. The
-# rules themselves refuse the combinations that are stale.
+# operator holds, resumes and reclaims, and the agent re-reads the world after a restart.
+# The rules themselves refuse the combinations that are stale.
 _EVERY_PHASE = dict(
     [
         _on(OwnerWants, _owner_wants),
@@ -643,6 +663,7 @@ _EVERY_PHASE = dict(
         _on(StartFailed, _start_failed),  # the lendee's only in OFF with a start in flight
         _on(Hold, _hold),
         _on(Resume, _resume),
+        _on(Reclaim, _reclaim_by_hand),
         _on(Observed, _observed),
     ]
 )

@@ -64,6 +64,7 @@ __all__ = [
     "OwnerWants",
     "Phase",
     "Policy",
+    "Reclaim",
     "RelendDue",
     "Resume",
     "ReturnDone",
@@ -338,6 +339,12 @@ class Hold(Event):
 @dataclass(frozen=True, kw_only=True)
 class Resume(Event):
     """An operator resumed lending (and asked to retry whatever failed)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reclaim(Event):
+    """An operator took the GPUs back by hand (`hostagent reclaim`): no owner is to start,
+    and the lendee is to stay off until lending is resumed."""
 
 
 @dataclass(frozen=True, kw_only=True)

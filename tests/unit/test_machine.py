@@ -57,6 +57,7 @@ from hostagent.model import (
     OwnerWants,
     Phase,
     Policy,
+    Reclaim,
     RelendDue,
     Resume,
     ReturnDone,
@@ -594,6 +595,15 @@ ROWS: list[tuple[str, State, Event, Policy, Phase, list[Action]]] = [
 ]
 
 
+def _reclaim_row(phase: Phase, base: State) -> tuple[str, State, Event, Policy, Phase, list[Action]]:
+    """A reclaim by hand: the lendee's running phases take the drain road; a reclaim
+    under way, or an off lendee, only gains the hold."""
+    if phase in (Phase.BOOTING, Phase.JOINING, Phase.LENT, Phase.FAILED):
+        return (f"{phase}/reclaim: drained", base, Reclaim(at=AT), POLICY, Phase.DRAINING,
+                [Drain(ticket=T + 1)])
+    return (f"{phase}/reclaim: held", base, Reclaim(at=AT), POLICY, phase, [])
+
+
 def _shared_rows() -> list[tuple[str, State, Event, Policy, Phase, list[Action]]]:
     """The every-phase rules, in every phase, with gaming3: an owner that shares no GPU
     with the lendee, so whatever the lendee does, it is started and stopped at once."""
@@ -642,6 +652,7 @@ def _shared_rows() -> list[tuple[str, State, Event, Policy, Phase, list[Action]]
                 ],
             ),
             (f"{phase}/hold", base, Hold(at=AT), POLICY, phase, []),
+            _reclaim_row(phase, base),
         ]
         if phase is not Phase.FAILED:  # FAILED retries on resume: rows above
             rows.append(
@@ -677,7 +688,8 @@ def test_transition(
 
 def test_every_legal_pair_has_a_row_or_a_scenario() -> None:
     """The table is the machine: this is its whole shape, reviewed here on purpose."""
-    every = {OwnerWants, OwnerStarted, OwnerStopped, StartFailed, Hold, Resume, Observed}
+    every = {OwnerWants, OwnerStarted, OwnerStopped, StartFailed, Hold, Resume, Reclaim,
+             Observed}
     running_stop = {LendeeStopped}
     expected = {
         Phase.OFF: every | {RelendDue, LendeeStarted},
@@ -717,6 +729,7 @@ EXAMPLES: list[Event] = [
     StartFailed(at=AT, vm=LENDEE, reason="x"),
     Hold(at=AT),
     Resume(at=AT),
+    Reclaim(at=AT),
     Observed(at=AT, lendee_running=False, owners_running=frozenset()),
 ]
 
@@ -959,6 +972,48 @@ def test_hold_stops_the_next_lend_but_not_a_reclaim() -> None:
     state, actions = go(state, Resume(at=AT + 4000))
     assert actions == [ScheduleRelend(at=AT + 4000)]
     assert not state.hold
+
+
+def test_reclaim_by_hand_takes_the_gentle_road_and_keeps_the_lendee_off() -> None:
+    # From LENT: drain, a fresh wait for the agent, its shutdown; then nobody starts
+    # and nothing is lent again until resume, which lends at once.
+    state, actions = run(
+        S(Phase.LENT),
+        Reclaim(at=AT),
+        Drained(at=AT + 5, ticket=T + 1),
+        AgentUp(at=AT + 6, ticket=T + 2),
+        LendeeStopped(at=AT + 8),
+    )
+    assert actions == [Drain(ticket=T + 1), WaitAgent(ticket=T + 2), ShutdownLendee(ticket=T + 2)]
+    assert (state.phase, state.hold, state.relend_at, state.intents) == (Phase.OFF, True, None, ())
+    state, actions = go(state, Resume(at=AT + 100))
+    assert actions == [ScheduleRelend(at=AT + 100)]
+    assert not state.hold
+
+
+def test_reclaim_by_hand_while_off_cancels_the_scheduled_relend() -> None:
+    state, actions = go(S(relend_at=AT + 20), Reclaim(at=AT))
+    assert actions == [CancelRelend()]
+    assert state.hold and state.relend_at is None and state.phase is Phase.OFF
+
+
+def test_reclaim_by_hand_joins_an_owner_and_the_owner_still_starts() -> None:
+    # An owner asked first; the operator reclaims too: one drain, the owner starts when
+    # the lendee is off, and the lendee stays off after the game (hold).
+    state, actions = run(
+        S(Phase.LENT),
+        wants("gaming1"),
+        Reclaim(at=AT + 1),
+        Drained(at=AT + 5, ticket=T + 1),
+        AgentUp(at=AT + 6, ticket=T + 2),
+        LendeeStopped(at=AT + 8),
+        OwnerStarted(at=AT + 10, owner="gaming1"),
+        OwnerStopped(at=AT + 500, owner="gaming1"),
+    )
+    assert actions.count(Drain(ticket=T + 1)) == 1
+    assert StartOwner(owner="gaming1") in actions
+    assert not any(isinstance(a, (ScheduleRelend, StartLendee)) for a in actions)
+    assert state.hold and state.phase is Phase.OFF
 
 
 def test_holding_twice_changes_nothing() -> None:
@@ -1357,7 +1412,7 @@ class World(RuleBasedStateMachine):
     (libvirt's own device lock covers the window in reality; here the world has *no*
     lock, so a machine that asked for a conflicting start would be caught). People's
     part: they start VMs through the hook (the verdict decides), ask through the
-    control socket, stop VMs, crash the lendee, hold and resume, restart the agent.
+    control socket, stop VMs, crash the lendee, hold, resume and reclaim, restart the agent.
 
     Checked after every step: never two running holders of a GPU; ShutdownLendee only
     after the lendee's agent answered since its last start; ForceOff only if the policy
@@ -1593,9 +1648,9 @@ class World(RuleBasedStateMachine):
     def time_passes(self, dt: float) -> None:
         self.now += dt
 
-    @rule(resume=st.booleans())
-    def operator(self, resume: bool) -> None:
-        self.deliver(Resume(at=self.now) if resume else Hold(at=self.now))
+    @rule(what=st.sampled_from([Hold, Resume, Reclaim]))
+    def operator(self, what: type[Hold | Resume | Reclaim]) -> None:
+        self.deliver(what(at=self.now))
 
     @rule(restart=st.booleans())
     def agent_loses_track(self, restart: bool) -> None:
