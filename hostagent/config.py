@@ -9,6 +9,7 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     libvirt_uri = "qemu:///system"
     hook_socket = "/run/hostagent/hook.sock"
     control_socket = "/run/hostagent/control.sock"
+    control_group = "hostagent"             # may use control.sock (mode 0660); default: root only
     state_dir = "/var/lib/hostagent"        # state.toml and spool/ live here
 
     [lendee]                                # the Kubernetes worker VM that borrows GPUs
@@ -73,6 +74,11 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     [metrics]                               # Prometheus /metrics and /healthz; off without it
     listen = "127.0.0.1:9477"               # host:port ("[::1]:9477"; ":9477" = every address)
 
+    [ssh]                                   # the home-automation endpoint; off without it
+    listen = "0.0.0.0:2222"                 # host:port, or a port number: every address
+    host_key = "/var/lib/hostagent/ssh_host_ed25519_key"  # the default; made if missing
+    authorized_keys = "/etc/hostagent/authorized_keys"    # each key: verbs="…",vms="…"
+
 Rules beyond the types:
 
 - A GPU reference (in ``lendee.gpus`` or ``owners.*.gpus``) is a label from ``[gpus]``,
@@ -96,6 +102,11 @@ Rules beyond the types:
 - Paths must be absolute: the agent's working directory is nobody's business.
 - ``verify.method = "ssh"`` needs ``[verify.ssh]``; its ``known_hosts`` is required,
   because a check that trusts any host key proves nothing.
+- ``control_group`` is a group name; the agent looks it up when it starts and refuses
+  to start if there is no such group. Without it the control socket is root's alone.
+- ``[ssh]`` turns the SSH endpoint on (`hostagent.ssh`, which documents the
+  authorized-keys syntax). Its host key is created (ed25519, mode 0600, with a ``.pub``
+  beside it) when the file does not exist; an existing one is never replaced.
 """
 
 from __future__ import annotations
@@ -127,6 +138,7 @@ __all__ = [
     "Owner",
     "Policy",
     "Ssh",
+    "SshEndpoint",
     "Timeouts",
     "Verify",
     "VerifyMethod",
@@ -443,6 +455,26 @@ def _listen(value: object, key: str) -> str | None:
     return text.strip()
 
 
+def _listen_or_port(value: object, key: str) -> str:
+    """A port number means every address: ``2222`` is ``":2222"``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f":{_port(value, key)}"
+    text = _listen(value, key)
+    if text is None:
+        raise _Problem(key, "is empty", 'write host:port, e.g. "0.0.0.0:2222", or a port number')
+    return text
+
+
+_GROUP = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
+
+
+def _group(value: object, key: str) -> str:
+    name = _text(value, key)
+    if not _GROUP.fullmatch(name):
+        raise _Problem(key, f'"{name}" is not a group name', 'write a name, e.g. "hostagent"')
+    return name
+
+
 # --- the configuration -----------------------------------------------------------------
 
 
@@ -581,6 +613,25 @@ class Metrics:
 
 
 @dataclass(frozen=True, kw_only=True)
+class SshEndpoint:
+    """The SSH endpoint for home automation (`hostagent.ssh`); off without [ssh]."""
+
+    listen: str = field(metadata=_key(_listen_or_port, example='"0.0.0.0:2222"'))
+    # None: ssh_host_ed25519_key in state_dir (Config.ssh_host_key).
+    host_key: Path | None = field(default=None, metadata=_key(_absolute_path))
+    authorized_keys: Path = field(
+        default=Path("/etc/hostagent/authorized_keys"), metadata=_key(_absolute_path)
+    )
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) to bind, host "" meaning every address."""
+        address = _split_listen(self.listen)
+        assert address is not None  # checked when read
+        return address
+
+
+@dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole configuration. GPU references are resolved to labels of `gpus`."""
 
@@ -599,6 +650,8 @@ class Config:
     kubernetes: Kubernetes | None = field(default=None, metadata=_key(_section(Kubernetes)))
     verify: Verify = field(default_factory=Verify, metadata=_key(_section(Verify)))
     metrics: Metrics = field(default_factory=Metrics, metadata=_key(_section(Metrics)))
+    # None: no [ssh] section, no SSH endpoint.
+    ssh: SshEndpoint | None = field(default=None, metadata=_key(_section(SshEndpoint)))
     libvirt_uri: str = field(default="qemu:///system", metadata=_key(_text))
     hook_socket: Path = field(
         default=Path("/run/hostagent/hook.sock"), metadata=_key(_absolute_path)
@@ -606,6 +659,8 @@ class Config:
     control_socket: Path = field(
         default=Path("/run/hostagent/control.sock"), metadata=_key(_absolute_path)
     )
+    # None: the control socket is root's alone (0600); a group makes it 0660.
+    control_group: str | None = field(default=None, metadata=_key(_group))
     state_dir: Path = field(default=Path("/var/lib/hostagent"), metadata=_key(_absolute_path))
     source: str = "<config>"  # where it was read from, for messages
 
@@ -616,6 +671,13 @@ class Config:
     @property
     def spool_dir(self) -> Path:
         return self.state_dir / "spool"
+
+    @property
+    def ssh_host_key(self) -> Path | None:
+        """The SSH endpoint's host key file; None when the endpoint is off."""
+        if self.ssh is None:
+            return None
+        return self.ssh.host_key or self.state_dir / "ssh_host_ed25519_key"
 
     def owner_of(self, gpu: str) -> str | None:
         """The domain that owns GPU label `gpu`, or None if only the lendee uses it."""

@@ -469,3 +469,41 @@ def test_error_parts() -> None:
     assert e.source == "test.toml"
     assert e.key == "timeouts.drain"
     assert e.line is None
+
+
+# --- the control socket's group and the SSH endpoint -----------------------------------
+
+
+def test_control_group_and_ssh_endpoint() -> None:
+    cfg = parse(MINIMAL)
+    assert (cfg.control_group, cfg.ssh, cfg.ssh_host_key) == (None, None, None)
+    cfg = parse('control_group = "hostagent"\n' + MINIMAL + '[ssh]\nlisten = "127.0.0.1:2222"\n')
+    assert cfg.control_group == "hostagent"
+    assert cfg.ssh is not None
+    assert cfg.ssh.address == ("127.0.0.1", 2222)
+    assert cfg.ssh.authorized_keys == Path("/etc/hostagent/authorized_keys")
+    assert cfg.ssh_host_key == Path("/var/lib/hostagent/ssh_host_ed25519_key")
+    cfg = parse(MINIMAL + '[ssh]\nlisten = 2222\nhost_key = "/etc/hostagent/key"\n'
+                'authorized_keys = "/etc/hostagent/keys"\n')
+    assert cfg.ssh is not None
+    assert cfg.ssh.address == ("", 2222)
+    assert cfg.ssh_host_key == Path("/etc/hostagent/key")
+    assert cfg.ssh.authorized_keys == Path("/etc/hostagent/keys")
+    cfg = parse(MINIMAL + '[ssh]\nlisten = "[::1]:2222"\n')
+    assert cfg.ssh is not None and cfg.ssh.address == ("::1", 2222)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (MINIMAL + "[ssh]\n", 'test.toml: ssh.listen: missing; add listen = "0.0.0.0:2222" under [ssh]'),
+        (MINIMAL + "[ssh]\nlisten = 70000\n", "test.toml: ssh.listen: 70000 is not a TCP port; write a number from 1 to 65535"),
+        (MINIMAL + '[ssh]\nlisten = "2222"\n', 'test.toml: ssh.listen: "2222" is not an address to listen on; write host:port, e.g. "127.0.0.1:9477", "[::1]:9477" or ":9477" for every address'),
+        (MINIMAL + '[ssh]\nlisten = ":2222"\nauthorized_keys = "keys"\n', 'test.toml: ssh.authorized_keys: "keys" is a relative path; write the full path from /'),
+        (MINIMAL + '[ssh]\nlisten = ":2222"\nauthorised_keys = "/k"\n', 'test.toml: ssh.authorised_keys: unknown key; did you mean "authorized_keys"?'),
+        ('control_group = "wheel users"\n' + MINIMAL, 'test.toml: control_group: "wheel users" is not a group name; write a name, e.g. "hostagent"'),
+        ("control_group = 100\n" + MINIMAL, "test.toml: control_group: expected a string, got an integer; put the value in double quotes"),
+    ],
+)
+def test_ssh_and_group_mistakes(text: str, expected: str) -> None:
+    assert error(text) == expected
