@@ -31,14 +31,39 @@ def _parser() -> argparse.ArgumentParser:
     gp = sub.add_parser("gpus", help="this host's GPUs: NVML (index, UUID, PCI) and sysfs")
     gp.add_argument("--json", action="store_true", help="machine-readable output")
     gp.add_argument("--sysfs", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
+    li = sub.add_parser("lint", help="check domain XML against this host and the configuration")
+    li.add_argument("domains", nargs="*", metavar="DOMAIN",
+                    help="libvirt domains to check (default: every defined one)")
+    li.add_argument("--xml", type=Path, action="append", default=[], metavar="FILE",
+                    help="check this domain XML file instead of asking libvirt (repeatable)")
+    li.add_argument("--connect", metavar="URI", help="libvirt URI (default: the config's)")
+    li.add_argument("--sysfs", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
+    cf = sub.add_parser("config", help="configuration helpers")
+    cf_sub = cf.add_subparsers(dest="config_command", required=True)
+    ini = cf_sub.add_parser("init", help=(
+        "write a starter configuration from the domains' <hostdev> entries"))
+    ini.add_argument("--output", metavar="PATH",
+                     help="where to write it (default: the --config path; - for stdout)")
+    ini.add_argument("--force", action="store_true", help="overwrite an existing file")
+    ini.add_argument("--lendee", metavar="DOMAIN", help=(
+        "the Kubernetes worker VM (default: the domain that holds the most GPUs)"))
+    ini.add_argument("--connect", metavar="URI", default="qemu:///system",
+                     help="libvirt URI (default qemu:///system)")
+    ini.add_argument("--xml", type=Path, action="append", default=[], metavar="FILE",
+                     help="read domain XML files instead of asking libvirt (repeatable)")
+    ini.add_argument("--sysfs", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    # These work before there is a configuration.
+    # These work before there is a configuration (config init writes the first one).
     if args.command == "gpus":
         return _gpus(args)
+    if args.command == "config":
+        return _config_init(args)
+    if args.command == "lint":
+        return _lint(args)
     try:
         cfg = configuration.load(args.config)
         if args.command == "run":
@@ -92,6 +117,91 @@ def _gpus(args: argparse.Namespace) -> int:
     else:
         print(gpus.format_inventory(inv))
     return 0 if inv.nvml or inv.pci else 1
+
+
+def _domain_xmls(files: list[Path], uri: str, names: list[str] | None) -> list[str]:
+    """Domain XML from files, or from libvirt. Raises OSError or HostError."""
+    if files:
+        return [f.read_text() for f in files]
+    from hostagent.libvirt_host import read_domain_xmls
+    return list(read_domain_xmls(uri, names).values())
+
+
+def _lint(args: argparse.Namespace) -> int:
+    from hostagent import lint
+    from hostagent.libvirt_host import HostError
+    cfg: configuration.Config | None = None
+    if args.config.exists():
+        try:
+            cfg = _placed(configuration.load(args.config))
+        except configuration.ConfigError as e:
+            print(f"hostagent: {e}", file=sys.stderr)
+            return 2
+    else:
+        print(f"hostagent: no configuration at {args.config}: checking the domains alone",
+              file=sys.stderr)
+    uri = args.connect or (cfg.libvirt_uri if cfg else "qemu:///system")
+    try:
+        xmls = _domain_xmls(args.xml, uri, args.domains or None)
+        domains = [lint.parse_domain(x) for x in xmls]
+    except (OSError, HostError, ValueError) as e:
+        print(f"hostagent: {e}", file=sys.stderr)
+        return 2
+    if args.xml and args.domains:
+        domains = [d for d in domains if d.name in args.domains]
+    findings = lint.lint(domains, sysfs=args.sysfs, config=cfg)
+    if findings:
+        print(lint.format_findings(findings))
+    errors = len(lint.errors(findings))
+    warnings = len(findings) - errors
+    print(f"{len(domains)} domain(s) checked: {errors} error(s), {warnings} warning(s)")
+    return 1 if errors else 0
+
+
+def _config_init(args: argparse.Namespace) -> int:
+    from hostagent import config_init, gpus, lint
+    from hostagent.libvirt_host import HostError
+    output = args.output or str(args.config)
+    target = Path(output)
+    if output != "-" and target.exists() and not args.force:
+        print(f"hostagent: {target} exists: left as it is (--force overwrites it)",
+              file=sys.stderr)
+        return 1
+    try:
+        domains = [lint.parse_domain(x) for x in _domain_xmls(args.xml, args.connect, None)]
+    except (OSError, HostError, ValueError) as e:
+        print(f"hostagent: {e}", file=sys.stderr)
+        return 2
+    try:
+        seen, error = gpus.read_nvml(), None
+    except gpus.NvmlUnavailable as e:
+        seen, error = [], str(e)
+    try:
+        text = config_init.starter_config(
+            domains, sysfs=args.sysfs, nvml=seen, nvml_error=error, lendee_name=args.lendee,
+            source=", ".join(map(str, args.xml)) if args.xml else args.connect)
+    except config_init.InitError as e:
+        print(f"hostagent: {e}", file=sys.stderr)
+        return 1
+    if output == "-":
+        sys.stdout.write(text)
+        return 0
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if args.force:
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(target)
+    else:
+        try:
+            with open(target, "x") as f:  # never over a file that appeared meanwhile
+                f.write(text)
+        except FileExistsError:
+            print(f"hostagent: {target} exists: left as it is (--force overwrites it)",
+                  file=sys.stderr)
+            return 1
+    print(f"wrote {target}: check the comments in it, then run `hostagent --config {target} "
+          "lint`")
+    return 0
 
 
 def _last(replies: Any) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import enum
 import json
 import logging
@@ -236,6 +237,54 @@ class Libvirt:
                 raise HostError(f"{path} in {name} did not finish within {timeout:g}s")
             await asyncio.sleep(0.2)
 
+    async def screenshot(self, name: str, *, screen: int = 0) -> tuple[str, bytes]:
+        """The VM's screen as (MIME type, image bytes), in the format QEMU gives (PPM)."""
+        def take(c: Any) -> tuple[str, bytes]:
+            stream = c.newStream(0)
+            try:
+                mime = c.lookupByName(name).screenshot(stream, screen, 0)
+                chunks = []
+                while True:
+                    chunk = stream.recv(1 << 18)
+                    if not isinstance(chunk, bytes) or not chunk:
+                        break
+                    chunks.append(chunk)
+                stream.finish()
+            except libvirt.libvirtError:
+                with contextlib.suppress(libvirt.libvirtError):
+                    stream.abort()
+                raise
+            return str(mime), b"".join(chunks)
+        return await self._call(f"screenshot of {name}", take)
+
 
 def _text(b64: str) -> str:
     return base64.b64decode(b64).decode(errors="replace")
+
+
+def read_domain_xmls(uri: str, names: list[str] | None = None) -> dict[str, str]:
+    """name → XML of the named domains (every defined one if None), read-only.
+
+    For the one-shot commands (`hostagent lint`, `config init`), not for the agent: a
+    plain blocking connection, no events. Raises HostError.
+    """
+    libvirt.registerErrorHandler(lambda _ctx, _err: None, None)  # raised, not printed
+    try:
+        conn = libvirt.openReadOnly(uri)
+    except libvirt.libvirtError as e:
+        raise HostError(f"cannot connect to libvirt at {uri}: {e.get_error_message()}") from e
+    try:
+        if names is None:
+            doms = conn.listAllDomains()
+        else:
+            doms = []
+            for name in names:
+                try:
+                    doms.append(conn.lookupByName(name))
+                except libvirt.libvirtError as e:
+                    raise DomainNotFound(f"{name}: {e.get_error_message()}") from e
+        return {d.name(): str(d.XMLDesc()) for d in doms}
+    except libvirt.libvirtError as e:
+        raise HostError(f"reading domains at {uri}: {e.get_error_message()}") from e
+    finally:
+        conn.close()

@@ -1,0 +1,396 @@
+"""Check libvirt domains for the passthrough mistakes that cost an evening each.
+
+Each check comes from a real failure: a ``<hostdev>`` whose card was moved stops the
+VM from starting at all; OVMF running every card's option ROM hangs before the first
+pixel; a CD-ROM left ahead of the disk boots the installer, which looks exactly like
+a failed install; a lendee without a guest-agent channel can never be shut down
+cleanly. A `Finding` says what is wrong, why it matters (one sentence) and the fix.
+
+`parse_domain` reads the XML; `check_domain` checks one domain against the host;
+`lint` checks several together and against the configuration. The host is read from a
+sysfs root given as a parameter (tests build a fake one); nothing else is touched.
+
+What the agent checks before it starts a VM (`check_domain`): only what that domain's
+own XML says, against the host. A domain without ``<hostdev>`` (the lab's guests,
+whose GPUs are disks) has nothing host-dependent to check, and nothing fires.
+Whether the configuration and the XML agree is `hostagent lint`'s job: a mismatch
+there does not make a start fail, it makes lending wrong, and the in-guest check
+after a lend catches its effect loudly.
+"""
+
+from __future__ import annotations
+
+import enum
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from hostagent import gpus as inventory
+from hostagent.config import Config
+
+__all__ = [
+    "AGENT_CHANNEL",
+    "Check",
+    "Domain",
+    "Finding",
+    "Hostdev",
+    "Severity",
+    "check_domain",
+    "errors",
+    "format_findings",
+    "lint",
+    "parse_domain",
+]
+
+AGENT_CHANNEL = "org.qemu.guest_agent.0"
+
+
+class Severity(enum.StrEnum):
+    ERROR = "error"  # the VM will not start, or hostagent cannot do its job with it
+    WARNING = "warning"  # it may start, and then not do what you think
+
+
+class Check(enum.StrEnum):
+    HOSTDEV_MISSING = "hostdev-missing"
+    NOT_VFIO = "not-vfio"
+    GROUP_NOT_VIABLE = "iommu-group"
+    SPLIT_GPU = "split-gpu"
+    ROM_BAR = "rom-bar"
+    NOT_Q35 = "not-q35"
+    CDROM_FIRST = "cdrom-first"
+    NO_AGENT_CHANNEL = "no-agent-channel"
+    CONFIG_XML = "config-xml"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finding:
+    domain: str
+    check: Check
+    severity: Severity
+    what: str
+    why: str
+    fix: str
+
+    def line(self) -> str:
+        return f"{self.domain}: {self.severity}: {self.what}"
+
+
+# --- reading the XML ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hostdev:
+    """A PCI function passed to the VM (``<hostdev mode='subsystem' type='pci'>``)."""
+
+    address: str
+    managed: bool
+    rom_bar_off: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class BootDevice:
+    kind: str  # "disk", "cdrom", "network", "hostdev"
+    media: bool  # a CD-ROM with an image in it
+    order: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Domain:
+    name: str
+    machine: str
+    ovmf: bool
+    hostdevs: tuple[Hostdev, ...]
+    agent_channel: bool
+    boot: tuple[BootDevice, ...]  # in boot order; () when the firmware decides
+
+    @property
+    def q35(self) -> bool:
+        return "q35" in self.machine
+
+
+def _address(source: ET.Element | None) -> str | None:
+    address = source.find("address") if source is not None else None
+    if address is None:
+        return None
+    try:
+        parts = [int(address.get(k, "0"), 0) for k in ("domain", "bus", "slot", "function")]
+    except ValueError:
+        return None
+    domain, bus, slot, function = parts
+    return f"{domain:04x}:{bus:02x}:{slot:02x}.{function:x}"
+
+
+def _has_media(dev: ET.Element) -> bool:
+    source = dev.find("source")
+    return source is not None and any(source.attrib.values())
+
+
+def _boot_order(root: ET.Element, devices: ET.Element | None) -> tuple[BootDevice, ...]:
+    """Devices in the order the firmware tries them, as far as the XML says."""
+    if devices is None:
+        return ()
+    by_order: list[BootDevice] = []
+    for dev in devices:
+        boot = dev.find("boot")
+        if boot is None or boot.get("order") is None:
+            continue
+        kind = dev.get("device", dev.tag) if dev.tag == "disk" else dev.tag
+        by_order.append(BootDevice(kind=kind, media=_has_media(dev),
+                                   order=int(boot.get("order", "0"))))
+    if by_order:
+        return tuple(sorted(by_order, key=lambda b: b.order))
+    # The older <os><boot dev='cdrom'/><boot dev='hd'/> form: by kind, not by device.
+    cdrom_media = any(d.get("device") == "cdrom" and _has_media(d)
+                      for d in devices.findall("disk"))
+    kinds = {"hd": "disk", "cdrom": "cdrom", "network": "network"}
+    return tuple(BootDevice(kind=kinds.get(b.get("dev", ""), b.get("dev", "")),
+                            media=cdrom_media if b.get("dev") == "cdrom" else False, order=i)
+                 for i, b in enumerate(root.findall("os/boot")))
+
+
+def parse_domain(xml: str) -> Domain:
+    """What lint needs from a domain's XML. Raises ValueError if it is not domain XML."""
+    try:
+        root = ET.fromstring(xml)
+    except ET.ParseError as e:
+        raise ValueError(f"not XML: {e}") from e
+    if root.tag != "domain":
+        raise ValueError(f"not a libvirt domain (root element <{root.tag}>)")
+    os_el = root.find("os")
+    machine = ""
+    ovmf = False
+    if os_el is not None:
+        type_el = os_el.find("type")
+        machine = type_el.get("machine", "") if type_el is not None else ""
+        loader = os_el.find("loader")
+        loader_text = (loader.text or "") if loader is not None else ""
+        ovmf = (os_el.get("firmware") == "efi"
+                or any(word in loader_text.upper() for word in ("OVMF", "EDK2"))
+                or (loader is not None and loader.get("type") == "pflash"))
+    devices = root.find("devices")
+    hostdevs = []
+    channel = False
+    if devices is not None:
+        for dev in devices.findall("hostdev"):
+            if dev.get("mode", "subsystem") != "subsystem" or dev.get("type") != "pci":
+                continue
+            address = _address(dev.find("source"))
+            if address is None:
+                continue
+            rom = dev.find("rom")
+            hostdevs.append(Hostdev(address=address, managed=dev.get("managed") == "yes",
+                                    rom_bar_off=rom is not None and rom.get("bar") == "off"))
+        channel = any(t.get("name") == AGENT_CHANNEL
+                      for t in devices.findall("channel/target"))
+    return Domain(name=root.findtext("name", "").strip(), machine=machine, ovmf=ovmf,
+                  hostdevs=tuple(hostdevs), agent_channel=channel,
+                  boot=_boot_order(root, devices))
+
+
+# --- one domain against the host -----------------------------------------------------------
+
+
+def _slot(address: str) -> str:
+    return address.rsplit(".", 1)[0]
+
+
+def check_domain(dom: Domain, *, sysfs: Path = inventory.SYSFS,
+                 lendee: bool | None = None) -> list[Finding]:
+    """What is wrong with one domain on this host. `lendee`: whether it is the lendee
+    (True), another VM (False) or unknown (None: its missing agent channel warns)."""
+    found: list[Finding] = []
+
+    def add(check: Check, severity: Severity, what: str, why: str, fix: str) -> None:
+        found.append(Finding(domain=dom.name, check=check, severity=severity, what=what,
+                             why=why, fix=fix))
+
+    mine = {h.address for h in dom.hostdevs}
+    for h in dom.hostdevs:
+        device = inventory.pci_device(h.address, sysfs)
+        if device is None:
+            add(Check.HOSTDEV_MISSING, Severity.ERROR,
+                f"<hostdev> {h.address} is not on this host",
+                "libvirt refuses to start a domain whose hostdev points at an empty slot, "
+                "so the VM does not start at all.",
+                f"remove the hostdev (virsh edit {dom.name}) or point it at the card's new "
+                "address (lspci -D; put a replacement card in the freed slot to keep it)")
+            continue
+        if device.driver not in inventory.VFIO_DRIVERS:
+            bound = f"bound to {device.driver}" if device.driver else "bound to no driver"
+            if not h.managed:
+                add(Check.NOT_VFIO, Severity.ERROR,
+                    f"{h.address} ({device.ids}) is {bound} and managed='no'",
+                    "with managed='no' libvirt leaves the device on its host driver and "
+                    "QEMU cannot take it, so the start fails.",
+                    f"bind {device.ids} to vfio-pci at boot (vfio-pci.ids={device.ids}), "
+                    "or set managed='yes' on the hostdev")
+            elif device.driver is not None:
+                add(Check.NOT_VFIO, Severity.WARNING,
+                    f"{h.address} ({device.ids}) is {bound}, not vfio-pci",
+                    f"libvirt must unbind it from {device.driver} at every start, which hangs "
+                    "or fails while the host uses the card.",
+                    f"bind {device.ids} to vfio-pci at boot (vfio-pci.ids={device.ids}): by id, "
+                    "a replacement card of the same model is caught too")
+        for other in device.group_members:
+            if other in mine:
+                continue
+            member = inventory.pci_device(other, sysfs)
+            if member is None or member.is_bridge or member.driver in inventory.VFIO_DRIVERS:
+                continue
+            if member.driver is None:
+                continue
+            add(Check.GROUP_NOT_VIABLE, Severity.ERROR,
+                f"{other} ({member.ids}, {member.driver}) shares IOMMU group "
+                f"{device.iommu_group} with {h.address} but stays on the host",
+                "VFIO gives a VM a whole IOMMU group or nothing: a member on a host driver "
+                "makes the group not viable and the start fails.",
+                f"pass {other} to {dom.name} too (a GPU's audio function moves with it), or "
+                f"bind it to vfio-pci")
+    gpu_slots = {_slot(h.address) for h in dom.hostdevs if _is_gpu(h.address, sysfs)}
+    if dom.ovmf and len(gpu_slots) > 1:
+        bare = [h.address for h in dom.hostdevs if not h.rom_bar_off]
+        if bare:
+            add(Check.ROM_BAR, Severity.WARNING,
+                f"{len(gpu_slots)} GPUs under OVMF, and {', '.join(bare)} without "
+                "<rom bar='off'/>",
+                "OVMF runs every card's option ROM while it enumerates PCI and can hang "
+                "there before it draws anything (a larger 64-bit MMIO window does not help).",
+                "add <rom bar='off'/> to each of these hostdevs: a compute VM needs no "
+                "firmware display driver")
+    if dom.hostdevs and not dom.q35:
+        add(Check.NOT_Q35, Severity.WARNING,
+            f"machine type {dom.machine or 'pc (the default)'} with PCI passthrough",
+            "a GPU passed through wants a real PCIe port, which only q35 provides; on the "
+            "i440fx machine drivers may not find or fully use the card.",
+            "create the VM with the q35 machine type (virt-install --machine q35)")
+    disks = [b for b in dom.boot if b.kind == "disk"]
+    first_disk = disks[0].order if disks else None
+    ahead = [b for b in dom.boot if b.kind == "cdrom" and b.media
+             and (first_disk is None or b.order < first_disk)]
+    if ahead:
+        add(Check.CDROM_FIRST, Severity.WARNING,
+            "a CD-ROM with media boots ahead of the disk",
+            "after the install the VM boots the installer again, which looks exactly like "
+            "an install that failed.",
+            f"eject the image (virsh change-media {dom.name} <target> --eject) or put the "
+            "disk first in the boot order")
+    if not dom.agent_channel and lendee is not False:
+        add(Check.NO_AGENT_CHANNEL,
+            Severity.ERROR if lendee else Severity.WARNING,
+            f"no guest-agent channel ({AGENT_CHANNEL})" + ("" if lendee else
+                                                          " (matters for the lendee)"),
+            "hostagent shuts the lendee down through its guest agent only, so without the "
+            "channel it can never give the GPUs back.",
+            "add <channel type='unix'><target type='virtio' name='org.qemu.guest_agent.0'/>"
+            "</channel> and run qemu-guest-agent in the guest")
+    return found
+
+
+def _is_gpu(address: str, sysfs: Path) -> bool:
+    device = inventory.pci_device(address, sysfs)
+    # Unknown to the host: count it, the hostdev-missing error already speaks for it.
+    return device is None or device.is_display
+
+
+# --- several domains and the configuration --------------------------------------------------
+
+
+def lint(domains: Sequence[Domain], *, sysfs: Path = inventory.SYSFS,
+         config: Config | None = None) -> list[Finding]:
+    """Every finding for `domains`, against the host and, if given, the configuration."""
+    found: list[Finding] = []
+    for dom in domains:
+        lendee = None if config is None else dom.name == config.lendee.domain
+        found += check_domain(dom, sysfs=sysfs, lendee=lendee)
+    found += _split(domains, sysfs)
+    if config is not None:
+        found += _against_config(domains, config)
+    return found
+
+
+def _split(domains: Sequence[Domain], sysfs: Path) -> list[Finding]:
+    """A GPU's functions divided between VMs. Lending means two VMs list the same
+    functions; each must list the same set, or they look independent and are not."""
+    groups: dict[str, dict[str, set[str]]] = {}  # group (or slot) -> domain -> functions
+    for dom in domains:
+        for h in dom.hostdevs:
+            device = inventory.pci_device(h.address, sysfs)
+            key = (f"IOMMU group {device.iommu_group}" if device and device.iommu_group
+                   else f"device {_slot(h.address)}")
+            groups.setdefault(key, {}).setdefault(dom.name, set()).add(h.address)
+    found = []
+    for key, users in sorted(groups.items()):
+        sets = {frozenset(v) for v in users.values()}
+        if len(sets) < 2:
+            continue
+        names = sorted(users)
+        listing = "; ".join(f"{n} has {', '.join(sorted(users[n]))}" for n in names)
+        disjoint = all(a.isdisjoint(b) for a in sets for b in sets if a is not b)
+        for name in names:
+            found.append(Finding(
+                domain=name, check=Check.SPLIT_GPU,
+                severity=Severity.ERROR if disjoint else Severity.WARNING,
+                what=f"the functions of {key} are split between VMs: {listing}",
+                why="VFIO gives a whole IOMMU group to one VM at a time, so these VMs cannot "
+                    "run together even though their XML says they share nothing."
+                if disjoint else
+                "functions left behind stay on the host while the other VM runs, and a "
+                "GPU's audio function is expected to move with it.",
+                fix="give each VM that uses this card all of its functions"))
+    return found
+
+
+def _against_config(domains: Sequence[Domain], config: Config) -> list[Finding]:
+    found = []
+    by_name = {d.name: d for d in domains}
+    label_of = {f: g.label for g in config.gpus.values() for f in g.pci_functions}
+    roles: dict[str, tuple[str, str, tuple[str, ...]]] = {
+        config.lendee.domain: ("lendee", "lendee.gpus", config.lendee.gpus),
+        **{o.domain: ("owner", f"owners.{o.domain}.gpus", o.gpus)
+           for o in config.owners.values()},
+    }
+    for name, (role, key, labels) in roles.items():
+        dom = by_name.get(name)
+        if dom is None:
+            continue
+        have = {h.address for h in dom.hostdevs}
+        for label in labels:
+            gpu = config.gpus[label]
+            for address in gpu.pci_functions:
+                if address in have:
+                    continue
+                verb = "borrows" if role == "lendee" else "owns"
+                found.append(Finding(
+                    domain=name, check=Check.CONFIG_XML, severity=Severity.ERROR,
+                    what=f"the config says {name} {verb} {gpu} but its XML has no <hostdev> "
+                         f"for {address}",
+                    why="hostagent moves GPUs by what the config says, so it would lend or "
+                        "reclaim a card this VM does not use and leave the one it uses alone.",
+                    fix=f"add the hostdev (virsh edit {name}) or fix {key} / gpus.{label}"))
+        for h in dom.hostdevs:
+            other = label_of.get(h.address)
+            if other is None or other in labels:
+                continue
+            label = other
+            owner = config.owner_of(label)
+            given = f"the config gives it to {owner}" if owner else "the config does not " \
+                f"give it to {name}"
+            found.append(Finding(
+                domain=name, check=Check.CONFIG_XML, severity=Severity.ERROR,
+                what=f"{name}'s XML has {h.address} of GPU {label}, but {given}",
+                why="hostagent does not free that GPU for this VM, so its start fails "
+                    "whenever another VM holds it.",
+                fix=f"add {label} to {key}, or remove the hostdev from {name}"))
+    return found
+
+
+def format_findings(findings: Iterable[Finding]) -> str:
+    lines = []
+    for f in findings:
+        lines += [f.line(), f"  why: {f.why}", f"  fix: {f.fix}"]
+    return "\n".join(lines)
+
+
+def errors(findings: Iterable[Finding]) -> list[Finding]:
+    return [f for f in findings if f.severity is Severity.ERROR]
