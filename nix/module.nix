@@ -1,0 +1,326 @@
+# services.hostagent: the agent as a NixOS service, and its libvirt hook.
+#
+#   imports = [ ./hostagent/nix/module.nix ];   # or the flake's nixosModules.default
+#   services.hostagent = { enable = true; settings = { ... }; };
+#
+# The service has the same properties as systemd/hostagent.service, whose comments
+# give the reasons: keep the two in step. The settings become /etc/hostagent/config.toml,
+# where the `hostagent` command looks by default.
+{
+  config,
+  lib,
+  pkgs,
+  ...
+}:
+
+let
+  inherit (lib) mkOption types;
+
+  cfg = config.services.hostagent;
+  format = pkgs.formats.toml { };
+
+  configPath = "/etc/hostagent/config.toml";
+  # Where systemd puts the kubeconfig it reads for the service (LoadCredential=).
+  kubeconfigCredential = "/run/credentials/hostagent.service/kubeconfig";
+  controlSocket = cfg.settings.control_socket or "/run/hostagent/control.sock";
+
+  # libvirtd runs the hook with a scrubbed environment, so the hook knows only its
+  # built-in paths: the agent must use the same ones.
+  hookPaths = {
+    hook_socket = "/run/hostagent/hook.sock";
+    state_dir = "/var/lib/hostagent";
+  };
+
+  configFile = format.generate "hostagent-config.toml" (
+    lib.recursiveUpdate cfg.settings (
+      lib.optionalAttrs (cfg.kubeconfigFile != null) {
+        kubernetes.kubeconfig = kubeconfigCredential;
+      }
+    )
+  );
+
+  # A TOML table with a few typed, documented keys; any other key passes through.
+  table =
+    options:
+    types.submodule {
+      freeformType = format.type;
+      inherit options;
+    };
+
+  optionalStr =
+    description:
+    mkOption {
+      type = types.nullOr types.str;
+      default = null;
+      inherit description;
+    };
+in
+{
+  options.services.hostagent = {
+    enable = lib.mkEnableOption "hostagent, which lends idle passthrough GPUs to a Kubernetes worker VM";
+
+    package = mkOption {
+      type = types.package;
+      default = pkgs.hostagent or (pkgs.callPackage ./package.nix { });
+      defaultText = lib.literalExpression "pkgs.callPackage ./nix/package.nix { }";
+      description = "The hostagent package. The libvirt hook comes from it too.";
+    };
+
+    settings = mkOption {
+      default = { };
+      # TOML has no null: a typed key left at null is left out, and the agent's own
+      # default applies.
+      apply = lib.filterAttrsRecursive (_: v: v != null);
+      description = ''
+        hostagent's configuration, written to `${configPath}`. Every key of that
+        TOML file can be set here (they are listed in the docstring of
+        `hostagent/config.py`); the main ones are typed below. Durations are strings
+        such as `"90s"`, `"2m"` or `"1h30m"`.
+      '';
+      example = lib.literalExpression ''
+        {
+          lendee = { domain = "gpu-node"; gpus = [ "gpu-a" "gpu-b" ]; };
+          gpus.gpu-a = { pci = "0000:01:00.0"; functions = [ "0000:01:00.1" ]; name = "RTX 3050"; };
+          gpus.gpu-b = { pci = "0000:02:00.0"; functions = [ "0000:02:00.1" ]; };
+          owners.gaming1.gpus = [ "gpu-a" ];
+          owners.gaming2.gpus = [ "gpu-b" ];
+          policy.relend_delay = "30s";
+          kubernetes.gpu_resource = "nvidia.com/gpu";
+        }
+      '';
+      type = table {
+        lendee = mkOption {
+          default = { };
+          description = "The Kubernetes worker VM that borrows every idle GPU.";
+          type = table {
+            domain = mkOption {
+              type = types.str;
+              default = "";
+              example = "gpu-node";
+              description = "The lendee's libvirt domain name. Required.";
+            };
+            node = optionalStr "Its Kubernetes node name; by default its domain name.";
+            gpus = mkOption {
+              type = types.listOf types.str;
+              default = [ ];
+              example = [
+                "gpu-a"
+                "gpu-b"
+              ];
+              description = "The GPUs it borrows: labels from `gpus`, or PCI addresses. Required.";
+            };
+          };
+        };
+
+        gpus = mkOption {
+          default = { };
+          description = "Passthrough GPUs, by a label of your choosing.";
+          type = types.attrsOf (table {
+            pci = mkOption {
+              type = types.str;
+              example = "0000:01:00.0";
+              description = "The GPU's PCI function, as `lspci -D` shows it.";
+            };
+            functions = mkOption {
+              type = types.listOf types.str;
+              default = [ ];
+              example = [ "0000:01:00.1" ];
+              description = "Its other PCI functions (audio), which move with it.";
+            };
+            uuid = optionalStr "Its UUID as `nvidia-smi -L` shows it inside the lendee, checked after lending.";
+            name = optionalStr "A name for messages.";
+          });
+        };
+
+        owners = mkOption {
+          default = { };
+          description = "Gaming VMs, by libvirt domain name.";
+          type = types.attrsOf (table {
+            gpus = mkOption {
+              type = types.listOf types.str;
+              example = [ "gpu-a" ];
+              description = "The GPUs this VM must have back before it starts.";
+            };
+          });
+        };
+
+        policy = mkOption {
+          default = { };
+          description = "Choices whose defaults are the careful ones.";
+          type = table {
+            relend_delay = optionalStr "Quiet time after a game before the GPUs are lent again (the agent's default: `\"30s\"`).";
+            force_off_after = optionalStr "How long after a guest-agent shutdown timed out the lendee is destroyed; unset or `\"\"`, it never is.";
+            on_drain_timeout = mkOption {
+              type = types.nullOr (
+                types.enum [
+                  "proceed"
+                  "abort"
+                ]
+              );
+              default = null;
+              description = "When the node has not drained in time: shut the lendee down anyway (`proceed`, the agent's default) or keep it and give up (`abort`).";
+            };
+          };
+        };
+
+        kubernetes = mkOption {
+          default = null;
+          description = ''
+            How to reach the cluster. Unset (and no `kubeconfigFile`): no
+            `[kubernetes]` section, and hostagent moves GPUs between VMs only.
+          '';
+          type = types.nullOr (table {
+            kubeconfig = optionalStr ''
+              A kubeconfig read by the agent at run time; prefer `kubeconfigFile`, which
+              also works where the file is readable by root only.
+            '';
+            gpu_resource = optionalStr "The allocatable resource the node must report (the agent's default: `\"nvidia.com/gpu\"`).";
+          });
+        };
+      };
+    };
+
+    kubeconfigFile = mkOption {
+      type = types.nullOr types.str;
+      default = null;
+      example = "/run/secrets/hostagent-kubeconfig";
+      description = ''
+        A kubeconfig for the lendee's cluster, as a path on the host that systemd
+        reads when the service starts (`LoadCredential=`): it never enters the
+        world-readable Nix store. Give a string, not a Nix path literal (which would
+        be copied into the store). Setting it adds the `[kubernetes]` section.
+      '';
+    };
+
+    controlSocketGroup = mkOption {
+      type = types.nullOr types.str;
+      default = null;
+      example = "hostagent";
+      description = ''
+        A group whose members may use the control socket (`hostagent status`,
+        `hostagent hold`, `hostagent resume`) without root; add people with
+        `users.users.<name>.extraGroups`. The group is created. Unset: root only.
+      '';
+    };
+  };
+
+  config = lib.mkIf cfg.enable {
+    assertions = [
+      {
+        assertion = config.virtualisation.libvirtd.enable;
+        message = "services.hostagent needs libvirt: set virtualisation.libvirtd.enable = true (the agent drives the VMs through libvirtd, and its hook is installed through virtualisation.libvirtd.hooks.qemu).";
+      }
+      {
+        assertion = cfg.settings.lendee.domain != "";
+        message = ''services.hostagent.settings.lendee.domain is not set: name the libvirt domain of the Kubernetes worker VM that borrows the GPUs, e.g. lendee.domain = "gpu-node";'';
+      }
+      {
+        assertion = cfg.settings.lendee.gpus != [ ];
+        message = ''services.hostagent.settings.lendee.gpus is empty: list the GPUs the lendee borrows (labels from settings.gpus, or PCI addresses), e.g. lendee.gpus = [ "gpu-a" ];'';
+      }
+      {
+        assertion =
+          cfg.kubeconfigFile == null
+          || (lib.hasPrefix "/" cfg.kubeconfigFile && !lib.hasPrefix "${builtins.storeDir}/" cfg.kubeconfigFile);
+        message = "services.hostagent.kubeconfigFile must be an absolute path outside the Nix store, which anyone on the machine can read: keep the kubeconfig in e.g. /run/secrets or /var/lib/secrets.";
+      }
+      {
+        assertion = cfg.kubeconfigFile == null || (cfg.settings.kubernetes.kubeconfig or null) == null;
+        message = "services.hostagent: set kubeconfigFile or settings.kubernetes.kubeconfig, not both.";
+      }
+    ]
+    ++ lib.mapAttrsToList (key: path: {
+      assertion = (cfg.settings.${key} or path) == path;
+      message = "services.hostagent.settings.${key} must stay ${path}: libvirtd runs the hook with a scrubbed environment, so the hook knows only that path.";
+    }) hookPaths;
+
+    # Linked into /var/lib/libvirt/hooks/qemu.d/ by the libvirtd module; the hook has
+    # a store-path interpreter (see nix/package.nix).
+    virtualisation.libvirtd.hooks.qemu.hostagent = "${cfg.package}/libexec/hostagent/qemu-hook";
+
+    environment.etc."hostagent/config.toml".source = configFile;
+    environment.systemPackages = [ cfg.package ];
+
+    users.groups = lib.mkIf (cfg.controlSocketGroup != null) { ${cfg.controlSocketGroup} = { }; };
+
+    systemd.services.hostagent = {
+      description = "hostagent: lend idle passthrough GPUs to a Kubernetes worker VM";
+      wantedBy = [ "multi-user.target" ];
+      # Wants, not Requires: a libvirtd restart must not restart the agent (it
+      # reconnects). After libvirt-guests: stopped before it at shutdown, so the
+      # agent does not boot the lendee again while the VMs are being shut down.
+      wants = [
+        "libvirtd.service"
+        "network-online.target"
+      ];
+      after = [
+        "libvirtd.service"
+        "network-online.target"
+        "libvirt-guests.service"
+      ];
+      restartTriggers = [ configFile ];
+      # On the watchdog's SIGABRT, every thread's stack goes to the journal.
+      environment.PYTHONFAULTHANDLER = "1";
+
+      serviceConfig = {
+        Type = "notify";
+        ExecStart = "${lib.getExe cfg.package} --config ${configPath} run";
+        # After READY=1, so the socket exists; the agent itself creates it 0600.
+        ExecStartPost = lib.optionals (cfg.controlSocketGroup != null) [
+          "${pkgs.coreutils}/bin/chgrp ${cfg.controlSocketGroup} ${controlSocket}"
+          "${pkgs.coreutils}/bin/chmod 0660 ${controlSocket}"
+        ];
+        # The agent pings every 15 s from its event loop: a blocked loop is restarted.
+        WatchdogSec = "30s";
+        Restart = "on-failure";
+        RestartSec = "5s";
+        # 2: a configuration the agent refuses; restarting would only repeat it.
+        RestartPreventExitStatus = 2;
+        TimeoutStartSec = "2min";
+        LoadCredential = lib.optional (cfg.kubeconfigFile != null) "kubeconfig:${cfg.kubeconfigFile}";
+
+        # hook.sock and control.sock, recreated at each start; while the agent is
+        # down the hook spools under /var/lib/hostagent/spool instead.
+        RuntimeDirectory = "hostagent";
+        RuntimeDirectoryMode = "0755";
+        StateDirectory = "hostagent";
+        StateDirectoryMode = "0755";
+        UMask = "0077";
+
+        # Hardening: as in systemd/hostagent.service, where each line has its reason.
+        # connect() to libvirt's socket needs no write access, so ProtectSystem=strict
+        # needs no ReadWritePaths=.
+        ProtectSystem = "strict";
+        ProtectHome = "read-only";
+        PrivateTmp = true;
+        PrivateMounts = true;
+        NoNewPrivileges = true;
+        CapabilityBoundingSet = [
+          "CAP_CHOWN"
+          "CAP_DAC_READ_SEARCH"
+        ];
+        RestrictAddressFamilies = [
+          "AF_UNIX"
+          "AF_INET"
+          "AF_INET6"
+        ];
+        SystemCallFilter = [ "@system-service" ];
+        SystemCallErrorNumber = "EPERM";
+        SystemCallArchitectures = "native";
+        ProtectKernelTunables = true;
+        ProtectKernelModules = true;
+        ProtectKernelLogs = true;
+        ProtectControlGroups = true;
+        ProtectClock = true;
+        ProtectHostname = true;
+        ProtectProc = "invisible";
+        RestrictNamespaces = true;
+        RestrictRealtime = true;
+        RestrictSUIDSGID = true;
+        LockPersonality = true;
+        # Not PrivateDevices (NVML needs /dev/nvidia*) nor MemoryDenyWriteExecute
+        # (ctypes and cffi callbacks).
+      };
+    };
+  };
+}
