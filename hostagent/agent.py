@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
-from hostagent import journal, machine, state as persisted
+from hostagent import health, journal, machine, metrics, state as persisted
 from hostagent.config import Config
 from hostagent.control import Reply, serve_control
 from hostagent.inbox import HookEvent, Inbox, Verdict, replay_spool, serve_hooks
@@ -125,6 +125,13 @@ class Agent:
         # Control clients waiting on an intent: intent id → future of (ok, message).
         self._waiters: dict[str, asyncio.Future[tuple[bool, str]]] = {}
         self._fatal: asyncio.Future[BaseException] | None = None
+        self.metrics = metrics.Metrics(self.topo)
+        self._exporter: asyncio.Server | None = None
+        # Checks of real things, not "the process runs" (see hostagent.health).
+        self.health = health.Health()
+        self.health.add("libvirt", health.libvirt_alive(self.libvirt))
+        self.health.add("hook socket", health.socket_answers(cfg.hook_socket, "hook socket"))
+        self.health.add("last lend verified", self.metrics.lend_verified)
 
     # ---- the one place where state changes -----------------------------------------
     def apply(self, event: Event) -> bool:
@@ -135,6 +142,7 @@ class Agent:
             log.debug("ignored: %s", e)
             return False
         old, self.state = self.state, new
+        self.metrics.transition(old, new, event)
         for intent in new.intents:
             if intent not in old.intents:
                 self._record_intent(intent)
@@ -161,6 +169,7 @@ class Agent:
         hooks = await serve_hooks(self.cfg.hook_socket, inbox, log=log)
         control = await serve_control(self.cfg.control_socket, self._verbs(), log=log)
         try:
+            await self._serve_metrics()
             replayed = await replay_spool(self.cfg.spool_dir, inbox, log=log)
             if replayed:
                 log.info("replayed %d hook event(s) spooled while the agent was down", replayed)
@@ -173,6 +182,8 @@ class Agent:
             raise await self._fatal
         finally:
             hooks.close()
+            if self._exporter is not None:
+                self._exporter.close()
             control.close()
             for task in list(self._tasks):
                 task.cancel()
@@ -182,6 +193,17 @@ class Agent:
     def stop(self) -> None:
         if self._fatal is not None and not self._fatal.done():
             self._fatal.set_exception(asyncio.CancelledError())
+
+    async def _serve_metrics(self) -> None:
+        address = self.cfg.metrics.address
+        if address is None:
+            return
+        try:
+            self._exporter = await metrics.serve(address, self.metrics, self.health, log=log)
+        except OSError as e:
+            raise StartupError(f"{self.cfg.source}: metrics.listen: cannot listen on "
+                               f"{self.cfg.metrics.listen}: {e.strerror or e}; choose a free "
+                               "port, or remove [metrics]") from e
 
     def _load(self) -> None:
         saved, warning = persisted.load_state(self.cfg.state_file)
@@ -224,6 +246,7 @@ class Agent:
 
     # ---- inputs ----------------------------------------------------------------------
     async def _on_hook(self, event: HookEvent) -> Verdict:
+        self.metrics.hook_event(event.op, event.sub)
         if event.time < self.started_at:
             # Spooled while the agent was down: libvirt went ahead (fail-open) and the
             # fresh read of reality at start already accounts for it.
@@ -516,9 +539,11 @@ class Agent:
                          "age_s": round(now - i.created_at, 1)} for i in self.state.intents],
             "relend_in_s": round(self.state.relend_at - now, 1) if self.state.relend_at else None,
             "libvirt_connected": self.libvirt.connected,
+            "health": [r.as_dict() for r in self.health.last],
         }
 
     async def _verb_status(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
+        await self.health.check()
         yield {"ok": True, "data": self.status()}
 
     async def _verb_hold(self, args: dict[str, Any]) -> AsyncIterator[Reply]:

@@ -238,6 +238,13 @@ def format_status(data: dict[str, Any]) -> str:
         lines.append("nothing waiting to start")
     if not data.get("libvirt_connected", True):
         lines.append("libvirt: NOT connected (reconnecting)")
+    failed = [c for c in data.get("health", []) if not c["ok"]]
+    if failed:
+        lines.append("")
+        lines.append("failed checks:")
+        lines += [f"  {c['check']}: {c['detail']}" for c in failed]
+    elif data.get("health"):
+        lines.append(f"health: {len(data['health'])} checks pass")
     return "\n".join(lines)
 
 

@@ -1,0 +1,124 @@
+"""Health that means something: checks of the real things the agent depends on.
+
+"The process runs" says little: the seeds tell of a health check that said OK while the
+service behind it was broken. Each check here exercises one dependency the way the
+agent uses it (a libvirt call, a connection to the hook socket, a Kubernetes request,
+the outcome of the last lend) and says, in one sentence, what it found.
+
+A check is a *probe*: an async callable that returns a short description when all is
+well and raises (preferably `CheckFailed`, with a sentence) when not. `Health.check` runs
+every probe concurrently, each within a time budget, so one hung dependency cannot hang
+the answer. `hostagent status`, ``/healthz`` and the ``hostagent_health_check_success``
+metric all show the same results.
+
+Who adds which check: the agent adds "libvirt", "hook socket" and "last lend verified";
+the Kubernetes wiring adds "kubernetes" with
+``agent.health.add("kubernetes", lambda: kube.check_node(node, timeout=2))`` (any
+awaitable that raises when the API server cannot be reached will do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+__all__ = ["CheckFailed", "CheckResult", "Health", "Probe", "libvirt_alive", "socket_answers"]
+
+Probe = Callable[[], Awaitable[str | None]]
+
+
+class CheckFailed(Exception):
+    """A probe's sentence saying what is wrong."""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    check: str
+    ok: bool
+    detail: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"check": self.check, "ok": self.ok, "detail": self.detail}
+
+
+class Health:
+    """The named checks, in the order they were added."""
+
+    def __init__(self, *, timeout: float = 3.0) -> None:
+        self.timeout = timeout
+        self._probes: dict[str, Probe] = {}
+        self.last: list[CheckResult] = []  # the results of the latest `check`
+
+    def add(self, name: str, probe: Probe) -> None:
+        """Add (or replace) the check called `name`."""
+        self._probes[name] = probe
+
+    def remove(self, name: str) -> None:
+        self._probes.pop(name, None)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._probes)
+
+    async def check(self) -> list[CheckResult]:
+        """Run every check now, concurrently; each gets `timeout` seconds."""
+        self.last = list(await asyncio.gather(
+            *(self._run(name, probe) for name, probe in self._probes.items())))
+        return self.last
+
+    async def _run(self, name: str, probe: Probe) -> CheckResult:
+        try:
+            detail = await asyncio.wait_for(probe(), self.timeout)
+        except CheckFailed as e:
+            return CheckResult(name, False, str(e))
+        except TimeoutError:
+            return CheckResult(name, False, f"no answer within {self.timeout:g}s")
+        except Exception as e:  # whatever a dependency raises, the check failed: say how
+            return CheckResult(name, False, str(e) or type(e).__name__)
+        return CheckResult(name, True, detail or "ok")
+
+
+class _Libvirt(Protocol):
+    uri: str
+
+    @property
+    def connected(self) -> bool: ...
+
+    async def running_domains(self) -> set[str]: ...
+
+
+def libvirt_alive(libvirt: _Libvirt) -> Probe:
+    """The connection is open and libvirtd answers a call through it."""
+
+    async def probe() -> str:
+        if not libvirt.connected:
+            raise CheckFailed(f"libvirt: not connected to {libvirt.uri} (reconnecting)")
+        try:
+            running = await libvirt.running_domains()
+        except Exception as e:
+            raise CheckFailed(f"libvirt: {e}") from e
+        return f"connected to {libvirt.uri}; {len(running)} domain(s) running"
+
+    return probe
+
+
+def socket_answers(path: Path, what: str = "socket") -> Probe:
+    """Something accepts connections on the Unix socket `path` (a connection that sends
+    nothing and closes is ignored by the hook inbox)."""
+
+    async def probe() -> str:
+        try:
+            _, writer = await asyncio.open_unix_connection(str(path))
+        except OSError as e:
+            raise CheckFailed(f"{what} {path}: {e.strerror or e}") from e
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except OSError:
+            pass
+        return f"{path} accepts connections"
+
+    return probe
