@@ -28,6 +28,16 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("hold", help="stop lending: the lendee stays off until `resume`")
     sub.add_parser("resume", help="lend again (and retry a step that failed)")
     sub.add_parser("check-config", help="read the configuration and report every problem")
+    hi = sub.add_parser("history", help=(
+        "the transitions in the journal, and how long each GPU was lent, gaming or idle"))
+    hi.add_argument("--since", metavar="WHEN", help=(
+        'as journalctl takes it: "1h ago", "today", "2025-01-31 20:00", "@UNIXTIME"'))
+    hi.add_argument("--until", metavar="WHEN", help="as journalctl takes it (default: now)")
+    hi.add_argument("--json", action="store_true", help="machine-readable output")
+    hi.add_argument("--svg", type=Path, metavar="FILE", help=(
+        "also draw a timeline: one row per GPU, coloured by holder, swaps marked"))
+    hi.add_argument("-D", "--journal-dir", type=Path, metavar="DIR",
+                    help="read the journal files in DIR (as journalctl -D)")
     gp = sub.add_parser("gpus", help="this host's GPUs: NVML (index, UUID, PCI) and sysfs")
     gp.add_argument("--json", action="store_true", help="machine-readable output")
     gp.add_argument("--sysfs", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
@@ -64,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         return _config_init(args)
     if args.command == "lint":
         return _lint(args)
+    if args.command == "history":  # the journal is enough
+        return _history(args)
     try:
         cfg = configuration.load(args.config)
         if args.command == "run":
@@ -201,6 +213,27 @@ def _config_init(args: argparse.Namespace) -> int:
             return 1
     print(f"wrote {target}: check the comments in it, then run `hostagent --config {target} "
           "lint`")
+    return 0
+
+
+def _history(args: argparse.Namespace) -> int:
+    from hostagent import history, timeline
+    try:
+        records = history.read_journal(since=args.since, until=args.until,
+                                       directory=args.journal_dir)
+    except history.HistoryError as e:
+        print(f"hostagent: {e}", file=sys.stderr)
+        return 1
+    # With --until, open stretches end at the last record: journalctl's time syntax is
+    # its own, and guessing what it meant would be worse than stopping short.
+    h = history.build(records, until=None if args.until else time.time())
+    if args.svg:
+        args.svg.write_text(timeline.svg(h))
+    if args.json:
+        json.dump(history.to_json(h), sys.stdout, indent=2)
+        print()
+    else:
+        print(history.format_table(h))
     return 0
 
 

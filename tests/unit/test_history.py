@@ -1,0 +1,178 @@
+"""History read back from journal records: transitions, time per GPU, swaps, the timeline."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hostagent import cli, history, timeline
+
+SVG = "{http://www.w3.org/2000/svg}"
+T0 = 1_700_000_000.0
+
+
+def rec(at: float, event: str, vm: str, from_: str, to: str, holders: str | None = None,
+        **extra: str) -> dict[str, Any]:
+    r = {"__REALTIME_TIMESTAMP": str(int((T0 + at) * 1e6)), "SYSLOG_IDENTIFIER": "hostagent",
+         "MESSAGE": f"{vm}: {from_} to {to}", "HOSTAGENT_EVENT": event, "HOSTAGENT_VM": vm,
+         "HOSTAGENT_FROM": from_, "HOSTAGENT_TO": to, "HOSTAGENT_RESULT": "ok"}
+    if holders is not None:
+        r["HOSTAGENT_HOLDERS"] = holders
+    r.update({f"HOSTAGENT_{k.upper()}": v for k, v in extra.items()})
+    return r
+
+
+LENT = "gpu-a=gpu-node,gpu-b=gpu-node"
+FREE = "gpu-a=-,gpu-b=-"
+
+
+def phase(at: float, from_: str, to: str, holders: str, took: float) -> dict[str, Any]:
+    return rec(at, "phase", "gpu-node", from_, to, holders, duration_ms=str(int(took * 1000)),
+               cause="X")
+
+
+def intent(at: float, owner: str, to: str, iid: str) -> dict[str, Any]:
+    r = rec(at, "intent", owner, "", to, intent=iid)
+    del r["HOSTAGENT_FROM"]
+    return r
+
+
+# A lab cycle: lent, gaming1 asks (deferred), reclaim, gaming1 plays, lent again. The
+# agent records "intent done" just before the owner's own start record.
+CYCLE = [
+    phase(0, "off", "booting", LENT, 0),
+    phase(10, "booting", "joining", LENT, 10),
+    phase(12, "joining", "lent", LENT, 2),
+    intent(100, "gaming1", "pending", "i1"),
+    phase(100, "lent", "draining", LENT, 88),
+    phase(102, "draining", "stopping", LENT, 2),
+    phase(104, "stopping", "off", FREE, 2),
+    intent(105, "gaming1", "done", "i1"),
+    rec(105, "owner", "gaming1", "off", "running", "gpu-a=gaming1,gpu-b=-"),
+    rec(200, "owner", "gaming1", "running", "off", FREE),
+    phase(202, "off", "booting", LENT, 98),
+    phase(212, "booting", "joining", LENT, 10),
+    phase(214, "joining", "lent", LENT, 2),
+]
+
+
+def test_parse_holders() -> None:
+    assert history.parse_holders("gpu-a=gpu-node,gpu-b=-") == {"gpu-a": "gpu-node", "gpu-b": None}
+    assert history.parse_holders("0000:0a:00.0=gaming1") == {"0000:0a:00.0": "gaming1"}
+    assert history.parse_holders("") == {}
+
+
+def test_a_cycle_read_back() -> None:
+    h = history.build(reversed(CYCLE), until=T0 + 300)  # order is restored by time
+    assert h.lendee == "gpu-node"
+    assert [(t.vm, t.from_, t.to) for t in h.transitions] == [
+        (r["HOSTAGENT_VM"], r["HOSTAGENT_FROM"], r["HOSTAGENT_TO"]) for r in CYCLE
+        if r["HOSTAGENT_EVENT"] != "intent"]
+    assert h.transitions[3].duration == 88.0
+    # The owner's stop record has no duration of its own: the time since it started.
+    gaming_off = next(t for t in h.transitions if t.vm == "gaming1" and t.to == "off")
+    assert gaming_off.duration == 95.0
+    assert h.totals("gpu-a") == {"lent": 104 + 98, "gaming": 95, "idle": 1 + 2}
+    assert h.totals("gpu-b") == {"lent": 104 + 98, "gaming": 0, "idle": 98}
+    assert [(s.holder, s.start - T0, s.end - T0) for s in h.gpus["gpu-a"]] == [
+        ("gpu-node", 0, 104), (None, 104, 105), ("gaming1", 105, 200), (None, 200, 202),
+        ("gpu-node", 202, 300)]
+    # gaming1 asked at 100 and had its GPU at 105; gpu-b never went to an owner.
+    assert [(s.gpu, s.owner, s.duration) for s in h.swaps] == [("gpu-a", "gaming1", 5.0)]
+
+
+def test_an_owner_starting_on_free_gpus_is_not_a_swap() -> None:
+    records = [*CYCLE[:10],  # up to gaming1's stop, the lendee still off
+               rec(201, "owner", "gaming2", "off", "running", "gpu-a=-,gpu-b=gaming2")]
+    h = history.build(records)
+    assert len(h.swaps) == 1
+    assert h.end == T0 + 201
+    assert h.totals("gpu-b")["gaming"] == 0  # it started at the end of the window
+
+
+def test_no_records() -> None:
+    h = history.build([], until=T0)
+    assert h.start is None and h.transitions == [] and h.gpus == {}
+    assert history.format_table(h) == "no transitions in the journal for this period"
+    ET.fromstring(timeline.svg(h))
+
+
+def test_table_and_json() -> None:
+    h = history.build(CYCLE, until=T0 + 300)
+    table = history.format_table(h)
+    lines = table.splitlines()
+    assert lines[0].split() == ["TIME", "VM", "CHANGE", "AFTER", "RESULT", "HOLDERS"]
+    assert lines[4].split()[2:] == ["gpu-node", "lent", "→", "draining", "1m28s", "ok",
+                                    "gpu-a=gpu-node", "gpu-b=gpu-node"]
+    assert "gpu-a=gaming1 gpu-b=-" in table
+    assert lines[-2].split()[:2] == ["gpu-a", "3m22s"]
+    assert lines[-2].endswith("1 (5.0s)")
+    data = json.loads(json.dumps(history.to_json(h)))
+    assert data["lendee"] == "gpu-node"
+    assert len(data["transitions"]) == 11
+    assert data["gpus"]["gpu-a"]["gaming_s"] == 95
+    assert data["swaps"] == [{"gpu": "gpu-a", "owner": "gaming1", "start": T0 + 100,
+                              "end": T0 + 105, "duration_s": 5.0}]
+
+
+def test_span() -> None:
+    assert [history.span(s) for s in (0.04, 9.96, 42, 250, 7500)] == [
+        "0.0s", "10.0s", "42s", "4m10s", "2h05m"]
+
+
+def test_svg_is_xml_with_one_row_per_gpu() -> None:
+    h = history.build(CYCLE, until=T0 + 300)
+    root = ET.fromstring(timeline.svg(h))
+    assert root.tag == f"{SVG}svg"
+    rows = root.findall(f".//{SVG}g[@class='row']")
+    assert [r.get("data-gpu") for r in rows] == ["gpu-a", "gpu-b"]
+    holders = [s.get("data-holder") for s in rows[0].findall(f"{SVG}rect[@class='segment']")]
+    assert holders == ["gpu-node", "idle", "gaming1", "idle", "gpu-node"]
+    swaps = rows[0].findall(f"{SVG}g[@class='swap']")
+    assert len(swaps) == 1 and "swap 5.0s" in "".join(swaps[0].itertext())
+    assert not rows[1].findall(f"{SVG}g[@class='swap']")
+    legend = "".join(root.find(f".//{SVG}g[@class='legend']").itertext())
+    assert "gpu-node (lent)" in legend and "gaming1 (gaming)" in legend and "idle" in legend
+    assert root.findall(f".//{SVG}g[@class='axis']/{SVG}text")
+
+
+@pytest.fixture
+def fake_journalctl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A journalctl on PATH that prints CYCLE and writes its arguments to args.json."""
+    (tmp_path / "records.json").write_text("\n".join(json.dumps(r) for r in CYCLE) + "\n")
+    exe = tmp_path / "journalctl"
+    exe.write_text(f"#!/bin/sh\n"
+                   f"printf '%s\\n' \"$@\" > {tmp_path}/args\n"
+                   f"cat {tmp_path}/records.json\n")
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    return tmp_path
+
+
+def test_cli_history(fake_journalctl: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    svg = fake_journalctl / "t.svg"
+    assert cli.main(["--config", "/nonexistent", "history", "--since", "1h ago", "-D",
+                     "/lab/journal", "--json", "--svg", str(svg)]) == 0
+    args = (fake_journalctl / "args").read_text().splitlines()
+    assert args[args.index("--since") + 1] == "1h ago"
+    assert args[args.index("-D") + 1] == "/lab/journal"
+    assert {"SYSLOG_IDENTIFIER=hostagent", "HOSTAGENT_EVENT=phase", "HOSTAGENT_EVENT=owner",
+            "HOSTAGENT_EVENT=intent"} <= set(args)
+    assert json.loads(capsys.readouterr().out)["swaps"][0]["owner"] == "gaming1"
+    assert len(ET.parse(svg).getroot().findall(f".//{SVG}g[@class='row']")) == 2
+    assert cli.main(["history"]) == 0
+    assert "per GPU" in capsys.readouterr().out
+
+
+def test_cli_history_says_when_journalctl_fails(
+        fake_journalctl: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (fake_journalctl / "journalctl").write_text("#!/bin/sh\necho 'No journal files were found.' >&2\n"
+                                                "exit 1\n")
+    assert cli.main(["history"]) == 1
+    assert capsys.readouterr().err == "hostagent: journalctl failed: No journal files were found.\n"
