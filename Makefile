@@ -58,7 +58,7 @@ clean:
 
 # --- installing on Debian (or any systemd distribution) -------------------------------
 #   make install     the package in a venv at PREFIX, the unit, the libvirt hook, and
-#                    CONFDIR/config.toml from examples/ unless one is already there
+#                    CONFDIR/config.example.toml (CONFDIR/config.toml is never touched)
 #   make uninstall   all of that but the configuration and /var/lib/hostagent
 # DESTDIR stages the whole tree under another directory (the tests do) and then
 # nothing outside it is touched: no systemctl, no libvirtd.
@@ -92,11 +92,10 @@ install:
 		| xargs -r sed -i "s|$(DESTDIR)$(PREFIX)|$(PREFIX)|g"; fi
 	install -d -m 0755 $(DESTDIR)$(BINDIR)
 	ln -sfn $(PREFIX)/bin/hostagent $(DESTDIR)$(BINDIR)/hostagent
-	install -d -m 0755 $(DESTDIR)$(PREFIX)/share/hostagent
-	install -m 0644 examples/config.toml $(DESTDIR)$(PREFIX)/share/hostagent/config.example.toml
+	@# The example beside the configuration, which is never written here: `hostagent
+	@# config init` writes a first one from the VMs' <hostdev>s and refuses to replace one.
 	install -d -m 0755 $(DESTDIR)$(CONFDIR)
-	test -e $(DESTDIR)$(CONFDIR)/config.toml || \
-		install -m 0644 examples/config.toml $(DESTDIR)$(CONFDIR)/config.toml
+	install -m 0644 examples/config.toml $(DESTDIR)$(CONFDIR)/config.example.toml
 	install -d -m 0755 $(DESTDIR)$(UNITDIR)
 	sed -e 's|/opt/hostagent/|$(PREFIX)/|g' -e 's|/etc/hostagent/|$(CONFDIR)/|g' \
 		systemd/hostagent.service > $(DESTDIR)$(UNITDIR)/.hostagent.service.tmp
@@ -111,7 +110,12 @@ install:
 	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
 	@echo
 	@echo "hostagent is installed in $(PREFIX). Next:"
-	@echo "  1. edit $(CONFDIR)/config.toml, then check it: hostagent check-config"
+	@if [ -e $(DESTDIR)$(CONFDIR)/config.toml ]; then \
+		echo "  1. $(CONFDIR)/config.toml is kept as it was; check it: hostagent check-config"; \
+	else \
+		echo "  1. write $(CONFDIR)/config.toml from your VMs: hostagent config init"; \
+		echo "     (or start from $(CONFDIR)/config.example.toml), then: hostagent check-config"; \
+	fi
 	@echo "  2. start it now and at every boot: systemctl enable --now hostagent"
 	@echo "  3. libvirtd looks for hooks only when it starts: if $(HOOKDIR)/hostagent is"
 	@echo "     the first hook on this machine, restart it once (running VMs keep running):"
@@ -121,10 +125,12 @@ install:
 uninstall:
 	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then \
 		systemctl disable --now hostagent.service || true; fi
-	rm -f $(DESTDIR)$(HOOKDIR)/hostagent $(DESTDIR)$(UNITDIR)/hostagent.service
+	rm -f $(DESTDIR)$(HOOKDIR)/hostagent $(DESTDIR)$(UNITDIR)/hostagent.service \
+		$(DESTDIR)$(CONFDIR)/config.example.toml
+	rmdir $(DESTDIR)$(CONFDIR) 2>/dev/null || true
 	@# Only what install made: the link if it is ours, the prefix if it is a venv.
 	if [ "$$(readlink $(DESTDIR)$(BINDIR)/hostagent)" = "$(PREFIX)/bin/hostagent" ]; then \
 		rm -f $(DESTDIR)$(BINDIR)/hostagent; fi
 	if [ -f $(DESTDIR)$(PREFIX)/pyvenv.cfg ]; then rm -rf $(DESTDIR)$(PREFIX); fi
 	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
-	@echo "Kept $(CONFDIR) and /var/lib/hostagent (configuration and state): remove them by hand if you want."
+	@echo "Kept $(CONFDIR)/config.toml and /var/lib/hostagent (configuration and state), if there: remove them by hand if you want."

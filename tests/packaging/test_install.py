@@ -116,15 +116,17 @@ def test_the_venv_names_its_final_path_not_the_staging_one(staged: Staged) -> No
 
 
 def test_the_example_config_parses_with_the_installed_package(staged: Staged) -> None:
-    installed = staged.path("/etc/hostagent/config.toml")
-    assert installed.read_text() == (REPO / "examples" / "config.toml").read_text()
-    assert config.load(installed).lendee.domain == "gpu-node"
+    example = staged.path("/etc/hostagent/config.example.toml")
+    assert example.read_text() == (REPO / "examples" / "config.toml").read_text()
+    # Never written by make: `hostagent config init` writes the first one.
+    assert not staged.path("/etc/hostagent/config.toml").exists()
+    assert config.load(example).lendee.domain == "gpu-node"
     # The installed package itself reads it (its python finds the staged venv by its
     # own location).
     check = subprocess.run(
         [str(staged.path(f"{PREFIX}/bin/python")), "-c",
          "import sys; from hostagent.cli import main; sys.exit(main(sys.argv[1:]))",
-         "--config", str(installed), "check-config"],
+         "--config", str(example), "check-config"],
         capture_output=True, text=True, timeout=60, check=False,
     )
     assert check.returncode == 0, check.stderr
@@ -132,25 +134,27 @@ def test_the_example_config_parses_with_the_installed_package(staged: Staged) ->
     assert str(staged.root) in check.stdout  # it was the staged file that was read
 
 
-def test_the_output_says_how_to_restart_libvirtd_once(staged: Staged) -> None:
-    out = staged.make("install")
-    assert "systemctl restart libvirtd" in out.stdout
-    assert "first hook" in out.stdout
+def test_the_output_says_what_to_do_next(staged: Staged) -> None:
+    out = staged.make("install").stdout
+    assert "hostagent config init" in out
+    assert "systemctl enable --now hostagent" in out
+    assert "systemctl restart libvirtd" in out and "first hook" in out
 
 
 # Last: it uninstalls what the tests above look at.
-def test_reinstall_keeps_an_edited_config_then_uninstall_keeps_it_too(staged: Staged) -> None:
+def test_reinstall_keeps_the_config_then_uninstall_keeps_it_too(staged: Staged) -> None:
     conf = staged.path("/etc/hostagent/config.toml")
-    edited = conf.read_text().replace('domain = "gpu-node"', 'domain = "k3s-worker"')
-    conf.write_text(edited)
-    staged.make("install")
-    assert conf.read_text() == edited
-    assert staged.path(f"{PREFIX}/share/hostagent/config.example.toml").exists()
+    mine = (REPO / "examples" / "config.toml").read_text().replace(
+        'domain = "gpu-node"', 'domain = "k3s-worker"')
+    conf.write_text(mine)
+    out = staged.make("install").stdout
+    assert conf.read_text() == mine
+    assert "config.toml is kept as it was" in out
 
     staged.make("uninstall")
-    assert conf.read_text() == edited
+    assert conf.read_text() == mine
     for gone in ("/etc/libvirt/hooks/qemu.d/hostagent", "/etc/systemd/system/hostagent.service",
-                 "/usr/local/bin/hostagent", PREFIX):
+                 "/etc/hostagent/config.example.toml", "/usr/local/bin/hostagent", PREFIX):
         assert not os.path.lexists(staged.path(gone)), gone
     # With DESTDIR set, make left this machine's systemd alone.
     assert not staged.calls.exists(), staged.calls.read_text()
