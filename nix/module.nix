@@ -22,7 +22,6 @@ let
   configPath = "/etc/hostagent/config.toml";
   # Where systemd puts the kubeconfig it reads for the service (LoadCredential=).
   kubeconfigCredential = "/run/credentials/hostagent.service/kubeconfig";
-  controlSocket = cfg.settings.control_socket or "/run/hostagent/control.sock";
 
   # libvirtd runs the hook with a scrubbed environment, so the hook knows only its
   # built-in paths: the agent must use the same ones.
@@ -35,6 +34,9 @@ let
     lib.recursiveUpdate cfg.settings (
       lib.optionalAttrs (cfg.kubeconfigFile != null) {
         kubernetes.kubeconfig = kubeconfigCredential;
+      }
+      // lib.optionalAttrs (cfg.controlSocketGroup != null) {
+        control_group = cfg.controlSocketGroup;
       }
     )
   );
@@ -198,7 +200,8 @@ in
       example = "hostagent";
       description = ''
         A group whose members may use the control socket (`hostagent status`,
-        `hostagent hold`, `hostagent resume`) without root; add people with
+        `hostagent hold`, `hostagent resume`) without root: the agent makes the
+        socket 0660 for it (the `control_group` setting). Add people with
         `users.users.<name>.extraGroups`. The group is created. Unset: root only.
       '';
     };
@@ -227,6 +230,10 @@ in
       {
         assertion = cfg.kubeconfigFile == null || (cfg.settings.kubernetes.kubeconfig or null) == null;
         message = "services.hostagent: set kubeconfigFile or settings.kubernetes.kubeconfig, not both.";
+      }
+      {
+        assertion = cfg.controlSocketGroup == null || (cfg.settings.control_group or null) == null;
+        message = "services.hostagent: set controlSocketGroup or settings.control_group, not both.";
       }
     ]
     ++ lib.mapAttrsToList (key: path: {
@@ -265,11 +272,6 @@ in
       serviceConfig = {
         Type = "notify";
         ExecStart = "${lib.getExe cfg.package} --config ${configPath} run";
-        # After READY=1, so the socket exists; the agent itself creates it 0600.
-        ExecStartPost = lib.optionals (cfg.controlSocketGroup != null) [
-          "${pkgs.coreutils}/bin/chgrp ${cfg.controlSocketGroup} ${controlSocket}"
-          "${pkgs.coreutils}/bin/chmod 0660 ${controlSocket}"
-        ];
         # The agent pings every 15 s from its event loop: a blocked loop is restarted.
         WatchdogSec = "30s";
         Restart = "on-failure";

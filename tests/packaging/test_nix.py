@@ -73,7 +73,6 @@ let
     mkEnableOption = d: { description = d; };
     literalExpression = t: t;
     mkIf = c: v: if c then v else { };
-    optionals = c: l: if c then l else [ ];
     optional = c: v: if c then [ v ] else [ ];
     optionalAttrs = c: a: if c then a else { };
     hasPrefix = p: s: builtins.substring 0 (builtins.stringLength p) s == p;
@@ -91,7 +90,6 @@ let
   };
   pkgs = {
     formats.toml = { }: { type = "toml"; generate = name: builtins.toJSON; };
-    coreutils = "/nix/store/00000000000000000000000000000000-coreutils";
   };
   package = {
     outPath = "/nix/store/00000000000000000000000000000000-hostagent";
@@ -129,7 +127,10 @@ in {
     config = builtins.fromJSON good.environment.etc."hostagent/config.toml".source;
     groups = good.users.groups;
   };
-  bad = { failed = failed bad; post = bad.systemd.services.hostagent.serviceConfig.ExecStartPost; };
+  bad = {
+    failed = failed bad;
+    config = builtins.fromJSON bad.environment.etc."hostagent/config.toml".source;
+  };
 }
 """
 
@@ -148,18 +149,15 @@ def test_the_module_logic_with_a_stand_in_lib() -> None:
         " --config /etc/hostagent/config.toml run"
     )
     assert service["LoadCredential"] == ["kubeconfig:/run/secrets/kubeconfig"]
-    assert [c.split("/bin/")[1] for c in service["ExecStartPost"]] == [
-        "chgrp hostagent /run/hostagent/control.sock",
-        "chmod 0660 /run/hostagent/control.sock",
-    ]
     assert good["groups"] == {"hostagent": {}}
     # The agent reads the kubeconfig where systemd put it, never from the store.
     assert good["config"]["kubernetes"] == {
         "kubeconfig": "/run/credentials/hostagent.service/kubeconfig"
     }
+    assert good["config"]["control_group"] == "hostagent"
     config.parse(tomli_w.dumps(good["config"]))
 
-    assert bad["post"] == []
+    assert "control_group" not in bad["config"]
     failed = "\n".join(bad["failed"])
     assert "virtualisation.libvirtd.enable = true" in failed
     assert "settings.lendee.domain is not set" in failed
@@ -175,7 +173,7 @@ def test_the_module_service_matches_the_unit_file() -> None:
     result = nix_eval(STAND_IN.replace("MODULE", str(REPO / "nix" / "module.nix")))
     service = result["good"]["service"]
     nixos = {k: v for k, v in service["serviceConfig"].items()
-             if k not in ("ExecStart", "ExecStartPost", "LoadCredential")}
+             if k not in ("ExecStart", "LoadCredential")}
     unit = (REPO / "systemd" / "hostagent.service").read_text()
     service_section = unit.split("[Service]")[1].split("[Install]")[0]
     expected = unit_settings(service_section)
