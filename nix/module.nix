@@ -300,6 +300,7 @@ in
         CapabilityBoundingSet = [
           "CAP_CHOWN"
           "CAP_DAC_READ_SEARCH"
+          "CAP_NET_BIND_SERVICE"
         ];
         RestrictAddressFamilies = [
           "AF_UNIX"
