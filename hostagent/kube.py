@@ -1,0 +1,934 @@
+"""Kubernetes for the lendee's node: cordon, drain, wait for Ready and GPUs, uncordon.
+
+Taking the GPUs from a worker without draining it kills workloads mid-step; giving them
+back without checking leaves a node that says Ready and runs nothing. This module does
+both halves the way the cluster expects: it drains like ``kubectl drain``
+(k8s.io/kubectl/pkg/drain), remembers on the Node whether *it* cordoned (so an
+administrator's cordon is never lifted), and waits with watches, not polling loops.
+
+It is the only module that imports kubernetes-asyncio. Library errors are translated
+here, once, into this tree (``raise … from e``)::
+
+    KubeError
+    ├── KubeConfigError    the kubeconfig is missing, unreadable or unusable (startup)
+    ├── NodeNotFound       no Node of that name in the cluster
+    ├── KubeUnavailable    the API server stayed unreachable, or answered 5xx, until
+    │                      the step's deadline (retried with backoff and jitter before)
+    ├── KubeRequestError   the API server refused a request (4xx); .status, .reason
+    ├── NodeNotReady       the node was not Ready by wait_ready's deadline
+    └── DrainAborted       the drain did not finish and on_timeout is "abort"; .report
+
+The adapter holds no policy: which pods may be evicted, how long each step may take
+and what to do when a drain does not finish are arguments, taken from the
+configuration by the caller.
+
+Drain, in kubectl's order of filters: a pod already terminating is waited for; a
+DaemonSet's pod is left alone (its controller would put it right back); a mirror pod
+(a static pod's reflection) is skipped; a pod with an emptyDir volume needs
+``emptydir_ok`` and a pod no controller will re-create needs ``unmanaged_ok`` — a pod
+refused for either is named in the report and left behind; a completed pod goes
+without either check. Evictions go through policy/v1 Eviction with the pod's UID as a
+precondition (a StatefulSet re-creates a pod under the same name); 429 (a
+PodDisruptionBudget) is retried every `Timing.evict_retry` seconds; 404, 409 or a new
+UID means the pod is gone; 500 naming PodDisruptionBudget means more than one budget
+selects the pod, which no retry fixes. Then each evicted pod is followed until it is
+gone. All of it is bounded by the drain's timeout; what is left when it runs out is in
+the `DrainReport`, and ``on_timeout`` decides: "proceed" returns the report, "abort"
+raises `DrainAborted` — at once, before any eviction, when pods are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import math
+import os
+import random
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+from kubernetes_asyncio import client as k8s
+from kubernetes_asyncio import config as k8s_config
+from kubernetes_asyncio import watch as k8s_watch
+from kubernetes_asyncio.client.exceptions import ApiException
+
+from hostagent import journal
+from hostagent.config import DrainTimeoutAction
+from hostagent.config import Kubernetes as KubernetesConfig
+
+__all__ = [
+    "MARKER_VALUE",
+    "CordonResult",
+    "DrainAborted",
+    "DrainPlan",
+    "DrainReport",
+    "Ignored",
+    "Kube",
+    "KubeConfigError",
+    "KubeError",
+    "KubeRequestError",
+    "KubeUnavailable",
+    "LeftPod",
+    "LeftReason",
+    "NodeNotFound",
+    "NodeNotReady",
+    "PodInfo",
+    "PodRef",
+    "Taint",
+    "Timing",
+    "cordon_marker",
+    "plan_drain",
+]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MARKER_VALUE = "hostagent"
+MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
+MERGE_PATCH = "application/merge-patch+json"
+
+
+def cordon_marker(prefix: str) -> str:
+    """The annotation that says hostagent cordoned the node, e.g. hostagent.io/cordoned-by."""
+    return f"{prefix}cordoned-by"
+
+
+def _cordoned_at(prefix: str) -> str:
+    return f"{prefix}cordoned-at"
+
+
+# --- errors ----------------------------------------------------------------------------
+
+
+class KubeError(Exception):
+    """Something about the cluster that hostagent could not do; the message says what."""
+
+
+class KubeConfigError(KubeError):
+    """The kubeconfig is missing, unreadable or unusable: the agent cannot start."""
+
+
+class NodeNotFound(KubeError):
+    """The node named in the configuration is not in the cluster."""
+
+
+class KubeUnavailable(KubeError):
+    """The API server did not answer usefully before the deadline.
+
+    `last` is the last error seen; empty when nothing failed and time simply ran out.
+    """
+
+    def __init__(self, message: str, *, last: str = "") -> None:
+        super().__init__(message)
+        self.last = last
+
+
+class KubeRequestError(KubeError):
+    """The API server refused a request; `status` is the HTTP code, `reason` the Status reason."""
+
+    def __init__(
+        self, message: str, *, status: int, reason: str, causes: Sequence[str] = ()
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.causes = tuple(causes)
+
+
+class NodeNotReady(KubeError):
+    """The node did not become Ready before the deadline."""
+
+
+class DrainAborted(KubeError):
+    """The drain did not finish and the policy is to abort; `report` says what is left."""
+
+    def __init__(self, report: DrainReport) -> None:
+        super().__init__(report.summary())
+        self.report = report
+
+
+# --- results ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, order=True)
+class PodRef:
+    """One pod, by name and UID: a pod re-created under the same name is another pod."""
+
+    namespace: str
+    name: str
+    uid: str = field(compare=False, default="")
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+class Ignored(enum.StrEnum):
+    """Pods a drain leaves on the node on purpose."""
+
+    DAEMONSET = "daemonset"  # its controller would put it right back
+    MIRROR = "mirror"  # a static pod's reflection; the kubelet owns it
+
+
+class LeftReason(enum.StrEnum):
+    """Why a pod that should have gone is still on the node."""
+
+    EMPTYDIR = "emptydir"  # uses emptyDir and emptydir_ok was false
+    UNMANAGED = "unmanaged"  # no controller and unmanaged_ok was false
+    PDB_BLOCKED = "pdb-blocked"  # a PodDisruptionBudget refused until the deadline
+    PDB_MISCONFIGURED = "pdb-misconfigured"  # more than one budget selects it
+    TERMINATING = "terminating"  # evicted (or deleting) but not gone by the deadline
+    API_UNREACHABLE = "api-unreachable"
+    REFUSED = "refused"  # the API server refused its eviction for another reason
+
+
+@dataclass(frozen=True)
+class LeftPod:
+    pod: PodRef
+    reason: LeftReason
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.pod} ({self.detail})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DrainReport:
+    """What a drain did: pods gone, pods left alone on purpose, pods left behind and why."""
+
+    node: str
+    evicted: tuple[PodRef, ...] = ()  # evicted by this drain, and gone
+    waited: tuple[PodRef, ...] = ()  # were already terminating, and are gone
+    ignored: tuple[tuple[PodRef, Ignored], ...] = ()
+    left: tuple[LeftPod, ...] = ()
+    error: str = ""  # why the node's pods could not even be listed
+    duration: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        return not self.left and not self.error
+
+    def summary(self) -> str:
+        seconds = f"{self.duration:.0f} s" if self.duration >= 1 else f"{self.duration:.1f} s"
+        if self.error:
+            return f"could not drain {self.node} within {seconds}: {self.error}"
+        gone = f"{_count(len(self.evicted), 'pod')} evicted"
+        if self.complete:
+            return f"drained {self.node} in {seconds}: {gone}"
+        left = "; ".join(str(p) for p in self.left)
+        return (
+            f"{self.node} not fully drained after {seconds}: {gone}, "
+            f"{len(self.left)} left behind: {left}"
+        )
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+@dataclass(frozen=True)
+class CordonResult:
+    """What `cordon` found and did. Keep `cordoned_by_us` in the state file too."""
+
+    node: str
+    cordoned_by_us: bool  # our marker is on the node: `uncordon` will lift the cordon
+    was_cordoned: bool  # the node was already unschedulable before this call
+
+    @property
+    def by_someone_else(self) -> bool:
+        return self.was_cordoned and not self.cordoned_by_us
+
+
+@dataclass(frozen=True)
+class Taint:
+    """A node taint; two taints are the same taint when key and effect match, as in kubectl."""
+
+    key: str
+    effect: str = "NoSchedule"
+    value: str = ""
+
+    def body(self) -> dict[str, str]:
+        return {
+            "key": self.key,
+            "effect": self.effect,
+            **({"value": self.value} if self.value else {}),
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timing:
+    """How long to wait between tries, in seconds; tests shrink these."""
+
+    request_timeout: float = 30.0  # one HTTP request
+    api_timeout: float = 60.0  # cordon, uncordon, annotate, check_node, unless given one
+    backoff_min: float = 0.5  # first retry after an unreachable API or a 5xx
+    backoff_max: float = 15.0
+    evict_retry: float = 5.0  # kubectl drain retries a 429 every 5 s
+    delete_poll: float = 1.0  # kubectl drain checks each second whether a pod is gone
+    watch_timeout: float = 300.0  # ask the server to end each watch; we re-read and resume
+
+
+# --- the drain plan (no side effects) --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    """What the drain needs to know about a pod."""
+
+    ref: PodRef
+    phase: str = "Running"
+    deleting: bool = False
+    controller: str | None = None  # the controller's kind, e.g. "ReplicaSet"
+    mirror: bool = False
+    emptydir: bool = False
+
+    @classmethod
+    def from_api(cls, pod: Any) -> PodInfo:
+        meta, spec, status = pod.metadata, pod.spec, pod.status
+        owner = next((r for r in meta.owner_references or [] if r.controller), None)
+        return cls(
+            ref=PodRef(meta.namespace, meta.name, meta.uid),
+            phase=(status.phase if status is not None else None) or "",
+            deleting=meta.deletion_timestamp is not None,
+            controller=owner.kind if owner is not None else None,
+            mirror=MIRROR_ANNOTATION in (meta.annotations or {}),
+            emptydir=any(v.empty_dir is not None for v in (spec.volumes if spec else None) or []),
+        )
+
+
+@dataclass(frozen=True)
+class DrainPlan:
+    evict: tuple[PodRef, ...] = ()
+    wait: tuple[PodRef, ...] = ()
+    ignored: tuple[tuple[PodRef, Ignored], ...] = ()
+    refused: tuple[LeftPod, ...] = ()
+
+
+def plan_drain(pods: Iterable[PodInfo], *, emptydir_ok: bool, unmanaged_ok: bool) -> DrainPlan:
+    """Sort a node's pods the way kubectl drain's filters do, in their order. No side effects."""
+    evict: list[PodRef] = []
+    wait: list[PodRef] = []
+    ignored: list[tuple[PodRef, Ignored]] = []
+    refused: list[LeftPod] = []
+    for pod in sorted(pods, key=lambda p: p.ref):
+        completed = pod.phase in ("Succeeded", "Failed")
+        if pod.deleting:
+            wait.append(pod.ref)
+        elif pod.controller == "DaemonSet":
+            ignored.append((pod.ref, Ignored.DAEMONSET))
+        elif pod.mirror:
+            ignored.append((pod.ref, Ignored.MIRROR))
+        elif pod.emptydir and not emptydir_ok and not completed:
+            refused.append(
+                LeftPod(
+                    pod.ref, LeftReason.EMPTYDIR, "uses an emptyDir volume; drain_emptydir = false"
+                )
+            )
+        elif pod.controller is None and not unmanaged_ok and not completed:
+            refused.append(
+                LeftPod(
+                    pod.ref,
+                    LeftReason.UNMANAGED,
+                    "no controller would re-create it; drain_unmanaged = false",
+                )
+            )
+        else:
+            evict.append(pod.ref)
+    return DrainPlan(tuple(evict), tuple(wait), tuple(ignored), tuple(refused))
+
+
+# --- reading API objects ---------------------------------------------------------------
+
+
+def _annotations(node: Any) -> dict[str, str]:
+    return dict(node.metadata.annotations or {})
+
+
+def _unschedulable(node: Any) -> bool:
+    return bool(node.spec is not None and node.spec.unschedulable)
+
+
+def _ready(node: Any) -> Any | None:
+    conditions = node.status.conditions if node.status is not None else None
+    return next((c for c in conditions or [] if c.type == "Ready"), None)
+
+
+def _is_ready(node: Any) -> bool:
+    condition = _ready(node)
+    return condition is not None and condition.status == "True"
+
+
+def _gpus(node: Any, resource: str) -> int:
+    allocatable = (node.status.allocatable if node.status is not None else None) or {}
+    try:
+        return int(allocatable.get(resource, "0"))
+    except ValueError:
+        return 0  # extended resources are whole numbers; anything else counts for nothing
+
+
+def _status_of(e: ApiException) -> tuple[str, str, list[str]]:
+    """(reason, message, cause messages) from the Status body of an error answer."""
+    try:
+        body = json.loads(e.body or b"{}")
+    except ValueError:
+        body = {}
+    if not isinstance(body, dict):
+        body = {}
+    causes = [c.get("message", "") for c in (body.get("details") or {}).get("causes") or []]
+    return (
+        str(body.get("reason") or e.reason or ""),
+        str(body.get("message") or e.reason or ""),
+        causes,
+    )
+
+
+def _transient(e: ApiException) -> bool:
+    status = e.status or 0
+    return status >= 500 or status == 429
+
+
+def _eviction_transient(e: ApiException) -> bool:
+    # 429 is a budget saying no, handled by the drain; a 500 about budgets is a
+    # misconfiguration no retry fixes. Other 5xx are the API server's trouble.
+    if (e.status or 0) < 500:
+        return False
+    _, message, _ = _status_of(e)
+    return "PodDisruptionBudget" not in message
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, ApiException):
+        reason, message, _ = _status_of(e)
+        return f"{e.status} {reason}: {message}" if message else f"{e.status} {reason}"
+    return str(e) or type(e).__name__
+
+
+def _timestamp() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _default_kubeconfig() -> Path:
+    first = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0]
+    return Path(first) if first else Path.home() / ".kube" / "config"
+
+
+# --- the adapter -----------------------------------------------------------------------
+
+
+class Kube:
+    """A connection to the cluster. Create it with `connect` (or `from_config`); close it."""
+
+    def __init__(self, api_client: Any, *, timing: Timing | None = None, server: str = "") -> None:
+        self._api_client = api_client
+        self._core = k8s.CoreV1Api(api_client)
+        self.timing = timing or Timing()
+        self.server = server or str(getattr(api_client.configuration, "host", ""))
+
+    @classmethod
+    async def connect(cls, kubeconfig: Path | None = None, *, timing: Timing | None = None) -> Kube:
+        """Read `kubeconfig`; without one, the in-cluster service account or the default
+        kubeconfig ($KUBECONFIG, ~/.kube/config). Raises KubeConfigError."""
+        configuration = k8s.Configuration()
+        if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+            try:
+                k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+            except Exception as e:  # the library raises several kinds; all mean "unusable"
+                raise KubeConfigError(f"in-cluster Kubernetes configuration: {e}") from e
+        else:
+            path = kubeconfig if kubeconfig is not None else _default_kubeconfig()
+            _check_readable(path, given=kubeconfig is not None)
+            try:
+                await k8s_config.load_kube_config(
+                    config_file=str(path), client_configuration=configuration, persist_config=False
+                )
+            except Exception as e:  # yaml, ConfigException, KeyError...: all mean "unusable"
+                raise KubeConfigError(f"kubeconfig {path}: not usable: {e}") from e
+        return cls(k8s.ApiClient(configuration), timing=timing, server=configuration.host or "")
+
+    @classmethod
+    async def from_config(cls, settings: KubernetesConfig, *, timing: Timing | None = None) -> Kube:
+        return await cls.connect(settings.kubeconfig, timing=timing)
+
+    async def close(self) -> None:
+        await self._api_client.close()
+
+    async def __aenter__(self) -> Kube:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- requests, with retries ----------------------------------------------------------
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _deadline(self, timeout: float | None) -> float:
+        return self._now() + (self.timing.api_timeout if timeout is None else timeout)
+
+    def _backoff(self, attempt: int) -> float:
+        ceiling = min(self.timing.backoff_max, self.timing.backoff_min * 2.0**attempt)
+        return ceiling / 2 + random.uniform(0, ceiling / 2)  # jitter: no retries in lockstep
+
+    async def _call(
+        self,
+        what: str,
+        request: Callable[[], Awaitable[T]],
+        deadline: float,
+        *,
+        transient: Callable[[ApiException], bool] = _transient,
+    ) -> T:
+        """`request()`, retried while the API is unreachable or answers 5xx, until `deadline`."""
+        attempt = 0
+        last = ""
+        while True:
+            remaining = deadline - self._now()
+            if remaining <= 0:
+                raise KubeUnavailable(
+                    f"could not {what}: the API server at {self.server} did not answer in time"
+                    + (f" (last: {last})" if last else ""),
+                    last=last,
+                )
+            limit = min(remaining, self.timing.request_timeout)
+            try:
+                async with asyncio.timeout(limit):
+                    return await request()
+            except ApiException as e:
+                if not transient(e):
+                    reason, message, causes = _status_of(e)
+                    raise KubeRequestError(
+                        f"could not {what}: {message}",
+                        status=e.status or 0,
+                        reason=reason,
+                        causes=causes,
+                    ) from e
+                last = _describe(e)
+            except TimeoutError as e:
+                if limit >= self.timing.request_timeout:
+                    last = _describe(e)  # one cut short by the deadline is no failure
+            except (aiohttp.ClientError, OSError) as e:
+                last = _describe(e)
+            delay = self._backoff(attempt)
+            if attempt == 0 and last:
+                log.warning("could not %s (%s); retrying", what, last)
+            attempt += 1
+            await asyncio.sleep(max(0.0, min(delay, deadline - self._now())))
+
+    async def _read_node(self, node: str, deadline: float) -> Any:
+        try:
+            return await self._call(
+                f"read node {node}", lambda: self._core.read_node(node), deadline
+            )
+        except KubeRequestError as e:
+            if e.status == 404:
+                raise NodeNotFound(
+                    f"node {node} does not exist in the cluster at {self.server}; "
+                    "set lendee.node to a name `kubectl get nodes` lists"
+                ) from e
+            raise
+
+    async def _update_node(
+        self, node: str, change: Callable[[Any], dict[str, Any] | None], deadline: float
+    ) -> None:
+        """Read, change, write with the read's resourceVersion; again if someone wrote between."""
+        while True:
+            current = await self._read_node(node, deadline)
+            body = change(current)
+            if body is None:
+                return
+            body.setdefault("metadata", {})["resourceVersion"] = current.metadata.resource_version
+            try:
+                await self._call(
+                    f"update node {node}", partial(self._patch_node, node, body), deadline
+                )
+                return
+            except KubeRequestError as e:
+                if e.status != 409:
+                    raise
+
+    def _patch_node(self, node: str, body: dict[str, Any]) -> Awaitable[Any]:
+        # A merge patch: null deletes a key. The stubs omit _content_type, which the
+        # generated method takes; without it a dict goes as a strategic merge patch.
+        return self._core.patch_node(node, body, _content_type=MERGE_PATCH)  # type: ignore[call-arg]
+
+    # --- the node ------------------------------------------------------------------------
+
+    async def check_node(self, node: str, *, timeout: float | None = None) -> None:
+        """Raise NodeNotFound (or KubeUnavailable) unless `node` exists: a startup check."""
+        await self._read_node(node, self._deadline(timeout))
+
+    async def cordon(
+        self, node: str, *, marker_prefix: str, timeout: float | None = None
+    ) -> CordonResult:
+        """Make `node` unschedulable and mark it as ours, unless someone else already did."""
+        marker = cordon_marker(marker_prefix)
+        found: list[CordonResult] = []
+
+        def change(current: Any) -> dict[str, Any] | None:
+            cordoned = _unschedulable(current)
+            ours = _annotations(current).get(marker) == MARKER_VALUE
+            # Already cordoned without our marker: an administrator's, to be left alone.
+            found[:] = [
+                CordonResult(node, cordoned_by_us=ours or not cordoned, was_cordoned=cordoned)
+            ]
+            if cordoned:
+                return None
+            return {
+                "metadata": {
+                    "annotations": {marker: MARKER_VALUE, _cordoned_at(marker_prefix): _timestamp()}
+                },
+                "spec": {"unschedulable": True},
+            }
+
+        await self._update_node(node, change, self._deadline(timeout))
+        result = found[0]
+        if result.by_someone_else:
+            journal.record(
+                "cordon",
+                f"{node} was already cordoned by someone else; hostagent will leave it cordoned",
+                result="cordoned-by-someone-else",
+                node=node,
+                priority=journal.Priority.NOTICE,
+            )
+        elif not result.was_cordoned:
+            journal.record("cordon", f"cordoned {node}", result="ok", node=node)
+        return result
+
+    async def uncordon(
+        self, node: str, *, marker_prefix: str, timeout: float | None = None
+    ) -> bool:
+        """Lift the cordon if our marker says we set it; True if we did. Never lifts another's."""
+        marker = cordon_marker(marker_prefix)
+        lifted: list[bool] = []
+
+        def change(current: Any) -> dict[str, Any] | None:
+            lifted[:] = [_annotations(current).get(marker) == MARKER_VALUE]
+            if not lifted[0]:
+                return None
+            return {
+                "metadata": {"annotations": {marker: None, _cordoned_at(marker_prefix): None}},
+                "spec": {"unschedulable": None},
+            }
+
+        await self._update_node(node, change, self._deadline(timeout))
+        if lifted[0]:
+            journal.record("uncordon", f"uncordoned {node}", result="ok", node=node)
+        else:
+            journal.record(
+                "uncordon",
+                f"left {node} as it is: hostagent did not cordon it",
+                result="not-ours",
+                node=node,
+                priority=journal.Priority.NOTICE,
+            )
+        return lifted[0]
+
+    async def annotate(
+        self,
+        node: str,
+        annotations: Mapping[str, str | None],
+        *,
+        add_taints: Sequence[Taint] = (),
+        remove_taints: Sequence[Taint] = (),
+        timeout: float | None = None,
+    ) -> None:
+        """Set annotations (None removes one) and add or remove taints, in one write.
+
+        Taints are a list the API replaces whole, and the node lifecycle controller keeps
+        its own in it: they are read, changed and written back, never overwritten.
+        """
+
+        def change(current: Any) -> dict[str, Any] | None:
+            body: dict[str, Any] = {"metadata": {"annotations": dict(annotations)}}
+            if add_taints or remove_taints:
+                spec = current.spec
+                taints = [
+                    self._api_client.sanitize_for_serialization(t)
+                    for t in (spec.taints if spec else None) or []
+                ]
+                drop = {(t.key, t.effect) for t in (*add_taints, *remove_taints)}
+                wanted = [t for t in taints if (t.get("key"), t.get("effect")) not in drop]
+                wanted += [t.body() for t in add_taints]
+                if wanted != taints:
+                    body["spec"] = {"taints": wanted or None}
+            return body
+
+        await self._update_node(node, change, self._deadline(timeout))
+
+    async def _watch_node(
+        self, node: str, done: Callable[[Any], bool], deadline: float
+    ) -> tuple[Any, str]:
+        """Follow `node` until `done(node)` or the deadline: (the node last seen, the last problem).
+
+        A read gives the resourceVersion to watch from; when the watch ends (the server's
+        timeout, 410 Expired, a cut connection) the node is read again and the watch resumes.
+        """
+        last: Any = None
+        problem = ""
+        attempt = 0
+        while self._now() < deadline:
+            try:
+                current = await self._read_node(node, deadline)
+            except NodeNotFound as e:
+                # A node deleted while its VM was off re-registers when the kubelet starts.
+                problem = str(e)
+                await asyncio.sleep(max(0.0, min(self._backoff(attempt), deadline - self._now())))
+                attempt += 1
+                continue
+            except KubeUnavailable as e:
+                return last, str(e)
+            last = current
+            if done(current):
+                return current, ""
+            remaining = deadline - self._now()
+            try:
+                async with asyncio.timeout(remaining), k8s_watch.Watch() as stream:
+                    seconds = max(1, math.ceil(min(remaining, self.timing.watch_timeout)))
+                    async for event in stream.stream(
+                        self._core.list_node,
+                        field_selector=f"metadata.name={node}",
+                        resource_version=current.metadata.resource_version,
+                        timeout_seconds=seconds,
+                    ):
+                        if event["type"] in ("ADDED", "MODIFIED"):
+                            last = event["object"]
+                            if done(last):
+                                return last, ""
+                attempt = 0
+                continue
+            except TimeoutError:
+                continue  # the deadline: the loop ends
+            except ApiException as e:
+                if e.status == 410:
+                    continue  # history expired: read again, watch from there
+                problem = _describe(e)
+            except (aiohttp.ClientError, OSError) as e:
+                problem = _describe(e)
+            await asyncio.sleep(max(0.0, min(self._backoff(attempt), deadline - self._now())))
+            attempt += 1
+        return last, problem
+
+    async def wait_ready(self, node: str, *, timeout: float) -> None:
+        """Return once `node` is Ready; raise NodeNotReady after `timeout` seconds."""
+        last, problem = await self._watch_node(node, _is_ready, self._now() + timeout)
+        if last is not None and _is_ready(last):
+            return
+        why = ""
+        condition = _ready(last) if last is not None else None
+        if condition is not None:
+            why = f": Ready={condition.status}" + (
+                f" ({condition.reason}: {condition.message})" if condition.reason else ""
+            )
+        if problem:
+            why += f"; {problem}"
+        raise NodeNotReady(f"node {node} was not Ready within {timeout:g} s{why}")
+
+    async def wait_gpus(self, node: str, *, resource: str, count: int, timeout: float) -> int:
+        """Wait until the node's allocatable `resource` equals `count`; return the count found.
+
+        On timeout the count last seen is returned (0 if the node was never read), so the
+        caller can say "expected 3, found 0".
+        """
+        last, _ = await self._watch_node(
+            node, lambda n: _gpus(n, resource) == count, self._now() + timeout
+        )
+        return _gpus(last, resource) if last is not None else 0
+
+    # --- the drain -----------------------------------------------------------------------
+
+    async def drain(
+        self,
+        node: str,
+        *,
+        timeout: float,
+        emptydir_ok: bool,
+        unmanaged_ok: bool,
+        on_timeout: DrainTimeoutAction,
+    ) -> DrainReport:
+        """Evict the node's pods like ``kubectl drain`` (see the module docstring)."""
+        start = self._now()
+        deadline = start + timeout
+        try:
+            pods = await self._call(
+                f"list the pods on {node}",
+                lambda: self._core.list_pod_for_all_namespaces(
+                    field_selector=f"spec.nodeName={node}"
+                ),
+                deadline,
+            )
+        except (KubeUnavailable, KubeRequestError) as e:
+            return self._finish(
+                DrainReport(node=node, error=str(e), duration=self._now() - start), on_timeout
+            )
+        plan = plan_drain(
+            (PodInfo.from_api(p) for p in pods.items),
+            emptydir_ok=emptydir_ok,
+            unmanaged_ok=unmanaged_ok,
+        )
+        if plan.refused and on_timeout is DrainTimeoutAction.ABORT:
+            # Like kubectl: refuse before evicting anything, rather than half-drain and stop.
+            report = DrainReport(
+                node=node, ignored=plan.ignored, left=plan.refused, duration=self._now() - start
+            )
+            return self._finish(report, on_timeout)
+        async with asyncio.TaskGroup() as group:
+            evictions = [group.create_task(self._evict(pod, deadline)) for pod in plan.evict]
+            waits = [
+                group.create_task(self._wait_gone(pod, deadline, evicted=False))
+                for pod in plan.wait
+            ]
+        left = [*plan.refused]
+        evicted: list[PodRef] = []
+        waited: list[PodRef] = []
+        for refs, tasks, gone in ((plan.evict, evictions, evicted), (plan.wait, waits, waited)):
+            for pod, task in zip(refs, tasks, strict=True):
+                outcome = task.result()
+                if outcome is None:
+                    gone.append(pod)
+                else:
+                    left.append(outcome)
+        report = DrainReport(
+            node=node,
+            evicted=tuple(evicted),
+            waited=tuple(waited),
+            ignored=plan.ignored,
+            left=tuple(sorted(left, key=lambda p: p.pod)),
+            duration=self._now() - start,
+        )
+        return self._finish(report, on_timeout)
+
+    def _finish(self, report: DrainReport, on_timeout: DrainTimeoutAction) -> DrainReport:
+        abort = not report.complete and on_timeout is DrainTimeoutAction.ABORT
+        result = "ok" if report.complete else "aborted" if abort else "incomplete"
+        journal.record(
+            "drain",
+            report.summary(),
+            duration_ms=report.duration * 1000,
+            result=result,
+            priority=journal.Priority.INFO if report.complete else journal.Priority.WARNING,
+            node=report.node,
+            evicted=len(report.evicted),
+            left=", ".join(str(p.pod) for p in report.left) or None,
+        )
+        if abort:
+            raise DrainAborted(report)
+        return report
+
+    async def _evict(self, pod: PodRef, deadline: float) -> LeftPod | None:
+        """Evict one pod and wait until it is gone; None when it is, else why not."""
+        body = k8s.V1Eviction(
+            metadata=k8s.V1ObjectMeta(name=pod.name, namespace=pod.namespace),
+            delete_options=k8s.V1DeleteOptions(preconditions=k8s.V1Preconditions(uid=pod.uid)),
+        )
+        why: LeftPod | None = None  # what kept the pod here at the last try
+        while True:
+            try:
+                await self._call(
+                    f"evict pod {pod}",
+                    partial(
+                        self._core.create_namespaced_pod_eviction, pod.name, pod.namespace, body
+                    ),
+                    deadline,
+                    transient=_eviction_transient,
+                )
+                break
+            except KubeUnavailable as e:
+                return why if why is not None and not e.last else self._unreachable(pod, e)
+            except KubeRequestError as e:
+                if e.status == 404:
+                    return None
+                if e.status >= 500:
+                    return LeftPod(
+                        pod,
+                        LeftReason.PDB_MISCONFIGURED,
+                        "misconfigured PodDisruptionBudget: more than one "
+                        f"PodDisruptionBudget selects pod {pod}",
+                    )
+                if e.status not in (409, 429):
+                    return LeftPod(pod, LeftReason.REFUSED, str(e))
+                why = self._refusal(pod, e)
+            # 429: a budget says not now. 409: our UID precondition failed (another pod
+            # has the name now) or a race. Either way: pause, look at the pod, try again.
+            pause = self.timing.evict_retry if why.reason is LeftReason.PDB_BLOCKED else 0.0
+            await asyncio.sleep(max(0.0, min(pause, deadline - self._now())))
+            if self._now() >= deadline:
+                return why
+            try:
+                if await self._gone(pod, deadline):
+                    return None
+            except KubeRequestError as e:
+                return LeftPod(pod, LeftReason.REFUSED, str(e))
+            except KubeUnavailable as e:
+                return self._unreachable(pod, e) if e.last else why
+        return await self._wait_gone(pod, deadline, evicted=True)
+
+    def _refusal(self, pod: PodRef, e: KubeRequestError) -> LeftPod:
+        if e.status != 429:
+            return LeftPod(pod, LeftReason.REFUSED, str(e))
+        blocked = "; ".join(e.causes) or str(e)
+        log.info("eviction of %s refused for now (%s); retrying", pod, blocked)
+        return LeftPod(
+            pod, LeftReason.PDB_BLOCKED, f"a PodDisruptionBudget blocks its eviction: {blocked}"
+        )
+
+    @staticmethod
+    def _unreachable(pod: PodRef, e: KubeUnavailable) -> LeftPod:
+        return LeftPod(pod, LeftReason.API_UNREACHABLE, str(e))
+
+    async def _gone(self, pod: PodRef, deadline: float) -> bool:
+        """Whether the pod is gone: 404, or another pod under its name."""
+        try:
+            current = await self._call(
+                f"read pod {pod}",
+                partial(self._core.read_namespaced_pod, pod.name, pod.namespace),
+                deadline,
+            )
+        except KubeRequestError as e:
+            if e.status == 404:
+                return True
+            raise
+        return bool(current.metadata.uid != pod.uid)
+
+    async def _wait_gone(self, pod: PodRef, deadline: float, *, evicted: bool) -> LeftPod | None:
+        still = LeftPod(
+            pod,
+            LeftReason.TERMINATING,
+            "evicted but still terminating" if evicted else "still terminating",
+        )
+        while self._now() < deadline:
+            try:
+                if await self._gone(pod, deadline):
+                    return None
+            except KubeRequestError as e:
+                return LeftPod(pod, LeftReason.REFUSED, str(e))
+            except KubeUnavailable as e:
+                return self._unreachable(pod, e) if e.last else still
+            await asyncio.sleep(max(0.0, min(self.timing.delete_poll, deadline - self._now())))
+        return still
+
+
+def _check_readable(path: Path, *, given: bool) -> None:
+    where = "kubernetes.kubeconfig" if given else "the default kubeconfig"
+    fix = (
+        "set kubernetes.kubeconfig to the cluster's kubeconfig "
+        "(a k3s server writes /etc/rancher/k3s/k3s.yaml), or remove the [kubernetes] section"
+    )
+    try:
+        with path.open("rb"):
+            pass
+    except FileNotFoundError:
+        raise KubeConfigError(f"{where} {path}: no such file; {fix}") from None
+    except IsADirectoryError:
+        raise KubeConfigError(f"{where} {path}: is a directory, not a file; {fix}") from None
+    except PermissionError:
+        raise KubeConfigError(
+            f"{where} {path}: permission denied; make it readable by the user hostagent runs as"
+        ) from None
+    except OSError as e:
+        raise KubeConfigError(f"{where} {path}: cannot read it: {e.strerror}") from None
