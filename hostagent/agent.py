@@ -25,7 +25,9 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from hostagent import health, journal, machine, metrics, state as persisted
+from hostagent import lint, screenshots, verify as in_guest
 from hostagent.config import Config
+from hostagent.config import VerifyMethod
 from hostagent.control import Reply, serve_control
 from hostagent.inbox import HookEvent, Inbox, Verdict, replay_spool, serve_hooks
 from hostagent.libvirt_host import DomainNotFound, HostError, Libvirt, Lifecycle
@@ -392,6 +394,8 @@ class Agent:
                 pass
             left = deadline - time.monotonic()
             if left <= 0:
+                if self.state.phase is Phase.BOOTING:
+                    await self._screenshot_dead_boot()
                 self.apply(AgentTimeout(at=_now(), ticket=ticket))
                 return
             with contextlib.suppress(TimeoutError):
@@ -429,7 +433,14 @@ class Agent:
 
     async def _start(self, vm: str, action: Action) -> None:
         """Start a VM; a failed start is retried twice with jittered backoff (starting a
-        running VM is a no-op, so retrying is safe), all within timeouts.start."""
+        running VM is a no-op, so retrying is safe), all within timeouts.start.
+        Unless policy.lint_before_start is off, a VM whose XML has errors on this host
+        is not started: the finding is in the journal and the start fails with it."""
+        if self.cfg.policy.lint_before_start:
+            refusal = await self._lint_before_start(vm)
+            if refusal is not None:
+                self.apply(StartFailed(at=_now(), vm=vm, reason=refusal))
+                return
         deadline = time.monotonic() + self.cfg.timeouts.start
         for attempt in range(3):
             if attempt and not self._wanted(action):
@@ -452,11 +463,109 @@ class Agent:
         self._lifecycle(vm, Lifecycle.STARTED)
 
     async def _give_back(self, ticket: int) -> None:
-        problem = await self.cluster.give_back(len(self.topo.lendee_gpus))
+        # What the driver in the guest sees comes first: the cluster's return uncordons.
+        problem = await self._verify_gpus(ticket)
+        if not self._current(ticket):
+            return
+        if problem is None:
+            problem = await self.cluster.give_back(len(self.topo.lendee_gpus))
         if problem is None:
             self.apply(ReturnDone(at=_now(), ticket=ticket))
         else:
             self.apply(ReturnFailed(at=_now(), ticket=ticket, reason=problem))
+
+    # ---- GPUs for real: lint before a start, the in-guest check, a dead boot's screen ----
+    # The last in-guest check, for `status`: at (unix time), ok, summary.
+    _verified: dict[str, Any] | None = None
+
+    async def _lint_before_start(self, vm: str) -> str | None:
+        """Why `vm` must not be started (errors in its XML on this host), or None.
+
+        Only what the domain's own XML says, against the host (`lint.check_domain`):
+        whether the configuration agrees with it is `hostagent lint`'s job.
+        """
+        try:
+            dom = lint.parse_domain(await self.libvirt.xml(vm))
+        except (HostError, ValueError):
+            return None  # the start itself will say what is wrong
+        findings = await asyncio.to_thread(lint.check_domain, dom, lendee=vm == self.lendee)
+        for f in findings:
+            error = f.severity is lint.Severity.ERROR
+            journal.record("lint", f"{vm}: {f.what}: {f.why} Fix: {f.fix}", vm=vm,
+                           result="refused" if error else "warning", check=f.check.value,
+                           priority=journal.Priority.ERR if error else journal.Priority.WARNING)
+        errors = lint.errors(findings)
+        if not errors:
+            return None
+        return (f"hostagent did not start {vm}: " + "; ".join(f.what for f in errors)
+                + f" (`hostagent lint {vm}` says why and how to fix it)")
+
+    async def _verify_gpus(self, ticket: int) -> str | None:
+        """Ask the driver in the lendee which GPUs it sees; None if every lent one.
+
+        Retried until verify.timeout: the guest agent answers before the NVIDIA driver
+        has always loaded. The outcome is one journal record, an error naming the
+        missing GPUs and the usual causes when it fails."""
+        method = self.cfg.verify.method
+        if method is VerifyMethod.NONE:
+            return None
+        expected = [in_guest.Expected(label=label, uuid=gpu.uuid if gpu else None,
+                                      name=gpu.name if gpu else None)
+                    for label in sorted(self.topo.lendee_gpus)
+                    for gpu in [self.cfg.gpus.get(label)]]
+        deadline = time.monotonic() + self.cfg.verify.timeout
+        while True:
+            bound = max(1.0, min(30.0, deadline - time.monotonic()))
+            try:
+                code, out, err = await self._ask_guest(bound)
+                outcome = in_guest.outcome_of_run(expected, code, out, err)
+            except (HostError, in_guest.VerifyError) as e:
+                outcome = in_guest.Outcome(seen=(), missing=tuple(expected), problem=(
+                    f"could not run {self.cfg.verify.command} through {method}: {e}"))
+            if outcome.ok or not self._current(ticket) or time.monotonic() + 3 >= deadline:
+                break
+            await asyncio.sleep(3)
+        if not self._current(ticket):
+            return None
+        summary = outcome.summary(self.lendee)
+        self._verified = {"at": _now(), "ok": outcome.ok, "summary": summary}
+        if outcome.ok:
+            journal.record("verify", summary, vm=self.lendee, result="ok", method=method.value,
+                           gpus=",".join(g.uuid for g in outcome.seen))
+            return None
+        journal.record("verify", f"{summary}; {in_guest.CAUSES}", vm=self.lendee,
+                       result="mismatch", method=method.value, priority=journal.Priority.ERR,
+                       missing=",".join(g.label for g in outcome.missing))
+        return summary
+
+    async def _ask_guest(self, timeout: float) -> tuple[int, str, str]:
+        """(exit status, stdout, stderr) of the GPU query in the lendee."""
+        argv = [self.cfg.verify.command, *in_guest.QUERY]
+        ssh = self.cfg.verify.ssh
+        if self.cfg.verify.method is VerifyMethod.SSH and ssh is not None:
+            return await in_guest.run_ssh(host=ssh.host, port=ssh.port, user=ssh.user,
+                                          key=str(ssh.key), known_hosts=str(ssh.known_hosts),
+                                          argv=argv, timeout=timeout)
+        done = await self.libvirt.guest_exec(self.lendee, argv[0], argv[1:], timeout=timeout)
+        return done.exitcode, done.stdout, done.stderr
+
+    async def _screenshot_dead_boot(self) -> None:
+        """The lendee's guest agent never answered after its start: keep its screen,
+        the one witness left (a UEFI shell, an installer, firmware stuck on a ROM)."""
+        waited = f"{self.cfg.timeouts.guest_agent:g}s"
+        try:
+            mime, data = await self.libvirt.screenshot(self.lendee)
+            path = await asyncio.to_thread(screenshots.save, self.cfg.state_dir / "screenshots",
+                                           self.lendee, mime, data)
+        except (HostError, OSError) as e:
+            journal.record("boot", f"{self.lendee}'s guest agent did not answer within {waited} "
+                           f"of its start, and its screen could not be saved: {e}",
+                           vm=self.lendee, result="failed", priority=journal.Priority.ERR)
+            return
+        journal.record("boot", f"{self.lendee}'s guest agent did not answer within {waited} of "
+                       f"its start: its screen is saved in {path} (a UEFI shell, an installer, "
+                       "firmware stuck on an option ROM, a kernel panic?)", vm=self.lendee,
+                       result="failed", screenshot=str(path), priority=journal.Priority.ERR)
 
     async def _watchdog(self, interval: float) -> None:
         # Sent from the loop itself: a blocked loop stops the pings and systemd restarts us.
@@ -534,6 +643,7 @@ class Agent:
                        "reason": self.state.reason, "since": self.phase_since,
                        "hold": self.state.hold},
             "gpus": gpus,
+            "verified": self._verified,
             "owners": {o: o in self.state.running_owners for o in sorted(self.topo.owners)},
             "intents": [{"id": i.id, "owner": i.owner, "source": i.source.value,
                          "age_s": round(now - i.created_at, 1)} for i in self.state.intents],

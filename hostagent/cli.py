@@ -252,6 +252,10 @@ def format_status(data: dict[str, Any]) -> str:
              + (" (lending on hold)" if lendee["hold"] else "")]
     if lendee["reason"]:
         lines.append(f"  reason: {lendee['reason']}")
+    checked = data.get("verified")
+    if checked:
+        lines.append(f"  GPUs checked in the guest {_age(time.time() - checked['at'])} ago: "
+                     + ("ok" if checked["ok"] else "MISMATCH") + f" ({checked['summary']})")
     if data.get("relend_in_s") is not None:
         lines.append(f"  lending again in {_age(data['relend_in_s'])}")
     rows = [("GPU", "NAME", "PCI", "OWNER", "HELD BY")]

@@ -1,0 +1,177 @@
+"""After a lend: does the driver inside the lendee see the GPUs it was given?
+
+Ready is not enough (invariant 7). A card can be passed through and still be absent
+inside the guest, silently: a driver branch that no longer supports it (Maxwell cards
+are on NVIDIA's legacy 580 branch; the current branch finds no device and says
+nothing), firmware that hung on an option ROM, a hostdev that was never attached. So
+the agent runs ``nvidia-smi --query-gpu=uuid,pci.bus_id,name --format=csv,noheader``
+in the guest and compares what it lists with what the lendee was lent: by UUID when
+the configuration knows the UUIDs, by count otherwise.
+
+Everything above `run_ssh` is pure: parsing and comparing, no side effects. The guest
+is reached by the agent (through the guest agent, `Libvirt.guest_exec`) or by
+`run_ssh`, the one I/O function here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "CAUSES",
+    "QUERY",
+    "Expected",
+    "Outcome",
+    "SeenGpu",
+    "VerifyError",
+    "compare",
+    "outcome_of_run",
+    "parse_query",
+    "run_ssh",
+]
+
+QUERY = ("--query-gpu=uuid,pci.bus_id,name", "--format=csv,noheader")
+
+CAUSES = (
+    "usual causes: the guest's driver branch does not support the card (Maxwell GPUs "
+    "such as the GTX 960 are on the legacy 580 branch; the current branch finds no "
+    "device and says nothing); the firmware hung on the card's option ROM (several "
+    "GPUs under OVMF need <rom bar='off'/> on each function); the card was not passed "
+    "through (see `hostagent lint`); or the driver had not loaded yet (raise "
+    "verify.timeout)"
+)
+
+
+class VerifyError(Exception):
+    """The guest could not be asked (no connection, command not runnable, timeout)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SeenGpu:
+    """One line of nvidia-smi's answer. `pci` is the guest's address, not the host's."""
+
+    uuid: str
+    pci: str
+    name: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Expected:
+    """A GPU lent to the guest; without a UUID it can only be counted."""
+
+    label: str
+    uuid: str | None = None
+    name: str | None = None
+
+    def __str__(self) -> str:
+        what = ", ".join(x for x in (self.name, self.uuid) if x)
+        return f"{self.label} ({what})" if what else self.label
+
+
+@dataclass(frozen=True, kw_only=True)
+class Outcome:
+    """The verdict. `problem`: why nvidia-smi gave no list (then nothing was seen)."""
+
+    seen: tuple[SeenGpu, ...]
+    missing: tuple[Expected, ...]
+    extra: tuple[SeenGpu, ...] = ()
+    problem: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing and self.problem is None
+
+    def summary(self, vm: str) -> str:
+        """One sentence for the journal and for the node's FAILED reason."""
+        if self.ok:
+            listed = ", ".join(f"{g.name} ({g.uuid})" for g in self.seen)
+            return f"the driver in {vm} sees {listed}"
+        missing = ", ".join(str(g) for g in self.missing)
+        if self.problem is not None:
+            return f"the driver in {vm} sees no GPU ({self.problem}); missing: {missing}"
+        seen = ", ".join(g.uuid for g in self.seen) or "none"
+        return f"the driver in {vm} does not see {missing} (it sees: {seen})"
+
+
+def parse_query(text: str) -> list[SeenGpu]:
+    """The GPUs in nvidia-smi's ``--query-gpu=uuid,pci.bus_id,name`` CSV, in order.
+
+    Raises ValueError on a line that is not three fields (an error message, say).
+    """
+    found = []
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        fields = [f.strip() for f in line.split(",", 2)]
+        if len(fields) != 3 or not fields[0]:
+            raise ValueError(f"not a uuid, pci.bus_id, name line: {line.strip()!r}")
+        found.append(SeenGpu(uuid=fields[0], pci=fields[1], name=fields[2]))
+    return found
+
+
+def compare(expected: Sequence[Expected], seen: Iterable[SeenGpu]) -> Outcome:
+    """Which lent GPUs the guest does not see.
+
+    A GPU with a UUID must be seen by that UUID. GPUs without one are counted against
+    what is seen beyond the known UUIDs. GPUs seen but not lent (`extra`) are not an
+    error: the guest may have a card of its own.
+    """
+    seen = tuple(seen)
+    uuids = {g.uuid for g in seen}
+    known = {e.uuid for e in expected if e.uuid}
+    missing = [e for e in expected if e.uuid and e.uuid not in uuids]
+    unnamed = [e for e in expected if not e.uuid]
+    others = [g for g in seen if g.uuid not in known]
+    missing += unnamed[len(others):]
+    extra = tuple(others[len(unnamed):])
+    return Outcome(seen=seen, missing=tuple(missing), extra=extra)
+
+
+def outcome_of_run(expected: Sequence[Expected], exitcode: int, stdout: str,
+                   stderr: str) -> Outcome:
+    """The verdict from one run of the query command in the guest."""
+    if exitcode != 0:
+        said = (stdout.strip() or stderr.strip() or "no output").splitlines()[0]
+        return Outcome(seen=(), missing=tuple(expected),
+                       problem=f"nvidia-smi exited with status {exitcode}: {said}")
+    try:
+        seen = parse_query(stdout)
+    except ValueError as e:
+        return Outcome(seen=(), missing=tuple(expected), problem=f"unexpected output: {e}")
+    return compare(expected, seen)
+
+
+# --- the one I/O function: asking over SSH ----------------------------------------------
+
+
+async def run_ssh(*, host: str, port: int, user: str, key: str, known_hosts: str,
+                  argv: Sequence[str], timeout: float) -> tuple[int, str, str]:
+    """Run `argv` on `host` over SSH: (exit status, stdout, stderr).
+
+    The host key must be in `known_hosts`: a check against an unknown host proves
+    nothing. The user's ~/.ssh/config and SSH agent are ignored: the configuration is
+    the whole truth. Raises VerifyError.
+    """
+    import asyncssh  # only where SSH is chosen
+
+    try:
+        async with asyncio.timeout(timeout):
+            async with asyncssh.connect(host, port=port, username=user, client_keys=[key],
+                                        known_hosts=known_hosts, config=None,
+                                        agent_path=None) as conn:
+                result = await conn.run(shlex.join(argv), check=False)
+    except TimeoutError as e:
+        raise VerifyError(f"no answer over SSH from {user}@{host} within {timeout:g}s") from e
+    except (OSError, ValueError, asyncssh.Error) as e:  # ValueError: an unreadable key
+        raise VerifyError(f"SSH to {user}@{host}:{port}: {e}") from e
+    status = result.exit_status if result.exit_status is not None else -1
+    return int(status), _as_text(result.stdout), _as_text(result.stderr)
+
+
+def _as_text(data: object) -> str:
+    if isinstance(data, bytes):
+        return data.decode(errors="replace")
+    return "" if data is None else str(data)

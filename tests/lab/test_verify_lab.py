@@ -1,0 +1,144 @@
+"""GPUs for real, in the lab: the in-guest check after a lend (the stand-in nvidia-smi
+reports what each lab GPU's disk says), a dead boot's screenshot, the lint before a
+start, and `hostagent lint` reading domains through libvirt.
+
+The SSH method is not lab-tested here: the lab guest has no sshd (busybox and qemu-ga
+only); its host-key checking is tested against an in-process SSH server in
+tests/unit/test_verify.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+
+import pytest
+
+from tests.lab.lab import GPUS, Lab, domain_xml
+
+pytestmark = pytest.mark.lab
+
+UUID_A, NAME_A = GPUS["gpu-a"]
+UUID_B, NAME_B = GPUS["gpu-b"]
+
+
+def config(lab: Lab, *, guest_agent: str = "60s", verify: str = "") -> None:
+    text = lab.config_text().replace('guest_agent = "60s"', f'guest_agent = "{guest_agent}"')
+    lab.write_config(text + (f"\n[verify]\n{verify}\n" if verify else ""))
+
+
+def test_a_lend_checks_the_gpus_the_guest_driver_sees(lab: Lab) -> None:
+    lab.start_agent()
+    lab.wait_record(event="phase", to="lent")
+    ok = lab.records(event="verify")
+    assert len(ok) == 1 and ok[0]["HOSTAGENT_RESULT"] == "ok"
+    assert ok[0]["HOSTAGENT_GPUS"].split(",") == [UUID_A, UUID_B]
+    assert ok[0]["MESSAGE"] == f"the driver in gpu-node sees {NAME_A} ({UUID_A}), {NAME_B} ({UUID_B})"
+    # Before the return to the cluster: the check comes between joining and lent.
+    assert lab.phases() == ["off>booting", "booting>joining", "joining>lent"]
+    status = lab.hostagent("status", "--json")
+    assert json.loads(status.stdout)["verified"]["ok"] is True
+    assert "GPUs checked in the guest" in lab.hostagent("status").stdout
+
+
+@pytest.mark.parametrize("broken", [("gpu-b",), ("gpu-a", "gpu-b")], ids=["one-missing", "none"])
+def test_a_gpu_the_guest_driver_does_not_see_fails_the_lend(lab: Lab, broken: tuple[str, ...]) -> None:
+    for gpu in broken:
+        lab.write_gpu(gpu, "no driver")
+    config(lab, verify='timeout = "2s"')
+    lab.start_agent()
+    failed = lab.wait_record(event="phase", to="failed")
+    assert lab.phases() == ["off>booting", "booting>joining", "joining>failed"]
+    mismatch = lab.records(event="verify")
+    assert len(mismatch) == 1
+    rec = mismatch[0]
+    assert (rec["HOSTAGENT_RESULT"], rec["PRIORITY"]) == ("mismatch", "3")
+    assert rec["HOSTAGENT_MISSING"] == ",".join(broken)
+    if broken == ("gpu-b",):
+        assert rec["MESSAGE"].startswith(f"the driver in gpu-node does not see gpu-b ({NAME_B}, "
+                                         f"{UUID_B}) (it sees: {UUID_A}); usual causes:")
+    else:
+        assert rec["MESSAGE"].startswith(
+            "the driver in gpu-node sees no GPU (nvidia-smi exited with status 6: No devices "
+            f"were found); missing: gpu-a ({NAME_A}, {UUID_A}), gpu-b ({NAME_B}, {UUID_B})")
+    assert "legacy 580 branch" in rec["MESSAGE"] and "<rom bar='off'/>" in rec["MESSAGE"]
+    # The node is not lent; the VM keeps running; the reason says what is missing.
+    assert "gpu-node did not come back whole: the driver in gpu-node" in failed["MESSAGE"]
+    assert lab.state("gpu-node") == "running"
+    assert json.loads(lab.hostagent("status", "--json").stdout)["verified"]["ok"] is False
+
+
+def test_a_boot_whose_guest_agent_never_answers_leaves_a_screenshot(lab: Lab) -> None:
+    config(lab, guest_agent="3s")
+    lab.define("gpu-node", agent_delay=120)
+    lab.start_agent()
+    boot = lab.wait_record(30, event="boot", result="failed")
+    lab.wait_record(event="phase", to="failed")
+    inside = boot["HOSTAGENT_SCREENSHOT"]
+    # QEMU gives PNG where it can, PPM otherwise; the file keeps what it gave.
+    m = re.fullmatch(r"/var/lib/hostagent/screenshots/gpu-node-\d{8}T\d{6}\.\d{6}Z\.(ppm|png)",
+                     inside)
+    assert m is not None, inside
+    assert f"its screen is saved in {inside}" in boot["MESSAGE"]
+    kind, width, height = image_size(lab.path(inside).read_bytes())
+    assert kind == m.group(1)
+    assert width > 0 and height > 0
+
+
+def image_size(data: bytes) -> tuple[str, int, int]:
+    """The format and size of a PNG or binary PPM, checked whole enough to trust."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        length, chunk = struct.unpack(">I4s", data[8:16])
+        assert (length, chunk) == (13, b"IHDR")
+        width, height = struct.unpack(">II", data[16:24])
+        assert data.endswith(b"IEND\xaeB`\x82")
+        return "png", width, height
+    # A binary PPM: "P6", width, height, maximum value, then width*height RGB pixels.
+    m = re.match(rb"P6\s+(\d+)\s+(\d+)\s+(\d+)\s", data)
+    assert m is not None, data[:20]
+    width, height, top = (int(x) for x in m.groups())
+    assert 0 < top < 256 and len(data) == m.end() + width * height * 3
+    return "ppm", width, height
+
+
+def test_the_agent_refuses_to_start_a_lendee_that_fails_lint(lab: Lab) -> None:
+    # Without a guest-agent channel the lendee could never be shut down cleanly.
+    assert lab.guest is not None
+    xml = domain_xml("gpu-node", lab.guest, [lab.gpu_image(g) for g in sorted(GPUS)],
+                     console=lab.root / "console" / "gpu-node.log")
+    xml = re.sub(r"\s*<channel type='unix'>.*?</channel>", "", xml, flags=re.S)
+    (lab.root / "gpu-node-nochannel.xml").write_text(xml)
+    lab.virsh("define", str(lab.root / "gpu-node-nochannel.xml"))
+    lab.start_agent()
+    refused = lab.wait_record(event="lint", vm="gpu-node")
+    assert (refused["HOSTAGENT_RESULT"], refused["HOSTAGENT_CHECK"]) == ("refused",
+                                                                         "no-agent-channel")
+    assert refused["MESSAGE"].startswith(
+        "gpu-node: no guest-agent channel (org.qemu.guest_agent.0): hostagent shuts the lendee "
+        "down through its guest agent only")
+    assert lab.state("gpu-node") == "shut off"
+    status = json.loads(lab.hostagent("status", "--json").stdout)
+    assert status["lendee"]["phase"] == "off"
+    assert "hostagent did not start gpu-node: no guest-agent channel" in status["lendee"]["reason"]
+
+
+def test_hostagent_lint_reads_the_lab_domains_through_libvirt(lab: Lab) -> None:
+    lab.write_config()
+    out = lab.hostagent("lint")
+    # The lab's GPUs are disks: the configuration's PCI addresses are in no domain's XML,
+    # and lint says exactly that, and nothing else.
+    assert out.returncode == 1, out.stderr
+    assert out.stdout.endswith("3 domain(s) checked: 6 error(s), 0 warning(s)\n")
+    found = sorted(line for line in out.stdout.splitlines()[:-1] if not line.startswith("  "))
+    assert found == [
+        "gaming1: error: the config says gaming1 owns gpu-a (Lab RTX 3050 A, 0000:0a:00.0) but "
+        "its XML has no <hostdev> for 0000:0a:00.0",
+        "gaming1: error: the config says gaming1 owns gpu-a (Lab RTX 3050 A, 0000:0a:00.0) but "
+        "its XML has no <hostdev> for 0000:0a:00.1",
+        "gaming2: error: the config says gaming2 owns gpu-b (Lab RTX 3050 B, 0000:0b:00.0) but "
+        "its XML has no <hostdev> for 0000:0b:00.0",
+        *[f"gpu-node: error: the config says gpu-node borrows {g} but its XML has no <hostdev> "
+          f"for {a}" for g, a in (("gpu-a (Lab RTX 3050 A, 0000:0a:00.0)", "0000:0a:00.0"),
+                                  ("gpu-a (Lab RTX 3050 A, 0000:0a:00.0)", "0000:0a:00.1"),
+                                  ("gpu-b (Lab RTX 3050 B, 0000:0b:00.0)", "0000:0b:00.0"))],
+    ]

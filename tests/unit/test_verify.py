@@ -1,0 +1,181 @@
+"""The in-guest GPU check: parsing nvidia-smi, comparing by UUID or by count, asking over
+SSH with the host key checked; and keeping a dead boot's screenshots."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import asyncssh
+import pytest
+
+from hostagent import screenshots, verify
+from hostagent.verify import Expected, SeenGpu
+
+A = Expected(label="gpu-a", uuid="GPU-aaaa", name="RTX 3050")
+B = Expected(label="gpu-b", uuid="GPU-bbbb", name="GTX 960")
+ANSWER = ("GPU-aaaa, 00000000:01:00.0, NVIDIA GeForce RTX 3050\n"
+          "GPU-bbbb, 00000000:02:00.0, NVIDIA GeForce GTX 960\n")
+
+
+def test_parse_query_reads_nvidia_smi_csv() -> None:
+    assert verify.parse_query(ANSWER + "\n") == [
+        SeenGpu(uuid="GPU-aaaa", pci="00000000:01:00.0", name="NVIDIA GeForce RTX 3050"),
+        SeenGpu(uuid="GPU-bbbb", pci="00000000:02:00.0", name="NVIDIA GeForce GTX 960"),
+    ]
+    # A name with a comma stays whole.
+    assert verify.parse_query("GPU-c, 00000000:03:00.0, Card, Rev 2")[0].name == "Card, Rev 2"
+    with pytest.raises(ValueError, match="not a uuid, pci.bus_id, name line"):
+        verify.parse_query("NVIDIA-SMI has failed because it couldn't communicate")
+
+
+def test_every_gpu_seen_by_uuid() -> None:
+    out = verify.outcome_of_run([A, B], 0, ANSWER, "")
+    assert out.ok and out.missing == () and out.extra == ()
+    assert out.summary("gpu-node") == ("the driver in gpu-node sees NVIDIA GeForce RTX 3050 "
+                                       "(GPU-aaaa), NVIDIA GeForce GTX 960 (GPU-bbbb)")
+
+
+def test_one_missing_by_uuid() -> None:
+    out = verify.outcome_of_run([A, B], 0, ANSWER.splitlines()[0], "")
+    assert not out.ok and out.missing == (B,)
+    assert out.summary("gpu-node") == ("the driver in gpu-node does not see gpu-b (GTX 960, "
+                                       "GPU-bbbb) (it sees: GPU-aaaa)")
+
+
+def test_no_device_at_all() -> None:
+    out = verify.outcome_of_run([A, B], 6, "No devices were found\n", "")
+    assert not out.ok and out.missing == (A, B)
+    assert out.summary("gpu-node") == (
+        "the driver in gpu-node sees no GPU (nvidia-smi exited with status 6: No devices were "
+        "found); missing: gpu-a (RTX 3050, GPU-aaaa), gpu-b (GTX 960, GPU-bbbb)")
+
+
+def test_garbage_output_is_a_failure_not_a_crash() -> None:
+    out = verify.outcome_of_run([A], 0, "Segmentation fault\n", "")
+    assert not out.ok and out.problem is not None and "unexpected output" in out.problem
+
+
+def test_without_uuids_gpus_are_counted() -> None:
+    a, b = Expected(label="gpu-a"), Expected(label="gpu-b")
+    assert verify.outcome_of_run([a, b], 0, ANSWER, "").ok
+    short = verify.outcome_of_run([a, b], 0, ANSWER.splitlines()[1], "")
+    assert short.missing == (b,)
+    # Mixed: known UUIDs by UUID, the rest by what is left over.
+    assert verify.compare([A, b], verify.parse_query(ANSWER)).ok
+    assert verify.compare([B, a], verify.parse_query(ANSWER.splitlines()[1])).missing == (a,)
+
+
+def test_a_wrong_card_is_not_a_lent_one() -> None:
+    # The guest sees as many GPUs as lent, but not the ones lent: by UUID, that is missing.
+    other = "GPU-zzzz, 00000000:01:00.0, NVIDIA GeForce RTX 3050\n" + ANSWER.splitlines()[1]
+    out = verify.outcome_of_run([A, B], 0, other, "")
+    assert out.missing == (A,) and [g.uuid for g in out.extra] == ["GPU-zzzz"]
+
+
+def test_the_usual_causes_name_driver_branch_option_rom_and_passthrough() -> None:
+    assert "legacy 580 branch" in verify.CAUSES
+    assert "<rom bar='off'/>" in verify.CAUSES
+    assert "hostagent lint" in verify.CAUSES
+
+
+# --- over SSH, against a real (in-process) SSH server ---------------------------------------
+
+
+class _Server(asyncssh.SSHServer):
+    def begin_auth(self, username: str) -> bool:
+        return True
+
+
+async def _answer(process: asyncssh.SSHServerProcess[str]) -> None:
+    if process.command == "nvidia-smi --query-gpu=uuid,pci.bus_id,name --format=csv,noheader":
+        process.stdout.write(ANSWER)
+        process.exit(0)
+    else:
+        process.stderr.write(f"unexpected command {process.command!r}\n")
+        process.exit(127)
+
+
+@pytest.fixture
+async def ssh_server(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
+    host_key = asyncssh.generate_private_key("ssh-ed25519")
+    client_key = asyncssh.generate_private_key("ssh-ed25519")
+    (tmp_path / "id").write_bytes(client_key.export_private_key())
+    (tmp_path / "authorized").write_bytes(client_key.export_public_key())
+    server = await asyncssh.create_server(
+        _Server, "127.0.0.1", 0, server_host_keys=[host_key],
+        authorized_client_keys=str(tmp_path / "authorized"), process_factory=_answer)
+    port = server.sockets[0].getsockname()[1]
+    known = tmp_path / "known_hosts"
+    known.write_text(f"[127.0.0.1]:{port} {host_key.export_public_key().decode()}")
+    stranger = tmp_path / "known_hosts.other"
+    other = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode()
+    stranger.write_text(f"[127.0.0.1]:{port} {other}")
+    try:
+        yield {"host": "127.0.0.1", "port": port, "user": "hostagent",
+               "key": str(tmp_path / "id"), "known": str(known), "stranger": str(stranger)}
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_ssh_runs_the_query_on_a_known_host(ssh_server: dict[str, Any]) -> None:
+    s = ssh_server
+    code, out, err = await verify.run_ssh(host=s["host"], port=s["port"], user=s["user"],
+                                          key=s["key"], known_hosts=s["known"],
+                                          argv=["nvidia-smi", *verify.QUERY], timeout=10)
+    assert (code, err) == (0, "")
+    assert verify.outcome_of_run([A, B], code, out, err).ok
+
+
+async def test_ssh_refuses_a_host_whose_key_is_not_the_known_one(
+        ssh_server: dict[str, Any]) -> None:
+    s = ssh_server
+    with pytest.raises(verify.VerifyError, match=r"SSH to hostagent@127\.0\.0\.1:\d+: .*"
+                       r"[Hh]ost key"):
+        await verify.run_ssh(host=s["host"], port=s["port"], user=s["user"], key=s["key"],
+                             known_hosts=s["stranger"], argv=["nvidia-smi", *verify.QUERY],
+                             timeout=10)
+
+
+async def test_ssh_that_cannot_connect_says_where(tmp_path: Path) -> None:
+    listener = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    listener.close()
+    await listener.wait_closed()
+    (tmp_path / "k").write_bytes(asyncssh.generate_private_key("ssh-ed25519")
+                                 .export_private_key())
+    (tmp_path / "known").write_text("")
+    with pytest.raises(verify.VerifyError, match=rf"SSH to u@127\.0\.0\.1:{port}: .*"
+                       r"[Cc]onnect"):
+        await verify.run_ssh(host="127.0.0.1", port=port, user="u", key=str(tmp_path / "k"),
+                             known_hosts=str(tmp_path / "known"), argv=["true"], timeout=5)
+    with pytest.raises(verify.VerifyError, match="Invalid private key"):
+        await verify.run_ssh(host="127.0.0.1", port=port, user="u",
+                             key=str(tmp_path / "known"), known_hosts=str(tmp_path / "known"),
+                             argv=["true"], timeout=5)
+
+
+# --- screenshots ------------------------------------------------------------------------------
+
+
+def test_screenshot_names_sort_by_time_and_name_the_format() -> None:
+    when = datetime(2026, 9, 12, 23, 5, 7, 123456, tzinfo=UTC)
+    assert screenshots.file_name("gpu-node", "image/png", when) == \
+        "gpu-node-20260912T230507.123456Z.png"
+    assert screenshots.extension("image/x-portable-pixmap") == "ppm"
+    assert screenshots.extension("application/x-thing") == "bin"
+
+
+def test_only_the_last_five_per_vm_are_kept(tmp_path: Path) -> None:
+    start = datetime(2026, 9, 12, tzinfo=UTC)
+    for i in range(7):
+        screenshots.save(tmp_path, "gpu-node", "image/png", b"x", when=start + timedelta(hours=i))
+    other = screenshots.save(tmp_path, "gpu-node-2", "image/png", b"y", when=start)
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert [n for n in kept if n.startswith("gpu-node-2026")] == [
+        f"gpu-node-20260912T{h:02d}0000.000000Z.png" for h in range(2, 7)]
+    assert other.name in kept  # another VM's (even with a name that starts alike) stay
