@@ -224,9 +224,9 @@ def _history(args: argparse.Namespace) -> int:
     except history.HistoryError as e:
         print(f"hostagent: {e}", file=sys.stderr)
         return 1
-    # With --until, open stretches end at the last record: journalctl's time syntax is
-    # its own, and guessing what it meant would be worse than stopping short.
-    h = history.build(records, until=None if args.until else time.time())
+    now = time.time()
+    h = history.build(records, until=history.until_time(args.until, now=now)
+                      if args.until else now)
     if args.svg:
         args.svg.write_text(timeline.svg(h))
     if args.json:

@@ -25,6 +25,7 @@ import subprocess
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ __all__ = [
     "read_journal",
     "span",
     "to_json",
+    "until_time",
 ]
 
 TRANSITION_EVENTS = ("phase", "owner")
@@ -229,6 +231,21 @@ def _intent(rec: Mapping[str, Any], asked: dict[str, _Asked]) -> None:
         asked[iid].done = True
     else:
         asked.pop(iid, None)
+
+
+def until_time(text: str, *, now: float) -> float | None:
+    """The unix time of a ``--until`` value in its simple forms ("now", "@UNIXTIME",
+    "YYYY-MM-DD[ HH:MM[:SS]]", local time); None for the rest of journalctl's syntax,
+    which only journalctl knows exactly (the history then ends at its last record)."""
+    text = text.strip()
+    if text == "now":
+        return now
+    if text.startswith("@"):
+        return _float(text[1:])
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        return None
 
 
 # ---- reading the journal ---------------------------------------------------------------

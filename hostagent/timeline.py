@@ -76,10 +76,16 @@ def svg(h: History) -> str:
     def x(at: float) -> float:
         return round(LEFT + (at - start) / total * plot, 1)
 
-    title = (f"Who held each GPU, {_clock(start, date=True)} to {_clock(end, date=True)} "
-             f"({span(total)})")
+    same_day = time.localtime(start)[:3] == time.localtime(end)[:3]
+    title = (f"Who held each GPU, {_clock(start, date=True)} to "
+             f"{_clock(end, date=not same_day)} ({span(total)})")
     out.append(f'<text {_attrs(x=LEFT, y=24, font_size=15, font_weight="bold")}>'
                f'{escape(title)}</text>')
+    step = _step(total, plot)
+    ticks = list(range((int(start) // step + 1) * step, int(end) + 1, step))
+    out.append(f'<g {_attrs(class_="grid", stroke="#eeeeee")}>')  # behind the rows
+    out += [f'<line {_attrs(x1=x(t), x2=x(t), y1=TOP + 10, y2=axis_y)}/>' for t in ticks]
+    out.append("</g>")
     for i, gpu in enumerate(rows):
         y = TOP + GAP + i * (ROW + GAP)
         out.append(f'<g {_attrs(class_="row", data_gpu=gpu)}>')
@@ -108,15 +114,11 @@ def svg(h: History) -> str:
     # The time axis.
     out.append(f'<g {_attrs(class_="axis")}>')
     out.append(f'<line {_attrs(x1=LEFT, x2=LEFT + plot, y1=axis_y, y2=axis_y, stroke="#444")}/>')
-    step = _step(total, plot)
-    tick = (int(start) // step + 1) * step
-    while tick <= end:
+    for tick in ticks:
         tx = x(tick)
         out.append(f'<line {_attrs(x1=tx, x2=tx, y1=axis_y, y2=axis_y + 5, stroke="#444")}/>')
-        out.append(f'<line {_attrs(x1=tx, x2=tx, y1=TOP + 10, y2=axis_y, stroke="#eeeeee")}/>')
         out.append(f'<text {_attrs(x=tx, y=axis_y + 18, text_anchor="middle", font_size=11)}>'
                    f'{_clock(tick, seconds=step < 60)}</text>')
-        tick += step
     out.append("</g>")
     # The legend.
     out.append(f'<g {_attrs(class_="legend")}>')

@@ -6,6 +6,7 @@ import json
 import os
 import stat
 import xml.etree.ElementTree as ET
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,13 @@ def test_table_and_json() -> None:
     assert data["gpus"]["gpu-a"]["gaming_s"] == 95
     assert data["swaps"] == [{"gpu": "gpu-a", "owner": "gaming1", "start": T0 + 100,
                               "end": T0 + 105, "duration_s": 5.0}]
+
+
+def test_until_time() -> None:
+    assert history.until_time("now", now=5.0) == 5.0
+    assert history.until_time("@1700000000.5", now=0) == 1_700_000_000.5
+    assert history.until_time("2023-11-14 22:13", now=0) == datetime(2023, 11, 14, 22, 13).timestamp()
+    assert history.until_time("1h ago", now=0) is None  # journalctl's own: not guessed
 
 
 def test_span() -> None:
