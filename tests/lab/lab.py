@@ -294,8 +294,16 @@ class Lab:
         return self.virsh("version", check=False).returncode == 0
 
     def restart_libvirtd(self) -> None:
+        self.stop_libvirtd()
+        self.start_libvirtd()
+
+    def stop_libvirtd(self) -> None:
+        """Stop libvirtd (running guests stay up); `start_libvirtd` brings it back."""
         _stop(self.procs.pop("libvirtd"))
-        self._start_libvirtd()
+
+    def start_libvirtd(self) -> None:
+        if "libvirtd" not in self.procs:
+            self._start_libvirtd()
 
     # ---- the agent ----------------------------------------------------------
     @property

@@ -1,6 +1,6 @@
 """GPUs for real, in the lab: the in-guest check after a lend (the stand-in nvidia-smi
 reports what each lab GPU's disk says), a dead boot's screenshot, the lint before a
-start, and `hostagent lint` reading domains through libvirt.
+start, and `hostagent lint` and `config init` reading domains through libvirt.
 
 The SSH method is not lab-tested here: the lab guest has no sshd (busybox and qemu-ga
 only); its host-key checking is tested against an in-process SSH server in
@@ -14,7 +14,9 @@ import struct
 
 import pytest
 
-from tests.lab.lab import GPUS, Lab, domain_xml
+from hostagent.config import parse
+from tests.lab.lab import GPUS, OWNERS, Lab, domain_xml
+from tests.sysfs import FakeSysfs
 
 pytestmark = pytest.mark.lab
 
@@ -142,3 +144,50 @@ def test_hostagent_lint_reads_the_lab_domains_through_libvirt(lab: Lab) -> None:
                                   ("gpu-a (Lab RTX 3050 A, 0000:0a:00.0)", "0000:0a:00.1"),
                                   ("gpu-b (Lab RTX 3050 B, 0000:0b:00.0)", "0000:0b:00.0"))],
     ]
+
+
+HOSTDEVS = {"gpu-a": ("0000:0a:00.0", "0000:0a:00.1"), "gpu-b": ("0000:0b:00.0",)}
+
+
+def hostdev(address: str) -> str:
+    domain, bus, rest = address.split(":")
+    slot, function = rest.split(".")
+    return (f"<hostdev mode='subsystem' type='pci' managed='yes'><source><address "
+            f"domain='0x{domain}' bus='0x{bus}' slot='0x{slot}' function='0x{function}'/>"
+            "</source><rom bar='off'/></hostdev>\n    ")
+
+
+def test_config_init_and_lint_on_lab_domains_with_hostdevs(lab: Lab) -> None:
+    # The lab domains, defined (never started) with the <hostdev>s the lab config's made-up
+    # addresses stand for, and a host (sysfs) that has those cards on vfio-pci.
+    assert lab.guest is not None
+    for name in ("gpu-node", *OWNERS):
+        gpus = OWNERS.get(name, tuple(sorted(GPUS)))
+        xml = domain_xml(name, lab.guest, [lab.gpu_image(g) for g in gpus],
+                         console=lab.root / "console" / f"{name}.log")
+        devs = "".join(hostdev(a) for g in gpus for a in HOSTDEVS[g])
+        (lab.root / f"{name}-pt.xml").write_text(xml.replace("<channel", devs + "<channel", 1))
+        lab.virsh("define", str(lab.root / f"{name}-pt.xml"))
+    host = FakeSysfs(lab.root / "sys")
+    host.gpu("0a", group="10").gpu("0b", group="11", audio=False)
+
+    out = lab.hostagent("config", "init", "--output", "-", "--sysfs", str(host.root))
+    assert out.returncode == 0, out.stderr
+    starter = parse(out.stdout, "starter")
+    lab.write_config()
+    wanted = parse(lab.config_text())
+    assert starter.lendee.gpus == wanted.lendee.gpus
+    assert {d: o.gpus for d, o in starter.owners.items()} == {
+        d: o.gpus for d, o in wanted.owners.items()}
+    assert {g.label: g.pci_functions for g in starter.gpus.values()} == {
+        g.label: g.pci_functions for g in wanted.gpus.values()}
+    assert "# 0000:0a:00.0: in gaming1, gpu-node; 10de:2584 on vfio-pci; IOMMU group 10" in \
+        out.stdout
+
+    # And lint, reading the same domains through libvirt, finds them right.
+    checked = lab.hostagent("lint", "--sysfs", str(host.root))
+    assert (checked.returncode, checked.stdout) == (
+        0, "3 domain(s) checked: 0 error(s), 0 warning(s)\n"), checked.stderr
+    # Not written over the existing config without --force.
+    refused = lab.hostagent("config", "init", "--sysfs", str(host.root))
+    assert refused.returncode == 1 and "exists: left as it is" in refused.stderr
