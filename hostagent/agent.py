@@ -112,6 +112,7 @@ class Agent:
         self.policy = Policy(relend_delay=cfg.policy.relend_delay,
                              force_off=cfg.policy.force_off_after is not None)
         self.cluster: Cluster = cluster or NoCluster()
+        self.cluster_given = cluster is not None
         self.lendee = cfg.lendee.domain
         self.state = State()
         self.phase_since = _now()
@@ -165,6 +166,7 @@ class Agent:
         self._load()
         await self.libvirt.connect()
         await self._check_domains()
+        kube = await self._connect_cluster()
         # Reality first: until the machine knows what runs, its verdicts would be guesses.
         await self._observe()
         inbox = Inbox(self._on_hook)
@@ -191,6 +193,36 @@ class Agent:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
             await self.libvirt.close()
+            if kube is not None:
+                await kube.close()
+
+    async def _connect_cluster(self) -> Any:
+        """The Kubernetes adapter, if configured: a bad kubeconfig or an unknown node
+        stops the agent with the fix; an API server that is down only delays steps."""
+        if self.cfg.kubernetes is None or self.cluster_given:
+            return None
+        from hostagent.cluster import KubeCluster
+        from hostagent.kube import Kube, KubeConfigError, KubeUnavailable, NodeNotFound, Timing
+        try:
+            kube = await Kube.from_config(
+                self.cfg.kubernetes, timing=Timing(evict_retry=self.cfg.kubernetes.evict_retry))
+        except KubeConfigError as e:
+            raise StartupError(f"{self.cfg.source}: kubernetes.kubeconfig: {e}") from e
+        try:
+            await kube.check_node(self.cfg.lendee.node, timeout=10)
+        except NodeNotFound as e:
+            await kube.close()
+            raise StartupError(f"{self.cfg.source}: lendee.node: {e}") from e
+        except KubeUnavailable as e:
+            log.warning("the Kubernetes API is not reachable yet (%s); steps will retry", e)
+        self.cluster = KubeCluster(kube, self.cfg, remember_cordon=self._remember_cordon)
+        return kube
+
+    def _remember_cordon(self, ours: bool) -> None:
+        # The marker on the Node is what uncordon trusts; the state file keeps a copy.
+        if self.cordoned_by_us != ours:
+            self.cordoned_by_us = ours
+            self._save()
 
     def stop(self) -> None:
         if self._fatal is not None and not self._fatal.done():

@@ -70,6 +70,8 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     gpu_resource = "nvidia.com/gpu"
     drain_emptydir = true                   # evict pods that use emptyDir volumes
     drain_unmanaged = false                 # evict pods no controller will recreate
+    lent_taints = ["hostagent.io/borrowed=true:NoSchedule"]  # while lent; none by default
+    evict_retry = "5s"                      # retry an eviction a PodDisruptionBudget refused
 
     [metrics]                               # Prometheus /metrics and /healthz; off without it
     listen = "127.0.0.1:9477"               # host:port ("[::1]:9477"; ":9477" = every address)
@@ -379,6 +381,18 @@ def _annotation_prefix(value: object, key: str) -> str:
     return prefix
 
 
+_TAINT = re.compile(r"[A-Za-z0-9./_-]+(=[A-Za-z0-9._-]*)?:(NoSchedule|PreferNoSchedule|NoExecute)")
+
+
+def _taint(value: object, key: str) -> str:
+    taint = _text(value, key)
+    if not _TAINT.fullmatch(taint):
+        raise _Problem(key, f'"{taint}" is not a taint',
+                       'write it as kubectl does: "key=value:NoSchedule" (or PreferNoSchedule, '
+                       'NoExecute)')
+    return taint
+
+
 _PCI = re.compile(r"(?:([0-9a-f]{4}):)?([0-9a-f]{2}):([01][0-9a-f])\.([0-7])")
 
 
@@ -597,6 +611,11 @@ class Kubernetes:
     gpu_resource: str = field(default="nvidia.com/gpu", metadata=_key(_text))
     drain_emptydir: bool = field(default=True, metadata=_key(_bool))
     drain_unmanaged: bool = field(default=False, metadata=_key(_bool))
+    # Put on the node while it is lent, taken off when it is reclaimed: e.g. to keep
+    # workloads that cannot be preempted off borrowed capacity.
+    lent_taints: tuple[str, ...] = field(default=(), metadata=_key(_list(_taint)))
+    # How often an eviction that a PodDisruptionBudget refuses is tried again (kubectl: 5s).
+    evict_retry: float = field(default=5.0, metadata=_key(_positive_duration))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -26,9 +26,10 @@ of them runs; and an owner that needs one may only start once the lendee is off:
                   AgentUp → ShutdownLendee
 
 FAILED is where the lendee stays, running, when a step cannot finish without a human:
-its guest agent never answered, it ignored a shutdown, the drain was aborted, or the
-node came back without all its GPUs. The reason says what to do. An owner asking again
-(or ``hostagent resume``) retries; the lendee stopping by any means resumes the cycle.
+its guest agent never answered, it ignored a shutdown, or the node came back without
+all its GPUs. The reason says what to do. An owner asking again (or ``hostagent
+resume``) retries; the lendee stopping by any means resumes the cycle. (A drain the
+policy aborts is not a failure of the lendee: the requests fail, and it stays lent.)
 
 What this machine promises
 --------------------------
@@ -568,20 +569,28 @@ def _drained(state: State, event: Drained, ctx: _Ctx) -> _Outcome:
 
 
 def _drain_failed(state: State, event: DrainFailed, ctx: _Ctx) -> _Outcome:
-    """DRAINING → FAILED (the policy chose abort on a drain timeout).
+    """DRAINING → back to lending (the policy chose "abort" on a drain that cannot finish).
 
-    The intents stay: the players' requests are not lost, and `hostagent status` shows
-    why they wait. The node stays cordoned. The next request, or ``resume``, retries.
+    Under that policy the cluster's workloads come first: the reclaim is given up, and
+    every request that waited for it fails with the reason, so whoever asked hears why
+    at once rather than waiting on a drain that will not end. The lendee goes back to
+    the cluster the usual way (its cordon lifted by `KubeReturn`, only if it was ours);
+    through BOOTING first if its guest agent has not answered yet.
     """
     _check_ticket(state, event)
-    return _enter(
-        state,
-        Phase.FAILED,
-        reason=(
-            f"draining {ctx.topo.lendee} failed: {event.reason}; the waiting VMs start once "
-            "it is stopped (`hostagent resume` retries the drain)"
-        ),
-    ), []
+    why = f"{ctx.topo.lendee} could not be drained ({event.reason}), and the policy keeps it lent"
+    failed: list[Action] = [
+        FailIntent(intent_id=i.id, owner=i.owner, reason=why)
+        for i in state.intents
+        if ctx.topo.needs_lendee_gpus(i.owner)
+    ]
+    kept = tuple(i for i in state.intents if not ctx.topo.needs_lendee_gpus(i.owner))
+    new = replace(state, intents=kept)
+    if not state.agent_up:
+        new, more = _boot(new)
+        return new, failed + more
+    new = _enter(new, Phase.JOINING, reason=None)
+    return new, [*failed, KubeReturn(ticket=new.ticket)]
 
 
 def _agent_up_stopping(state: State, event: AgentUp, ctx: _Ctx) -> _Outcome:

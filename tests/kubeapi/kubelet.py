@@ -49,6 +49,7 @@ class Kubelet:
         heartbeat_grace: float = 1.0,
         heartbeat: float = 10.0,
         interval: float = 0.2,
+        gpu_recheck: float = 1.0,
     ) -> None:
         self.kubeconfig = kubeconfig
         self.node = node
@@ -60,6 +61,7 @@ class Kubelet:
         self.heartbeat_grace = heartbeat_grace
         self.heartbeat = heartbeat
         self.interval = interval
+        self.gpu_recheck = gpu_recheck
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> Kubelet:
@@ -93,7 +95,10 @@ class Kubelet:
             running_since: float | None = None
             stopped_since: float | None = None
             posted: str | None = None  # the Ready status this kubelet last posted
-            gpus_posted = False
+            # Like the device plugin's ListAndWatch: the count is re-read while the VM
+            # runs, and posted when it changes (the driver may come up after Ready).
+            gpus_posted: int | None = None
+            last_gpu_check = 0.0
             last_post = 0.0
             while True:
                 running = await asyncio.to_thread(self.lendee_running)
@@ -103,11 +108,14 @@ class Kubelet:
                 if running:
                     stopped_since = None
                     if running_since is None:
-                        running_since, gpus_posted = t, False
+                        running_since, gpus_posted = t, None
                         posted = None
                     want = "True" if t - running_since >= self.ready_delay else "False"
-                    if not gpus_posted and t - running_since >= self.ready_delay + self.gpu_delay:
-                        gpus = await asyncio.to_thread(self.gpus_seen)
+                    if (t - running_since >= self.ready_delay + self.gpu_delay
+                            and t - last_gpu_check >= self.gpu_recheck):
+                        last_gpu_check = t
+                        seen = await asyncio.to_thread(self.gpus_seen)
+                        gpus = seen if seen != gpus_posted else None
                 else:
                     running_since = None
                     if stopped_since is None:
@@ -122,7 +130,8 @@ class Kubelet:
                         log.debug("kubelet for %s could not post its status: %s", self.node, e)
                     else:
                         posted, last_post = want, t
-                        gpus_posted = gpus_posted or gpus is not None
+                        if gpus is not None:
+                            gpus_posted = gpus
                 await asyncio.sleep(self.interval)
 
     async def _post(self, api: Any, ready: str, gpus: int | None) -> None:

@@ -112,6 +112,8 @@ gpus = ["gpu-b"]
 guest_agent = "60s"
 shutdown = "30s"
 start = "60s"
+drain = "30s"
+ready = "60s"
 
 [policy]
 relend_delay = "{relend_delay}"
@@ -312,13 +314,18 @@ class Lab:
         return self.root / "agent" / "config.toml"
 
     @staticmethod
-    def config_text(*, relend_delay: str = "2s") -> str:
-        return AGENT_CONFIG.format(relend_delay=relend_delay)
+    def config_text(*, relend_delay: str = "2s", kubeconfig: Path | None = None) -> str:
+        """The lab's agent configuration; with `kubeconfig`, the Kubernetes steps too."""
+        text = AGENT_CONFIG.format(relend_delay=relend_delay)
+        if kubeconfig is not None:
+            text += f'\n[kubernetes]\nkubeconfig = "{kubeconfig}"\nevict_retry = "1s"\n'
+        return text
 
-    def write_config(self, text: str | None = None, *, relend_delay: str = "2s") -> Path:
+    def write_config(self, text: str | None = None, *, relend_delay: str = "2s",
+                     kubeconfig: Path | None = None) -> Path:
         self.config.parent.mkdir(exist_ok=True)
-        self.config.write_text(text if text is not None
-                               else self.config_text(relend_delay=relend_delay))
+        self.config.write_text(text if text is not None else self.config_text(
+            relend_delay=relend_delay, kubeconfig=kubeconfig))
         return self.config
 
     def start_agent(self, *args: str) -> subprocess.Popen[bytes]:

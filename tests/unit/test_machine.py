@@ -124,6 +124,7 @@ def run(state: State, *events: Event, policy: Policy = POLICY) -> tuple[State, l
 FAILED_WHY = "something went wrong"
 G1 = (intent("gaming1"),)
 G1G2 = (intent("gaming1"), intent("gaming2"))
+ABORTED = "gpu-node could not be drained (PDB), and the policy keeps it lent"
 
 # --- one row per transition ------------------------------------------------------------
 #
@@ -462,12 +463,20 @@ ROWS: list[tuple[str, State, Event, Policy, Phase, list[Action]]] = [
         [WaitAgent(ticket=T + 1)],
     ),
     (
-        "draining/drain failed: failed, intents kept",
+        "draining/drain aborted: requests fail, back to lending through the agent",
         S(Phase.DRAINING, intents=G1),
         DrainFailed(at=AT, ticket=T, reason="PDB"),
         POLICY,
-        Phase.FAILED,
-        [],
+        Phase.BOOTING,
+        [FailIntent(intent_id=G1[0].id, owner="gaming1", reason=ABORTED), WaitAgent(ticket=T + 1)],
+    ),
+    (
+        "draining/drain aborted, agent up: requests fail, node returned",
+        S(Phase.DRAINING, intents=G1, agent_up=True),
+        DrainFailed(at=AT, ticket=T, reason="PDB"),
+        POLICY,
+        Phase.JOINING,
+        [FailIntent(intent_id=G1[0].id, owner="gaming1", reason=ABORTED), KubeReturn(ticket=T + 1)],
     ),
     (
         "draining/second owner joins the reclaim",
@@ -1172,16 +1181,18 @@ def test_stuck_shutdown_waits_for_a_human_then_the_game_starts() -> None:
     assert actions == [StartOwner(owner="gaming1")]
 
 
-def test_player_asking_again_retries_a_failed_reclaim() -> None:
+def test_an_aborted_drain_answers_the_player_and_asking_again_retries() -> None:
     state, _ = run(
         S(Phase.LENT),
         wants("gaming1", "first"),
         DrainFailed(at=AT + 300, ticket=T + 1, reason="a PodDisruptionBudget blocks"),
     )
-    assert state.phase is Phase.FAILED
+    assert (state.phase, state.intents) == (Phase.JOINING, ())
+    state, _ = go(state, ReturnDone(at=AT + 310, ticket=T + 2))
+    assert state.phase is Phase.LENT
     state, actions = go(state, wants("gaming1", "second", at=AT + 400))
-    assert (state.phase, actions) == (Phase.DRAINING, [Drain(ticket=T + 3)])
-    assert [i.id for i in state.intents] == ["first", "second"]
+    assert (state.phase, actions) == (Phase.DRAINING, [Drain(ticket=T + 4)])
+    assert [i.id for i in state.intents] == ["second"]
 
 
 # --- Observed: an agent restarted in any phase ------------------------------------------
