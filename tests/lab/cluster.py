@@ -62,14 +62,17 @@ def seed_workloads(api: ThreadedStandIn) -> None:
 
 
 @contextlib.contextmanager
-def lab_cluster(lab: Lab, *, workloads: bool = True, ready_delay: float = 1.0
-                ) -> Iterator[LabCluster]:
+def lab_cluster(lab: Lab, *, workloads: bool = True, ready_delay: float = 1.0,
+                cordoned: bool = False) -> Iterator[LabCluster]:
+    """The stand-in and kubelet for `lab`; `cordoned`: an administrator cordoned the
+    node before hostagent ever ran."""
     kubeconfig = lab.root / "agent" / "kubeconfig"
     kubeconfig.parent.mkdir(exist_ok=True)
     with serve_in_thread(termination_scale=0.02, replacement_node="cpu-node",
                          replacement_ready_after=1.0) as api:
         api.write_kubeconfig(kubeconfig)
-        api.call(lambda: api.standin.cluster.add_node(LENDEE, ready=False, gpus=0))
+        api.call(lambda: api.standin.cluster.add_node(LENDEE, ready=False, gpus=0,
+                                                      unschedulable=cordoned))
         if workloads:
             seed_workloads(api)
         kubelet = Kubelet(kubeconfig, LENDEE, lendee_running=lambda: lab.state(LENDEE) == "running",

@@ -1,0 +1,176 @@
+"""The Kubernetes half of the cycle in the lab: the real agent, libvirtd and guests,
+and the API stand-in with a kubelet that follows the lendee VM."""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any
+
+import pytest
+
+from tests.lab.cluster import LabCluster, lab_cluster
+from tests.lab.lab import LENDEE, Lab
+
+pytestmark = pytest.mark.lab
+MARKER = "hostagent.io/cordoned-by"
+
+
+def lends(lab: Lab, count: int, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while len(lab.records(event="phase", to="lent")) < count:
+        assert time.monotonic() < deadline, f"not lent {count}x; phases: {lab.phases()}"
+        time.sleep(0.2)
+
+
+def play_and_stop(lab: Lab, owner: str = "gaming1") -> None:
+    lab.virsh("start", owner, check=False)
+    lab.wait_state(owner, "running", timeout=90)
+    lab.wait_agent(owner)
+    lab.virsh("shutdown", "--mode", "agent", owner)
+    lab.wait_state(owner, "shut off", timeout=30)
+
+
+def config(lab: Lab, kc: LabCluster, **timeouts: str) -> None:
+    text = lab.config_text(kubeconfig=kc.kubeconfig)
+    for key, value in timeouts.items():
+        text = text.replace(f'\n{key} = "', f'\n{key} = "{value}"  # was "', 1)
+    lab.write_config(text)
+
+
+def annotations(node: dict[str, Any]) -> dict[str, str]:
+    return node["metadata"].get("annotations") or {}
+
+
+def test_reclaim_drains_like_kubectl_and_the_return_uncordons(lab: Lab) -> None:
+    with lab_cluster(lab) as kc:
+        lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig).replace(
+            'evict_retry = "1s"',
+            'evict_retry = "1s"\nlent_taints = ["hostagent.io/borrowed=true:NoSchedule"]'))
+        lab.start_agent()
+        lends(lab, 1)
+        node = kc.node()
+        assert not node["spec"].get("unschedulable")
+        assert annotations(node).get("hostagent.io/state") == "lent"
+        assert {"key": "hostagent.io/borrowed", "value": "true", "effect": "NoSchedule"} \
+            in node["spec"]["taints"]
+
+        lab.virsh("start", "gaming1", check=False)
+        lab.wait_state("gaming1", "running", timeout=90)
+        node = kc.node()
+        assert node["spec"]["unschedulable"] is True
+        assert annotations(node)[MARKER] == "hostagent"
+        assert annotations(node)["hostagent.io/holder"] == "gaming1"
+        assert not any(t["key"] == "hostagent.io/borrowed" for t in node["spec"].get("taints", []))
+        # Evicted through the API (the PDB let the trainers go one at a time); the
+        # DaemonSet's pod was left alone, as kubectl drain does.
+        assert kc.pods_on(LENDEE) == ["gpu-device-plugin-z7x"]
+        drained = lab.records(event="drain")
+        assert drained and "3 pods evicted" in drained[0]["MESSAGE"]
+
+        lab.wait_agent("gaming1")
+        lab.virsh("shutdown", "--mode", "agent", "gaming1")
+        lends(lab, 2)
+        node = kc.node()
+        assert not node["spec"].get("unschedulable")
+        assert MARKER not in annotations(node)
+        assert annotations(node).get("hostagent.io/state") == "lent"
+        assert node["status"]["allocatable"]["nvidia.com/gpu"] == "2"
+
+
+def test_an_administrators_cordon_survives_a_full_cycle(lab: Lab) -> None:
+    with lab_cluster(lab, workloads=False, cordoned=True) as kc:
+        config(lab, kc)
+        lab.start_agent()
+        lends(lab, 1)
+        play_and_stop(lab)
+        lends(lab, 2)
+        node = kc.node()
+        assert node["spec"]["unschedulable"] is True
+        assert MARKER not in annotations(node)
+
+
+def test_a_node_back_short_of_gpus_stays_cordoned_with_an_error(lab: Lab) -> None:
+    with lab_cluster(lab, workloads=False) as kc:
+        config(lab, kc, ready="6s")
+        lab.start_agent()
+        lends(lab, 1)
+        # The device plugin will find nothing after the next boot.
+        kc.kubelet.gpus_seen = lambda: 0
+        play_and_stop(lab)
+        failed = lab.wait_record(60, event="phase", to="failed")
+        assert "reports 0 allocatable nvidia.com/gpu where 2 were lent" in failed["MESSAGE"]
+        assert failed["PRIORITY"] == "3"
+        assert kc.node()["spec"]["unschedulable"] is True
+
+
+@pytest.mark.parametrize("policy", ["proceed", "abort"])
+def test_a_pdb_that_never_allows_eviction(lab: Lab, policy: str) -> None:
+    with lab_cluster(lab, workloads=False) as kc:
+        def seed() -> None:
+            c = kc.api.standin.cluster
+            for i in (1, 2):
+                c.add_pod(f"db-{i}", node=LENDEE, owner="StatefulSet/db", labels={"app": "db"})
+            c.add_pdb("db", match_labels={"app": "db"}, min_available=2)
+        kc.api.call(seed)
+        config(lab, kc, drain="3s")
+        lab.write_config(lab.config.read_text().replace(
+            "[policy]", f'[policy]\non_drain_timeout = "{policy}"'))
+        lab.start_agent()
+        lends(lab, 1)
+        refused = lab.virsh("start", "gaming1", check=False)
+        assert refused.returncode != 0
+        if policy == "proceed":
+            # The player first: the pods left behind are named, and the game starts.
+            lab.wait_state("gaming1", "running", timeout=60)
+            left = lab.wait_record(event="drain")
+            assert "db-1" in str(left) and "db-2" in str(left)
+        else:
+            failed = lab.wait_record(30, event="intent", to="failed")
+            assert "could not be drained" in failed["MESSAGE"]
+            lends(lab, 2)
+            assert lab.state("gaming1") == "shut off"
+            assert lab.state(LENDEE) == "running"
+            assert not kc.node()["spec"].get("unschedulable")
+            assert kc.pods_on(LENDEE) == ["db-1", "db-2"]
+
+
+def test_our_cordon_is_still_ours_after_an_agent_restart_mid_drain(lab: Lab) -> None:
+    with lab_cluster(lab, workloads=False) as kc:
+        def seed() -> None:
+            c = kc.api.standin.cluster
+            for i in (1, 2):
+                c.add_pod(f"db-{i}", node=LENDEE, owner="StatefulSet/db", labels={"app": "db"})
+            c.add_pdb("db", match_labels={"app": "db"}, min_available=2)
+        kc.api.call(seed)
+        config(lab, kc, drain="4s")
+        lab.start_agent()
+        lends(lab, 1)
+        lab.virsh("start", "gaming1", check=False)
+        lab.wait_record(event="cordon")
+        lab.stop_agent(signal.SIGKILL)
+        assert annotations(kc.node())[MARKER] == "hostagent"
+        lab.start_agent()
+        lab.wait_state("gaming1", "running", timeout=90)
+        lab.wait_agent("gaming1")
+        lab.virsh("shutdown", "--mode", "agent", "gaming1")
+        lends(lab, 2)
+        assert not kc.node()["spec"].get("unschedulable")
+
+
+def test_the_api_down_during_the_return_delays_it_only(lab: Lab) -> None:
+    with lab_cluster(lab, workloads=False) as kc:
+        config(lab, kc)
+        lab.start_agent()
+        lends(lab, 1)
+        lab.virsh("start", "gaming1", check=False)
+        lab.wait_state("gaming1", "running", timeout=90)
+        kc.api.run(kc.api.standin.down())
+        lab.wait_agent("gaming1")
+        lab.virsh("shutdown", "--mode", "agent", "gaming1")
+        lab.wait_record(60, event="phase", to="joining")
+        time.sleep(5)
+        assert len(lab.records(event="phase", to="lent")) == 1  # waiting for the API
+        kc.api.run(kc.api.standin.up())
+        lends(lab, 2)
+        assert not kc.node()["spec"].get("unschedulable")
