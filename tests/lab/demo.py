@@ -1,8 +1,11 @@
 """`make demo`: the real swap in the lab, with hostagent's journal printed as it comes.
 
-gpu-node (the lendee) is lent; `virsh start gaming1` is deferred by the hook while the
-agent reclaims gaming1's GPU; gaming1 runs; `virsh shutdown gaming1`; gpu-node is lent
-again. Every component is real except the Kubernetes API server (not installed here).
+gpu-node (the lendee, a Kubernetes worker) is lent; `virsh start gaming1` is deferred by
+the hook while the agent cordons and drains the node (a PodDisruptionBudget makes one
+eviction wait), shuts gpu-node down through its guest agent and starts gaming1;
+`virsh shutdown gaming1`; gpu-node boots, the node is Ready with its GPUs verified, and
+is uncordoned. Every component is real except the Kubernetes API server, a stand-in
+(not installable here) with a kubelet that follows the VM.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.lab.lab import Lab, need_lab
+from tests.lab.cluster import LabCluster, lab_cluster
+from tests.lab.lab import LENDEE, Lab, need_lab
 
 
 def say(text: str) -> None:
@@ -30,6 +34,20 @@ def shell(lab: Lab, *argv: str) -> subprocess.CompletedProcess[str]:
         if text:
             print("  " + text.replace("\n", "\n  "), flush=True)
     return out
+
+
+def kubectl(kc: LabCluster) -> None:
+    """What `kubectl get node gpu-node` and `kubectl get pods -o wide` would say."""
+    node = kc.node()
+    ready = next((c["status"] for c in node["status"].get("conditions", [])
+                  if c["type"] == "Ready"), "?")
+    state = "SchedulingDisabled" if node["spec"].get("unschedulable") else "schedulable"
+    notes = {k: v for k, v in (node["metadata"].get("annotations") or {}).items()
+             if k.startswith("hostagent.io/")}
+    print(f"  node {LENDEE}: Ready={ready}, {state}, nvidia.com/gpu="
+          f"{node['status'].get('allocatable', {}).get('nvidia.com/gpu', '0')}, {notes}")
+    print(f"  pods on {LENDEE}: {', '.join(kc.pods_on(LENDEE)) or 'none'}; "
+          f"on cpu-node: {', '.join(kc.pods_on('cpu-node')) or 'none'}", flush=True)
 
 
 def wait_phase(lab: Lab, to: str, count: int, timeout: float = 120) -> float:
@@ -54,30 +72,36 @@ def main() -> int:
         lab.up()
         lab.reset()
         print(f"  lab up in {time.monotonic() - t:.1f}s; libvirt at {lab.uri}")
-        say("Starting hostagent; following its journal (journalctl -f, the lab's journald)")
-        follow = subprocess.Popen(["journalctl", "-D", str(lab.root / "journal"), "-f", "-n", "0",
-                                   "-o", "short-precise", "SYSLOG_IDENTIFIER=hostagent"])
-        lab.start_agent()
-        wait_phase(lab, "lent", 1)
-        shell(lab, "hostagent", "status")
+        with lab_cluster(lab) as kc:
+            lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig))
+            say("Starting hostagent; following its journal (journalctl -f, the lab's journald)")
+            follow = subprocess.Popen(["journalctl", "-D", str(lab.root / "journal"), "-f",
+                                       "-n", "0", "-o", "short-precise",
+                                       "SYSLOG_IDENTIFIER=hostagent"])
+            lab.start_agent()
+            wait_phase(lab, "lent", 1)
+            shell(lab, "hostagent", "status")
+            kubectl(kc)
 
-        say("A player starts gaming1, whose GPU gpu-node holds")
-        t = time.monotonic()
-        shell(lab, "virsh", "start", "gaming1")
-        lab.wait_state("gaming1", "running", timeout=120)
-        reclaim = time.monotonic() - t
-        print(f"  gaming1 running {reclaim:.1f}s after `virsh start`", flush=True)
-        shell(lab, "hostagent", "status")
+            say("A player starts gaming1, whose GPU gpu-node holds")
+            t = time.monotonic()
+            shell(lab, "virsh", "start", "gaming1")
+            lab.wait_state("gaming1", "running", timeout=120)
+            reclaim = time.monotonic() - t
+            print(f"  gaming1 running {reclaim:.1f}s after `virsh start`", flush=True)
+            shell(lab, "hostagent", "status")
+            kubectl(kc)
 
-        say("The game ends")
-        lab.wait_agent("gaming1")
-        t = time.monotonic()
-        shell(lab, "virsh", "shutdown", "--mode", "agent", "gaming1")
-        wait_phase(lab, "lent", 2)
-        lend = time.monotonic() - t
-        print(f"  gpu-node lent again {lend:.1f}s after the shutdown "
-              f"(relend_delay 2s in the lab)", flush=True)
-        shell(lab, "hostagent", "status")
+            say("The game ends")
+            lab.wait_agent("gaming1")
+            t = time.monotonic()
+            shell(lab, "virsh", "shutdown", "--mode", "agent", "gaming1")
+            wait_phase(lab, "lent", 2)
+            lend = time.monotonic() - t
+            print(f"  gpu-node lent again {lend:.1f}s after the shutdown "
+                  f"(relend_delay 2s in the lab)", flush=True)
+            shell(lab, "hostagent", "status")
+            kubectl(kc)
 
         say("Phases, as recorded in the journal")
         for rec in lab.records(event="phase"):
