@@ -13,6 +13,7 @@ only if our marker says we cordoned. A node that comes back short stays cordoned
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from hostagent import journal
@@ -42,17 +43,23 @@ class KubeCluster:
 
     async def reclaim(self, owners: list[str]) -> str | None:
         abort = self.policy.on_drain_timeout is DrainTimeoutAction.ABORT
+        # One budget for the whole reclaim: a player never waits longer than
+        # timeouts.drain for the cluster, however the API server behaves.
+        deadline = time.monotonic() + self.timeouts.drain
+
+        def left() -> float:
+            return max(0.1, deadline - time.monotonic())
         try:
             cordon = await self.kube.cordon(self.node, marker_prefix=self.prefix,
-                                            timeout=self.timeouts.drain)
+                                            timeout=left())
             if cordon.cordoned_by_us:
                 self._remember_cordon(True)
             await self.kube.annotate(self.node, {
                 f"{self.prefix}state": "reclaiming",
                 f"{self.prefix}holder": ",".join(owners) or None,
-            }, remove_taints=self.taints, timeout=self.timeouts.drain)
+            }, remove_taints=self.taints, timeout=left())
             report = await self.kube.drain(
-                self.node, timeout=self.timeouts.drain, emptydir_ok=self.settings.drain_emptydir,
+                self.node, timeout=left(), emptydir_ok=self.settings.drain_emptydir,
                 unmanaged_ok=self.settings.drain_unmanaged,
                 on_timeout=self.policy.on_drain_timeout)
         except DrainAborted as e:

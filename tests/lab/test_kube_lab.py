@@ -174,3 +174,23 @@ def test_the_api_down_during_the_return_delays_it_only(lab: Lab) -> None:
         kc.api.run(kc.api.standin.up())
         lends(lab, 2)
         assert not kc.node()["spec"].get("unschedulable")
+
+
+@pytest.mark.parametrize(("key", "says"), [
+    ("kubernetes.kubeconfig", "/nonexistent/kubeconfig"),
+    ("lendee.node", "no-such-node"),
+])
+def test_a_bad_kubeconfig_or_node_stops_the_agent_with_the_fix(
+        lab: Lab, key: str, says: str) -> None:
+    with lab_cluster(lab, workloads=False) as kc:
+        text = lab.config_text(kubeconfig=kc.kubeconfig)
+        if key == "lendee.node":
+            text = text.replace("[lendee]", f'[lendee]\nnode = "{says}"', 1)
+        else:
+            text = text.replace(str(kc.kubeconfig), says)
+        lab.write_config(text)
+        proc = lab.start_agent()
+        assert proc.wait(30) == 2
+        message = lab.wait_record(event="agent", result="failed")["MESSAGE"]
+        assert key in message and says in message
+        assert lab.state(LENDEE) == "shut off"
