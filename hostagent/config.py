@@ -829,7 +829,7 @@ def _link(config: Config) -> Config:
 
 # --- entry points ----------------------------------------------------------------------
 
-_TOML_POSITION = re.compile(r"\s*\(at line (\d+), column (\d+)\)$")
+_TOML_POSITION = re.compile(r"\s*\((?:at line (\d+), column (\d+)|at end of document)\)$")
 
 
 def parse(text: str, source: str = "<config>") -> Config:
@@ -849,14 +849,20 @@ def _syntax_error(error: tomllib.TOMLDecodeError, text: str, source: str) -> Con
     m = _TOML_POSITION.search(message)
     if m is None:
         return ConfigError(source=source, problem=f"not valid TOML: {message}")
-    line, column = int(m.group(1)), int(m.group(2))
     lines = text.splitlines()
+    if m.group(1) is None:
+        # Something still open when the file ends (a string, a bracket): the last line.
+        line = max(len(lines), 1)
+        column = len(lines[-1]) + 1 if lines else 1
+        where = " at the end of the file"
+    else:
+        line, column, where = int(m.group(1)), int(m.group(2)), ""
     shown = f' in "{lines[line - 1].strip()}"' if 0 < line <= len(lines) else ""
     return ConfigError(
         source=source,
         line=line,
         column=column,
-        problem=f"not valid TOML: {message[: m.start()]}{shown}",
+        problem=f"not valid TOML: {message[: m.start()]}{where}{shown}",
         fix='check quotes, brackets and "key = value" on that line',
     )
 
@@ -879,6 +885,8 @@ def load(path: Path = DEFAULT_PATH) -> Config:
     except UnicodeDecodeError as e:
         raise ConfigError(
             source=source,
+            line=data.count(b"\n", 0, e.start) + 1,
+            column=e.start - data.rfind(b"\n", 0, e.start),
             problem=f"not UTF-8 text (byte {e.start})",
             fix="save the file as UTF-8",
         ) from None
