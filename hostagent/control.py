@@ -38,15 +38,22 @@ def _line(obj: Reply) -> bytes:
     return json.dumps({"v": PROTOCOL_VERSION, **obj}, separators=(",", ":")).encode() + b"\n"
 
 
+def _not_a_number(name: str) -> Any:
+    raise ValueError(f"not JSON: {name} is not a number")
+
+
 def parse_request(line: bytes) -> tuple[str, dict[str, Any]]:
     """The verb and arguments of a request line; ValueError names what is wrong."""
     try:
-        obj = json.loads(line)
+        obj = json.loads(line, parse_constant=_not_a_number)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"not JSON: {e}") from e
+    except RecursionError:
+        raise ValueError("not JSON: nested too deeply") from None
     if not isinstance(obj, dict):
         raise ValueError("a request is a JSON object")
-    if obj.get("v") != PROTOCOL_VERSION:
+    # `true` and `1.0` compare equal to 1 in Python; the version is the integer 1.
+    if type(obj.get("v")) is not int or obj.get("v") != PROTOCOL_VERSION:
         raise ValueError(f"unsupported protocol version {obj.get('v')!r} "
                          f"(this agent speaks {PROTOCOL_VERSION})")
     verb, args = obj.get("verb"), obj.get("args", {})
