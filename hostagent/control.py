@@ -1,24 +1,32 @@
-"""The control socket: how `hostagent status` (and later play/release) talk to the agent.
+"""The control socket: how `hostagent status`, `play`, `release`... talk to the agent.
 
 Versioned JSON lines on a Unix socket, one request per connection:
 
-    client → agent  {"v":1,"verb":"status","args":{...}}
+    client → agent  {"v":1,"verb":"play","args":{"vm":"gaming1"}}
     agent → client  zero or more {"v":1,"type":"progress",...} lines, then one
                     {"v":1,"type":"result","ok":true,"data":{...}} or
                     {"v":1,"type":"result","ok":false,"error":"what went wrong and the fix"}
 
-A bad request is answered with an error result and never stops the server.
+A bad request is answered with an error result and never stops the server. A client
+that hangs up (closes its end) ends its request: the verb's handler is cancelled. That
+stops the *waiting*, never what the request started: an intent a `play` created stays
+and the VM still starts. A client therefore keeps its side open while it waits.
+
+Who may connect is the socket file's business: mode 0600 (root) by default, 0660 with
+``control_group``. The same verbs are served over SSH by `hostagent.ssh`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import socket
 import stat
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +40,10 @@ VerbHandler = Callable[[dict[str, Any]], AsyncIterator[Reply]]
 
 class ControlError(Exception):
     """The agent answered with an error, or could not be reached."""
+
+
+class ControlTimeout(ControlError):
+    """The client stopped waiting; what it asked for goes on in the agent."""
 
 
 def _line(obj: Reply) -> bytes:
@@ -86,10 +98,9 @@ async def serve_control(path: Path, verbs: Mapping[str, VerbHandler], *, mode: i
                 writer.write(_line({"type": "result", "ok": False, "error":
                                     f"unknown verb {verb!r}; known: {', '.join(sorted(verbs))}"}))
                 return
-            async for reply in handler(args):
-                kind = "result" if "ok" in reply else "progress"
-                writer.write(_line({"type": kind, **reply}))
-                await writer.drain()
+            if not await stream_replies(handler(args), writer, hangup=reader.read(1)):
+                log.info("control socket: the client of %r hung up before the result", verb)
+                return
         except ConnectionError:
             pass
         except Exception as e:
@@ -109,13 +120,58 @@ async def serve_control(path: Path, verbs: Mapping[str, VerbHandler], *, mode: i
     return server
 
 
+async def stream_replies(replies: AsyncIterator[Reply], writer: asyncio.StreamWriter, *,
+                         hangup: Awaitable[bytes]) -> bool:
+    """Write each reply as a line until the result; False if the client hung up first.
+
+    `hangup` completes when the client closes its end (a read that returns). The
+    handler is then cancelled and closed, so that it stops waiting at once instead of
+    noticing at its next write, which may be minutes away.
+    """
+    async def pump() -> None:
+        try:
+            async for reply in replies:
+                kind = "result" if "ok" in reply else "progress"
+                writer.write(_line({"type": kind, **reply}))
+                await writer.drain()
+        finally:
+            if isinstance(replies, AsyncGenerator):
+                await replies.aclose()  # its finally blocks run now, not at GC
+
+    writing = asyncio.ensure_future(pump())
+    closed = asyncio.ensure_future(hangup)
+    try:
+        await asyncio.wait({writing, closed}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        closed.cancel()
+        if not writing.done():
+            writing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await writing
+        with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+            await closed
+    return not writing.cancelled()
+
+
 def request(path: Path, verb: str, args: dict[str, Any] | None = None, *,
-            timeout: float | None = 10) -> Iterator[Reply]:
-    """Send one request and yield every reply line (blocking; for the CLI)."""
+            timeout: float | None = 10, deadline: float | None = None,
+            idle: float | None = None, on_idle: Callable[[], None] | None = None,
+            ) -> Iterator[Reply]:
+    """Send one request and yield every reply line (blocking; for the CLI).
+
+    `timeout` bounds the silence between two lines (None: the agent may take its time,
+    as a drain does); `deadline` (a `time.monotonic()` value) the whole exchange. Either
+    raises `ControlTimeout`, and the agent goes on regardless. `on_idle` is called after
+    each `idle` seconds without a line (a terminal display ticks its clock there).
+    """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
-        sock.connect(str(path))
+        try:
+            sock.connect(str(path))
+        except OSError:
+            sock.close()
+            raise
     except FileNotFoundError as e:
         raise ControlError(f"no agent socket at {path}: is hostagent running? "
                            "(systemctl status hostagent)") from e
@@ -124,13 +180,37 @@ def request(path: Path, verb: str, args: dict[str, Any] | None = None, *,
                            "control socket's group") from e
     except ConnectionRefusedError as e:
         raise ControlError(f"nothing listens on {path}: is hostagent running?") from e
-    with sock, sock.makefile("rb") as f:
+    with sock:
         sock.sendall(json.dumps({"v": PROTOCOL_VERSION, "verb": verb, "args": args or {}})
                      .encode() + b"\n")
-        for raw in f:
-            reply = json.loads(raw)
+        buffer = b""
+        last = time.monotonic()  # when the agent last said something
+        while True:
+            while b"\n" not in buffer:
+                now = time.monotonic()
+                waits = [w for w in (
+                    None if timeout is None else timeout - (now - last),
+                    None if deadline is None else deadline - now,
+                    idle if on_idle is not None else None) if w is not None]
+                sock.settimeout(max(0.001, min(waits)) if waits else None)
+                try:
+                    chunk = sock.recv(65536)
+                except TimeoutError:
+                    now = time.monotonic()
+                    if deadline is not None and now >= deadline:
+                        raise ControlTimeout("stopped waiting") from None
+                    if timeout is not None and now - last >= timeout:
+                        raise ControlTimeout(f"no answer from the agent within "
+                                             f"{timeout:g}s") from None
+                    if on_idle is not None:
+                        on_idle()
+                    continue
+                if not chunk:
+                    raise ControlError("the agent closed the connection without a result")
+                buffer += chunk
+                last = time.monotonic()
+            line, buffer = buffer.split(b"\n", 1)
+            reply = json.loads(line)
             yield reply
             if reply.get("type") == "result":
                 return
-    raise ControlError("the agent closed the connection without a result")
-
