@@ -27,6 +27,16 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("hold", help="stop lending: the lendee stays off until `resume`")
     sub.add_parser("resume", help="lend again (and retry a step that failed)")
+    for verb, what in (("play", "start an owner VM (its GPUs are taken back first) and wait "
+                                "until it runs"),
+                       ("release", "shut an owner VM down (guest agent, else ACPI) and wait "
+                                   "until it is off; the lend follows by itself")):
+        pl = sub.add_parser(verb, help=what)
+        pl.add_argument("vm", metavar="VM", help="an owner VM (owners.* in the configuration)")
+        _following(pl)
+    sub.add_parser("lend", help="the same as resume: lend the GPUs again now")
+    _following(sub.add_parser("reclaim", help=(
+        "take the GPUs back from the lendee with no VM starting; it stays off until `lend`")))
     sub.add_parser("check-config", help="read the configuration and report every problem")
     hi = sub.add_parser("history", help=(
         "the transitions in the journal, and how long each GPU was lent, gaming or idle"))
@@ -65,6 +75,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _following(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true",
+                   help="print the agent's progress events as JSON lines")
+    p.add_argument("--timeout", type=float, metavar="SECONDS", help=(
+        "stop waiting after this long (exit status 3); the agent goes on regardless"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # These work before there is a configuration (config init writes the first one).
@@ -91,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, handlers=[journal.LogHandler()])
         from hostagent import agent  # libvirt and friends only where needed
         return agent.run(cfg)
+    if args.command in ("play", "release", "reclaim"):
+        from hostagent.follow import follow
+        return follow(cfg.control_socket, args.command,
+                      {"vm": args.vm} if args.command != "reclaim" else {},
+                      json_lines=args.json, timeout=args.timeout)
     try:
         reply = _last(request(cfg.control_socket, args.command))
     except ControlError as e:
@@ -104,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(data, sys.stdout, indent=2)
         print()
     else:
+        if "message" in data:  # hold, resume, lend: what it changed
+            print(data["message"] + "\n")
         print(format_status(data))
     return 0
 

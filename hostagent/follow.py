@@ -1,0 +1,135 @@
+"""`hostagent play`, `release` and `reclaim`: send the request, show its progress.
+
+On a terminal, one line that updates in place: the current step, the time elapsed and
+what the agent waits for. Otherwise (a pipe, a log, a script), one plain line per step.
+``--json`` prints the agent's replies as they come, one JSON object a line.
+
+Exit status: 0 done (gaming1 runs, is off, the GPUs are free); 1 the request failed
+(the reason on stderr) or the agent could not be reached; 3 ``--timeout`` ran out,
+which only stops the waiting: the agent goes on (a `play` still starts the VM); 130
+interrupted, likewise.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from hostagent.control import ControlError, ControlTimeout, request
+
+__all__ = ["TIMED_OUT", "follow", "format_reply"]
+
+TIMED_OUT = 3
+INTERRUPTED = 130
+_TICK = 0.5  # how often the terminal line's clock moves
+
+Reply = dict[str, Any]
+
+
+def format_reply(reply: Reply) -> str:
+    """A progress line or a result as text, for a log, a pipe or an SSH client."""
+    if "ok" not in reply:
+        elapsed = reply.get("elapsed_s")
+        line = f"[{elapsed:6.1f}s] " if isinstance(elapsed, int | float) else ""
+        line += str(reply.get("message", ""))
+        if reply.get("waiting"):
+            line += f" (waiting for {reply['waiting']})"
+        return line
+    if not reply["ok"]:
+        return f"error: {reply.get('error')}"
+    data = reply.get("data") or {}
+    if "lendee" in data:
+        from hostagent.cli import format_status  # the table of `hostagent status`
+        table = format_status(data)
+        return f"{data['message']}\n\n{table}" if "message" in data else table
+    return str(data.get("message", "ok"))
+
+
+class _Line:
+    """One terminal line redrawn in place: step, clock, what it waits for."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.step: Reply | None = None
+        self.seen_at = 0.0
+
+    def show(self, reply: Reply) -> None:
+        self.step, self.seen_at = reply, time.monotonic()
+        self.draw()
+
+    def draw(self) -> None:
+        if self.step is None:
+            return
+        elapsed = float(self.step.get("elapsed_s") or 0.0) + time.monotonic() - self.seen_at
+        text = f"[{elapsed:5.0f}s] {self.step.get('message', '')}"
+        if self.step.get("waiting"):
+            text += f" - waiting for {self.step['waiting']}"
+        width = max(20, shutil.get_terminal_size().columns - 1)
+        if len(text) > width:
+            text = text[:width - 1] + "…"
+        self.out.write("\r\033[K" + text)
+        self.out.flush()
+
+    def clear(self) -> None:
+        if self.step is not None:
+            self.out.write("\r\033[K")
+            self.out.flush()
+            self.step = None
+
+
+def follow(path: Path, verb: str, args: dict[str, Any], *, json_lines: bool = False,
+           timeout: float | None = None, out: TextIO = sys.stdout,
+           err: TextIO = sys.stderr) -> int:
+    """Run one streaming request against the control socket; the exit status."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    line = _Line(out) if not json_lines and out.isatty() else None
+    try:
+        for reply in request(path, verb, args, timeout=None, deadline=deadline,
+                             idle=_TICK if line else None,
+                             on_idle=line.draw if line else None):
+            result = reply.get("type") == "result"
+            if json_lines:
+                print(json.dumps(reply, separators=(",", ":")), file=out, flush=True)
+            elif not result and line is not None:
+                line.show(reply)
+            elif not result:
+                print(format_reply(reply), file=out, flush=True)
+            if not result:
+                continue
+            if line is not None:
+                line.clear()
+            if reply.get("ok"):
+                if not json_lines:
+                    print(format_reply(reply), file=out, flush=True)
+                return 0
+            print(f"hostagent: {reply.get('error')}", file=err)
+            return 1
+    except ControlTimeout as e:
+        if line is not None:
+            line.clear()
+        ran_out = deadline is not None and time.monotonic() >= deadline
+        why = f"after {timeout:g}s (--timeout)" if ran_out else f"({e})"
+        print(f"hostagent: {_stopped(verb, args, why)}", file=err)
+        return TIMED_OUT
+    except KeyboardInterrupt:
+        if line is not None:
+            line.clear()
+        print(f"hostagent: {_stopped(verb, args, 'on request')}", file=err)
+        return INTERRUPTED
+    except ControlError as e:
+        if line is not None:
+            line.clear()
+        print(f"hostagent: {e}", file=err)
+        return 1
+    return 1  # not reached: request() ends with a result or raises
+
+
+def _stopped(verb: str, args: dict[str, Any], why: str) -> str:
+    goes_on = {"play": f"{args.get('vm')} still starts by itself",
+               "release": f"the shutdown of {args.get('vm')} goes on",
+               "reclaim": "the reclaim goes on"}.get(verb, "the request goes on")
+    return f"stopped waiting {why}; {goes_on}: follow it with `hostagent status`"
