@@ -1,0 +1,581 @@
+"""The SSH endpoint: a home-automation button asks hostagent to start a game.
+
+    ssh -i button_key -p 2222 hostagent@host play gaming1
+
+runs the control verb ``play`` for gaming1, streams its progress to the client as text
+lines and exits 0 once gaming1 runs. It replaces the script a button used to call over
+SSH, where the waiting lived and the bugs did (a ``sudo`` hidden by ``PATH``, a
+kubeconfig only root could read): here there is no shell, no sudo and no script.
+
+Security model
+--------------
+- Off unless the configuration has an ``[ssh]`` section.
+- Public-key authentication only, against ``ssh.authorized_keys``; no password,
+  keyboard-interactive, host-based or certificate authentication. The user name is
+  not checked (write ``hostagent@``); the key decides everything.
+- A session runs one command line (an ``exec`` request) and nothing else: shell,
+  pty, subsystems (SFTP), SCP, X11, agent and port forwarding are all refused.
+- The command line is never given to a shell. It is at most `MAX_COMMAND` characters of
+  printable ASCII, split on single spaces into a verb and at most one VM name
+  (``[A-Za-z0-9_.-]+``); anything else is refused before anything happens.
+- Each key may use only the verbs and VMs its line lists.
+- Every connection, key, command and decision is one journal record
+  (``HOSTAGENT_EVENT=ssh``, with ``HOSTAGENT_KEY``, ``HOSTAGENT_FINGERPRINT``,
+  ``HOSTAGENT_PEER`` and ``HOSTAGENT_RESULT``).
+
+Authorized keys
+---------------
+OpenSSH's ``authorized_keys`` format, one key per line, ``#`` for comments. The
+options field says what the key may do::
+
+    verbs="play,release,status",vms="gaming1" ssh-ed25519 AAAAC3Nza... kitchen-button
+    verbs="status" ssh-ed25519 AAAAC3Nza... dashboard
+    verbs="*",vms="*" ssh-ed25519 AAAAC3Nza... admin
+
+- ``verbs="..."`` (required): the verbs the key may use, comma-separated, or ``*``.
+- ``vms="..."``: the VMs it may name (``play`` and ``release`` name one), or ``*`` for
+  every owner VM. Without it the key may use no verb that names a VM.
+- ``restrict``, ``no-pty``, ``no-port-forwarding``, ``no-agent-forwarding``,
+  ``no-X11-forwarding`` and ``no-user-rc`` are accepted and change nothing: hostagent
+  grants none of those to any key.
+- Any other option (``command=``, ``from=``, ``environment=``...) is an error, and so
+  is a line that is not a public key: the file is refused whole, naming the line.
+  Refusing beats granting something the line did not mean.
+- The comment names the key in the journal, next to its SHA256 fingerprint.
+
+The file must not be writable by group or others (as sshd's StrictModes). It is read
+when the agent starts (a broken file stops the start) and read again at a connection
+when it changed; if it is broken then, every key is refused until it is fixed.
+
+The host key is ``ssh.host_key`` (default ``<state_dir>/ssh_host_ed25519_key``). If the
+file does not exist at start, an ed25519 key is created (mode 0600, with the public
+half in ``<file>.pub``) and its fingerprint journaled; add the ``.pub`` line to the
+client's known_hosts. An existing key is never replaced.
+
+Exit status carried back to the client: 0 done; 1 the verb failed (the reason is the
+last line on stderr); 64 the command line is malformed; 77 the key may not do that;
+70 the agent failed unexpectedly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import os
+import re
+import stat
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import asyncssh
+
+from hostagent import journal
+from hostagent.follow import format_reply
+
+__all__ = [
+    "MAX_COMMAND",
+    "VM_VERBS",
+    "BadCommand",
+    "Endpoint",
+    "EndpointError",
+    "ExitStatus",
+    "Grant",
+    "KeysError",
+    "load_host_key",
+    "parse_authorized_keys",
+    "parse_command",
+    "serve",
+]
+
+Reply = dict[str, Any]
+VerbHandler = Callable[[dict[str, Any]], AsyncIterator[Reply]]
+
+MAX_COMMAND = 256
+VM_VERBS = frozenset({"play", "release"})  # the verbs that name a VM
+_VERB = re.compile(r"[a-z]+")
+_VM = re.compile(r"[A-Za-z0-9_.-]+")
+# OpenSSH's restrictions, all implied here: accepted so a line may carry them.
+_IMPLIED = frozenset({"restrict", "no-pty", "no-port-forwarding", "no-agent-forwarding",
+                      "no-x11-forwarding", "no-user-rc"})
+
+
+class ExitStatus(enum.IntEnum):
+    OK = 0
+    FAILED = 1
+    USAGE = 64  # sysexits EX_USAGE: the command line is malformed
+    SOFTWARE = 70  # EX_SOFTWARE: the agent failed
+    NOPERM = 77  # EX_NOPERM: the key may not do that
+
+
+class EndpointError(Exception):
+    """The endpoint cannot start; the message names the file and the fix."""
+
+
+class KeysError(EndpointError):
+    """The authorized-keys file cannot be used."""
+
+
+class BadCommand(Exception):
+    """A command line refused before anything happened."""
+
+
+# --- authorized keys ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Grant:
+    """One authorized key and what it may do. None: every verb, or every VM."""
+
+    key: Any  # asyncssh.SSHKey (untyped)
+    comment: str
+    fingerprint: str
+    verbs: frozenset[str] | None
+    vms: frozenset[str] | None
+    line: int
+
+    def may(self, verb: str, vm: str | None) -> str | None:
+        """None if allowed, else why not (for the client and the journal)."""
+        if self.verbs is not None and verb not in self.verbs:
+            return (f"this key ({self.comment}) may not use {verb!r}; it may use: "
+                    f"{', '.join(sorted(self.verbs)) or 'nothing'}")
+        if vm is not None and self.vms is not None and vm not in self.vms:
+            return (f"this key ({self.comment}) may not touch {vm}; it may name: "
+                    f"{', '.join(sorted(self.vms)) or 'no VM'}")
+        return None
+
+
+def _split_options(text: str, where: str) -> tuple[list[tuple[str, str | None]], str]:
+    """OpenSSH's options field: comma-separated, values in double quotes; the rest."""
+    options: list[tuple[str, str | None]] = []
+    i, n = 0, len(text)
+    while i < n:
+        m = re.compile(r"[A-Za-z0-9-]+").match(text, i)
+        if m is None:
+            raise KeysError(f"{where}: an option name was expected at {text[i:i + 20]!r}")
+        name, i = m.group(0), m.end()
+        value: str | None = None
+        if i < n and text[i] == "=":
+            if i + 1 >= n or text[i + 1] != '"':
+                raise KeysError(f'{where}: the value of {name} must be in double quotes')
+            end = text.find('"', i + 2)
+            if end < 0:
+                raise KeysError(f"{where}: the value of {name} has no closing quote")
+            value, i = text[i + 2:end], end + 1
+        options.append((name, value))
+        if i < n and text[i] == ",":
+            i += 1
+            continue
+        if i < n and text[i] in " \t":
+            return options, text[i:].strip()
+        raise KeysError(f"{where}: options end with a space before the key type")
+    raise KeysError(f"{where}: options but no key")
+
+
+def _names(value: str | None, option: str, where: str, pattern: re.Pattern[str]
+           ) -> frozenset[str] | None:
+    if value is None:
+        raise KeysError(f'{where}: {option} needs a value, e.g. {option}="..."')
+    if value == "*":
+        return None
+    names = [v.strip() for v in value.split(",")]
+    for name in names:
+        if not pattern.fullmatch(name):
+            raise KeysError(f"{where}: {option}: {name!r} is not a name")
+    return frozenset(names)
+
+
+def parse_authorized_keys(text: str, source: str, *, verbs: frozenset[str]) -> list[Grant]:
+    """Every key in an authorized-keys file, with its grant; KeysError names the line."""
+    grants: list[Grant] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        where = f"{source}:{number}"
+        options: list[tuple[str, str | None]] = []
+        rest = line
+        try:
+            key = asyncssh.import_public_key(" ".join(line.split()[:2]))
+        except (asyncssh.KeyImportError, ValueError):
+            options, rest = _split_options(line, where)
+            try:
+                key = asyncssh.import_public_key(" ".join(rest.split()[:2]))
+            except (asyncssh.KeyImportError, ValueError) as e:
+                raise KeysError(f"{where}: not a public key ({e}); write "
+                                '\'verbs="...",vms="..." ssh-ed25519 AAAA... comment\'') from e
+        parts = rest.split(None, 2)
+        comment = parts[2].strip() if len(parts) > 2 else ""
+        granted_verbs: frozenset[str] | None = frozenset()
+        granted_vms: frozenset[str] | None = frozenset()
+        seen: set[str] = set()
+        for name, value in options:
+            lower = name.lower()
+            if lower in seen:
+                raise KeysError(f"{where}: {name} is given twice")
+            seen.add(lower)
+            if lower == "verbs":
+                granted_verbs = _names(value, "verbs", where, _VERB)
+                unknown = sorted((granted_verbs or frozenset()) - verbs)
+                if unknown:
+                    raise KeysError(f"{where}: verbs: unknown {', '.join(unknown)}; "
+                                    f"known: {', '.join(sorted(verbs))}")
+            elif lower == "vms":
+                granted_vms = _names(value, "vms", where, _VM)
+            elif lower in _IMPLIED and value is None:
+                continue
+            else:
+                raise KeysError(f"{where}: hostagent does not support the option {name!r}: "
+                                "a key says what it may do with verbs=\"...\" and vms=\"...\"")
+        if "verbs" not in seen:
+            raise KeysError(f'{where}: this key has no verbs="...": say what it may do, '
+                            'e.g. verbs="play,release,status",vms="gaming1"')
+        fingerprint = key.get_fingerprint("sha256")
+        if any(g.fingerprint == fingerprint for g in grants):
+            raise KeysError(f"{where}: this key is already listed; one line per key")
+        grants.append(Grant(key=key, comment=comment or fingerprint, fingerprint=fingerprint,
+                            verbs=granted_verbs, vms=granted_vms, line=number))
+    return grants
+
+
+class _KeyFile:
+    """The authorized-keys file, read again when it changes; broken means nobody."""
+
+    def __init__(self, path: Path, verbs: frozenset[str]) -> None:
+        self.path = path
+        self.verbs = verbs
+        self.grants: list[Grant] = []
+        self._seen: tuple[int, int, int] | None = None
+        self.refresh(strict=True)
+
+    def _read(self) -> tuple[tuple[int, int, int], str]:
+        try:
+            st = self.path.stat()
+            text = self.path.read_text()
+        except OSError as e:
+            raise KeysError(f"{self.path}: cannot read the SSH authorized keys "
+                            f"({e.strerror}); create it, or remove [ssh] from the "
+                            "configuration") from e
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise KeysError(f"{self.path}: writable by group or others, so anyone who can "
+                            f"write it can play: chmod go-w {self.path}")
+        return (st.st_mtime_ns, st.st_size, st.st_ino), text
+
+    def refresh(self, *, strict: bool = False) -> None:
+        try:
+            seen, text = self._read()
+            if seen == self._seen:
+                return
+            self.grants = parse_authorized_keys(text, str(self.path), verbs=self.verbs)
+            self._seen = seen
+        except KeysError as e:
+            if strict:
+                raise
+            if self._seen is not None or self.grants:
+                journal.record("ssh", f"authorized keys unusable, every key is refused "
+                               f"until it is fixed: {e}", result="error",
+                               priority=journal.Priority.ERR)
+            self.grants, self._seen = [], None
+
+    def find(self, key: Any) -> Grant | None:
+        self.refresh()
+        data = key.public_data  # the key itself, whatever its comment
+        return next((g for g in self.grants if g.key.public_data == data), None)
+
+
+# --- host key ----------------------------------------------------------------------------
+
+
+def load_host_key(path: Path) -> Any:
+    """The host key at `path`, created (ed25519, 0600, with a .pub) if missing."""
+    if not path.exists():
+        key = asyncssh.generate_private_key("ssh-ed25519", comment="hostagent")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass  # created meanwhile: read that one below
+        else:
+            with os.fdopen(fd, "wb") as f:
+                f.write(key.export_private_key())
+            path.with_name(path.name + ".pub").write_bytes(key.export_public_key())
+            journal.record("ssh", f"created the SSH host key {path}: "
+                           f"{key.get_fingerprint('sha256')}; clients pin "
+                           f"{path}.pub in their known_hosts", result="created",
+                           fingerprint=key.get_fingerprint("sha256"))
+    try:
+        return asyncssh.read_private_key(path)
+    except (OSError, asyncssh.KeyImportError, ValueError) as e:
+        raise EndpointError(f"{path}: cannot use it as the SSH host key ({e}); fix it or "
+                            "move it away to have a new one created") from e
+
+
+# --- the command line --------------------------------------------------------------------
+
+
+def parse_command(line: str | None, verbs: frozenset[str]) -> tuple[str, str | None]:
+    """(verb, VM or None) of an exec command line, or BadCommand. Never a shell."""
+    if line is None:
+        raise BadCommand("hostagent runs no shell: give a command, e.g. `status`")
+    if not line:
+        raise BadCommand("the command is empty: give one, e.g. `status`")
+    if len(line) > MAX_COMMAND:
+        raise BadCommand(f"the command is longer than {MAX_COMMAND} characters")
+    if not (line.isascii() and line.isprintable()):
+        raise BadCommand("the command may only hold printable ASCII characters")
+    words = line.split(" ")
+    if "" in words:
+        raise BadCommand("the words of a command are separated by exactly one space")
+    verb = words[0]
+    if verb not in verbs:
+        raise BadCommand(f"unknown verb {verb[:32]!r}; known: {', '.join(sorted(verbs))}")
+    if len(words) > 2:
+        raise BadCommand("a command is a verb and at most one VM name, e.g. `play gaming1`")
+    vm = words[1] if len(words) == 2 else None
+    if vm is not None and not _VM.fullmatch(vm):
+        raise BadCommand("a VM name holds only letters, digits, '.', '_' and '-'")
+    if verb in VM_VERBS and vm is None:
+        raise BadCommand(f"{verb} needs a VM name, e.g. `{verb} gaming1`")
+    if verb not in VM_VERBS and vm is not None:
+        raise BadCommand(f"{verb} takes no VM name")
+    return verb, vm
+
+
+# --- the server --------------------------------------------------------------------------
+
+
+class Endpoint:
+    """What every connection shares: the verbs, the keys, the journal."""
+
+    def __init__(self, verbs: Mapping[str, VerbHandler], keys: Path) -> None:
+        self.verbs = verbs
+        self.names = frozenset(verbs)
+        self.keys = _KeyFile(keys, self.names)
+
+    async def run(self, grant: Grant, peer: str, command: str | None,
+                  out: Callable[[str], None], err: Callable[[str], None]) -> ExitStatus:
+        """Check and run one command line; the exit status for the client."""
+        shown = repr(command[:MAX_COMMAND + 16]) if command is not None else "(a shell)"
+        fields: dict[str, Any] = {"key": grant.comment, "fingerprint": grant.fingerprint,
+                                  "peer": peer}
+        try:
+            verb, vm = parse_command(command, self.names)
+        except BadCommand as e:
+            journal.record("ssh", f"refused command {shown} from {grant.comment} at {peer}: "
+                           f"{e}", result="refused", command=shown, **fields,
+                           priority=journal.Priority.WARNING)
+            err(f"hostagent: refused: {e}\n")
+            return ExitStatus.USAGE
+        denied = grant.may(verb, vm)
+        if denied is not None:
+            journal.record("ssh", f"denied {shown} to {grant.comment} at {peer}: {denied}",
+                           vm=vm, result="denied", command=shown, **fields,
+                           priority=journal.Priority.WARNING)
+            err(f"hostagent: denied: {denied}\n")
+            return ExitStatus.NOPERM
+        journal.record("ssh", f"{grant.comment} at {peer} runs {shown}", vm=vm,
+                       result="allowed", command=shown, **fields)
+        status = ExitStatus.SOFTWARE
+        try:
+            async for reply in self.verbs[verb]({"vm": vm} if vm else {}):
+                text = format_reply(reply) + "\n"
+                if "ok" not in reply:
+                    out(text)
+                    continue
+                if reply["ok"]:
+                    out(text)
+                    status = ExitStatus.OK
+                else:
+                    err(f"hostagent: {reply.get('error')}\n")
+                    status = ExitStatus.FAILED
+                break
+        except asyncio.CancelledError:
+            journal.record("ssh", f"{grant.comment} at {peer} hung up during {shown}; what "
+                           "it started goes on", vm=vm, result="hung-up", command=shown,
+                           **fields)
+            raise
+        except Exception as e:  # a bug in a verb must not take the server down
+            logging.getLogger("hostagent").exception("ssh: %s failed", shown)
+            err(f"hostagent: agent error: {e}\n")
+            status = ExitStatus.SOFTWARE
+        journal.record("ssh", f"{shown} for {grant.comment} at {peer} ended with exit "
+                       f"status {int(status)}", vm=vm, result="ok" if status == 0 else "failed",
+                       command=shown, exit_status=int(status), **fields)
+        return status
+
+
+class _Session(asyncssh.SSHServerSession[str]):
+    """One channel: one exec, nothing else."""
+
+    def __init__(self, conn: _Connection) -> None:
+        self._conn = conn
+        self._chan: Any = None
+        self._command: str | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def connection_made(self, chan: Any) -> None:
+        self._chan = chan
+
+    def pty_requested(self, term_type: str, term_size: Any, term_modes: Any) -> bool:
+        self._conn.refuse("a terminal (pty)")
+        return False
+
+    def shell_requested(self) -> bool:
+        self._conn.refuse("a shell")
+        return False
+
+    def subsystem_requested(self, subsystem: str) -> bool:
+        self._conn.refuse(f"the subsystem {subsystem[:40]!r}")
+        return False
+
+    def exec_requested(self, command: str) -> bool:
+        # Accepted here so that a refusal can say why, on stderr, with an exit status.
+        self._command = command
+        return True
+
+    def session_started(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        grant = self._conn.grant
+        assert grant is not None  # sessions only open after authentication
+        status = await self._conn.endpoint.run(grant, self._conn.peer, self._command,
+                                               self._chan.write, self._chan.write_stderr)
+        self._chan.exit(int(status))
+
+    def data_received(self, data: str, datatype: Any) -> None:
+        pass  # stdin means nothing here
+
+    def eof_received(self) -> bool:
+        return True  # a client with no stdin (ssh -n, a script) still waits for the result
+
+    def break_received(self, msec: int) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        # The client went away: stop waiting. What the command started goes on.
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+
+
+class _Connection(asyncssh.SSHServer):
+    """One client connection: public-key authentication, then sessions."""
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self.endpoint = endpoint
+        self.peer = "?"
+        self.grant: Grant | None = None
+        self._candidate: Grant | None = None
+        self._decided: set[str] = set()
+
+    def _record(self, message: str, result: str, **fields: Any) -> None:
+        if self.grant is not None:
+            fields.setdefault("key", self.grant.comment)
+            fields.setdefault("fingerprint", self.grant.fingerprint)
+        journal.record("ssh", message, result=result, peer=self.peer, **fields)
+
+    def refuse(self, what: str) -> None:
+        self._record(f"refused {what} to {self.grant.comment if self.grant else '?'} at "
+                     f"{self.peer}: hostagent only runs commands", "refused",
+                     priority=journal.Priority.WARNING)
+
+    def connection_made(self, conn: Any) -> None:
+        peer = conn.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        self._record(f"connection from {self.peer}", "connected")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._record(f"connection from {self.peer} closed" + (f": {exc}" if exc else ""),
+                     "closed")
+
+    def begin_auth(self, username: str) -> bool:
+        return True
+
+    def password_auth_supported(self) -> bool:
+        return False
+
+    def kbdint_auth_supported(self) -> bool:
+        return False
+
+    def host_based_auth_supported(self) -> bool:
+        return False
+
+    def public_key_auth_supported(self) -> bool:
+        return True
+
+    def validate_ca_key(self, username: str, key: Any) -> bool:
+        return False  # no certificates: each key is listed by itself
+
+    def validate_public_key(self, username: str, key: Any) -> bool:
+        # Called for a probe and again for the signed request; the last key accepted
+        # before auth_completed is the one whose signature was verified.
+        grant = self.endpoint.keys.find(key)
+        fingerprint = key.get_fingerprint("sha256")
+        if fingerprint not in self._decided:
+            self._decided.add(fingerprint)
+            if grant is None:
+                self._record(f"refused an unknown key {fingerprint} from {self.peer} "
+                             f"(user {username[:32]!r})", "refused", fingerprint=fingerprint,
+                             priority=journal.Priority.WARNING)
+            else:
+                self._record(f"key {grant.comment} offered from {self.peer}", "known",
+                             key=grant.comment, fingerprint=fingerprint)
+        self._candidate = grant
+        return grant is not None
+
+    def auth_completed(self) -> None:
+        self.grant = self._candidate
+        assert self.grant is not None
+        self._record(f"{self.grant.comment} authenticated from {self.peer}", "authenticated")
+
+    def session_requested(self) -> _Session:
+        return _Session(self)
+
+    def connection_requested(self, dest_host: str, dest_port: int, orig_host: str,
+                             orig_port: int) -> bool:
+        self.refuse(f"a port forwarding to {dest_host[:64]}:{dest_port}")
+        return False
+
+    def server_requested(self, listen_host: str, listen_port: int) -> bool:
+        self.refuse(f"a remote port forwarding from {listen_host[:64]}:{listen_port}")
+        return False
+
+    def unix_connection_requested(self, dest_path: str) -> bool:
+        self.refuse("a Unix socket forwarding")
+        return False
+
+    def unix_server_requested(self, listen_path: str) -> bool:
+        self.refuse("a remote Unix socket forwarding")
+        return False
+
+    def tun_requested(self, unit: int | None) -> bool:
+        self.refuse("a tunnel")
+        return False
+
+
+async def serve(address: tuple[str, int], host_key: Path, authorized_keys: Path,
+                verbs: Mapping[str, VerbHandler]) -> Any:
+    """Listen for SSH clients; the asyncssh acceptor (close() it). EndpointError if it
+    cannot: the host key, the authorized keys or the address."""
+    endpoint = Endpoint(verbs, authorized_keys)
+    key = load_host_key(host_key)
+    host, port = address
+    try:
+        server = await asyncssh.create_server(
+            lambda: _Connection(endpoint), host or None, port,
+            server_host_keys=[key], config=None, server_version="hostagent",
+            public_key_auth=True, password_auth=False, kbdint_auth=False,
+            host_based_auth=False, gss_host=None, known_client_hosts=None,
+            authorized_client_keys=None, agent_forwarding=False, x11_forwarding=False,
+            allow_scp=False, sftp_factory=None, line_editor=False, rdns_lookup=False,
+            login_timeout=30, keepalive_interval=30, keepalive_count_max=4)
+    except OSError as e:
+        raise EndpointError(f"cannot listen for SSH on {host or '*'}:{port}: {e.strerror}; "
+                            "change ssh.listen") from e
+    journal.record("ssh", f"SSH endpoint listening on {host or '*'}:{port}, host key "
+                   f"{key.get_fingerprint('sha256')}, {len(endpoint.keys.grants)} authorized "
+                   f"key(s) in {authorized_keys}", result="listening",
+                   fingerprint=key.get_fingerprint("sha256"))
+    return server
