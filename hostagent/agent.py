@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import logging
 import os
 import random
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+import uuid
+import xml.etree.ElementTree as ElementTree
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -28,7 +31,7 @@ from hostagent import health, journal, machine, metrics, state as persisted
 from hostagent import lint, screenshots, verify as in_guest
 from hostagent.config import Config
 from hostagent.config import VerifyMethod
-from hostagent.control import Reply, serve_control
+from hostagent.control import Reply, VerbHandler, serve_control
 from hostagent.inbox import HookEvent, Inbox, Verdict, replay_spool, serve_hooks
 from hostagent.libvirt_host import DomainNotFound, HostError, Libvirt, Lifecycle
 from hostagent.model import (
@@ -55,6 +58,7 @@ from hostagent.model import (
     OwnerWants,
     Phase,
     Policy,
+    Reclaim,
     RelendDue,
     Resume,
     ReturnDone,
@@ -125,8 +129,8 @@ class Agent:
         self._stopped: dict[str, asyncio.Event] = {}
         # Set when libvirt sees the lendee's qemu-ga connect: wakes the guest-ping wait.
         self._agent_connected = asyncio.Event()
-        # Control clients waiting on an intent: intent id → future of (ok, message).
-        self._waiters: dict[str, asyncio.Future[tuple[bool, str]]] = {}
+        # Control clients following progress (play, release, reclaim): see _progress.
+        self._followers: set[asyncio.Queue[Reply]] = set()
         self._fatal: asyncio.Future[BaseException] | None = None
         self.metrics = metrics.Metrics(self.topo)
         self._exporter: asyncio.Server | None = None
@@ -171,8 +175,11 @@ class Agent:
         await self._observe()
         inbox = Inbox(self._on_hook)
         hooks = await serve_hooks(self.cfg.hook_socket, inbox, log=log)
-        control = await serve_control(self.cfg.control_socket, self._verbs(), log=log)
+        control = await serve_control(self.cfg.control_socket, self._verbs(), log=log,
+                                      **self._control_access())
+        endpoint: Any = None
         try:
+            endpoint = await self._serve_ssh()
             await self._serve_metrics()
             replayed = await replay_spool(self.cfg.spool_dir, inbox, log=log)
             if replayed:
@@ -189,6 +196,8 @@ class Agent:
             if self._exporter is not None:
                 self._exporter.close()
             control.close()
+            if endpoint is not None:
+                endpoint.close()
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -617,7 +626,8 @@ class Agent:
         lendee, gpus = self.lendee, self._gpu_names(self.topo.lendee_gpus)
         wanting = [o for o in new.waiting_owners if self.topo.needs_lendee_gpus(o)]
         wanted = frozenset().union(*(self.topo.shared_gpus(o) for o in wanting))
-        who = ", ".join(wanting) or "an owner VM"
+        who = ", ".join(wanting) or ("hostagent reclaim" if isinstance(event, Reclaim)
+                                     else "an owner VM")
         messages = {
             Phase.BOOTING: f"{lendee} is running: waiting for its guest agent",
             Phase.JOINING: f"{lendee}'s guest agent answered: returning it to the cluster",
@@ -635,6 +645,8 @@ class Agent:
                        result="failed" if failed else "ok", cause=type(event).__name__,
                        holders=self._holders(),
                        priority=journal.Priority.ERR if failed else journal.Priority.INFO)
+        self._progress("phase", messages[new.phase], {"vm": lendee, "from": old.phase.value,
+                                                     "to": new.phase.value})
 
     def _holders(self) -> str:
         """HOSTAGENT_HOLDERS: who holds each GPU after this transition, for `history`."""
@@ -650,6 +662,8 @@ class Agent:
                        f"{self.lendee}; {intent.owner} will start by itself once "
                        f"{'they are' if len(shared) > 1 else 'it is'} free",
                        vm=intent.owner, to="pending", result="deferred", intent=intent.id)
+        self._progress("intent", f"{intent.owner} asked to start ({intent.source.value})",
+                       {"vm": intent.owner, "intent": intent.id, "to": "pending"})
 
     def _status_line(self) -> str:
         pending = ", ".join(self.state.waiting_owners)
@@ -657,9 +671,54 @@ class Agent:
                                                             if pending else "")
 
     # ---- control ---------------------------------------------------------------------
-    def _verbs(self) -> dict[str, Callable[[dict[str, Any]], AsyncIterator[Reply]]]:
-        return {"status": self._verb_status, "hold": self._verb_hold,
-                "resume": self._verb_resume}
+    # The verbs of the control socket and of the SSH endpoint. Those that wait (play,
+    # release, reclaim) follow the transitions the agent journals (`_progress`) and
+    # stream them, with the time elapsed and what they wait for. A client that goes away
+    # stops its own waiting, never what it started: an intent lives in the machine.
+
+    def _verbs(self) -> dict[str, VerbHandler]:
+        return {"status": self._verb_status, "play": self._verb_play,
+                "release": self._verb_release, "hold": self._verb_hold,
+                "resume": self._verb_resume, "lend": self._verb_resume,
+                "reclaim": self._verb_reclaim}
+
+    def _control_access(self) -> dict[str, int]:
+        """control.sock's mode and group: 0660 for control_group, else root's alone."""
+        name = self.cfg.control_group
+        if name is None:
+            return {"mode": 0o600}
+        try:
+            return {"mode": 0o660, "group": grp.getgrnam(name).gr_gid}
+        except KeyError:
+            raise StartupError(f"{self.cfg.source}: control_group: there is no group {name!r} "
+                               f"on this host; create it (groupadd {name}) or remove the "
+                               "key") from None
+
+    async def _serve_ssh(self) -> Any:
+        """The SSH endpoint when [ssh] is configured (see hostagent.ssh), else None."""
+        if self.cfg.ssh is None or self.cfg.ssh_host_key is None:
+            return None
+        from hostagent import ssh  # asyncssh only where it is used
+        try:
+            return await ssh.serve(self.cfg.ssh.address, self.cfg.ssh_host_key,
+                                   self.cfg.ssh.authorized_keys, self._verbs())
+        except ssh.EndpointError as e:
+            raise StartupError(f"{self.cfg.source}: [ssh]: {e}") from e
+
+    def _progress(self, event: str, message: str, fields: dict[str, Any]) -> None:
+        """Hand one transition to every client following progress. No I/O: a queue each."""
+        update = {"event": event, "message": message, **fields}
+        for queue in self._followers:
+            queue.put_nowait(update)
+
+    @contextlib.contextmanager
+    def _following(self) -> Iterator[asyncio.Queue[Reply]]:
+        queue: asyncio.Queue[Reply] = asyncio.Queue()
+        self._followers.add(queue)
+        try:
+            yield queue
+        finally:
+            self._followers.discard(queue)
 
     def status(self) -> dict[str, Any]:
         now = _now()
@@ -690,16 +749,217 @@ class Agent:
 
     async def _verb_hold(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
         self.apply(Hold(at=_now()))
-        yield {"ok": True, "data": self.status()}
+        message = f"lending is on hold: {self.lendee} is not lent again until `hostagent lend`"
+        if self.state.phase is not Phase.OFF:
+            message += ("; it keeps running for now (`hostagent reclaim` takes its GPUs "
+                        "back)")
+        yield {"ok": True, "data": {**self.status(), "message": message}}
 
     async def _verb_resume(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
+        """`resume` and `lend`: lend again now, and retry a step that failed."""
         self.apply(Resume(at=_now()))
-        yield {"ok": True, "data": self.status()}
+        yield {"ok": True, "data": {**self.status(), "message": self._lend_note()}}
+
+    def _owner_arg(self, args: dict[str, Any], verb: str) -> tuple[str | None, str]:
+        """(the owner VM named in args, "") or (None, why not, naming the owners)."""
+        vm = args.get("vm")
+        owners = ", ".join(sorted(self.topo.owners)) or "none is configured"
+        if not isinstance(vm, str) or not vm:
+            return None, f"{verb} needs an owner VM: {owners}"
+        if vm == self.lendee:
+            return None, (f"{vm} is the lendee, not an owner VM: {verb} takes one of "
+                          f"{owners} (`hostagent reclaim` takes the GPUs back from {vm})")
+        if not self.topo.is_owner(vm):
+            return None, (f"unknown VM {vm[:64]!r}: hostagent manages {owners} "
+                          f"(owners.* in {self.cfg.source})")
+        return vm, ""
+
+    def _waiting_for(self, vm: str | None = None) -> str:
+        """What a client waits for now, in a few words."""
+        state, lendee = self.state, self.lendee
+        if vm is not None and not self.topo.needs_lendee_gpus(vm):
+            return f"{vm} to start"
+        match state.phase:
+            case Phase.DRAINING:
+                return f"{lendee}'s node to drain"
+            case Phase.STOPPING if state.shutdown_sent:
+                return f"{lendee} to power off"
+            case Phase.STOPPING:
+                return f"{lendee}'s guest agent to answer, to shut it down"
+            case Phase.FAILED:
+                return f"a human: {state.reason}"
+            case Phase.OFF if state.lendee_starting:
+                return f"{lendee} to finish starting, then to give its GPUs back"
+            case Phase.OFF:
+                return f"{vm} to start" if vm else "nothing"
+            case _:
+                return f"{lendee} to be reclaimed"
+
+    def _lend_note(self) -> str:
+        """When the lendee gets its GPUs back, as things stand."""
+        state, lendee = self.state, self.lendee
+        if state.relend_at is not None:
+            return (f"{lendee} gets its GPUs back in {max(0.0, state.relend_at - _now()):.0f}s"
+                    " (policy.relend_delay) unless an owner VM starts meanwhile")
+        if state.phase is not Phase.OFF:
+            return f"{lendee} is {state.phase.value}"
+        if state.lendee_starting:
+            return f"{lendee} is starting"
+        if state.hold:
+            return f"lending is on hold: `hostagent lend` gives {lendee} its GPUs back"
+        claimants = [o for o in (*sorted(state.running_owners), *state.waiting_owners)
+                     if self.topo.needs_lendee_gpus(o)]
+        if claimants:
+            return (f"{', '.join(dict.fromkeys(claimants))} still needs {lendee}'s GPUs; "
+                    f"{lendee} gets them back after")
+        if state.reason:
+            return f"{lendee} is not lent: {state.reason}"
+        return f"{lendee} stays off"
+
+    async def _verb_play(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
+        """Start an owner VM: an intent, then its progress until the VM runs or fails."""
+        vm, problem = self._owner_arg(args, "play")
+        if vm is None:
+            yield {"ok": False, "error": problem}
+            return
+        started = time.monotonic()
+
+        def took() -> float:
+            return round(time.monotonic() - started, 1)
+
+        if vm in self.state.running_owners:
+            yield {"ok": True, "data": {"vm": vm, "elapsed_s": 0.0,
+                                        "message": f"{vm} is already running"}}
+            return
+        intent = f"play-{uuid.uuid4().hex[:12]}"
+        with self._following() as updates:
+            # Persisted inside apply before the client hears anything: invariant 4.
+            self.apply(OwnerWants(at=_now(), owner=vm, intent_id=intent,
+                                  source=IntentSource.CONTROL))
+            while True:
+                update = await updates.get()
+                if update.get("event") == "intent" and update.get("intent") != intent:
+                    continue  # another caller's request
+                to = update.get("to")
+                if update.get("event") == "intent" and to == "done":
+                    yield {"ok": True, "data": {"vm": vm, "intent": intent, "elapsed_s": took(),
+                                                "message": f"{vm} is running ({took():g}s)"}}
+                    return
+                if update.get("event") == "intent" and to == "failed":
+                    yield {"ok": False, "error": update["message"], "intent": intent,
+                           "elapsed_s": took()}
+                    return
+                if update.get("event") == "intent":  # ours, pending: say what comes next
+                    update = {**update, "message": self._play_plan(vm)}
+                yield {**update, "elapsed_s": took(), "waiting": self._waiting_for(vm)}
+                if update.get("event") == "phase" and to == Phase.FAILED.value:
+                    yield {"ok": False, "intent": intent, "pending": True, "elapsed_s": took(),
+                           "error": f"{update['message']}; the request stands: {vm} starts "
+                                    f"by itself once {self.lendee} has stopped"}
+                    return
+
+    def _play_plan(self, vm: str) -> str:
+        state, lendee = self.state, self.lendee
+        if not self.topo.needs_lendee_gpus(vm):
+            return f"starting {vm}: it shares no GPU with {lendee}"
+        if state.phase is Phase.OFF and not state.lendee_starting:
+            return f"starting {vm}: {lendee} is off"
+        shared = self.topo.shared_gpus(vm)
+        return (f"{vm} needs {self._gpu_names(shared)}: {lendee} ({state.phase.value}) gives "
+                f"{'them' if len(shared) > 1 else 'it'} back first")
+
+    async def _verb_release(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
+        """Shut an owner VM down and wait until it is off; the lend follows by itself."""
+        vm, problem = self._owner_arg(args, "release")
+        if vm is None:
+            yield {"ok": False, "error": problem}
+            return
+        started = time.monotonic()
+
+        def took() -> float:
+            return round(time.monotonic() - started, 1)
+
+        if not await self.libvirt.is_running(vm):
+            yield {"ok": True, "data": {"vm": vm, "elapsed_s": took(), "relend_in_s":
+                                        self.status()["relend_in_s"],
+                                        "message": f"{vm} is not running; {self._lend_note()}"}}
+            return
+        stopped = self._stopped.setdefault(vm, asyncio.Event())
+        stopped.clear()
+        how = await self._shut_down_owner(vm)
+        yield {"event": "release", "vm": vm, "message": f"shutting {vm} down through {how}",
+               "elapsed_s": took(), "waiting": f"{vm} to power off"}
+        limit = self.cfg.timeouts.shutdown
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopped.wait(), limit)
+        if await self.libvirt.is_running(vm):
+            yield {"ok": False, "elapsed_s": took(), "error":
+                   f"{vm} did not power off within {limit:g}s (timeouts.shutdown) after a "
+                   f"shutdown through {how}; it keeps running: close what holds it up inside, "
+                   f"or stop it by hand (virsh shutdown {vm})"}
+            return
+        if vm in self.state.running_owners:
+            self._lifecycle(vm, Lifecycle.STOPPED)  # the event was lost; reality says off
+        yield {"ok": True, "data": {"vm": vm, "elapsed_s": took(),
+                                    "relend_in_s": self.status()["relend_in_s"],
+                                    "message": f"{vm} is off ({took():g}s); {self._lend_note()}"}}
+
+    async def _shut_down_owner(self, vm: str) -> str:
+        """Through its guest agent if it has one that answers, else ACPI; says which."""
+        channels = ElementTree.fromstring(await self.libvirt.xml(vm)).findall(
+            "./devices/channel/target[@name='org.qemu.guest_agent.0']")
+        if not channels:
+            await self.libvirt.shutdown_via_acpi(vm)
+            return "ACPI (it has no guest agent channel)"
+        if await self.libvirt.ping_agent(vm, timeout=3):
+            try:
+                await self.libvirt.shutdown_via_agent(vm)
+                return "its guest agent"
+            except HostError as e:
+                log.warning("guest-agent shutdown of %s failed (%s); using ACPI", vm, e)
+        await self.libvirt.shutdown_via_acpi(vm)
+        return "ACPI (its guest agent did not answer)"
+
+    async def _verb_reclaim(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
+        """Take the GPUs back from the lendee with no owner starting; stream until off.
+
+        The lendee stays off until `lend` (the machine's Reclaim holds). A lendee start
+        that was in flight is reclaimed once it lands (see machine._reclaim_by_hand).
+        """
+        started = time.monotonic()
+        lendee, gpus = self.lendee, self._gpu_names(self.topo.lendee_gpus)
+        with self._following() as updates:
+            self.apply(Reclaim(at=_now()))
+            update: Reply | None = {"event": "reclaim", "message": f"reclaiming {gpus} from "
+                                    f"{lendee} ({self.state.phase.value})"}
+            while True:
+                state = self.state
+                if state.phase in (Phase.BOOTING, Phase.JOINING, Phase.LENT):
+                    self.apply(Reclaim(at=_now()))  # a start that was in flight landed
+                    continue
+                done = state.phase is Phase.OFF and not state.lendee_starting
+                if update is not None and update.get("event") != "intent" and not (
+                        done and update.get("event") == "reclaim"):
+                    yield {**update, "elapsed_s": round(time.monotonic() - started, 1),
+                           "waiting": self._waiting_for()}
+                if done:
+                    yield {"ok": True, "data": {
+                        "elapsed_s": round(time.monotonic() - started, 1),
+                        "message": f"{lendee} is off: {gpus} are free; it stays off until "
+                                   "`hostagent lend`"}}
+                    return
+                if state.phase is Phase.FAILED:
+                    yield {"ok": False, "error": f"{lendee} could not be reclaimed: "
+                                                 f"{state.reason}"}
+                    return
+                update = None
+                with contextlib.suppress(TimeoutError):
+                    # A tick as well: a failed lendee start changes no phase.
+                    update = await asyncio.wait_for(updates.get(), 1.0)
 
     def _answer(self, intent_id: str, ok: bool, message: str) -> None:
-        waiter = self._waiters.pop(intent_id, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result((ok, message))
+        """An intent ended: tell whoever follows it (a `play` waiting on it, if any)."""
+        self._progress("intent", message, {"intent": intent_id, "to": "done" if ok else "failed"})
 
 
 def run(cfg: Config) -> int:

@@ -199,6 +199,11 @@ class Libvirt:
         await self._call(f"shut down {name} through its guest agent", lambda c: c.lookupByName(
             name).shutdownFlags(libvirt.VIR_DOMAIN_SHUTDOWN_GUEST_AGENT))
 
+    async def shutdown_via_acpi(self, name: str) -> None:
+        """Press the VM's ACPI power button (for a VM without a guest agent)."""
+        await self._call(f"shut down {name} through ACPI", lambda c: c.lookupByName(
+            name).shutdownFlags(libvirt.VIR_DOMAIN_SHUTDOWN_ACPI_POWER_BTN))
+
     async def destroy(self, name: str) -> None:
         await self._call(f"force off {name}", lambda c: c.lookupByName(name).destroy())
 
