@@ -14,7 +14,8 @@ Security model
   keyboard-interactive, host-based or certificate authentication. The user name is
   not checked (write ``hostagent@``); the key decides everything.
 - A session runs one command line (an ``exec`` request) and nothing else: shell,
-  pty, subsystems (SFTP), SCP, X11, agent and port forwarding are all refused.
+  pty, subsystems (SFTP), SCP, X11, agent and port forwarding are all refused. A
+  session that asked for a terminal runs nothing (``ssh -tt`` would not wait for it).
 - The command line is never given to a shell. It is at most `MAX_COMMAND` characters of
   printable ASCII, split on single spaces into a verb and at most one VM name
   (``[A-Za-z0-9_.-]+``); anything else is refused before anything happens.
@@ -414,12 +415,14 @@ class _Session(asyncssh.SSHServerSession[str]):
         self._chan: Any = None
         self._command: str | None = None
         self._task: asyncio.Task[None] | None = None
+        self._wanted_pty = False
 
     def connection_made(self, chan: Any) -> None:
         self._chan = chan
 
     def pty_requested(self, term_type: str, term_size: Any, term_modes: Any) -> bool:
         self._conn.refuse("a terminal (pty)")
+        self._wanted_pty = True
         return False
 
     def shell_requested(self) -> bool:
@@ -431,6 +434,11 @@ class _Session(asyncssh.SSHServerSession[str]):
         return False
 
     def exec_requested(self, command: str) -> bool:
+        if self._wanted_pty:
+            # OpenSSH's `ssh -tt` sends the command without waiting for the terminal's
+            # answer, then gives up on the refusal: nothing must run behind its back.
+            self._conn.refuse(f"the command {command[:MAX_COMMAND]!r} after a refused terminal")
+            return False
         # Accepted here so that a refusal can say why, on stderr, with an exit status.
         self._command = command
         return True
@@ -458,6 +466,12 @@ class _Session(asyncssh.SSHServerSession[str]):
         # The client went away: stop waiting. What the command started goes on.
         if self._task is not None and not self._task.done():
             self._task.cancel()
+
+
+def _prohibited() -> asyncssh.ChannelOpenError:
+    # What an OpenSSH client prints: "open failed: administratively prohibited: ...".
+    return asyncssh.ChannelOpenError(asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED,
+                                     "hostagent forwards nothing")
 
 
 class _Connection(asyncssh.SSHServer):
@@ -536,7 +550,7 @@ class _Connection(asyncssh.SSHServer):
     def connection_requested(self, dest_host: str, dest_port: int, orig_host: str,
                              orig_port: int) -> bool:
         self.refuse(f"a port forwarding to {dest_host[:64]}:{dest_port}")
-        return False
+        raise _prohibited()
 
     def server_requested(self, listen_host: str, listen_port: int) -> bool:
         self.refuse(f"a remote port forwarding from {listen_host[:64]}:{listen_port}")
@@ -544,7 +558,7 @@ class _Connection(asyncssh.SSHServer):
 
     def unix_connection_requested(self, dest_path: str) -> bool:
         self.refuse("a Unix socket forwarding")
-        return False
+        raise _prohibited()
 
     def unix_server_requested(self, listen_path: str) -> bool:
         self.refuse("a remote Unix socket forwarding")
