@@ -98,7 +98,7 @@ async def serve_control(path: Path, verbs: Mapping[str, VerbHandler], *, mode: i
                 writer.write(_line({"type": "result", "ok": False, "error":
                                     f"unknown verb {verb!r}; known: {', '.join(sorted(verbs))}"}))
                 return
-            if not await stream_replies(handler(args), writer, hangup=reader.read(1)):
+            if not await stream_replies(handler(args), writer, hangup=_eof(reader)):
                 log.info("control socket: the client of %r hung up before the result", verb)
                 return
         except ConnectionError:
@@ -120,11 +120,18 @@ async def serve_control(path: Path, verbs: Mapping[str, VerbHandler], *, mode: i
     return server
 
 
+async def _eof(reader: asyncio.StreamReader) -> bytes:
+    """Returns when the client closes its end; anything it sends meanwhile is ignored."""
+    while await reader.read(4096):
+        pass
+    return b""
+
+
 async def stream_replies(replies: AsyncIterator[Reply], writer: asyncio.StreamWriter, *,
                          hangup: Awaitable[bytes]) -> bool:
     """Write each reply as a line until the result; False if the client hung up first.
 
-    `hangup` completes when the client closes its end (a read that returns). The
+    `hangup` completes when the client closes its end (see `_eof`). The
     handler is then cancelled and closed, so that it stops waiting at once instead of
     noticing at its next write, which may be minutes away.
     """

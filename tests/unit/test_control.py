@@ -74,6 +74,10 @@ async def test_progress_lines_then_one_result(tmp_path: Path) -> None:
             {"v": 1, "type": "progress", "event": "tick", "message": "tick 1"},
             {"v": 1, "type": "result", "ok": True, "data": {"message": "done"}},
         ]
+        # Bytes after the request are ignored; only closing the connection ends it.
+        extra = await asyncio.to_thread(
+            _exchange, path, b'{"v":1,"verb":"count","args":{"n":1}}\nmore\n')
+        assert [r["type"] for r in extra] == ["progress", "result"]
         bad = await asyncio.to_thread(_exchange, path, b'{"v":1,"verb":"nope"}\n')
         assert bad == [{"v": 1, "type": "result", "ok": False,
                         "error": "unknown verb 'nope'; known: count"}]
