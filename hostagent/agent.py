@@ -834,8 +834,11 @@ class Agent:
         intent = f"play-{uuid.uuid4().hex[:12]}"
         with self._following() as updates:
             # Persisted inside apply before the client hears anything: invariant 4.
-            self.apply(OwnerWants(at=_now(), owner=vm, intent_id=intent,
-                                  source=IntentSource.CONTROL))
+            if not self.apply(OwnerWants(at=_now(), owner=vm, intent_id=intent,
+                                         source=IntentSource.CONTROL)):
+                yield {"ok": False, "error": f"the agent refused to start {vm} now; "
+                                             "see journalctl -u hostagent"}
+                return
             while True:
                 update = await updates.get()
                 if update.get("event") == "intent" and update.get("intent") != intent:
