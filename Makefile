@@ -44,6 +44,10 @@ test: setup
 unit: setup
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/unit
 
+# The fault-injection suite alone, in the lab; it ends with its table of figures.
+faults: setup
+	$(VENV)/bin/pytest -q -p no:cacheprovider tests/faults
+
 # Benchmarks, not tests: figures and ratios measured in one run, kept in bench/RESULTS.md.
 bench: setup
 	{ echo "# Benchmark results"; echo; \
