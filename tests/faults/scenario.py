@@ -4,8 +4,9 @@ A scenario (the `fault` fixture) watches the lab while a test breaks it and puts
 figures users care about in one row of the table (see conftest.py):
 
 - **intents lost**: starts the player was told would happen ("deferred") that neither
-  happened nor are still pending; and intents the agent journaled as pending that
-  ended neither done nor pending (a failed intent counts as lost here);
+  happened, failed with a reason nor are still pending; and intents the agent
+  journaled as pending that ended none of those ways. A failed intent is not lost (it
+  is answered, with its reason) but fails the scenario unless its policy allows it;
 - **double holders**: samples, taken every 100 ms straight from libvirt, in which the
   lendee and an owner that shares a GPU with it were both running;
 - **forced stops**: times the lendee stopped for any other reason than its own
@@ -151,6 +152,7 @@ class Watcher(threading.Thread):
 @dataclass
 class Metrics:
     intents_lost: int
+    intents_failed: int
     double_holders: int
     forced_stops: int
     recovery_s: float | None
@@ -160,9 +162,12 @@ class Metrics:
 class Scenario:
     """One fault scenario: the watcher, the player's requests and the clock."""
 
-    def __init__(self, lab: Lab, *, forced_stops_allowed: int = 0) -> None:
+    def __init__(self, lab: Lab) -> None:
         self.lab = lab
-        self.forced_stops_allowed = forced_stops_allowed
+        # What the scenario's policy allows: a test that sets force_off_after, or
+        # on_drain_timeout = "abort", raises these.
+        self.forced_stops_allowed = 0
+        self.intents_may_fail = 0
         self.watcher = Watcher(lab.uri)
         self.asks: list[tuple[str, int]] = []  # (owner, wall clock in µs) of each deferral
         self._fault_at: float | None = None
@@ -219,19 +224,26 @@ class Scenario:
         self.watcher.stop()
         details: list[str] = []
         pending = self._pending_intents()
-        done = self.lab.records(event="intent", to="done")
+        # An intent ends done, or failed with its reason (a journal record, an answer to
+        # whoever waits); one that simply vanished is lost.
+        ended = (self.lab.records(event="intent", to="done")
+                 + self.lab.records(event="intent", to="failed"))
+        failed = [e for e in ended if e.get("HOSTAGENT_TO") == "failed"]
         journaled = {e["HOSTAGENT_INTENT"]: e["HOSTAGENT_VM"]
                      for e in self.lab.records(event="intent", to="pending")}
-        done_ids = {e.get("HOSTAGENT_INTENT") for e in done}
-        lost_ids = sorted(i for i in journaled if i not in done_ids and i not in pending)
+        ended_ids = {e.get("HOSTAGENT_INTENT") for e in ended}
+        lost_ids = sorted(i for i in journaled if i not in ended_ids and i not in pending)
         for i in lost_ids:
-            details.append(f"intent {i} for {journaled[i]} ended neither done nor pending")
+            details.append(f"intent {i} for {journaled[i]} ended neither done, failed nor "
+                           "pending")
         unkept = [(vm, at) for vm, at in self.asks
                   if vm not in pending.values()
                   and not any(e["HOSTAGENT_VM"] == vm and int(e["__REALTIME_TIMESTAMP"]) >= at
-                              for e in done)]
+                              for e in ended)]
         for vm, _ in unkept:
             details.append(f"the deferred start of {vm} never happened and is not pending")
+        for e in failed:
+            details.append(f"intent for {e['HOSTAGENT_VM']} failed: {e['MESSAGE']}")
         forced = self.watcher.forced
         for s in forced:
             details.append(f"{LENDEE} stopped ({s.reason}) without its own shutdown")
@@ -243,6 +255,7 @@ class Scenario:
             details.append(f"running together: {', '.join(holders)}")
         self.metrics = Metrics(
             intents_lost=max(len(lost_ids), len(unkept)),
+            intents_failed=len(failed),
             double_holders=len(self.watcher.overlaps),
             forced_stops=len(forced),
             recovery_s=max(self.recoveries) if self.recoveries else None,
@@ -254,6 +267,8 @@ class Scenario:
         problems = []
         if m.intents_lost:
             problems.append(f"{m.intents_lost} intent(s) lost")
+        if m.intents_failed > self.intents_may_fail:
+            problems.append(f"{m.intents_failed} intent(s) failed")
         if m.double_holders:
             problems.append(f"{m.double_holders} sample(s) with two holders of a GPU")
         if m.forced_stops > self.forced_stops_allowed:

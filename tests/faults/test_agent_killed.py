@@ -1,15 +1,16 @@
 """The agent SIGKILLed at each step of a reclaim and of a lend, then restarted.
 
 Each step is held open on purpose, so that the kill lands in it every time: a slow
-guest agent (`agent_delay`) holds BOOTING and the reclaim's wait for the agent, and a
-slow `qemu.d` hook holds libvirtd half-way through a start or a stop. Without a
-[kubernetes] section, draining, waiting Ready, verifying and uncordoning take no time,
-so there is no moment to kill the agent in them.
+guest agent (`agent_delay`) holds BOOTING and the reclaim's wait for the agent, a slow
+`qemu.d` hook holds libvirtd half-way through a start or a stop, and a GPU the guest's
+driver does not find yet holds the check of the GPUs. The Kubernetes steps (cordoning,
+draining, waiting Ready, uncordoning) are in test_kubernetes.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 
 import pytest
 
@@ -22,12 +23,12 @@ from tests.faults.scenario import (
     wait_for,
     wait_lent,
 )
-from tests.lab.lab import Lab
+from tests.lab.lab import GPUS, Lab
 
 pytestmark = pytest.mark.lab
 
 RECLAIM_STEPS = ["waiting for the guest agent", "shutting down", "starting the owner"]
-LEND_STEPS = ["starting the lendee", "booting"]
+LEND_STEPS = ["starting the lendee", "booting", "verifying the GPUs"]
 
 
 @pytest.mark.parametrize("step", RECLAIM_STEPS)
@@ -73,18 +74,30 @@ def test_lend(lab: Lab, fault: Scenario, step: str) -> None:
     """agent SIGKILLed while lending: {step}"""
     if step == "booting":
         lab.define("gpu-node", agent_delay=3)
+    if step == "verifying the GPUs":
+        # The driver finds nothing on gpu-b: the check retries until verify.timeout.
+        lab.write_gpu("gpu-b", "NOT A GPU")
     lab.write_config(relend_delay="1s")
     hold = ("gpu-node", "start", "begin") if step == "starting the lendee" else None
     with fault.slow_hook(*hold) if hold else contextlib.nullcontext() as held:
         lab.start_agent()
-        if held is None:
-            lab.wait_record(event="phase", to="booting")
-        else:
+        if held is not None:
             wait_for(held.exists, 60, "libvirtd to be held in gpu-node's start")
+        else:
+            lab.wait_record(event="phase", to="booting" if step == "booting" else "joining")
+        if step == "verifying the GPUs":
+            time.sleep(2)  # a first check has failed; the next is due in 3 s
         kill_agent(lab)
         fault.fault()
-        assert "starting qemu-ga" not in fault.console("gpu-node")  # still booting
-        assert lab.phases() == ([] if held else ["off>booting"])
+        if step == "verifying the GPUs":
+            assert lab.phases() == ["off>booting", "booting>joining"]
+            assert count(lab, event="verify") == 0  # still checking
+            uuid, name = GPUS["gpu-b"]
+            lab.write_gpu("gpu-b", f"LABGPU {uuid} {name}")  # the driver loads, late
+            lab.guest_exec("gpu-node", "/bin/sh", "-c", "echo 3 > /proc/sys/vm/drop_caches")
+        else:
+            assert "starting qemu-ga" not in fault.console("gpu-node")  # still booting
+            assert lab.phases() == ([] if held else ["off>booting"])
         lab.start_agent()
     wait_lent(lab)
     fault.recovered()

@@ -1,0 +1,199 @@
+"""Faults on the Kubernetes side: the API server down, failing or slow; a budget that
+never allows an eviction; the agent killed in a Kubernetes step.
+
+The API is the lab's stand-in (tests/kubeapi), with a kubelet that follows the lendee
+VM. Its faults (`down_for`, `fail`, `slow`) hit every request but the kubelet's status
+posts, unless said otherwise, so that they land on the agent's own requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.faults.scenario import (
+    Scenario,
+    count,
+    kill_agent,
+    wait_count,
+    wait_for,
+    wait_lent,
+)
+from tests.lab.cluster import LabCluster, lab_cluster
+from tests.lab.lab import LENDEE, Lab
+
+pytestmark = pytest.mark.lab
+
+MARKER = "hostagent.io/cordoned-by"
+NOT_STATUS = r"^(?!.*/status$)"  # every path but the kubelet's status posts
+NODE = rf"^/api/v1/nodes/{LENDEE}$"
+
+
+def kube_config(lab: Lab, kc: LabCluster, *, policy: str = "proceed", **timeouts: str) -> None:
+    text = lab.config_text(relend_delay="1s", kubeconfig=kc.kubeconfig)
+    for key, value in timeouts.items():
+        assert f'\n{key} = "' in text, key
+        text = text.replace(f'\n{key} = "', f'\n{key} = "{value}"  # was "', 1)
+    lab.write_config(text.replace("[policy]", f'[policy]\non_drain_timeout = "{policy}"'))
+
+
+def cordoned(kc: LabCluster) -> bool:
+    return bool(kc.node()["spec"].get("unschedulable"))
+
+
+def marker(kc: LabCluster) -> str | None:
+    annotations: dict[str, str] = kc.node()["metadata"].get("annotations") or {}
+    return annotations.get(MARKER)
+
+
+def hold_the_drain(kc: LabCluster) -> None:
+    """Two pods behind a budget that wants both: no eviction is ever allowed."""
+    def seed() -> None:
+        c = kc.api.standin.cluster
+        for i in (1, 2):
+            c.add_pod(f"db-{i}", node=LENDEE, owner="StatefulSet/db", labels={"app": "db"})
+        c.add_pdb("db", match_labels={"app": "db"}, min_available=2)
+    kc.api.call(seed)
+
+
+def requests(kc: LabCluster, method: str, path: str) -> int:
+    return len(kc.api.call(kc.api.standin.requests_to, method, path))
+
+
+# ---- the API server misbehaving --------------------------------------------------------
+
+FAULTS: dict[str, Callable[[LabCluster], Any]] = {
+    "down 4s": lambda kc: kc.api.call(kc.api.standin.down_for, 4),
+    "answering 500": lambda kc: kc.api.call(kc.api.standin.fail, NOT_STATUS, code=500,
+                                            times=3),
+    "slow (1.5s a request)": lambda kc: kc.api.call(kc.api.standin.slow, NOT_STATUS,
+                                                    delay=1.5, times=3),
+}
+
+
+@pytest.mark.parametrize("api", list(FAULTS))
+def test_api(lab: Lab, fault: Scenario, api: str) -> None:
+    """Kubernetes API {api} during the drain and during the return"""
+    with lab_cluster(lab) as kc:
+        kube_config(lab, kc)
+        lab.start_agent()
+        wait_lent(lab)
+        FAULTS[api](kc)
+        fault.fault()
+        assert fault.start_owner("gaming1").returncode != 0
+        lab.wait_state("gaming1", "running", timeout=90)
+        fault.recovered()
+        # Drained for real once the API answered again: only the DaemonSet's pod is left.
+        assert kc.pods_on(LENDEE) == ["gpu-device-plugin-z7x"]
+        assert cordoned(kc) and marker(kc) == "hostagent"
+        kc.api.call(kc.api.standin.clear_faults)
+        lab.virsh("destroy", "gaming1")  # the game ends
+        lab.wait_record(60, event="phase", to="joining")
+        FAULTS[api](kc)
+        fault.fault()
+        wait_lent(lab, timeout=90)
+        fault.recovered()
+        assert not cordoned(kc) and marker(kc) is None
+        assert kc.node()["status"]["allocatable"]["nvidia.com/gpu"] == "2"
+        assert count(lab, event="phase", to="failed") == 0
+
+
+# ---- a PodDisruptionBudget that never allows an eviction ----------------------------
+
+
+@pytest.mark.parametrize("policy", ["proceed", "abort"])
+def test_pdb(lab: Lab, fault: Scenario, policy: str) -> None:
+    """a PDB that never allows eviction, on_drain_timeout = {policy}"""
+    with lab_cluster(lab, workloads=False) as kc:
+        hold_the_drain(kc)
+        kube_config(lab, kc, policy=policy, drain="3s")
+        lab.start_agent()
+        wait_lent(lab)
+        fault.fault()
+        assert fault.start_owner("gaming1").returncode != 0
+        if policy == "proceed":
+            # The player first: the game starts, the pods left behind are named.
+            lab.wait_state("gaming1", "running", timeout=60)
+            fault.recovered()
+            left = lab.wait_record(event="drain")
+            assert "db-1" in left["MESSAGE"] and "db-2" in left["MESSAGE"]
+            assert cordoned(kc)
+        else:
+            # The cluster first: the request fails with the reason, nothing is stopped,
+            # the node is given back as it was.
+            fault.intents_may_fail = 1
+            failed = lab.wait_record(30, event="intent", to="failed")
+            assert "could not be drained" in failed["MESSAGE"]
+            wait_lent(lab)
+            fault.recovered()
+            assert lab.state("gaming1") == "shut off" and lab.state(LENDEE) == "running"
+            assert fault.shutdowns(LENDEE) == 0
+            assert not cordoned(kc)
+        assert kc.pods_on(LENDEE) == ["db-1", "db-2"]
+
+
+# ---- the agent SIGKILLed in a Kubernetes step ------------------------------------------
+
+STEPS = ["cordoning", "draining", "waiting Ready", "uncordoning"]
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_agent_killed(lab: Lab, fault: Scenario, step: str) -> None:
+    """agent SIGKILLed in a Kubernetes step: {step}"""
+    reclaim = step in ("cordoning", "draining")
+    with lab_cluster(lab, workloads=False,
+                     ready_delay=6 if step == "waiting Ready" else 1) as kc:
+        if step == "draining":
+            hold_the_drain(kc)
+        kube_config(lab, kc, drain="5s")
+        lab.start_agent()
+        if step == "waiting Ready":
+            # The first return: the GPUs are verified, the node is not Ready yet.
+            lab.wait_record(60, event="verify", result="ok")
+            assert count(lab, event="phase", to="lent") == 0
+        else:
+            wait_lent(lab)
+        if step == "uncordoning":
+            assert fault.start_owner("gaming1").returncode != 0
+            lab.wait_state("gaming1", "running", timeout=60)
+            assert marker(kc) == "hostagent"
+            lab.virsh("destroy", "gaming1")
+            wait_count(lab, 2, 60, event="phase", to="joining")
+        patches = requests(kc, "PATCH", NODE)
+        with slowed(kc, NODE, "PATCH") if step in ("cordoning", "uncordoning") \
+                else contextlib.nullcontext():
+            if reclaim:
+                assert fault.start_owner("gaming1").returncode != 0
+            if step == "draining":
+                lab.wait_record(30, event="cordon")
+            elif step != "waiting Ready":  # a node PATCH is on its way: the (un)cordon
+                wait_for(lambda: requests(kc, "PATCH", NODE) > patches, 60,
+                         f"the agent's PATCH of node {LENDEE}")
+            kill_agent(lab)
+            fault.fault()
+            if not reclaim:  # killed in the return, the node still cordoned by us
+                assert lab.phases()[-1] == "booting>joining"
+                assert cordoned(kc) is (step == "uncordoning")
+            lab.start_agent()
+        if reclaim:
+            lab.wait_state("gaming1", "running", timeout=60)
+            fault.recovered()
+            assert cordoned(kc) and marker(kc) == "hostagent"  # still known as ours
+        else:
+            wait_lent(lab, timeout=90)
+            fault.recovered()
+            assert not cordoned(kc) and marker(kc) is None
+        assert count(lab, event="phase", to="failed") == 0
+
+
+@contextlib.contextmanager
+def slowed(kc: LabCluster, path: str, method: str, delay: float = 5) -> Iterator[None]:
+    """The next matching request waits `delay` seconds: long enough to kill the agent."""
+    kc.api.call(kc.api.standin.slow, path, delay=delay, times=1, method=method)
+    try:
+        yield
+    finally:
+        kc.api.call(kc.api.standin.clear_faults)
