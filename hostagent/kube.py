@@ -54,6 +54,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
+
+from hostagent import k8s_lazy  # noqa: F401  (before kubernetes_asyncio: see its docstring)
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio import watch as k8s_watch
