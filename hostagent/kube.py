@@ -32,14 +32,17 @@ precondition (a StatefulSet re-creates a pod under the same name); 429 (a
 PodDisruptionBudget) is retried every `Timing.evict_retry` seconds; 404, 409 or a new
 UID means the pod is gone; 500 naming PodDisruptionBudget means more than one budget
 selects the pod, which no retry fixes. Then each evicted pod is followed until it is
-gone. All of it is bounded by the drain's timeout; what is left when it runs out is in
-the `DrainReport`, and ``on_timeout`` decides: "proceed" returns the report, "abort"
-raises `DrainAborted` — at once, before any eviction, when pods are refused.
+gone: read again each `Timing.delete_poll` seconds as kubectl does, and at once when a
+watch on the node's pods sees one deleted (the read still decides). All of it is
+bounded by the drain's timeout; what is left when it runs out is in the `DrainReport`,
+and ``on_timeout`` decides: "proceed" returns the report, "abort" raises
+`DrainAborted` — at once, before any eviction, when pods are refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import json
 import logging
@@ -273,6 +276,7 @@ class Timing:
     backoff_max: float = 15.0
     evict_retry: float = 5.0  # kubectl drain retries a 429 every 5 s
     delete_poll: float = 1.0  # kubectl drain checks each second whether a pod is gone
+    # (here also woken at once by a watch on the node's pods: see Kube.drain)
     watch_timeout: float = 300.0  # ask the server to end each watch; we re-read and resume
 
 
@@ -779,12 +783,27 @@ class Kube:
                 node=node, ignored=plan.ignored, left=plan.refused, duration=self._now() - start
             )
             return self._finish(report, on_timeout)
-        async with asyncio.TaskGroup() as group:
-            evictions = [group.create_task(self._evict(pod, deadline)) for pod in plan.evict]
-            waits = [
-                group.create_task(self._wait_gone(pod, deadline, evicted=False))
-                for pod in plan.wait
-            ]
+        deletions = _Deletions()
+        follower: asyncio.Task[None] | None = None
+        try:
+            async with asyncio.TaskGroup() as group:
+                evictions = [
+                    group.create_task(self._evict(pod, deadline, deletions)) for pod in plan.evict
+                ]
+                waits = [
+                    group.create_task(self._wait_gone(pod, deadline, deletions, evicted=False))
+                    for pod in plan.wait
+                ]
+                # After the evictions, which go first; from the list's resourceVersion,
+                # so that no deletion since is missed.
+                follower = asyncio.create_task(
+                    self._follow_deletions(node, pods.metadata.resource_version, deletions,
+                                           deadline)
+                )
+        finally:
+            if follower is not None:
+                follower.cancel()
+                await asyncio.gather(follower, return_exceptions=True)
         left = [*plan.refused]
         evicted: list[PodRef] = []
         waited: list[PodRef] = []
@@ -822,7 +841,38 @@ class Kube:
             raise DrainAborted(report)
         return report
 
-    async def _evict(self, pod: PodRef, deadline: float) -> LeftPod | None:
+    async def _follow_deletions(
+        self, node: str, resource_version: str | None, deletions: _Deletions, deadline: float
+    ) -> None:
+        """Tell `deletions` of each pod deleted on `node`, by watch, until cancelled.
+
+        Only a wake-up for `_wait_gone`: whether a pod is gone is still read from the
+        API, so a watch that fails or misses an event costs at most `delete_poll`.
+        """
+        while self._now() < deadline:
+            remaining = deadline - self._now()
+            since = {"resource_version": resource_version} if resource_version else {}
+            try:
+                seconds = max(1, math.ceil(min(remaining, self.timing.watch_timeout)))
+                async with asyncio.timeout(remaining), k8s_watch.Watch() as stream:
+                    async for event in stream.stream(
+                        self._core.list_pod_for_all_namespaces,
+                        field_selector=f"spec.nodeName={node}",
+                        timeout_seconds=seconds,
+                        **since,
+                    ):
+                        resource_version = event["object"].metadata.resource_version
+                        if event["type"] == "DELETED":
+                            deletions.saw()
+                continue  # the server ended the watch: resume from the last event
+            except TimeoutError:
+                return
+            except (ApiException, aiohttp.ClientError, OSError, ValueError) as e:
+                log.debug("watching the pods on %s: %s", node, _describe(e))
+            resource_version = None  # from now on: the reads catch what was missed
+            await asyncio.sleep(max(0.0, min(self.timing.delete_poll, deadline - self._now())))
+
+    async def _evict(self, pod: PodRef, deadline: float, deletions: _Deletions) -> LeftPod | None:
         """Evict one pod and wait until it is gone; None when it is, else why not."""
         body = k8s.V1Eviction(
             metadata=k8s.V1ObjectMeta(name=pod.name, namespace=pod.namespace),
@@ -868,7 +918,7 @@ class Kube:
                 return LeftPod(pod, LeftReason.REFUSED, str(e))
             except KubeUnavailable as e:
                 return self._unreachable(pod, e) if e.last else why
-        return await self._wait_gone(pod, deadline, evicted=True)
+        return await self._wait_gone(pod, deadline, deletions, evicted=True)
 
     def _refusal(self, pod: PodRef, e: KubeRequestError) -> LeftPod:
         if e.status != 429:
@@ -897,13 +947,16 @@ class Kube:
             raise
         return bool(current.metadata.uid != pod.uid)
 
-    async def _wait_gone(self, pod: PodRef, deadline: float, *, evicted: bool) -> LeftPod | None:
+    async def _wait_gone(
+        self, pod: PodRef, deadline: float, deletions: _Deletions, *, evicted: bool
+    ) -> LeftPod | None:
         still = LeftPod(
             pod,
             LeftReason.TERMINATING,
             "evicted but still terminating" if evicted else "still terminating",
         )
         while self._now() < deadline:
+            seen = deletions.count
             try:
                 if await self._gone(pod, deadline):
                     return None
@@ -911,8 +964,29 @@ class Kube:
                 return LeftPod(pod, LeftReason.REFUSED, str(e))
             except KubeUnavailable as e:
                 return self._unreachable(pod, e) if e.last else still
-            await asyncio.sleep(max(0.0, min(self.timing.delete_poll, deadline - self._now())))
+            pause = max(0.0, min(self.timing.delete_poll, deadline - self._now()))
+            await deletions.wait(seen, pause)
         return still
+
+
+class _Deletions:
+    """The pod deletions a drain's watch has seen; `wait` returns at the next one."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._next = asyncio.Event()
+
+    def saw(self) -> None:
+        self.count += 1
+        self._next.set()  # wakes whoever waits on this one; later waiters get a new one
+        self._next = asyncio.Event()
+
+    async def wait(self, since: int, timeout: float) -> None:
+        """Return after `timeout` seconds, or as soon as a deletion after the `since`th."""
+        if self.count != since:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._next.wait(), timeout)
 
 
 def _check_readable(path: Path, *, given: bool) -> None:

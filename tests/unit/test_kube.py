@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -314,6 +315,23 @@ async def test_a_pod_already_terminating_is_waited_for(kube: Kube, api: StandIn)
     )
     assert names(report.waited) == ["default/going"] and not report.evicted
     assert on_node(api) == []
+
+
+async def test_a_watch_sees_an_evicted_pod_go_before_the_next_poll(
+    api: StandIn, kubeconfig: Path
+) -> None:
+    api.cluster.add_pod("web-1", node="gpu-node", owner="ReplicaSet/web", grace=100)
+    # A poll this slow would outlast the drain's timeout: only the watch can end it.
+    timing = dataclasses.replace(FAST, delete_poll=60.0)
+    async with await Kube.connect(kubeconfig, timing=timing) as kube:
+        report = await kube.drain(
+            "gpu-node", timeout=20, emptydir_ok=True, unmanaged_ok=False, on_timeout=PROCEED
+        )
+    assert report.complete and names(report.evicted) == ["default/web-1"]
+    # Read once while it terminates, and once more when the watch saw it deleted.
+    assert len(api.requests_to("GET", r"/pods/web-1$")) == 2
+    (watch,) = api.requests_to("GET", r"^/api/v1/pods\?.*watch=")
+    assert "fieldSelector=spec.nodeName%3Dgpu-node" in watch
 
 
 async def test_pods_without_consent_are_named_and_left_behind(kube: Kube, api: StandIn) -> None:
