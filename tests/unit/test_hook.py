@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -306,6 +307,10 @@ async def test_stuck_stdin_is_cut_by_the_watchdog(place: Place, agent: Recorder)
     assert (rc, out) == (0, b"")
     assert elapsed < BUDGET + MARGIN
     assert "gave up after the 0.3 s budget" in err.decode()
+    # The event still reaches the agent, without the XML it could not read.
+    [file] = place.spooled()
+    event = parse_hook_line(file.read_bytes())
+    assert (event.domain, event.op, event.xml) == ("gaming1", "reconnect", "")
 
 
 async def test_oversized_xml_is_sent_without_it(place: Place, agent: Recorder) -> None:
@@ -330,6 +335,47 @@ async def test_missing_arguments_are_dashes(place: Place, agent: Recorder) -> No
     assert run.rc == 0
     [event] = agent.events
     assert (event.op, event.sub, event.extra) == ("-", "-", "-")
+
+
+async def test_a_hook_frozen_past_its_budget_still_spools_its_event(place: Place) -> None:
+    # What CPU starvation does to a hook (libvirtd restarting with many domains runs all
+    # their hooks at once): its threads get no time until the budget has long run out.
+    # Whichever thread runs first then, the event must end up in the spool, once.
+    connected = asyncio.Event()
+    release = asyncio.Event()
+
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readline()
+        connected.set()
+        await release.wait()
+        writer.close()
+
+    server = await asyncio.start_unix_server(connection, path=str(place.socket))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-I", "-S", str(HOOK), "vm1", "reconnect", "begin", "-",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={"HOSTAGENT_SOCKET": str(place.socket), "HOSTAGENT_SPOOL": str(place.spool)},
+    )  # fmt: skip
+    try:
+        assert proc.stdin is not None
+        proc.stdin.write(XML.encode())
+        proc.stdin.close()
+        await asyncio.wait_for(connected.wait(), 30)  # the hook is waiting for the answer
+        proc.send_signal(signal.SIGSTOP)
+        await asyncio.sleep(3 * BUDGET)
+        proc.send_signal(signal.SIGCONT)
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        release.set()
+        server.close()
+        await server.wait_closed()
+    assert (proc.returncode, out) == (0, b"")
+    assert "event spooled to" in err.decode(), err
+    [file] = place.spooled()
+    event = parse_hook_line(file.read_bytes())
+    assert (event.domain, event.op, event.xml) == ("vm1", "reconnect", XML)
+    assert not [f for f in place.spool.iterdir() if f.name.startswith(".tmp-")]
 
 
 async def test_many_concurrent_hooks_are_all_answered(place: Place, agent: Recorder) -> None:
