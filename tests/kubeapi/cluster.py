@@ -18,6 +18,7 @@ import asyncio
 import copy
 import math
 import random
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -75,12 +76,16 @@ _SUFFIX_CHARS = "bcdfghjklmnpqrstvwxz2456789"  # what generateName draws from
 
 
 @dataclass(frozen=True)
-class _Event:
+class Change:
+    """One committed change: ADDED, MODIFIED or DELETED, the object after (for DELETED,
+    as it was) and before, and `at`, the wall-clock time (time.time()) of the commit."""
+
     rv: int
     resource: Resource
     type: str
     obj: Obj
     old: Obj | None
+    at: float
 
 
 class Watcher:
@@ -106,7 +111,7 @@ class Watcher:
     def push(self, kind: str, obj: Obj) -> None:
         self.queue.put_nowait({"type": kind, "object": copy.deepcopy(obj)})
 
-    def offer(self, event: _Event) -> None:
+    def offer(self, event: Change) -> None:
         if event.resource is not self.resource:
             return
         before = self.wants(event.old)
@@ -157,6 +162,9 @@ class Cluster:
     `replacement_node` (None: they stay Pending, unscheduled: there is no scheduler) and
     become Ready `replacement_ready_after` seconds later (None: never). `history` is how
     many events watches can resume from; an older resourceVersion gets 410 Expired.
+    `changes` keeps the last `kept_changes` commits with their times, for benchmarks
+    that time what the API server saw (when the last evicted pod went, when the node
+    was uncordoned).
     """
 
     def __init__(
@@ -166,13 +174,15 @@ class Cluster:
         replacement_node: str | None = None,
         replacement_ready_after: float | None = None,
         history: int = 1000,
+        kept_changes: int = 10000,
     ) -> None:
         self.termination_scale = termination_scale
         self.replacement_node = replacement_node
         self.replacement_ready_after = replacement_ready_after
         self._store: dict[str, dict[Key, Obj]] = {r.plural: {} for r in RESOURCES}
         self._rv = 100
-        self._history: deque[_Event] = deque(maxlen=history)
+        self._history: deque[Change] = deque(maxlen=history)
+        self.changes: deque[Change] = deque(maxlen=kept_changes)
         self._watchers: set[Watcher] = set()
         self._timers: set[asyncio.TimerHandle] = set()
         self._stuck: dict[str, set[tuple[Key, str]]] = {}  # node -> pods its kubelet owes
@@ -252,8 +262,10 @@ class Cluster:
             self._store[resource.plural][key] = new
             shown = new
             kind = "ADDED" if old is None else "MODIFIED"
-        event = _Event(self._rv, resource, kind, copy.deepcopy(shown), copy.deepcopy(old))
+        event = Change(self._rv, resource, kind, copy.deepcopy(shown), copy.deepcopy(old),
+                       time.time())
         self._history.append(event)
+        self.changes.append(event)
         for watcher in list(self._watchers):
             watcher.offer(event)
         if resource is NODES and new is not None:

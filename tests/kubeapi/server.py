@@ -14,6 +14,7 @@ import json
 import os
 import re
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,7 +107,8 @@ class StandIn:
         self.token = token
         self.watch_timeout = watch_timeout
         self.state_file = state_file
-        self.requests: list[tuple[str, str]] = []  # (method, path with query), oldest first
+        # (method, path with query, wall-clock time of arrival), oldest first
+        self.requests: list[tuple[str, str, float]] = []
         self._faults: list[Fault] = []
         self._web: web.Server | None = None
         self._listener: asyncio.Server | None = None
@@ -204,14 +206,19 @@ class StandIn:
 
     def requests_to(self, method: str, path: str) -> list[str]:
         """Paths (with query) of the requests seen so far with this method and path regex."""
-        return [p for m, p in self.requests if m == method and re.search(path, p)]
+        return [p for _, p in self.requests_at(method, path)]
+
+    def requests_at(self, method: str, path: str) -> list[tuple[float, str]]:
+        """(arrival time as time.time(), path with query) of the requests seen so far with
+        this method and path regex: what benchmarks time a drain by."""
+        return [(t, p) for m, p, t in self.requests if m == method and re.search(path, p)]
 
     # --- HTTP ----------------------------------------------------------------------------
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
         if request.path.startswith("/stand-in/"):
             return await self._control(request)
-        self.requests.append((request.method, request.path_qs))
+        self.requests.append((request.method, request.path_qs, time.time()))
         try:
             await self._apply_faults(request.method, request.path)
             if (

@@ -287,25 +287,30 @@ class Lab:
         _wait_for(lambda: (self.root / "journal").exists()
                   and any((self.root / "journal").iterdir()), 10, "journald to start")
 
-    def _start_libvirtd(self) -> None:
-        self.spawn("libvirtd", ["libvirtd", "--config", "/etc/libvirt/libvirtd.conf"],
-                   env={**os.environ, "LIBVIRT_LOG_OUTPUTS": "3:stderr"})
+    def _start_libvirtd(self, log_filters: str = "") -> None:
+        # Warnings and errors go to <root>/libvirtd.log; `log_filters` adds the debug
+        # messages of some categories, e.g. "1:util.command" (the benchmarks time hooks
+        # by it), the rest stays at warnings.
+        env = {**os.environ, "LIBVIRT_LOG_OUTPUTS": "1:stderr" if log_filters else "3:stderr"}
+        if log_filters:
+            env["LIBVIRT_LOG_FILTERS"] = log_filters
+        self.spawn("libvirtd", ["libvirtd", "--config", "/etc/libvirt/libvirtd.conf"], env=env)
         _wait_for(self._libvirtd_alive, 30, "libvirtd to answer")
 
     def _libvirtd_alive(self) -> bool:
         return self.virsh("version", check=False).returncode == 0
 
-    def restart_libvirtd(self) -> None:
+    def restart_libvirtd(self, *, log_filters: str = "") -> None:
         self.stop_libvirtd()
-        self.start_libvirtd()
+        self.start_libvirtd(log_filters=log_filters)
 
     def stop_libvirtd(self) -> None:
         """Stop libvirtd (running guests stay up); `start_libvirtd` brings it back."""
         _stop(self.procs.pop("libvirtd"))
 
-    def start_libvirtd(self) -> None:
+    def start_libvirtd(self, *, log_filters: str = "") -> None:
         if "libvirtd" not in self.procs:
-            self._start_libvirtd()
+            self._start_libvirtd(log_filters)
 
     # ---- the agent ----------------------------------------------------------
     @property
