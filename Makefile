@@ -48,14 +48,16 @@ unit: setup
 faults: setup
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/faults
 
-# Benchmarks, not tests: figures and ratios measured in one run, kept in bench/RESULTS.md.
+# Benchmarks, not tests: figures and ratios measured in one run, written with the
+# machine's description to bench/RESULTS.md (README's table is copied from there).
 bench: setup
 	{ echo "# Benchmark results"; echo; \
-	  echo "Measured $$(date -u '+%Y-%m-%d %H:%M UTC') on $$(nproc) CPUs ($$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')), $$(uname -sr)."; \
-	  echo; echo '```'; \
-	  $(VENV)/bin/python bench/hook.py --runs 500; echo; \
-	  $(VENV)/bin/python -m bench.agent; \
-	  echo '```'; } | tee bench/RESULTS.md
+	  echo "Measured $$(date -u '+%Y-%m-%d %H:%M UTC') on $$(nproc) CPUs ($$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')), $$(free -g | awk '/^Mem:/ {print $$2}') GiB, $$(uname -sr); libvirt $$(libvirtd --version | awk '{print $$NF}'), $$(qemu-system-x86_64 --version | head -1); the lab's guests run under TCG."; \
+	  echo; echo "What each figure measures, and between which boundaries: the docstrings of bench/hook.py, bench/cycle.py and bench/agent.py."; } > bench/RESULTS.md
+	$(VENV)/bin/python bench/hook.py --runs 500 --markdown bench/RESULTS.md
+	$(VENV)/bin/python -m bench.cycle --cycles 5 --markdown bench/RESULTS.md
+	$(VENV)/bin/python -m bench.agent --markdown bench/RESULTS.md
+	@echo; echo "written to bench/RESULTS.md"
 
 clean:
 	rm -rf $(STAMPS) .lab

@@ -1,0 +1,366 @@
+"""Reclaim and lend, timed in the lab: what hostagent adds on top of the steps that
+take the time anyway (the drain, the guests' own shutdown and boot, the cluster).
+
+    python -m bench.cycle [--cycles 5] [--markdown FILE]
+
+Each cycle runs the real swap of `make demo`: gpu-node (the lendee, a node of the
+Kubernetes API stand-in with three pods on it, two of them behind a
+PodDisruptionBudget) is lent; `virsh start gaming1` is deferred by the hook while the
+agent drains the node, shuts gpu-node down through its guest agent and starts gaming1;
+then `virsh shutdown --mode agent gaming1`, and the agent lends gpu-node again up to
+the uncordon. Every boundary is taken from the component that does the step, never
+from hostagent's own journal:
+
+- the bench's own libvirt connection: lifecycle events (gaming1 RESUMED and STARTED)
+  and guest-agent lifecycle events (qemu-ga connected its port);
+- libvirtd's debug log for the guest agent (`qemu.qemu_agent`, switched on at run
+  time through virt-admin): when libvirt sent `guest-shutdown`;
+- each domain's QEMU log, written by libvirtd: "starting up" (libvirt launches QEMU,
+  after the `prepare` and `start` hooks) and "shutting down" (QEMU has exited);
+- the Kubernetes API stand-in: when each request arrived and when each change was
+  committed.
+
+Reclaim: `virsh start gaming1` → gaming1's STARTED event. Inherent:
+  drain     first eviction request → the last evicted pod gone (as the API server saw it)
+  shutdown  libvirt sends guest-shutdown → gpu-node's QEMU has exited
+  start     libvirt launches gaming1's QEMU → gaming1's vCPUs run (RESUMED)
+Lend: gaming1's QEMU has exited → the node is uncordoned (as the API server saw it).
+Inherent:
+  relend_delay   the configured pause before lending again (policy.relend_delay)
+  boot           libvirt launches gpu-node's QEMU → its guest agent connects
+  cluster        then → the node Ready with every GPU allocatable (the lab kubelet's
+                 own pace; 0 if it was already so)
+Overhead = total − inherent: every hook run in those paths, the agent's reactions,
+its API calls, its in-guest GPU check, libvirt's own bookkeeping between steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import libvirt
+
+from tests.kubeapi.rules import NODES, PODS
+from tests.lab.cluster import LabCluster, lab_cluster
+from tests.lab.lab import LENDEE, Lab, need_lab
+
+OWNER = "gaming1"
+BUDGET_S = 0.5
+# libvirt's timestamps: "2026-01-02 03:04:05.678+0000: ..." (UTC, milliseconds).
+STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}\+\d{4}): (.*)$")
+
+
+def stamp(text: str) -> float:
+    return datetime.strptime(text, "%Y-%m-%d %H:%M:%S.%f%z").timestamp()
+
+
+def log_lines(path: Path) -> list[tuple[float, str]]:
+    """(time, rest of the line) for each timestamped line of a libvirt log."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        m = STAMP.match(line)
+        if m:
+            out.append((stamp(m[1]), m[2]))
+    return out
+
+
+class Events:
+    """The bench's own libvirt connection: lifecycle and guest-agent events, timed on
+    arrival (time.time())."""
+
+    def __init__(self, uri: str) -> None:
+        libvirt.virEventRegisterDefaultImpl()
+        self.seen: list[tuple[float, str, str]] = []  # (time, domain, what)
+        self._lock = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        self.conn = libvirt.open(uri)
+        names = {libvirt.VIR_DOMAIN_EVENT_STARTED: "started",
+                 libvirt.VIR_DOMAIN_EVENT_RESUMED: "resumed"}
+
+        def lifecycle(_c: Any, dom: Any, event: int, _detail: int, _o: Any) -> None:
+            if event in names:
+                self._add(dom.name(), names[event])
+
+        def agent(_c: Any, dom: Any, state: int, _reason: int, _o: Any) -> None:
+            if state == libvirt.VIR_CONNECT_DOMAIN_EVENT_AGENT_LIFECYCLE_STATE_CONNECTED:
+                self._add(dom.name(), "agent-connected")
+
+        self.conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_LIFECYCLE,
+                                         lifecycle, None)
+        self.conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_AGENT_LIFECYCLE,
+                                         agent, None)
+
+    def _run(self) -> None:
+        while not self._stop:
+            libvirt.virEventRunDefaultImpl()
+
+    def _add(self, dom: str, what: str) -> None:
+        with self._lock:
+            self.seen.append((time.time(), dom, what))
+            self._lock.notify_all()
+
+    def wait(self, dom: str, what: str, after: float, timeout: float = 180) -> float:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while (t := self._first(dom, what, after)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"no {what} event for {dom} within {timeout:g}s")
+                self._lock.wait(left)
+        return t
+
+    def _first(self, dom: str, what: str, after: float) -> float | None:
+        return next((t for t, d, w in self.seen if d == dom and w == what and t >= after), None)
+
+    def close(self) -> None:
+        self._stop = True
+        # A timer wakes virEventRunDefaultImpl so that the thread sees _stop.
+        libvirt.virEventAddTimeout(0, lambda *_: None, None)
+        self._thread.join(5)
+        self.conn.close()
+
+
+@dataclass
+class Cycle:
+    """One reclaim and one lend, each as (total, {inherent step: seconds},
+    {overhead gap: seconds})."""
+
+    reclaim: float = 0.0
+    reclaim_steps: dict[str, float] = field(default_factory=dict)
+    reclaim_gaps: dict[str, float] = field(default_factory=dict)
+    lend: float = 0.0
+    lend_steps: dict[str, float] = field(default_factory=dict)
+    lend_gaps: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def reclaim_overhead(self) -> float:
+        return self.reclaim - sum(self.reclaim_steps.values())
+
+    @property
+    def lend_overhead(self) -> float:
+        return self.lend - sum(self.lend_steps.values())
+
+
+def seed(kc: LabCluster, n: int) -> None:
+    """Cycle n's pods on gpu-node: a Deployment's pod and two StatefulSet pods behind a
+    PodDisruptionBudget of their own (minAvailable 1: the second eviction waits until
+    the first one's replacement is Ready elsewhere). The earlier cycles' pods, replaced
+    on cpu-node, stay there under other labels and budgets."""
+    cluster = kc.api.standin.cluster
+
+    def add() -> None:
+        if n == 0:
+            cluster.add_node("cpu-node")
+            cluster.add_pod("gpu-device-plugin-z7x", node=LENDEE, owner="DaemonSet/device-plugin",
+                            labels={"app": "device-plugin"})
+        cluster.add_pod(f"web-{n}-x2k8q", node=LENDEE, owner=f"ReplicaSet/web-{n}",
+                        labels={"app": f"web-{n}"})
+        for i in (1, 2):
+            cluster.add_pod(f"trainer-{n}-{i}", node=LENDEE, owner=f"StatefulSet/trainer-{n}",
+                            labels={"app": f"trainer-{n}"})
+        cluster.add_pdb(f"trainer-{n}", match_labels={"app": f"trainer-{n}"}, min_available=1)
+    kc.api.call(add)
+
+
+def changes(kc: LabCluster, after: float) -> list[Any]:
+    return kc.api.call(lambda: [c for c in kc.api.standin.cluster.changes if c.at >= after])
+
+
+def node_ok(node: dict[str, Any], gpus: int) -> bool:
+    ready = any(c["type"] == "Ready" and c["status"] == "True"
+                for c in node["status"].get("conditions", []))
+    return ready and node["status"].get("allocatable", {}).get("nvidia.com/gpu") == str(gpus)
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := cond()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.05)
+    return value
+
+
+def qemu_log(lab: Lab, dom: str, text: str, after: float) -> float:
+    """When libvirt wrote `text` in `dom`'s QEMU log, first time at or after `after`."""
+    path = lab.root / "log-libvirt" / "qemu" / f"{dom}.log"
+    return wait_for(lambda: next((t for t, rest in log_lines(path)
+                                  if rest.startswith(text) and t >= after - 0.001), None),
+                    10, f"{text!r} in {path}")
+
+
+def libvirtd_log(lab: Lab, text: str, after: float) -> float:
+    path = lab.root / "log-libvirt" / "libvirtd.log"
+    return wait_for(lambda: next((t for t, rest in log_lines(path)
+                                  if text in rest and t >= after - 0.001), None),
+                    10, f"{text!r} in {path}")
+
+
+def reclaim(lab: Lab, kc: LabCluster, ev: Events) -> Cycle:
+    c = Cycle()
+    t0 = time.time()
+    out = lab.virsh("start", OWNER, check=False)
+    if out.returncode == 0:
+        raise RuntimeError(f"virsh start {OWNER} was not deferred: the lendee was not lent")
+    started = ev.wait(OWNER, "started", t0)
+    resumed = ev.wait(OWNER, "resumed", t0)
+    evictions = [t for t, _ in kc.api.standin.requests_at("POST", "/eviction$") if t >= t0]
+    gone = [ch.at for ch in changes(kc, t0) if ch.resource is PODS and ch.type == "DELETED"
+            and ch.obj["spec"].get("nodeName") == LENDEE]
+    shutdown_sent = libvirtd_log(lab, '"execute":"guest-shutdown"', t0)
+    lendee_exit = qemu_log(lab, LENDEE, "shutting down", t0)
+    owner_launch = qemu_log(lab, OWNER, "starting up", t0)
+    c.reclaim = started - t0
+    c.reclaim_steps = {"drain": max(gone) - min(evictions),
+                       "guest shutdown": lendee_exit - shutdown_sent,
+                       "owner start": resumed - owner_launch}
+    c.reclaim_gaps = {"virsh start → first eviction": min(evictions) - t0,
+                      "last pod gone → guest-shutdown sent": shutdown_sent - max(gone),
+                      "lendee exited → owner's QEMU launched": owner_launch - lendee_exit,
+                      "owner running → STARTED event": started - resumed}
+    return c
+
+
+def lend(lab: Lab, kc: LabCluster, ev: Events, c: Cycle, relend_delay: float) -> None:
+    t1 = time.time()
+    out = lab.virsh("shutdown", "--mode", "agent", OWNER, check=False)
+    # qemu-ga may power the guest off before its answer is out: the shutdown goes on.
+    if out.returncode != 0 and "End of file from agent socket" not in out.stderr:
+        raise RuntimeError(f"virsh shutdown {OWNER} failed: {out.stderr.strip()}")
+    uncordoned = wait_for(lambda: next(
+        (ch.at for ch in changes(kc, t1) if ch.resource is NODES and ch.type == "MODIFIED"
+         and (ch.old or {}).get("spec", {}).get("unschedulable")
+         and not ch.obj["spec"].get("unschedulable")), None), 180, "the uncordon")
+    owner_exit = qemu_log(lab, OWNER, "shutting down", t1)
+    launch = qemu_log(lab, LENDEE, "starting up", owner_exit)
+    agent_up = ev.wait(LENDEE, "agent-connected", launch)
+    # The last time the node became Ready with every GPU before the uncordon (the lab
+    # kubelet may post a stale GPU count while the guest boots: that one is not it).
+    node_back = max(ch.at for ch in changes(kc, launch)
+                    if ch.resource is NODES and ch.at <= uncordoned and node_ok(ch.obj, 2)
+                    and not node_ok(ch.old or {"status": {}}, 2))
+    c.lend = uncordoned - owner_exit
+    c.lend_steps = {"relend_delay": relend_delay,
+                    "lendee boot to guest agent": agent_up - launch,
+                    "Ready and GPUs after that": max(0.0, node_back - agent_up)}
+    c.lend_gaps = {"owner exited → lendee launched, beyond relend_delay":
+                   launch - owner_exit - relend_delay,
+                   "node Ready with GPUs → uncordoned": uncordoned - max(agent_up, node_back)}
+
+
+def enable_agent_log(lab: Lab) -> None:
+    """libvirtd's guest-agent commands into /var/log/libvirt/libvirtd.log (the lab's
+    log-libvirt/), switched on at run time: the rest of its logging is unchanged."""
+    admin = f"libvirtd:///system?socket={lab.root}/run-libvirt/libvirt-admin-sock"
+    for args in (("daemon-log-filters", "1:qemu.qemu_agent"),
+                 ("daemon-log-outputs", "1:file:/var/log/libvirt/libvirtd.log 3:stderr")):
+        subprocess.run(["virt-admin", "-c", admin, *args], check=True, capture_output=True)
+
+
+def run(cycles: int) -> list[Cycle]:
+    lab = Lab(Path(tempfile.mkdtemp(prefix="hostagent-bench-")))
+    relend_delay = 2.0
+    done: list[Cycle] = []
+    try:
+        lab.up()
+        lab.reset()
+        enable_agent_log(lab)
+        ev = Events(lab.uri)
+        try:
+            with lab_cluster(lab, workloads=False) as kc:
+                lab.write_config(lab.config_text(relend_delay=f"{relend_delay:g}s",
+                                                 kubeconfig=kc.kubeconfig))
+                lab.start_agent()
+                for n in range(cycles):
+                    seed(kc, n)
+                    wait_for(lambda n=n: len(lab.records(event="phase", to="lent")) > n, 180,
+                             "gpu-node lent")
+                    wait_for(lambda: not kc.node()["spec"].get("unschedulable"), 60,
+                             "the node uncordoned")
+                    c = reclaim(lab, kc, ev)
+                    lab.wait_agent(OWNER)  # `virsh shutdown --mode agent` needs it
+                    lend(lab, kc, ev, c, relend_delay)
+                    done.append(c)
+                    print(f"cycle {n + 1}/{cycles}: reclaim {c.reclaim:.2f}s "
+                          f"(overhead {c.reclaim_overhead * 1000:.0f} ms), lend {c.lend:.2f}s "
+                          f"(overhead {c.lend_overhead * 1000:.0f} ms)", file=sys.stderr)
+        finally:
+            ev.close()
+    finally:
+        lab.down()
+    return done
+
+
+def ms(s: float) -> str:
+    return f"{s * 1000:.0f} ms"
+
+
+def table(cycles: list[Cycle]) -> list[tuple[str, str, str]]:
+    def stat(values: list[float], unit: Callable[[float], str] = ms) -> str:
+        return f"median {unit(statistics.median(values))}, max {unit(max(values))}"
+
+    rows: list[tuple[str, str, str]] = []
+    for name, total, steps, gaps, over in (
+            ("reclaim", lambda c: c.reclaim, lambda c: c.reclaim_steps, lambda c: c.reclaim_gaps,
+             lambda c: c.reclaim_overhead),
+            ("lend", lambda c: c.lend, lambda c: c.lend_steps, lambda c: c.lend_gaps,
+             lambda c: c.lend_overhead)):
+        totals = [total(c) for c in cycles]
+        inherent = [sum(steps(c).values()) for c in cycles]
+        overheads = [over(c) for c in cycles]
+        worst = max(overheads)
+        rows.append((f"{name}: total", stat(totals, lambda s: f"{s:.2f} s"),
+                     f"{len(cycles)} cycles"))
+        for step in steps(cycles[0]):
+            rows.append((f"{name}: inherent: {step}",
+                         stat([steps(c)[step] for c in cycles]), ""))
+        rows.append((f"{name}: overhead", stat(overheads),
+                     f"budget < {BUDGET_S * 1000:.0f} ms: "
+                     f"{'met' if worst < BUDGET_S else 'MISSED'}"))
+        ratios = [t / i for t, i in zip(totals, inherent, strict=True)]
+        rows.append((f"{name}: total / inherent", f"median {statistics.median(ratios):.3f}, "
+                     f"max {max(ratios):.3f}", ""))
+        for gap in gaps(cycles[0]):
+            rows.append((f"{name}: of the overhead: {gap}",
+                         stat([gaps(c)[gap] for c in cycles]), ""))
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cycles", type=int, default=5)
+    ap.add_argument("--markdown", type=Path, help="append the table to this file")
+    opts = ap.parse_args()
+    reason = need_lab()
+    if reason:
+        print(f"bench: {reason}", file=sys.stderr)
+        return 1
+    rows = table(run(opts.cycles))
+    width = max(len(r[0]) for r in rows)
+    for name, figure, note in rows:
+        print(f"{name:<{width}}  {figure:<28}  {note}")
+    if opts.markdown:
+        with opts.markdown.open("a") as f:
+            f.write("\n| reclaim and lend | figure | note |\n|---|---|---|\n")
+            f.writelines(f"| {a} | {b} | {c} |\n" for a, b, c in rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
