@@ -11,13 +11,18 @@ pytestmark = pytest.mark.lab
 
 
 def test_guest_agent_never_up(lab: Lab, fault: Scenario) -> None:
-    """guest agent never up: FAILED, no destroy, the request waits"""
+    """guest agent never up: FAILED with a screenshot, no destroy, the request waits"""
     lab.define("gpu-node", agent_delay=600)
     config(lab, guest_agent="3s")
     lab.start_agent()
     # Booted, but its agent never answered: not lent, and left running.
     failed = lab.wait_record(30, event="phase", to="failed")
     assert failed["HOSTAGENT_FROM"] == "booting" and failed["PRIORITY"] == "3"
+    # The one witness of a dead boot, its screen, is kept and named in an error record.
+    boot = lab.wait_record(event="boot", result="failed")
+    assert boot["PRIORITY"] == "3"
+    screen = lab.path(boot["HOSTAGENT_SCREENSHOT"])
+    assert screen.stat().st_size > 0 and str(screen.name) in boot["MESSAGE"]
     refused = fault.start_owner("gaming1")
     assert refused.returncode != 0 and "is stuck" in refused.stderr
     fault.fault()
