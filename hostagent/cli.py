@@ -105,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
               f"lendee {cfg.lendee.domain})")
         return 0
     if args.command == "run":
-        logging.basicConfig(level=logging.INFO, handlers=[journal.LogHandler()])
+        # The journal record is the message itself; level and logger are fields of it.
+        logging.basicConfig(level=logging.INFO, format="%(message)s",
+                            handlers=[journal.LogHandler()])
         from hostagent import agent  # libvirt and friends only where needed
         return agent.run(cfg)
     if args.command in ("play", "release", "reclaim"):
