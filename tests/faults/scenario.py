@@ -301,7 +301,7 @@ class Scenario:
             agent.send_signal(signal.SIGCONT)
         if "libvirtd" not in self.lab.procs or self.lab.procs["libvirtd"].poll() is not None:
             self.lab.procs.pop("libvirtd", None)
-            start_libvirtd(self.lab)
+            self.lab.start_libvirtd()
 
     # ---- faults -----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -341,10 +341,6 @@ def kill_libvirtd(lab: Lab) -> None:
     proc = lab.procs.pop("libvirtd")
     proc.kill()
     proc.wait(10)
-
-
-def start_libvirtd(lab: Lab) -> None:
-    lab._start_libvirtd()
 
 
 def qemu_pid(lab: Lab, name: str) -> int:

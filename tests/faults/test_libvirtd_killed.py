@@ -16,7 +16,6 @@ from tests.faults.scenario import (
     alive,
     kill_libvirtd,
     qemu_pid,
-    start_libvirtd,
     status,
     wait_for,
     wait_lent,
@@ -33,14 +32,16 @@ def outage(lab: Lab, fault: Scenario, *guests: str) -> None:
     fault.fault()
     time.sleep(1)
     assert all(alive(pid) for pid in pids.values())
-    start_libvirtd(lab)
+    lab.start_libvirtd()
     for g, pid in pids.items():
         assert lab.state(g) == "running" and qemu_pid(lab, g) == pid, g
 
 
 def test_mid_reclaim(lab: Lab, fault: Scenario) -> None:
     """libvirtd SIGKILLed mid-reclaim (waiting for the guest agent)"""
-    lab.define("gpu-node", agent_delay=3)
+    # Long enough that the guest agent cannot come up, and the agent-shutdown go
+    # through, before the outage below is over and checked.
+    lab.define("gpu-node", agent_delay=8)
     lab.write_config(relend_delay="1s")
     lab.start_agent()
     lab.wait_record(event="phase", to="booting")

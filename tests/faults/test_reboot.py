@@ -8,7 +8,6 @@ from tests.faults.scenario import (
     Scenario,
     power_cut,
     qemu_pids,
-    start_libvirtd,
     status,
     wait_lent,
 )
@@ -31,7 +30,7 @@ def test_host_rebooted_with_a_pending_intent(lab: Lab, fault: Scenario) -> None:
         assert not qemu_pids(lab)
         assert 'owner = "gaming1"' in (lab.root / "var-lib-hostagent" / "state.toml").read_text()
         # Boot: libvirtd, then the agent, as systemd orders them.
-        start_libvirtd(lab)  # a fresh /run/libvirt: libvirtd takes seconds here
+        lab.start_libvirtd()  # a fresh /run/libvirt: libvirtd takes seconds here
         assert lab.running() == []
         lab.start_agent()
         lab.wait_state("gaming1", "running", timeout=60)
