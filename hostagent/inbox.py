@@ -24,7 +24,8 @@ import os
 import stat
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,6 +34,9 @@ PROTOCOL_VERSION = 1
 # (its LINE_CAP): the rest is room for the other fields and JSON escapes.
 MAX_LINE = 8 * 1024 * 1024 + 64 * 1024
 REMEMBERED_IDS = 4096
+# A hook's temporary spool file lives for a few milliseconds (its whole budget is under
+# a second); one older than this was left by a hook that was killed while writing it.
+STALE_TEMP_SECONDS = 60.0
 _EXCERPT = 80
 
 
@@ -47,6 +51,11 @@ class HookEvent:
     sub: str
     extra: str
     xml: str
+    # True when it was read from the spool (the hook could not deliver it live): libvirt
+    # went ahead without an answer. Where an event came from, never the clock, says
+    # whether its answer can still matter (a clock stepped back at boot would make
+    # every live event look old).
+    spooled: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,9 +134,13 @@ def parse_hook_line(line: bytes) -> HookEvent:
     if not strings["id"]:
         raise ProtocolError("field 'id' is empty")
     when = _field(value, "time", "number")
-    if not math.isfinite(when):
+    try:
+        seconds = float(when)  # an integer past float's range raises OverflowError
+    except OverflowError:
+        raise ProtocolError("field 'time' is too large for a time") from None
+    if not math.isfinite(seconds):
         raise ProtocolError(f"field 'time' is {when}, expected a finite number")
-    return HookEvent(time=float(when), **strings)
+    return HookEvent(time=seconds, **strings)
 
 
 def _field(obj: dict[str, Any], name: str, expected: Literal["string", "integer", "number"]) -> Any:
@@ -270,37 +283,73 @@ async def _handle_line(inbox: Inbox, line: bytes, log: logging.Logger) -> bytes:
 async def replay_spool(spool: Path, handler: Handler | Inbox, *, log: logging.Logger) -> int:
     """Hand every spooled event to the handler, oldest first; return how many files.
 
-    An event whose id the inbox already handled counts, but is not handled again.
+    Each event is marked `spooled`. An event whose id the inbox already handled counts,
+    but is not handled again. Run it before serving live hook events (see `serve_hooks`),
+    so that what happened while the agent was down comes first.
 
     A file is deleted only once the handler has returned, so an agent that crashes
     here replays it next time. A handler exception propagates and leaves the file and
-    all later ones in place (their order matters). A file that is not a valid event is
-    moved to `spool/bad/` with a warning, never silently dropped.
+    all later ones in place (their order matters). A file that is not a valid event, or
+    cannot be read, is moved to `spool/bad/` with a warning, never silently dropped and
+    never allowed to stop the replay (a poison file would stop every start). Temporary
+    files a killed hook left behind (``.tmp-*``, older than `STALE_TEMP_SECONDS`) are
+    removed.
     """
     inbox = _as_inbox(handler)
     try:
-        names = sorted(
-            entry.name
-            for entry in os.scandir(spool)
-            # Dot files are the hook's temporary files, perhaps still being written.
-            if entry.name.endswith(".json")
-            and not entry.name.startswith(".")
-            and entry.is_file(follow_symlinks=False)
-        )
+        entries = list(os.scandir(spool))
     except FileNotFoundError:
         return 0
+    _remove_stale_temps(spool, entries, log)
+    names = sorted(
+        entry.name
+        for entry in entries
+        # Dot files are the hook's temporary files, perhaps still being written.
+        if entry.name.endswith(".json")
+        and not entry.name.startswith(".")
+        and entry.is_file(follow_symlinks=False)
+    )
     handled = 0
     for name in names:
         file = spool / name
         try:
             event = parse_hook_line(file.read_bytes())
-        except ProtocolError as e:
-            bad = spool / "bad"
-            bad.mkdir(mode=0o700, exist_ok=True)
-            file.rename(bad / name)
-            log.warning("spool: %s is not a valid hook event (%s); moved to %s", file, e, bad)
+        except FileNotFoundError:
+            continue  # removed meanwhile (another replay, an administrator)
+        except (ProtocolError, OSError, ValueError, OverflowError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            _set_aside(spool, name, why, log)
             continue
-        await inbox(event)
-        file.unlink()
+        await inbox(replace(event, spooled=True))
+        file.unlink(missing_ok=True)
         handled += 1
     return handled
+
+
+def _set_aside(spool: Path, name: str, why: str, log: logging.Logger) -> None:
+    bad = spool / "bad"
+    try:
+        bad.mkdir(mode=0o700, exist_ok=True)
+        (spool / name).rename(bad / name)
+    except OSError as e:
+        log.error("spool: %s is not a valid hook event (%s) and could not be moved to %s "
+                  "(%s); skipped", spool / name, why, bad, e.strerror or e)
+        return
+    log.warning("spool: %s is not a valid hook event (%s); moved to %s", spool / name, why, bad)
+
+
+def _remove_stale_temps(spool: Path, entries: list[os.DirEntry[str]],
+                        log: logging.Logger) -> None:
+    now = time.time()
+    for entry in entries:
+        if not entry.name.startswith(".tmp-"):
+            continue
+        try:
+            if (not entry.is_file(follow_symlinks=False)
+                    or now - entry.stat(follow_symlinks=False).st_mtime < STALE_TEMP_SECONDS):
+                continue
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        log.info("spool: removed %s, left by a hook that was stopped while writing it",
+                 entry.path)

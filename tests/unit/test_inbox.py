@@ -419,3 +419,68 @@ async def test_replay_shares_dedupe_with_the_socket(sock: Path, tmp_path: Path) 
 
 async def test_replay_of_a_missing_spool_is_nothing(tmp_path: Path) -> None:
     assert await replay_spool(tmp_path / "absent", Recorder(), log=log) == 0
+
+
+async def test_replay_moves_a_time_that_overflows_a_float_aside(tmp_path: Path) -> None:
+    # An integer too large for a float made math.isfinite raise OverflowError, which
+    # escaped replay_spool: the agent crash-looped on the same file at every start.
+    spool = tmp_path / "spool"
+    spool_file(spool, 1, "a")
+    poison = spool_file(spool, 2, "b", line(id="b", time=10**400))
+    spool_file(spool, 3, "c")
+    recorder = Recorder()
+    assert await replay_spool(spool, recorder, log=log) == 2
+    assert [e.id for e in recorder.events] == ["a", "c"]
+    assert (spool / "bad" / poison.name).exists()
+    with pytest.raises(ProtocolError, match="time"):
+        parse_hook_line(line(time=10**400))
+
+
+async def test_replay_moves_an_unreadable_file_aside_and_goes_on(tmp_path: Path) -> None:
+    spool = tmp_path / "spool"
+    spool_file(spool, 1, "a")
+    (spool / f"{2:020d}-dir.json").mkdir()  # not a regular file: skipped, left alone
+    spool_file(spool, 3, "b", b"\xff" * 100)
+    spool_file(spool, 4, "c", b"")
+    spool_file(spool, 5, "d")
+    recorder = Recorder()
+    assert await replay_spool(spool, recorder, log=log) == 2
+    assert [e.id for e in recorder.events] == ["a", "d"]
+    assert len(list((spool / "bad").iterdir())) == 2
+
+
+async def test_replayed_events_say_they_were_spooled(tmp_path: Path, sock: Path) -> None:
+    # The agent decides live-or-stale by where an event came from, not by the clock.
+    spool = tmp_path / "spool"
+    spool_file(spool, 1, "from-spool")
+    recorder = Recorder()
+    inbox = Inbox(recorder)
+    assert await replay_spool(spool, inbox, log=log) == 1
+    server = await serve_hooks(sock, inbox, log=log)
+    try:
+        client = await connect(sock)
+        await client.ask(line(id="live"))
+        await client.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert [(e.id, e.spooled) for e in recorder.events] == [("from-spool", True),
+                                                            ("live", False)]
+
+
+async def test_replay_removes_temporary_files_left_by_a_killed_hook(tmp_path: Path) -> None:
+    import os
+    import time as _time
+    spool = tmp_path / "spool"
+    spool_file(spool, 1, "a")
+    old = spool / ".tmp-00000000000000000001-dead"
+    old.write_bytes(b'{"v":1,"ki')
+    watchdog = spool / ".tmp-00000000000000000002-dead-watchdog"
+    watchdog.write_bytes(b"")
+    stamp = _time.time() - 3600
+    os.utime(old, (stamp, stamp))
+    os.utime(watchdog, (stamp, stamp))
+    fresh = spool / ".tmp-00000000000000000003-writing"  # a hook writing it now
+    fresh.write_bytes(b"{")
+    assert await replay_spool(spool, Recorder(), log=log) == 1
+    assert sorted(p.name for p in spool.iterdir()) == [fresh.name]
