@@ -12,6 +12,7 @@ in ``state.toml`` under ``state_dir``::
     lendee_phase = "draining"
     lendee_phase_since = 2026-01-10T20:15:02.125000+00:00
     last_verified = 2026-01-10T18:00:41+00:00
+    relend_at = 2026-01-10T21:00:00+00:00
 
     [[intents]]
     id = "0b9e2c7a"
@@ -83,6 +84,9 @@ class State:
     lendee_phase: str | None = None  # the state machine's name for it; None: unknown
     lendee_phase_since: datetime | None = None
     last_verified: datetime | None = None  # when the lent GPUs were last seen working
+    # When the lendee gets its GPUs back after an owner stopped (policy.relend_delay):
+    # kept so that a restart waits out the delay instead of lending at once.
+    relend_at: datetime | None = None
 
 
 class _Corrupt(Exception):
@@ -143,6 +147,7 @@ def _decode(data: bytes) -> State:
         lendee_phase=_get(doc, "lendee_phase", str, None),
         lendee_phase_since=_time(doc, "lendee_phase_since"),
         last_verified=_time(doc, "last_verified"),
+        relend_at=_time(doc, "relend_at"),
     )
     ids = [intent.id for intent in state.intents]
     if len(set(ids)) != len(ids):
@@ -197,6 +202,7 @@ def _encode(state: State) -> dict[str, Any]:
         "lendee_phase": state.lendee_phase,
         "lendee_phase_since": _aware(state.lendee_phase_since, "lendee_phase_since"),
         "last_verified": _aware(state.last_verified, "last_verified"),
+        "relend_at": _aware(state.relend_at, "relend_at"),
     }
     doc.update((k, v) for k, v in optional.items() if v is not None)
     doc["intents"] = [

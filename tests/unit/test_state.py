@@ -202,3 +202,27 @@ def test_hold_survives_a_restart(tmp_path: Path) -> None:
     assert warning is None and loaded.hold is True
     save_state(path, State())
     assert load_state(path)[0].hold is False
+
+
+def test_relend_time_survives_a_restart(tmp_path: Path) -> None:
+    # Without it, an agent restarted during policy.relend_delay lent the GPUs at once.
+    path = tmp_path / "state.toml"
+    at = T0 + timedelta(minutes=5)
+    save_state(path, State(relend_at=at))
+    assert tomllib.loads(path.read_text())["relend_at"] == at
+    assert load_state(path) == (State(relend_at=at), None)
+
+
+def test_a_file_written_before_relend_at_existed_loads(tmp_path: Path) -> None:
+    path = tmp_path / "state.toml"
+    path.write_text('version = 1\ncordoned_by_us = false\nhold = true\nintents = []\n')
+    assert load_state(path) == (State(hold=True), None)
+    save_state(path, State())
+    assert "relend_at" not in tomllib.loads(path.read_text())
+
+
+def test_a_naive_relend_time_sets_the_file_aside(tmp_path: Path) -> None:
+    path = tmp_path / "state.toml"
+    path.write_text('version = 1\nrelend_at = 2026-01-10T21:00:00\n')
+    state, warning = load_state(path)
+    assert state == State() and warning is not None and "relend_at" in warning
