@@ -5,26 +5,45 @@ begin` hook synchronously, and the hook waits for *this* process to answer on th
 hook socket. A libvirt call made on the event loop would block the loop that must
 answer it: a deadlock. So the loop only ever awaits `asyncio.to_thread(...)`.
 
-libvirt errors become our own small tree (`HostError`, `DomainNotFound`,
-`Disconnected`), raised `from` the original, here and nowhere else.
+libvirt errors become our own small tree, raised `from` the original, here and
+nowhere else::
+
+    HostError              a libvirt operation failed
+    ├── DomainNotFound     no such domain
+    ├── Disconnected       libvirtd went away (the adapter reconnects by itself)
+    └── HookRefused        a hook stopped a start: ours, deferring it (never retry it)
+
+The lendee runs with the GPUs that are free (partial lending, DESIGN.md invariant 9):
+`Libvirt.start_with` reads its persistent definition, leaves out the devices of the
+GPUs to keep free (`hostagent.devices`) and runs the result with ``createXML`` on the
+same name and UUID. libvirt then runs the persistent domain with that live definition
+for this boot only: ``dominfo`` still says persistent, the inactive definition is
+untouched, and once it stops the full definition is what remains. The persistent
+definition is never edited: a crash in the middle would leave it stripped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import contextlib
 import enum
 import json
 import logging
 import random
+import re
 import time
-from collections.abc import Callable
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import libvirt
 import libvirtaio
+
+from hostagent import devices
+from hostagent.config import Gpu
 
 log = logging.getLogger("hostagent.libvirt")
 T = TypeVar("T")
@@ -40,6 +59,28 @@ class DomainNotFound(HostError):
 
 class Disconnected(HostError):
     """libvirtd went away; the adapter reconnects by itself."""
+
+
+class HookRefused(HostError):
+    """A hook (ours: the agent deferred the start) made libvirt refuse to start a VM.
+
+    `sentence` is what the hook wrote on stderr, for the journal. Starting again only
+    asks the same hook the same question: wait for what it waits for instead."""
+
+    def __init__(self, message: str, *, sentence: str) -> None:
+        super().__init__(message)
+        self.sentence = sentence
+
+
+# libvirt 9.0: "Hook script execution failed: internal error: Child process (LC_ALL=C
+# ... /etc/libvirt/hooks/qemu gaming1 prepare begin -) unexpected exit status 1: <stderr>"
+_HOOK_STDERR = re.compile(r"unexpected exit status \d+:\s*(.*)\Z", re.DOTALL)
+
+
+def hook_sentence(message: str) -> str:
+    """What the hook said, out of libvirt's message about its failure."""
+    m = _HOOK_STDERR.search(message)
+    return (m.group(1) if m else message).strip()
 
 
 class Lifecycle(enum.StrEnum):
@@ -59,6 +100,8 @@ LifecycleCallback = Callable[[str, Lifecycle], None]
 ReconnectCallback = Callable[[], None]
 
 _event_impl_registered = False
+# The persistent definition with its secrets: what the next plain start would run.
+_INACTIVE_SECURE = libvirt.VIR_DOMAIN_XML_INACTIVE | libvirt.VIR_DOMAIN_XML_SECURE
 
 
 def _register_event_impl() -> None:
@@ -165,6 +208,10 @@ class Libvirt:
             code = e.get_error_code()
             if code == libvirt.VIR_ERR_NO_DOMAIN:
                 raise DomainNotFound(f"{what}: {e.get_error_message()}") from e
+            if code == libvirt.VIR_ERR_HOOK_SCRIPT_FAILED:
+                sentence = hook_sentence(e.get_error_message())
+                raise HookRefused(f"{what}: refused by the hook: {sentence}",
+                                  sentence=sentence) from e
             if code in (libvirt.VIR_ERR_SYSTEM_ERROR, libvirt.VIR_ERR_INTERNAL_ERROR,
                         libvirt.VIR_ERR_RPC) and not conn.isAlive():
                 self._lost()
@@ -184,7 +231,29 @@ class Libvirt:
                                 lambda c: bool(c.lookupByName(name).isActive()))
 
     async def xml(self, name: str) -> str:
+        """The domain's XML: the live definition while it runs, else the persistent one."""
         return await self._call(f"XML of {name}", lambda c: str(c.lookupByName(name).XMLDesc()))
+
+    async def inactive_xml(self, name: str) -> str:
+        """The persistent definition, as the next plain start would use it (secrets
+        included: it may be handed to ``createXML``)."""
+        return await self._call(f"persistent XML of {name}", lambda c: str(
+            c.lookupByName(name).XMLDesc(_INACTIVE_SECURE)))
+
+    async def live_gpus(self, name: str, gpus: Mapping[str, Gpu]) -> frozenset[str]:
+        """Labels of `gpus` the running domain holds now; empty when it is not running."""
+        def read(c: Any) -> str | None:
+            xml = str(c.lookupByName(name).XMLDesc())
+            # A running domain's XML carries its id; a stopped one's is the persistent
+            # definition, which lists every GPU and says nothing of what runs.
+            return xml if ET.fromstring(xml).get("id") is not None else None
+        xml = await self._call(f"live XML of {name}", read)
+        if xml is None:
+            return frozenset()
+        try:
+            return devices.gpus_in(xml, gpus)
+        except devices.XmlError as e:
+            raise HostError(f"live XML of {name}: {e}") from e
 
     # ---- actions ----------------------------------------------------------
     async def start(self, name: str) -> None:
@@ -193,6 +262,34 @@ class Libvirt:
             if not dom.isActive():
                 dom.create()
         await self._call(f"start {name}", create)
+
+    async def start_with(self, name: str, *, drop: Collection[str],
+                         gpus: Mapping[str, Gpu]) -> None:
+        """Start `name` without the devices of the GPUs labelled `drop` (all their PCI
+        functions, and what is aliased to them: `hostagent.devices`), for this boot only.
+
+        With nothing to drop it is a plain start. Otherwise the persistent definition
+        is read (inactive, secrets included), stripped and run with ``createXML`` on
+        the same name and UUID; the persistent definition itself is never changed.
+        Already running: nothing to do. Raises HookRefused when a hook defers the start,
+        HostError (naming the GPU) when the definition lacks a GPU to drop.
+        """
+        if not drop:
+            await self.start(name)
+            return
+        left_out = ", ".join(sorted(drop))
+
+        def create(c: Any) -> None:
+            dom = c.lookupByName(name)
+            if dom.isActive():
+                return
+            try:
+                xml = devices.without(str(dom.XMLDesc(_INACTIVE_SECURE)), drop, gpus)
+            except (devices.XmlError, devices.GpuNotInXml, KeyError) as e:
+                # Not a libvirtError: _call lets it through as it is.
+                raise HostError(f"start {name} without {left_out}: {e}") from e
+            c.createXML(xml, 0)
+        await self._call(f"start {name} without {left_out}", create)
 
     async def shutdown_via_agent(self, name: str) -> None:
         """Ask the guest to power off through its agent (never ACPI, never destroy)."""
@@ -209,13 +306,20 @@ class Libvirt:
 
     async def agent_command(self, name: str, command: dict[str, Any], *,
                             timeout: int = 5) -> Any:
+        """The ``return`` of a guest-agent command. The guest is not trusted (the lendee
+        runs arbitrary pods): a reply that is not a JSON object is a HostError."""
         import libvirt_qemu  # part of libvirt-python; loaded only where used
 
-        def run(c: Any) -> Any:
-            out = libvirt_qemu.qemuAgentCommand(c.lookupByName(name), json.dumps(command),
-                                                timeout, 0)
-            return json.loads(out).get("return")
-        return await self._call(f"guest agent of {name}: {command['execute']}", run)
+        what = f"guest agent of {name}: {command['execute']}"
+        out = await self._call(what, lambda c: libvirt_qemu.qemuAgentCommand(
+            c.lookupByName(name), json.dumps(command), timeout, 0))
+        try:
+            reply = json.loads(out)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise HostError(f"{what}: the reply is not JSON ({_short(e)})") from e
+        if not isinstance(reply, dict):
+            raise HostError(f"{what}: the reply is not a JSON object: {_short(reply)}")
+        return reply.get("return")
 
     async def ping_agent(self, name: str, *, timeout: int = 3) -> bool:
         """True once the guest agent answers guest-ping."""
@@ -229,15 +333,28 @@ class Libvirt:
 
     async def guest_exec(self, name: str, path: str, args: list[str], *,
                          timeout: float = 30) -> ExecResult:
+        """Run `path` in the guest and wait for it; HostError for whatever goes wrong,
+        a malformed reply from the guest included."""
+        what = f"guest agent of {name}: {path}"
         started = await self.agent_command(name, {"execute": "guest-exec", "arguments": {
             "path": path, "arg": args, "capture-output": True}})
-        status = {"execute": "guest-exec-status", "arguments": {"pid": started["pid"]}}
+        pid = started.get("pid") if isinstance(started, dict) else None
+        if type(pid) is not int:
+            raise HostError(f"{what}: guest-exec answered without a process id: "
+                            f"{_short(started)}")
+        status = {"execute": "guest-exec-status", "arguments": {"pid": pid}}
         deadline = time.monotonic() + timeout
         while True:
             ret = await self.agent_command(name, status)
-            if ret.get("exited"):
-                return ExecResult(int(ret.get("exitcode", -1)), _text(ret.get("out-data", "")),
-                                  _text(ret.get("err-data", "")))
+            if not isinstance(ret, dict):
+                raise HostError(f"{what}: guest-exec-status answered {_short(ret)}")
+            if ret.get("exited") is True:
+                exitcode = ret.get("exitcode", -1)  # absent: killed by a signal
+                if type(exitcode) is not int or not -2**31 <= exitcode < 2**31:
+                    raise HostError(f"{what}: the exit code is not a 32-bit integer: "
+                                    f"{_short(exitcode)}")
+                return ExecResult(exitcode, _text(ret.get("out-data", ""), what),
+                                  _text(ret.get("err-data", ""), what))
             if time.monotonic() > deadline:
                 raise HostError(f"{path} in {name} did not finish within {timeout:g}s")
             await asyncio.sleep(0.2)
@@ -263,8 +380,19 @@ class Libvirt:
         return await self._call(f"screenshot of {name}", take)
 
 
-def _text(b64: str) -> str:
-    return base64.b64decode(b64).decode(errors="replace")
+def _text(b64: object, what: str) -> str:
+    if not isinstance(b64, str):
+        raise HostError(f"{what}: the output is not a base64 string: {_short(b64)}")
+    try:
+        return base64.b64decode(b64, validate=True).decode(errors="replace")
+    except (binascii.Error, ValueError) as e:
+        raise HostError(f"{what}: the output is not valid base64 ({e})") from e
+
+
+def _short(value: object) -> str:
+    """A guest's reply, cut short for a message (it may be huge)."""
+    text = repr(value) if not isinstance(value, BaseException) else str(value)
+    return text[:120] + ("…" if len(text) > 120 else "")
 
 
 def read_domain_xmls(uri: str, names: list[str] | None = None) -> dict[str, str]:
