@@ -179,3 +179,51 @@ def test_only_the_last_five_per_vm_are_kept(tmp_path: Path) -> None:
     assert [n for n in kept if n.startswith("gpu-node-2026")] == [
         f"gpu-node-20260912T{h:02d}0000.000000Z.png" for h in range(2, 7)]
     assert other.name in kept  # another VM's (even with a name that starts alike) stay
+
+
+def _read_png(data: bytes) -> tuple[int, int, bytes]:
+    """(width, height, RGB bytes) of an 8-bit RGB PNG with no filters: what we write."""
+    import struct
+    import zlib
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    at, idat, header = 8, b"", b""
+    while at < len(data):
+        (length,) = struct.unpack(">I", data[at:at + 4])
+        kind, body = data[at + 4:at + 8], data[at + 8:at + 8 + length]
+        crc = struct.unpack(">I", data[at + 8 + length:at + 12 + length])[0]
+        assert crc == zlib.crc32(kind + body)
+        if kind == b"IHDR":
+            header = body
+        elif kind == b"IDAT":
+            idat += body
+        at += 12 + length
+    width, height, depth, color = struct.unpack(">IIBB", header[:10])
+    assert (depth, color) == (8, 2)
+    raw = zlib.decompress(idat)
+    row = 1 + 3 * width
+    assert all(raw[y * row] == 0 for y in range(height))
+    return width, height, b"".join(raw[y * row + 1:(y + 1) * row] for y in range(height))
+
+
+def test_a_ppm_screenshot_is_kept_as_png(tmp_path: Path) -> None:
+    # The README promises .png; QEMU's PPM opens in few viewers and in no browser.
+    pixels = bytes(range(2 * 3 * 3)) * 1
+    ppm = b"P6\n# made by QEMU\n3 2\n255\n" + pixels
+    path = screenshots.save(tmp_path, "gpu-node", "image/x-portable-pixmap", ppm)
+    assert path.suffix == ".png"
+    assert _read_png(path.read_bytes()) == (3, 2, pixels)
+
+
+def test_ppm_conversion_scales_other_depths() -> None:
+    assert _read_png(screenshots.ppm_to_png(b"P6 1 1 15\n\x0f\x00\x07"))[2] == b"\xff\x00\x77"
+    assert _read_png(screenshots.ppm_to_png(b"P6 1 1 65535\n\xff\xff\x00\x00\x80\x00")
+                     )[2] == b"\xff\x00\x80"
+
+
+@pytest.mark.parametrize("junk", [b"", b"P3 1 1 255\n1 2 3", b"P6 2 2 255\n\x00\x00\x00",
+                                  b"P6 0 1 255\n", b"P6 99999999 1 255\n"])
+def test_a_ppm_that_cannot_be_read_is_kept_as_it_came(tmp_path: Path, junk: bytes) -> None:
+    with pytest.raises(ValueError):
+        screenshots.ppm_to_png(junk)
+    path = screenshots.save(tmp_path, "gpu-node", "image/x-portable-pixmap", junk)
+    assert path.suffix == ".ppm" and path.read_bytes() == junk
