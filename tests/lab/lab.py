@@ -77,6 +77,8 @@ RateLimitBurst=0
 
 # A lab GPU: a small raw disk. QEMU takes a write lock on it, so a second VM that
 # wants it fails to start ("Failed to get "write" lock"), as vfio refuses a busy device.
+# Its user alias ua-hostagent-LABEL makes it the GPU's device for `hostagent.devices`,
+# which leaves it out of the lendee's live definition as it would a <hostdev>.
 GPUS = {
     "gpu-a": ("GPU-a0a0a0a0-0000-4000-8000-00000000000a", "Lab RTX 3050 A"),
     "gpu-b": ("GPU-b0b0b0b0-0000-4000-8000-00000000000b", "Lab RTX 3050 B"),
@@ -497,6 +499,7 @@ def domain_xml(name: str, guest: image.GuestImage, gpus: list[Path], *, console:
       <source file='{img}'/>
       <target dev='vd{chr(ord("b") + i)}' bus='virtio'/>
       <serial>{img.stem}</serial>
+      <alias name='ua-hostagent-{img.stem}'/>
     </disk>""" for i, img in enumerate(gpus))
     return f"""<domain type='qemu'>
   <name>{name}</name>
