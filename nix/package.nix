@@ -31,7 +31,8 @@ python3Packages.buildPythonApplication {
 
   build-system = [ python3Packages.setuptools ];
 
-  # The names pyproject.toml gives, as nixpkgs calls them.
+  # pyproject.toml's [project] dependencies, as nixpkgs names them: exactly those
+  # (tests/unit/test_nix_dependencies.py compares the two lists).
   dependencies = [
     python3Packages.libvirt # libvirt-python
     python3Packages.asyncssh
@@ -40,6 +41,7 @@ python3Packages.buildPythonApplication {
     python3Packages.tomli-w
     # systemd-python; called `systemd` before nixpkgs renamed it.
     (python3Packages.systemd-python or python3Packages.systemd)
+    python3Packages.prometheus-client
   ];
 
   # The hook imports the standard library only: the bare interpreter, not the
