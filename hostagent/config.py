@@ -15,7 +15,8 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     [lendee]                                # the Kubernetes worker VM that borrows GPUs
     domain = "gpu-node"                     # libvirt domain name
     node = "gpu-node"                       # Kubernetes node name; defaults to domain
-    gpus = ["gpu-a", "gpu-b", "gpu-c"]      # GPU labels, or PCI addresses
+    gpus = ["gpu-a", "gpu-b", "gpu-c"]      # every GPU it may borrow: labels or PCI addresses
+    min_gpus = 1                            # fewer free than this: the lendee stays off
 
     [gpus.gpu-a]                            # a label of your choosing
     pci = "0000:01:00.0"                    # the GPU function
@@ -39,6 +40,9 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     [owners.gaming2]
     gpus = ["gpu-b"]
 
+    [owners.gaming-win]                     # another VM on gpu-a: owners of a GPU take turns
+    gpus = ["gpu-a"]
+
     [timeouts]                              # durations: "500ms", "90s", "2m", "1h30m"
     guest_agent = "3m"                      # for the lendee's guest agent to answer
     shutdown = "2m"                         # for the lendee to stop after guest-shutdown
@@ -51,6 +55,10 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     force_off_after = ""                    # "" = never destroy the lendee (default)
     on_drain_timeout = "proceed"            # or "abort"
     lint_before_start = true                # refuse to start a VM whose XML has errors
+    partial = true                          # lend the free GPUs while others play; false:
+                                            # the lendee runs only with all of its GPUs
+    regrow = "when-idle"                    # add GPUs a game freed (a restart): "when-idle"
+                                            # (no GPU pod on the node), "always" or "never"
 
     [verify]                                # after a lend: does the guest see its GPUs?
     method = "guest-agent"                  # "guest-agent" (guest-exec), "ssh" or "none"
@@ -93,9 +101,18 @@ Rules beyond the types:
   is placed where NVML sees it when the agent starts (`hostagent.gpus.resolve_uuids`);
   NVML cannot see a GPU bound to vfio-pci, so passthrough GPUs need ``pci`` (``hostagent
   config init`` writes both). A UUID names one GPU.
-- A GPU has at most one owner, and a PCI function belongs to one GPU.
+- A PCI function belongs to one GPU. A GPU may have several owners (a Windows and a
+  Linux gaming VM on one card): they take turns, and a start while another owner holds
+  the card is refused at once.
 - The lendee is not an owner: it borrows, it does not lend.
 - The lendee may borrow a GPU no owner claims: that GPU is simply always the lendee's.
+- The lendee's persistent definition lists every GPU it borrows; each boot runs with
+  those that are free (``policy.partial``), and only when at least ``lendee.min_gpus``
+  are (1 to the number in ``lendee.gpus``).
+- ``policy.regrow`` says when the lendee, running with fewer GPUs than it may borrow,
+  restarts to add those a game freed: ``"when-idle"`` when no pod on the node requests
+  a GPU (without ``[kubernetes]``: as ``"always"``), ``"always"`` after
+  ``relend_delay``, ``"never"`` only when it stops for another reason.
 - An owner may keep a GPU the lendee does not borrow: hostagent leaves it alone.
 - A ``[gpus]`` entry nobody references is allowed and ignored.
 - Timeouts must be longer than zero; ``relend_delay`` and ``force_off_after`` may be 0.
@@ -139,6 +156,7 @@ __all__ = [
     "Metrics",
     "Owner",
     "Policy",
+    "Regrow",
     "Ssh",
     "SshEndpoint",
     "Timeouts",
@@ -437,6 +455,12 @@ def _list(item: _Reader, *, at_least_one: str = "") -> _Reader:
 _GPU_REFS = _list(_text, at_least_one="list GPU labels from [gpus] or PCI addresses")
 
 
+def _count(value: object, key: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _wrong_type(key, value, "an integer", "write a whole number without quotes")
+    return value
+
+
 def _port(value: object, key: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise _wrong_type(key, value, "an integer", "write the port number without quotes")
@@ -499,6 +523,14 @@ class DrainTimeoutAction(enum.StrEnum):
     ABORT = "abort"  # give up: the lendee keeps its GPUs and the owner does not start
 
 
+class Regrow(enum.StrEnum):
+    """When a lendee running with fewer GPUs restarts to add those a game freed."""
+
+    WHEN_IDLE = "when-idle"  # once no pod on the node requests a GPU: no job is killed
+    ALWAYS = "always"  # after relend_delay, drain and all
+    NEVER = "never"  # only when the lendee stops for another reason
+
+
 @dataclass(frozen=True, kw_only=True)
 class Gpu:
     """One passthrough GPU: its main PCI function and the functions that move with it."""
@@ -526,6 +558,8 @@ class Lendee:
     domain: str = field(metadata=_key(_text, example='"gpu-node"'))
     node: str = field(default="", metadata=_key(_text))
     gpus: tuple[str, ...] = field(metadata=_key(_GPU_REFS, example='["gpu-a"]'))
+    # Below this many free GPUs a boot is not worth its drain: the lendee stays off.
+    min_gpus: int = field(default=1, metadata=_key(_count))
 
     def __post_init__(self) -> None:
         # Most setups name the node after the VM, so that is the default.
@@ -566,6 +600,9 @@ class Policy:
     )
     # Lint a domain's XML against the host before starting it; refuse on errors.
     lint_before_start: bool = field(default=True, metadata=_key(_bool))
+    # False: all or nothing, the lendee runs only when every GPU it borrows is free.
+    partial: bool = field(default=True, metadata=_key(_bool))
+    regrow: Regrow = field(default=Regrow.WHEN_IDLE, metadata=_key(_choice(Regrow)))
 
 
 class VerifyMethod(enum.StrEnum):
@@ -698,12 +735,10 @@ class Config:
             return None
         return self.ssh.host_key or self.state_dir / "ssh_host_ed25519_key"
 
-    def owner_of(self, gpu: str) -> str | None:
-        """The domain that owns GPU label `gpu`, or None if only the lendee uses it."""
-        for owner in self.owners.values():
-            if gpu in owner.gpus:
-                return owner.domain
-        return None
+    def owners_of(self, gpu: str) -> tuple[str, ...]:
+        """The domains that own GPU label `gpu`, in the file's order; () if only the
+        lendee uses it."""
+        return tuple(o.domain for o in self.owners.values() if gpu in o.gpus)
 
     def gpus_of(self, domain: str) -> tuple[str, ...]:
         """GPU labels that `domain` (the lendee or an owner) uses; () for any other VM."""
@@ -804,8 +839,14 @@ def _link(config: Config) -> Config:
             "add a [verify.ssh] section with host, user, key and known_hosts",
         )
     lendee = dataclasses.replace(config.lendee, gpus=resolve_all(config.lendee.gpus, "lendee.gpus"))
+    if not 1 <= lendee.min_gpus <= len(lendee.gpus):
+        raise _Problem(
+            "lendee.min_gpus",
+            f"{lendee.min_gpus} is not between 1 and the {len(lendee.gpus)} GPU(s) in lendee.gpus",
+            f"write a number from 1 to {len(lendee.gpus)} (1, the default, runs the lendee "
+            "whenever a GPU is free)",
+        )
     owners: dict[str, Owner] = {}
-    owner_of: dict[str, str] = {}
     for domain, owner in config.owners.items():
         key = _join("owners", domain)
         if domain == lendee.domain:
@@ -814,16 +855,7 @@ def _link(config: Config) -> Config:
                 f"{domain} is the lendee, and the lendee cannot also own GPUs",
                 f"remove [{key}]: the lendee borrows what lendee.gpus lists",
             )
-        labels = resolve_all(owner.gpus, f"{key}.gpus")
-        for i, label in enumerate(labels):
-            if label in owner_of:
-                raise _Problem(
-                    f"{key}.gpus[{i}]",
-                    f"GPU {label} is already owned by {owner_of[label]}",
-                    "a GPU has one owner: remove it from one of them",
-                )
-            owner_of[label] = domain
-        owners[domain] = dataclasses.replace(owner, gpus=labels)
+        owners[domain] = dataclasses.replace(owner, gpus=resolve_all(owner.gpus, f"{key}.gpus"))
     return dataclasses.replace(config, lendee=lendee, owners=owners, gpus=gpus)
 
 

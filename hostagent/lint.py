@@ -373,9 +373,9 @@ def _against_config(domains: Sequence[Domain], config: Config) -> list[Finding]:
             if other is None or other in labels:
                 continue
             label = other
-            owner = config.owner_of(label)
-            given = f"the config gives it to {owner}" if owner else "the config does not " \
-                f"give it to {name}"
+            owners = config.owners_of(label)
+            given = (f"the config gives it to {' and '.join(owners)}" if owners
+                     else f"the config does not give it to {name}")
             found.append(Finding(
                 domain=name, check=Check.CONFIG_XML, severity=Severity.ERROR,
                 what=f"{name}'s XML has {h.address} of GPU {label}, but {given}",

@@ -215,9 +215,9 @@ class Metrics:
         self.phase = state.phase
         for phase in Phase:
             self._phase.labels(phase.value).set(1 if phase is state.phase else 0)
-        owner_of = {g: o for o, gpus in self.topo.owners.items() for g in gpus}
         for gpu, holder in machine.holders(state, self.topo).items():
-            candidates = [owner_of[gpu]] if gpu in owner_of else []
+            # Every VM that may hold it: its owners (several may share a card), the lendee.
+            candidates = [o for o, gpus in self.topo.owners.items() if gpu in gpus]
             if gpu in self.topo.lendee_gpus:
                 candidates.append(self.topo.lendee)
             for vm in candidates:

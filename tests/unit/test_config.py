@@ -154,9 +154,9 @@ def test_empty_strings_mean_unset() -> None:
 
 def test_helpers() -> None:
     cfg = parse(TWO_OWNERS)
-    assert cfg.owner_of("gpu-a") == "gaming1"
-    assert cfg.owner_of("gpu-b") == "gaming2"
-    assert cfg.owner_of("gpu-c") is None  # only the lendee uses it
+    assert cfg.owners_of("gpu-a") == ("gaming1",)
+    assert cfg.owners_of("gpu-b") == ("gaming2",)
+    assert cfg.owners_of("gpu-c") == ()  # only the lendee uses it
     assert cfg.gpus_of("gpu-node") == ("gpu-a", "gpu-b", "gpu-c")
     assert cfg.gpus_of("gaming2") == ("gpu-b",)
     assert cfg.gpus_of("some-other-vm") == ()
@@ -168,7 +168,29 @@ def test_helpers() -> None:
 def test_owner_keeps_a_gpu_the_lendee_does_not_borrow() -> None:
     cfg = parse(TWO_OWNERS.replace('gpus = ["gpu-a", "gpu-b", "gpu-c"]', 'gpus = ["gpu-c"]'))
     assert cfg.shared_gpus("gaming1") == frozenset()
-    assert cfg.owner_of("gpu-a") == "gaming1"
+    assert cfg.owners_of("gpu-a") == ("gaming1",)
+
+
+def test_owners_may_share_a_gpu() -> None:
+    # A Windows and a Linux gaming VM on one card: they take turns.
+    cfg = parse(TWO_OWNERS + '[owners.gaming-win]\ngpus = ["gpu-c", "gpu-a"]\n')
+    assert cfg.owners_of("gpu-a") == ("gaming1", "gaming-win")
+    assert cfg.owners_of("gpu-c") == ("gaming-win",)
+    assert cfg.shared_gpus("gaming-win") == {"gpu-a", "gpu-c"}
+
+
+def test_lendee_min_gpus_and_the_partial_lending_policy() -> None:
+    cfg = parse(TWO_OWNERS)
+    assert cfg.lendee.min_gpus == 1
+    assert cfg.policy.partial is True
+    assert cfg.policy.regrow is config.Regrow.WHEN_IDLE
+    cfg = parse(TWO_OWNERS.replace('gpus = ["gpu-a", "gpu-b", "gpu-c"]',
+                                   'gpus = ["gpu-a", "gpu-b", "gpu-c"]\nmin_gpus = 3')
+                + '[policy]\npartial = false\nregrow = "never"\n')
+    assert cfg.lendee.min_gpus == 3
+    assert cfg.policy.partial is False
+    assert cfg.policy.regrow is config.Regrow.NEVER
+    assert parse(MINIMAL + '[policy]\nregrow = "always"\n').policy.regrow == "always"
 
 
 def test_gpu_references_by_pci_address() -> None:
@@ -208,7 +230,7 @@ def test_unreferenced_gpu_is_allowed() -> None:
 
 def test_quoted_names() -> None:
     cfg = parse(MINIMAL + '[owners."win 11"]\ngpus = ["gpu-a"]\n')
-    assert cfg.owner_of("gpu-a") == "win 11"
+    assert cfg.owners_of("gpu-a") == ("win 11",)
 
 
 def test_config_is_frozen() -> None:
@@ -422,11 +444,40 @@ def test_toml_syntax_error_has_line_and_column() -> None:
             'test.toml: owners.gaming3.gpus[1]: unknown GPU "gpu-x"',
         ),
         (
-            TWO_OWNERS + '[owners.gaming3]\ngpus = ["gpu-c", "gpu-a"]\n',
+            TWO_OWNERS + '[owners.gaming3]\ngpus = ["gpu-c", "gpu-a", "gpu-c"]\n',
+            'test.toml: owners.gaming3.gpus[2]: "gpu-c" is listed twice; remove one',
+        ),
+        (
+            MINIMAL.replace('gpus = ["gpu-a"]', 'gpus = ["gpu-a"]\nmin_gpus = 2'),
             (
-                "test.toml: owners.gaming3.gpus[1]: GPU gpu-a is already owned by gaming1;"
-                " a GPU has one owner"
+                "test.toml: lendee.min_gpus: 2 is not between 1 and the 1 GPU(s) in lendee.gpus;"
+                " write a number from 1 to 1 (1, the default, runs the lendee whenever a GPU is"
+                " free)"
             ),
+        ),
+        (
+            TWO_OWNERS.replace('gpus = ["gpu-a", "gpu-b", "gpu-c"]',
+                               'gpus = ["gpu-a", "gpu-b", "gpu-c"]\nmin_gpus = 0'),
+            "test.toml: lendee.min_gpus: 0 is not between 1 and the 3 GPU(s) in lendee.gpus;"
+            " write a number from 1 to 3",
+        ),
+        (
+            MINIMAL.replace('gpus = ["gpu-a"]', 'gpus = ["gpu-a"]\nmin_gpus = "1"'),
+            "test.toml: lendee.min_gpus: expected an integer, got a string; write a whole number"
+            " without quotes",
+        ),
+        (
+            MINIMAL.replace('gpus = ["gpu-a"]', 'gpus = ["gpu-a"]\nmin_gpus = true'),
+            "test.toml: lendee.min_gpus: expected an integer, got a boolean",
+        ),
+        (
+            MINIMAL + '[policy]\nregrow = "idle"\n',
+            'test.toml: policy.regrow: "idle" is not allowed; write one of: when-idle, always,'
+            " never",
+        ),
+        (
+            MINIMAL + '[policy]\npartial = "yes"\n',
+            "test.toml: policy.partial: expected true or false, got a string",
         ),
         (
             TWO_OWNERS + '[owners.gpu-node]\ngpus = ["gpu-c"]\n',

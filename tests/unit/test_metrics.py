@@ -269,3 +269,16 @@ def test_status_shows_failed_checks() -> None:
     assert "libvirt: connected" not in text
     data["health"][1]["ok"] = True
     assert format_status(data).endswith("health: 2 checks pass")
+
+
+def test_every_owner_of_a_shared_gpu_has_a_holder_series() -> None:
+    topo = Topology(lendee="gpu-node", lendee_gpus=frozenset({"gpu-a"}),
+                    owners={"gaming1": frozenset({"gpu-a"}),
+                            "gaming-win": frozenset({"gpu-a"})})
+    m = metrics.Metrics(topo)
+    event = Observed(at=1.0, lendee_running=False, owners_running=frozenset())
+    new, _ = machine.step(State(), event, topo=topo, policy=Policy(relend_delay=0))
+    m.transition(State(), new, event)
+    for vm in ("gaming1", "gaming-win", "gpu-node"):
+        assert m.registry.get_sample_value("hostagent_gpu_holder",
+                                           {"gpu": "gpu-a", "vm": vm}) == 0
