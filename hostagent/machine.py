@@ -79,6 +79,7 @@ from hostagent.model import (
     Action,
     AgentTimeout,
     AgentUp,
+    CancelIntent,
     CancelRelend,
     CompleteIntent,
     Drain,
@@ -87,6 +88,7 @@ from hostagent.model import (
     Event,
     FailIntent,
     ForceOff,
+    GpuPods,
     Hold,
     Intent,
     KubeReturn,
@@ -94,11 +96,13 @@ from hostagent.model import (
     LendeeStopped,
     Observed,
     OwnerStarted,
+    OwnerStarting,
     OwnerStopped,
     OwnerWants,
     Phase,
     Policy,
     Reclaim,
+    Regrow,
     RelendDue,
     Resume,
     ReturnDone,
@@ -119,13 +123,15 @@ __all__ = [
     "TRANSITIONS",
     "Decision",
     "IllegalTransition",
+    "conflict",
+    "free_gpus",
     "holders",
     "step",
     "still_wanted",
     "verdict",
 ]
 
-Decision = Literal["proceed", "defer"]
+Decision = Literal["proceed", "defer", "refuse"]
 
 FOLLOW = "follow with: journalctl -u hostagent -f"
 
@@ -177,35 +183,88 @@ def _check_owner(state: State, event: Event, owner: str, ctx: _Ctx) -> None:
         raise _stale(state, event, f"{owner} is not an owner VM in the topology")
 
 
-def _claimants(state: State, topo: Topology) -> list[str]:
-    """Owners that need a lendee GPU and run or wait: each is a reason to keep it off."""
-    running = sorted(o for o in state.running_owners if topo.needs_lendee_gpus(o))
-    waiting = [o for o in state.waiting_owners if topo.needs_lendee_gpus(o)]
-    return list(dict.fromkeys(running + waiting))
+def _pending(state: State) -> tuple[str, ...]:
+    """Owners on their way to running: waiting for GPUs, or let through and starting."""
+    return tuple(dict.fromkeys([*state.waiting_owners, *sorted(state.starting_owners)]))
 
 
-def _relend_allowed(state: State, topo: Topology) -> bool:
+def _pending_claimants(state: State, topo: Topology) -> list[str]:
+    """Pending owners that need a GPU the lendee may borrow: while one is on its way, no
+    lendee start may race it, whatever GPUs that start would take."""
+    return [o for o in _pending(state) if topo.needs_lendee_gpus(o)]
+
+
+def _in_the_way(state: State, topo: Topology) -> list[str]:
+    """Owners that run, start or wait and need a GPU the lendee holds (or is getting):
+    each is a reason to take the lendee down."""
+    owners = [*sorted(state.running_owners), *_pending(state)]
+    return list(dict.fromkeys(o for o in owners if topo.owners.get(o, frozenset()) & state.lent))
+
+
+def free_gpus(state: State, topo: Topology, policy: Policy) -> frozenset[str]:
+    """The lendee's GPUs that no owner holds, starts with or waits for: what a lendee
+    start takes. All or nothing unless ``policy.partial``."""
+    owners = state.running_owners | state.starting_owners | set(state.waiting_owners)
+    claimed = topo.gpus_of(owners) & topo.lendee_gpus
+    if claimed and not policy.partial:
+        return frozenset()
+    return topo.lendee_gpus - claimed
+
+
+def conflict(state: State, owner: str, topo: Topology) -> str | None:
+    """Why `owner` cannot start because another owner of one of its GPUs runs or is on
+    its way (owners of one card exclude each other: never a reclaim, never a wait on a
+    game), or None."""
+    mine = topo.owners.get(owner, frozenset())
+    for others, what in ((sorted(state.running_owners), "in use by"),
+                         (_pending(state), "being handed to")):
+        for other in others:
+            both = mine & topo.owners.get(other, frozenset())
+            if other != owner and both:
+                verb = "is" if len(both) == 1 else "are"
+                return f"{', '.join(sorted(both))} {verb} {what} {other}"
+    return None
+
+
+def _relend_allowed(state: State, ctx: _Ctx) -> bool:
     """Whether nothing stands between an idle lendee and its next start.
 
-    Only owners that share a GPU with the lendee count: an owner with GPUs of its own
-    starting or playing is no reason to leave the cluster's GPUs idle.
+    Owners that share no GPU with the lendee do not count: an owner with GPUs of its own
+    starting or playing is no reason to leave the cluster's GPUs idle. Owners that run
+    only leave their GPUs out of the start, unless the policy is all or nothing.
     """
     return (
         state.phase is Phase.OFF
         and not state.lendee_starting
         and not state.hold
-        and not _claimants(state, topo)
+        and not _pending_claimants(state, ctx.topo)
+        and len(free_gpus(state, ctx.topo, ctx.policy)) >= ctx.policy.min_gpus
+    )
+
+
+def _regrow_wanted(state: State, ctx: _Ctx) -> bool:
+    """Whether a lent lendee could hold more GPUs than it does (a game ended since it
+    started), and the policy would restart it for them."""
+    return (
+        state.phase is Phase.LENT
+        and not state.hold
+        and ctx.policy.partial
+        and ctx.policy.regrow is not Regrow.NEVER
+        and not _pending_claimants(state, ctx.topo)
+        and bool(free_gpus(state, ctx.topo, ctx.policy) - state.lent)
     )
 
 
 def _schedule_relend(state: State, ctx: _Ctx, due: float) -> _Outcome:
-    """Arm the relend timer if lending is allowed and it is not armed already.
+    """Arm the relend timer (a lend from OFF, or a regrow from LENT) if one is allowed
+    and it is not armed already.
 
-    An armed timer is left alone: it was set when the last reason to keep the lendee off
-    went away, and something that is no reason (an unrelated owner stopping) must not
-    push it back.
+    An armed timer is left alone: it was set when the last reason to wait went away,
+    and something that is no reason (an unrelated owner stopping) must not push it back.
     """
-    if state.relend_at is not None or not _relend_allowed(state, ctx.topo):
+    if state.relend_at is not None:
+        return state, []
+    if not (_relend_allowed(state, ctx) or _regrow_wanted(state, ctx)):
         return state, []
     return replace(state, relend_at=due), [ScheduleRelend(at=due)]
 
@@ -238,9 +297,10 @@ def _rebuild_running(state: State, ctx: _Ctx) -> _Outcome:
 
     Each road is idempotent from its first step: `Drain` of a drained node returns at
     once, `WaitAgent` of an answering agent too, and `KubeReturn` re-verifies what it
-    finds. So starting over is always correct, and never destroys anything.
+    finds. So starting over is always correct, and never destroys anything. A reclaim
+    by hand is a road of its own: it goes on until the lendee is off.
     """
-    if _claimants(state, ctx.topo):
+    if state.reclaiming or _in_the_way(state, ctx.topo):
         return _reclaim(state)
     return _boot(state)
 
@@ -256,29 +316,31 @@ def _owner_wants(state: State, event: OwnerWants, ctx: _Ctx) -> _Outcome:
     - Otherwise the intent is kept until `OwnerStarted` completes it or `StartFailed`
       fails it. A second caller for the same owner gets an intent of its own (its own
       id, answered on its own), but the owner is started once.
-    - An owner that shares no GPU with the lendee is started right away.
-    - With the lendee off, the owner is started right away, unless a lendee start is in
-      flight: the two starts would race for the same device. The intent then waits for
-      the lendee's start to end (`LendeeStarted` reclaims it, `StartFailed` frees it).
-    - With the lendee running, a reclaim begins (or the one under way is joined: one
-      drain and one shutdown serve two owners that asked 100 ms apart). From FAILED
-      this is the retry: the player asking again is the signal to try again.
+    - Another owner of one of its GPUs runs or is on its way: refused at once with one
+      sentence ("gpu-a is in use by gaming-win"), never a reclaim, never a wait on a game.
+    - An owner whose GPUs the lendee neither holds nor is getting (it shares none with
+      it, the lendee is off, or it runs or starts without them) is started right away.
+    - A lendee start in flight with its GPUs: the two starts would race for the same
+      device. The intent waits for the lendee's start to end (`LendeeStarted` reclaims
+      it, `StartFailed` frees it).
+    - With the lendee running with its GPUs, a reclaim begins (or the one under way is
+      joined: one drain and one shutdown serve two owners that asked 100 ms apart). From
+      FAILED this is the retry: the player asking again is the signal to try again.
     """
     _check_owner(state, event, event.owner, ctx)
     if any(i.id == event.intent_id for i in state.intents):
         raise _stale(state, event, f"intent {event.intent_id} is already pending")
     if event.owner in state.running_owners:
         return state, [CompleteIntent(intent_id=event.intent_id, owner=event.owner)]
+    rival = conflict(state, event.owner, ctx.topo)
+    if rival is not None:
+        raise _stale(state, event, rival)
     first = not state.intents_of(event.owner)
     intent = Intent(id=event.intent_id, owner=event.owner, created_at=event.at, source=event.source)
     new = replace(state, intents=(*state.intents, intent))
-    if not ctx.topo.needs_lendee_gpus(event.owner):
+    if not ctx.topo.owners[event.owner] & state.lent:
         return new, [StartOwner(owner=event.owner)] if first else []
-    if state.phase is Phase.OFF:
-        if state.lendee_starting or not first:
-            return new, []
-        return new, [StartOwner(owner=event.owner)]
-    if state.phase in (Phase.DRAINING, Phase.STOPPING):
+    if state.phase in (Phase.OFF, Phase.DRAINING, Phase.STOPPING):
         return new, []
     return _reclaim(new)
 
@@ -300,15 +362,21 @@ def _owner_started(state: State, event: OwnerStarted, ctx: _Ctx) -> _Outcome:
     new = replace(
         state,
         running_owners=state.running_owners | {event.owner},
+        starting_owners=state.starting_owners - {event.owner},
         intents=tuple(i for i in state.intents if i.owner != event.owner),
     )
     actions: list[Action] = [CompleteIntent(intent_id=i.id, owner=i.owner) for i in mine]
-    if ctx.topo.needs_lendee_gpus(event.owner) and state.phase in (
+    if ctx.topo.owners[event.owner] & state.lent and state.phase in (
         Phase.BOOTING,
         Phase.JOINING,
         Phase.LENT,
     ):
         new, more = _reclaim(new)
+        actions += more
+    elif (new.phase is Phase.OFF and new.reason is None and ctx.topo.needs_lendee_gpus(event.owner)
+          and (mine or event.owner in state.starting_owners)):
+        # The lendee waited for this start: it now takes what is left, at once.
+        new, more = _schedule_relend(new, ctx, event.at)
         actions += more
     return new, actions
 
@@ -318,10 +386,51 @@ def _owner_stopped(state: State, event: OwnerStopped, ctx: _Ctx) -> _Outcome:
     after `relend_delay`, not at once: a game VM that reboots stops and starts within
     seconds, and a lend/reclaim round trip for it would cost the player minutes."""
     _check_owner(state, event, event.owner, ctx)
-    if event.owner not in state.running_owners:
+    if event.owner not in state.running_owners | state.starting_owners:
         raise _stale(state, event, f"{event.owner} was not running")
-    new = replace(state, running_owners=state.running_owners - {event.owner})
+    new = replace(
+        state,
+        running_owners=state.running_owners - {event.owner},
+        starting_owners=state.starting_owners - {event.owner},
+    )
     return _schedule_relend(new, ctx, event.at + ctx.policy.relend_delay)
+
+
+def _owner_starting(state: State, event: OwnerStarting, ctx: _Ctx) -> _Outcome:
+    """The hook let an owner through: until it runs (`OwnerStarted`) or its start ends
+    without it (`OwnerStopped` on libvirt's release), it claims its GPUs, and no lendee
+    start may race it (the bookkeeping cancels a relend due meanwhile)."""
+    _check_owner(state, event, event.owner, ctx)
+    if event.owner in state.running_owners | state.starting_owners:
+        raise _stale(state, event, f"{event.owner} is already running or starting")
+    return replace(state, starting_owners=state.starting_owners | {event.owner}), []
+
+
+def _cancel_intent(state: State, event: CancelIntent, ctx: _Ctx) -> _Outcome:
+    """Someone withdrew an owner's pending start: its requests fail with who did it.
+
+    A reclaim under way for it is finished (a cordoned, half-drained node is the worst
+    of both worlds); the lendee is lent again once it has stopped.
+    """
+    _check_owner(state, event, event.owner, ctx)
+    mine = state.intents_of(event.owner)
+    if not mine:
+        raise _stale(state, event, f"{event.owner} has no pending start")
+    new = replace(state, intents=tuple(i for i in state.intents if i.owner != event.owner))
+    failed: list[Action] = [
+        FailIntent(intent_id=i.id, owner=i.owner, reason=f"cancelled by {event.by}") for i in mine
+    ]
+    new, more = _schedule_relend(new, ctx, event.at + ctx.policy.relend_delay)
+    return new, failed + more
+
+
+def _gpu_pods(state: State, event: GpuPods, ctx: _Ctx) -> _Outcome:
+    """The cluster says how many pods on the node request a GPU. A regrow that waits for
+    the node to be idle of GPU work begins when that count reaches zero."""
+    new = replace(state, gpu_pods=event.count)
+    if new.regrow_waiting and event.count == 0 and _regrow_wanted(new, ctx):
+        return _reclaim(replace(new, regrow_waiting=False))
+    return new, []
 
 
 def _start_failed(state: State, event: StartFailed, ctx: _Ctx) -> _Outcome:
@@ -343,6 +452,7 @@ def _start_failed(state: State, event: StartFailed, ctx: _Ctx) -> _Outcome:
         new = replace(
             state,
             lendee_starting=False,
+            lent=frozenset(),
             reason=(
                 f"{event.vm} failed to start: {event.reason}; lending resumes when an "
                 "owner stops or on `hostagent resume`"
@@ -353,9 +463,13 @@ def _start_failed(state: State, event: StartFailed, ctx: _Ctx) -> _Outcome:
     mine = state.intents_of(event.vm)
     if not mine:
         raise _stale(state, event, f"no start of {event.vm} was requested")
-    if ctx.topo.needs_lendee_gpus(event.vm) and state.phase.lendee_running:
+    if ctx.topo.owners[event.vm] & state.lent and state.phase.lendee_running:
         return state, []
-    new = replace(state, intents=tuple(i for i in state.intents if i.owner != event.vm))
+    new = replace(
+        state,
+        intents=tuple(i for i in state.intents if i.owner != event.vm),
+        starting_owners=state.starting_owners - {event.vm},
+    )
     actions: list[Action] = [
         FailIntent(
             intent_id=i.id, owner=i.owner, reason=f"{event.vm} failed to start: {event.reason}"
@@ -379,7 +493,7 @@ def _resume(state: State, event: Resume, ctx: _Ctx) -> _Outcome:
     From FAILED the stuck step is retried from the top of its road (reclaim if someone
     wants the GPUs, else the return to the cluster). This is the operator's "try again".
     """
-    new = replace(state, hold=False)
+    new = replace(state, hold=False, reclaiming=False)
     if new.phase is Phase.FAILED:
         return _rebuild_running(new, ctx)
     return _schedule_relend(new, ctx, event.at)
@@ -398,7 +512,9 @@ def _reclaim_by_hand(state: State, event: Reclaim, ctx: _Ctx) -> _Outcome:
       not recalled (nothing can stop a start libvirt is running): it lands as
       `LendeeStarted`, and the caller reclaims again once the lendee runs.
     """
-    new = replace(state, hold=True)
+    if state.phase is Phase.OFF:
+        return replace(state, hold=True), []
+    new = replace(state, hold=True, reclaiming=True)
     if state.phase in (Phase.BOOTING, Phase.JOINING, Phase.LENT, Phase.FAILED):
         return _reclaim(new)
     return new, []
@@ -443,12 +559,15 @@ def _observed(state: State, event: Observed, ctx: _Ctx) -> _Outcome:
     new = replace(
         state,
         running_owners=event.owners_running,
+        starting_owners=frozenset(),
         intents=tuple(kept),
         lendee_starting=False,
+        regrow_waiting=False,
     )
     if event.lendee_running:
         # Same instance or not, nobody knows: its agent must answer again.
-        new, more = _rebuild_running(replace(new, agent_up=False), ctx)
+        lent = ctx.topo.lendee_gpus if event.lendee_gpus is None else event.lendee_gpus
+        new, more = _rebuild_running(replace(new, agent_up=False, lent=lent), ctx)
         others = [
             StartOwner(owner=o) for o in new.waiting_owners if not ctx.topo.needs_lendee_gpus(o)
         ]
@@ -457,10 +576,12 @@ def _observed(state: State, event: Observed, ctx: _Ctx) -> _Outcome:
         new,
         Phase.OFF,
         agent_up=False,
+        lent=frozenset(),
+        reclaiming=False,
         reason=new.reason if new.phase is Phase.OFF else None,
     )
     actions += _start_waiting(new, ctx.topo, all_owners=True)
-    if not _relend_allowed(new, ctx.topo):
+    if not _relend_allowed(new, ctx):
         return new, actions  # an armed timer is cancelled by the bookkeeping in step()
     # Armed again even if it was: the timer may have died with the previous agent.
     due = event.at if new.relend_at is None else max(event.at, new.relend_at)
@@ -480,7 +601,8 @@ def _lendee_started(state: State, event: LendeeStarted, ctx: _Ctx) -> _Outcome:
     in use, and the hook defers the start); if reality shows it anyway, the topology is
     wrong, and the lendee is reclaimed the same gentle way rather than lent.
     """
-    new = replace(state, lendee_starting=False, reason=None, agent_up=False)
+    lent = state.lent if state.lendee_starting else ctx.topo.lendee_gpus
+    new = replace(state, lendee_starting=False, reason=None, agent_up=False, lent=lent)
     return _rebuild_running(new, ctx)
 
 
@@ -500,7 +622,26 @@ def _relend_due(state: State, event: RelendDue, ctx: _Ctx) -> _Outcome:
     """
     if state.relend_at is None:
         raise _stale(state, event, "no relend is scheduled")
-    return replace(state, relend_at=None, lendee_starting=True), [StartLendee()]
+    gpus = free_gpus(state, ctx.topo, ctx.policy)
+    new = replace(state, relend_at=None, lendee_starting=True, lent=gpus)
+    return new, [StartLendee(gpus=gpus)]
+
+
+def _regrow_due(state: State, event: RelendDue, ctx: _Ctx) -> _Outcome:
+    """LENT → the relend timer fired while the lendee runs short of GPUs that are free
+    now: restart it to take them all, the reclaim's gentle road (drain, agent
+    shutdown) and a start with the larger set.
+
+    ``when-idle`` waits, running, while pods on the node request a GPU (a restart would
+    kill their work), and begins when `GpuPods` says none is left; ``always`` does not.
+    The bookkeeping has already cancelled a timer that stopped being wanted.
+    """
+    if state.relend_at is None:
+        raise _stale(state, event, "no regrow is scheduled")
+    new = replace(state, relend_at=None)
+    if ctx.policy.regrow is Regrow.ALWAYS or state.gpu_pods == 0:
+        return _reclaim(new)
+    return replace(new, regrow_waiting=True), []
 
 
 def _agent_up_booting(state: State, event: AgentUp, ctx: _Ctx) -> _Outcome:
@@ -533,9 +674,10 @@ def _agent_timeout_booting(state: State, event: AgentTimeout, ctx: _Ctx) -> _Out
 
 
 def _returned(state: State, event: ReturnDone, ctx: _Ctx) -> _Outcome:
-    """JOINING → LENT: Ready, every GPU counted, uncordoned."""
+    """JOINING → LENT: Ready, every GPU counted, uncordoned. If a game ended meanwhile,
+    a regrow is due after `relend_delay`."""
     _check_ticket(state, event)
-    return _enter(state, Phase.LENT), []
+    return _schedule_relend(_enter(state, Phase.LENT), ctx, event.at + ctx.policy.relend_delay)
 
 
 def _return_failed(state: State, event: ReturnFailed, ctx: _Ctx) -> _Outcome:
@@ -579,12 +721,14 @@ def _drain_failed(state: State, event: DrainFailed, ctx: _Ctx) -> _Outcome:
     """
     _check_ticket(state, event)
     why = f"{ctx.topo.lendee} could not be drained ({event.reason}), and the policy keeps it lent"
+
+    def waits(i: Intent) -> bool:
+        return bool(ctx.topo.owners.get(i.owner, frozenset()) & state.lent)
+
     failed: list[Action] = [
-        FailIntent(intent_id=i.id, owner=i.owner, reason=why)
-        for i in state.intents
-        if ctx.topo.needs_lendee_gpus(i.owner)
+        FailIntent(intent_id=i.id, owner=i.owner, reason=why) for i in state.intents if waits(i)
     ]
-    kept = tuple(i for i in state.intents if not ctx.topo.needs_lendee_gpus(i.owner))
+    kept = tuple(i for i in state.intents if not waits(i))
     new = replace(state, intents=kept)
     if not state.agent_up:
         new, more = _boot(new)
@@ -640,9 +784,13 @@ def _give_up_stopping(state: State, ctx: _Ctx, what: str) -> _Outcome:
 
 def _lendee_stopped(state: State, event: LendeeStopped, ctx: _Ctx) -> _Outcome:
     """Any running phase → OFF, whatever stopped it: our shutdown, a destroy, a crash,
-    a human. The GPUs are free: start every owner that waited for them. If nobody did
-    and nobody plays, lend again after `relend_delay` (a crashed lendee comes back)."""
-    new = _enter(state, Phase.OFF, agent_up=False, reason=None)
+    a human. The GPUs are free: start every owner that waited for them. If nobody did,
+    lend again what is free after `relend_delay` (a crashed lendee comes back; an owner
+    that stopped during a reclaim may be rebooting)."""
+    new = _enter(
+        state, Phase.OFF, agent_up=False, reason=None, lent=frozenset(), reclaiming=False,
+        regrow_waiting=False,
+    )
     starts = _start_waiting(new, ctx.topo)
     new, relend = _schedule_relend(new, ctx, event.at + ctx.policy.relend_delay)
     return new, starts + relend
@@ -669,6 +817,9 @@ _EVERY_PHASE = dict(
         _on(OwnerWants, _owner_wants),
         _on(OwnerStarted, _owner_started),
         _on(OwnerStopped, _owner_stopped),
+        _on(OwnerStarting, _owner_starting),
+        _on(CancelIntent, _cancel_intent),
+        _on(GpuPods, _gpu_pods),
         _on(StartFailed, _start_failed),  # the lendee's only in OFF with a start in flight
         _on(Hold, _hold),
         _on(Resume, _resume),
@@ -704,8 +855,8 @@ _BY_PHASE: dict[Phase, dict[type[Event], _Rule]] = {
             *_STOPS.items(),
         ]
     ),
-    # Lent: steady state; only an owner (above) or a stop moves it.
-    Phase.LENT: dict(_STOPS),
+    # Lent: steady state; an owner (above), a regrow or a stop moves it.
+    Phase.LENT: dict([_on(RelendDue, _regrow_due), *_STOPS.items()]),
     # Draining: the drain's verdict. Reports of the boot road are stale here.
     Phase.DRAINING: dict(
         [
@@ -747,20 +898,26 @@ def step(
     rule = TRANSITIONS.get((state.phase, type(event)))
     if rule is None:
         raise IllegalTransition(state.phase, event)
-    new, actions = rule(state, event, _Ctx(topo=topo, policy=policy))
-    if new.relend_at is not None and not _relend_allowed(new, topo):
+    ctx = _Ctx(topo=topo, policy=policy)
+    new, actions = rule(state, event, ctx)
+    regrow = _regrow_wanted(new, ctx)
+    if new.relend_at is not None and not (_relend_allowed(new, ctx) or regrow):
         new = replace(new, relend_at=None)
         actions = [CancelRelend(), *actions]
+    if new.regrow_waiting and not regrow:
+        new = replace(new, regrow_waiting=False)
     return new, actions
 
 
 def verdict(state: State, domain: str, *, topo: Topology) -> tuple[Decision, str]:
     """The hook's answer to libvirt's ``prepare begin`` for `domain`, from memory.
 
-    Pure and cheap: libvirtd waits on it with its locks held. "defer" comes with one
-    sentence for whoever ran ``virsh start``. On defer for an owner, the agent records
-    the request (`OwnerWants`) and persists it before answering; this function only
-    decides. The agent's own `StartOwner` passes: by then the lendee is off.
+    Pure and cheap: libvirtd waits on it with its locks held. "defer" and "refuse" come
+    with one sentence for whoever ran ``virsh start``. On defer for an owner, the agent
+    records the request (`OwnerWants`) and persists it before answering; on proceed,
+    it records the claim (`OwnerStarting`); a refusal records nothing. This function
+    only decides. The agent's own starts pass: its `StartOwner` once the lendee freed
+    the GPUs, its `StartLendee` (a live definition with the free GPUs only).
 
     A start that is allowed here still races a relend that fires before libvirt reports
     the start; QEMU's lock on the device settles that race (one start fails, and the
@@ -768,14 +925,17 @@ def verdict(state: State, domain: str, *, topo: Topology) -> tuple[Decision, str
     """
     lendee = topo.lendee
     if domain == lendee:
+        if state.phase is not Phase.OFF or state.lendee_starting:
+            return "proceed", f"{lendee} is started by hostagent (or already runs)"
+        # By hand: its whole persistent definition, every GPU it may borrow.
         playing = sorted(o for o in state.running_owners if topo.needs_lendee_gpus(o))
         if playing:
             stop = "that VM stops" if len(playing) == 1 else "those VMs stop"
             return "defer", (
-                f"{lendee}'s GPUs are in use by {', '.join(playing)}; hostagent lends them "
-                f"again by itself when {stop} ({FOLLOW})"
+                f"{lendee}'s GPUs are in use by {', '.join(playing)}; hostagent lends it "
+                f"what is free by itself, and the rest when {stop} ({FOLLOW})"
             )
-        waiting = [o for o in state.waiting_owners if topo.needs_lendee_gpus(o)]
+        waiting = _pending_claimants(state, topo)
         if waiting:
             return "defer", (
                 f"{lendee}'s GPUs are being handed to {', '.join(waiting)}; hostagent lends "
@@ -784,13 +944,18 @@ def verdict(state: State, domain: str, *, topo: Topology) -> tuple[Decision, str
         return "proceed", f"no owner VM needs {lendee}'s GPUs"
     if not topo.is_owner(domain):
         return "proceed", f"{domain} is not managed by hostagent"
-    if not topo.needs_lendee_gpus(domain):
-        return "proceed", f"{domain} shares no GPU with {lendee}"
     if domain in state.running_owners:
         return "proceed", f"{domain} is already running"
-    if state.phase is Phase.OFF and not state.lendee_starting:
-        return "proceed", f"{lendee} is off"
-    gpus = ", ".join(sorted(topo.shared_gpus(domain)))
+    rival = conflict(state, domain, topo)
+    if rival is not None:
+        return "refuse", f"{rival} ({FOLLOW})"
+    if not topo.needs_lendee_gpus(domain):
+        return "proceed", f"{domain} shares no GPU with {lendee}"
+    gpus = ", ".join(sorted(topo.owners[domain] & state.lent))
+    if not gpus:
+        if state.phase is Phase.OFF and not state.lendee_starting:
+            return "proceed", f"{lendee} is off"
+        return "proceed", f"{lendee} runs without {', '.join(sorted(topo.shared_gpus(domain)))}"
     later = f"{domain} will start by itself"
     match state.phase:
         case Phase.OFF:
@@ -823,11 +988,11 @@ def still_wanted(state: State, action: Action, *, topo: Topology) -> bool:
 
     The executor asks just before it runs an action, and skips (and logs) the ones that
     went stale in the queue. The lendee's actions are wanted while their ticket is
-    current. A `StartOwner` while its owner still waits and, if it shares a GPU with the
-    lendee, the lendee is off with no start in flight: a start nobody waits for any
-    more would be deferred by the hook, which would record it as a *new* request and
-    start a game nobody asked for. A `StartLendee` while its start is expected. The
-    rest (timers, answers to callers) always.
+    current. A `StartOwner` while its owner still waits and the lendee neither holds
+    nor is getting its GPUs: a start nobody waits for any more would be deferred by the
+    hook, which would record it as a *new* request and start a game nobody asked for.
+    A `StartLendee` while its start, with that set, is expected. The rest (timers,
+    answers to callers) always.
     """
     match action:
         case Drain() | WaitAgent() | ShutdownLendee() | ForceOff() | KubeReturn():
@@ -835,11 +1000,9 @@ def still_wanted(state: State, action: Action, *, topo: Topology) -> bool:
         case StartOwner(owner=owner):
             if not state.intents_of(owner) or owner in state.running_owners:
                 return False
-            if not topo.needs_lendee_gpus(owner):
-                return True
-            return state.phase is Phase.OFF and not state.lendee_starting
-        case StartLendee():
-            return state.lendee_starting
+            return not topo.owners.get(owner, frozenset()) & state.lent
+        case StartLendee(gpus=gpus):
+            return state.lendee_starting and gpus == state.lent
     return True
 
 
@@ -851,12 +1014,11 @@ def holders(state: State, topo: Topology) -> dict[str, str | None]:
     and the lendee's phase already says it is being reclaimed.
     """
     out: dict[str, str | None] = {}
-    owner_of = {gpu: owner for owner, gpus in topo.owners.items() for gpu in gpus}
     for gpu in sorted(topo.gpus):
-        owner = owner_of.get(gpu)
-        if owner is not None and owner in state.running_owners:
+        owner = next((o for o in sorted(state.running_owners) if gpu in topo.owners[o]), None)
+        if owner is not None:
             out[gpu] = owner
-        elif gpu in topo.lendee_gpus and state.phase.lendee_running:
+        elif gpu in state.lent and state.phase.lendee_running:
             out[gpu] = topo.lendee
         else:
             out[gpu] = None

@@ -36,7 +36,7 @@ Staleness is decided by bookkeeping, not by guessing from timestamps.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -50,8 +50,10 @@ __all__ = [
     "DrainFailed",
     "Drained",
     "Event",
+    "CancelIntent",
     "FailIntent",
     "ForceOff",
+    "GpuPods",
     "Hold",
     "Intent",
     "IntentSource",
@@ -60,11 +62,13 @@ __all__ = [
     "LendeeStopped",
     "Observed",
     "OwnerStarted",
+    "OwnerStarting",
     "OwnerStopped",
     "OwnerWants",
     "Phase",
     "Policy",
     "Reclaim",
+    "Regrow",
     "RelendDue",
     "Resume",
     "ReturnDone",
@@ -86,11 +90,12 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class Topology:
-    """Which GPUs the lendee borrows and which VM owns each of them.
+    """Which GPUs the lendee may borrow and which VMs own each of them.
 
-    ``owners`` maps an owner's libvirt domain name to the GPU labels it owns. Owners own
-    disjoint sets (a GPU has one owner); the lendee may also hold GPUs nobody owns, and
-    an owner may own GPUs the lendee never borrows. Checked on construction.
+    ``owners`` maps an owner's libvirt domain name to the GPU labels it owns. Several
+    owners may own one GPU (a Windows and a Linux game on one card): they exclude each
+    other. The lendee may also hold GPUs nobody owns, and an owner may own GPUs the
+    lendee never borrows. Checked on construction.
     """
 
     lendee: str
@@ -102,14 +107,9 @@ class Topology:
             raise ValueError(f"lendee {self.lendee} borrows no GPU: there is nothing to lend")
         if self.lendee in self.owners:
             raise ValueError(f"{self.lendee} is the lendee and cannot also be an owner")
-        seen: dict[str, str] = {}
         for owner, gpus in self.owners.items():
             if not gpus:
                 raise ValueError(f"owner {owner} owns no GPU")
-            for gpu in sorted(gpus):
-                if gpu in seen:
-                    raise ValueError(f"GPU {gpu} is owned by both {seen[gpu]} and {owner}")
-                seen[gpu] = owner
         # Frozen means frozen: nobody edits the topology behind the machine's back.
         object.__setattr__(self, "owners", MappingProxyType(dict(self.owners)))
 
@@ -117,7 +117,7 @@ class Topology:
         return domain in self.owners
 
     def needs_lendee_gpus(self, owner: str) -> bool:
-        """Whether `owner` can only run while the lendee is off.
+        """Whether `owner` owns a GPU the lendee may borrow.
 
         False for a VM that is not an owner: it needs nothing from the lendee. (An intent
         persisted for an owner since removed from the configuration must not crash the
@@ -129,10 +129,22 @@ class Topology:
         """The GPUs `owner` and the lendee both use (empty if they never meet)."""
         return self.owners.get(owner, frozenset()) & self.lendee_gpus
 
+    def gpus_of(self, owners: Iterable[str]) -> frozenset[str]:
+        """Every GPU those owners own."""
+        return frozenset().union(*(self.owners.get(o, frozenset()) for o in owners))
+
     @property
     def gpus(self) -> frozenset[str]:
         """Every GPU the agent knows about."""
         return self.lendee_gpus.union(*self.owners.values())
+
+
+class Regrow(enum.StrEnum):
+    """When a lendee running with fewer GPUs than are free restarts to take them all."""
+
+    WHEN_IDLE = "when-idle"  # only while no pod on the node requests a GPU
+    ALWAYS = "always"  # after relend_delay, whatever runs on the node
+    NEVER = "never"  # only when it stops for another reason
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,10 +157,16 @@ class Policy:
     destroyed when its guest agent never answers or it ignores a shutdown. Off by
     default: destroying a VM whose GPUs are mid-initialisation can leave a card in a
     power state only a host reboot clears.
+    ``partial``: the lendee runs with whatever GPUs no owner holds or waits for (False:
+    all of them or none, the lendee off while any owner needs one). ``min_gpus``: below
+    this many free GPUs the lendee is not worth running. ``regrow``: see `Regrow`.
     """
 
     relend_delay: float = 30.0
     force_off: bool = False
+    partial: bool = True
+    min_gpus: int = 1
+    regrow: Regrow = Regrow.WHEN_IDLE
 
 
 # --- what the machine remembers --------------------------------------------------------
@@ -202,6 +220,12 @@ class State:
     once (two callers asked), each id ends on its own. ``hold``: automatic lending is
     suspended. ``relend_at``: when a scheduled relend is due (None: none scheduled).
     ``ticket``: bumped on every phase entry; see the module docstring.
+    ``lent``: the GPUs the lendee's live definition holds while it runs, or will hold
+    once the start in flight lands; empty otherwise. ``starting_owners``: owners the
+    hook let through that do not run yet (each claims its GPUs until it runs or fails).
+    ``gpu_pods``: pods on the node that request a GPU, as last watched (None: unknown).
+    ``regrow_waiting``: a regrow is due but waits for those pods to end.
+    ``reclaiming``: a reclaim by hand is under way (it survives a restart of the agent).
     """
 
     phase: Phase = Phase.OFF
@@ -214,6 +238,11 @@ class State:
     hold: bool = False
     relend_at: float | None = None
     ticket: int = 0
+    lent: frozenset[str] = frozenset()
+    starting_owners: frozenset[str] = frozenset()
+    gpu_pods: int | None = None
+    regrow_waiting: bool = False
+    reclaiming: bool = False
 
     def intents_of(self, owner: str) -> tuple[Intent, ...]:
         return tuple(i for i in self.intents if i.owner == owner)
@@ -248,6 +277,28 @@ class OwnerStarted(Event):
     """libvirt: the owner VM is running."""
 
     owner: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class OwnerStarting(Event):
+    """The hook let the owner's start through (libvirt is starting it now)."""
+
+    owner: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class CancelIntent(Event):
+    """Someone withdrew the pending start requests of `owner` (`hostagent release`)."""
+
+    owner: str
+    by: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class GpuPods(Event):
+    """The cluster: this many pods on the lendee's node request a GPU now."""
+
+    count: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -353,6 +404,7 @@ class Observed(Event):
 
     lendee_running: bool
     owners_running: frozenset[str]
+    lendee_gpus: frozenset[str] | None = None  # its live set; None: its whole definition
 
 
 # --- actions: requests to the executor -------------------------------------------------
@@ -401,7 +453,10 @@ class StartOwner(Action):
 
 @dataclass(frozen=True, kw_only=True)
 class StartLendee(Action):
-    """Start the lendee VM. Reports `LendeeStarted` or `StartFailed`."""
+    """Start the lendee VM with `gpus` only (a live definition for this boot; the
+    persistent one keeps them all). Reports `LendeeStarted` or `StartFailed`."""
+
+    gpus: frozenset[str]
 
 
 @dataclass(frozen=True, kw_only=True)

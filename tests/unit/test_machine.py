@@ -37,6 +37,7 @@ from hostagent.model import (
     Action,
     AgentTimeout,
     AgentUp,
+    CancelIntent,
     CancelRelend,
     CompleteIntent,
     Drain,
@@ -45,6 +46,7 @@ from hostagent.model import (
     Event,
     FailIntent,
     ForceOff,
+    GpuPods,
     Hold,
     Intent,
     IntentSource,
@@ -53,6 +55,7 @@ from hostagent.model import (
     LendeeStopped,
     Observed,
     OwnerStarted,
+    OwnerStarting,
     OwnerStopped,
     OwnerWants,
     Phase,
@@ -87,8 +90,9 @@ TOPO = Topology(
 )
 OWNERS = ("gaming1", "gaming2", "gaming3")
 SHARING = ("gaming1", "gaming2")
-POLICY = Policy(relend_delay=30.0, force_off=False)
-FORCE = Policy(relend_delay=30.0, force_off=True)
+POLICY = Policy(relend_delay=30.0, force_off=False, partial=False)
+FORCE = Policy(relend_delay=30.0, force_off=True, partial=False)
+ALL = TOPO.lendee_gpus
 T = 7  # the ticket of every state built below; the next phase gets T + 1
 AT = 100.0
 HOOK = IntentSource.HOOK
@@ -97,7 +101,10 @@ HOOK = IntentSource.HOOK
 def S(phase: Phase = Phase.OFF, **changes: object) -> State:  # a state, built like one
     """A state in `phase` at ticket T, as the machine would have it."""
     agent_up = phase in (Phase.JOINING, Phase.LENT)
-    return replace(State(phase=phase, ticket=T, agent_up=agent_up), **changes)  # type: ignore[arg-type]
+    # A lendee that runs or is being started holds every GPU (all or nothing here).
+    lent = ALL if phase is not Phase.OFF or changes.get("lendee_starting") else frozenset()
+    base = State(phase=phase, ticket=T, agent_up=agent_up, lent=lent)
+    return replace(base, **changes)  # type: ignore[arg-type]
 
 
 def intent(owner: str, id: str | None = None, at: float = 50.0) -> Intent:
@@ -218,7 +225,7 @@ ROWS: list[tuple[str, State, Event, Policy, Phase, list[Action]]] = [
         RelendDue(at=AT),
         POLICY,
         Phase.OFF,
-        [StartLendee()],
+        [StartLendee(gpus=ALL)],
     ),
     (
         "off/lendee start failed: no retry loop",
@@ -698,13 +705,13 @@ def test_transition(
 def test_every_legal_pair_has_a_row_or_a_scenario() -> None:
     """The table is the machine: this is its whole shape, reviewed here on purpose."""
     every = {OwnerWants, OwnerStarted, OwnerStopped, StartFailed, Hold, Resume, Reclaim,
-             Observed}
+             Observed, OwnerStarting, CancelIntent, GpuPods}
     running_stop = {LendeeStopped}
     expected = {
         Phase.OFF: every | {RelendDue, LendeeStarted},
         Phase.BOOTING: every | running_stop | {AgentUp, AgentTimeout},
         Phase.JOINING: every | running_stop | {ReturnDone, ReturnFailed},
-        Phase.LENT: every | running_stop,
+        Phase.LENT: every | running_stop | {RelendDue},
         Phase.DRAINING: every | running_stop | {Drained, DrainFailed},
         Phase.STOPPING: every | running_stop | {AgentUp, AgentTimeout, ShutdownTimeout},
         Phase.FAILED: every | running_stop,
@@ -715,8 +722,11 @@ def test_every_legal_pair_has_a_row_or_a_scenario() -> None:
     assert got == expected
     assert isinstance(TRANSITIONS, MappingProxyType)
     covered = {(row[1].phase, type(row[2])) for row in ROWS}
-    # Observed is covered by its own tests below; the rest must each have a row.
-    assert {k for k in TRANSITIONS if k[1] is not Observed} <= covered
+    # Observed is covered by its own tests below, the events of partial lending (and a
+    # regrow due in LENT) in test_partial.py; the rest must each have a row.
+    partial = {Observed, OwnerStarting, CancelIntent, GpuPods}
+    rest = {k for k in TRANSITIONS if k[1] not in partial and k != (Phase.LENT, RelendDue)}
+    assert rest <= covered
 
 
 # --- refusals --------------------------------------------------------------------------
@@ -740,6 +750,9 @@ EXAMPLES: list[Event] = [
     Resume(at=AT),
     Reclaim(at=AT),
     Observed(at=AT, lendee_running=False, owners_running=frozenset()),
+    OwnerStarting(at=AT, owner="gaming1"),
+    CancelIntent(at=AT, owner="gaming1", by="alice"),
+    GpuPods(at=AT, count=0),
 ]
 
 
@@ -948,7 +961,7 @@ def test_relend_resumes_after_a_lendee_start_failure_when_an_owner_stops() -> No
     )
     assert actions == [ScheduleRelend(at=AT + 90)]
     state, actions = go(state, RelendDue(at=AT + 90))
-    assert actions == [StartLendee()]
+    assert actions == [StartLendee(gpus=ALL)]
     state, _ = go(state, LendeeStarted(at=AT + 91))
     assert state.reason is None
 
@@ -1035,7 +1048,7 @@ def test_relend_due_starts_the_lendee(late: float) -> None:
     # Timers run on a monotonic clock, events are stamped with wall time: a timer that
     # seems to fire a few milliseconds early is still the relend.
     state, actions = go(S(relend_at=AT), RelendDue(at=AT + late))
-    assert actions == [StartLendee()]
+    assert actions == [StartLendee(gpus=ALL)]
     assert state.lendee_starting and state.relend_at is None and state.phase is Phase.OFF
 
 
@@ -1123,7 +1136,7 @@ def test_owner_restart_through_the_control_socket_within_relend_delay() -> None:
 
 def test_owner_wants_while_the_lendee_boots_never_shuts_down_before_agent_up() -> None:
     state, actions = run(S(relend_at=AT), RelendDue(at=AT), LendeeStarted(at=AT + 1))
-    assert actions == [StartLendee(), WaitAgent(ticket=T + 1)]
+    assert actions == [StartLendee(gpus=ALL), WaitAgent(ticket=T + 1)]
     boot_wait = T + 1
     state, actions = go(state, wants("gaming1", at=AT + 5))
     assert (state.phase, actions) == (Phase.DRAINING, [Drain(ticket=T + 2)])
@@ -1158,8 +1171,8 @@ def test_lendee_started_by_hand_mid_game_is_deferred() -> None:
     decision, message = verdict(state, LENDEE, topo=TOPO)
     assert decision == "defer"
     assert message == (
-        "gpu-node's GPUs are in use by gaming1; hostagent lends them again by itself when "
-        f"that VM stops ({FOLLOW})"
+        "gpu-node's GPUs are in use by gaming1; hostagent lends it what is free by itself, "
+        f"and the rest when that VM stops ({FOLLOW})"
     )
     # Nothing is recorded: the lend after the game is automatic anyway.
     assert go(state, OwnerStopped(at=AT, owner="gaming1"))[1] == [ScheduleRelend(at=AT + 30)]
@@ -1342,8 +1355,8 @@ def test_verdict_for_the_lendee() -> None:
     both = S(running_owners=frozenset({"gaming1", "gaming2"}))
     assert verdict(both, LENDEE, topo=TOPO) == (
         "defer",
-        "gpu-node's GPUs are in use by gaming1, gaming2; hostagent lends them again by "
-        f"itself when those VMs stop ({FOLLOW})",
+        "gpu-node's GPUs are in use by gaming1, gaming2; hostagent lends it what is free "
+        f"by itself, and the rest when those VMs stop ({FOLLOW})",
     )
     assert verdict(S(intents=G1), LENDEE, topo=TOPO) == (
         "defer",
@@ -1389,11 +1402,6 @@ def test_topology_questions() -> None:
 @pytest.mark.parametrize(
     ("lendee_gpus", "owners", "message"),
     [
-        (
-            frozenset({"gpu-a"}),
-            {"g1": frozenset({"gpu-a"}), "g2": frozenset({"gpu-a"})},
-            "GPU gpu-a is owned by both g1 and g2",
-        ),
         (
             frozenset({"gpu-a"}),
             {"gpu-node": frozenset({"gpu-a"})},
@@ -1587,7 +1595,7 @@ class World(RuleBasedStateMachine):
         owners=st.sets(st.sampled_from(OWNERS)),
     )
     def boot(self, force_off: bool, delay: float, lendee: bool, owners: set[str]) -> None:
-        self.policy = Policy(relend_delay=delay, force_off=force_off)
+        self.policy = Policy(relend_delay=delay, force_off=force_off, partial=False)
         if lendee:  # a host that comes up with a consistent set of VMs running
             owners = {o for o in owners if not TOPO.needs_lendee_gpus(o)}
         self.lendee_up, self.owners_up = lendee, set(owners)
