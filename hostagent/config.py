@@ -10,6 +10,7 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     hook_socket = "/run/hostagent/hook.sock"
     control_socket = "/run/hostagent/control.sock"
     control_group = "hostagent"             # may use control.sock (mode 0660); default: root only
+    control_verbs = ["status", "hold", "resume"]  # what control_group may do (the default)
     state_dir = "/var/lib/hostagent"        # state.toml and spool/ live here
 
     [lendee]                                # the Kubernetes worker VM that borrows GPUs
@@ -123,6 +124,8 @@ Rules beyond the types:
   because a check that trusts any host key proves nothing.
 - ``control_group`` is a group name; the agent looks it up when it starts and refuses
   to start if there is no such group. Without it the control socket is root's alone.
+- ``control_verbs`` lists the control verbs members of ``control_group`` may use
+  (default: status, hold, resume and its other name lend); root may use every verb.
 - ``[ssh]`` turns the SSH endpoint on (`hostagent.ssh`, which documents the
   authorized-keys syntax). Its host key is created (ed25519, mode 0600, with a ``.pub``
   beside it) when the file does not exist; an existing one is never replaced.
@@ -504,6 +507,22 @@ def _listen_or_port(value: object, key: str) -> str:
 
 
 _GROUP = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
+# The control socket's verbs (hostagent.agent serves them), for control_verbs.
+CONTROL_VERBS = ("status", "play", "release", "hold", "resume", "lend", "reclaim")
+
+
+def _control_verb(value: object, key: str) -> str:
+    verb = _text(value, key)
+    if verb not in CONTROL_VERBS:
+        raise _Problem(key, f'"{verb}" is not a control verb',
+                       f"write one of {', '.join(CONTROL_VERBS)}")
+    return verb
+
+
+def _control_verbs(value: object, key: str) -> frozenset[str]:
+    verbs = frozenset(_list(_control_verb)(value, key))
+    # resume and lend are one verb under two names: granting one grants both.
+    return verbs | {"resume", "lend"} if verbs & {"resume", "lend"} else verbs
 
 
 def _group(value: object, key: str) -> str:
@@ -717,6 +736,10 @@ class Config:
     )
     # None: the control socket is root's alone (0600); a group makes it 0660.
     control_group: str | None = field(default=None, metadata=_key(_group))
+    # What control_group's members may do on the control socket; root may do everything.
+    control_verbs: frozenset[str] = field(
+        default=frozenset({"status", "hold", "resume", "lend"}), metadata=_key(_control_verbs)
+    )
     state_dir: Path = field(default=Path("/var/lib/hostagent"), metadata=_key(_absolute_path))
     source: str = "<config>"  # where it was read from, for messages
 

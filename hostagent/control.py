@@ -13,25 +13,63 @@ stops the *waiting*, never what the request started: an intent a `play` created 
 and the VM still starts. A client therefore keeps its side open while it waits.
 
 Who may connect is the socket file's business: mode 0600 (root) by default, 0660 with
-``control_group``. The same verbs are served over SSH by `hostagent.ssh`.
+``control_group``. What a caller may then do is decided per verb, from the kernel's
+word on who it is (SO_PEERCRED: uid, gid, pid, and the supplementary groups of that
+pid): root, and the user the agent runs as, may use every verb; members of
+``control_group`` may use `GROUP_VERBS` (status, hold, resume/lend), or what
+``control_verbs`` in the configuration grants them; anyone else nothing. Each request
+but ``status`` is journaled with its caller (``HOSTAGENT_EVENT=control``,
+``HOSTAGENT_USER``, ``HOSTAGENT_UID``, ``HOSTAGENT_PID``), and a verb reads its caller
+with `current_caller()` to name it in its own records. Refusals are journaled once per
+interval, then summarised, so a caller in a loop cannot flood the journal.
+
+A connection must send its request within `REQUEST_TIMEOUT` seconds, and at most
+`MAX_CONNECTIONS` connections (`MAX_PER_CALLER` per uid) are served at once; root and
+the agent's own user are counted apart, so that a member holding every slot cannot
+lock root out.
+
+The same verbs are served over SSH by `hostagent.ssh`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import os
+import pwd
 import socket
 import stat
+import struct
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterator,
+    Mapping,
+)
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hostagent import journal
+from hostagent.ratelimit import Summarised
+
 PROTOCOL_VERSION = 1
 MAX_REQUEST = 64 * 1024
+# What control_group members may do unless control_verbs says otherwise: look, and stop
+# or restart lending; never start or stop someone's VM. `lend` is `resume`'s other name.
+GROUP_VERBS = frozenset({"status", "hold", "resume", "lend"})
+REQUEST_TIMEOUT = 10.0  # seconds for a connection to send its request line
+MAX_CONNECTIONS = 64  # served at once, for callers other than root and the agent's user
+MAX_PER_CALLER = 16  # of those, per uid
+MAX_PRIVILEGED = 64  # and for root and the agent's user, counted apart
+REFUSALS_INTERVAL = 10.0  # one journal record per interval for refusals, then a summary
 
 Reply = dict[str, Any]
 # A verb handler yields progress dicts and finally a result: {"ok": bool, ...}.
@@ -44,6 +82,104 @@ class ControlError(Exception):
 
 class ControlTimeout(ControlError):
     """The client stopped waiting; what it asked for goes on in the agent."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Caller:
+    """Who sent a request: a local process (the control socket) or an SSH key."""
+
+    user: str  # a user name (or "uid N"); for SSH the key's comment
+    uid: int | None = None
+    gid: int | None = None
+    pid: int | None = None
+    groups: frozenset[int] = field(default_factory=frozenset)
+    via: str = "control"  # "control" or "ssh"
+    peer: str | None = None  # SSH: the client's address
+    privileged: bool = False  # root or the agent's own user: every verb
+
+    def __str__(self) -> str:
+        if self.via == "ssh":
+            return f"{self.user} at {self.peer or '?'}"
+        return f"{self.user} (uid {self.uid}, pid {self.pid})"
+
+    def fields(self) -> dict[str, Any]:
+        """Journal fields naming the caller (HOSTAGENT_USER, _UID, _PID, _VIA)."""
+        named = {"user": self.user, "uid": self.uid, "pid": self.pid, "via": self.via}
+        return {k: v for k, v in named.items() if v is not None}
+
+
+_caller: contextvars.ContextVar[Caller | None] = contextvars.ContextVar(
+    "hostagent_caller", default=None)
+
+
+def current_caller() -> Caller | None:
+    """The caller of the request being served in this task (None outside a request).
+
+    Set by the control socket and the SSH endpoint before a verb runs, so a verb can
+    name who asked in its journal records: ``journal.record(..., **caller.fields())``."""
+    return _caller.get()
+
+
+@contextlib.contextmanager
+def serving(caller: Caller) -> Iterator[None]:
+    """Make `caller` the current caller for what runs inside (and tasks started there)."""
+    token = _caller.set(caller)
+    try:
+        yield
+    finally:
+        _caller.reset(token)
+
+
+def peer_caller(sock: Any) -> Caller:
+    """The caller at the other end of a Unix socket, as the kernel says (SO_PEERCRED)."""
+    size = struct.calcsize("3i")
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET,
+                                                        socket.SO_PEERCRED, size))
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = f"uid {uid}"
+    return Caller(user=user, uid=uid, gid=gid, pid=pid, groups=_groups(pid, user, gid),
+                  privileged=uid in (0, os.geteuid()))
+
+
+def _groups(pid: int, user: str, gid: int) -> frozenset[int]:
+    """The supplementary groups of `pid` (what it runs with now), else of `user`."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Groups:"):
+                    return frozenset(int(g) for g in line.split()[1:])
+    except (OSError, ValueError):
+        pass
+    try:
+        return frozenset(os.getgrouplist(user, gid))
+    except OSError:
+        return frozenset()
+
+
+@dataclass(frozen=True)
+class Rights:
+    """Which verbs a caller may use on the control socket."""
+
+    group: int | None = None  # control_group's gid; None: root (and the agent's user) only
+    group_name: str | None = None  # for messages
+    group_verbs: frozenset[str] = GROUP_VERBS
+
+    def may(self, caller: Caller, verb: str) -> str | None:
+        """None if `caller` may use `verb`, else why not (with the fix)."""
+        if caller.privileged:
+            return None
+        name = self.group_name or (str(self.group) if self.group is not None else None)
+        if self.group is None or (caller.gid != self.group and self.group not in caller.groups):
+            return (f"{caller.user} (uid {caller.uid}) may not use the control socket: only "
+                    "root" + (f" and members of control_group {name!r}" if name else "")
+                    + " may")
+        if verb not in self.group_verbs:
+            return (f"{caller.user} may not use {verb!r}: members of control_group {name!r} "
+                    f"may use {', '.join(sorted(self.group_verbs)) or 'nothing'}; ask root, "
+                    "or grant it with control_verbs in the configuration")
+        return None
 
 
 def _line(obj: Reply) -> bytes:
@@ -77,20 +213,80 @@ def parse_request(line: bytes) -> tuple[str, dict[str, Any]]:
 
 
 async def serve_control(path: Path, verbs: Mapping[str, VerbHandler], *, mode: int = 0o600,
-                        group: int | None = None, log: logging.Logger) -> asyncio.Server:
+                        group: int | None = None, log: logging.Logger,
+                        group_verbs: Collection[str] | None = None,
+                        group_name: str | None = None,
+                        request_timeout: float = REQUEST_TIMEOUT,
+                        max_connections: int = MAX_CONNECTIONS,
+                        max_per_caller: int = MAX_PER_CALLER) -> asyncio.Server:
+    """Serve `verbs` on `path`. `group` (a gid) may connect (mode 0660) and use
+    `group_verbs` (default `GROUP_VERBS`); root and the agent's user may use all."""
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
         path.unlink()
     path.parent.mkdir(parents=True, exist_ok=True)
+    rights = Rights(group=group, group_name=group_name,
+                    group_verbs=GROUP_VERBS if group_verbs is None else frozenset(group_verbs))
+    active: dict[int | None, int] = {}  # uid → connections being served
+    counts = {"privileged": 0, "others": 0}
+
+    def refused_record(message: str, count: int, reasons: dict[str, int]) -> None:
+        journal.record("control", message, result="refused", count=count,
+                       priority=journal.Priority.WARNING)
+
+    refusals = Summarised(refused_record, interval=REFUSALS_INTERVAL)
+
+    def admit(caller: Caller) -> str | None:
+        kind = "privileged" if caller.privileged else "others"
+        if caller.privileged:
+            full = counts[kind] >= MAX_PRIVILEGED
+        else:
+            full = (counts[kind] >= max_connections
+                    or active.get(caller.uid, 0) >= max_per_caller)
+        if full:
+            return "too many control connections at once; try again when some have ended"
+        counts[kind] += 1
+        active[caller.uid] = active.get(caller.uid, 0) + 1
+        return None
+
+    def leave(caller: Caller) -> None:
+        counts["privileged" if caller.privileged else "others"] -= 1
+        active[caller.uid] -= 1
+        if not active[caller.uid]:
+            del active[caller.uid]
+
+    def refuse(writer: asyncio.StreamWriter, caller: Caller | None, why: str,
+               reason: str) -> None:
+        who = str(caller) if caller is not None else "a caller"
+        refusals(f"control socket: refused {who}: {why}", reason)
+        writer.write(_line({"type": "result", "ok": False, "error": why}))
 
     async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        line = b""
+        caller: Caller | None = None
+        admitted = False
         try:
             try:
-                line = await reader.readline()
+                caller = peer_caller(writer.get_extra_info("socket"))
+            except (OSError, struct.error, AttributeError) as e:
+                log.warning("control socket: cannot tell who connected (%s); refused", e)
+                refuse(writer, None, "cannot tell who you are", "unknown caller")
+                return
+            full = admit(caller)
+            if full is not None:
+                refuse(writer, caller, full, "too many connections")
+                return
+            admitted = True
+            try:
+                async with asyncio.timeout(request_timeout):
+                    line = await reader.readline()
                 verb, args = parse_request(line)
+            except TimeoutError:
+                refuse(writer, caller, f"no request within {request_timeout:g}s", "idle")
+                return
             except ValueError as e:
-                log.warning("control socket: bad request: %s", e)
+                log.warning("control socket: bad request from %s: %s", caller, e)
                 writer.write(_line({"type": "result", "ok": False, "error": f"bad request: {e}"}))
                 return
             handler = verbs.get(verb)
@@ -98,7 +294,18 @@ async def serve_control(path: Path, verbs: Mapping[str, VerbHandler], *, mode: i
                 writer.write(_line({"type": "result", "ok": False, "error":
                                     f"unknown verb {verb!r}; known: {', '.join(sorted(verbs))}"}))
                 return
-            if not await stream_replies(handler(args), writer, hangup=_eof(reader)):
+            denied = rights.may(caller, verb)
+            if denied is not None:
+                refuse(writer, caller, f"denied: {denied}", f"denied {verb}")
+                return
+            if verb != "status":  # status is polled; the rest change something
+                shown = verb + (f" {args['vm']}" if isinstance(args.get("vm"), str) else "")
+                journal.record("control", f"{caller} asked for {shown[:120]}",
+                               vm=args.get("vm") if isinstance(args.get("vm"), str) else None,
+                               result="allowed", verb=verb, **caller.fields())
+            with serving(caller):
+                done = await stream_replies(handler(args), writer, hangup=_eof(reader))
+            if not done:
                 log.info("control socket: the client of %r hung up before the result", verb)
                 return
         except ConnectionError:
@@ -107,6 +314,8 @@ async def serve_control(path: Path, verbs: Mapping[str, VerbHandler], *, mode: i
             log.exception("control socket: the %r handler failed", line[:80])
             writer.write(_line({"type": "result", "ok": False, "error": f"agent error: {e}"}))
         finally:
+            if admitted and caller is not None:
+                leave(caller)
             try:
                 await writer.drain()
             except ConnectionError:

@@ -558,3 +558,30 @@ def test_control_group_and_ssh_endpoint() -> None:
 )
 def test_ssh_and_group_mistakes(text: str, expected: str) -> None:
     assert error(text) == expected
+
+
+def test_control_verbs_says_what_control_group_may_do() -> None:
+    # The README and the module promise status/hold/resume to the group, and no more.
+    assert parse(MINIMAL).control_verbs == {"status", "hold", "resume", "lend"}
+    cfg = parse('control_group = "hostagent"\ncontrol_verbs = ["status", "play", "release"]\n'
+                + MINIMAL)
+    assert cfg.control_verbs == {"status", "play", "release"}
+    assert parse('control_verbs = ["lend"]\n' + MINIMAL).control_verbs == {"resume", "lend"}
+    assert parse("control_verbs = []\n" + MINIMAL).control_verbs == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('control_verbs = ["status", "shell"]\n' + MINIMAL,
+         'test.toml: control_verbs[1]: "shell" is not a control verb; write one of status, '
+         "play, release, hold, resume, lend, reclaim"),
+        ('control_verbs = "status"\n' + MINIMAL,
+         'test.toml: control_verbs: expected an array, got a string; write it in brackets: '
+         '["status"]'),
+        ('control_verbs = ["hold", "hold"]\n' + MINIMAL,
+         'test.toml: control_verbs[1]: "hold" is listed twice; remove one'),
+    ],
+)
+def test_control_verbs_mistakes(text: str, expected: str) -> None:
+    assert error(text) == expected
