@@ -9,10 +9,13 @@ STAMPS   := .stamps
 # Host packages: libvirt and QEMU for the private lab daemon; headers and a
 # compiler because pip builds libvirt-python and systemd-python from source;
 # cpio to pack the lab guest's initramfs; systemd for a standalone journald;
-# nix-bin for nix-instantiate, which checks that every .nix file parses.
+# nix-bin for nix-instantiate, which checks that every .nix file parses;
+# kubernetes-client for a real kubectl against the API stand-in, unless a kubectl is
+# already there (another package's /usr/bin/kubectl would conflict with it).
 APT_PACKAGES := libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients \
 	qemu-system-x86 qemu-utils libvirt-dev libsystemd-dev pkg-config gcc \
-	python3-venv python3-dev cpio systemd util-linux openssh-client nix-bin
+	python3-venv python3-dev cpio systemd util-linux openssh-client nix-bin \
+	$(if $(wildcard /usr/bin/kubectl),,kubernetes-client)
 
 .PHONY: setup demo test check unit lab faults bench clean
 .DEFAULT_GOAL := test

@@ -27,6 +27,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from tests.kubeapi.rules import (
+    DAEMONSETS,
+    LEASES,
     MODIFIED,
     NODES,
     PDBS,
@@ -71,6 +73,19 @@ _OWNER_API = {
     "Job": "batch/v1",
     "ReplicationController": "v1",
     "Node": "v1",
+}
+# What a k3s kubelet reports about its node (shown by `kubectl get nodes -o wide`).
+NODE_INFO = {
+    "machineID": "0f9e8d7c6b5a49382716f5e4d3c2b1a0",
+    "systemUUID": "6c1f4a2e-8b3d-4e5f-9a7b-1c2d3e4f5a6b",
+    "bootID": "d2c3b4a5-9687-4f1e-8d2c-3b4a59687f1e",
+    "kubeletVersion": "v1.30.6+k3s1",
+    "kubeProxyVersion": "v1.30.6+k3s1",
+    "osImage": "NixOS 24.11 (Vicuna)",
+    "kernelVersion": "6.6.63",
+    "containerRuntimeVersion": "containerd://1.7.23-k3s2",
+    "operatingSystem": "linux",
+    "architecture": "amd64",
 }
 _SUFFIX_CHARS = "bcdfghjklmnpqrstvwxz2456789"  # what generateName draws from
 
@@ -187,6 +202,7 @@ class Cluster:
         self._timers: set[asyncio.TimerHandle] = set()
         self._stuck: dict[str, set[tuple[Key, str]]] = {}  # node -> pods its kubelet owes
         self.on_commit: Callable[[], None] | None = None
+        self._addresses = 0
 
     @property
     def resource_version(self) -> int:
@@ -813,6 +829,8 @@ class Cluster:
         taints: list[Obj] | None = None,
     ) -> Obj:
         resources = {"cpu": "4", "memory": "16Gi", "pods": "110"}
+        self._addresses += 1
+        address = f"10.0.0.{self._addresses}"
         if gpus is not None:
             resources[gpu_resource] = str(gpus)
         node: Obj = {
@@ -826,9 +844,19 @@ class Cluster:
                 "capacity": dict(resources),
                 "allocatable": dict(resources),
                 "conditions": [ready_condition("True" if ready else "False")],
+                "addresses": [{"type": "InternalIP", "address": address},
+                              {"type": "Hostname", "address": name}],
+                "nodeInfo": dict(NODE_INFO),
             },
         }
-        return self._insert(NODES, node)
+        created = self._insert(NODES, node)
+        if ("kube-node-lease", name) not in self._store[LEASES.plural]:
+            self._insert(LEASES, {
+                "metadata": {"name": name, "namespace": "kube-node-lease"},
+                "spec": {"holderIdentity": name, "leaseDurationSeconds": 40,
+                         "renewTime": now().replace("Z", ".000000Z")},
+            })  # fmt: skip
+        return created
 
     def add_pod(
         self,
@@ -855,6 +883,12 @@ class Cluster:
             refs.append(owner_reference("Node", node or ""))
         if refs:
             meta["ownerReferences"] = refs
+        if owner is not None and owner.startswith("DaemonSet/") and self._store[
+                DAEMONSETS.plural].get((namespace, owner.split("/", 1)[1])) is None:
+            # kubectl drain reads the DaemonSet of each of its pods before leaving it.
+            self._insert(DAEMONSETS, {"metadata": {"name": owner.split("/", 1)[1],
+                                                   "namespace": namespace},
+                                      "spec": {"selector": {"matchLabels": dict(labels or {})}}})
         spec: Obj = {
             "containers": [{"name": "main", "image": "registry.example/app:1"}],
             "restartPolicy": "Always" if phase in ("Running", "Pending") else "Never",

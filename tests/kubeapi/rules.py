@@ -68,7 +68,22 @@ PDBS = Resource(
     "poddisruptionbudgets", "PodDisruptionBudget", "policy", "v1", True,
     ("metadata.name", "metadata.namespace"),
 )  # fmt: skip
-RESOURCES = (NODES, PODS, PDBS)
+EVENTS = Resource(
+    "events", "Event", "", "v1", True,
+    ("metadata.name", "metadata.namespace", "involvedObject.kind",
+     "involvedObject.namespace", "involvedObject.name", "involvedObject.uid",
+     "involvedObject.apiVersion", "involvedObject.resourceVersion",
+     "involvedObject.fieldPath", "reason", "reportingComponent", "source", "type"),
+)  # fmt: skip
+# Stored as sent: `kubectl drain` reads the DaemonSet that owns a pod before leaving it.
+DAEMONSETS = Resource(
+    "daemonsets", "DaemonSet", "apps", "v1", True, ("metadata.name", "metadata.namespace")
+)
+# The kubelet's heartbeat in kube-node-lease, which `kubectl describe node` shows.
+LEASES = Resource(
+    "leases", "Lease", "coordination.k8s.io", "v1", True, ("metadata.name", "metadata.namespace")
+)
+RESOURCES = (NODES, PODS, PDBS, EVENTS, DAEMONSETS, LEASES)
 
 
 # --- Status errors ---------------------------------------------------------------------
@@ -294,6 +309,8 @@ def parse_field_selector(text: str, resource: Resource) -> list[tuple[str, bool,
 
 
 def field_value(obj: Obj, path: str) -> str:
+    if path == "source" and obj.get("kind", "Event") == "Event" and "involvedObject" in obj:
+        path = "source.component"  # the event registry's name for it
     value: Any = obj
     for part in path.split("."):
         value = value.get(part) if isinstance(value, dict) else None

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from tests.kubeapi import discovery
 from tests.kubeapi.cluster import Cluster
 from tests.kubeapi.rules import RESOURCES, ApiError, Obj, Resource, bad_request, internal_error
 
@@ -265,6 +266,11 @@ class StandIn:
             )
         if request.path in ("/healthz", "/readyz", "/livez"):
             return web.Response(text="ok")
+        found = self._discovery(request.path)
+        if found is not None:
+            if request.method != "GET":
+                raise _method_not_allowed()
+            return _json(found)
         m = _PATH.fullmatch(request.path)
         if m is None:
             raise _page_not_found()
@@ -278,14 +284,17 @@ class StandIn:
             if method == "GET" and query.get("watch") in _TRUE:
                 return await self._watch(request, resource, namespace)
             if method == "GET":
-                return _json(
-                    self.cluster.list(
-                        resource,
-                        namespace,
-                        field_selector=query.get("fieldSelector", ""),
-                        label_selector=query.get("labelSelector", ""),
-                    )
+                listed = self.cluster.list(
+                    resource,
+                    namespace,
+                    field_selector=query.get("fieldSelector", ""),
+                    label_selector=query.get("labelSelector", ""),
                 )
+                if discovery.wants_table(request.headers.get("Accept", "")):
+                    return _json(discovery.table(
+                        resource, listed["items"], listed["metadata"]["resourceVersion"],
+                        query.get("includeObject", "Metadata")))
+                return _json(listed)
             if method == "POST" and (namespace is not None or not resource.namespaced):
                 return _json(self.cluster.create(resource, namespace, await _body(request)), 201)
             raise _method_not_allowed()
@@ -299,7 +308,11 @@ class StandIn:
             assert namespace is not None
             return _json(self.cluster.evict(namespace, name, await _body(request)), 201)
         if method == "GET":
-            return _json(self.cluster.get(resource, namespace, name))
+            obj = self.cluster.get(resource, namespace, name)
+            if sub is None and discovery.wants_table(request.headers.get("Accept", "")):
+                return _json(discovery.table(resource, [obj], obj["metadata"]["resourceVersion"],
+                                             query.get("includeObject", "Metadata")))
+            return _json(obj)
         if method == "PATCH":
             content_type = request.headers.get("Content-Type", "")
             body = await request.read()
@@ -318,6 +331,22 @@ class StandIn:
                 options["gracePeriodSeconds"] = int(query["gracePeriodSeconds"])
             return _json(self.cluster.delete(resource, namespace, name, options))
         raise _method_not_allowed()
+
+    def _discovery(self, path: str) -> Obj | None:
+        """Discovery documents (legacy form: see tests.kubeapi.discovery)."""
+        path = path.rstrip("/") or "/"
+        if path == "/api":
+            return discovery.api_versions(f"{self.host}:{self.port}")
+        if path == "/apis":
+            return discovery.api_group_list()
+        if path == "/api/v1":
+            return discovery.api_resource_list("", "v1")
+        parts = path.split("/")
+        if len(parts) == 3 and parts[1] == "apis":
+            return discovery.api_group(parts[2])
+        if len(parts) == 4 and parts[1] == "apis":
+            return discovery.api_resource_list(parts[2], parts[3])
+        return None
 
     async def _watch(
         self, request: web.BaseRequest, resource: Resource, namespace: str | None

@@ -438,7 +438,7 @@ async def test_a_too_old_resource_version_is_410_expired() -> None:
                 "apiVersion": "v1",
                 "metadata": {},
                 "status": "Failure",
-                "message": "too old resource version: 101 (103)",
+                "message": "too old resource version: 101 (104)",
                 "reason": "Expired",
                 "code": 410,
             },
