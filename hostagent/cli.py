@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check-config":
         print(f"{args.config}: OK ({len(cfg.gpus)} GPUs, {len(cfg.owners)} owners, "
               f"lendee {cfg.lendee.domain})")
+        for warning in path_warnings(cfg):
+            print(f"hostagent: warning: {warning}", file=sys.stderr)
         return 0
     if args.command == "run":
         # The journal record is the message itself; level and logger are fields of it.
@@ -132,6 +134,54 @@ def main(argv: list[str] | None = None) -> int:
             print(data["message"] + "\n")
         print(format_status(data))
     return 0
+
+
+# hooks/qemu knows only its built-in paths, the configuration's defaults: libvirtd runs
+# it with a scrubbed environment, so HOSTAGENT_SOCKET and HOSTAGENT_SPOOL never reach it.
+_HOOK_CANNOT_FOLLOW = {
+    "hook_socket": "it always asks the agent at {default}; finding nobody there, it spools "
+                   "every event and lets libvirt go on, so a gaming VM whose GPU is lent does "
+                   "not wait for it (its start fails on the busy GPU)",
+    "state_dir": "it always spools to {default}/spool while the agent is down, and the agent "
+                 "replays {path}/spool: those events are never replayed",
+}
+# Where systemd/hostagent.service (and the NixOS module) let the agent write
+# (RuntimeDirectory=, StateDirectory=): ProtectSystem=strict makes the rest read-only,
+# and PrivateTmp=yes gives the agent a /tmp nobody else sees.
+_WRITABLE = (Path("/run/hostagent"), Path("/var/lib/hostagent"))
+_PRIVATE = (Path("/tmp"), Path("/var/tmp"))
+
+
+def path_warnings(cfg: configuration.Config) -> list[str]:
+    """Paths set in the configuration that the hook or the systemd unit cannot follow."""
+    warnings = []
+    for key in ("hook_socket", "state_dir", "control_socket"):
+        path: Path = getattr(cfg, key)
+        default = configuration.Config.__dataclass_fields__[key].default
+        if path == default:
+            continue
+        reasons = []
+        if key in _HOOK_CANNOT_FOLLOW:
+            reasons.append("libvirtd runs the hook with a scrubbed environment, so the hook "
+                           "cannot follow it: "
+                           + _HOOK_CANNOT_FOLLOW[key].format(default=default, path=path))
+        directory = path if key == "state_dir" else path.parent
+        private = any(directory.is_relative_to(p) for p in _PRIVATE)
+        if private:
+            reasons.append(f"the systemd unit's PrivateTmp=yes gives the agent a {directory} "
+                           "of its own, which no other process sees")
+        elif not any(directory.is_relative_to(w) for w in _WRITABLE):
+            reasons.append(f"the systemd unit's ProtectSystem=strict makes {directory} "
+                           "read-only to the agent (it may write only under /run/hostagent "
+                           "and /var/lib/hostagent)")
+        if not reasons:
+            continue
+        fix = f"remove {key} (default {default})"
+        if key not in _HOOK_CANNOT_FOLLOW and not private:
+            fix += (f", or add ReadWritePaths={directory} to the unit "
+                    "(systemctl edit hostagent)")
+        warnings.append(f'{key} = "{path}": ' + "; ".join(reasons) + f". Fix: {fix}.")
+    return warnings
 
 
 def _placed(cfg: configuration.Config) -> configuration.Config:

@@ -104,4 +104,6 @@ def test_the_unit_says_what_the_issue_asks() -> None:
     # libvirt, the hook and control sockets, journald; the Kubernetes API over TCP.
     assert {"AF_UNIX", "AF_INET", "AF_INET6"} <= set(families)
     assert "ProtectHome" in s
+    # The connection caps assume a known descriptor budget, not the machine's default.
+    assert s["LimitNOFILE"] == ["4096"]
 
