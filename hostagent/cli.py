@@ -8,11 +8,14 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hostagent import config as configuration
 from hostagent import journal
 from hostagent.control import ControlError, request
+
+if TYPE_CHECKING:
+    from hostagent import lint
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -207,12 +210,16 @@ def _gpus(args: argparse.Namespace) -> int:
     return 0 if inv.nvml or inv.pci else 1
 
 
-def _domain_xmls(files: list[Path], uri: str, names: list[str] | None) -> list[str]:
-    """Domain XML from files, or from libvirt. Raises OSError or HostError."""
+def _domains(files: list[Path], uri: str, names: list[str] | None) -> list[lint.Domain]:
+    """Domains from XML files, or from libvirt: their persistent definitions (the lendee
+    may run with some of its GPUs only) and whether libvirt autostarts them.
+    Raises OSError, HostError or ValueError."""
+    from hostagent import lint
     if files:
-        return [f.read_text() for f in files]
-    from hostagent.libvirt_host import read_domain_xmls
-    return list(read_domain_xmls(uri, names).values())
+        return [lint.parse_domain(f.read_text()) for f in files]
+    from hostagent.libvirt_host import read_domains
+    return [lint.parse_domain(d.xml, autostart=d.autostart)
+            for d in read_domains(uri, names).values()]
 
 
 def _lint(args: argparse.Namespace) -> int:
@@ -230,8 +237,7 @@ def _lint(args: argparse.Namespace) -> int:
               file=sys.stderr)
     uri = args.connect or (cfg.libvirt_uri if cfg else "qemu:///system")
     try:
-        xmls = _domain_xmls(args.xml, uri, args.domains or None)
-        domains = [lint.parse_domain(x) for x in xmls]
+        domains = _domains(args.xml, uri, args.domains or None)
     except (OSError, HostError, ValueError) as e:
         print(f"hostagent: {e}", file=sys.stderr)
         return 2
@@ -247,7 +253,7 @@ def _lint(args: argparse.Namespace) -> int:
 
 
 def _config_init(args: argparse.Namespace) -> int:
-    from hostagent import config_init, gpus, lint
+    from hostagent import config_init, gpus
     from hostagent.libvirt_host import HostError
     output = args.output or str(args.config)
     target = Path(output)
@@ -256,7 +262,7 @@ def _config_init(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     try:
-        domains = [lint.parse_domain(x) for x in _domain_xmls(args.xml, args.connect, None)]
+        domains = _domains(args.xml, args.connect, None)
     except (OSError, HostError, ValueError) as e:
         print(f"hostagent: {e}", file=sys.stderr)
         return 2

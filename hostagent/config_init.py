@@ -5,7 +5,8 @@ which of those are GPUs (display class) and which functions belong together (one
 slot); NVML, where it sees a card, adds its UUID and name. What no file says is which
 VM is the lendee: ``--lendee`` names it, and without it the domain that holds the
 most GPUs is taken (a tie is an error that asks for ``--lendee``). Every other domain
-with GPUs becomes an owner of the GPUs in its XML.
+with GPUs becomes an owner of the GPUs in its XML; several may own one GPU (a Windows
+and a Linux VM on one card), and they take turns.
 
 The result is TOML written with tomli-w, with comment lines put between the tables
 (tomli-w writes none) saying what to check. `starter_config` is pure: the domains,
@@ -102,20 +103,13 @@ def starter_config(domains: Sequence[Domain], *, sysfs: Path = inventory.SYSFS,
             held.setdefault(name, []).append(gpu.label)
 
     lendee, why_lendee = _choose_lendee(held, lendee_name)
-    owners: dict[str, list[str]] = {}
-    also: list[str] = []
-    owner_of: dict[str, str] = {}
-    for name, labels in sorted(held.items()):
-        if name == lendee:
-            continue
-        for label in labels:
-            if label in owner_of:
-                also.append(f"{name} also has {label} in its XML, which {owner_of[label]} "
-                            "owns: a GPU has one owner, so hostagent leaves it out for "
-                            f"{name}")
-                continue
-            owner_of[label] = name
-            owners.setdefault(name, []).append(label)
+    owners = {name: labels for name, labels in sorted(held.items()) if name != lendee}
+    shared: list[str] = []
+    for gpu in sorted(gpus.values(), key=lambda g: g.slot):
+        takers = [name for name in sorted(owners) if gpu.label in owners[name]]
+        if len(takers) > 1:
+            shared.append(f"{gpu.label} is owned by {' and '.join(takers)}: they take "
+                          "turns, and a start while another of them runs is refused.")
 
     by_pci = {g.pci: g for g in nvml}
     when = (now or datetime.now()).strftime("%Y-%m-%d %H:%M")
@@ -153,7 +147,7 @@ def starter_config(domains: Sequence[Domain], *, sysfs: Path = inventory.SYSFS,
     for name, labels in sorted(owners.items()):
         out.append(f"# {name} starts only once the lendee has given back what it shares.")
         out.append(_dump({"owners": {name: {"gpus": labels}}}))
-    notes = list(also)
+    notes = list(shared)
     notes += [f"{name} passes through {', '.join(a)}, no GPU (per sysfs): left out."
               for name, a in sorted(skipped.items())]
     if missing:

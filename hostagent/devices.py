@@ -30,7 +30,8 @@ from collections.abc import Iterable, Mapping
 
 from hostagent.config import Gpu
 
-__all__ = ["ALIAS_PREFIX", "GpuNotInXml", "XmlError", "gpus_in", "owner_label", "without"]
+__all__ = ["ALIAS_PREFIX", "GpuNotInXml", "XmlError", "alias_label", "gpus_in", "owner_label",
+           "without"]
 
 ALIAS_PREFIX = "ua-hostagent-"
 
@@ -77,11 +78,16 @@ def owner_label(dev: ET.Element, gpus: Mapping[str, Gpu]) -> str | None:
             if address in gpu.pci_functions:
                 return label
     alias = dev.find("alias")
-    name = alias.get("name", "") if alias is not None else ""
-    if not name.startswith(ALIAS_PREFIX):
+    return alias_label(alias.get("name", ""), gpus) if alias is not None else None
+
+
+def alias_label(alias: str, labels: Iterable[str]) -> str | None:
+    """The GPU label that user alias `alias` (``ua-hostagent-LABEL[-...]``) ties a
+    device to, among `labels`; None if it ties it to none."""
+    if not alias.startswith(ALIAS_PREFIX):
         return None
-    rest = name[len(ALIAS_PREFIX):]
-    fits = [label for label in gpus if rest == label or rest.startswith(label + "-")]
+    rest = alias[len(ALIAS_PREFIX):]
+    fits = [label for label in labels if rest == label or rest.startswith(label + "-")]
     return max(fits, key=len) if fits else None
 
 

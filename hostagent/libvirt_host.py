@@ -395,11 +395,20 @@ def _short(value: object) -> str:
     return text[:120] + ("…" if len(text) > 120 else "")
 
 
-def read_domain_xmls(uri: str, names: list[str] | None = None) -> dict[str, str]:
-    """name → XML of the named domains (every defined one if None), read-only.
+@dataclass(frozen=True)
+class DefinedDomain:
+    """What the one-shot commands read of a domain."""
+
+    xml: str  # the persistent definition (a transient domain's live one)
+    autostart: bool  # libvirt starts it when libvirtd starts
+
+
+def read_domains(uri: str, names: list[str] | None = None) -> dict[str, DefinedDomain]:
+    """name → definition of the named domains (every defined one if None), read-only.
 
     For the one-shot commands (`hostagent lint`, `config init`), not for the agent: a
-    plain blocking connection, no events. Raises HostError.
+    plain blocking connection, no events. The persistent definition, not the live one:
+    the lendee may be running with only some of its GPUs. Raises HostError.
     """
     libvirt.registerErrorHandler(lambda _ctx, _err: None, None)  # raised, not printed
     try:
@@ -416,8 +425,16 @@ def read_domain_xmls(uri: str, names: list[str] | None = None) -> dict[str, str]
                     doms.append(conn.lookupByName(name))
                 except libvirt.libvirtError as e:
                     raise DomainNotFound(f"{name}: {e.get_error_message()}") from e
-        return {d.name(): str(d.XMLDesc()) for d in doms}
+        return {d.name(): DefinedDomain(
+            xml=str(d.XMLDesc(libvirt.VIR_DOMAIN_XML_INACTIVE)),
+            autostart=bool(d.isPersistent() and d.autostart())) for d in doms}
     except libvirt.libvirtError as e:
         raise HostError(f"reading domains at {uri}: {e.get_error_message()}") from e
     finally:
         conn.close()
+
+
+def read_domain_xmls(uri: str, names: list[str] | None = None) -> dict[str, str]:
+    """name → persistent XML of the named domains (every defined one if None); as
+    `read_domains`. Raises HostError."""
+    return {name: d.xml for name, d in read_domains(uri, names).items()}

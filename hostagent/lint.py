@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from hostagent import devices as gpu_devices
 from hostagent import gpus as inventory
 from hostagent.config import Config
 
@@ -61,6 +62,7 @@ class Check(enum.StrEnum):
     CDROM_FIRST = "cdrom-first"
     NO_AGENT_CHANNEL = "no-agent-channel"
     CONFIG_XML = "config-xml"
+    AUTOSTART = "autostart"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,6 +105,9 @@ class Domain:
     hostdevs: tuple[Hostdev, ...]
     agent_channel: bool
     boot: tuple[BootDevice, ...]  # in boot order; () when the firmware decides
+    # User aliases ua-hostagent-… of devices: they move with a GPU (`hostagent.devices`).
+    aliases: tuple[str, ...] = ()
+    autostart: bool | None = None  # None: not known (read from a file)
 
     @property
     def q35(self) -> bool:
@@ -149,8 +154,9 @@ def _boot_order(root: ET.Element, devices: ET.Element | None) -> tuple[BootDevic
                  for i, b in enumerate(root.findall("os/boot")))
 
 
-def parse_domain(xml: str) -> Domain:
-    """What lint needs from a domain's XML. Raises ValueError if it is not domain XML."""
+def parse_domain(xml: str, *, autostart: bool | None = None) -> Domain:
+    """What lint needs from a domain's XML (and `autostart`, which libvirt keeps
+    outside it). Raises ValueError if it is not domain XML."""
     try:
         root = ET.fromstring(xml)
     except ET.ParseError as e:
@@ -171,7 +177,10 @@ def parse_domain(xml: str) -> Domain:
     devices = root.find("devices")
     hostdevs = []
     channel = False
+    aliases: list[str] = []
     if devices is not None:
+        aliases = [a.get("name", "") for a in devices.findall("*/alias")
+                   if a.get("name", "").startswith(gpu_devices.ALIAS_PREFIX)]
         for dev in devices.findall("hostdev"):
             if dev.get("mode", "subsystem") != "subsystem" or dev.get("type") != "pci":
                 continue
@@ -185,7 +194,7 @@ def parse_domain(xml: str) -> Domain:
                       for t in devices.findall("channel/target"))
     return Domain(name=root.findtext("name", "").strip(), machine=machine, ovmf=ovmf,
                   hostdevs=tuple(hostdevs), agent_channel=channel,
-                  boot=_boot_order(root, devices))
+                  boot=_boot_order(root, devices), aliases=tuple(aliases), autostart=autostart)
 
 
 # --- one domain against the host -----------------------------------------------------------
@@ -355,18 +364,26 @@ def _against_config(domains: Sequence[Domain], config: Config) -> list[Finding]:
         if dom is None:
             continue
         have = {h.address for h in dom.hostdevs}
+        tagged = {gpu_devices.alias_label(a, config.gpus) for a in dom.aliases}
         for label in labels:
             gpu = config.gpus[label]
+            if label in tagged and not have & set(gpu.pci_functions):
+                continue  # a stand-in tied to the GPU by its alias (the lab's disks)
             for address in gpu.pci_functions:
                 if address in have:
                     continue
                 verb = "borrows" if role == "lendee" else "owns"
                 found.append(Finding(
                     domain=name, check=Check.CONFIG_XML, severity=Severity.ERROR,
-                    what=f"the config says {name} {verb} {gpu} but its XML has no <hostdev> "
-                         f"for {address}",
-                    why="hostagent moves GPUs by what the config says, so it would lend or "
-                        "reclaim a card this VM does not use and leave the one it uses alone.",
+                    what=f"the config says {name} {verb} {gpu} but its "
+                         + ("persistent definition" if role == "lendee" else "XML")
+                         + f" has no <hostdev> for {address}",
+                    why="the agent starts the lendee from its persistent definition minus "
+                        "the GPUs in use, so a GPU missing there is never lent, and the "
+                        "in-guest check fails after every lend."
+                    if role == "lendee" else
+                    "hostagent moves GPUs by what the config says, so it would lend or "
+                    "reclaim a card this VM does not use and leave the one it uses alone.",
                     fix=f"add the hostdev (virsh edit {name}) or fix {key} / gpus.{label}"))
         for h in dom.hostdevs:
             other = label_of.get(h.address)
@@ -382,6 +399,32 @@ def _against_config(domains: Sequence[Domain], config: Config) -> list[Finding]:
                 why="hostagent does not free that GPU for this VM, so its start fails "
                     "whenever another VM holds it.",
                 fix=f"add {label} to {key}, or remove the hostdev from {name}"))
+    found += _autostart(domains, roles)
+    return found
+
+
+def _autostart(domains: Sequence[Domain],
+               roles: dict[str, tuple[str, str, tuple[str, ...]]]) -> list[Finding]:
+    found = []
+    for dom in domains:
+        if not dom.autostart or dom.name not in roles:
+            continue
+        lendee = roles[dom.name][0] == "lendee"
+        found.append(Finding(
+            domain=dom.name, check=Check.AUTOSTART, severity=Severity.WARNING,
+            what="libvirt autostarts it",
+            why="libvirt starts it when libvirtd starts at host boot, before hostagent "
+                "answers its hook, which can then only spool the event: "
+                + ("the lendee boots with every GPU, those an owner starting at boot "
+                   "needs included, and one of the two fails to start."
+                   if lendee else
+                   "the owner takes its GPU while the lendee may be booting with it, and "
+                   "one of the two fails to start."),
+            fix=f"virsh autostart --disable {dom.name}; "
+                + ("hostagent lends the free GPUs at boot by itself"
+                   if lendee else
+                   f"to start it at boot, set start_at_boot = true under [owners.{dom.name}]: "
+                   "hostagent then starts it once its GPUs are free")))
     return found
 
 

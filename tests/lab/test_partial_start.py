@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
+from hostagent import lint
 from hostagent.config import parse
 from hostagent.inbox import HookEvent, Verdict, serve_hooks
-from hostagent.libvirt_host import HookRefused, HostError, Libvirt
+from hostagent.libvirt_host import HookRefused, HostError, Libvirt, read_domains
 from tests.lab.lab import GPUS, LENDEE, Lab
 
 # libvirt takes one event loop per process: every test here shares the module's.
@@ -52,6 +53,19 @@ async def test_a_start_without_one_gpu_runs_the_rest_for_this_boot_only(
     assert any(line.split() == ["Persistent:", "yes"] for line in info.splitlines()), info
     assert persistent(lab) == before  # byte for byte
     assert disks(lab, "--inactive") == sorted(GPUS)
+    # `hostagent lint` reads the persistent definitions: the running lendee lacks
+    # gpu-a for this boot only, which is no finding; autostart is one.
+    lab.virsh("autostart", LENDEE)
+    try:
+        defined = await asyncio.to_thread(read_domains, lab.uri)
+    finally:
+        lab.virsh("autostart", "--disable", LENDEE)
+    assert defined[LENDEE].autostart and not defined["gaming1"].autostart
+    found = lint.lint([lint.parse_domain(d.xml, autostart=d.autostart)
+                       for d in defined.values()], config=CONFIG)
+    assert [(f.domain, f.check) for f in found
+            if f.check in (lint.Check.CONFIG_XML, lint.Check.AUTOSTART)] == [
+        (LENDEE, lint.Check.AUTOSTART)]
     # gpu-a is really free: its owner takes the disk lock the lendee would hold.
     await asyncio.to_thread(lab.virsh, "start", "gaming1")
     assert sorted(lab.running()) == sorted(["gaming1", LENDEE])

@@ -80,12 +80,19 @@ def test_the_lendee_can_be_named_and_a_tie_must_be(host: Any) -> None:
         config_init.starter_config(two, sysfs=host.root, lendee_name="nope")
 
 
-def test_a_gpu_two_owners_claim_goes_to_one_and_says_so(host: Any) -> None:
-    doms = domains(domain("gpu-node", gpu("01") + gpu("02")), domain("gaming1", gpu("01")),
-                   domain("gaming3", gpu("01")))
+def test_a_gpu_two_owners_claim_is_owned_by_both(host: Any) -> None:
+    doms = domains(domain("gpu-node", gpu("01") + gpu("02") + gpu("03")),
+                   domain("gaming1", gpu("01")), domain("gaming-win", gpu("01") + gpu("02")))
     text = config_init.starter_config(doms, sysfs=host.root)
-    assert {o.domain: o.gpus for o in parse(text).owners.values()} == {"gaming1": ("gpu-a",)}
-    assert "# gaming3 also has gpu-a in its XML, which gaming1 owns" in text
+    cfg = parse(text)
+    assert {o.domain: o.gpus for o in cfg.owners.values()} == {
+        "gaming-win": ("gpu-a", "gpu-b"), "gaming1": ("gpu-a",)}
+    assert cfg.owners_of("gpu-a") == ("gaming-win", "gaming1")
+    assert ("# gpu-a is owned by gaming-win and gaming1: they take turns, and a start while "
+            "another\n#   of them runs is refused.\n") in text
+    assert "gpu-b is owned by" not in text
+    # And lint agrees with what it wrote.
+    assert lint.errors(lint.lint(doms, sysfs=host.root, config=cfg)) == []
 
 
 def test_a_card_no_longer_on_the_host_is_kept_and_flagged(host: Any) -> None:

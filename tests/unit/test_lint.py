@@ -258,11 +258,80 @@ def test_lendee_lacks_a_lent_gpu_and_an_owner_has_anothers(host: Any, cfg: Confi
     xmls["gaming1"] = domain("gaming1", gpu("01", rom_off=False) + gpu("02", rom_off=False))
     found = [f for f in run(xmls, host, cfg) if f.check is Check.CONFIG_XML]
     assert [f.what for f in found] == [
-        "the config says gpu-node borrows gpu-c but its XML has no <hostdev> for 0000:03:00.0",
-        "the config says gpu-node borrows gpu-c but its XML has no <hostdev> for 0000:03:00.1",
+        "the config says gpu-node borrows gpu-c but its persistent definition has no <hostdev> for 0000:03:00.0",
+        "the config says gpu-node borrows gpu-c but its persistent definition has no <hostdev> for 0000:03:00.1",
         "gaming1's XML has 0000:02:00.0 of GPU gpu-b, but the config gives it to gaming2",
         "gaming1's XML has 0000:02:00.1 of GPU gpu-b, but the config gives it to gaming2",
     ]
+    assert found[0].why.startswith("the agent starts the lendee from its persistent definition")
+
+
+SHARED = CONFIG + """
+[owners.gaming-win]
+gpus = ["gpu-a"]
+"""
+
+
+def test_every_owner_of_a_shared_gpu_is_checked(host: Any) -> None:
+    cfg = parse(textwrap.dedent(SHARED))
+    xmls = clean_set()
+    xmls["gaming-win"] = domain("gaming-win", gpu("01", rom_off=False))
+    assert run(xmls, host, cfg) == []
+    xmls["gaming-win"] = domain("gaming-win", [hostdev("0000:01:00.0", rom_off=False)])
+    found = [f for f in run(xmls, host, cfg) if f.check is Check.CONFIG_XML]
+    assert [(f.domain, f.what) for f in found] == [
+        ("gaming-win", "the config says gaming-win owns gpu-a but its XML has no <hostdev> for "
+                       "0000:01:00.1")]
+    # A VM the config does not give gpu-a to hears of both owners.
+    xmls["gaming-win"] = domain("gaming-win", gpu("01", rom_off=False))
+    xmls["gaming2"] = domain("gaming2", gpu("02", rom_off=False) + gpu("01", rom_off=False))
+    found = [f for f in run(xmls, host, cfg) if f.check is Check.CONFIG_XML]
+    assert [f.what for f in found] == [
+        "gaming2's XML has 0000:01:00.0 of GPU gpu-a, but the config gives it to gaming1 and "
+        "gaming-win",
+        "gaming2's XML has 0000:01:00.1 of GPU gpu-a, but the config gives it to gaming1 and "
+        "gaming-win"]
+
+
+def test_a_device_tied_to_a_gpu_by_its_user_alias_stands_for_it(host: Any, cfg: Config) -> None:
+    # The lab's GPUs are disks with <alias name='ua-hostagent-gpu-X'/>.
+    def stand_in(label: str) -> str:
+        return f"""<disk type='file' device='disk'>
+      <source file='/lab/{label}.img'/>
+      <target dev='vdx' bus='virtio'/>
+      <alias name='ua-hostagent-{label}'/>
+    </disk>"""
+    xmls = {"gpu-node": domain("gpu-node", [stand_in(g) for g in ("gpu-a", "gpu-b", "gpu-c")]),
+            "gaming1": domain("gaming1", [stand_in("gpu-a")]),
+            "gaming2": domain("gaming2", [stand_in("gpu-b")])}
+    assert lint.parse_domain(xmls["gpu-node"]).aliases == (
+        "ua-hostagent-gpu-a", "ua-hostagent-gpu-b", "ua-hostagent-gpu-c")
+    assert run(xmls, host, cfg) == []
+    xmls["gpu-node"] = domain("gpu-node", [stand_in("gpu-a"), stand_in("gpu-b")])
+    assert [f.what for f in run(xmls, host, cfg)] == [
+        "the config says gpu-node borrows gpu-c but its persistent definition has no <hostdev> for 0000:03:00.0",
+        "the config says gpu-node borrows gpu-c but its persistent definition has no <hostdev> for 0000:03:00.1"]
+
+
+def test_autostart_on_the_lendee_or_an_owner_races_the_agent(host: Any, cfg: Config) -> None:
+    doms = [lint.parse_domain(xml, autostart=name != "gaming2")
+            for name, xml in {**clean_set(), "other": domain("other", [])}.items()]
+    found = [f for f in lint.lint(doms, sysfs=host.root, config=cfg)
+             if f.check is Check.AUTOSTART]
+    assert [(f.domain, f.severity) for f in found] == [
+        ("gpu-node", Severity.WARNING), ("gaming1", Severity.WARNING)]
+    lendee, owner = found
+    assert lendee.what == "libvirt autostarts it"
+    assert "before hostagent answers its hook, which can then only spool" in lendee.why
+    assert lendee.fix == ("virsh autostart --disable gpu-node; hostagent lends the free GPUs at "
+                          "boot by itself")
+    assert owner.fix == ("virsh autostart --disable gaming1; to start it at boot, set "
+                         "start_at_boot = true under [owners.gaming1]: hostagent then starts it "
+                         "once its GPUs are free")
+    # Unknown (read from a file) or without a config: nothing to say.
+    assert not any(f.check is Check.AUTOSTART for f in run(clean_set(), host, cfg))
+    assert not any(f.check is Check.AUTOSTART
+                   for f in lint.lint(doms, sysfs=host.root, config=None))
 
 
 def test_the_agent_check_fires_nothing_on_a_domain_without_hostdevs(sysfs: Any) -> None:
