@@ -13,7 +13,8 @@ The metrics (Prometheus naming: ``hostagent_`` prefix, base units, ``_total`` co
     hostagent_gpu_holder{gpu,vm}                     1 if vm holds gpu (all 0: idle)
     hostagent_swaps_total{kind}                      lend: lent (GPUs verified);
                                                      reclaim: the lendee stopped for owners
-    hostagent_failures_total{kind}                   see FAILURE_KINDS
+    hostagent_failures_total{kind}                   see FAILURE_KINDS; gpu_lost: the
+                                                     lent node lost GPUs while lent
     hostagent_phase_duration_seconds{phase}          histogram: time spent in a phase
     hostagent_swap_duration_seconds{kind}            histogram: lend = running → lent;
                                                      reclaim = draining → off
@@ -27,7 +28,11 @@ The metrics (Prometheus naming: ``hostagent_`` prefix, base units, ``_total`` co
 
 The HTTP side is deliberately tiny (one request per connection, GET and HEAD, three
 paths) because it runs on the loop that answers libvirt's hook: it must never block,
-and must not drag in a web framework.
+and must not drag in a web framework (prometheus-client serves only from threads of
+its own, or through an ASGI/WSGI server). It shares the agent's descriptors with the
+hook socket, so it is bounded: at most `MAX_CONNECTIONS` connections at once
+(`MAX_PER_SOURCE` per address), each with `REQUEST_TIMEOUT` seconds to send its
+request; more are closed as they arrive, and counted in one log line per minute.
 
     /metrics   the metrics, text exposition format (health checks run first)
     /healthz   200 if every health check passes, else 503; the checks as JSON
@@ -47,6 +52,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from hostagent import machine
 from hostagent.health import CheckFailed, CheckResult, Health
+from hostagent.ratelimit import Summarised
 from hostagent.model import (
     AgentTimeout,
     DrainFailed,
@@ -136,7 +142,7 @@ class Metrics:
         # Every series exists from the start: a rate() needs the zero it starts from.
         for kind in ("lend", "reclaim"):
             self._swaps.labels(kind)
-        for kind in FAILURE_KINDS.values():
+        for kind in (*FAILURE_KINDS.values(), "gpu_lost"):
             self._failures.labels(kind)
         self.phase: Phase = Phase.OFF
         # None: unknown (at start, and after a fresh read of libvirt).
@@ -206,6 +212,11 @@ class Metrics:
         capacity a gamer could have had."""
         self._gpu_pods.value = count
 
+    def gpu_lost(self) -> None:
+        """The lent node lost GPUs it had (allocatable dropped below what was lent):
+        counted in ``hostagent_failures_total{kind="gpu_lost"}``."""
+        self._failures.labels("gpu_lost").inc()
+
     def health(self, results: list[CheckResult]) -> None:
         for result in results:
             self._checks.labels(result.check).set(1 if result.ok else 0)
@@ -252,21 +263,41 @@ def _clock(at: float) -> str:
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
             408: "Request Timeout", 503: "Service Unavailable"}
 _INDEX = b"hostagent: /metrics (Prometheus), /healthz (200 when every check passes)\n"
-_REQUEST_TIMEOUT = 10.0
+REQUEST_TIMEOUT = 5.0
+MAX_CONNECTIONS = 16  # a Prometheus scrapes with one; a few people may curl /healthz
+MAX_PER_SOURCE = 4
+ACCEPT_BACKLOG = 8  # the listen queue, and asyncio's batch of accepts
+_REFUSALS_INTERVAL = 60.0
 _MAX_HEADERS = 100
 
 
 async def serve(address: tuple[str, int], metrics: Metrics, health: Health, *,
-                log: logging.Logger) -> asyncio.Server:
+                log: logging.Logger, max_connections: int = MAX_CONNECTIONS,
+                max_per_source: int = MAX_PER_SOURCE,
+                request_timeout: float = REQUEST_TIMEOUT) -> asyncio.Server:
     """Serve /metrics and /healthz on `address` (host "" = every address).
 
-    Raises OSError if it cannot listen (the port is taken, the address is not local).
+    Raises OSError if it cannot listen (the port is taken, the address is not local):
+    worth retrying later, the configuration may well be right.
     """
+    sources: dict[str, int] = {}  # address → connections being served
+
+    def refused_record(message: str, count: int, reasons: dict[str, int]) -> None:
+        log.warning("metrics: %s", message)
+
+    refusals = Summarised(refused_record, interval=_REFUSALS_INTERVAL)
 
     async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        source = str(peer[0]) if peer else "?"
+        if sum(sources.values()) >= max_connections or sources.get(source, 0) >= max_per_source:
+            refusals(f"refused a connection from {source}: too many at once", "too many")
+            writer.transport.abort()  # its descriptor is back at once
+            return
+        sources[source] = sources.get(source, 0) + 1
         try:
             try:
-                request = await asyncio.wait_for(_read_request(reader), _REQUEST_TIMEOUT)
+                request = await asyncio.wait_for(_read_request(reader), request_timeout)
             except TimeoutError:
                 status, ctype, body, head = 408, "text/plain", b"request timeout\n", False
             except ValueError as e:
@@ -278,16 +309,24 @@ async def serve(address: tuple[str, int], metrics: Metrics, health: Health, *,
                 head = method == "HEAD"
                 status, ctype, body = await _respond(method, path, metrics, health)
             writer.write(_response(status, ctype, body, head=head))
-            await writer.drain()
+            # A client that never reads its answer must not keep its slot.
+            await asyncio.wait_for(writer.drain(), request_timeout)
         except ConnectionError:
             pass
+        except TimeoutError:
+            writer.transport.abort()  # close() would wait for the unread answer to leave
         except Exception:
             log.exception("metrics: failed to answer a request")
         finally:
+            sources[source] -= 1
+            if not sources[source]:
+                del sources[source]
             writer.close()
 
     host, port = address
-    return await asyncio.start_server(connection, host or None, port)
+    # asyncio accepts up to `backlog` connections in one go before any of them is looked
+    # at: a small batch keeps the cap a bound on descriptors.
+    return await asyncio.start_server(connection, host or None, port, backlog=ACCEPT_BACKLOG)
 
 
 async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str] | None:

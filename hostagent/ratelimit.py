@@ -1,10 +1,9 @@
 """Journal records for refused connections, summarised instead of one per connection.
 
 A flood of connections (a port scan, a brute-force run, a stuck client in a loop) must
-not flood the journal: the first refusal of an interval is recorded as it comes, the
-rest are counted and recorded as one summary when the next interval begins (or at the
-next refusal after it). No timer and no task: the summary rides on the next call, or on
-`flush`.
+not flood the journal: the first `burst` records of an interval are written as they
+come, the rest are counted and written as one summary when the next interval begins
+(at the next record after it, or at `flush`). No timer and no task.
 """
 
 from __future__ import annotations
@@ -17,26 +16,31 @@ __all__ = ["Summarised"]
 
 
 class Summarised:
-    """Let one record through per `interval` seconds; count and summarise the rest.
+    """Let `burst` records through per `interval` seconds; count and summarise the rest.
 
     `emit(message, count, reasons)` writes a record: `count` is 1 for a record let
     through, and for a summary the number of records it stands for, by reason."""
 
     def __init__(self, emit: Callable[[str, int, dict[str, int]], None], *,
-                 interval: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 interval: float = 10.0, burst: int = 1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._emit = emit
         self._interval = interval
+        self._burst = burst
+        self._passed = 0
         self._clock = clock
         self._window_start: float | None = None
         self._held: Counter[str] = Counter()
 
     def __call__(self, message: str, reason: str) -> None:
         now = self._clock()
-        if self._window_start is not None and now - self._window_start < self._interval:
+        if self._window_start is None or now - self._window_start >= self._interval:
+            self.flush()
+            self._window_start, self._passed = now, 0
+        if self._passed >= self._burst:
             self._held[reason] += 1
             return
-        self.flush()
-        self._window_start = now
+        self._passed += 1
         self._emit(message, 1, {reason: 1})
 
     def flush(self) -> None:

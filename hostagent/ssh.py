@@ -22,7 +22,18 @@ Security model
 - Each key may use only the verbs and VMs its line lists.
 - Every connection, key, command and decision is one journal record
   (``HOSTAGENT_EVENT=ssh``, with ``HOSTAGENT_KEY``, ``HOSTAGENT_FINGERPRINT``,
-  ``HOSTAGENT_PEER`` and ``HOSTAGENT_RESULT``).
+  ``HOSTAGENT_PEER`` and ``HOSTAGENT_RESULT``). What happens before a key is accepted
+  (a connection, an unknown key, a connection that ends without one) is recorded
+  `PREAUTH_BURST` times per `PREAUTH_INTERVAL` seconds, then summarised in one record:
+  anyone can connect, and a flood must not flood the journal.
+
+Floods
+------
+The endpoint shares the agent's process, and so its descriptors, with the hook socket:
+a connection flood must not starve it. At most `MAX_CONNECTIONS` connections are
+served at once, of which at most `MAX_UNAUTHENTICATED` have not yet authenticated and
+at most `MAX_PER_SOURCE` of those come from one address; more are closed as they
+arrive. A connection has `LOGIN_TIMEOUT` seconds to authenticate.
 
 Authorized keys
 ---------------
@@ -44,14 +55,20 @@ options field says what the key may do::
   Refusing beats granting something the line did not mean.
 - The comment names the key in the journal, next to its SHA256 fingerprint.
 
-The file must not be writable by group or others (as sshd's StrictModes). It is read
-when the agent starts (a broken file stops the start) and read again at a connection
-when it changed; if it is broken then, every key is refused until it is fixed.
+The file must be owned by root (or by the user the agent runs as) and not be writable
+by group or others (as sshd's StrictModes). It is read when the endpoint starts and
+read again at a connection when it changed; while it is missing or broken, every key
+is refused (and the journal says why) until it is fixed: no restart is needed.
 
 The host key is ``ssh.host_key`` (default ``<state_dir>/ssh_host_ed25519_key``). If the
-file does not exist at start, an ed25519 key is created (mode 0600, with the public
-half in ``<file>.pub``) and its fingerprint journaled; add the ``.pub`` line to the
-client's known_hosts. An existing key is never replaced.
+file does not exist at start (or is empty: no key was ever served from it), an ed25519
+key is created (mode 0600, with the public half in ``<file>.pub``), written atomically
+and durably, and its fingerprint journaled; add the ``.pub`` line to the client's
+known_hosts. An existing key is never replaced: one that cannot be read stops the
+endpoint with the fix.
+
+`serve` raises `Transient` when the address cannot be listened on (taken, or not yet
+configured at boot): the caller retries it later. Other `EndpointError`s need a person.
 
 Exit status carried back to the client: 0 done; 1 the verb failed (the reason is the
 last line on stderr); 64 the command line is malformed; 77 the key may not do that;
@@ -63,9 +80,11 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import contextlib
 import os
 import re
 import stat
+import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,10 +93,16 @@ from typing import Any
 import asyncssh
 
 from hostagent import journal
+from hostagent.control import Caller, serving
 from hostagent.follow import format_reply
+from hostagent.ratelimit import Summarised
 
 __all__ = [
+    "LOGIN_TIMEOUT",
     "MAX_COMMAND",
+    "MAX_CONNECTIONS",
+    "MAX_PER_SOURCE",
+    "MAX_UNAUTHENTICATED",
     "VM_VERBS",
     "BadCommand",
     "Endpoint",
@@ -85,6 +110,7 @@ __all__ = [
     "ExitStatus",
     "Grant",
     "KeysError",
+    "Transient",
     "load_host_key",
     "parse_authorized_keys",
     "parse_command",
@@ -95,6 +121,13 @@ Reply = dict[str, Any]
 VerbHandler = Callable[[dict[str, Any]], AsyncIterator[Reply]]
 
 MAX_COMMAND = 256
+MAX_CONNECTIONS = 32  # served at once
+MAX_UNAUTHENTICATED = 16  # of those, not yet authenticated
+MAX_PER_SOURCE = 4  # of those, from one address
+LOGIN_TIMEOUT = 10.0  # seconds to authenticate (a button does it in well under one)
+ACCEPT_BACKLOG = 8  # the listen queue, and asyncio's batch of accepts
+PREAUTH_BURST = 20  # records before authentication, per interval, then a summary
+PREAUTH_INTERVAL = 60.0
 VM_VERBS = frozenset({"play", "release"})  # the verbs that name a VM
 _VERB = re.compile(r"[a-z]+")
 _VM = re.compile(r"[A-Za-z0-9_.-]+")
@@ -117,6 +150,11 @@ class EndpointError(Exception):
 
 class KeysError(EndpointError):
     """The authorized-keys file cannot be used."""
+
+
+class Transient(EndpointError):
+    """The endpoint cannot start now but may later (the port is taken, the address is
+    not configured yet): retry with backoff rather than stop."""
 
 
 class BadCommand(Exception):
@@ -249,7 +287,8 @@ class _KeyFile:
         self.verbs = verbs
         self.grants: list[Grant] = []
         self._seen: tuple[int, int, int] | None = None
-        self.refresh(strict=True)
+        self.problem: str | None = None  # why every key is refused, while it lasts
+        self.refresh()
 
     def _read(self) -> tuple[tuple[int, int, int], str]:
         try:
@@ -259,26 +298,31 @@ class _KeyFile:
             raise KeysError(f"{self.path}: cannot read the SSH authorized keys "
                             f"({e.strerror}); create it, or remove [ssh] from the "
                             "configuration") from e
+        if st.st_uid not in (0, os.geteuid()):
+            raise KeysError(f"{self.path}: owned by uid {st.st_uid}, not root, so that user "
+                            f"can grant any key every verb: chown root {self.path}")
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise KeysError(f"{self.path}: writable by group or others, so anyone who can "
                             f"write it can play: chmod go-w {self.path}")
         return (st.st_mtime_ns, st.st_size, st.st_ino), text
 
-    def refresh(self, *, strict: bool = False) -> None:
+    def refresh(self) -> None:
         try:
             seen, text = self._read()
             if seen == self._seen:
                 return
             self.grants = parse_authorized_keys(text, str(self.path), verbs=self.verbs)
             self._seen = seen
+            if self.problem is not None:
+                journal.record("ssh", f"authorized keys usable again: {len(self.grants)} "
+                               f"key(s) in {self.path}", result="fixed")
+            self.problem = None
         except KeysError as e:
-            if strict:
-                raise
-            if self._seen is not None or self.grants:
+            if self.problem != str(e):  # once per problem, not once per connection
                 journal.record("ssh", f"authorized keys unusable, every key is refused "
                                f"until it is fixed: {e}", result="error",
                                priority=journal.Priority.ERR)
-            self.grants, self._seen = [], None
+            self.grants, self._seen, self.problem = [], None, str(e)
 
     def find(self, key: Any) -> Grant | None:
         self.refresh()
@@ -290,18 +334,15 @@ class _KeyFile:
 
 
 def load_host_key(path: Path) -> Any:
-    """The host key at `path`, created (ed25519, 0600, with a .pub) if missing."""
-    if not path.exists():
+    """The host key at `path`, created (ed25519, 0600, with a .pub) if missing or empty."""
+    if not path.exists() or _empty(path):
         key = asyncssh.generate_private_key("ssh-ed25519", comment="hostagent")
         path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            pass  # created meanwhile: read that one below
-        else:
-            with os.fdopen(fd, "wb") as f:
-                f.write(key.export_private_key())
-            path.with_name(path.name + ".pub").write_bytes(key.export_public_key())
+        public = path.with_name(path.name + ".pub")
+        # The public half first: a crash between the two leaves no private key, so the
+        # next start makes a fresh pair instead of serving one whose .pub is missing.
+        _write_atomically(public, key.export_public_key(), 0o644)
+        if _write_atomically(path, key.export_private_key(), 0o600, replace=_empty(path)):
             journal.record("ssh", f"created the SSH host key {path}: "
                            f"{key.get_fingerprint('sha256')}; clients pin "
                            f"{path}.pub in their known_hosts", result="created",
@@ -309,8 +350,48 @@ def load_host_key(path: Path) -> Any:
     try:
         return asyncssh.read_private_key(path)
     except (OSError, asyncssh.KeyImportError, ValueError) as e:
-        raise EndpointError(f"{path}: cannot use it as the SSH host key ({e}); fix it or "
-                            "move it away to have a new one created") from e
+        raise EndpointError(
+            f"{path}: cannot use it as the SSH host key ({e}); it may have been cut short "
+            f"while it was written: fix it, or move it away (mv {path} {path}.broken) to "
+            "have a new one created, then give clients its new .pub line") from e
+
+
+def _empty(path: Path) -> bool:
+    try:
+        return path.stat().st_size == 0
+    except FileNotFoundError:
+        return False
+
+
+def _write_atomically(path: Path, data: bytes, mode: int, *, replace: bool = True) -> bool:
+    """Write `path` whole or not at all (temporary file, fsync, rename, fsync of the
+    directory). With replace=False an existing file is kept: False, nothing written."""
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if replace:
+            os.replace(temp, path)
+        else:
+            try:
+                os.link(temp, path)  # fails if another agent made one meanwhile
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(temp)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return True
 
 
 # --- the command line --------------------------------------------------------------------
@@ -350,10 +431,60 @@ def parse_command(line: str | None, verbs: frozenset[str]) -> tuple[str, str | N
 class Endpoint:
     """What every connection shares: the verbs, the keys, the journal."""
 
-    def __init__(self, verbs: Mapping[str, VerbHandler], keys: Path) -> None:
+    def __init__(self, verbs: Mapping[str, VerbHandler], keys: Path, *,
+                 max_connections: int = MAX_CONNECTIONS,
+                 max_unauthenticated: int = MAX_UNAUTHENTICATED,
+                 max_per_source: int = MAX_PER_SOURCE) -> None:
         self.verbs = verbs
         self.names = frozenset(verbs)
         self.keys = _KeyFile(keys, self.names)
+        self.max_connections = max_connections
+        self.max_unauthenticated = max_unauthenticated
+        self.max_per_source = max_per_source
+        self.connections = 0
+        self.unauthenticated: dict[str, int] = {}  # source address → connections
+        self.preauth = Summarised(self._preauth_record, interval=PREAUTH_INTERVAL,
+                                  burst=PREAUTH_BURST)
+
+    @staticmethod
+    def _preauth_record(message: str, count: int, reasons: dict[str, int]) -> None:
+        if count == 1:
+            [result] = reasons
+            journal.record("ssh", message, result=result,
+                           priority=journal.Priority.WARNING if result == "refused"
+                           else journal.Priority.INFO)
+        else:
+            journal.record("ssh", f"before authentication: {message}", result="summary",
+                           count=count, priority=journal.Priority.WARNING)
+
+    def admit(self, source: str) -> str | None:
+        """Count a new connection from `source`; None, or why it is refused."""
+        waiting = sum(self.unauthenticated.values())
+        if self.connections >= self.max_connections:
+            return f"{self.connections} connections already (the limit)"
+        if waiting >= self.max_unauthenticated:
+            return f"{waiting} connections already waiting to authenticate (the limit)"
+        if self.unauthenticated.get(source, 0) >= self.max_per_source:
+            return (f"{self.max_per_source} connections from {source} already waiting to "
+                    "authenticate (the limit)")
+        self.connections += 1
+        self.unauthenticated[source] = self.unauthenticated.get(source, 0) + 1
+        return None
+
+    def authenticated(self, source: str) -> None:
+        self._forget(source)
+
+    def gone(self, source: str, *, authenticated: bool) -> None:
+        self.connections -= 1
+        if not authenticated:
+            self._forget(source)
+
+    def _forget(self, source: str) -> None:
+        left = self.unauthenticated.get(source, 0) - 1
+        if left > 0:
+            self.unauthenticated[source] = left
+        else:
+            self.unauthenticated.pop(source, None)
 
     async def run(self, grant: Grant, peer: str, command: str | None,
                   out: Callable[[str], None], err: Callable[[str], None]) -> ExitStatus:
@@ -379,19 +510,22 @@ class Endpoint:
         journal.record("ssh", f"{grant.comment} at {peer} runs {shown}", vm=vm,
                        result="allowed", command=shown, **fields)
         status = ExitStatus.SOFTWARE
+        caller = Caller(user=grant.comment, via="ssh", peer=peer)
         try:
-            async for reply in self.verbs[verb]({"vm": vm} if vm else {}):
-                text = format_reply(reply) + "\n"
-                if "ok" not in reply:
-                    out(text)
-                    continue
-                if reply["ok"]:
-                    out(text)
-                    status = ExitStatus.OK
-                else:
-                    err(f"hostagent: {reply.get('error')}\n")
-                    status = ExitStatus.FAILED
-                break
+            # The verb runs in this task: it names its caller with control.current_caller().
+            with serving(caller):
+                async for reply in self.verbs[verb]({"vm": vm} if vm else {}):
+                    text = format_reply(reply) + "\n"
+                    if "ok" not in reply:
+                        out(text)
+                        continue
+                    if reply["ok"]:
+                        out(text)
+                        status = ExitStatus.OK
+                    else:
+                        err(f"hostagent: {reply.get('error')}\n")
+                        status = ExitStatus.FAILED
+                    break
         except asyncio.CancelledError:
             journal.record("ssh", f"{grant.comment} at {peer} hung up during {shown}; what "
                            "it started goes on", vm=vm, result="hung-up", command=shown,
@@ -480,7 +614,9 @@ class _Connection(asyncssh.SSHServer):
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
         self.peer = "?"
+        self.source = "?"  # the peer's address, without the port
         self.grant: Grant | None = None
+        self.admitted = False
         self._candidate: Grant | None = None
         self._decided: set[str] = set()
 
@@ -490,6 +626,10 @@ class _Connection(asyncssh.SSHServer):
             fields.setdefault("fingerprint", self.grant.fingerprint)
         journal.record("ssh", message, result=result, peer=self.peer, **fields)
 
+    def _preauth(self, message: str, result: str) -> None:
+        """A record before authentication: anyone can cause it, so it is rate-limited."""
+        self.endpoint.preauth(message, result)
+
     def refuse(self, what: str) -> None:
         self._record(f"refused {what} to {self.grant.comment if self.grant else '?'} at "
                      f"{self.peer}: hostagent only runs commands", "refused",
@@ -498,11 +638,25 @@ class _Connection(asyncssh.SSHServer):
     def connection_made(self, conn: Any) -> None:
         peer = conn.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
-        self._record(f"connection from {self.peer}", "connected")
+        self.source = str(peer[0]) if peer else "?"
+        full = self.endpoint.admit(self.source)
+        if full is not None:
+            self._preauth(f"refused a connection from {self.peer}: {full}", "refused")
+            # Closed at once, unanswered: its descriptor is back within a loop turn.
+            conn.abort()
+            return
+        self.admitted = True
+        self._preauth(f"connection from {self.peer}", "connected")
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._record(f"connection from {self.peer} closed" + (f": {exc}" if exc else ""),
-                     "closed")
+        if not self.admitted:
+            return
+        self.endpoint.gone(self.source, authenticated=self.grant is not None)
+        message = f"connection from {self.peer} closed" + (f": {exc}" if exc else "")
+        if self.grant is None:
+            self._preauth(message, "closed")
+        else:
+            self._record(message, "closed")
 
     def begin_auth(self, username: str) -> bool:
         return True
@@ -530,9 +684,10 @@ class _Connection(asyncssh.SSHServer):
         if fingerprint not in self._decided:
             self._decided.add(fingerprint)
             if grant is None:
-                self._record(f"refused an unknown key {fingerprint} from {self.peer} "
-                             f"(user {username[:32]!r})", "refused", fingerprint=fingerprint,
-                             priority=journal.Priority.WARNING)
+                self._preauth(f"refused an unknown key {fingerprint} from {self.peer} "
+                              f"(user {username[:32]!r})" + (
+                                  f"; every key is refused: {self.endpoint.keys.problem}"
+                                  if self.endpoint.keys.problem else ""), "refused")
             else:
                 self._record(f"key {grant.comment} offered from {self.peer}", "known",
                              key=grant.comment, fingerprint=fingerprint)
@@ -542,6 +697,7 @@ class _Connection(asyncssh.SSHServer):
     def auth_completed(self) -> None:
         self.grant = self._candidate
         assert self.grant is not None
+        self.endpoint.authenticated(self.source)
         self._record(f"{self.grant.comment} authenticated from {self.peer}", "authenticated")
 
     def session_requested(self) -> _Session:
@@ -570,11 +726,18 @@ class _Connection(asyncssh.SSHServer):
 
 
 async def serve(address: tuple[str, int], host_key: Path, authorized_keys: Path,
-                verbs: Mapping[str, VerbHandler]) -> Any:
-    """Listen for SSH clients; the asyncssh acceptor (close() it). EndpointError if it
-    cannot: the host key, the authorized keys or the address."""
-    endpoint = Endpoint(verbs, authorized_keys)
+                verbs: Mapping[str, VerbHandler], *, max_connections: int = MAX_CONNECTIONS,
+                max_unauthenticated: int = MAX_UNAUTHENTICATED,
+                max_per_source: int = MAX_PER_SOURCE,
+                login_timeout: float = LOGIN_TIMEOUT) -> Any:
+    """Listen for SSH clients; the asyncssh acceptor (close() it).
+
+    `Transient` if the address cannot be listened on now (retry later); EndpointError
+    if the host key cannot be used (a person must act). A missing or broken
+    authorized-keys file does not stop it: every key is refused until it is fixed."""
     key = load_host_key(host_key)
+    endpoint = Endpoint(verbs, authorized_keys, max_connections=max_connections,
+                        max_unauthenticated=max_unauthenticated, max_per_source=max_per_source)
     host, port = address
     try:
         server = await asyncssh.create_server(
@@ -584,10 +747,14 @@ async def serve(address: tuple[str, int], host_key: Path, authorized_keys: Path,
             host_based_auth=False, gss_host=None, known_client_hosts=None,
             authorized_client_keys=None, agent_forwarding=False, x11_forwarding=False,
             allow_scp=False, sftp_factory=None, line_editor=False, rdns_lookup=False,
-            login_timeout=30, keepalive_interval=30, keepalive_count_max=4)
+            login_timeout=login_timeout, keepalive_interval=30, keepalive_count_max=4,
+            # asyncio accepts up to `backlog` connections in one go before any of them
+            # is looked at: the batch must stay small for the cap to bound descriptors.
+            backlog=ACCEPT_BACKLOG)
     except OSError as e:
-        raise EndpointError(f"cannot listen for SSH on {host or '*'}:{port}: {e.strerror}; "
-                            "change ssh.listen") from e
+        raise Transient(f"cannot listen for SSH on {host or '*'}:{port}: "
+                        f"{e.strerror or e}; retrying (change ssh.listen if the port is "
+                        "another program's)") from e
     journal.record("ssh", f"SSH endpoint listening on {host or '*'}:{port}, host key "
                    f"{key.get_fingerprint('sha256')}, {len(endpoint.keys.grants)} authorized "
                    f"key(s) in {authorized_keys}", result="listening",

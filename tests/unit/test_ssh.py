@@ -324,12 +324,79 @@ async def test_the_keys_file_is_read_again_and_a_broken_one_refuses_everyone(
                for r, m in ssh_records(sink))
 
 
-async def test_a_keys_file_others_can_write_stops_the_start(tmp_path: Path) -> None:
+async def test_an_unsafe_or_missing_keys_file_refuses_every_key_until_fixed(
+        tmp_path: Path, sink: journal.ListSink) -> None:
+    # Broken at start used to stop the agent (exit 2, never restarted): a file being
+    # rewritten at that moment took the hook socket down with it. Now the endpoint
+    # starts, refuses every key with the reason in the journal, and takes the file as
+    # soon as it is fixed.
     keys = tmp_path / "authorized_keys"
     keys.write_text(f'verbs="status" {pub(KEY_A)}\n')
     keys.chmod(0o664)
-    with pytest.raises(ssh.KeysError, match="writable by group or others"):
-        await ssh.serve(("127.0.0.1", 0), tmp_path / "host_key", keys, Verbs().table())
-    with pytest.raises(ssh.KeysError, match="cannot read the SSH authorized keys"):
-        await ssh.serve(("127.0.0.1", 0), tmp_path / "host_key", tmp_path / "none",
-                        Verbs().table())
+    server = await ssh.serve(("127.0.0.1", 0), tmp_path / "host_key", keys, Verbs().table())
+    try:
+        port = server.get_port()
+        with pytest.raises(asyncssh.PermissionDenied):
+            async with connect(port, KEY_A, tmp_path):
+                pass
+        keys.chmod(0o644)
+        async with connect(port, KEY_A, tmp_path) as conn:
+            assert (await conn.run("status")).exit_status == 0
+    finally:
+        server.close()
+        await server.wait_closed()
+    errors = [m for r, m in ssh_records(sink) if r == "error"]
+    assert len(errors) == 1 and "writable by group or others" in errors[0]
+    assert any(r == "fixed" for r, _ in ssh_records(sink))
+    server = await ssh.serve(("127.0.0.1", 0), tmp_path / "host_key", tmp_path / "none",
+                             Verbs().table())
+    server.close()
+    assert "cannot read the SSH authorized keys" in [m for r, m in ssh_records(sink)
+                                                     if r == "error"][-1]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
+async def test_a_keys_file_not_owned_by_root_is_refused(tmp_path: Path) -> None:
+    keys = tmp_path / "authorized_keys"
+    keys.write_text(f'verbs="status" {pub(KEY_A)}\n')
+    keys.chmod(0o644)
+    os.chown(keys, 65534, 65534)
+    server = await ssh.serve(("127.0.0.1", 0), tmp_path / "host_key", keys, Verbs().table())
+    try:
+        with pytest.raises(asyncssh.PermissionDenied):
+            async with connect(server.get_port(), KEY_A, tmp_path):
+                pass
+    finally:
+        server.close()
+        await server.wait_closed()
+    with pytest.raises(KeysError, match=rf"owned by uid 65534, not root.*chown root {keys}"):
+        ssh._KeyFile(keys, VERBS)._read()
+
+
+async def test_a_port_that_cannot_be_bound_is_transient(tmp_path: Path) -> None:
+    keys = tmp_path / "authorized_keys"
+    keys.write_text(f'verbs="status" {pub(KEY_A)}\n')
+    keys.chmod(0o600)
+    first = await ssh.serve(("127.0.0.1", 0), tmp_path / "host_key", keys, Verbs().table())
+    try:
+        with pytest.raises(ssh.Transient, match="cannot listen for SSH on 127.0.0.1:.*retrying"):
+            await ssh.serve(("127.0.0.1", first.get_port()), tmp_path / "host_key", keys,
+                            Verbs().table())
+    finally:
+        first.close()
+        await first.wait_closed()
+
+
+def test_the_host_key_is_written_whole_and_an_empty_one_is_replaced(
+        tmp_path: Path, sink: journal.ListSink) -> None:
+    path = tmp_path / "ssh_host_ed25519_key"
+    path.write_bytes(b"")  # what a crash left behind the old, unsynced write
+    key = ssh.load_host_key(path)
+    assert asyncssh.read_private_key(path).public_data == key.public_data
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name, path.name + ".pub"]
+    cut = path.read_bytes()[:100]
+    path.write_bytes(cut)
+    with pytest.raises(ssh.EndpointError, match=rf"cut short.*mv {path} {path}.broken"):
+        ssh.load_host_key(path)
+    assert path.read_bytes() == cut  # never replaced behind the clients' back
