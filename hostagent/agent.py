@@ -31,13 +31,15 @@ from hostagent import health, journal, machine, metrics, state as persisted
 from hostagent import lint, screenshots, verify as in_guest
 from hostagent.config import Config
 from hostagent.config import VerifyMethod
-from hostagent.control import Reply, VerbHandler, serve_control
+from hostagent.control import Reply, VerbHandler, current_caller, serve_control
 from hostagent.inbox import HookEvent, Inbox, Verdict, replay_spool, serve_hooks
-from hostagent.libvirt_host import DomainNotFound, HostError, Libvirt, Lifecycle
+from hostagent.libvirt_host import DomainNotFound, HookRefused, HostError, Libvirt, Lifecycle
+from hostagent.lock import AlreadyRunning, lock_agent
 from hostagent.model import (
     Action,
     AgentTimeout,
     AgentUp,
+    CancelIntent,
     CancelRelend,
     CompleteIntent,
     Drain,
@@ -46,6 +48,7 @@ from hostagent.model import (
     Event,
     FailIntent,
     ForceOff,
+    GpuPods,
     Hold,
     Intent,
     IntentSource,
@@ -54,11 +57,13 @@ from hostagent.model import (
     LendeeStopped,
     Observed,
     OwnerStarted,
+    OwnerStarting,
     OwnerStopped,
     OwnerWants,
     Phase,
     Policy,
     Reclaim,
+    Regrow,
     RelendDue,
     Resume,
     ReturnDone,
@@ -109,12 +114,22 @@ def _now() -> float:
     return time.time()
 
 
+def _persisted(state: State) -> tuple[object, ...]:
+    """What of a state goes to the state file (a change of it is saved)."""
+    return (state.intents, state.phase, state.hold, state.relend_at, state.reclaiming)
+
+
 class Agent:
     def __init__(self, cfg: Config, *, cluster: Cluster | None = None) -> None:
         self.cfg = cfg
         self.topo = topology(cfg)
+        regrow = Regrow(cfg.policy.regrow.value)
+        if cfg.kubernetes is None and regrow is Regrow.WHEN_IDLE:
+            regrow = Regrow.ALWAYS  # nothing can tell whether a GPU job runs on the node
         self.policy = Policy(relend_delay=cfg.policy.relend_delay,
-                             force_off=cfg.policy.force_off_after is not None)
+                             force_off=cfg.policy.force_off_after is not None,
+                             partial=cfg.policy.partial, min_gpus=cfg.lendee.min_gpus,
+                             regrow=regrow)
         self.cluster: Cluster = cluster or NoCluster()
         self.cluster_given = cluster is not None
         self.lendee = cfg.lendee.domain
@@ -125,6 +140,12 @@ class Agent:
         self.libvirt = Libvirt(cfg.libvirt_uri, on_lifecycle=self._lifecycle,
                                on_reconnect=self._reconnected)
         self._tasks: set[asyncio.Task[None]] = set()
+        # The lendee's steps, by the ticket of the phase that started them: a step is
+        # cancelled, and awaited, when its phase ends (see _supervise).
+        self._steps: dict[asyncio.Task[None], int] = {}
+        # Why the last state save failed (None: saved); retried until it works.
+        self._save_failed: str | None = None
+        self._save_retry: asyncio.TimerHandle | None = None
         self._relend: asyncio.TimerHandle | None = None
         self._stopped: dict[str, asyncio.Event] = {}
         # Set when libvirt sees the lendee's qemu-ga connect: wakes the guest-ping wait.
@@ -139,6 +160,7 @@ class Agent:
         self.health.add("libvirt", health.libvirt_alive(self.libvirt))
         self.health.add("hook socket", health.socket_answers(cfg.hook_socket, "hook socket"))
         self.health.add("last lend verified", self.metrics.lend_verified)
+        self.health.add("state file", self._state_saved)
 
     # ---- the one place where state changes -----------------------------------------
     def apply(self, event: Event) -> bool:
@@ -148,15 +170,27 @@ class Agent:
         except machine.IllegalTransition as e:
             log.debug("ignored: %s", e)
             return False
-        old, self.state = self.state, new
+        old = self.state
+        if _persisted(old) != _persisted(new) and not self._save(new) and isinstance(
+                event, OwnerWants):
+            # A request is taken only once it is on disk (invariant 4); a fact is taken
+            # whatever the disk says, and its save is retried.
+            return False
+        self.state = new
         self.metrics.transition(old, new, event)
         for intent in new.intents:
             if intent not in old.intents:
                 self._record_intent(intent)
         if old.phase is not new.phase:
             self._record_phase(old, new, event)
-        if (old.intents, old.phase, old.hold) != (new.intents, new.phase, new.hold):
-            self._save()
+        if old.ticket != new.ticket:
+            self._supervise(new.ticket)
+        if new.regrow_waiting and not old.regrow_waiting:
+            more = self._gpu_names(machine.free_gpus(new, self.topo, self.policy) - new.lent)
+            journal.record("regrow", f"{self.lendee} could take {more} too, but "
+                           f"{new.gpu_pods} pod(s) on its node request a GPU: it restarts "
+                           "once none does (policy.regrow = when-idle)", vm=self.lendee,
+                           result="waiting")
         for action in actions:
             self._execute(action)
         if old.phase is not new.phase or old.intents != new.intents:
@@ -167,6 +201,19 @@ class Agent:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         self._fatal = loop.create_future()
+        try:
+            lock = lock_agent(self.cfg.state_dir / "agent.lock")
+        except AlreadyRunning as e:
+            raise StartupError(str(e)) from e
+        except OSError as e:
+            raise StartupError(f"{self.cfg.source}: state_dir: cannot lock "
+                               f"{self.cfg.state_dir / 'agent.lock'}: {e.strerror or e}") from e
+        try:
+            await self._run(loop)
+        finally:
+            lock.release()
+
+    async def _run(self, loop: asyncio.AbstractEventLoop) -> None:
         self._load()
         await self.libvirt.connect()
         await self._check_domains()
@@ -174,14 +221,17 @@ class Agent:
         # Reality first: until the machine knows what runs, its verdicts would be guesses.
         await self._observe()
         inbox = Inbox(self._on_hook)
+        # What happened while the agent was down comes before anything live; a hook that
+        # spooled in the moment before the socket existed is picked up by the second pass.
+        replayed = await replay_spool(self.cfg.spool_dir, inbox, log=log)
         hooks = await serve_hooks(self.cfg.hook_socket, inbox, log=log)
         control = await serve_control(self.cfg.control_socket, self._verbs(), log=log,
                                       **self._control_access())
         endpoint: Any = None
         try:
+            replayed += await replay_spool(self.cfg.spool_dir, inbox, log=log)
             endpoint = await self._serve_ssh()
             await self._serve_metrics()
-            replayed = await replay_spool(self.cfg.spool_dir, inbox, log=log)
             if replayed:
                 log.info("replayed %d hook event(s) spooled while the agent was down", replayed)
             journal.record("agent", f"hostagent is running: {self._status_line()}",
@@ -190,6 +240,7 @@ class Agent:
             watchdog = journal.watchdog_interval()
             if watchdog:
                 self._spawn(self._watchdog(watchdog / 2))
+            assert self._fatal is not None
             raise await self._fatal
         finally:
             hooks.close()
@@ -255,18 +306,54 @@ class Agent:
         self.cordoned_by_us = saved.cordoned_by_us
         intents = tuple(Intent(id=i.id, owner=i.owner, created_at=i.created.timestamp(),
                                source=i.source) for i in saved.intents)
-        self.state = State(intents=intents, hold=saved.hold)
+        relend_at = saved.relend_at.timestamp() if saved.relend_at else None
+        self.state = State(intents=intents, hold=saved.hold, relend_at=relend_at,
+                           reclaiming=saved.reclaiming)
 
-    def _save(self) -> None:
-        persisted.save_state(self.cfg.state_file, persisted.State(
-            intents=tuple(persisted.Intent(
-                id=i.id, owner=i.owner, source=i.source,
-                created=datetime.fromtimestamp(i.created_at, UTC))
-                for i in self.state.intents),
-            cordoned_by_us=self.cordoned_by_us,
-            hold=self.state.hold,
-            lendee_phase=self.state.phase.value,
-            lendee_phase_since=datetime.fromtimestamp(self.phase_since, UTC)))
+    def _save(self, state: State | None = None) -> bool:
+        """Write `state` (default: the current one); False if it could not be written.
+
+        A failure (disk full, EIO, no descriptor left) never stops the agent: it is
+        reported once in the journal and in health, and retried every few seconds.
+        """
+        state = state or self.state
+        try:
+            persisted.save_state(self.cfg.state_file, persisted.State(
+                intents=tuple(persisted.Intent(
+                    id=i.id, owner=i.owner, source=i.source,
+                    created=datetime.fromtimestamp(i.created_at, UTC))
+                    for i in state.intents),
+                cordoned_by_us=self.cordoned_by_us,
+                hold=state.hold,
+                reclaiming=state.reclaiming,
+                relend_at=(datetime.fromtimestamp(state.relend_at, UTC)
+                           if state.relend_at is not None else None),
+                lendee_phase=state.phase.value,
+                lendee_phase_since=datetime.fromtimestamp(self.phase_since, UTC)))
+        except (OSError, ValueError) as e:
+            why = f"cannot write {self.cfg.state_file}: {getattr(e, 'strerror', None) or e}"
+            if why != self._save_failed:
+                journal.record("state", f"{why}; requests that cannot be recorded are refused "
+                               "and the save is retried (free space on its filesystem?)",
+                               result="failed", priority=journal.Priority.ERR)
+            self._save_failed = why
+            if self._save_retry is None:
+                with contextlib.suppress(RuntimeError):  # no loop: nothing to retry on
+                    self._save_retry = asyncio.get_running_loop().call_later(
+                        5.0, self._retry_save)
+            return False
+        if self._save_failed is not None:
+            journal.record("state", f"{self.cfg.state_file} is written again", result="ok")
+            self._save_failed = None
+        return True
+
+    def _retry_save(self) -> None:
+        self._save_retry = None
+        self._save()
+
+    async def _state_saved(self) -> str | None:
+        """Health: None while the state file takes every save."""
+        return self._save_failed
 
     async def _check_domains(self) -> None:
         defined = await self.libvirt.defined_domains()
@@ -281,8 +368,14 @@ class Agent:
 
     async def _observe(self) -> None:
         running = await self.libvirt.running_domains()
+        lent = None
+        if self.lendee in running:
+            # Its live definition says which GPUs this boot got (partial lending).
+            with contextlib.suppress(HostError):
+                lent = await self.libvirt.live_gpus(self.lendee, self._lendee_gpu_config())
         self.apply(Observed(at=_now(), lendee_running=self.lendee in running,
-                            owners_running=frozenset(running & set(self.topo.owners))))
+                            owners_running=frozenset(running & set(self.topo.owners)),
+                            lendee_gpus=lent & self.topo.lendee_gpus if lent else None))
 
     def _reconnected(self) -> None:
         self._spawn(self._observe())
@@ -290,25 +383,47 @@ class Agent:
     # ---- inputs ----------------------------------------------------------------------
     async def _on_hook(self, event: HookEvent) -> Verdict:
         self.metrics.hook_event(event.op, event.sub)
-        if event.time < self.started_at:
+        if event.spooled:
             # Spooled while the agent was down: libvirt went ahead (fail-open) and the
-            # fresh read of reality at start already accounts for it.
+            # fresh read of reality at start already accounts for it. Where the event
+            # came from decides this, never the clock (it may have been stepped).
             log.info("while the agent was down: %s %s %s", event.domain, event.op, event.sub)
             return Verdict("proceed")
         if (event.op, event.sub) == ("prepare", "begin"):
-            decision, message = machine.verdict(self.state, event.domain, topo=self.topo)
-            if decision == "defer" and self.topo.is_owner(event.domain):
-                # Persisted (inside apply) before the hook hears "defer": invariant 4.
-                self.apply(OwnerWants(at=_now(), owner=event.domain, intent_id=event.id,
-                                      source=IntentSource.HOOK))
-            if decision == "defer":
-                journal.record("defer", f"deferred the start of {event.domain}: {message}",
-                               vm=event.domain, result="deferred")
-            return Verdict(decision, message)
+            return self._prepare(event)
         if (event.op, event.sub) == ("release", "end"):
-            # The owner's devices are released: the surest sign it stopped.
+            # The owner's devices are released: the surest sign it stopped (or that a
+            # start the hook let through failed).
             self._lifecycle(event.domain, Lifecycle.STOPPED)
         return Verdict("proceed")
+
+    def _prepare(self, event: HookEvent) -> Verdict:
+        """libvirt's ``prepare begin``: the machine's verdict, and what it implies."""
+        vm = event.domain
+        decision, message = machine.verdict(self.state, vm, topo=self.topo)
+        if decision == "refuse":
+            journal.record("refuse", f"refused the start of {vm}: {message}", vm=vm,
+                           result="refused")
+            return Verdict("defer", message)  # the hook's one way to say no
+        if decision == "proceed":
+            if self.topo.is_owner(vm) and vm not in self.state.running_owners:
+                # It claims its GPUs until it runs or its start ends (release end).
+                self.apply(OwnerStarting(at=_now(), owner=vm))
+            return Verdict("proceed", message)
+        if self.topo.is_owner(vm):
+            # Persisted (inside apply) before the hook hears "defer": invariant 4.
+            recorded = self.apply(OwnerWants(at=_now(), owner=vm, intent_id=event.id,
+                                             source=IntentSource.HOOK))
+            if not recorded and self._save_failed and not self.state.intents_of(vm):
+                message = (f"hostagent could not record the request to start {vm} "
+                           f"({self._save_failed}), so it will not start it by itself: "
+                           "start it again once the state file can be written")
+                journal.record("defer", f"refused the start of {vm}: {message}", vm=vm,
+                               result="refused", priority=journal.Priority.ERR)
+                return Verdict("defer", message)
+        journal.record("defer", f"deferred the start of {vm}: {message}", vm=vm,
+                       result="deferred")
+        return Verdict("defer", message)
 
     def _lifecycle(self, domain: str, kind: Lifecycle) -> None:
         now = _now()
@@ -331,6 +446,12 @@ class Agent:
                                    f"{self._gpu_names(self.topo.owners[domain])}",
                                    vm=domain, from_="off", to="running", result="ok",
                                    holders=self._holders())
+            elif kind is Lifecycle.STOPPED and domain in self.state.starting_owners:
+                if self.apply(OwnerStopped(at=now, owner=domain)):
+                    journal.record("owner", f"{domain}'s start ended without it running: "
+                                   f"{self._gpu_names(self.topo.owners[domain])} no longer "
+                                   "claimed", vm=domain, from_="starting", to="off",
+                                   result="failed", holders=self._holders())
             elif kind is Lifecycle.STOPPED and running:
                 if self.apply(OwnerStopped(at=now, owner=domain)):
                     then = (f"lending them back in {self.policy.relend_delay:g}s"
@@ -353,8 +474,8 @@ class Agent:
                 self._spawn(self._force_off(t), action)
             case StartOwner(owner=owner):
                 self._spawn(self._start(owner, action), action)
-            case StartLendee():
-                self._spawn(self._start(self.lendee, action), action)
+            case StartLendee(gpus=gpus):
+                self._spawn(self._start(self.lendee, action, gpus), action)
             case KubeReturn(ticket=t):
                 self._spawn(self._give_back(t), action)
             case ScheduleRelend(at=at):
@@ -381,9 +502,26 @@ class Agent:
             self._relend = None
 
     def _spawn(self, coro: Coroutine[Any, Any, None], action: Action | None = None) -> None:
-        task = asyncio.get_running_loop().create_task(self._guard(coro, action))
+        ticket = getattr(action, "ticket", None)
+        # A step of the lendee's waits for the steps of earlier phases to be gone.
+        previous = [t for t, n in self._steps.items() if ticket is not None and n != ticket]
+        task = asyncio.get_running_loop().create_task(self._guard(coro, action, previous))
+        # A step cancelled before it began was never awaited: close it (no warning).
+        task.add_done_callback(lambda _: coro.close())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if ticket is not None:
+            self._steps[task] = ticket
+            task.add_done_callback(lambda t: self._steps.pop(t, None))
+
+    def _supervise(self, ticket: int) -> None:
+        """A new phase began: cancel every step of the earlier ones (a drain, a return to
+        the cluster, a wait). The next step awaits them before it touches anything, and
+        a step whose ticket is stale never acts (it is cancelled at its next await)."""
+        me = asyncio.current_task()
+        for task, n in list(self._steps.items()):
+            if n != ticket and task is not me:
+                task.cancel()
 
     def _wanted(self, action: Action) -> bool:
         """An action can go stale between being issued and running (see the machine)."""
@@ -392,7 +530,10 @@ class Agent:
         log.debug("skipped, no longer wanted: %s", action)
         return False
 
-    async def _guard(self, coro: Coroutine[Any, Any, None], action: Action | None) -> None:
+    async def _guard(self, coro: Coroutine[Any, Any, None], action: Action | None,
+                     previous: list[asyncio.Task[None]] | None = None) -> None:
+        if previous:
+            await asyncio.gather(*previous, return_exceptions=True)
         if action is not None and not self._wanted(action):
             coro.close()
             return
@@ -472,11 +613,15 @@ class Agent:
             with contextlib.suppress(HostError):
                 await self.libvirt.destroy(self.lendee)
 
-    async def _start(self, vm: str, action: Action) -> None:
+    async def _start(self, vm: str, action: Action,
+                     gpus: frozenset[str] | None = None) -> None:
         """Start a VM; a failed start is retried twice with jittered backoff (starting a
-        running VM is a no-op, so retrying is safe), all within timeouts.start.
+        running VM is a no-op, so retrying is safe), all within timeouts.start. A start
+        a hook refused is not retried: it would only be refused again.
         Unless policy.lint_before_start is off, a VM whose XML has errors on this host
-        is not started: the finding is in the journal and the start fails with it."""
+        is not started: the finding is in the journal and the start fails with it.
+        The lendee starts with `gpus` only: a live definition for this boot, without the
+        others' devices; its persistent definition is never edited."""
         if self.cfg.policy.lint_before_start:
             refusal = await self._lint_before_start(vm)
             if refusal is not None:
@@ -487,8 +632,13 @@ class Agent:
             if attempt and not self._wanted(action):
                 return
             try:
-                await asyncio.wait_for(self.libvirt.start(vm), deadline - time.monotonic())
+                start = (self.libvirt.start(vm) if gpus is None else self.libvirt.start_with(
+                    vm, drop=self.topo.lendee_gpus - gpus, gpus=self._lendee_gpu_config()))
+                await asyncio.wait_for(start, deadline - time.monotonic())
                 break
+            except HookRefused as e:
+                self.apply(StartFailed(at=_now(), vm=vm, reason=e.sentence or str(e)))
+                return
             except DomainNotFound as e:
                 self.apply(StartFailed(at=_now(), vm=vm, reason=str(e)))
                 return
@@ -503,13 +653,19 @@ class Agent:
         # The lifecycle event normally got here first; if it was lost, reality decides.
         self._lifecycle(vm, Lifecycle.STARTED)
 
+    def _lendee_gpu_config(self) -> dict[str, Any]:
+        """The configured GPUs the lendee may borrow, by label (their PCI functions)."""
+        return {label: self.cfg.gpus[label] for label in self.topo.lendee_gpus
+                if label in self.cfg.gpus}
+
     async def _give_back(self, ticket: int) -> None:
         # What the driver in the guest sees comes first: the cluster's return uncordons.
-        problem = await self._verify_gpus(ticket)
+        lent = self.state.lent
+        problem = await self._verify_gpus(ticket, lent)
         if not self._current(ticket):
             return
         if problem is None:
-            problem = await self.cluster.give_back(len(self.topo.lendee_gpus))
+            problem = await self.cluster.give_back(len(lent))
         if problem is None:
             self.apply(ReturnDone(at=_now(), ticket=ticket))
         else:
@@ -541,8 +697,8 @@ class Agent:
         return (f"hostagent did not start {vm}: " + "; ".join(f.what for f in errors)
                 + f" (`hostagent lint {vm}` says why and how to fix it)")
 
-    async def _verify_gpus(self, ticket: int) -> str | None:
-        """Ask the driver in the lendee which GPUs it sees; None if every lent one.
+    async def _verify_gpus(self, ticket: int, lent: frozenset[str]) -> str | None:
+        """Ask the driver in the lendee which GPUs it sees; None if exactly the lent ones.
 
         Retried until verify.timeout: the guest agent answers before the NVIDIA driver
         has always loaded. The outcome is one journal record, an error naming the
@@ -552,7 +708,7 @@ class Agent:
             return None
         expected = [in_guest.Expected(label=label, uuid=gpu.uuid if gpu else None,
                                       name=gpu.name if gpu else None)
-                    for label in sorted(self.topo.lendee_gpus)
+                    for label in sorted(lent)
                     for gpu in [self.cfg.gpus.get(label)]]
         deadline = time.monotonic() + self.cfg.verify.timeout
         while True:
@@ -568,15 +724,24 @@ class Agent:
             await asyncio.sleep(3)
         if not self._current(ticket):
             return None
+        # Exactly the lent set: a GPU this boot left out but the guest sees means its
+        # live definition was not what the agent asked for.
+        withheld = {gpu.uuid: label for label in self.topo.lendee_gpus - lent
+                    for gpu in [self.cfg.gpus.get(label)] if gpu is not None and gpu.uuid}
+        leaked = sorted(withheld[g.uuid] for g in outcome.seen if g.uuid in withheld)
+        ok = outcome.ok and not leaked
         summary = outcome.summary(self.lendee)
-        self._verified = {"at": _now(), "ok": outcome.ok, "summary": summary}
-        if outcome.ok:
+        if outcome.ok and leaked:
+            summary = (f"the driver in {self.lendee} also sees {self._gpu_names(tuple(leaked))}, "
+                       "which this boot did not lend it (its live definition was not applied)")
+        self._verified = {"at": _now(), "ok": ok, "summary": summary}
+        if ok:
             journal.record("verify", summary, vm=self.lendee, result="ok", method=method.value,
                            gpus=",".join(g.uuid for g in outcome.seen))
             return None
         journal.record("verify", f"{summary}; {in_guest.CAUSES}", vm=self.lendee,
                        result="mismatch", method=method.value, priority=journal.Priority.ERR,
-                       missing=",".join(g.label for g in outcome.missing))
+                       missing=",".join(g.label for g in outcome.missing) or ",".join(leaked))
         return summary
 
     async def _ask_guest(self, timeout: float) -> tuple[int, str, str]:
@@ -623,17 +788,23 @@ class Agent:
         now = _now()
         took = (now - self.phase_since) * 1000
         self.phase_since = now
-        lendee, gpus = self.lendee, self._gpu_names(self.topo.lendee_gpus)
-        wanting = [o for o in new.waiting_owners if self.topo.needs_lendee_gpus(o)]
-        wanted = frozenset().union(*(self.topo.shared_gpus(o) for o in wanting))
-        who = ", ".join(wanting) or ("hostagent reclaim" if isinstance(event, Reclaim)
-                                     else "an owner VM")
+        lendee, gpus = self.lendee, self._gpu_names(new.lent)
+        wanting = [o for o in new.waiting_owners if self.topo.owners[o] & old.lent]
+        wanted = self.topo.gpus_of(wanting) & old.lent
+        who = ", ".join(wanting) or ("hostagent reclaim" if new.reclaiming else "an owner VM")
+        draining = f"{who} wants {self._gpu_names(wanted or old.lent)}: draining {lendee}"
+        if isinstance(event, RelendDue | GpuPods):
+            more = self._gpu_names(machine.free_gpus(new, self.topo, self.policy) - old.lent)
+            why = ("policy.regrow = always" if self.policy.regrow is Regrow.ALWAYS
+                   else "no pod on its node requests a GPU (policy.regrow = when-idle)")
+            draining = f"{more} are free again and {why}: restarting {lendee} to add them"
+        held = self.topo.lendee_gpus - new.lent
+        others = f" ({self._gpu_names(held)} not lent)" if held and new.lent else ""
         messages = {
-            Phase.BOOTING: f"{lendee} is running: waiting for its guest agent",
+            Phase.BOOTING: f"{lendee} is running with {gpus}: waiting for its guest agent",
             Phase.JOINING: f"{lendee}'s guest agent answered: returning it to the cluster",
-            Phase.LENT: f"{lendee} is lent: {gpus} are the cluster's",
-            Phase.DRAINING: f"{who} wants {self._gpu_names(wanted or self.topo.lendee_gpus)}: "
-                            f"draining {lendee}",
+            Phase.LENT: f"{lendee} is lent: {gpus} are the cluster's{others}",
+            Phase.DRAINING: draining,
             Phase.STOPPING: f"{lendee} is drained: shutting it down through its guest agent "
                             "once the agent answers",
             Phase.OFF: f"{lendee} is off: its GPUs are free",
@@ -654,9 +825,16 @@ class Agent:
                         machine.holders(self.state, self.topo).items())
 
     def _record_intent(self, intent: Intent) -> None:
-        shared = self.topo.shared_gpus(intent.owner)
+        shared = self.topo.owners.get(intent.owner, frozenset()) & self.state.lent
         how = {IntentSource.HOOK: "through libvirt", IntentSource.CONTROL: "by hostagent play",
                IntentSource.RESUME: "before the agent restarted"}[intent.source]
+        if not shared:
+            journal.record("intent", f"{intent.owner} asked to start {how}: its GPUs are "
+                           f"free, starting it", vm=intent.owner, to="pending", result="ok",
+                           intent=intent.id)
+            self._progress("intent", f"{intent.owner} asked to start ({intent.source.value})",
+                           {"vm": intent.owner, "intent": intent.id, "to": "pending"})
+            return
         journal.record("intent", f"{intent.owner} asked to start {how}: "
                        f"{self._gpu_names(shared)} {'are' if len(shared) > 1 else 'is'} lent to "
                        f"{self.lendee}; {intent.owner} will start by itself once "
@@ -682,13 +860,15 @@ class Agent:
                 "resume": self._verb_resume, "lend": self._verb_resume,
                 "reclaim": self._verb_reclaim}
 
-    def _control_access(self) -> dict[str, int]:
-        """control.sock's mode and group: 0660 for control_group, else root's alone."""
+    def _control_access(self) -> dict[str, Any]:
+        """control.sock's mode, group and what the group may do: 0660 for control_group,
+        else root's alone."""
         name = self.cfg.control_group
         if name is None:
             return {"mode": 0o600}
         try:
-            return {"mode": 0o660, "group": grp.getgrnam(name).gr_gid}
+            return {"mode": 0o660, "group": grp.getgrnam(name).gr_gid, "group_name": name,
+                    "group_verbs": self.cfg.control_verbs}
         except KeyError:
             raise StartupError(f"{self.cfg.source}: control_group: there is no group {name!r} "
                                f"on this host; create it (groupadd {name}) or remove the "
@@ -728,11 +908,14 @@ class Agent:
             gpu = self.cfg.gpus.get(label)
             gpus.append({"gpu": label, "name": gpu.name if gpu else None,
                          "pci": gpu.pci if gpu else label,
-                         "owner": self.cfg.owner_of(label), "holder": holders.get(label)})
+                         "owners": list(self.cfg.owners_of(label)),
+                         "holder": holders.get(label)})
         return {
             "lendee": {"domain": self.lendee, "phase": self.state.phase.value,
                        "reason": self.state.reason, "since": self.phase_since,
-                       "hold": self.state.hold},
+                       "hold": self.state.hold, "lent": sorted(self.state.lent),
+                       "free": sorted(machine.free_gpus(self.state, self.topo, self.policy)),
+                       "regrow_waiting": self.state.regrow_waiting},
             "gpus": gpus,
             "verified": self._verified,
             "owners": {o: o in self.state.running_owners for o in sorted(self.topo.owners)},
@@ -799,7 +982,10 @@ class Agent:
         """When the lendee gets its GPUs back, as things stand."""
         state, lendee = self.state, self.lendee
         if state.relend_at is not None:
-            return (f"{lendee} gets its GPUs back in {max(0.0, state.relend_at - _now()):.0f}s"
+            free = machine.free_gpus(state, self.topo, self.policy)
+            what = ("its GPUs" if free == self.topo.lendee_gpus and not state.lent
+                    else self._gpu_names(free))
+            return (f"{lendee} gets {what} back in {max(0.0, state.relend_at - _now()):.0f}s"
                     " (policy.relend_delay) unless an owner VM starts meanwhile")
         if state.phase is not Phase.OFF:
             return f"{lendee} is {state.phase.value}"
@@ -831,13 +1017,18 @@ class Agent:
             yield {"ok": True, "data": {"vm": vm, "elapsed_s": 0.0,
                                         "message": f"{vm} is already running"}}
             return
+        rival = machine.conflict(self.state, vm, self.topo)
+        if rival is not None:
+            yield {"ok": False, "error": f"{vm} cannot start now: {rival}"}
+            return
         intent = f"play-{uuid.uuid4().hex[:12]}"
         with self._following() as updates:
             # Persisted inside apply before the client hears anything: invariant 4.
             if not self.apply(OwnerWants(at=_now(), owner=vm, intent_id=intent,
                                          source=IntentSource.CONTROL)):
-                yield {"ok": False, "error": f"the agent refused to start {vm} now; "
-                                             "see journalctl -u hostagent"}
+                why = (f"its request could not be recorded ({self._save_failed})"
+                       if self._save_failed else "see journalctl -u hostagent")
+                yield {"ok": False, "error": f"the agent refused to start {vm} now: {why}"}
                 return
             while True:
                 update = await updates.get()
@@ -867,7 +1058,9 @@ class Agent:
             return f"starting {vm}: it shares no GPU with {lendee}"
         if state.phase is Phase.OFF and not state.lendee_starting:
             return f"starting {vm}: {lendee} is off"
-        shared = self.topo.shared_gpus(vm)
+        shared = self.topo.owners[vm] & state.lent
+        if not shared:
+            return f"starting {vm}: {lendee} runs without its GPUs"
         return (f"{vm} needs {self._gpu_names(shared)}: {lendee} ({state.phase.value}) gives "
                 f"{'them' if len(shared) > 1 else 'it'} back first")
 
@@ -882,6 +1075,15 @@ class Agent:
         def took() -> float:
             return round(time.monotonic() - started, 1)
 
+        if self.state.intents_of(vm) and vm not in self.state.running_owners:
+            # Still waiting for its GPUs: releasing it withdraws the request.
+            caller = current_caller()
+            by = f"hostagent release ({caller})" if caller else "hostagent release"
+            self.apply(CancelIntent(at=_now(), owner=vm, by=by))
+            yield {"ok": True, "data": {"vm": vm, "elapsed_s": took(), "cancelled": True,
+                                        "message": f"the pending start of {vm} is cancelled; "
+                                                   f"{self._lend_note()}"}}
+            return
         if not await self.libvirt.is_running(vm):
             yield {"ok": True, "data": {"vm": vm, "elapsed_s": took(), "relend_in_s":
                                         self.status()["relend_in_s"],

@@ -334,15 +334,19 @@ def format_status(data: dict[str, Any]) -> str:
              + (" (lending on hold)" if lendee["hold"] else "")]
     if lendee["reason"]:
         lines.append(f"  reason: {lendee['reason']}")
+    if lendee.get("lent"):
+        lines.append(f"  runs with {', '.join(lendee['lent'])}")
+    if lendee.get("regrow_waiting"):
+        lines.append("  would take the GPUs freed since, once no pod on its node uses a GPU")
     checked = data.get("verified")
     if checked:
         lines.append(f"  GPUs checked in the guest {_age(time.time() - checked['at'])} ago: "
                      + ("ok" if checked["ok"] else "MISMATCH") + f" ({checked['summary']})")
     if data.get("relend_in_s") is not None:
         lines.append(f"  lending again in {_age(data['relend_in_s'])}")
-    rows = [("GPU", "NAME", "PCI", "OWNER", "HELD BY")]
+    rows = [("GPU", "NAME", "PCI", "OWNERS", "HELD BY")]
     for g in data["gpus"]:
-        rows.append((g["gpu"], g["name"] or "-", g["pci"], g["owner"] or "-",
+        rows.append((g["gpu"], g["name"] or "-", g["pci"], ", ".join(g["owners"]) or "-",
                      g["holder"] or "nobody"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines.append("")

@@ -9,6 +9,7 @@ in ``state.toml`` under ``state_dir``::
     version = 1
     cordoned_by_us = true
     hold = false
+    reclaiming = false
     lendee_phase = "draining"
     lendee_phase_since = 2026-01-10T20:15:02.125000+00:00
     last_verified = 2026-01-10T18:00:41+00:00
@@ -87,6 +88,8 @@ class State:
     # When the lendee gets its GPUs back after an owner stopped (policy.relend_delay):
     # kept so that a restart waits out the delay instead of lending at once.
     relend_at: datetime | None = None
+    # A reclaim by hand under way: a restart must finish it, not lend the lendee again.
+    reclaiming: bool = False
 
 
 class _Corrupt(Exception):
@@ -148,6 +151,7 @@ def _decode(data: bytes) -> State:
         lendee_phase_since=_time(doc, "lendee_phase_since"),
         last_verified=_time(doc, "last_verified"),
         relend_at=_time(doc, "relend_at"),
+        reclaiming=_get(doc, "reclaiming", bool, False),
     )
     ids = [intent.id for intent in state.intents]
     if len(set(ids)) != len(ids):
@@ -197,7 +201,7 @@ def _intent(entry: object, index: int) -> Intent:
 
 def _encode(state: State) -> dict[str, Any]:
     doc: dict[str, Any] = {"version": STATE_VERSION, "cordoned_by_us": state.cordoned_by_us,
-                           "hold": state.hold}
+                           "hold": state.hold, "reclaiming": state.reclaiming}
     optional = {
         "lendee_phase": state.lendee_phase,
         "lendee_phase_since": _aware(state.lendee_phase_since, "lendee_phase_since"),

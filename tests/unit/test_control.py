@@ -189,6 +189,13 @@ class FakeLibvirt:
             self.running.add(name)
             self._event(name, Lifecycle.STARTED)
 
+    async def start_with(self, name: str, *, drop: object, gpus: object) -> None:
+        self.live_drop = drop
+        await self.start(name)
+
+    async def live_gpus(self, name: str, gpus: dict[str, object]) -> frozenset[str]:
+        return frozenset(gpus) if name in self.running else frozenset()
+
     async def _stop(self, name: str, how: str) -> None:
         self.calls.append((how, name))
         if name in self.running and name not in self.ignores_shutdown:
@@ -376,7 +383,8 @@ async def test_release_through_the_guest_agent_or_acpi_then_says_when_it_lends(
     assert step["waiting"] == "gaming1 to power off"
     assert result["ok"] is True
     assert result["data"]["message"].endswith(
-        "gaming2 still needs gpu-node's GPUs; gpu-node gets them back after")
+        "gpu-node gets gpu-a (RTX A, 0000:0a:00.0) back in 60s (policy.relend_delay) unless an "
+        "owner VM starts meanwhile")
     step, result = await collect(agent, "release", vm="gaming2")
     assert step["message"] == "shutting gaming2 down through ACPI (it has no guest agent channel)"
     assert "gpu-node gets its GPUs back in 60s (policy.relend_delay)" in result["data"]["message"]
