@@ -30,7 +30,7 @@ let
     state_dir = "/var/lib/hostagent";
   };
 
-  configFile = format.generate "hostagent-config.toml" (
+  generatedConfig = format.generate "hostagent-config.toml" (
     lib.recursiveUpdate cfg.settings (
       lib.optionalAttrs (cfg.kubeconfigFile != null) {
         kubernetes.kubeconfig = kubeconfigCredential;
@@ -40,6 +40,25 @@ let
       }
     )
   );
+
+  # The agent reads the file when the system is built: a key it refuses (a typo in a
+  # free-form key, a GPU nobody defined) fails nixos-rebuild with the agent's own message,
+  # not the service at boot. tests/packaging/test_nix.py runs this same script.
+  checkScript = ''
+    if ! hostagent --config "$configFile" check-config; then
+      echo "hostagent refuses services.hostagent.settings: the key above is under settings (services.hostagent.checkConfig = false skips this check)" >&2
+      exit 1
+    fi
+    ln -s "$configFile" "$out"
+  '';
+  configFile =
+    if cfg.checkConfig then
+      pkgs.runCommandLocal "hostagent-config-checked.toml" {
+        nativeBuildInputs = [ cfg.package ];
+        configFile = generatedConfig;
+      } checkScript
+    else
+      generatedConfig;
 
   # A TOML table with a few typed, documented keys; any other key passes through.
   table =
@@ -109,7 +128,13 @@ in
                 "gpu-a"
                 "gpu-b"
               ];
-              description = "The GPUs it borrows: labels from `gpus`, or PCI addresses. Required.";
+              description = "Every GPU it may borrow: labels from `gpus`, or PCI addresses. Required.";
+            };
+            min_gpus = mkOption {
+              type = types.nullOr types.ints.positive;
+              default = null;
+              example = 2;
+              description = "Fewer GPUs free than this, the lendee stays off; at most as many as `gpus` lists (the agent's default: `1`).";
             };
           };
         };
@@ -119,9 +144,14 @@ in
           description = "Passthrough GPUs, by a label of your choosing.";
           type = types.attrsOf (table {
             pci = mkOption {
-              type = types.str;
+              type = types.nullOr types.str;
+              default = null;
               example = "0000:01:00.0";
-              description = "The GPU's PCI function, as `lspci -D` shows it.";
+              description = ''
+                The GPU's PCI function, as `lspci -D` shows it. A GPU may be given by
+                `uuid` alone, placed where NVML sees it when the agent starts; NVML
+                cannot see a GPU bound to vfio-pci, so a passthrough GPU needs `pci`.
+              '';
             };
             functions = mkOption {
               type = types.listOf types.str;
@@ -160,7 +190,23 @@ in
                 ]
               );
               default = null;
-              description = "When the node has not drained in time: shut the lendee down anyway (`proceed`, the agent's default) or keep it and give up (`abort`).";
+              description = "When the node has not drained in time: shut the lendee down anyway (`proceed`) or keep it and give up (`abort`) (the agent's default: `\"proceed\"`).";
+            };
+            partial = mkOption {
+              type = types.nullOr types.bool;
+              default = null;
+              description = "Lend the free GPUs while others play; `false`: the lendee runs only with all of its GPUs (the agent's default: `true`).";
+            };
+            regrow = mkOption {
+              type = types.nullOr (
+                types.enum [
+                  "when-idle"
+                  "always"
+                  "never"
+                ]
+              );
+              default = null;
+              description = "When a lendee running with fewer GPUs restarts to add those a game freed: once no pod on its node requests a GPU (`when-idle`), after `relend_delay` (`always`), or only when it stops for another reason (`never`) (the agent's default: `\"when-idle\"`).";
             };
           };
         };
@@ -191,6 +237,17 @@ in
         reads when the service starts (`LoadCredential=`): it never enters the
         world-readable Nix store. Give a string, not a Nix path literal (which would
         be copied into the store). Setting it adds the `[kubernetes]` section.
+      '';
+    };
+
+    checkConfig = mkOption {
+      type = types.bool;
+      default = true;
+      description = ''
+        Check the generated configuration with the package's own `hostagent
+        check-config` when the system is built, so that a key the agent refuses
+        fails `nixos-rebuild` with the agent's message naming it. The check runs
+        the package on the build machine: turn it off when cross-compiling.
       '';
     };
 
@@ -236,6 +293,10 @@ in
         message = "services.hostagent: set controlSocketGroup or settings.control_group, not both.";
       }
     ]
+    ++ lib.mapAttrsToList (label: gpu: {
+      assertion = gpu ? pci || gpu ? uuid; # settings drops the nulls
+      message = ''services.hostagent.settings.gpus.${label} has neither pci nor uuid: give its PCI address as `lspci -D` shows it, e.g. pci = "0000:01:00.0"; (a GPU bound to vfio-pci needs it), or its uuid if NVML on the host sees it.'';
+    }) cfg.settings.gpus
     ++ lib.mapAttrsToList (key: path: {
       assertion = (cfg.settings.${key} or path) == path;
       message = "services.hostagent.settings.${key} must stay ${path}: libvirtd runs the hook with a scrubbed environment, so the hook knows only that path.";
@@ -279,6 +340,10 @@ in
         # 2: a configuration the agent refuses; restarting would only repeat it.
         RestartPreventExitStatus = 2;
         TimeoutStartSec = "2min";
+        # A known descriptor budget: the connection caps (SSH, metrics, control) are
+        # sized against it, so that a flood cannot take the descriptors the hook
+        # socket and state saves need.
+        LimitNOFILE = 4096;
         LoadCredential = lib.optional (cfg.kubeconfigFile != null) "kubeconfig:${cfg.kubeconfigFile}";
 
         # hook.sock and control.sock, recreated at each start; while the agent is

@@ -1,18 +1,35 @@
-"""The Nix files: they parse, the module's own logic evaluates, and (given a nixpkgs
-tree in HOSTAGENT_NIXPKGS) a NixOS configuration that imports the module renders the
-unit, the hook and the assertions we expect.
+"""The Nix files, evaluated as NixOS evaluates them.
 
-nix-instantiate comes from Debian's nix-bin (in the Makefile's APT_PACKAGES); it
-evaluates without a Nix store or daemon as long as nothing is built.
+`../shared/nixos-eval/` beside the repository is a NixOS 24.11 tree that
+nix-instantiate (Debian's nix-bin) evaluates offline, with a store under a temporary
+directory and no daemon. tests/packaging/nixos.nix evaluates the module there in
+several configurations at once (one NixOS evaluation costs seconds): the README's
+example as written, a GPU given by UUID alone, configurations that fire every
+assertion. Separate evaluations show a wrong type and a misspelled option refused.
+
+What this cannot show: the tree evaluates, it does not build. libvirt, QEMU, systemd
+and the Python dependencies are stand-ins there (its README lists them), so whether
+nix/package.nix builds (its dependencies present, its import check passing) is not seen
+here: tests/unit/test_nix_dependencies.py compares its dependencies with pyproject.toml.
+Nor is the build-time check of config.toml run by Nix: test_the_build_checks_the_file
+runs the check derivation's own script, with this checkout's `hostagent`, on the
+settings the module evaluated to (written as TOML by tomli-w here, by remarshal there).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import json
 import os
+import re
 import shutil
 import subprocess
+import sys
 import tomllib
+import types
+import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +44,13 @@ NIX = shutil.which("nix-instantiate")
 needs_nix = pytest.mark.skipif(
     NIX is None, reason="nix-instantiate is not installed (Debian package nix-bin)"
 )
-NIXPKGS = os.environ.get("HOSTAGENT_NIXPKGS", "")
+NIXOS_EVAL = Path(os.environ.get("HOSTAGENT_NIXOS_EVAL", REPO.parent / "shared" / "nixos-eval"))
+needs_nixos = pytest.mark.skipif(
+    NIX is None or not (NIXOS_EVAL / "eval.nix").is_file(),
+    reason=f"no NixOS tree to evaluate the module in: {NIXOS_EVAL}/eval.nix is absent "
+    "(or nix-instantiate is not installed)",
+)
+README = REPO / "README.md"
 
 
 def nix_files() -> list[Path]:
@@ -36,16 +59,6 @@ def nix_files() -> list[Path]:
         dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("build", "node_modules")]
         found += [Path(top) / f for f in files if f.endswith(".nix")]
     return sorted(found)
-
-
-def nix_eval(expr: str, *, timeout: float = 60) -> Any:
-    assert NIX is not None
-    out = subprocess.run(
-        [NIX, "--eval", "--strict", "--json", "--expr", expr],
-        capture_output=True, text=True, timeout=timeout, check=False,
-    )
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
 
 
 def test_the_nix_files_are_where_the_readme_says() -> None:
@@ -62,212 +75,453 @@ def test_parses(path: Path) -> None:
     assert out.returncode == 0, out.stderr
 
 
-# A stand-in for nixpkgs' lib and pkgs: just enough to evaluate the module's own
-# expressions (assertions, hook path, service settings, the kubeconfig credential)
-# where no nixpkgs tree is at hand. It knows nothing of option merging: the real check
-# is test_nixos_configuration below. Extend it when the module uses more of lib.
-STAND_IN = """
-let
-  lib = rec {
-    mkOption = a: a;
-    mkEnableOption = d: { description = d; };
-    literalExpression = t: t;
-    mkIf = c: v: if c then v else { };
-    optional = c: v: if c then [ v ] else [ ];
-    optionalAttrs = c: a: if c then a else { };
-    hasPrefix = p: s: builtins.substring 0 (builtins.stringLength p) s == p;
-    mapAttrsToList = f: a: map (n: f n a.${n}) (builtins.attrNames a);
-    filterAttrsRecursive = pred: s: s;
-    recursiveUpdate = a: b: a // builtins.mapAttrs (n: v:
-      if builtins.isAttrs v && builtins.isAttrs (a.${n} or null)
-      then recursiveUpdate a.${n} v else v) b;
-    getExe = p: "${p}/bin/${p.meta.mainProgram}";
-    types = {
-      str = "str"; package = "package";
-      nullOr = t: { inherit t; }; listOf = t: { inherit t; }; attrsOf = t: { inherit t; };
-      enum = l: { inherit l; }; submodule = m: { inherit m; };
-    };
-  };
-  pkgs = {
-    formats.toml = { }: { type = "toml"; generate = name: builtins.toJSON; };
-  };
-  package = {
-    outPath = "/nix/store/00000000000000000000000000000000-hostagent";
-    meta.mainProgram = "hostagent";
-  };
-  evalModule = hostagent: libvirtd:
-    (import MODULE {
-      inherit lib pkgs;
-      config = {
-        services.hostagent = { enable = true; inherit package; } // hostagent;
-        virtualisation.libvirtd.enable = libvirtd;
-      };
-    }).config;
-  failed = c: map (a: a.message) (builtins.filter (a: !a.assertion) c.assertions);
-  settings = {
-    lendee = { domain = "gpu-node"; gpus = [ "gpu-a" ]; };
-    gpus.gpu-a = { pci = "0000:01:00.0"; functions = [ "0000:01:00.1" ]; };
-    owners.gaming1.gpus = [ "gpu-a" ];
-  };
-  good = evalModule {
-    inherit settings;
-    kubeconfigFile = "/run/secrets/kubeconfig";
-    controlSocketGroup = "hostagent";
-  } true;
-  bad = evalModule {
-    settings = { lendee = { domain = ""; gpus = [ ]; }; hook_socket = "/tmp/h.sock"; };
-    kubeconfigFile = "/nix/store/00000000000000000000000000000000-kubeconfig";
-    controlSocketGroup = null;
-  } false;
-in {
-  good = {
-    failed = failed good;
-    hook = good.virtualisation.libvirtd.hooks.qemu.hostagent;
-    service = good.systemd.services.hostagent;
-    config = builtins.fromJSON good.environment.etc."hostagent/config.toml".source;
-    groups = good.users.groups;
-  };
-  bad = {
-    failed = failed bad;
-    config = builtins.fromJSON bad.environment.etc."hostagent/config.toml".source;
-  };
-}
-"""
+# --- evaluating NixOS -------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Nix:
+    """nix-instantiate with a store of its own under `root`: no daemon, no network."""
+
+    root: Path
+
+    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        assert NIX is not None
+        env = {**os.environ, "NIX_REMOTE": "", "NIX_PATH": "",
+               "XDG_CACHE_HOME": str(self.root / "cache")}
+        return subprocess.run(
+            [NIX, "--store", str(self.root / "store"), "--option", "sandbox", "false",
+             "--eval", "--strict", "--json", *args],
+            capture_output=True, text=True, timeout=300, check=False, env=env, cwd=self.root,
+        )
+
+    def nixos(self, configuration: str) -> subprocess.CompletedProcess[str]:
+        """The settings of the module and `configuration` (a Nix expression), as NixOS
+        merges and checks them."""
+        path = self.root / f"configuration-{abs(hash(configuration))}.nix"
+        path.write_text(configuration)
+        modules = f"[ {REPO / 'nix' / 'module.nix'} {path} ]"
+        return self.run(str(NIXOS_EVAL / "eval.nix"), "--arg", "modules", modules,
+                        "-A", "sys.config.services.hostagent.settings")
+
+
+def readme_block() -> str:
+    text = README.read_text()
+    start = text.index("\n## Installing on NixOS\n")
+    end = text.find("\n## ", start + 1)
+    found = re.findall(r"^```nix\n(.*?)^```", text[start:end], re.S | re.M)
+    assert len(found) == 1, "expected one nix block under Installing on NixOS"
+    return str(found[0])
+
+
+def checkout(into: Path) -> None:
+    """This checkout's files (tracked, or new and not ignored), as a user's clone has them."""
+    listed = subprocess.run(
+        ["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split("\0")
+    for name in filter(None, listed):
+        source = REPO / name
+        if source.is_file():
+            (into / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, into / name)
+
+
+@pytest.fixture(scope="module")
+def nix(tmp_path_factory: pytest.TempPathFactory) -> Nix:
+    return Nix(tmp_path_factory.mktemp("nix"))
+
+
+@pytest.fixture(scope="module")
+def evaluated(nix: Nix) -> dict[str, Any]:
+    """tests/packaging/nixos.nix's answer, the README example as written among them: it
+    imports ./hostagent/nix/module.nix, a checkout beside it."""
+    readme = nix.root / "readme"
+    checkout(readme / "hostagent")
+    (readme / "configuration.nix").write_text(readme_block())
+    out = nix.run(str(REPO / "tests" / "packaging" / "nixos.nix"),
+                  "--arg", "nixosEval", str(NIXOS_EVAL / "eval.nix"),
+                  "--arg", "readme", str(readme / "configuration.nix"))
+    assert out.returncode == 0, out.stderr
+    result: dict[str, Any] = json.loads(out.stdout)
+    return result
+
+
+@needs_nixos
+def test_the_readme_example_evaluates_as_written(evaluated: dict[str, Any]) -> None:
+    readme = evaluated["readme"]
+    assert readme["failed"] == [] and readme["warnings"] == []
+    # Down to the system itself: every derivation of it instantiates.
+    assert re.fullmatch(r"/nix/store/\w{32}-nixos-system-.*\.drv", readme["toplevel"])
+    assert "hostagent" in readme["groups"]
+    # The file the agent reads is a configuration it takes, conveniences included.
+    cfg = config.parse(tomli_w.dumps(readme["config"]))
+    assert cfg.kubernetes is not None
+    assert cfg.kubernetes.kubeconfig == Path("/run/credentials/hostagent.service/kubeconfig")
+    assert cfg.control_group == "hostagent"
 
 
 @needs_nix
-def test_the_module_logic_with_a_stand_in_lib() -> None:
-    result = nix_eval(STAND_IN.replace("MODULE", str(REPO / "nix" / "module.nix")))
-    good, bad = result["good"], result["bad"]
-    assert good["failed"] == []
-    assert good["hook"] == (
-        "/nix/store/00000000000000000000000000000000-hostagent/libexec/hostagent/qemu-hook"
-    )
-    service = good["service"]["serviceConfig"]
-    assert service["ExecStart"] == (
-        "/nix/store/00000000000000000000000000000000-hostagent/bin/hostagent"
-        " --config /etc/hostagent/config.toml run"
-    )
-    assert service["LoadCredential"] == ["kubeconfig:/run/secrets/kubeconfig"]
-    assert good["groups"] == {"hostagent": {}}
-    # The agent reads the kubeconfig where systemd put it, never from the store.
-    assert good["config"]["kubernetes"] == {
-        "kubeconfig": "/run/credentials/hostagent.service/kubeconfig"
+def test_the_flakes_example_is_the_readmes(nix: Nix) -> None:
+    readme = nix.root / "readme-example.nix"
+    readme.write_text(readme_block())
+    out = nix.run("--expr", f'builtins.removeAttrs (import {readme}) [ "imports" ] == '
+                            f'import {REPO / "nix" / "example.nix"}')
+    assert (out.returncode, out.stdout) == (0, "true"), out.stderr
+    assert "imports = [ ./hostagent/nix/module.nix ];" in readme_block()
+
+
+@needs_nixos
+def test_the_flake_checks(evaluated: dict[str, Any]) -> None:
+    """What `nix flake check` builds, with nixos-eval standing in for the nixpkgs input:
+    the package, and the example's config.toml through the module's check."""
+    checks = evaluated["checks"]
+    assert checks["names"] == ["example-config", "package"]
+    assert re.fullmatch(r"/nix/store/\w{32}-hostagent-[\d.]+\.drv", checks["package"])
+    assert checks["example"].endswith("-hostagent-config-checked.toml.drv")
+    assert checks["exampleCheck"] == evaluated["readme"]["check"]
+
+
+@needs_nixos
+def test_a_gpu_by_uuid_alone(evaluated: dict[str, Any]) -> None:
+    uuid = evaluated["uuid"]
+    assert uuid["failed"] == []
+    assert uuid["toplevel"].endswith(".drv")
+    assert uuid["config"]["gpus"] == {
+        "gpu-d": {"uuid": "GPU-5f2ab1c4-0000-4000-8000-000000000004", "functions": []}
     }
-    assert good["config"]["control_group"] == "hostagent"
-    config.parse(tomli_w.dumps(good["config"]))
-
-    assert "control_group" not in bad["config"]
-    failed = "\n".join(bad["failed"])
-    assert "virtualisation.libvirtd.enable = true" in failed
-    assert "settings.lendee.domain is not set" in failed
-    assert "settings.lendee.gpus is empty" in failed
-    assert "kubeconfigFile must be an absolute path outside the Nix store" in failed
-    assert "settings.hook_socket must stay /run/hostagent/hook.sock" in failed
+    # A key the module does not type passes through to the file.
+    assert uuid["config"]["timeouts"] == {"drain": "10m"}
+    cfg = config.parse(tomli_w.dumps(uuid["config"]))
+    assert cfg.gpus["gpu-d"].pci is None
 
 
-@needs_nix
-def test_the_module_service_matches_the_unit_file() -> None:
-    """Same properties in both: every [Service] setting of systemd/hostagent.service
-    is in the module's serviceConfig with the same value (ExecStart aside)."""
-    result = nix_eval(STAND_IN.replace("MODULE", str(REPO / "nix" / "module.nix")))
-    service = result["good"]["service"]
-    nixos = {k: v for k, v in service["serviceConfig"].items()
-             if k not in ("ExecStart", "LoadCredential")}
-    unit = (REPO / "systemd" / "hostagent.service").read_text()
-    service_section = unit.split("[Service]")[1].split("[Install]")[0]
-    expected = unit_settings(service_section)
-    assert expected.pop("Environment") == ["PYTHONFAULTHANDLER=1"]
-    assert service["environment"] == {"PYTHONFAULTHANDLER": "1"}
-    del expected["ExecStart"]
+@needs_nixos
+def test_every_assertion_fires_with_its_message(evaluated: dict[str, Any]) -> None:
+    cases = evaluated["assertions"]
+    failed = [m for case in cases.values() for m in case["failed"]]
+    defined = {m for case in cases.values() for m in case["all"]}
+    assert defined - set(failed) == set(), "an assertion of nix/module.nix never fires here"
+    assert sorted(cases["nothing"]["failed"]) == sorted([
+        "services.hostagent needs libvirt: set virtualisation.libvirtd.enable = true (the agent drives the VMs through libvirtd, and its hook is installed through virtualisation.libvirtd.hooks.qemu).",
+        'services.hostagent.settings.lendee.domain is not set: name the libvirt domain of the Kubernetes worker VM that borrows the GPUs, e.g. lendee.domain = "gpu-node";',
+        'services.hostagent.settings.lendee.gpus is empty: list the GPUs the lendee borrows (labels from settings.gpus, or PCI addresses), e.g. lendee.gpus = [ "gpu-a" ];',
+        "services.hostagent.kubeconfigFile must be an absolute path outside the Nix store, which anyone on the machine can read: keep the kubeconfig in e.g. /run/secrets or /var/lib/secrets.",
+        "services.hostagent.settings.hook_socket must stay /run/hostagent/hook.sock: libvirtd runs the hook with a scrubbed environment, so the hook knows only that path.",
+        "services.hostagent.settings.state_dir must stay /var/lib/hostagent: libvirtd runs the hook with a scrubbed environment, so the hook knows only that path.",
+    ])
+    assert sorted(cases["twice"]["failed"]) == sorted([
+        # A relative path, this time.
+        "services.hostagent.kubeconfigFile must be an absolute path outside the Nix store, which anyone on the machine can read: keep the kubeconfig in e.g. /run/secrets or /var/lib/secrets.",
+        "services.hostagent: set kubeconfigFile or settings.kubernetes.kubeconfig, not both.",
+        "services.hostagent: set controlSocketGroup or settings.control_group, not both.",
+        'services.hostagent.settings.gpus.gpu-a has neither pci nor uuid: give its PCI address as `lspci -D` shows it, e.g. pci = "0000:01:00.0"; (a GPU bound to vfio-pci needs it), or its uuid if NVML on the host sees it.',
+    ])
 
-    def normal(value: Any) -> list[str]:
-        values = value if isinstance(value, list) else [value]
-        words = " ".join("yes" if v is True else "no" if v is False else str(v) for v in values)
-        return words.split()
 
-    assert {k: normal(v) for k, v in nixos.items()} == {
-        k: normal(v) for k, v in expected.items()
+ENABLED = """{
+  virtualisation.libvirtd.enable = true;
+  services.hostagent = {
+    enable = true;
+    settings = { lendee = { domain = "gpu-node"; gpus = GPUS; }; gpus.gpu-a.pci = "0000:01:00.0"; };
+    EXTRA
+  };
+}"""
+
+
+@needs_nixos
+@pytest.mark.parametrize("gpus, extra, message", [
+    ('"gpu-a"', "",
+     "A definition for option `services.hostagent.settings.lendee.gpus' is not of type "
+     "`list of string'"),
+    ('[ "gpu-a" ]', 'settings.policy.on_drain_timeout = "procede";',
+     "A definition for option `services.hostagent.settings.policy.on_drain_timeout' is not of "
+     'type `null or one of "proceed", "abort"\''),
+    ('[ "gpu-a" ]', 'kubeconfigFiel = "/run/secrets/kubeconfig";',
+     "The option `services.hostagent.kubeconfigFiel' does not exist."),
+], ids=["wrong-type", "not-in-the-enum", "misspelled-option"])
+def test_a_mistake_is_refused_when_nixos_evaluates(
+    nix: Nix, gpus: str, extra: str, message: str
+) -> None:
+    out = nix.nixos(ENABLED.replace("GPUS", gpus).replace("EXTRA", extra))
+    assert out.returncode != 0
+    assert message in out.stderr
+
+
+@needs_nixos
+def test_the_build_checks_the_file(evaluated: dict[str, Any], tmp_path: Path) -> None:
+    """A typo in a free-form key evaluates; building the system runs the agent's own
+    check-config on the file, which refuses it with the agent's message."""
+
+    def build(settings: dict[str, Any], name: str) -> subprocess.CompletedProcess[str]:
+        # As the derivation runs it: its script, under stdenv's shell options, with the
+        # package on PATH (here: this checkout's, installed in the running Python's venv).
+        toml = tmp_path / f"{name}.toml"
+        toml.write_text(tomli_w.dumps(settings))
+        env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+               "configFile": str(toml), "out": str(tmp_path / f"{name}-out")}
+        return subprocess.run(["bash", "-eu", "-o", "pipefail", "-c", evaluated["typo"]["check"]],
+                              capture_output=True, text=True, timeout=60, env=env,
+                              check=False)
+
+    good = build(evaluated["readme"]["config"], "readme")
+    assert good.returncode == 0, good.stderr
+    assert (tmp_path / "readme-out").resolve() == tmp_path / "readme.toml"
+
+    typo = evaluated["typo"]
+    assert typo["failed"] == [] and typo["config"]["policy"] == {"relend_dealy": "1m"}
+    bad = build(typo["config"], "typo")
+    assert bad.returncode == 1
+    assert bad.stderr.splitlines() == [
+        f'hostagent: {tmp_path}/typo.toml: policy.relend_dealy: unknown key; did you mean '
+        '"relend_delay"?',
+        "hostagent refuses services.hostagent.settings: the key above is under settings "
+        "(services.hostagent.checkConfig = false skips this check)",
+    ]
+    assert not (tmp_path / "typo-out").exists()
+    # And the script is the one the module builds /etc/hostagent/config.toml with.
+    assert evaluated["readme"]["check"] == typo["check"]
+
+
+@needs_nixos
+def test_the_unit_is_systemd_hostagent_service(evaluated: dict[str, Any]) -> None:
+    """Equal in substance: the same settings with the same values, section by section,
+    but for the store path of ExecStart= and what NixOS and the README's options add."""
+    added_by_nixos = {
+        "Unit": {"X-Restart-Triggers"},
+        "Service": {"LoadCredential"},  # kubeconfigFile
+        "Install": set(),
     }
-    unit_section = unit_settings(unit.split("[Unit]")[1].split("[Service]")[0])
-    assert set(service["after"]) == set(" ".join(unit_section["After"]).split())
-    assert set(service["wants"]) == set(" ".join(unit_section["Wants"]).split())
+
+    def sections(text: str) -> dict[str, dict[str, list[str]]]:
+        parts = re.split(r"^\[(\w+)\]$", text, flags=re.M)
+        return {name: unit_settings(body) for name, body in zip(parts[1::2], parts[2::2],
+                                                                 strict=True)}
+
+    def words(values: list[str]) -> list[str]:
+        found = " ".join(values).replace('"', "").split()
+        return sorted({"true": "yes", "false": "no"}.get(w, w) for w in found)
+
+    nixos = sections(evaluated["readme"]["unit"])
+    unit = sections((REPO / "systemd" / "hostagent.service").read_text())
+    assert nixos.keys() == unit.keys()
+    for name, expected in unit.items():
+        got = dict(nixos[name])
+        assert set(got) - set(expected) == added_by_nixos[name], name
+        if name == "Service":
+            [exec_start] = got.pop("ExecStart")
+            [installed] = expected.pop("ExecStart")
+            assert exec_start.split()[0].startswith("/nix/store/")
+            assert exec_start.split()[1:] == installed.split()[1:]
+            # NixOS sets PATH, LOCALE_ARCHIVE and TZDIR for every service.
+            assert set(expected.pop("Environment")) <= set(words(got.pop("Environment")))
+        assert {k: words(got[k]) for k in expected} == {
+            k: words(v) for k, v in expected.items()}, name
 
 
-# --- with a real nixpkgs ----------------------------------------------------------------
+@needs_nixos
+def test_the_hook_is_wired_in_qemu_d(evaluated: dict[str, Any]) -> None:
+    readme = evaluated["readme"]
+    hook = readme["hook"]
+    assert re.fullmatch(r"/nix/store/\w{32}-hostagent-[\d.]+/libexec/hostagent/qemu-hook", hook)
+    assert f"ln -s --force {hook} /var/lib/libvirt/hooks/qemu.d/hostagent\n" in (
+        readme["libvirtdConfig"])
 
-NIXOS = """
-let
-  nixpkgs = NIXPKGS;
-  machine = { libvirtd, hostagent }: import (nixpkgs + "/nixos/lib/eval-config.nix") {
-    system = "x86_64-linux";
-    modules = [
-      MODULE
-      {
-        boot.loader.grub.enable = false;
-        fileSystems."/".device = "/dev/null";
-        system.stateVersion = "24.11";
-        virtualisation.libvirtd.enable = libvirtd;
-        services.hostagent = { enable = true; } // hostagent;
-      }
-    ];
-  };
-  failed = c: map (a: a.message) (builtins.filter (a: !a.assertion) c.config.assertions);
-  good = machine {
-    libvirtd = true;
-    hostagent = {
-      settings = SETTINGS;
-      kubeconfigFile = "/run/secrets/hostagent-kubeconfig";
-      controlSocketGroup = "hostagent";
-    };
-  };
-  bad = machine { libvirtd = false; hostagent = { }; };
-in {
-  good = {
-    failed = failed good;
-    settings = good.config.services.hostagent.settings;
-    hook = good.config.virtualisation.libvirtd.hooks.qemu.hostagent;
-    unit = good.config.systemd.units."hostagent.service".text;
-    etc = good.config.environment.etc."hostagent/config.toml".enable;
-    group = good.config.users.groups ? hostagent;
-  };
-  bad.failed = failed bad;
+
+# --- the typed options against hostagent/config.py -------------------------------------
+
+# Left at their default, these write a value the agent refuses ("" or []): the module's
+# assertions name them instead (test_every_assertion_fires_with_its_message).
+ASSERTED = {"lendee.domain", "lendee.gpus"}
+NIX_KIND = {"str": "string", "enum": "string", "bool": "boolean", "listOf": "array",
+            "attrsOf": "table", "submodule": "table"}
+SAMPLES: dict[str, object] = {"string": "x", "integer": 1, "boolean": True, "array": ["x"],
+                              "table": {}}
+INTEGERS = [-1, 0, 1, 2]  # as tests/packaging/nixos.nix probes them
+# A configuration to try a value in, where a table of entries is read at its first.
+BASE: dict[str, Any] = {
+    "lendee": {"domain": "gpu-node", "gpus": ["gpu-a", "gpu-b"]},
+    "gpus": {"gpu-a": {"pci": "0000:01:00.0"}, "gpu-b": {"pci": "0000:02:00.0"}},
+    "owners": {"gaming1": {"gpus": ["gpu-a"]}},
 }
-"""
 
 
-@needs_nix
-@pytest.mark.skipif(
-    not NIXPKGS,
-    reason="set HOSTAGENT_NIXPKGS to a nixpkgs tree to evaluate the module in a NixOS "
-    "configuration (none here: nixpkgs is not installable from the registries this "
-    "project reaches)",
-)
-def test_nixos_configuration() -> None:
-    settings = tomllib.loads((REPO / "examples" / "config.toml").read_text())
-    expr = (NIXOS.replace("NIXPKGS", json.dumps(str(Path(NIXPKGS).resolve())))
-            .replace("MODULE", str(REPO / "nix" / "module.nix"))
-            .replace("SETTINGS", f"builtins.fromJSON {json.dumps(json.dumps(settings))}"))
-    result = nix_eval(expr, timeout=600)
-    good, bad = result["good"], result["bad"]
+def reads(read: Any, value: object, key: str) -> config._Problem | None:
+    """The agent's complaint about `value` at `key`, or None if it takes it."""
+    try:
+        read(value, key)
+    except config._Problem as p:
+        return p
+    return None
 
-    assert good["failed"] == []
-    # The settings, as the module typed and filtered them, are a config the agent takes.
-    config.parse(tomli_w.dumps(good["settings"]))
-    assert good["hook"].endswith("/libexec/hostagent/qemu-hook")
-    assert good["hook"].startswith("/nix/store/")
-    assert good["etc"] is True and good["group"] is True
 
-    unit = unit_settings(good["unit"])
-    assert unit["Type"] == ["notify"]
-    assert unit["WatchdogSec"] == ["30s"]
-    assert unit["ExecStart"][0].endswith(" --config /etc/hostagent/config.toml run")
-    assert unit["LoadCredential"] == ["kubeconfig:/run/secrets/hostagent-kubeconfig"]
-    assert unit["ProtectSystem"] == ["strict"]
-    assert "libvirtd.service" in " ".join(unit["After"]).split()
-    assert "libvirtd.service" in " ".join(unit["Wants"]).split()
+def takes(read: Any, value: object, key: str) -> bool:
+    """Whether the agent takes `value` at `key`, set in BASE (`<name>`: its first entry),
+    where bounds that span sections are checked too (lendee.min_gpus against
+    lendee.gpus); where BASE cannot hold the key, by the key's reader alone."""
+    document = json.loads(json.dumps(BASE))
+    table, parts = document, []
+    for part in key.split(".")[:-1]:
+        if part == "<name>":
+            part = next(iter(table), "x")
+        parts.append(part)
+        table = table.setdefault(part, {})
+    table[key.rsplit(".", 1)[-1]] = value
+    try:
+        config.parse(tomli_w.dumps(document))
+    except config.ConfigError as e:
+        if e.key == ".".join([*parts, key.rsplit(".", 1)[-1]]):
+            return False
+        return reads(read, value, key) is None
+    return True
 
-    failed = "\n".join(bad["failed"])
-    assert "virtualisation.libvirtd.enable = true" in failed
-    assert "settings.lendee.domain is not set" in failed
-    assert "settings.lendee.gpus is empty" in failed
+
+def agent_kinds(read: Any, key: str, wrap: Any = lambda v: v, at: str = "") -> set[str]:
+    """The TOML kinds the agent's reader takes at `key` (a wrong one is "expected ...")."""
+    def refused(p: config._Problem | None) -> bool:
+        return p is not None and p.key == key + at and p.problem.startswith("expected ")
+    return {kind for kind, sample in SAMPLES.items() if not refused(reads(read, wrap(sample),
+                                                                          key))}
+
+
+def nix_kind(option: dict[str, Any], where: str) -> str:
+    if "takes" in option:
+        return "integer"
+    assert option["kind"] in NIX_KIND, f"{where}: extend NIX_KIND for {option['kind']}"
+    return NIX_KIND[option["kind"]]
+
+
+def bare(hint: Any) -> Any:
+    """`X | None` -> X."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        rest = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0]
+    return hint
+
+
+def compare(options: dict[str, Any], cls: type, prefix: str) -> list[str]:
+    """What the module's typed options under `prefix` say that dataclass `cls` does not."""
+    fields = {f.name: f for f in dataclasses.fields(cls) if config._READ in f.metadata}
+    hints = typing.get_type_hints(cls)
+    problems = []
+    for name, option in options.items():
+        key = f"{prefix}.{name}".lstrip(".")
+        where = f"services.hostagent.settings.{key}"
+        if name not in fields:
+            problems.append(f"{where}: typed in the module, unknown to hostagent/config.py")
+            continue
+        f = fields[name]
+        read = f.metadata[config._READ]
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        default = None if required else (
+            f.default if f.default is not dataclasses.MISSING else f.default_factory())  # type: ignore[misc]
+        hint = bare(hints[name])
+
+        # Optionality.
+        if not option["hasDefault"] and not required:
+            problems.append(f"{where}: the module requires it, the agent does not")
+        elif option["hasDefault"] and option["default"] is None and required:
+            problems.append(f"{where}: the module lets it be left out, the agent requires it")
+        elif option["hasDefault"] and option["default"] is not None \
+                and option["kind"] != "submodule":
+            if required and key not in ASSERTED:
+                problems.append(f"{where}: the module writes {option['default']!r} by default, "
+                                "the agent requires a value: assert on it")
+            elif not required:
+                p = reads(read, option["default"], key)
+                if p is not None or read(option["default"], key) != default:
+                    problems.append(f"{where}: the module's default {option['default']!r} is not "
+                                    f"the agent's {default!r}")
+
+        # The TOML kind, and what is inside it.
+        kinds = agent_kinds(read, key)
+        if kinds != {nix_kind(option, where)}:
+            problems.append(f"{where}: the module takes {nix_kind(option, where)}, the agent "
+                            f"{sorted(kinds)}")
+            continue
+        if isinstance(hint, type) and issubclass(hint, enum.Enum):
+            values = [str(m.value) for m in hint]
+            if option.get("values") != values:
+                problems.append(f"{where}: the module's choices {option.get('values')} are not "
+                                f"the agent's {values}")
+        elif option["kind"] == "enum":
+            problems.append(f"{where}: the module restricts it to {option['values']}, the agent "
+                            "has no such choice")
+        if "takes" in option:
+            agent = [takes(read, v, key) for v in INTEGERS]
+            if option["takes"] != agent:
+                problems.append(f"{where}: of {INTEGERS} the module takes {option['takes']}, "
+                                f"the agent {agent}")
+        if option["kind"] == "listOf":
+            elem = agent_kinds(read, key, lambda v: [v], "[0]")
+            if elem != {nix_kind(option["elem"], where)}:
+                problems.append(f"{where}: items are {nix_kind(option['elem'], where)} in the "
+                                f"module, {sorted(elem)} for the agent")
+        table = option["elem"] if option["kind"] == "attrsOf" else option
+        if "options" in table:
+            if not table["freeform"]:
+                problems.append(f"{where}: not free-form, so new keys of the agent's are refused")
+            inner = typing.get_args(hint)[1] if typing.get_origin(hint) is Mapping else hint
+            name_part = ".<name>" if option["kind"] == "attrsOf" else ""
+            problems += compare(table["options"], inner, key + name_part)
+
+        # A default the description names is the agent's.
+        m = re.search(r"the agent's default: `([^`]*)`", option["description"])
+        if m:
+            said = read(tomllib.loads(f"v = {m.group(1)}")["v"], key)
+            if said != default:
+                problems.append(f"{where}: the description says the agent's default is "
+                                f"{m.group(1)}, it is {default!r}")
+    return problems
+
+
+@needs_nixos
+def test_the_typed_options_are_the_agents_schema(evaluated: dict[str, Any]) -> None:
+    """Every option the module types agrees with hostagent/config.py, read from its
+    dataclasses and readers: present, required or not alike, the same TOML type (and
+    items, integer bounds, choices), and free-form tables, so a key the module does not
+    type passes through to the agent. Keys the module leaves untyped are not compared."""
+    settings = evaluated["settings"]
+    assert settings["freeform"]
+    assert compare(settings["options"], config.Config, "") == []
+
+
+def test_the_comparison_catches_what_it_should() -> None:
+    """compare() is not vacuous: the module as it was (pci required) and other drifts."""
+    def option(kind: str, **more: Any) -> dict[str, Any]:
+        return {"kind": kind, "nullable": False, "hasDefault": True, "default": None,
+                "description": "", **more}
+
+    pci_required = {"gpus": option("attrsOf", default={}, elem=option(
+        "submodule", freeform=True, options={"pci": option("str", hasDefault=False)}))}
+    assert compare(pci_required, config.Config, "") == [
+        "services.hostagent.settings.gpus.<name>.pci: the module requires it, the agent does not"
+    ]
+    drifts = {
+        "lendee": option("submodule", default={}, freeform=False, options={
+            "gpus": option("str", default=""),
+            "nodes": option("str"),
+            "min_gpus": option("int", takes=[False, True, True, True]),  # 0 is not enough
+        }),
+        "owners": option("attrsOf", default={}, elem=option("submodule", freeform=True, options={
+            "gpus": option("listOf", default=[], elem=option("str"))})),
+        "policy": option("submodule", default={}, freeform=True, options={
+            "on_drain_timeout": option("enum", values=["proceed"]),
+            "partial": option("str"),
+            "relend_delay": option("str", description="(the agent's default: `\"1m\"`)"),
+        }),
+        "verify": option("submodule", default={}, freeform=True, options={
+            "ssh": option("submodule", freeform=True, options={
+                "port": option("int", takes=[True] * len(INTEGERS))})}),
+    }
+    assert compare(drifts, config.Config, "") == [
+        "services.hostagent.settings.lendee: not free-form, so new keys of the agent's are refused",
+        "services.hostagent.settings.lendee.gpus: the module takes string, the agent ['array']",
+        "services.hostagent.settings.lendee.nodes: typed in the module, unknown to hostagent/config.py",
+        "services.hostagent.settings.lendee.min_gpus: of [-1, 0, 1, 2] the module takes [False, True, True, True], the agent [False, False, True, True]",
+        "services.hostagent.settings.owners.<name>.gpus: the module writes [] by default, the agent requires a value: assert on it",
+        "services.hostagent.settings.policy.on_drain_timeout: the module's choices ['proceed'] are not the agent's ['proceed', 'abort']",
+        "services.hostagent.settings.policy.partial: the module takes string, the agent ['boolean']",
+        "services.hostagent.settings.policy.relend_delay: the description says the agent's default is \"1m\", it is 30.0",
+        "services.hostagent.settings.verify.ssh.port: of [-1, 0, 1, 2] the module takes [True, True, True, True], the agent [False, False, True, True]",
+    ]
