@@ -79,19 +79,22 @@ RateLimitBurst=0
 # wants it fails to start ("Failed to get "write" lock"), as vfio refuses a busy device.
 # Its user alias ua-hostagent-LABEL makes it the GPU's device for `hostagent.devices`,
 # which leaves it out of the lendee's live definition as it would a <hostdev>.
+# gpu-c is owned by nobody, like the GTX 960 of the seeds: always the lendee's.
 GPUS = {
     "gpu-a": ("GPU-a0a0a0a0-0000-4000-8000-00000000000a", "Lab RTX 3050 A"),
     "gpu-b": ("GPU-b0b0b0b0-0000-4000-8000-00000000000b", "Lab RTX 3050 B"),
+    "gpu-c": ("GPU-c0c0c0c0-0000-4000-8000-00000000000c", "Lab GTX 960 C"),
 }
 LENDEE = "gpu-node"
-OWNERS = {"gaming1": ("gpu-a",), "gaming2": ("gpu-b",)}
+# gaming-win owns gpu-a too: a second VM on one card (owners of a card take turns).
+OWNERS = {"gaming1": ("gpu-a",), "gaming2": ("gpu-b",), "gaming-win": ("gpu-a",)}
 
 # The agent's configuration in the lab. Lab GPUs are disks, so their PCI addresses
 # are made up; everything else is what a user writes.
 AGENT_CONFIG = """\
 [lendee]
 domain = "gpu-node"
-gpus = ["gpu-a", "gpu-b"]
+gpus = ["gpu-a", "gpu-b", "gpu-c"]
 
 [gpus.gpu-a]
 pci = "0000:0a:00.0"
@@ -104,11 +107,19 @@ pci = "0000:0b:00.0"
 uuid = "GPU-b0b0b0b0-0000-4000-8000-00000000000b"
 name = "Lab RTX 3050 B"
 
+[gpus.gpu-c]
+pci = "0000:0c:00.0"
+uuid = "GPU-c0c0c0c0-0000-4000-8000-00000000000c"
+name = "Lab GTX 960 C"
+
 [owners.gaming1]
 gpus = ["gpu-a"]
 
 [owners.gaming2]
 gpus = ["gpu-b"]
+
+[owners.gaming-win]
+gpus = ["gpu-a"]
 
 [timeouts]
 guest_agent = "60s"

@@ -42,7 +42,8 @@ def test_full_cycle_virsh_start_reclaims_and_the_game_end_lends_back(lab: Lab) -
     st = status(lab)
     assert st["lendee"]["phase"] == "lent"
     assert {g["gpu"]: g["holder"] for g in st["gpus"]} == {"gpu-a": "gpu-node",
-                                                          "gpu-b": "gpu-node"}
+                                                          "gpu-b": "gpu-node",
+                                                          "gpu-c": "gpu-node"}
 
     refused = lab.virsh("start", "gaming1", check=False)
     assert refused.returncode != 0
@@ -53,7 +54,8 @@ def test_full_cycle_virsh_start_reclaims_and_the_game_end_lends_back(lab: Lab) -
     # It powered off through its guest agent, not by destroy.
     assert "lab guest: shutdown" in lab.console("gpu-node")
     st = status(lab)
-    assert {g["gpu"]: g["holder"] for g in st["gpus"]} == {"gpu-a": "gaming1", "gpu-b": None}
+    assert {g["gpu"]: g["holder"] for g in st["gpus"]} == {"gpu-a": "gaming1", "gpu-b": None,
+                                                          "gpu-c": None}
     assert st["intents"] == []
 
     lab.wait_agent("gaming1")

@@ -33,6 +33,9 @@ def test_an_owner_cannot_start_while_the_lendee_holds_its_gpu(lab: Lab) -> None:
     lab.virsh("start", "gaming1")
     lab.virsh("start", "gaming2")
     assert sorted(lab.running()) == ["gaming1", "gaming2"]
+    # gaming-win owns gpu-a too: the two owners of one card exclude each other.
+    refused = lab.virsh("start", "gaming-win", check=False)
+    assert refused.returncode != 0 and str(lab.gpu_image("gpu-a")) in refused.stderr
 
 
 def test_the_stand_in_nvidia_smi_reports_the_lab_gpus_or_none(lab: Lab) -> None:
