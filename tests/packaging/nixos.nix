@@ -5,7 +5,8 @@
 #     --arg nixosEval ../shared/nixos-eval/eval.nix --arg readme CONFIGURATION.nix
 #
 # `readme` is the README's NixOS example as written (it imports
-# ./hostagent/nix/module.nix from beside it); every other case imports the module here.
+# ./hostagent/nix/module.nix from beside it); every other case imports `module`, and
+# `flake`'s checks get nixos-eval as their nixpkgs input.
 {
   nixosEval,
   readme,

@@ -1,11 +1,13 @@
 """The Nix files, evaluated as NixOS evaluates them.
 
-`../shared/nixos-eval/` beside the repository is a NixOS 24.11 tree that
-nix-instantiate (Debian's nix-bin) evaluates offline, with a store under a temporary
-directory and no daemon. tests/packaging/nixos.nix evaluates the module there in
-several configurations at once (one NixOS evaluation costs seconds): the README's
-example as written, a GPU given by UUID alone, configurations that fire every
-assertion. Separate evaluations show a wrong type and a misspelled option refused.
+`../shared/nixos-eval/` beside the repository (or HOSTAGENT_NIXOS_EVAL) is a NixOS
+24.11 tree that nix-instantiate (Debian's nix-bin) evaluates offline, with a store under
+a temporary directory and no daemon. tests/packaging/nixos.nix evaluates the module
+there in several configurations at once (one NixOS evaluation costs seconds): the
+README's example as written, a GPU given by UUID alone, configurations that fire every
+assertion, the flake's checks, the option declarations that
+test_the_typed_options_are_the_agents_schema compares with hostagent/config.py.
+Separate evaluations show a wrong type and a misspelled option refused.
 
 What this cannot show: the tree evaluates, it does not build. libvirt, QEMU, systemd
 and the Python dependencies are stand-ins there (its README lists them), so whether
@@ -97,7 +99,7 @@ class Nix:
     def nixos(self, configuration: str) -> subprocess.CompletedProcess[str]:
         """The settings of the module and `configuration` (a Nix expression), as NixOS
         merges and checks them."""
-        path = self.root / f"configuration-{abs(hash(configuration))}.nix"
+        path = self.root / f"configuration-{len(list(self.root.glob('configuration-*')))}.nix"
         path.write_text(configuration)
         modules = f"[ {REPO / 'nix' / 'module.nix'} {path} ]"
         return self.run(str(NIXOS_EVAL / "eval.nix"), "--arg", "modules", modules,
