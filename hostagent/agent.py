@@ -352,8 +352,10 @@ class Agent:
         self._save()
 
     async def _state_saved(self) -> str | None:
-        """Health: None while the state file takes every save."""
-        return self._save_failed
+        """Health: fails while the state file refuses saves."""
+        if self._save_failed is not None:
+            raise health.CheckFailed(self._save_failed)
+        return f"{self.cfg.state_file} is up to date"
 
     async def _check_domains(self) -> None:
         defined = await self.libvirt.defined_domains()

@@ -1,0 +1,205 @@
+"""The agent's executor on a bad day: stale steps, a state file that cannot be written,
+a clock stepped back. A real `Agent` with the control tests' fake libvirt; the cluster
+is a recorder plugged in at the agent's `Cluster` seam, whose steps the tests hold and
+release to force the interleavings a real API server allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hostagent import journal
+from hostagent import state as persisted
+from hostagent.agent import Agent
+from hostagent.config import parse
+from hostagent.inbox import HookEvent
+from hostagent.model import Observed, OwnerStopped, OwnerWants, IntentSource, Phase
+from tests.unit.test_control import FakeLibvirt, make_agent, until
+
+
+@pytest.fixture(autouse=True)
+def sink() -> Iterator[journal.ListSink]:
+    listed = journal.ListSink()
+    previous = journal.use_sink(listed)
+    yield listed
+    journal.use_sink(previous)
+
+
+class HeldCluster:
+    """Records cordon/uncordon as the node would see them; each step waits for a go."""
+
+    def __init__(self) -> None:
+        self.node: list[str] = []  # what reached the node, in order
+        self.return_go = asyncio.Event()
+        self.drain_go = asyncio.Event()
+        self.returns = 0
+
+    async def reclaim(self, owners: list[str]) -> str | None:
+        self.node.append("cordon")
+        await self.drain_go.wait()
+        self.node.append("drained")
+        return None
+
+    async def give_back(self, gpus: int) -> str | None:
+        self.returns += 1
+        await self.return_go.wait()
+        self.node.append("uncordon")
+        return None
+
+
+def agent_with(tmp_path: Path, cluster: HeldCluster) -> tuple[Agent, FakeLibvirt]:
+    agent, fake = make_agent(tmp_path, relend="60s")
+    agent.cluster = cluster
+    agent.cluster_given = True
+    return agent, fake
+
+
+def hook(vm: str, *, at: float, id: str = "h1") -> HookEvent:
+    return HookEvent(id=id, time=at, domain=vm, op="prepare", sub="begin", extra="-",
+                     xml="<domain/>")
+
+
+async def test_a_stale_return_never_uncordons_the_node_mid_drain(tmp_path: Path) -> None:
+    """An owner asks while the lendee is JOINING (its return waits for the node): the
+    return is cancelled before the drain begins, so it cannot uncordon in the middle of
+    it (pods scheduled then would be killed without eviction)."""
+    cluster = HeldCluster()
+    agent, fake = agent_with(tmp_path, cluster)
+    fake.running.add("gpu-node")
+    agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
+    await until(lambda: cluster.returns == 1)
+    assert agent.state.phase is Phase.JOINING
+    await agent._on_hook(hook("gaming1", at=time.time()))
+    await until(lambda: cluster.node == ["cordon"])
+    cluster.return_go.set()  # the old return would now uncordon
+    await asyncio.sleep(0.1)
+    assert cluster.node == ["cordon"]
+    cluster.drain_go.set()
+    await until(lambda: "gaming1" in fake.running)
+    assert "uncordon" not in cluster.node[: cluster.node.index("drained")]
+
+
+async def test_a_stale_drain_never_touches_a_node_lent_again(tmp_path: Path) -> None:
+    """The other order: a drain still under way when its reclaim is given up (the owner's
+    start cancelled and the lendee lent again is not possible mid-drain, but a reread
+    after a libvirt reconnect starts the road over): the old drain is cancelled and
+    awaited before the new one runs, so the node sees one drain at a time."""
+    cluster = HeldCluster()
+    agent, fake = agent_with(tmp_path, cluster)
+    fake.running.add("gpu-node")
+    agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
+    await until(lambda: cluster.returns == 1)
+    await agent._on_hook(hook("gaming1", at=time.time()))
+    await until(lambda: cluster.node == ["cordon"])
+    # libvirt reconnects: the machine re-reads reality and starts the reclaim over.
+    agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
+    await until(lambda: cluster.node == ["cordon", "cordon"])
+    cluster.drain_go.set()
+    await until(lambda: "gaming1" in fake.running)
+    # One drain finished, and only the current one: the stale one never reported.
+    assert cluster.node == ["cordon", "cordon", "drained"]
+
+
+async def test_a_failed_save_refuses_the_request_and_keeps_the_machine_moving(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        sink: journal.ListSink) -> None:
+    """Disk full while a request arrives: the request is refused with the reason (it
+    could not be made durable), facts are still taken and acted on, health says so, and
+    the save is retried until it works."""
+    cluster = HeldCluster()
+    agent, fake = agent_with(tmp_path, cluster)
+    fake.running.update({"gaming2"})
+    agent.apply(Observed(at=time.time(), lendee_running=False,
+                         owners_running=frozenset({"gaming2"})))
+    real_save = persisted.save_state
+    full = True
+
+    def save(path: Path, state: persisted.State) -> None:
+        if full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_save(path, state)
+
+    monkeypatch.setattr(persisted, "save_state", save)
+    before = agent.state
+    assert not agent.apply(OwnerWants(at=time.time(), owner="gaming1", intent_id="p1",
+                                      source=IntentSource.CONTROL))
+    assert agent.state == before  # nothing taken that could not be kept
+    # A fact is taken even so: gaming2 stopped.
+    assert agent.apply(OwnerStopped(at=time.time(), owner="gaming2"))
+    assert "gaming2" not in agent.state.running_owners
+    await agent.health.check()
+    failing = {r.check: r.detail for r in agent.health.last if not r.ok}
+    assert "No space left on device" in (failing.get("state file") or "")
+    assert any("No space left on device" in e.message for e in sink.entries)
+    full = False
+    agent._retry_save()
+    await agent.health.check()
+    assert all(r.ok for r in agent.health.last if r.check == "state file")
+    saved, _ = persisted.load_state(agent.cfg.state_file)
+    assert saved.lendee_phase == agent.state.phase.value
+
+
+async def test_a_live_hook_event_is_live_whatever_the_clock_says(tmp_path: Path) -> None:
+    """The clock was stepped back at boot: a live event stamped before the agent's start
+    is still live (the owner's start is deferred and recorded), never treated as one
+    spooled while the agent was down."""
+    agent, fake = agent_with(tmp_path, HeldCluster())
+    fake.running.add("gpu-node")
+    agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
+    verdict = await agent._on_hook(hook("gaming1", at=agent.started_at - 3600))
+    assert verdict.decision == "defer"
+    assert [i.owner for i in agent.state.intents] == ["gaming1"]
+
+
+async def test_a_second_owner_of_a_gpu_is_refused_with_one_sentence(tmp_path: Path) -> None:
+    """gaming1 and gaming1-linux share gpu-a: while gaming1 plays, the other's start is
+    refused at once, and nothing is recorded (no reclaim, no wait on the game)."""
+    agent = Agent(parse(TWO_OWNERS.format(root=tmp_path), "test.toml"))
+    fake = FakeLibvirt(agent)
+    agent.libvirt = fake  # type: ignore[assignment]
+    agent._fatal = asyncio.get_running_loop().create_future()
+    fake.running.add("gaming1")
+    agent.apply(Observed(at=time.time(), lendee_running=False,
+                         owners_running=frozenset({"gaming1"})))
+    verdict = await agent._on_hook(hook("gaming1-linux", at=time.time()))
+    assert (verdict.decision, verdict.message.split(" (")[0]) == (
+        "defer", "gpu-a is in use by gaming1")
+    assert agent.state.intents == ()
+    replies = [r async for r in agent._verbs()["play"]({"vm": "gaming1-linux"})]
+    assert replies[-1] == {"ok": False,
+                           "error": "gaming1-linux cannot start now: gpu-a is in use by gaming1"}
+
+
+TWO_OWNERS = """\
+control_socket = "{root}/control.sock"
+hook_socket = "{root}/hook.sock"
+state_dir = "{root}/state"
+
+[lendee]
+domain = "gpu-node"
+gpus = ["gpu-a", "gpu-b"]
+
+[gpus.gpu-a]
+pci = "0000:0a:00.0"
+
+[gpus.gpu-b]
+pci = "0000:0b:00.0"
+
+[owners.gaming1]
+gpus = ["gpu-a"]
+
+[owners.gaming1-linux]
+gpus = ["gpu-a"]
+
+[policy]
+lint_before_start = false
+
+[verify]
+method = "none"
+"""
