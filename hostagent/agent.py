@@ -19,12 +19,14 @@ import grp
 import logging
 import os
 import random
+import subprocess
 import sys
 import time
 import uuid
 import xml.etree.ElementTree as ElementTree
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, Protocol
 
 from hostagent import health, journal, machine, metrics, state as persisted
@@ -114,6 +116,24 @@ def _now() -> float:
     return time.time()
 
 
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _host_stopping() -> bool:
+    """Whether the host is shutting down (systemd says "stopping"), as opposed to only
+    hostagent being stopped or restarted."""
+    try:
+        out = subprocess.run(["systemctl", "is-system-running"], capture_output=True,
+                             text=True, timeout=2, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.stdout.strip() == "stopping"
+
+
 def _persisted(state: State) -> tuple[object, ...]:
     """What of a state goes to the state file (a change of it is saved)."""
     return (state.intents, state.phase, state.hold, state.relend_at, state.reclaiming)
@@ -137,6 +157,8 @@ class Agent:
         self.phase_since = _now()
         self.cordoned_by_us = False
         self.started_at = _now()
+        self.boot_id = _boot_id()
+        self.host_booted = False  # this is the agent's first start since the host booted
         self.libvirt = Libvirt(cfg.libvirt_uri, on_lifecycle=self._lifecycle,
                                on_reconnect=self._reconnected)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -220,6 +242,8 @@ class Agent:
         kube = await self._connect_cluster()
         # Reality first: until the machine knows what runs, its verdicts would be guesses.
         await self._observe()
+        if self.host_booted:
+            self._start_at_boot()
         inbox = Inbox(self._on_hook)
         # What happened while the agent was down comes before anything live; a hook that
         # spooled in the moment before the socket existed is picked up by the second pass.
@@ -243,6 +267,8 @@ class Agent:
             assert self._fatal is not None
             raise await self._fatal
         finally:
+            if self.host_stopping():
+                await self._drain_for_shutdown()
             hooks.close()
             if self._exporter is not None:
                 self._exporter.close()
@@ -278,6 +304,36 @@ class Agent:
         self.cluster = KubeCluster(kube, self.cfg, remember_cordon=self._remember_cordon)
         return kube
 
+    def _start_at_boot(self) -> None:
+        """The host booted: start the owners configured to start at boot, through the
+        same road as a player's request (their GPUs are reclaimed first if need be)."""
+        self._save()  # the boot id: once per boot, even if the agent restarts
+        for vm, owner in sorted(self.cfg.owners.items()):
+            if owner.start_at_boot and vm not in self.state.running_owners:
+                journal.record("boot", f"the host booted: starting {vm} ([owners.{vm}] "
+                               "start_at_boot)", vm=vm, result="ok")
+                self.apply(OwnerWants(at=_now(), owner=vm, intent_id=f"boot-{vm}",
+                                      source=IntentSource.CONTROL))
+
+    host_stopping = staticmethod(_host_stopping)
+
+    async def _drain_for_shutdown(self) -> None:
+        """The host is going down with the lendee lent: cordon and drain its node now,
+        while the API answers, so that it comes back cordoned and is uncordoned only
+        once its GPUs are verified (the kubelet's own shutdown does not drain)."""
+        if not self.state.phase.lendee_running or self.state.phase is Phase.OFF:
+            return
+        limit = min(self.cfg.timeouts.drain, 60.0)
+        try:
+            problem = await asyncio.wait_for(self.cluster.reclaim([]), limit)
+        except (TimeoutError, Exception) as e:  # the host goes down regardless
+            problem = str(e) or f"not drained within {limit:g}s"
+        journal.record("shutdown", f"the host is shutting down: {self.lendee}'s node is "
+                       + ("cordoned and drained" if problem is None else
+                          f"cordoned, its drain incomplete ({problem})")
+                       + "; it is uncordoned after its GPUs are verified at the next boot",
+                       vm=self.lendee, result="ok" if problem is None else "failed")
+
     def _remember_cordon(self, ours: bool) -> None:
         # The marker on the Node is what uncordon trusts; the state file keeps a copy.
         if self.cordoned_by_us != ours:
@@ -307,6 +363,7 @@ class Agent:
         intents = tuple(Intent(id=i.id, owner=i.owner, created_at=i.created.timestamp(),
                                source=i.source) for i in saved.intents)
         relend_at = saved.relend_at.timestamp() if saved.relend_at else None
+        self.host_booted = saved.boot_id != self.boot_id
         self.state = State(intents=intents, hold=saved.hold, relend_at=relend_at,
                            reclaiming=saved.reclaiming)
 
@@ -326,6 +383,7 @@ class Agent:
                 cordoned_by_us=self.cordoned_by_us,
                 hold=state.hold,
                 reclaiming=state.reclaiming,
+                boot_id=self.boot_id,
                 relend_at=(datetime.fromtimestamp(state.relend_at, UTC)
                            if state.relend_at is not None else None),
                 lendee_phase=state.phase.value,

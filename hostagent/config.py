@@ -40,6 +40,7 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
 
     [owners.gaming2]
     gpus = ["gpu-b"]
+    start_at_boot = false                   # true: started once per host boot, GPUs freed first
 
     [owners.gaming-win]                     # another VM on gpu-a: owners of a GPU take turns
     gpus = ["gpu-a"]
@@ -592,6 +593,9 @@ class Owner:
 
     domain: str
     gpus: tuple[str, ...] = field(metadata=_key(_GPU_REFS, example='["gpu-a"]'))
+    # Started by the agent once per host boot (instead of libvirt's autostart, which
+    # runs before the agent is up to reclaim its GPUs).
+    start_at_boot: bool = field(default=False, metadata=_key(_bool))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -90,6 +90,8 @@ class State:
     relend_at: datetime | None = None
     # A reclaim by hand under way: a restart must finish it, not lend the lendee again.
     reclaiming: bool = False
+    # The kernel's boot id when the agent last ran: a new one means the host rebooted.
+    boot_id: str | None = None
 
 
 class _Corrupt(Exception):
@@ -152,6 +154,7 @@ def _decode(data: bytes) -> State:
         last_verified=_time(doc, "last_verified"),
         relend_at=_time(doc, "relend_at"),
         reclaiming=_get(doc, "reclaiming", bool, False),
+        boot_id=_get(doc, "boot_id", str, None),
     )
     ids = [intent.id for intent in state.intents]
     if len(set(ids)) != len(ids):
@@ -207,6 +210,7 @@ def _encode(state: State) -> dict[str, Any]:
         "lendee_phase_since": _aware(state.lendee_phase_since, "lendee_phase_since"),
         "last_verified": _aware(state.last_verified, "last_verified"),
         "relend_at": _aware(state.relend_at, "relend_at"),
+        "boot_id": state.boot_id,
     }
     doc.update((k, v) for k, v in optional.items() if v is not None)
     doc["intents"] = [

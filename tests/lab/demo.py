@@ -1,11 +1,13 @@
 """`make demo`: the real swap in the lab, with hostagent's journal printed as it comes.
 
-gpu-node (the lendee, a Kubernetes worker) is lent; `virsh start gaming1` is deferred by
-the hook while the agent cordons and drains the node (a PodDisruptionBudget makes one
-eviction wait), shuts gpu-node down through its guest agent and starts gaming1;
-`virsh shutdown gaming1`; gpu-node boots, the node is Ready with its GPUs verified, and
-is uncordoned. Every component is real except the Kubernetes API server, a stand-in
-(not installable here) with a kubelet that follows the VM.
+gpu-node (the lendee, a Kubernetes worker) is lent gpu-a, gpu-b and gpu-c; `virsh start
+gaming1` is deferred by the hook while the agent cordons and drains the node (a
+PodDisruptionBudget makes one eviction wait), shuts gpu-node down through its guest
+agent and starts gaming1, then starts gpu-node again with what gaming1 leaves: gpu-b and
+gpu-c, verified in the guest, uncordoned. `virsh shutdown gaming1`; once no pod on the
+node uses a GPU, gpu-node regrows (policy.regrow = when-idle): drained, restarted with
+all three, verified, uncordoned. Every component is real except the Kubernetes API
+server, a stand-in (not installable here) with a kubelet that follows the VM.
 """
 
 from __future__ import annotations
@@ -104,6 +106,10 @@ def main() -> int:
             lab.wait_state("gaming1", "running", timeout=120)
             reclaim = time.monotonic() - t
             print(f"  gaming1 running {reclaim:.1f}s after `virsh start`", flush=True)
+            wait_phase(lab, "lent", 2)
+            partial = time.monotonic() - t
+            print(f"  gpu-node lent again with what gaming1 leaves {partial:.1f}s after "
+                  "`virsh start`", flush=True)
             shell(lab, "hostagent", "status")
             kubectl(kc)
 
@@ -111,9 +117,9 @@ def main() -> int:
             lab.wait_agent("gaming1")
             t = time.monotonic()
             shell(lab, "virsh", "shutdown", "--mode", "agent", "gaming1")
-            wait_phase(lab, "lent", 2)
+            wait_phase(lab, "lent", 3)
             lend = time.monotonic() - t
-            print(f"  gpu-node lent again {lend:.1f}s after the shutdown "
+            print(f"  gpu-node regrown to all its GPUs {lend:.1f}s after the shutdown "
                   f"(relend_delay 2s in the lab)", flush=True)
             shell(lab, "hostagent", "status")
             kubectl(kc)
@@ -123,7 +129,8 @@ def main() -> int:
             print(f"  {rec['HOSTAGENT_FROM']:>9} → {rec['HOSTAGENT_TO']:<9}"
                   f" after {int(rec['HOSTAGENT_DURATION_MS']) / 1000:6.2f}s  {rec['MESSAGE']}")
         print(f"\n  reclaim (virsh start → gaming1 running): {reclaim:.1f}s")
-        print(f"  lend (gaming1 shutdown → gpu-node lent): {lend:.1f}s")
+        print(f"  partial lend (virsh start → gpu-node lent gpu-b, gpu-c): {partial:.1f}s")
+        print(f"  regrow (gaming1 shutdown → gpu-node lent all three): {lend:.1f}s")
         return 0
     finally:
         time.sleep(0.3)  # let journalctl print the last lines

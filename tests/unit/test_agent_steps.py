@@ -203,3 +203,39 @@ lint_before_start = false
 [verify]
 method = "none"
 """
+
+
+async def test_at_host_shutdown_the_lent_node_is_drained_first(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The host goes down with the lendee lent: its node is cordoned and drained while
+    the API still answers, so it comes back cordoned and verified. A plain stop of the
+    agent (a restart, an upgrade) leaves the node alone."""
+    cluster = HeldCluster()
+    cluster.drain_go.set()
+    cluster.return_go.set()
+    agent, fake = agent_with(tmp_path, cluster)
+    fake.running.add("gpu-node")
+    agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
+    await until(lambda: agent.state.phase is Phase.LENT)
+    assert cluster.node == ["uncordon"]
+    monkeypatch.setattr(agent, "host_stopping", lambda: True)
+    await agent._drain_for_shutdown()
+    assert cluster.node == ["uncordon", "cordon", "drained"]
+
+
+async def test_an_owner_starts_at_boot_once(tmp_path: Path) -> None:
+    """[owners.X] start_at_boot: started when the agent first runs after a host boot
+    (a new kernel boot id), through the usual road; not again when the agent restarts."""
+    text = TWO_OWNERS.format(root=tmp_path).replace(
+        '[owners.gaming1]\ngpus = ["gpu-a"]', '[owners.gaming1]\ngpus = ["gpu-a"]\nstart_at_boot = true')
+    for expected in (True, False):
+        agent = Agent(parse(text, "test.toml"))
+        agent.libvirt = FakeLibvirt(agent)  # type: ignore[assignment]
+        agent._fatal = asyncio.get_running_loop().create_future()
+        agent._load()
+        assert agent.host_booted is expected
+        if agent.host_booted:
+            agent._start_at_boot()
+            assert [i.owner for i in agent.state.intents] == ["gaming1"]
+            fake = agent.libvirt
+            await until(lambda: "gaming1" in fake.running)  # type: ignore[attr-defined]  # noqa: B023
