@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -183,10 +185,10 @@ async def test_agent_absent_spools_the_exact_event_for_replay(place: Place) -> N
 
     recorder = Recorder(Verdict("proceed"))
     assert await replay_spool(place.spool, recorder, log=log) == 1
-    assert recorder.events == [spooled]
+    assert recorder.events == [dataclasses.replace(spooled, spooled=True)]
     assert place.spooled() == []
     assert await replay_spool(place.spool, recorder, log=log) == 0
-    assert recorder.events == [spooled]
+    assert recorder.events == [dataclasses.replace(spooled, spooled=True)]
 
 
 async def test_agent_refusing_connections_spools(place: Place) -> None:
@@ -432,3 +434,115 @@ def test_hook_uses_only_the_standard_library_and_no_subprocess() -> None:
     forbidden |= {name for name in called if name.startswith(("exec", "spawn"))}
     assert not called & forbidden, called & forbidden
     assert "print" not in {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+
+
+async def test_a_settled_defer_stays_a_defer_when_stderr_blocks(place: Place) -> None:
+    # libvirt reads the hook's stderr; a pipe nobody drains blocked the defer message,
+    # the watchdog then fired after main had settled and exited 0: the start went on.
+    server = await serve_hooks(place.socket, Recorder(Verdict("defer", "wait for it")),
+                               log=log)
+    read_end, write_end = os.pipe()
+    try:
+        os.set_blocking(write_end, False)
+        try:
+            while True:
+                os.write(write_end, b"x" * 65536)
+        except BlockingIOError:
+            pass  # full
+        os.set_blocking(write_end, True)
+        env = {"HOSTAGENT_SOCKET": str(place.socket), "HOSTAGENT_SPOOL": str(place.spool)}
+        start = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-I", "-S", str(HOOK), "gaming1", "prepare", "begin", "-",
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            stderr=write_end, env=env)
+        os.close(write_end)
+        write_end = -1
+        try:
+            rc = await asyncio.wait_for(proc.wait(), BUDGET + MARGIN)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise AssertionError("the hook hung on its stderr") from None
+        assert rc == 1
+        assert time.monotonic() - start < BUDGET + MARGIN
+    finally:
+        if write_end >= 0:
+            os.close(write_end)
+        os.close(read_end)
+        server.close()
+        await server.wait_closed()
+
+
+def load_hook() -> object:
+    """hooks/qemu as a module, to drive its threads one by one."""
+    import importlib.machinery
+    import importlib.util
+    loader = importlib.machinery.SourceFileLoader("hostagent_hook_under_test", str(HOOK))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+class Exits:
+    """Stands in for the hook's `os`: `_exit` records the status and parks the thread
+    (until `release`) instead of ending the process."""
+
+    def __init__(self) -> None:
+        import threading
+        self.codes: list[int] = []
+        self.done = threading.Event()
+        self.released = threading.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(os, name)
+
+    def _exit(self, code: int) -> None:
+        self.codes.append(code)
+        self.done.set()
+        self.released.wait(30)
+
+    def release(self) -> None:
+        self.released.set()
+
+
+def run(target: Any, *args: Any) -> None:
+    import threading
+    threading.Thread(target=target, args=args, daemon=True).start()
+
+
+def test_the_watchdog_s_own_spool_write_is_bounded(place: Place) -> None:
+    # A disk that hangs held the watchdog's spool write, and the hook with it, forever.
+    import threading
+    hook: Any = load_hook()
+    exits = Exits()
+    stuck = threading.Event()
+    hook.os = exits
+    hook.spool = lambda *args, **kwargs: stuck.wait(30)
+    hook.note = lambda text: None
+    try:
+        assert hook.unsettled((str(place.spool), "0001-x", b"{}\n"))
+        run(hook.watchdog, 0.0)
+        assert exits.done.wait(2 + MARGIN), "the watchdog hung on a stuck spool write"
+        assert exits.codes[0] == 0
+    finally:
+        exits.release()
+        stuck.set()
+
+
+def test_the_watchdog_keeps_the_exit_status_main_settled_on() -> None:
+    hook: Any = load_hook()
+    exits = Exits()
+    hook.os = exits
+    hook.note = lambda text: None
+    assert hook.unsettled(("/nonexistent", "0001-x", b"{}\n"))
+    assert hook.settle(1)  # main: the agent deferred; it is late to exit
+    try:
+        run(hook.watchdog, 0.0)
+        assert exits.done.wait(2 + MARGIN)
+        assert exits.codes == [1]
+        assert not hook.settle(0)  # the watchdog has taken over
+    finally:
+        exits.release()
