@@ -30,12 +30,14 @@ says so loudly, and rebuilds from reality. Unknown keys are ignored.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import os
 import tempfile
 import tomllib
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,7 @@ __all__ = [
     "Intent",
     "IntentSource",
     "IntentStatus",
+    "Saver",
     "State",
     "load_state",
     "save_state",
@@ -255,3 +258,65 @@ def save_state(path: Path, state: State) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+# --- saving from the event loop ------------------------------------------------------
+
+
+class Saver:
+    """Saves the state file from a worker thread: one save at a time, the latest wins.
+
+    `save_state` makes two fsyncs (the file, then its directory), and a busy disk can
+    take seconds over each. On the event loop they would hold everything else (the hook
+    socket among it, whose callers have a budget of a fraction of a second). Here the
+    loop only hands the state over; `submit` returns a future that is done once that
+    state, or a later one, is on disk (its result: None) or could not be written (the
+    OSError). States submitted while a save runs are merged into the next save.
+
+    Invariant 4 stays the caller's: await the future before acknowledging an intent,
+    with a bound (`asyncio.wait_for(asyncio.shield(future), budget)`); a save that has
+    not finished in time goes on, and the request is answered without a "defer".
+    """
+
+    def __init__(self, path: Path, *,
+                 write: Callable[[Path, State], None] | None = None) -> None:
+        self.path = path
+        self._write = write or save_state
+        self._pending: State | None = None
+        self._waiters: list[asyncio.Future[OSError | None]] = []
+        self._task: asyncio.Task[None] | None = None
+        self.last_error: OSError | None = None  # of the last save; None once one works
+
+    def submit(self, state: State) -> asyncio.Future[OSError | None]:
+        """Save `state` soon; the future says when it (or a later state) is durable."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[OSError | None] = loop.create_future()
+        self._pending = state
+        self._waiters.append(done)
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._run(), name="state file")
+        return done
+
+    @property
+    def busy(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def flush(self) -> OSError | None:
+        """Wait for every submitted state to be saved; the last error, if any."""
+        while self._task is not None and not self._task.done():
+            await asyncio.shield(self._task)
+        return self.last_error
+
+    async def _run(self) -> None:
+        while self._pending is not None:
+            state, self._pending = self._pending, None
+            waiters, self._waiters = self._waiters, []
+            error: OSError | None = None
+            try:
+                await asyncio.to_thread(self._write, self.path, state)
+            except OSError as e:
+                error = e
+            self.last_error = error
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(error)

@@ -226,3 +226,69 @@ def test_a_naive_relend_time_sets_the_file_aside(tmp_path: Path) -> None:
     path.write_text('version = 1\nrelend_at = 2026-01-10T21:00:00\n')
     state, warning = load_state(path)
     assert state == State() and warning is not None and "relend_at" in warning
+
+
+# --- Saver: the two fsyncs off the event loop ------------------------------------------
+
+
+class SlowDisk:
+    """save_state behind a disk that takes `delay` seconds per save, in the worker."""
+
+    def __init__(self, delay: float, fail: OSError | None = None) -> None:
+        self.delay = delay
+        self.fail = fail
+        self.saved: list[State] = []
+
+    def __call__(self, path: Path, state: State) -> None:
+        import time
+        time.sleep(self.delay)
+        if self.fail is not None:
+            raise self.fail
+        save_state(path, state)
+        self.saved.append(state)
+
+
+async def test_a_slow_save_does_not_hold_the_event_loop(tmp_path: Path) -> None:
+    # save_state's two fsyncs ran on the loop: on a busy disk the hook socket's answer
+    # (budget 0.3 s) waited behind them.
+    import asyncio
+    import time
+    from hostagent.state import Saver
+    disk = SlowDisk(0.5)
+    saver = Saver(tmp_path / "state.toml", write=disk)
+    started = time.monotonic()
+    done = saver.submit(State(hold=True))
+    lag = time.monotonic() - started
+    ticks = 0
+    while not done.done():
+        await asyncio.sleep(0.01)
+        ticks += 1
+    assert lag < 0.05 and ticks > 20  # the loop went on while the disk worked
+    assert await done is None
+    assert load_state(tmp_path / "state.toml") == (State(hold=True), None)
+
+
+async def test_saves_queued_behind_a_slow_one_are_merged_into_one(tmp_path: Path) -> None:
+    import asyncio
+    from hostagent.state import Saver
+    disk = SlowDisk(0.2)
+    saver = Saver(tmp_path / "state.toml", write=disk)
+    first = saver.submit(State(hold=True))
+    await asyncio.sleep(0.05)  # the first save is under way
+    later = [saver.submit(State(cordoned_by_us=bool(i % 2))) for i in range(10)]
+    assert await asyncio.gather(first, *later) == [None] * 11
+    assert disk.saved == [State(hold=True), State(cordoned_by_us=True)]
+    assert await saver.flush() is None and not saver.busy
+
+
+async def test_a_failed_save_is_reported_and_the_next_one_tries_again(tmp_path: Path) -> None:
+    import errno
+    from hostagent.state import Saver
+    disk = SlowDisk(0.0, fail=OSError(errno.ENOSPC, "No space left on device"))
+    saver = Saver(tmp_path / "state.toml", write=disk)
+    error = await saver.submit(State(hold=True))
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC
+    assert saver.last_error is error
+    disk.fail = None
+    assert await saver.submit(State(hold=True)) is None
+    assert saver.last_error is None
