@@ -2,23 +2,56 @@
 configuration on top of the `kube` adapter.
 
 Reclaim: cordon (remembering whether we did), mark the node with who takes its GPUs,
-drain; `on_drain_timeout` decides whether a drain that could not finish lets the
-reclaim go on ("proceed": the player first; the pods left are named in the journal) or
+tell the cluster (an Event on the Node), drain; `on_drain_timeout` decides whether a
+drain that could not finish lets the reclaim go on ("proceed": the player first; the
+pods left are named in the journal, loudly when they will die without an eviction) or
 stops it ("abort": the GPUs stay lent, the player's request fails with the reason).
+Credentials the API server refuses (401, 403) are never a reason to go on: nothing is
+known about the pods, so the reclaim stops whatever the policy says.
 
-Return: wait for the node to be Ready and to report every lent GPU as allocatable
-(the device plugin registers only once the driver really sees them), then uncordon
-only if our marker says we cordoned. A node that comes back short stays cordoned.
+Down: whenever the lendee stops, for any reason (a crash, `virsh shutdown`, a host
+reboot seen at start), the node is cordoned with our marker (`lendee_down`), so that
+it is verified before it takes work again; another's cordon is never touched.
+
+Return: decide once what the lent GPUs must make allocatable (`expect`: time-slicing
+replicas and MIG devices included), wait for the node to be Ready and to report it,
+then put the lent taints, the borrowed label and our annotations on, and uncordon last
+(only if our marker says we cordoned): no pod lands on borrowed capacity without the
+taints in place. A node that comes back short stays cordoned, with an Event saying why.
+
+Lent: `watch_lent` follows the node until cancelled (Ready, allocatable, pods that
+use GPUs); a GPU lost or a node NotReady while lent is a journal error and a failing
+"kubernetes" health check (`health`), and the GPU pods count feeds
+``hostagent_node_gpu_pods`` and `watch_gpu_pods`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Collection
+from typing import Protocol
 
 from hostagent import journal
 from hostagent.config import Config, DrainTimeoutAction
-from hostagent.kube import DrainAborted, Kube, KubeError, Taint
+from hostagent.health import CheckFailed
+from hostagent.kube import (
+    DrainAborted,
+    ExpectedGpus,
+    Kube,
+    KubeAuthError,
+    KubeError,
+    KubeUnavailable,
+    LeftReason,
+    NodeCheck,
+    NodeNotFound,
+    NodeView,
+    Taint,
+    expected_gpus,
+)
+
+log = logging.getLogger(__name__)
 
 
 def parse_taint(text: str) -> Taint:
@@ -28,42 +61,96 @@ def parse_taint(text: str) -> Taint:
     return Taint(key=key, value=value, effect=effect)
 
 
+class Metrics(Protocol):
+    """What the cluster reports to `hostagent.metrics.Metrics`."""
+
+    def node_gpu_pods(self, count: int | None) -> None: ...
+
+    def gpu_lost(self) -> None: ...
+
+
 class KubeCluster:
     def __init__(self, kube: Kube, cfg: Config, *,
-                 remember_cordon: Callable[[bool], None]) -> None:
+                 remember_cordon: Callable[[bool], None],
+                 metrics: Metrics | None = None) -> None:
         assert cfg.kubernetes is not None
         self.kube = kube
         self.settings = cfg.kubernetes
         self.timeouts = cfg.timeouts
         self.policy = cfg.policy
         self.node = cfg.lendee.node
+        self.lendee_gpus = tuple(cfg.lendee.gpus)
         self.prefix = cfg.kubernetes.annotation_prefix
         self.taints = [parse_taint(t) for t in cfg.kubernetes.lent_taints]
         self._remember_cordon = remember_cordon
+        self.metrics = metrics
+        # Decided once per lend by `expect`; what `status` shows and the watch checks.
+        self.expected: ExpectedGpus | None = None
+        self.view: NodeView | None = None  # what the watch of the lent node last saw
+        self.trouble: str | None = None  # why the lent node is not whole (health fails)
+        self._events: set[asyncio.Task[None]] = set()
+
+    # --- start-up and health ------------------------------------------------------------
+
+    async def check(self, *, timeout: float = 10) -> NodeCheck:
+        """The node as the cluster has it now. A node that is not there is no reason to
+        stop (it registers when the lendee's kubelet starts): log `str(check)`.
+        Raises KubeUnavailable, KubeAuthError."""
+        return await self.kube.check_node(self.node, timeout=timeout)
+
+    async def health(self) -> str:
+        """The "kubernetes" health check: one real request to the API server, and what
+        the watch of the lent node found wrong (a GPU lost, NotReady)."""
+        try:
+            check = await self.kube.check_node(self.node, timeout=2)
+        except KubeError as e:
+            raise CheckFailed(f"kubernetes: {e}") from e
+        if self.trouble is not None:
+            raise CheckFailed(self.trouble)
+        detail = str(check)
+        if self.view is not None and self.view.gpu_pods is not None:
+            detail += f"; {self.view.gpu_pods} pod(s) on it use GPUs"
+        return detail
+
+    # --- reclaim --------------------------------------------------------------------------
 
     async def reclaim(self, owners: list[str]) -> str | None:
         abort = self.policy.on_drain_timeout is DrainTimeoutAction.ABORT
         # One budget for the whole reclaim: a player never waits longer than
         # timeouts.drain for the cluster, however the API server behaves.
         deadline = time.monotonic() + self.timeouts.drain
+        self.trouble = None
 
         def left() -> float:
             return max(0.1, deadline - time.monotonic())
+        who = ", ".join(owners) or "hostagent reclaim"
         try:
             cordon = await self.kube.cordon(self.node, marker_prefix=self.prefix,
                                             timeout=left())
             if cordon.cordoned_by_us:
                 self._remember_cordon(True)
+            labels = {self.settings.borrowed_label: None} if self.settings.borrowed_label \
+                else None
             await self.kube.annotate(self.node, {
                 f"{self.prefix}state": "reclaiming",
                 f"{self.prefix}holder": ",".join(owners) or None,
-            }, remove_taints=self.taints, timeout=left())
+            }, labels=labels, remove_taints=self.taints, timeout=left())
+            self._event("Reclaimed", f"GPUs reclaimed for {who}: draining, then the "
+                        "node's VM shuts down")
             report = await self.kube.drain(
                 self.node, timeout=left(), emptydir_ok=self.settings.drain_emptydir,
                 unmanaged_ok=self.settings.drain_unmanaged,
-                on_timeout=self.policy.on_drain_timeout)
+                on_timeout=self.policy.on_drain_timeout,
+                grace_period=self.settings.grace_period,
+                skip_wait_for_delete_timeout=self.settings.skip_wait_for_delete_timeout)
         except DrainAborted as e:
             return f"the drain of node {self.node} did not finish: {e.report.summary()}"
+        except KubeAuthError as e:
+            # Not an outage: going on would power off a node whose pods nobody evicted.
+            journal.record("drain", f"could not cordon and drain node {self.node}: {e}; the "
+                           "reclaim stops, whatever policy.on_drain_timeout says",
+                           vm=self.node, result="unauthorized", priority=journal.Priority.ERR)
+            return f"could not drain node {self.node}: {e}"
         except KubeError as e:
             if abort:
                 return f"could not drain node {self.node}: {e}"
@@ -75,27 +162,211 @@ class KubeCluster:
             journal.record("drain", f"node {self.node} not fully drained, going on as "
                            f"policy.on_drain_timeout says: {report.summary()}", vm=self.node,
                            result="incomplete", priority=journal.Priority.WARNING)
+            doomed = [p for p in report.left
+                      if p.reason in (LeftReason.UNMANAGED, LeftReason.EMPTYDIR)]
+            if doomed:
+                names = ", ".join(str(p.pod) for p in doomed)
+                message = (f"{len(doomed)} pod(s) on {self.node} were not evicted and will be "
+                           f"killed when its VM powers off: {names} (drain_unmanaged or "
+                           "drain_emptydir is false; policy.on_drain_timeout = \"abort\" "
+                           "would keep the GPUs lent instead)")
+                journal.record("drain", message, vm=self.node, result="killed-without-eviction",
+                               pods=names, priority=journal.Priority.WARNING)
+                self._event("PodsNotEvicted", message, warning=True)
         return None
 
-    async def give_back(self, gpus: int) -> str | None:
-        resource = self.settings.gpu_resource
+    # --- the lendee went down -------------------------------------------------------------
+
+    async def lendee_down(self, *, why: str = "the lendee stopped") -> None:
+        """Cordon the node with our marker because its VM is down, whatever stopped it,
+        so that its next return is verified before it takes work. An administrator's
+        cordon stays theirs. Never raises: a failure is in the journal, and the return
+        path cordons nothing but still only uncordons after verification."""
         try:
+            cordon = await self.kube.cordon(self.node, marker_prefix=self.prefix,
+                                            timeout=self.timeouts.drain)
+            if cordon.cordoned_by_us:
+                self._remember_cordon(True)
+            await self.kube.annotate(self.node, {f"{self.prefix}state": "off"},
+                                     timeout=self.timeouts.drain)
+        except NodeNotFound:
+            log.info("node %s is not in the cluster: nothing to cordon (%s)", self.node, why)
+        except KubeError as e:
+            journal.record("cordon", f"{why}, and its node {self.node} could not be cordoned: "
+                           f"{e}", vm=self.node, result="failed",
+                           priority=journal.Priority.WARNING)
+
+    # --- return ---------------------------------------------------------------------------
+
+    def _labels(self, lent: Collection[str] | int) -> tuple[str, ...]:
+        if not isinstance(lent, int):
+            return tuple(sorted(lent))
+        if lent == len(self.lendee_gpus):
+            return tuple(sorted(self.lendee_gpus))
+        return tuple(f"gpu{i}" for i in range(lent))
+
+    async def expect(self, lent: Collection[str] | int) -> ExpectedGpus:
+        """Decide, once for this lend, what the node must make allocatable for the `lent`
+        GPUs (their labels): `[kubernetes] expected` if set, else from the node's GPU
+        Feature Discovery labels (see `kube.expected_gpus`). Journaled; kept in
+        `self.expected` for `status` and the watch."""
+        gpus = self._labels(lent)
+        labels: dict[str, str] = {}
+        labelled: int | None = None
+        if not self.settings.expected:
+            try:
+                labels, annotations = await self.kube.node_metadata(self.node, timeout=10)
+                previous = annotations.get(f"{self.prefix}lent-gpus", "")
+                labelled = len([g for g in previous.split(",") if g]) or None
+            except (NodeNotFound, KubeUnavailable) as e:
+                log.info("node %s unread (%s): expecting one %s per GPU", self.node, e,
+                         self.settings.gpu_resource)
+        self.expected = expected_gpus(gpus, labels=labels, resource=self.settings.gpu_resource,
+                                      override=self.settings.expected, labelled_gpus=labelled)
+        journal.record("expect", f"node {self.node} must report {self.expected} for "
+                       f"{', '.join(gpus)}", vm=self.node, result="decided",
+                       gpus=",".join(gpus))
+        return self.expected
+
+    async def give_back(self, lent: Collection[str] | int,
+                        expected: ExpectedGpus | None = None) -> str | None:
+        """Wait Ready and the expected allocatable; then taints, label and annotations;
+        uncordon last. None when done, or why the node stays cordoned.
+
+        `lent`: the labels of the GPUs this lend gave the lendee (an int, the count, is
+        understood as every configured lendee GPU). `expected`: as `expect` decided it
+        earlier for this lend; decided here if not given."""
+        self.trouble = None
+        try:
+            if expected is None or expected.gpus != self._labels(lent):
+                expected = await self.expect(lent)
+            self.expected = expected
             await self.kube.wait_ready(self.node, timeout=self.timeouts.ready)
-            found = await self.kube.wait_gpus(self.node, resource=resource, count=gpus,
+            found = await self.kube.wait_gpus(self.node, expected=expected,
                                               timeout=self.timeouts.ready)
-            if found != gpus:
+            if not expected.met_by(found):
                 await self.kube.annotate(self.node, {f"{self.prefix}state": "short-of-gpus"})
-                return (f"node {self.node} is Ready but reports {found} allocatable {resource} "
-                        f"where {gpus} were lent; it stays cordoned. Look inside it: is the "
-                        "driver branch right for the card, is the device plugin running, did "
-                        "the passthrough work?")
-            # Lifts only our own cordon (the marker on the Node says whose it is); an
-            # administrator's stays, and the adapter says so in the journal.
+                problem = (f"node {self.node} is Ready but {expected.shortfall(found)} "
+                           f"({expected.how}); it stays cordoned. "
+                           "Look inside it: is the driver branch right for the card, is the "
+                           "device plugin running (and its time-slicing or MIG configuration "
+                           "the one expected), did the passthrough work?")
+                self._event("ReturnFailed", problem, warning=True)
+                return problem
+            # Everything that keeps the wrong pods off borrowed capacity first...
+            labels = {self.settings.borrowed_label: "true"} if self.settings.borrowed_label \
+                else None
+            await self.kube.annotate(self.node, {
+                f"{self.prefix}state": "lent",
+                f"{self.prefix}holder": None,
+                f"{self.prefix}lent-gpus": ",".join(expected.gpus),
+                f"{self.prefix}expected": ", ".join(
+                    f"{n} {r}" for r, n in sorted(expected.resources.items())),
+            }, labels=labels, add_taints=self.taints)
+            # ...and the uncordon last. It lifts only our own cordon (the marker on the
+            # Node says whose it is); an administrator's stays, and the adapter says so.
             await self.kube.uncordon(self.node, marker_prefix=self.prefix)
             self._remember_cordon(False)
-            await self.kube.annotate(self.node, {f"{self.prefix}state": "lent",
-                                                 f"{self.prefix}holder": None},
-                                     add_taints=self.taints)
         except KubeError as e:
-            return f"could not return node {self.node} to the cluster: {e}"
+            problem = f"could not return node {self.node} to the cluster: {e}"
+            self._event("ReturnFailed", problem, warning=True)
+            return problem
+        self._event("Lent", f"lent with {len(expected.gpus)} GPU(s) "
+                    f"({', '.join(expected.gpus)}): {expected}")
         return None
+
+    # --- while lent -----------------------------------------------------------------------
+
+    async def watch_lent(self, on_view: Callable[[NodeView], None] | None = None) -> None:
+        """Follow the lent node until cancelled (cancel it when the reclaim starts).
+
+        Sets ``hostagent_node_gpu_pods``; a node that loses expected GPUs or stops being
+        Ready is a journal error, an Event, the GPU-lost failure metric and a failing
+        "kubernetes" health check until it is whole again. `on_view` gets every change
+        (e.g. the agent deciding when a regrow is safe from `view.gpu_pods`)."""
+        expected = self.expected
+        resources = list(expected.resources) if expected is not None \
+            else [self.settings.gpu_resource]
+        was: list[NodeView] = []
+
+        def seen(view: NodeView) -> None:
+            before = was[0] if was else None
+            was[:] = [view]
+            self.view = view
+            if self.metrics is not None:
+                self.metrics.node_gpu_pods(view.gpu_pods)
+            self._judge(view, before, expected)
+            if on_view is not None:
+                on_view(view)
+
+        try:
+            await self.kube.watch_node(self.node, resources=resources, on_change=seen)
+        except KubeAuthError as e:
+            self.trouble = f"kubernetes: cannot watch node {self.node}: {e}"
+            journal.record("watch", self.trouble, vm=self.node, result="unauthorized",
+                           priority=journal.Priority.ERR)
+            raise
+        finally:
+            self.view = None
+            if self.metrics is not None:
+                self.metrics.node_gpu_pods(None)
+
+    def _judge(self, view: NodeView, before: NodeView | None,
+               expected: ExpectedGpus | None) -> None:
+        """What a change of the lent node means: trouble starts, or ends."""
+        problems = []
+        if not view.exists:
+            problems.append(f"node {self.node} was deleted while lent")
+        elif not view.ready:
+            problems.append(f"node {self.node} is not Ready while lent ({view.ready_detail})")
+        lost = expected is not None and view.exists and any(
+            view.allocatable.get(r, 0) < n for r, n in expected.resources.items())
+        if lost and expected is not None:
+            problems.append(f"node {self.node} lost GPUs while lent: it "
+                            f"{expected.shortfall(view.allocatable)} (a GPU off the bus, a "
+                            "driver crash, the device plugin restarting?)")
+        trouble = "; ".join(problems) or None
+        if trouble == self.trouble:
+            return
+        had_lost = before is not None and expected is not None and before.exists and any(
+            before.allocatable.get(r, 0) < n for r, n in expected.resources.items())
+        self.trouble = trouble
+        if trouble is None:
+            journal.record("watch", f"node {self.node} is whole again: Ready, {expected}",
+                           vm=self.node, result="ok")
+            return
+        journal.record("watch", trouble, vm=self.node,
+                       result="gpu-lost" if lost else "not-ready",
+                       priority=journal.Priority.ERR)
+        if lost and not had_lost:
+            if self.metrics is not None:
+                self.metrics.gpu_lost()
+            self._event("GPULost", trouble, warning=True)
+
+    def watch_gpu_pods(self) -> AsyncIterator[int]:
+        """The count of pods on the node that request a GPU: the current count, then each
+        change, while iterated. For deciding when restarting the lendee (a regrow) is safe:
+        ``async for n in cluster.watch_gpu_pods(): if n == 0: break``."""
+        resources = list(self.expected.resources) if self.expected is not None \
+            else [self.settings.gpu_resource]
+        return self.kube.watch_gpu_pods(self.node, resources=resources)
+
+    # --- telling the cluster --------------------------------------------------------------
+
+    def _event(self, reason: str, message: str, *, warning: bool = False) -> None:
+        """Post an Event on the Node in the background (it never delays a step)."""
+        task = asyncio.get_running_loop().create_task(
+            self._post(reason, message, warning))
+        self._events.add(task)
+        task.add_done_callback(self._events.discard)
+
+    async def _post(self, reason: str, message: str, warning: bool) -> None:
+        try:
+            await self.kube.post_event(self.node, reason=reason, message=message,
+                                       warning=warning, timeout=10)
+        except KubeError as e:
+            log.warning("could not post the %s event on node %s: %s", reason, self.node, e)
+
+    async def flush_events(self) -> None:
+        """Wait for the Events being posted (tests, and before closing the adapter)."""
+        await asyncio.gather(*self._events, return_exceptions=True)

@@ -82,6 +82,11 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     drain_unmanaged = false                 # evict pods no controller will recreate
     lent_taints = ["hostagent.io/borrowed=true:NoSchedule"]  # while lent; none by default
     evict_retry = "5s"                      # retry an eviction a PodDisruptionBudget refused
+    borrowed_label = "hostagent.io/borrowed"  # label "true" while lent; "" for none
+    expected = { "nvidia.com/gpu" = 4 }     # per lent GPU; default: read from the node's
+                                            # GPU Feature Discovery labels (time-slicing, MIG)
+    grace_period = "30s"                    # evicted pods' grace; default: each pod's own
+    skip_wait_for_delete_timeout = "10s"    # a pod this long past its deletion counts as gone
 
     [metrics]                               # Prometheus /metrics and /healthz; off without it
     listen = "127.0.0.1:9477"               # host:port ("[::1]:9477"; ":9477" = every address)
@@ -662,6 +667,45 @@ class Verify:
     ssh: Ssh | None = field(default=None, metadata=_key(_section(Ssh)))
 
 
+_RESOURCE_NAME = re.compile(
+    r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/"
+    r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+
+
+def _expected(value: object, key: str) -> dict[str, int]:
+    """`[kubernetes] expected`: extended resource name → count per lent GPU."""
+    example = '{ "nvidia.com/gpu" = 4 } (the count per lent GPU)'
+    if not isinstance(value, dict):
+        raise _wrong_type(key, value, "a table", f"write it as an inline table: {example}")
+    if not value:
+        raise _Problem(key, "is empty", f"name at least one resource, e.g. {example}, "
+                       "or remove the key to read it from the node's labels")
+    counts: dict[str, int] = {}
+    for name, count in value.items():
+        where = _join(key, name)
+        if not _RESOURCE_NAME.fullmatch(name) or len(name) > 253:
+            raise _Problem(where, f'"{name}" is not an extended resource name',
+                           "write it as `kubectl describe node` lists it under Allocatable, "
+                           'e.g. "nvidia.com/gpu" or "nvidia.com/mig-1g.10gb"')
+        number = _count(count, where)
+        if number < 1:
+            raise _Problem(where, f"{number} is not a count", "write 1 or more, or remove it")
+        counts[name] = number
+    return counts
+
+
+def _label_key_or_off(value: object, key: str) -> str | None:
+    if value == "":
+        return None
+    label = _text(value, key)
+    prefix, _, name = label.rpartition("/")
+    if not re.fullmatch(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]", name) or len(name) > 63 \
+            or (prefix and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", prefix)):
+        raise _Problem(key, f'"{label}" is not a label key',
+                       'write e.g. "hostagent.io/borrowed", or "" for no label')
+    return label
+
+
 @dataclass(frozen=True, kw_only=True)
 class Kubernetes:
     """How to reach the cluster and how to drain the lendee's node."""
@@ -676,6 +720,20 @@ class Kubernetes:
     lent_taints: tuple[str, ...] = field(default=(), metadata=_key(_list(_taint)))
     # How often an eviction that a PodDisruptionBudget refuses is tried again (kubectl: 5s).
     evict_retry: float = field(default=5.0, metadata=_key(_positive_duration))
+    # A label set to "true" while the node is lent (for a Kueue ResourceFlavor or a
+    # scheduler to tell borrowed capacity apart); None: no label.
+    borrowed_label: str | None = field(default="hostagent.io/borrowed",
+                                       metadata=_key(_label_key_or_off))
+    # What the node must report allocatable *per lent GPU* before it is uncordoned,
+    # e.g. {"nvidia.com/gpu" = 4} for 4 time-slicing replicas or
+    # {"nvidia.com/mig-1g.10gb" = 7} for MIG; None: read from the node's labels.
+    expected: dict[str, int] | None = field(default=None, metadata=_key(_expected))
+    # Grace period given to evicted pods (kubectl drain --grace-period); None: their own.
+    grace_period: float | None = field(default=None, metadata=_key(_optional_duration))
+    # A pod whose deletion is this far in the past counts as gone: on a node whose
+    # kubelet is unreachable it would stay Terminating forever (kubectl drain
+    # --skip-wait-for-delete-timeout). "0s": wait for every pod.
+    skip_wait_for_delete_timeout: float = field(default=10.0, metadata=_key(_duration))
 
 
 @dataclass(frozen=True, kw_only=True)

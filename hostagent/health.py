@@ -13,8 +13,9 @@ metric all show the same results.
 
 Who adds which check: the agent adds "libvirt", "hook socket" and "last lend verified";
 the Kubernetes wiring adds "kubernetes" with
-``agent.health.add("kubernetes", lambda: kube.check_node(node, timeout=2))`` (any
-awaitable that raises when the API server cannot be reached will do).
+``agent.health.add("kubernetes", health.kubernetes(cluster))``: a real request to the
+API server (401/403 and an unreachable server fail it), and what the watch of the lent
+node found (a GPU lost, the node NotReady while lent).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["CheckFailed", "CheckResult", "Health", "Probe", "libvirt_alive", "socket_answers"]
+__all__ = ["CheckFailed", "CheckResult", "Health", "Probe", "kubernetes", "libvirt_alive",
+           "socket_answers"]
 
 Probe = Callable[[], Awaitable[str | None]]
 
@@ -120,5 +122,19 @@ def socket_answers(path: Path, what: str = "socket") -> Probe:
         except OSError:
             pass
         return f"{path} accepts connections"
+
+    return probe
+
+
+class _Cluster(Protocol):
+    async def health(self) -> str: ...
+
+
+def kubernetes(cluster: _Cluster) -> Probe:
+    """The "kubernetes" check: `cluster.health()` (hostagent.cluster.KubeCluster) asks
+    the API server for the node and raises CheckFailed with what is wrong."""
+
+    async def probe() -> str:
+        return await cluster.health()
 
     return probe

@@ -15,6 +15,9 @@ here, once, into this tree (``raise … from e``)::
     ├── KubeUnavailable    the API server stayed unreachable, or answered 5xx, until
     │                      the step's deadline (retried with backoff and jitter before)
     ├── KubeRequestError   the API server refused a request (4xx); .status, .reason
+    ├── KubeAuthError      401 or 403: the credentials are wrong, expired or lack a
+    │                      right (a 401 is retried once with credentials read afresh:
+    │                      a rotated k3s client certificate, an exec plugin's new token)
     ├── NodeNotReady       the node was not Ready by wait_ready's deadline
     └── DrainAborted       the drain did not finish and on_timeout is "abort"; .report
 
@@ -49,7 +52,17 @@ import logging
 import math
 import os
 import random
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+import re
+import socket
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from functools import partial
 from datetime import UTC, datetime
@@ -74,8 +87,10 @@ __all__ = [
     "DrainAborted",
     "DrainPlan",
     "DrainReport",
+    "ExpectedGpus",
     "Ignored",
     "Kube",
+    "KubeAuthError",
     "KubeConfigError",
     "KubeError",
     "KubeRequestError",
@@ -83,13 +98,17 @@ __all__ = [
     "LeftPod",
     "LeftReason",
     "NodeNotFound",
+    "NodeCheck",
+    "NodeView",
     "NodeNotReady",
     "PodInfo",
     "PodRef",
     "Taint",
     "Timing",
     "cordon_marker",
+    "expected_gpus",
     "plan_drain",
+    "requests_gpu",
 ]
 
 log = logging.getLogger(__name__)
@@ -147,6 +166,15 @@ class KubeRequestError(KubeError):
         self.causes = tuple(causes)
 
 
+class KubeAuthError(KubeError):
+    """401 or 403: not an outage. Retrying will not help and nothing may be skipped
+    because of it: the caller must stop and say so. `status` is the HTTP code."""
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class NodeNotReady(KubeError):
     """The node did not become Ready before the deadline."""
 
@@ -179,6 +207,9 @@ class Ignored(enum.StrEnum):
 
     DAEMONSET = "daemonset"  # its controller would put it right back
     MIRROR = "mirror"  # a static pod's reflection; the kubelet owns it
+    # Deleted longer ago than skip_wait_for_delete_timeout: on a node whose kubelet is
+    # gone it stays Terminating forever (kubectl drain --skip-wait-for-delete-timeout).
+    STUCK_TERMINATING = "stuck-terminating"
 
 
 class LeftReason(enum.StrEnum):
@@ -210,6 +241,9 @@ class DrainReport:
     node: str
     evicted: tuple[PodRef, ...] = ()  # evicted by this drain, and gone
     waited: tuple[PodRef, ...] = ()  # were already terminating, and are gone
+    # Evicted or waited for, and counted as gone: their deletion is more than
+    # skip_wait_for_delete_timeout in the past and no kubelet confirmed it.
+    abandoned: tuple[PodRef, ...] = ()
     ignored: tuple[tuple[PodRef, Ignored], ...] = ()
     left: tuple[LeftPod, ...] = ()
     error: str = ""  # why the node's pods could not even be listed
@@ -224,6 +258,11 @@ class DrainReport:
         if self.error:
             return f"could not drain {self.node} within {seconds}: {self.error}"
         gone = f"{_count(len(self.evicted), 'pod')} evicted"
+        stuck = self.abandoned + tuple(p for p, why in self.ignored
+                                       if why is Ignored.STUCK_TERMINATING)
+        if stuck:
+            gone += (f", {len(stuck)} stuck Terminating counted as gone "
+                     f"({', '.join(str(p) for p in stuck)})")
         if self.complete:
             return f"drained {self.node} in {seconds}: {gone}"
         left = "; ".join(str(p) for p in self.left)
@@ -235,6 +274,53 @@ class DrainReport:
 
 def _count(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeView:
+    """What `Kube.watch_node` last saw of a lent node. `gpu_pods`: pods on it that
+    request a GPU, None until they were listed."""
+
+    node: str
+    exists: bool = True
+    ready: bool = False
+    ready_detail: str = ""
+    allocatable: Mapping[str, int] = field(default_factory=dict)
+    gpu_pods: int | None = None
+
+
+def requests_gpu(pod: Any, resources: Collection[str] = ("nvidia.com/gpu",)) -> bool:
+    """Whether any container of `pod` requests or limits one of `resources` or any
+    NVIDIA GPU resource (``nvidia.com/gpu*``, ``nvidia.com/mig-*``). No side effects."""
+    spec = pod.spec
+    containers = [*(spec.containers or []), *(spec.init_containers or [])] if spec else []
+    for container in containers:
+        needs = container.resources
+        for amounts in (needs.requests, needs.limits) if needs is not None else ():
+            for name, amount in (amounts or {}).items():
+                wanted = name in resources or name.startswith(("nvidia.com/gpu",
+                                                               "nvidia.com/mig-"))
+                if wanted and str(amount) not in ("0", ""):
+                    return True
+    return False
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeCheck:
+    """`Kube.check_node`'s answer."""
+
+    node: str
+    exists: bool
+    ready: bool = False
+    unschedulable: bool = False
+    detail: str = ""
+
+    def __str__(self) -> str:
+        if not self.exists:
+            return (f"node {self.node} is not in the cluster; it registers when the "
+                    "lendee's kubelet starts")
+        state = "Ready" if self.ready else f"not Ready ({self.detail or 'no Ready condition'})"
+        return f"node {self.node} is {state}" + (", cordoned" if self.unschedulable else "")
 
 
 @dataclass(frozen=True)
@@ -293,6 +379,7 @@ class PodInfo:
     controller: str | None = None  # the controller's kind, e.g. "ReplicaSet"
     mirror: bool = False
     emptydir: bool = False
+    deleted_at: datetime | None = None  # metadata.deletionTimestamp: when its grace ends
 
     @classmethod
     def from_api(cls, pod: Any) -> PodInfo:
@@ -305,6 +392,7 @@ class PodInfo:
             controller=owner.kind if owner is not None else None,
             mirror=MIRROR_ANNOTATION in (meta.annotations or {}),
             emptydir=any(v.empty_dir is not None for v in (spec.volumes if spec else None) or []),
+            deleted_at=meta.deletion_timestamp,
         )
 
 
@@ -316,15 +404,28 @@ class DrainPlan:
     refused: tuple[LeftPod, ...] = ()
 
 
-def plan_drain(pods: Iterable[PodInfo], *, emptydir_ok: bool, unmanaged_ok: bool) -> DrainPlan:
-    """Sort a node's pods the way kubectl drain's filters do, in their order. No side effects."""
+def stuck_terminating(deleted_at: datetime | None, skip_after: float, now: datetime) -> bool:
+    """kubectl's shouldSkipPod: deleted more than `skip_after` whole seconds ago (0: never)."""
+    return (skip_after > 0 and deleted_at is not None
+            and int((now - deleted_at).total_seconds()) > skip_after)
+
+
+def plan_drain(pods: Iterable[PodInfo], *, emptydir_ok: bool, unmanaged_ok: bool,
+               skip_after: float = 0.0, now: datetime | None = None) -> DrainPlan:
+    """Sort a node's pods the way kubectl drain's filters do, in their order. No side effects.
+
+    `skip_after` > 0: a pod whose deletion is more than that many seconds past (`now`)
+    is left alone as gone, as kubectl's skip-wait-for-delete-timeout does."""
+    now = now or datetime.now(UTC)
     evict: list[PodRef] = []
     wait: list[PodRef] = []
     ignored: list[tuple[PodRef, Ignored]] = []
     refused: list[LeftPod] = []
     for pod in sorted(pods, key=lambda p: p.ref):
         completed = pod.phase in ("Succeeded", "Failed")
-        if pod.deleting:
+        if pod.deleting and stuck_terminating(pod.deleted_at, skip_after, now):
+            ignored.append((pod.ref, Ignored.STUCK_TERMINATING))
+        elif pod.deleting:
             wait.append(pod.ref)
         elif pod.controller == "DaemonSet":
             ignored.append((pod.ref, Ignored.DAEMONSET))
@@ -347,6 +448,110 @@ def plan_drain(pods: Iterable[PodInfo], *, emptydir_ok: bool, unmanaged_ok: bool
         else:
             evict.append(pod.ref)
     return DrainPlan(tuple(evict), tuple(wait), tuple(ignored), tuple(refused))
+
+
+# --- what a lend must show (no side effects) ------------------------------------------
+
+# GPU Feature Discovery's labels (NVIDIA gpu-feature-discovery, also in the GPU operator).
+GFD_COUNT = "nvidia.com/gpu.count"
+GFD_REPLICAS = "nvidia.com/gpu.replicas"
+GFD_PRODUCT = "nvidia.com/gpu.product"
+GFD_MIG_STRATEGY = "nvidia.com/mig.strategy"
+_GFD_MIG_COUNT = re.compile(r"nvidia\.com/(mig-[^/]+)\.count")
+
+
+@dataclass(frozen=True)
+class ExpectedGpus:
+    """What the node must report allocatable once its lent GPUs are schedulable.
+
+    `resources`: resource name → total count (exact: a count left over from a bigger
+    lend is not this one); `gpus`: the lent GPUs' labels; `how`: where the numbers come
+    from, for the journal and `status`.
+    """
+
+    gpus: tuple[str, ...]
+    resources: Mapping[str, int]
+    how: str
+
+    def __str__(self) -> str:
+        wanted = ", ".join(f"{n} {r}" for r, n in sorted(self.resources.items()))
+        return f"{wanted} ({self.how})"
+
+    def found(self, node: Any) -> dict[str, int]:
+        """The node's allocatable count of each expected resource."""
+        return {r: _gpus(node, r) for r in self.resources}
+
+    def met_by(self, found: Mapping[str, int]) -> bool:
+        return all(found.get(r, 0) == n for r, n in self.resources.items())
+
+    def shortfall(self, found: Mapping[str, int]) -> str:
+        """"reports 2 allocatable nvidia.com/gpu where 4 were lent; ..." for each resource
+        that differs."""
+        return "; ".join(f"reports {found.get(r, 0)} allocatable {r} where {n} were lent"
+                         for r, n in sorted(self.resources.items()) if found.get(r, 0) != n)
+
+
+def _label_int(labels: Mapping[str, str], key: str) -> int | None:
+    try:
+        value = int(labels.get(key, ""))
+    except ValueError:
+        return None
+    return value if value > 0 else None
+
+
+def expected_gpus(
+    lent: Iterable[str],
+    *,
+    labels: Mapping[str, str],
+    resource: str = "nvidia.com/gpu",
+    override: Mapping[str, int] | None = None,
+    labelled_gpus: int | None = None,
+) -> ExpectedGpus:
+    """What `lent` GPUs make allocatable, decided once per lend. No side effects.
+
+    In order: `override` (``[kubernetes] expected``, counts per lent GPU); MIG as
+    GPU Feature Discovery labels it (``nvidia.com/mig.strategy``: "mixed", one
+    ``nvidia.com/mig-<profile>`` resource per profile; "single", ``nvidia.com/gpu``
+    counting MIG devices); time-slicing (``nvidia.com/gpu.replicas`` per GPU, the
+    resource renamed ``<resource>.shared`` when the product label says ``-SHARED``);
+    else one `resource` per GPU. GFD labels count every GPU the node had when they
+    were written: `labelled_gpus` is that number (hostagent's own annotation of the
+    previous lend names those GPUs), else ``nvidia.com/gpu.count`` for mixed MIG, else
+    the lent count. MIG counts are per GPU, so this assumes the lent GPUs are
+    partitioned alike; where they are not, set the override.
+    """
+    gpus = tuple(sorted(set(lent)))
+    n = len(gpus)
+    what = _count(n, "GPU")
+    if override:
+        per = ", ".join(f"{c} {r}" for r, c in sorted(override.items()))
+        return ExpectedGpus(gpus, {r: c * n for r, c in override.items()},
+                            f"{what} × {per} per GPU, from kubernetes.expected")
+    strategy = labels.get(GFD_MIG_STRATEGY, "")
+    if strategy == "mixed":
+        profiles = {m[1]: int(v) for k, v in labels.items()
+                    if (m := _GFD_MIG_COUNT.fullmatch(k)) and v.isdigit() and int(v) > 0}
+        physical = labelled_gpus or _label_int(labels, GFD_COUNT) or n
+        per_gpu = {f"nvidia.com/{p}": c // physical for p, c in profiles.items()
+                   if c // physical > 0}
+        if per_gpu:
+            per = ", ".join(f"{c} {r}" for r, c in sorted(per_gpu.items()))
+            return ExpectedGpus(gpus, {r: c * n for r, c in per_gpu.items()},
+                                f"{what} × {per} per GPU, from the MIG labels (mixed strategy)")
+    devices = _label_int(labels, GFD_COUNT)
+    if strategy == "single" and devices is not None:
+        per_gpu_devices = max(1, devices // (labelled_gpus or n or 1))
+        return ExpectedGpus(gpus, {resource: per_gpu_devices * n},
+                            f"{what} × {per_gpu_devices} MIG devices per GPU, from the MIG "
+                            "labels (single strategy)")
+    replicas = _label_int(labels, GFD_REPLICAS)
+    if replicas is not None and replicas > 1:
+        name = f"{resource}.shared" if labels.get(GFD_PRODUCT, "").endswith("-SHARED") \
+            else resource
+        return ExpectedGpus(gpus, {name: replicas * n},
+                            f"{what} × {replicas} time-slicing replicas, from the node's "
+                            "GPU Feature Discovery labels")
+    return ExpectedGpus(gpus, {resource: n}, f"{what}, one {resource} each")
 
 
 # --- reading API objects ---------------------------------------------------------------
@@ -415,6 +620,9 @@ def _describe(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
+_HOSTNAME = socket.gethostname()
+
+
 def _timestamp() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -430,23 +638,37 @@ def _default_kubeconfig() -> Path:
 class Kube:
     """A connection to the cluster. Create it with `connect` (or `from_config`); close it."""
 
-    def __init__(self, api_client: Any, *, timing: Timing | None = None, server: str = "") -> None:
+    def __init__(
+        self,
+        api_client: Any,
+        *,
+        timing: Timing | None = None,
+        server: str = "",
+        reload: Callable[[], Awaitable[Any]] | None = None,
+    ) -> None:
         self._api_client = api_client
         self._core = k8s.CoreV1Api(api_client)
         self.timing = timing or Timing()
         self.server = server or str(getattr(api_client.configuration, "host", ""))
+        # Reads the credentials again (a fresh kubernetes-asyncio Configuration): after
+        # a 401, the kubeconfig's client certificate may have been rotated (k3s does it
+        # yearly) or an exec plugin's token may have expired.
+        self._reload = reload
+        self._retired: list[Any] = []  # clients replaced by a reload, closed with ours
 
     @classmethod
     async def connect(cls, kubeconfig: Path | None = None, *, timing: Timing | None = None) -> Kube:
         """Read `kubeconfig`; without one, the in-cluster service account or the default
         kubeconfig ($KUBECONFIG, ~/.kube/config). Raises KubeConfigError."""
-        configuration = k8s.Configuration()
-        if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-            try:
-                k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
-            except Exception as e:  # the library raises several kinds; all mean "unusable"
-                raise KubeConfigError(f"in-cluster Kubernetes configuration: {e}") from e
-        else:
+
+        async def load() -> Any:
+            configuration = k8s.Configuration()
+            if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+                try:
+                    k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+                except Exception as e:  # the library raises several kinds; all mean "unusable"
+                    raise KubeConfigError(f"in-cluster Kubernetes configuration: {e}") from e
+                return configuration
             path = kubeconfig if kubeconfig is not None else _default_kubeconfig()
             _check_readable(path, given=kubeconfig is not None)
             try:
@@ -455,14 +677,35 @@ class Kube:
                 )
             except Exception as e:  # yaml, ConfigException, KeyError...: all mean "unusable"
                 raise KubeConfigError(f"kubeconfig {path}: not usable: {e}") from e
-        return cls(k8s.ApiClient(configuration), timing=timing, server=configuration.host or "")
+            return configuration
+
+        configuration = await load()
+        return cls(k8s.ApiClient(configuration), timing=timing, server=configuration.host or "",
+                   reload=load)
 
     @classmethod
     async def from_config(cls, settings: KubernetesConfig, *, timing: Timing | None = None) -> Kube:
         return await cls.connect(settings.kubeconfig, timing=timing)
 
     async def close(self) -> None:
-        await self._api_client.close()
+        for client in [*self._retired, self._api_client]:
+            await client.close()
+        self._retired.clear()
+
+    async def _refresh_credentials(self) -> bool:
+        """Read the credentials again and use them from now on; False if they cannot be."""
+        if self._reload is None:
+            return False
+        try:
+            configuration = await self._reload()
+        except KubeConfigError as e:
+            log.warning("could not read the Kubernetes credentials again: %s", e)
+            return False
+        self._retired.append(self._api_client)
+        self._api_client = k8s.ApiClient(configuration)
+        self._core = k8s.CoreV1Api(self._api_client)
+        log.info("read the Kubernetes credentials again after a 401 from %s", self.server)
+        return True
 
     async def __aenter__(self) -> Kube:
         return self
@@ -493,6 +736,7 @@ class Kube:
         """`request()`, retried while the API is unreachable or answers 5xx, until `deadline`."""
         attempt = 0
         last = ""
+        refreshed = False
         while True:
             remaining = deadline - self._now()
             if remaining <= 0:
@@ -506,6 +750,21 @@ class Kube:
                 async with asyncio.timeout(limit):
                     return await request()
             except ApiException as e:
+                if e.status == 401 and not refreshed:
+                    refreshed = True
+                    if await self._refresh_credentials():
+                        continue  # once, at once, with what the kubeconfig says now
+                if e.status in (401, 403):
+                    _, message, _ = _status_of(e)
+                    what_failed = ("the API server does not accept hostagent's credentials"
+                                   if e.status == 401 else "hostagent's credentials lack a right")
+                    raise KubeAuthError(
+                        f"could not {what}: {what_failed} ({e.status} {message}); fix the "
+                        "kubeconfig or the RBAC rules (hostagent needs get, list, watch and "
+                        "patch on nodes, list and get on pods, create on pods/eviction and "
+                        "on events)",
+                        status=e.status,
+                    ) from e
                 if not transient(e):
                     reason, message, causes = _status_of(e)
                     raise KubeRequestError(
@@ -565,9 +824,44 @@ class Kube:
 
     # --- the node ------------------------------------------------------------------------
 
-    async def check_node(self, node: str, *, timeout: float | None = None) -> None:
-        """Raise NodeNotFound (or KubeUnavailable) unless `node` exists: a startup check."""
-        await self._read_node(node, self._deadline(timeout))
+    async def check_node(self, node: str, *, timeout: float | None = None) -> NodeCheck:
+        """What the cluster says of `node` now: one real request.
+
+        A node that is not there is an answer, not an error: a node deleted while its VM
+        was off registers again when the lendee's kubelet starts. Raises
+        KubeUnavailable and KubeAuthError."""
+        try:
+            current = await self._read_node(node, self._deadline(timeout))
+        except NodeNotFound as e:
+            return NodeCheck(node=node, exists=False, detail=str(e))
+        condition = _ready(current)
+        return NodeCheck(node=node, exists=True, ready=_is_ready(current),
+                         unschedulable=_unschedulable(current),
+                         detail=f"{condition.reason}" if condition is not None and
+                         condition.reason else "")
+
+    async def post_event(self, node: str, *, reason: str, message: str,
+                         warning: bool = False, timeout: float | None = None) -> None:
+        """A core/v1 Event on the Node, as the kubelet writes its own (namespace default,
+        involvedObject.uid = the node's name), so `kubectl describe node` and `kubectl
+        get events` show it. Best effort: the event is also in the journal, and a
+        failure to post it is logged, never raised (KubeAuthError aside)."""
+        stamp = datetime.now(UTC)
+        body = k8s.CoreV1Event(
+            metadata=k8s.V1ObjectMeta(generate_name=f"{node}.", namespace="default"),
+            involved_object=k8s.V1ObjectReference(kind="Node", name=node, uid=node,
+                                                  api_version="v1"),
+            reason=reason, message=message[:1024], type="Warning" if warning else "Normal",
+            source=k8s.V1EventSource(component="hostagent", host=_HOSTNAME),
+            reporting_component="hostagent.io/hostagent", reporting_instance=_HOSTNAME,
+            first_timestamp=stamp, last_timestamp=stamp, count=1,
+        )
+        try:
+            await self._call(f"post an event on node {node}",
+                             lambda: self._core.create_namespaced_event("default", body),
+                             self._deadline(timeout))
+        except (KubeUnavailable, KubeRequestError) as e:
+            log.warning("could not tell the cluster (%s: %s): %s", reason, message, e)
 
     async def cordon(
         self, node: str, *, marker_prefix: str, timeout: float | None = None
@@ -640,11 +934,13 @@ class Kube:
         node: str,
         annotations: Mapping[str, str | None],
         *,
+        labels: Mapping[str, str | None] | None = None,
         add_taints: Sequence[Taint] = (),
         remove_taints: Sequence[Taint] = (),
         timeout: float | None = None,
     ) -> None:
-        """Set annotations (None removes one) and add or remove taints, in one write.
+        """Set annotations and labels (None removes one) and add or remove taints, in
+        one write.
 
         Taints are a list the API replaces whole, and the node lifecycle controller keeps
         its own in it: they are read, changed and written back, never overwritten.
@@ -652,6 +948,8 @@ class Kube:
 
         def change(current: Any) -> dict[str, Any] | None:
             body: dict[str, Any] = {"metadata": {"annotations": dict(annotations)}}
+            if labels:
+                body["metadata"]["labels"] = dict(labels)
             if add_taints or remove_taints:
                 spec = current.spec
                 taints = [
@@ -735,16 +1033,164 @@ class Kube:
             why += f"; {problem}"
         raise NodeNotReady(f"node {node} was not Ready within {timeout:g} s{why}")
 
-    async def wait_gpus(self, node: str, *, resource: str, count: int, timeout: float) -> int:
-        """Wait until the node's allocatable `resource` equals `count`; return the count found.
+    async def wait_gpus(
+        self, node: str, *, expected: ExpectedGpus, timeout: float
+    ) -> dict[str, int]:
+        """Wait until the node's allocatable equals `expected` (every resource in it);
+        return the counts found.
 
-        On timeout the count last seen is returned (0 if the node was never read), so the
-        caller can say "expected 3, found 0".
+        On timeout the counts last seen are returned (all 0 if the node was never read),
+        so the caller can say "expected 8 nvidia.com/gpu, found 0".
         """
         last, _ = await self._watch_node(
-            node, lambda n: _gpus(n, resource) == count, self._now() + timeout
+            node, lambda n: expected.met_by(expected.found(n)), self._now() + timeout
         )
-        return _gpus(last, resource) if last is not None else 0
+        if last is None:
+            return {r: 0 for r in expected.resources}
+        return expected.found(last)
+
+    async def node_metadata(
+        self, node: str, *, timeout: float | None = None
+    ) -> tuple[dict[str, str], dict[str, str]]:
+        """The node's (labels, annotations). Raises NodeNotFound, KubeUnavailable."""
+        current = await self._read_node(node, self._deadline(timeout))
+        return dict(current.metadata.labels or {}), _annotations(current)
+
+    # --- while lent: the node watched --------------------------------------------------
+
+    async def _follow(self, method: str, selector: str, reset: Callable[[list[Any]], None],
+                      apply: Callable[[str, Any], None]) -> None:
+        """List, then watch from the list's resourceVersion, for ever (until cancelled):
+        `reset(items)` after every list, `apply(type, object)` for every event. A watch
+        that ends or fails is followed by a fresh list: level-triggered, nothing missed.
+        Raises KubeAuthError (a 401 that fresh credentials did not cure, or a 403)."""
+        attempt = 0
+        while True:
+            try:
+                listed = await self._call(
+                    f"list {selector}",
+                    lambda: getattr(self._core, method)(field_selector=selector),
+                    self._deadline(None))
+            except (KubeUnavailable, KubeRequestError) as e:
+                log.debug("following %s: %s", selector, e)
+                await asyncio.sleep(self._backoff(attempt))
+                attempt += 1
+                continue
+            reset(list(listed.items))
+            try:
+                async with k8s_watch.Watch() as stream:
+                    async for event in stream.stream(
+                        getattr(self._core, method),
+                        field_selector=selector,
+                        resource_version=listed.metadata.resource_version,
+                        timeout_seconds=max(1, math.ceil(self.timing.watch_timeout)),
+                    ):
+                        if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                            apply(event["type"], event["object"])
+                attempt = 0
+                continue
+            except ApiException as e:
+                if e.status == 410:
+                    continue
+                log.debug("watching %s: %s", selector, _describe(e))
+            except (aiohttp.ClientError, OSError, ValueError) as e:
+                log.debug("watching %s: %s", selector, _describe(e))
+            await asyncio.sleep(self._backoff(attempt))
+            attempt += 1
+
+    async def watch_node(self, node: str, *, resources: Collection[str],
+                         on_change: Callable[[NodeView], None]) -> None:
+        """Follow `node` and the pods on it until cancelled; `on_change(view)` each time
+        what matters changes: the node there and Ready, its allocatable count of each of
+        `resources`, the count of its pods that request a GPU (see `requests_gpu`).
+
+        Watches, not polling: a GPU that falls off the bus shows as the device plugin
+        lowering allocatable, a dead kubelet as Ready going Unknown; both within a
+        second of the API server knowing. Raises KubeAuthError only."""
+        state: dict[str, Any] = {"node": None, "pods": None}
+        last: list[NodeView] = []
+
+        def publish() -> None:
+            current = state["node"]
+            pods = state["pods"]
+            condition = _ready(current) if current is not None else None
+            view = NodeView(
+                node=node,
+                exists=current is not None,
+                ready=current is not None and _is_ready(current),
+                ready_detail="" if condition is None else
+                f"Ready={condition.status}" + (f" ({condition.reason})" if condition.reason
+                                               else ""),
+                allocatable={r: _gpus(current, r) for r in resources} if current is not None
+                else {r: 0 for r in resources},
+                gpu_pods=None if pods is None else sum(pods.values()),
+            )
+            if not last or last[0] != view:
+                last[:] = [view]
+                on_change(view)
+
+        def node_reset(items: list[Any]) -> None:
+            state["node"] = items[0] if items else None
+            publish()
+
+        def node_apply(kind: str, obj: Any) -> None:
+            state["node"] = None if kind == "DELETED" else obj
+            publish()
+
+        def counts(pod: Any) -> bool:
+            phase = pod.status.phase if pod.status is not None else ""
+            return phase not in ("Succeeded", "Failed") and requests_gpu(pod, resources)
+
+        def pods_reset(items: list[Any]) -> None:
+            state["pods"] = {p.metadata.uid: counts(p) for p in items}
+            publish()
+
+        def pods_apply(kind: str, obj: Any) -> None:
+            pods = state["pods"] if state["pods"] is not None else {}
+            if kind == "DELETED":
+                pods.pop(obj.metadata.uid, None)
+            else:
+                pods[obj.metadata.uid] = counts(obj)
+            state["pods"] = pods
+            publish()
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._follow("list_node", f"metadata.name={node}",
+                                               node_reset, node_apply))
+                group.create_task(self._follow("list_pod_for_all_namespaces",
+                                               f"spec.nodeName={node}", pods_reset, pods_apply))
+        except ExceptionGroup as group_error:
+            _raise_auth_error(group_error)
+            raise
+
+    async def watch_gpu_pods(self, node: str, *,
+                             resources: Collection[str] = ("nvidia.com/gpu",)
+                             ) -> AsyncIterator[int]:
+        """The count of pods on `node` that request a GPU: first the current count, then
+        each new one, for as long as the caller iterates (e.g. to restart the lendee
+        with more GPUs only once it drops to 0). Raises KubeAuthError."""
+        counts: asyncio.Queue[int] = asyncio.Queue()
+        last: list[int] = []
+
+        def seen(view: NodeView) -> None:
+            if view.gpu_pods is not None and (not last or last[0] != view.gpu_pods):
+                last[:] = [view.gpu_pods]
+                counts.put_nowait(view.gpu_pods)
+
+        watcher = asyncio.create_task(self.watch_node(node, resources=resources, on_change=seen))
+        try:
+            while True:
+                get = asyncio.ensure_future(counts.get())
+                await asyncio.wait({get, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    watcher.result()  # raises what ended it
+                    return
+                yield get.result()
+        finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
 
     # --- the drain -----------------------------------------------------------------------
 
@@ -756,8 +1202,17 @@ class Kube:
         emptydir_ok: bool,
         unmanaged_ok: bool,
         on_timeout: DrainTimeoutAction,
+        grace_period: float | None = None,
+        skip_wait_for_delete_timeout: float = 0.0,
     ) -> DrainReport:
-        """Evict the node's pods like ``kubectl drain`` (see the module docstring)."""
+        """Evict the node's pods like ``kubectl drain`` (see the module docstring).
+
+        `grace_period`: given to each evicted pod instead of its own (``--grace-period``).
+        `skip_wait_for_delete_timeout` > 0: a pod whose deletion is that many seconds in
+        the past counts as gone (``--skip-wait-for-delete-timeout``): on a node whose
+        kubelet is unreachable, a Terminating pod never goes, and must not hold a
+        reclaim for the whole timeout. Raises KubeAuthError on 401/403 whatever
+        `on_timeout` says: a drain that is not allowed is not an incomplete one."""
         start = self._now()
         deadline = start + timeout
         try:
@@ -776,6 +1231,7 @@ class Kube:
             (PodInfo.from_api(p) for p in pods.items),
             emptydir_ok=emptydir_ok,
             unmanaged_ok=unmanaged_ok,
+            skip_after=skip_wait_for_delete_timeout,
         )
         if plan.refused and on_timeout is DrainTimeoutAction.ABORT:
             # Like kubectl: refuse before evicting anything, rather than half-drain and stop.
@@ -788,10 +1244,13 @@ class Kube:
         try:
             async with asyncio.TaskGroup() as group:
                 evictions = [
-                    group.create_task(self._evict(pod, deadline, deletions)) for pod in plan.evict
+                    group.create_task(self._evict(pod, deadline, deletions, grace_period,
+                                                  skip_wait_for_delete_timeout))
+                    for pod in plan.evict
                 ]
                 waits = [
-                    group.create_task(self._wait_gone(pod, deadline, deletions, evicted=False))
+                    group.create_task(self._wait_gone(pod, deadline, deletions, evicted=False,
+                                                      skip_after=skip_wait_for_delete_timeout))
                     for pod in plan.wait
                 ]
                 # After the evictions, which go first; from the list's resourceVersion,
@@ -800,6 +1259,9 @@ class Kube:
                     self._follow_deletions(node, pods.metadata.resource_version, deletions,
                                            deadline)
                 )
+        except ExceptionGroup as group_error:
+            _raise_auth_error(group_error)
+            raise
         finally:
             if follower is not None:
                 follower.cancel()
@@ -807,17 +1269,21 @@ class Kube:
         left = [*plan.refused]
         evicted: list[PodRef] = []
         waited: list[PodRef] = []
+        abandoned: list[PodRef] = []
         for refs, tasks, gone in ((plan.evict, evictions, evicted), (plan.wait, waits, waited)):
             for pod, task in zip(refs, tasks, strict=True):
                 outcome = task.result()
                 if outcome is None:
                     gone.append(pod)
+                elif outcome is _STUCK:
+                    abandoned.append(pod)
                 else:
                     left.append(outcome)
         report = DrainReport(
             node=node,
             evicted=tuple(evicted),
             waited=tuple(waited),
+            abandoned=tuple(abandoned),
             ignored=plan.ignored,
             left=tuple(sorted(left, key=lambda p: p.pod)),
             duration=self._now() - start,
@@ -836,6 +1302,7 @@ class Kube:
             node=report.node,
             evicted=len(report.evicted),
             left=", ".join(str(p.pod) for p in report.left) or None,
+            abandoned=", ".join(str(p) for p in report.abandoned) or None,
         )
         if abort:
             raise DrainAborted(report)
@@ -872,19 +1339,24 @@ class Kube:
             resource_version = None  # from now on: the reads catch what was missed
             await asyncio.sleep(max(0.0, min(self.timing.delete_poll, deadline - self._now())))
 
-    async def _evict(self, pod: PodRef, deadline: float, deletions: _Deletions) -> LeftPod | None:
-        """Evict one pod and wait until it is gone; None when it is, else why not."""
+    async def _evict(self, pod: PodRef, deadline: float, deletions: _Deletions,
+                     grace_period: float | None, skip_after: float) -> LeftPod | None:
+        """Evict one pod and wait until it is gone; None when it is, `_STUCK` when it
+        counts as gone (see `drain`), else why not."""
         body = k8s.V1Eviction(
             metadata=k8s.V1ObjectMeta(name=pod.name, namespace=pod.namespace),
-            delete_options=k8s.V1DeleteOptions(preconditions=k8s.V1Preconditions(uid=pod.uid)),
+            delete_options=k8s.V1DeleteOptions(
+                preconditions=k8s.V1Preconditions(uid=pod.uid),
+                grace_period_seconds=None if grace_period is None else math.ceil(grace_period),
+            ),
         )
         why: LeftPod | None = None  # what kept the pod here at the last try
         while True:
             try:
                 await self._call(
                     f"evict pod {pod}",
-                    partial(
-                        self._core.create_namespaced_pod_eviction, pod.name, pod.namespace, body
+                    lambda: self._core.create_namespaced_pod_eviction(
+                        pod.name, pod.namespace, body
                     ),
                     deadline,
                     transient=_eviction_transient,
@@ -912,13 +1384,14 @@ class Kube:
             if self._now() >= deadline:
                 return why
             try:
-                if await self._gone(pod, deadline):
+                if await self._gone(pod, deadline, 0.0) is not None:
                     return None
             except KubeRequestError as e:
                 return LeftPod(pod, LeftReason.REFUSED, str(e))
             except KubeUnavailable as e:
                 return self._unreachable(pod, e) if e.last else why
-        return await self._wait_gone(pod, deadline, deletions, evicted=True)
+        return await self._wait_gone(pod, deadline, deletions, evicted=True,
+                                     skip_after=skip_after)
 
     def _refusal(self, pod: PodRef, e: KubeRequestError) -> LeftPod:
         if e.status != 429:
@@ -933,22 +1406,31 @@ class Kube:
     def _unreachable(pod: PodRef, e: KubeUnavailable) -> LeftPod:
         return LeftPod(pod, LeftReason.API_UNREACHABLE, str(e))
 
-    async def _gone(self, pod: PodRef, deadline: float) -> bool:
-        """Whether the pod is gone: 404, or another pod under its name."""
+    async def _gone(self, pod: PodRef, deadline: float, skip_after: float) -> LeftPod | None:
+        """None while the pod is there; `_GONE` once it is (404, or another pod under its
+        name); `_STUCK` if its deletion is more than `skip_after` seconds past (> 0)."""
         try:
             current = await self._call(
                 f"read pod {pod}",
-                partial(self._core.read_namespaced_pod, pod.name, pod.namespace),
+                # self._core at each try: a refresh of the credentials replaces it
+                lambda: self._core.read_namespaced_pod(pod.name, pod.namespace),
                 deadline,
             )
         except KubeRequestError as e:
             if e.status == 404:
-                return True
+                return _GONE
             raise
-        return bool(current.metadata.uid != pod.uid)
+        if current.metadata.uid != pod.uid:
+            return _GONE
+        if stuck_terminating(current.metadata.deletion_timestamp, skip_after, datetime.now(UTC)):
+            log.warning("pod %s was deleted at %s and is still Terminating (no kubelet "
+                        "confirmed it): counted as gone", pod, current.metadata.deletion_timestamp)
+            return _STUCK
+        return None
 
     async def _wait_gone(
-        self, pod: PodRef, deadline: float, deletions: _Deletions, *, evicted: bool
+        self, pod: PodRef, deadline: float, deletions: _Deletions, *, evicted: bool,
+        skip_after: float = 0.0,
     ) -> LeftPod | None:
         still = LeftPod(
             pod,
@@ -958,8 +1440,9 @@ class Kube:
         while self._now() < deadline:
             seen = deletions.count
             try:
-                if await self._gone(pod, deadline):
-                    return None
+                gone = await self._gone(pod, deadline, skip_after)
+                if gone is not None:
+                    return None if gone is _GONE else gone
             except KubeRequestError as e:
                 return LeftPod(pod, LeftReason.REFUSED, str(e))
             except KubeUnavailable as e:
@@ -967,6 +1450,20 @@ class Kube:
             pause = max(0.0, min(self.timing.delete_poll, deadline - self._now()))
             await deletions.wait(seen, pause)
         return still
+
+
+def _raise_auth_error(group: ExceptionGroup[Exception]) -> None:
+    """A KubeAuthError from a task of a group, as itself: callers catch it by type."""
+    for e in group.exceptions:
+        if isinstance(e, KubeAuthError):
+            raise e from None
+        if isinstance(e, ExceptionGroup):
+            _raise_auth_error(e)
+
+
+# What `_gone` answers: the pod went, or counts as gone (stuck Terminating).
+_GONE = LeftPod(PodRef("", ""), LeftReason.TERMINATING, "gone")
+_STUCK = LeftPod(PodRef("", ""), LeftReason.TERMINATING, "stuck terminating: counted as gone")
 
 
 class _Deletions:

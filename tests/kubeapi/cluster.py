@@ -28,6 +28,7 @@ from typing import Any
 
 from tests.kubeapi.rules import (
     DAEMONSETS,
+    EVENTS,
     LEASES,
     MODIFIED,
     NODES,
@@ -338,6 +339,15 @@ class Cluster:
             spec.setdefault("restartPolicy", "Always")
             spec.setdefault("schedulerName", "default-scheduler")
             obj["status"] = {"phase": "Pending"}
+        if resource is EVENTS:
+            # metav1.Time: RFC 3339 in whole seconds, whatever precision was sent.
+            for stamp in ("firstTimestamp", "lastTimestamp"):
+                if obj.get(stamp):
+                    try:
+                        when = datetime.fromisoformat(str(obj[stamp]).replace("Z", "+00:00"))
+                    except ValueError:
+                        raise bad_request(f'{stamp}: Invalid value: "{obj[stamp]}"') from None
+                    obj[stamp] = when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
         if resource is PDBS:
             spec = obj.get("spec") or {}
             if "minAvailable" in spec and "maxUnavailable" in spec:
@@ -824,19 +834,26 @@ class Cluster:
         unschedulable: bool = False,
         gpus: int | None = None,
         gpu_resource: str = "nvidia.com/gpu",
+        replicas: int = 1,
+        mig: dict[str, int] | None = None,
         labels: dict[str, str] | None = None,
         annotations: dict[str, str] | None = None,
         taints: list[Obj] | None = None,
     ) -> Obj:
+        """A registered node; `gpus` physical GPUs as the NVIDIA device plugin and GPU
+        Feature Discovery show them (`replicas`: time-slicing; `mig`: MIG profile →
+        devices per GPU, mixed strategy): see `gpu_status`."""
         resources = {"cpu": "4", "memory": "16Gi", "pods": "110"}
         self._addresses += 1
         address = f"10.0.0.{self._addresses}"
+        gfd: dict[str, str] = {}
         if gpus is not None:
-            resources[gpu_resource] = str(gpus)
+            gfd, extended = gpu_status(gpus, resource=gpu_resource, replicas=replicas, mig=mig)
+            resources.update(extended)
         node: Obj = {
             "metadata": {
                 "name": name,
-                "labels": {"kubernetes.io/hostname": name, **(labels or {})},
+                "labels": {"kubernetes.io/hostname": name, **gfd, **(labels or {})},
                 "annotations": dict(annotations or {}),
             },
             "spec": {"unschedulable": unschedulable, "taints": list(taints or [])},
@@ -871,8 +888,10 @@ class Cluster:
         emptydir: bool = False,
         mirror: bool = False,
         grace: int = 30,
+        gpus: dict[str, int] | None = None,
     ) -> Obj:
-        """A pod already scheduled and running; `owner` is "Kind/name", e.g. "ReplicaSet/web"."""
+        """A pod already scheduled and running; `owner` is "Kind/name", e.g. "ReplicaSet/web";
+        `gpus`: what its container requests (and limits), e.g. {"nvidia.com/gpu": 1}."""
         meta: Obj = {"name": name, "namespace": namespace, "labels": dict(labels or {})}
         refs = []
         if owner is not None:
@@ -897,6 +916,9 @@ class Cluster:
         }
         if node:
             spec["nodeName"] = node
+        if gpus:
+            amounts = {k: str(v) for k, v in gpus.items()}
+            spec["containers"][0]["resources"] = {"requests": amounts, "limits": dict(amounts)}
         if emptydir:
             spec["containers"][0]["volumeMounts"] = [{"name": "scratch", "mountPath": "/scratch"}]
             spec["volumes"] = [{"name": "scratch", "emptyDir": {}}]
@@ -944,6 +966,28 @@ class Cluster:
     def pods(self, node: str | None = None) -> list[Obj]:
         selector = f"spec.nodeName={node}" if node is not None else ""
         return self.list(PODS, None, field_selector=selector)["items"]
+
+
+def gpu_status(gpus: int, *, resource: str = "nvidia.com/gpu", replicas: int = 1,
+               mig: dict[str, int] | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """(GPU Feature Discovery labels, allocatable) of a node with `gpus` physical GPUs,
+    as the NVIDIA device plugin and GFD publish them: `replicas` > 1 is time-slicing
+    (``nvidia.com/gpu.replicas``, allocatable GPUs × replicas); `mig` maps MIG profiles
+    to devices per GPU, mixed strategy (``nvidia.com/mig-<profile>`` resources and
+    ``.count`` labels, the fully partitioned GPUs no longer ``nvidia.com/gpu``)."""
+    labels = {"nvidia.com/gpu.count": str(gpus), "nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB",
+              "nvidia.com/gpu.present": "true"}  # fmt: skip
+    if mig:
+        labels["nvidia.com/mig.strategy"] = "mixed"
+        allocatable = {resource: "0"}
+        for profile, per_gpu in mig.items():
+            labels[f"nvidia.com/mig-{profile}.count"] = str(per_gpu * gpus)
+            allocatable[f"nvidia.com/mig-{profile}"] = str(per_gpu * gpus)
+        return labels, allocatable
+    labels["nvidia.com/gpu.replicas"] = str(replicas)
+    if replicas > 1:
+        labels["nvidia.com/gpu.sharing-strategy"] = "time-slicing"
+    return labels, {resource: str(gpus * replicas)}
 
 
 def owner_reference(kind: str, name: str) -> Obj:

@@ -131,7 +131,7 @@ def _age(stamp: str | None, now: datetime | None = None) -> str:
     """k8s.io/apimachinery duration.HumanDuration, as the printers show ages."""
     if not stamp:
         return "<unknown>"
-    then = datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+    then = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
     seconds = int(((now or datetime.now(UTC)) - then).total_seconds())
     if seconds < 0:
         return "0s"

@@ -29,7 +29,7 @@ import aiohttp
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from tests.kubeapi.cluster import ready_condition
+from tests.kubeapi.cluster import gpu_status, ready_condition
 from tests.kubeapi.rules import now
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,8 @@ class Kubelet:
         lendee_running: Callable[[], bool],
         gpus_seen: Callable[[], int],
         resource: str = "nvidia.com/gpu",
+        replicas: int = 1,
+        mig: dict[str, int] | None = None,
         ready_delay: float = 2.0,
         gpu_delay: float = 0.5,
         heartbeat_grace: float = 1.0,
@@ -56,6 +58,8 @@ class Kubelet:
         self.lendee_running = lendee_running
         self.gpus_seen = gpus_seen
         self.resource = resource
+        self.replicas = replicas  # time-slicing, as the device plugin's config says
+        self.mig = mig  # MIG profile -> devices per GPU (mixed strategy)
         self.ready_delay = ready_delay
         self.gpu_delay = gpu_delay
         self.heartbeat_grace = heartbeat_grace
@@ -167,6 +171,11 @@ class Kubelet:
             )  # fmt: skip
         status: dict[str, Any] = {"conditions": [condition]}
         if gpus is not None:
-            status["capacity"] = {self.resource: str(gpus)}
-            status["allocatable"] = {self.resource: str(gpus)}
+            # The device plugin's allocatable, and GPU Feature Discovery's labels.
+            labels, allocatable = gpu_status(gpus, resource=self.resource,
+                                             replicas=self.replicas, mig=self.mig)
+            status["capacity"] = dict(allocatable)
+            status["allocatable"] = dict(allocatable)
+            await api.patch_node(self.node, {"metadata": {"labels": labels}},
+                                 _request_timeout=5)
         await api.patch_node_status(self.node, {"status": status}, _request_timeout=5)

@@ -35,6 +35,9 @@ _PATH = re.compile(
 _BY_PATH = {(r.group, r.version, r.plural): r for r in RESOURCES}
 _TRUE = ("1", "t", "T", "TRUE", "true", "True")  # Go's strconv.ParseBool
 _FAULT_ANSWERS = {
+    401: ("Unauthorized", "Unauthorized"),
+    403: ("Forbidden", 'nodes "gpu-node" is forbidden: User "system:node:hostagent" cannot '
+          'patch resource "nodes" in API group "" at the cluster scope'),
     429: ("TooManyRequests", "too many requests, please try again later"),
     500: ("InternalError", "Internal error occurred: injected by the stand-in"),
     502: ("", 'an error on the server ("") has prevented the request from succeeding'),

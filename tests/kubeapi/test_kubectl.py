@@ -133,3 +133,18 @@ async def test_hostagent_and_kubectl_draining_at_once_agree(
     assert "node/gpu-node drained" in out
     assert on_node(api, "gpu-node") == ["logs"]
     assert [ref.name for ref, _ in ours.ignored] == ["logs"]
+
+
+async def test_get_events_and_describe_show_hostagents_events(
+        api: StandIn, kubectl: Kubectl, tmp_path: Path) -> None:
+    async with await Kube.connect(write_kubeconfig(tmp_path / "ours", api.url),
+                                  timing=FAST) as kube:  # fmt: skip
+        await kube.post_event("gpu-node", reason="Reclaimed",
+                              message="GPUs reclaimed for gaming1")  # fmt: skip
+    out = await kubectl("get", "events")
+    line = next(line for line in out.splitlines() if "Reclaimed" in line)
+    assert line.split()[1:4] == ["Normal", "Reclaimed", "node/gpu-node"]
+    assert "GPUs reclaimed for gaming1" in line
+    described = await kubectl("describe", "node", "gpu-node")
+    events = described.split("Events:", 1)[1]
+    assert "Reclaimed" in events and "hostagent" in events

@@ -15,6 +15,7 @@ from hostagent import journal
 from hostagent.config import DrainTimeoutAction
 from hostagent.kube import (
     DrainAborted,
+    ExpectedGpus,
     Ignored,
     Kube,
     KubeConfigError,
@@ -90,6 +91,10 @@ def set_node_status(api: StandIn, node: str, **status: Any) -> None:
         return obj
 
     api.cluster.update(NODES, None, node, change, subresource="status")
+
+
+def gpus(n: int) -> ExpectedGpus:
+    return ExpectedGpus(tuple(f"gpu{i}" for i in range(n)), {"nvidia.com/gpu": n}, "test")
 
 
 def later(seconds: float, fn: Any, *args: Any) -> None:
@@ -170,14 +175,23 @@ async def test_an_unreadable_kubeconfig_says_so(kubeconfig: Path) -> None:
         await Kube.connect(kubeconfig)
 
 
-async def test_a_node_that_does_not_exist_is_a_clear_error(kube: Kube, api: StandIn) -> None:
-    await kube.check_node("gpu-node")
-    with pytest.raises(NodeNotFound) as caught:
-        await kube.check_node("gpu-nod")
-    assert str(caught.value) == (
+async def test_a_node_that_does_not_exist_is_reported_not_raised(
+    kube: Kube, api: StandIn
+) -> None:
+    found = await kube.check_node("gpu-node")
+    assert found.exists and found.ready and str(found) == "node gpu-node is Ready"
+    # Not fatal at start: the node registers again when the lendee's kubelet starts.
+    missing = await kube.check_node("gpu-nod")
+    assert not missing.exists
+    assert str(missing) == (
+        "node gpu-nod is not in the cluster; it registers when the lendee's kubelet starts"
+    )
+    assert missing.detail == (
         f"node gpu-nod does not exist in the cluster at {api.url}; "
         "set lendee.node to a name `kubectl get nodes` lists"
     )
+    with pytest.raises(NodeNotFound):
+        await kube.cordon("gpu-nod", marker_prefix=PREFIX)
 
 
 async def test_an_unreachable_api_is_unavailable_after_the_timeout(
@@ -485,6 +499,39 @@ async def test_a_pod_whose_kubelet_is_gone_is_left_terminating(kube: Kube, api: 
     assert [str(p) for p in report.left] == ["default/web-1 (evicted but still terminating)"]
 
 
+async def test_pods_stuck_terminating_on_an_unreachable_node_do_not_hold_the_drain(
+    kube: Kube, api: StandIn
+) -> None:
+    api.cluster.add_pod("web-1", node="gpu-node", owner="ReplicaSet/web", grace=1)
+    api.cluster.add_pod("old", node="gpu-node", owner="ReplicaSet/old", grace=1)
+    set_node_status(api, "gpu-node", conditions=[ready_condition("Unknown")])
+    api.cluster.delete(PODS, "default", "old")  # Terminating before the drain starts
+    report = await kube.drain(
+        "gpu-node", timeout=30, emptydir_ok=True, unmanaged_ok=False, on_timeout=ABORT,
+        skip_wait_for_delete_timeout=1,
+    )
+    # Each counts as gone once its deletion is more than 1 s past: not after 30 s.
+    assert report.complete and report.duration < 5, report.summary()
+    assert names(report.abandoned) == ["default/old", "default/web-1"]
+    assert "2 stuck Terminating counted as gone" in report.summary()
+    assert on_node(api) == ["old", "web-1"]  # still there: no kubelet confirmed
+
+
+def test_a_pod_deleted_long_ago_is_left_alone_by_the_plan() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    pods = [info("stuck", deleting=True, controller="ReplicaSet",
+                 deleted_at=now - timedelta(seconds=11)),
+            info("fresh", deleting=True, controller="ReplicaSet",
+                 deleted_at=now - timedelta(seconds=5))]
+    plan = plan_drain(pods, emptydir_ok=True, unmanaged_ok=True, skip_after=10, now=now)
+    assert [p.name for p, _ in plan.ignored] == ["stuck"]
+    assert [p.name for p in plan.wait] == ["fresh"]
+    # 0: kubectl's default, wait for every pod.
+    assert not plan_drain(pods, emptydir_ok=True, unmanaged_ok=True, now=now).ignored
+
+
 # --- waiting for the node to come back --------------------------------------------------------
 
 
@@ -571,17 +618,20 @@ async def test_wait_ready_resumes_when_the_server_ends_the_watch(
 
 async def test_wait_gpus_returns_when_the_count_is_there(kube: Kube, api: StandIn) -> None:
     later(0.2, lambda: set_node_status(api, "gpu-node", allocatable={"nvidia.com/gpu": "3"}))
-    assert await kube.wait_gpus("gpu-node", resource="nvidia.com/gpu", count=3, timeout=3) == 3
+    assert await kube.wait_gpus("gpu-node", expected=gpus(3), timeout=3) == {"nvidia.com/gpu": 3}
 
 
 async def test_wait_gpus_reports_fewer_on_timeout(kube: Kube, api: StandIn) -> None:
     later(0.1, lambda: set_node_status(api, "gpu-node", allocatable={"nvidia.com/gpu": "1"}))
-    assert await kube.wait_gpus("gpu-node", resource="nvidia.com/gpu", count=3, timeout=0.4) == 1
-    assert await kube.wait_gpus("gpu-node", resource="amd.com/gpu", count=1, timeout=0.1) == 0
+    found = await kube.wait_gpus("gpu-node", expected=gpus(3), timeout=0.4)
+    assert found == {"nvidia.com/gpu": 1}
+    amd = ExpectedGpus(("a",), {"amd.com/gpu": 1}, "test")
+    assert await kube.wait_gpus("gpu-node", expected=amd, timeout=0.1) == {"amd.com/gpu": 0}
 
 
 async def test_wait_gpus_with_the_api_down_reports_what_it_last_saw(
     kube: Kube, api: StandIn
 ) -> None:
     await api.down()
-    assert await kube.wait_gpus("gpu-node", resource="nvidia.com/gpu", count=2, timeout=0.3) == 0
+    found = await kube.wait_gpus("gpu-node", expected=gpus(2), timeout=0.3)
+    assert found == {"nvidia.com/gpu": 0}
