@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.lab.cluster import LabCluster, lab_cluster
-from tests.lab.lab import LENDEE, Lab
+from tests.lab.lab import GPUS, LENDEE, Lab
 
 pytestmark = pytest.mark.lab
 MARKER = "hostagent.io/cordoned-by"
@@ -75,7 +75,7 @@ def test_reclaim_drains_like_kubectl_and_the_return_uncordons(lab: Lab) -> None:
         assert not node["spec"].get("unschedulable")
         assert MARKER not in annotations(node)
         assert annotations(node).get("hostagent.io/state") == "lent"
-        assert node["status"]["allocatable"]["nvidia.com/gpu"] == "2"
+        assert node["status"]["allocatable"]["nvidia.com/gpu"] == str(len(GPUS))
 
 
 def test_an_administrators_cordon_survives_a_full_cycle(lab: Lab) -> None:
@@ -99,7 +99,8 @@ def test_a_node_back_short_of_gpus_stays_cordoned_with_an_error(lab: Lab) -> Non
         kc.kubelet.gpus_seen = lambda: 0
         play_and_stop(lab)
         failed = lab.wait_record(60, event="phase", to="failed")
-        assert "reports 0 allocatable nvidia.com/gpu where 2 were lent" in failed["MESSAGE"]
+        assert (f"reports 0 allocatable nvidia.com/gpu where {len(GPUS)} were lent"
+                in failed["MESSAGE"])
         assert failed["PRIORITY"] == "3"
         assert kc.node()["spec"]["unschedulable"] is True
 
