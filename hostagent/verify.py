@@ -8,32 +8,52 @@ the agent runs ``nvidia-smi --query-gpu=uuid,pci.bus_id,name --format=csv,nohead
 in the guest and compares what it lists with what the lendee was lent: by UUID when
 the configuration knows the UUIDs, by count otherwise.
 
-Everything above `run_ssh` is pure: parsing and comparing, no side effects. The guest
-is reached by the agent (through the guest agent, `Libvirt.guest_exec`) or by
-`run_ssh`, the one I/O function here.
+Where nvidia-smi is: the guest agent runs a command without a login shell, so its
+PATH is not the user's. NixOS keeps nvidia-smi in /run/current-system/sw/bin, the GPU
+operator's driver container in /run/nvidia/driver/usr/bin, others in /usr/bin,
+/usr/local/nvidia/bin or /opt/bin. `candidates` lists the configured command and then
+those places; `query` tries them in order until one runs, and when none does, its
+error names every place it looked.
+
+Everything above `query` and `run_ssh` is pure: parsing and comparing, no side effects.
+The guest is reached by the agent (through the guest agent, `Libvirt.guest_exec`) or by
+`run_ssh`; `query` only calls the runner it is given.
 """
 
 from __future__ import annotations
 
 import asyncio
 import shlex
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
     "CAUSES",
+    "PLACES",
     "QUERY",
     "Expected",
     "Outcome",
     "SeenGpu",
     "VerifyError",
+    "candidates",
+    "combine",
     "compare",
     "outcome_of_run",
     "parse_query",
+    "query",
     "run_ssh",
 ]
 
 QUERY = ("--query-gpu=uuid,pci.bus_id,name", "--format=csv,noheader")
+
+# Where nvidia-smi lives when the guest agent's PATH does not find it, in this order.
+PLACES = (
+    "/run/current-system/sw/bin/nvidia-smi",  # NixOS
+    "/run/nvidia/driver/usr/bin/nvidia-smi",  # the GPU operator's driver container
+    "/usr/bin/nvidia-smi",
+    "/usr/local/nvidia/bin/nvidia-smi",  # the GPU operator's toolkit, older images
+    "/opt/bin/nvidia-smi",  # Flatcar, Container-Optimized OS
+)
 
 CAUSES = (
     "usual causes: the guest's driver branch does not support the card (Maxwell GPUs "
@@ -142,6 +162,72 @@ def outcome_of_run(expected: Sequence[Expected], exitcode: int, stdout: str,
     except ValueError as e:
         return Outcome(seen=(), missing=tuple(expected), problem=f"unexpected output: {e}")
     return compare(expected, seen)
+
+
+# --- finding nvidia-smi ---------------------------------------------------------------------
+
+
+def candidates(configured: str) -> list[str]:
+    """The commands to try, in order: the configured one, then `PLACES`, each once."""
+    return list(dict.fromkeys([configured, *PLACES]))
+
+
+_MISSING = ("no such file", "not found", "failed to execute child process",
+            "cannot execute", "permission denied")
+
+
+def _missing(text: str) -> bool:
+    lowered = text.lower()
+    return any(word in lowered for word in _MISSING)
+
+
+Run = tuple[int, str, str]
+
+
+def combine(expected: Sequence[Expected], attempts: Sequence[tuple[str, Run | Exception]]
+            ) -> Outcome | None:
+    """The verdict from the tries so far, in order: (command, its run or the error that
+    kept it from running). The first command that ran decides; None while every one so
+    far was missing (try the next); when the last one was missing too, call
+    `none_found`. No side effects."""
+    for _command, result in attempts:
+        if isinstance(result, Exception):
+            if _missing(str(result)):
+                continue
+            return Outcome(seen=(), missing=tuple(expected), problem=str(result))
+        code, out, err = result
+        if code in (126, 127) or (code != 0 and not out.strip() and _missing(err)):
+            continue
+        return outcome_of_run(expected, code, out, err)
+    return None
+
+
+def none_found(expected: Sequence[Expected], attempts: Sequence[tuple[str, Run | Exception]]
+               ) -> Outcome:
+    """No command ran: the problem names every place looked."""
+    looked = ", ".join(command for command, _ in attempts)
+    return Outcome(seen=(), missing=tuple(expected),
+                   problem=f"nvidia-smi not found in the guest; looked for {looked} (is the "
+                   "NVIDIA driver installed? set verify.command to where it is)")
+
+
+async def query(expected: Sequence[Expected], run: Callable[[str], Awaitable[Run]],
+                configured: str = "nvidia-smi") -> Outcome:
+    """Run the GPU query with each of `candidates(configured)` until one runs.
+
+    `run(command)` runs ``command *QUERY`` in the guest and returns (exit status,
+    stdout, stderr), or raises when it could not (e.g. guest-exec's "Failed to execute
+    child process" for a missing file, which means: try the next place)."""
+    attempts: list[tuple[str, Run | Exception]] = []
+    for command in candidates(configured):
+        try:
+            attempts.append((command, await run(command)))
+        except Exception as e:  # whatever the runner raises: combine() tells missing from broken
+            attempts.append((command, e))
+        outcome = combine(expected, attempts)
+        if outcome is not None:
+            return outcome
+    return none_found(expected, attempts)
 
 
 # --- the one I/O function: asking over SSH ----------------------------------------------
