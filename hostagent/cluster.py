@@ -89,6 +89,7 @@ class KubeCluster:
         self.view: NodeView | None = None  # what the watch of the lent node last saw
         self.trouble: str | None = None  # why the lent node is not whole (health fails)
         self._events: set[asyncio.Task[None]] = set()
+        self.auth_retry = 30.0  # seconds between watches refused with 401/403
 
     # --- start-up and health ------------------------------------------------------------
 
@@ -278,7 +279,8 @@ class KubeCluster:
     # --- while lent -----------------------------------------------------------------------
 
     async def watch_lent(self, on_view: Callable[[NodeView], None] | None = None) -> None:
-        """Follow the lent node until cancelled (cancel it when the reclaim starts).
+        """Follow the lent node until cancelled (cancel it when the reclaim starts);
+        never raises (credentials refused: health red, tried again every `auth_retry` s).
 
         Sets ``hostagent_node_gpu_pods``; a node that loses expected GPUs or stops being
         Ready is a journal error, an Event, the GPU-lost failure metric and a failing
@@ -300,12 +302,19 @@ class KubeCluster:
                 on_view(view)
 
         try:
-            await self.kube.watch_node(self.node, resources=resources, on_change=seen)
-        except KubeAuthError as e:
-            self.trouble = f"kubernetes: cannot watch node {self.node}: {e}"
-            journal.record("watch", self.trouble, vm=self.node, result="unauthorized",
-                           priority=journal.Priority.ERR)
-            raise
+            while True:
+                try:
+                    await self.kube.watch_node(self.node, resources=resources, on_change=seen)
+                except KubeAuthError as e:
+                    # Health stays red until the credentials are fixed; tried again
+                    # meanwhile, so that fixing them is enough.
+                    trouble = f"kubernetes: cannot watch node {self.node}: {e}"
+                    if trouble != self.trouble:
+                        journal.record("watch", trouble, vm=self.node, result="unauthorized",
+                                       priority=journal.Priority.ERR)
+                    self.trouble = trouble
+                    was.clear()
+                    await asyncio.sleep(self.auth_retry)
         finally:
             self.view = None
             if self.metrics is not None:

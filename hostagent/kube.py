@@ -655,6 +655,7 @@ class Kube:
         # yearly) or an exec plugin's token may have expired.
         self._reload = reload
         self._retired: list[Any] = []  # clients replaced by a reload, closed with ours
+        self.last_drain: DrainReport | None = None  # what the last drain did, for status
 
     @classmethod
     async def connect(cls, kubeconfig: Path | None = None, *, timing: Timing | None = None) -> Kube:
@@ -1291,6 +1292,7 @@ class Kube:
         return self._finish(report, on_timeout)
 
     def _finish(self, report: DrainReport, on_timeout: DrainTimeoutAction) -> DrainReport:
+        self.last_drain = report
         abort = not report.complete and on_timeout is DrainTimeoutAction.ABORT
         result = "ok" if report.complete else "aborted" if abort else "incomplete"
         journal.record(

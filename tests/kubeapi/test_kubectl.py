@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from hostagent.config import DrainTimeoutAction
+from hostagent.cluster import KubeCluster
+from hostagent.config import Config, parse
 from hostagent.kube import Kube, Timing
 from tests.kubeapi import StandIn, write_kubeconfig
 
@@ -124,15 +125,41 @@ async def test_hostagent_and_kubectl_draining_at_once_agree(
     api.cluster.add_pdb("web", match_labels={"app": "web"}, max_unavailable=2)
     async with await Kube.connect(write_kubeconfig(tmp_path / "ours", api.url),
                                   timing=FAST) as kube:  # fmt: skip
+        cordons: list[bool] = []
+        cluster = KubeCluster(kube, _config(), remember_cordon=cordons.append)
         theirs = asyncio.create_task(kubectl("drain", "gpu-node", "--ignore-daemonsets",
                                              "--delete-emptydir-data", "--timeout=60s"))
-        ours = await kube.drain("gpu-node", timeout=60, emptydir_ok=True, unmanaged_ok=False,
-                                on_timeout=DrainTimeoutAction.ABORT)  # fmt: skip
+        await asyncio.sleep(0.05)  # kubectl's discovery first, as a person would be
+        assert await cluster.reclaim(["gaming1"]) is None
         out = await theirs
-    assert ours.complete, ours.summary()
+        ours = kube.last_drain
+        await cluster.flush_events()
+    assert ours is not None and ours.complete, ours
     assert "node/gpu-node drained" in out
     assert on_node(api, "gpu-node") == ["logs"]
     assert [ref.name for ref, _ in ours.ignored] == ["logs"]
+    # Both cordoned; whoever was first, the node stays cordoned, as both meant.
+    assert api.cluster.node("gpu-node")["spec"]["unschedulable"] is True
+
+
+def _config() -> Config:
+    return parse("""
+[lendee]
+domain = "gpu-node"
+gpus = ["gpu-a"]
+
+[gpus.gpu-a]
+pci = "0000:01:00.0"
+
+[timeouts]
+drain = "60s"
+
+[policy]
+on_drain_timeout = "abort"
+
+[kubernetes]
+evict_retry = "1s"
+""", "test.toml")
 
 
 async def test_get_events_and_describe_show_hostagents_events(

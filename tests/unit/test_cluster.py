@@ -424,3 +424,24 @@ async def test_a_401_reads_the_kubeconfig_again(tmp_path: Path) -> None:
             write_kubeconfig(kubeconfig, api.url, token="rotated")  # k3s rotated the cert
             result = await kube.cordon("gpu-node", marker_prefix=PREFIX)
             assert result.cordoned_by_us
+
+
+async def test_a_watch_refused_with_403_keeps_health_red_until_fixed(
+        api: StandIn, kube: Kube) -> None:
+    cluster = cluster_for(kube)
+    cluster.auth_retry = 0.05
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    api.fail(r"/api/v1/nodes$", code=403, method="GET", times=None)
+    watch = asyncio.create_task(cluster.watch_lent())
+    try:
+        await until(lambda: cluster.trouble is not None)
+        with pytest.raises(CheckFailed, match="cannot watch node gpu-node: .*403"):
+            await cluster.health()
+        api.clear_faults()  # RBAC fixed
+        await until(lambda: cluster.trouble is None)
+        assert cluster.view is not None and cluster.view.ready
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
