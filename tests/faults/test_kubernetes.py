@@ -23,7 +23,7 @@ from tests.faults.scenario import (
     wait_lent,
 )
 from tests.lab.cluster import LabCluster, lab_cluster
-from tests.lab.lab import LENDEE, Lab
+from tests.lab.lab import GPUS, LENDEE, Lab
 
 pytestmark = pytest.mark.lab
 
@@ -97,7 +97,7 @@ def test_api(lab: Lab, fault: Scenario, api: str) -> None:
         wait_lent(lab, timeout=90)
         fault.recovered()
         assert not cordoned(kc) and marker(kc) is None
-        assert kc.node()["status"]["allocatable"]["nvidia.com/gpu"] == "2"
+        assert kc.node()["status"]["allocatable"]["nvidia.com/gpu"] == str(len(GPUS))
         assert count(lab, event="phase", to="failed") == 0
 
 

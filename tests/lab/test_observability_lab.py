@@ -78,13 +78,14 @@ def test_metrics_health_and_history_follow_a_cycle(lab: Lab, tmp_path: Path) -> 
     scrape = Scraper(port)
     lab.wait_record(event="phase", to="lent")
 
-    # Lent: both GPUs are gpu-node's, one lend counted and verified, every check passes.
+    # Lent: every GPU is gpu-node's, one lend counted and verified, every check passes.
     m = scrape.metrics()
     assert value(m, "hostagent_lendee_phase", phase="lent") == 1
     assert value(m, "hostagent_lendee_phase", phase="off") == 0
-    for gpu, owner in (("gpu-a", "gaming1"), ("gpu-b", "gaming2")):
+    for gpu, owner in (("gpu-a", "gaming1"), ("gpu-a", "gaming-win"), ("gpu-b", "gaming2")):
         assert value(m, "hostagent_gpu_holder", gpu=gpu, vm="gpu-node") == 1
         assert value(m, "hostagent_gpu_holder", gpu=gpu, vm=owner) == 0
+    assert value(m, "hostagent_gpu_holder", gpu="gpu-c", vm="gpu-node") == 1  # owned by nobody
     assert value(m, "hostagent_swaps_total", kind="lend") == 1
     assert value(m, "hostagent_swaps_total", kind="reclaim") == 0
     assert value(m, "hostagent_last_verification_timestamp_seconds") > time.time() - 120
@@ -135,13 +136,14 @@ def test_metrics_health_and_history_follow_a_cycle(lab: Lab, tmp_path: Path) -> 
     assert all(t["duration_s"] is not None for t in h["transitions"] if t["event"] == "phase")
     holders = {gpu: [s["holder"] for s in g["segments"]] for gpu, g in h["gpus"].items()}
     assert holders == {"gpu-a": ["gpu-node", None, "gaming1", None, "gpu-node"],
-                       "gpu-b": ["gpu-node", None, "gpu-node"]}
+                       "gpu-b": ["gpu-node", None, "gpu-node"],
+                       "gpu-c": ["gpu-node", None, "gpu-node"]}
     assert h["gpus"]["gpu-a"]["gaming_s"] > 0 and h["gpus"]["gpu-b"]["gaming_s"] == 0
     [swap] = h["swaps"]
     assert (swap["gpu"], swap["owner"]) == ("gpu-a", "gaming1")
     assert 0 < swap["duration_s"] < 60
     rows = ET.parse(svg).getroot().findall(f".//{SVG}g[@class='row']")
-    assert [r.get("data-gpu") for r in rows] == ["gpu-a", "gpu-b"]
+    assert [r.get("data-gpu") for r in rows] == ["gpu-a", "gpu-b", "gpu-c"]
     table = lab.hostagent("history", "--since", since)
     assert table.returncode == 0 and "per GPU" in table.stdout
     text = lab.hostagent("status")
