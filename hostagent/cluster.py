@@ -213,17 +213,20 @@ class KubeCluster:
         `self.expected` for `status` and the watch."""
         gpus = self._labels(lent)
         labels: dict[str, str] = {}
+        capacity: dict[str, str] = {}
         labelled: int | None = None
         if not self.settings.expected:
             try:
-                labels, annotations = await self.kube.node_metadata(self.node, timeout=10)
+                labels, annotations, capacity = await self.kube.node_metadata(
+                    self.node, timeout=10)
                 previous = annotations.get(f"{self.prefix}lent-gpus", "")
                 labelled = len([g for g in previous.split(",") if g]) or None
             except (NodeNotFound, KubeUnavailable) as e:
                 log.info("node %s unread (%s): expecting one %s per GPU", self.node, e,
                          self.settings.gpu_resource)
         self.expected = expected_gpus(gpus, labels=labels, resource=self.settings.gpu_resource,
-                                      override=self.settings.expected, labelled_gpus=labelled)
+                                      override=self.settings.expected, labelled_gpus=labelled,
+                                      capacity=capacity)
         journal.record("expect", f"node {self.node} must report {self.expected} for "
                        f"{', '.join(gpus)}", vm=self.node, result="decided",
                        gpus=",".join(gpus))

@@ -506,6 +506,7 @@ def expected_gpus(
     resource: str = "nvidia.com/gpu",
     override: Mapping[str, int] | None = None,
     labelled_gpus: int | None = None,
+    capacity: Mapping[str, str] | None = None,
 ) -> ExpectedGpus:
     """What `lent` GPUs make allocatable, decided once per lend. No side effects.
 
@@ -518,7 +519,9 @@ def expected_gpus(
     were written: `labelled_gpus` is that number (hostagent's own annotation of the
     previous lend names those GPUs), else ``nvidia.com/gpu.count`` for mixed MIG, else
     the lent count. MIG counts are per GPU, so this assumes the lent GPUs are
-    partitioned alike; where they are not, set the override.
+    partitioned alike; where they are not, set the override. Without GFD, the MIG
+    resources in the node's `capacity` (the device plugin's, as the last lend of
+    `labelled_gpus` GPUs left them) give the counts per GPU.
     """
     gpus = tuple(sorted(set(lent)))
     n = len(gpus)
@@ -538,6 +541,14 @@ def expected_gpus(
             per = ", ".join(f"{c} {r}" for r, c in sorted(per_gpu.items()))
             return ExpectedGpus(gpus, {r: c * n for r, c in per_gpu.items()},
                                 f"{what} × {per} per GPU, from the MIG labels (mixed strategy)")
+    if not strategy and labelled_gpus and capacity:
+        mig = {r: int(v) // labelled_gpus for r, v in capacity.items()
+               if r.startswith("nvidia.com/mig-") and str(v).isdigit()
+               and int(v) // labelled_gpus > 0}
+        if mig:
+            per = ", ".join(f"{c} {r}" for r, c in sorted(mig.items()))
+            return ExpectedGpus(gpus, {r: c * n for r, c in mig.items()},
+                                f"{what} × {per} per GPU, from the node's MIG resources")
     devices = _label_int(labels, GFD_COUNT)
     if strategy == "single" and devices is not None:
         per_gpu_devices = max(1, devices // (labelled_gpus or n or 1))
@@ -1052,10 +1063,12 @@ class Kube:
 
     async def node_metadata(
         self, node: str, *, timeout: float | None = None
-    ) -> tuple[dict[str, str], dict[str, str]]:
-        """The node's (labels, annotations). Raises NodeNotFound, KubeUnavailable."""
+    ) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
+        """The node's (labels, annotations, capacity). Raises NodeNotFound, KubeUnavailable."""
         current = await self._read_node(node, self._deadline(timeout))
-        return dict(current.metadata.labels or {}), _annotations(current)
+        capacity = (current.status.capacity if current.status is not None else None) or {}
+        return (dict(current.metadata.labels or {}), _annotations(current),
+                {k: str(v) for k, v in capacity.items()})
 
     # --- while lent: the node watched --------------------------------------------------
 

@@ -31,13 +31,24 @@ What it models:
   older is ``ERROR`` 410 Expired, as the watch cache answers) or from now with the
   current objects ADDED first; objects entering or leaving a selector are ADDED or
   DELETED; ``timeoutSeconds``; cut when the server goes down.
+- What a real ``kubectl`` needs (tests.kubeapi.discovery): legacy discovery (``/api``,
+  ``/apis``, one APIResourceList per group version, ``pods/eviction`` included) and
+  server-side Tables for nodes, pods, events and budgets (``get -o wide``), core/v1
+  Events with their field selectors (``get events``, ``describe node``), DaemonSets
+  as stored objects (``drain`` reads a pod's DaemonSet) and node Leases.
+- GPUs as the NVIDIA device plugin and GPU Feature Discovery publish them
+  (`cluster.gpu_status`): time-slicing (``nvidia.com/gpu.replicas``, allocatable × the
+  replicas) and MIG, mixed strategy (``nvidia.com/mig-<profile>`` resources and
+  labels); pods that request GPUs.
 - Faults: refused connections (`StandIn.down`, `down_for`), error answers and delays
-  per path regex (`fail`, `slow`); a bearer token if asked.
+  per path regex (`fail`, `slow`; 401 and 403 with the server's Status bodies); a
+  bearer token if asked.
 - A lab kubelet (`Kubelet`) that posts the node's Ready condition and GPU count from
   the lendee VM's real state.
 
 What it does not model: TLS, authentication beyond one bearer token, authorization,
-admission, namespaces as objects (any namespace name is accepted), any other resource,
+admission, aggregated discovery (a client asking for it gets the legacy form and
+falls back, as from any server before 1.26), namespaces as objects (any namespace name is accepted), any other resource,
 server-side apply, ``$retainKeys``, pagination (``limit`` is ignored: everything comes
 in one page), watch bookmarks, a scheduler (replacement pods go to ``replacement_node``
 or stay Pending), taint-based eviction (a NoExecute taint evicts nothing), Leases and

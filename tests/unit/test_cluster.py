@@ -171,6 +171,13 @@ def test_mig_counts_are_per_gpu_from_labels_of_another_lend() -> None:
                               labelled_gpus=2).resources) == {"nvidia.com/gpu": 21}
 
 
+def test_mig_without_gfd_reads_the_resources_the_last_lend_left() -> None:
+    _, capacity = gpu_status(3, mig={"3g.40gb": 2})
+    e = expected_gpus(["a"], labels={}, labelled_gpus=3, capacity=capacity)
+    assert dict(e.resources) == {"nvidia.com/mig-3g.40gb": 2}
+    assert "MIG resources" in e.how
+
+
 def test_the_override_is_per_lent_gpu() -> None:
     labels, _ = gpu_status(2, replicas=4)
     e = expected_gpus(["a", "b", "c"], labels=labels, override={"nvidia.com/gpu": 2})
