@@ -30,5 +30,6 @@ def lab_session() -> Iterator[Lab]:
 def lab(lab_session: Lab) -> Iterator[Lab]:
     """The session's lab with every VM off and an empty spool, before and after."""
     lab_session.reset()
+    lab_session.partial = True
     yield lab_session
     lab_session.reset()

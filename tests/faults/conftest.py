@@ -30,6 +30,15 @@ class Row:
     metrics: Metrics | None = None
 
 
+@pytest.fixture(autouse=True)
+def all_or_nothing(lab: Lab) -> None:
+    """The faults hit the reclaim and lend roads, which are the same with partial lending
+    off; with it on, every reclaim adds a boot of the lendee with the GPUs left (seconds
+    of TCG each, minutes over the suite) that no fault here is about. The lab tests
+    exercise partial lending, faults included where it changes the road."""
+    lab.partial = False
+
+
 @pytest.fixture
 def fault(lab: Lab, request: pytest.FixtureRequest) -> Iterator[Scenario]:
     """A measured scenario: the watcher runs from here to the end of the test's body."""

@@ -142,6 +142,9 @@ class Lab:
     mark_us: int = 0
     holder: subprocess.Popen[bytes] | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    # policy.partial in the configurations below: the product's default, unless a suite
+    # that tests other roads sets it off (see tests/faults/conftest.py).
+    partial: bool = True
 
     # ---- paths -----------------------------------------------------------------
     def path(self, inside: str) -> Path:
@@ -331,10 +334,11 @@ class Lab:
         # Under the lab root, which the namespace shares: /etc stays the machine's.
         return self.root / "agent" / "config.toml"
 
-    @staticmethod
-    def config_text(*, relend_delay: str = "2s", kubeconfig: Path | None = None) -> str:
+    def config_text(self, *, relend_delay: str = "2s", kubeconfig: Path | None = None) -> str:
         """The lab's agent configuration; with `kubeconfig`, the Kubernetes steps too."""
         text = AGENT_CONFIG.format(relend_delay=relend_delay)
+        if not self.partial:
+            text = text.replace("[policy]\n", "[policy]\npartial = false\n")
         if kubeconfig is not None:
             text += f'\n[kubernetes]\nkubeconfig = "{kubeconfig}"\nevict_retry = "1s"\n'
         return text

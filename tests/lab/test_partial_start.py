@@ -14,12 +14,12 @@ from hostagent import lint
 from hostagent.config import parse
 from hostagent.inbox import HookEvent, Verdict, serve_hooks
 from hostagent.libvirt_host import HookRefused, HostError, Libvirt, read_domains
-from tests.lab.lab import GPUS, LENDEE, Lab
+from tests.lab.lab import AGENT_CONFIG, GPUS, LENDEE, Lab
 
 # libvirt takes one event loop per process: every test here shares the module's.
 pytestmark = [pytest.mark.lab, pytest.mark.asyncio(loop_scope="module")]
 log = logging.getLogger("test.partial")
-CONFIG = parse(Lab.config_text(), "lab")
+CONFIG = parse(AGENT_CONFIG.format(relend_delay="2s"), "lab")
 
 
 @pytest_asyncio.fixture(loop_scope="module")
