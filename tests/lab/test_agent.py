@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import signal
 import threading
@@ -35,36 +36,67 @@ def status(lab: Lab) -> dict:
     return json.loads(out.stdout)
 
 
-def test_full_cycle_virsh_start_reclaims_and_the_game_end_lends_back(lab: Lab) -> None:
+def persistent(lab: Lab) -> str:
+    return lab.virsh("dumpxml", "--inactive", "--security-info", "gpu-node").stdout
+
+
+def same(a: str, b: str) -> bool:
+    """The same definition, line for line; libvirt may reorder controllers when it
+    formats a definition again after a start (it did so for the first plain start)."""
+    if sorted(a.splitlines()) != sorted(b.splitlines()):
+        print("".join(difflib.unified_diff(a.splitlines(True), b.splitlines(True))))
+        return False
+    return True
+
+
+def holders(lab: Lab) -> dict[str, str | None]:
+    return {g["gpu"]: g["holder"] for g in status(lab)["gpus"]}
+
+
+def test_full_cycle_gaming1_plays_while_gpu_node_keeps_the_rest(lab: Lab) -> None:
+    """virsh start gaming1: deferred, reclaimed (drain, agent shutdown), gaming1 starts,
+    and gpu-node starts again at once with gpu-b and gpu-c, verified in the guest; the
+    game ends and gpu-node regrows to all three (policy.regrow: without Kubernetes,
+    after relend_delay). QEMU's lock on each lab GPU's disk proves no GPU is held twice;
+    gpu-node's persistent definition never changes."""
+    definition = persistent(lab)
     lab.start_agent()
     wait_lent(lab)
     assert lab.state("gpu-node") == "running"
-    st = status(lab)
-    assert st["lendee"]["phase"] == "lent"
-    assert {g["gpu"]: g["holder"] for g in st["gpus"]} == {"gpu-a": "gpu-node",
-                                                          "gpu-b": "gpu-node",
-                                                          "gpu-c": "gpu-node"}
+    assert holders(lab) == {"gpu-a": "gpu-node", "gpu-b": "gpu-node", "gpu-c": "gpu-node"}
 
     refused = lab.virsh("start", "gaming1", check=False)
     assert refused.returncode != 0
     assert DEFER in refused.stderr and "gaming1 will start by itself" in refused.stderr
     assert "journalctl -u hostagent -f" in refused.stderr
     lab.wait_state("gaming1", "running", timeout=60)
-    assert lab.state("gpu-node") == "shut off"
-    # It powered off through its guest agent, not by destroy.
+    lent(lab)
+    # It powered off through its guest agent, not by destroy, then came back smaller.
     assert "lab guest: shutdown" in lab.console("gpu-node")
     st = status(lab)
-    assert {g["gpu"]: g["holder"] for g in st["gpus"]} == {"gpu-a": "gaming1", "gpu-b": None,
-                                                          "gpu-c": None}
+    assert st["lendee"]["lent"] == ["gpu-b", "gpu-c"]
+    assert {g["gpu"]: g["holder"] for g in st["gpus"]} == {
+        "gpu-a": "gaming1", "gpu-b": "gpu-node", "gpu-c": "gpu-node"}
+    assert st["verified"]["ok"] and "GPU-a0a0a0a0" not in st["verified"]["summary"]
+    live = lab.virsh("dumpxml", "gpu-node").stdout
+    assert "gpu-a.img" not in live and "gpu-b.img" in live and "gpu-c.img" in live
+    assert lab.virsh("dominfo", "gpu-node").stdout.count("Persistent:     yes") == 1
+    assert same(persistent(lab), definition)
     assert st["intents"] == []
 
     lab.wait_agent("gaming1")
     lab.virsh("shutdown", "--mode", "agent", "gaming1")
-    lent(lab)
-    assert lab.state("gpu-node") == "running"
+    lent(lab, timeout=90)
+    assert holders(lab) == {"gpu-a": "gpu-node", "gpu-b": "gpu-node", "gpu-c": "gpu-node"}
+    assert "gpu-a.img" in lab.virsh("dumpxml", "gpu-node").stdout
+    assert same(persistent(lab), definition)
     assert lab.phases() == ["off>booting", "booting>joining", "joining>lent", "lent>draining",
                             "draining>stopping", "stopping>off", "off>booting",
+                            "booting>joining", "joining>lent", "lent>draining",
+                            "draining>stopping", "stopping>off", "off>booting",
                             "booting>joining", "joining>lent"]
+    regrow = lab.records(event="phase", to="draining")[-1]
+    assert "are free again and policy.regrow = always" in regrow["MESSAGE"]
     # One structured record per transition, with stable fields and a duration.
     for rec in lab.records(event="phase"):
         assert rec["SYSLOG_IDENTIFIER"] == "hostagent"
@@ -75,6 +107,46 @@ def test_full_cycle_virsh_start_reclaims_and_the_game_end_lends_back(lab: Lab) -
     assert len(intent) == 1 and intent[0]["HOSTAGENT_VM"] == "gaming1"
     assert "gaming1 will start by itself" in intent[0]["MESSAGE"]
     assert len(lab.records(event="intent", to="done")) == 1
+
+
+def test_gaming2_mid_game_leaves_gpu_c_and_a_second_owner_is_refused(lab: Lab) -> None:
+    """gaming2 starts while gaming1 plays: gpu-node is reclaimed again and comes back with
+    gpu-c alone. gaming-win, gpu-a's other owner, is refused at once with one sentence
+    while gaming1 holds the card: no reclaim, no wait."""
+    lab.start_agent()
+    wait_lent(lab)
+    lab.virsh("start", "gaming1", check=False)
+    lab.wait_state("gaming1", "running", timeout=60)
+    lent(lab)
+    phases = len(lab.phases())
+    refused = lab.virsh("start", "gaming-win", check=False)
+    assert refused.returncode != 0
+    assert "gpu-a is in use by gaming1" in refused.stderr
+    assert lab.state("gaming-win") == "shut off"
+    assert len(lab.phases()) == phases  # nothing moved for it
+    assert lab.records(event="refuse")[0]["HOSTAGENT_VM"] == "gaming-win"
+
+    lab.virsh("start", "gaming2", check=False)
+    lab.wait_state("gaming2", "running", timeout=60)
+    lent(lab)
+    assert status(lab)["lendee"]["lent"] == ["gpu-c"]
+    assert holders(lab) == {"gpu-a": "gaming1", "gpu-b": "gaming2", "gpu-c": "gpu-node"}
+
+
+def test_all_or_nothing_keeps_the_lendee_off_while_a_game_plays(lab: Lab) -> None:
+    """policy.partial = false: the behaviour before partial lending, kept as a policy."""
+    lab.partial = False
+    lab.start_agent()
+    wait_lent(lab)
+    lab.virsh("start", "gaming1", check=False)
+    lab.wait_state("gaming1", "running", timeout=60)
+    time.sleep(3)  # past relend_delay: still off
+    assert lab.state("gpu-node") == "shut off"
+    assert holders(lab) == {"gpu-a": "gaming1", "gpu-b": None, "gpu-c": None}
+    lab.wait_agent("gaming1")
+    lab.virsh("shutdown", "--mode", "agent", "gaming1")
+    lent(lab)
+    assert holders(lab) == {"gpu-a": "gpu-node", "gpu-b": "gpu-node", "gpu-c": "gpu-node"}
 
 
 def test_owner_started_while_the_lendee_boots_waits_for_its_agent(lab: Lab) -> None:
