@@ -31,9 +31,11 @@ says so loudly, and rebuilds from reality. Unknown keys are ignored.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import os
 import tempfile
+import threading
 import tomllib
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -54,6 +56,7 @@ __all__ = [
     "State",
     "load_state",
     "save_state",
+    "save_state_within",
 ]
 
 STATE_VERSION = 1
@@ -238,6 +241,15 @@ def _aware(value: datetime | None, what: str) -> datetime | None:
 
 def save_state(path: Path, state: State) -> None:
     """Replace `path` with `state`, atomically and durably."""
+    _write(path, state, abandoned=None)
+
+
+# Held around the rename: a write given up on (save_state_within) either renames before
+# a later save does, or not at all. Never an older state over a newer one.
+_RENAME = threading.Lock()
+
+
+def _write(path: Path, state: State, *, abandoned: threading.Event | None) -> bool:
     data = tomli_w.dumps(_encode(state)).encode("utf-8")
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
@@ -248,9 +260,14 @@ def save_state(path: Path, state: State) -> None:
             f.flush()
             os.fchmod(f.fileno(), 0o644)  # not secret; lets an administrator read it
             os.fsync(f.fileno())
-        os.replace(temp, path)
+        with _RENAME:
+            if abandoned is not None and abandoned.is_set():
+                os.unlink(temp)
+                return False
+            os.replace(temp, path)
     except BaseException:
-        os.unlink(temp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
         raise
     # The rename is only durable once the directory entry is.
     dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
@@ -258,6 +275,39 @@ def save_state(path: Path, state: State) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+    return True
+
+
+def save_state_within(path: Path, state: State, seconds: float) -> bool:
+    """`save_state`, waiting at most `seconds` for it: True once durable.
+
+    For a caller that must not acknowledge before the state is on disk (invariant 4)
+    but must answer within a budget (the hook's, a fraction of a second) on a disk
+    that may be busy for seconds. False: not durable in time; the caller answers
+    without acknowledging. The write goes on in a thread and is then dropped before its
+    rename (the file keeps the state it had), unless its rename had already begun, in
+    which case the file holds `state` (it is replaced by the next save; a crash before
+    that keeps it). Raises what save_state raises, if that happens in time.
+    """
+    abandoned = threading.Event()
+    finished = threading.Event()
+    failure: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            _write(path, state, abandoned=abandoned)
+        except BaseException as e:  # handed to the caller, if it still waits
+            failure.append(e)
+        finally:
+            finished.set()
+
+    threading.Thread(target=work, name="state file", daemon=True).start()
+    if not finished.wait(seconds):
+        abandoned.set()
+        return False
+    if failure:
+        raise failure[0]
+    return True
 
 
 # --- saving from the event loop ------------------------------------------------------

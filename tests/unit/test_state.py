@@ -292,3 +292,73 @@ async def test_a_failed_save_is_reported_and_the_next_one_tries_again(tmp_path: 
     disk.fail = None
     assert await saver.submit(State(hold=True)) is None
     assert saver.last_error is None
+
+
+# --- save_state_within: acknowledged only once durable, within a budget ------------------
+
+
+class SlowFsync:
+    """os.fsync that stalls (a busy disk) until released, for the calls it is told."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, stalls: int) -> None:
+        import threading
+        self.real = os.fsync
+        self.stalls = stalls
+        self.release = threading.Event()
+        self.lock = threading.Lock()
+        monkeypatch.setattr(os, "fsync", self)
+
+    def __call__(self, fd: int) -> None:
+        with self.lock:
+            stall, self.stalls = self.stalls > 0, self.stalls - 1
+        if stall:
+            self.release.wait(10)
+        self.real(fd)
+
+
+def _wait_quiet(directory: Path) -> None:
+    import time
+    for _ in range(500):  # the abandoned writer cleans up after itself
+        if not [p for p in directory.iterdir() if p.name.endswith(".tmp")]:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"temporary files left in {directory}")
+
+
+def test_a_save_on_a_busy_disk_gives_up_in_time_and_changes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The hook's defer waited behind two fsyncs on the loop; on a busy disk that is
+    # longer than the hook's whole budget (0.3 s).
+    import time
+    from hostagent.state import save_state_within
+    path = tmp_path / "state.toml"
+    save_state(path, State())
+    disk = SlowFsync(monkeypatch, stalls=1)
+    started = time.monotonic()
+    assert save_state_within(path, State(hold=True), 0.1) is False
+    assert time.monotonic() - started < 0.5
+    disk.release.set()
+    _wait_quiet(tmp_path)
+    assert load_state(path) == (State(), None)  # dropped before its rename
+
+
+def test_an_abandoned_save_never_lands_over_a_later_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hostagent.state import save_state_within
+    path = tmp_path / "state.toml"
+    disk = SlowFsync(monkeypatch, stalls=1)
+    assert save_state_within(path, State(hold=True), 0.05) is False
+    disk.release.set()
+    save_state(path, State(cordoned_by_us=True))
+    _wait_quiet(tmp_path)
+    assert load_state(path) == (State(cordoned_by_us=True), None)
+
+
+def test_a_save_in_time_is_durable_and_its_error_is_raised(tmp_path: Path) -> None:
+    from hostagent.state import save_state_within
+    path = tmp_path / "state.toml"
+    assert save_state_within(path, State(hold=True), 5) is True
+    assert load_state(path) == (State(hold=True), None)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError):
+        save_state_within(tmp_path / "file" / "state.toml", State(), 5)
