@@ -56,10 +56,11 @@ faults: setup
 bench: setup
 	{ echo "# Benchmark results"; echo; \
 	  echo "Measured $$(date -u '+%Y-%m-%d %H:%M UTC') on $$(nproc) CPUs ($$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')), $$(free -g | awk '/^Mem:/ {print $$2}') GiB, $$(uname -sr); libvirt $$(libvirtd --version | awk '{print $$NF}'), $$(qemu-system-x86_64 --version | head -1); the lab's guests run under TCG."; \
-	  echo; echo "What each figure measures, and between which boundaries: the docstrings of bench/hook.py, bench/cycle.py and bench/agent.py."; } > bench/RESULTS.md
+	  echo; echo "What each figure measures, and between which boundaries: the docstrings of bench/hook.py, bench/cycle.py, bench/agent.py and bench/capacity.py."; } > bench/RESULTS.md
 	$(VENV)/bin/python bench/hook.py --runs 500 --markdown bench/RESULTS.md
 	$(VENV)/bin/python -m bench.cycle --cycles 5 --markdown bench/RESULTS.md
 	$(VENV)/bin/python -m bench.agent --markdown bench/RESULTS.md
+	$(VENV)/bin/python -m bench.capacity --markdown bench/RESULTS.md
 	@echo; echo "written to bench/RESULTS.md"
 
 clean:

@@ -1,0 +1,446 @@
+"""Capacity: how much of the GPU time no game uses reaches the cluster, over a week.
+
+    python -m bench.capacity [--markdown FILE] [--seed 14]
+
+A reference week is replayed through the pure machine (`hostagent.machine.step`) on a
+simulated clock: the players, the executor and the cluster are played here, each step
+taking the time it takes on real hardware. No VM runs; the same machine decides as in
+the agent, so the figures are the policy's, not the lab's.
+
+The host: the seeds' tower. Three GPUs, all borrowed by the lendee: gpu-c owned by
+nobody (the GTX 960), gpu-a owned by gaming1 and gpu-b by gaming2 (an RTX 3050 each).
+
+The week (Monday 00:00 to the next; the Sunday before runs as a warm-up, the same way):
+every evening gaming1 plays 19:00-21:00 and gaming2 20:00-22:00 (an hour together);
+on Saturday each also plays six hours, gaming1 10:00-16:00 and gaming2 11:00-17:00. A
+player starts the VM through libvirt (the hook: proceed or defer), and shuts it down at
+the end.
+
+Step durations (seconds), and where each comes from:
+
+- lendee boot, 30: the seeds (001): the GPU node "started in twenty-four seconds" with
+  one card, and after a game "is relaunched in under thirty seconds";
+- guest agent, 45 after the boot (so 75 after the start): the seeds (001): "the agent
+  takes thirty to sixty seconds to come up in a fresh VM"; taken after the boot, not
+  from the start, which is the slower reading;
+- drain, 20: the evictions of a few pods with their default 30 s grace period, most
+  of which exit on SIGTERM well before it (kubectl drain's own loop, DESIGN.md; the lab
+  measures 2.6 s for three pods behind a PodDisruptionBudget);
+- guest shutdown, 15: a systemd guest stopping k3s and its containers (the lab's
+  busybox guest takes 1.5 s; k3s's containerd shim stop is the long part);
+- return to the cluster (Ready and every GPU allocatable after the guest agent
+  answers), 60: the kubelet posts node status every 10 s (nodeStatusUpdateFrequency,
+  Kubernetes docs), flannel and the NVIDIA device plugin DaemonSet pod start once the
+  node is up, and the plugin registers ``nvidia.com/gpu`` after NVML has initialised
+  every card (NVIDIA k8s-device-plugin README); an estimate on the slow side;
+- owner start, 5: libvirt starting a passthrough game VM up to its vCPUs running (the
+  VFIO device reset and DMA mapping of 8 GB of guest memory; the lab's 200 ms has no
+  device to reset);
+- guest-ping of an agent already up, 1; a libvirt start up to its STARTED event, 1.
+
+The cluster's GPU work: single-GPU jobs of 1 to 3 hours arriving every 2 to 6 hours
+(uniformly random, --seed), run first come first served on the node while it is lent
+and has a GPU free. A drain evicts the running ones: each restart of the lendee that
+begins while a job runs is one that "killed a running GPU job" (the job starts over
+later). The node watch reports the count of running GPU jobs to the machine (`GpuPods`).
+
+Figures, per policy, over the measured week:
+
+- lent share: GPU-seconds lent (the lendee LENT, holding the GPU) ÷ GPU-seconds no
+  owner holds (an owner holds its GPU from its STARTED event to its stop);
+- lendee restarts: shutdowns of the lendee (each one followed by a start);
+- restarts that killed a running GPU job (of those, how many were a regrow rather than
+  a game taking its GPU back), and the jobs killed;
+- the longest wait of a player (start asked → the game VM running);
+- regrow waiting: time a regrow waited for the node to be idle of GPU jobs.
+
+``never`` keeps the smallest set the lendee came down to until it stops for another
+reason: over a week with no such stop, gpu-c alone from the first evening on.
+
+Budget: partial lending (the default policy: regrow when idle) lends ≥ 99 % of the
+GPU time no game uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import itertools
+import random
+import sys
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hostagent.machine import IllegalTransition, step, verdict
+from hostagent.model import (
+    Action,
+    AgentUp,
+    CancelRelend,
+    CompleteIntent,
+    Drain,
+    Drained,
+    Event,
+    FailIntent,
+    GpuPods,
+    IntentSource,
+    KubeReturn,
+    LendeeStarted,
+    LendeeStopped,
+    Observed,
+    OwnerStarted,
+    OwnerStarting,
+    OwnerStopped,
+    OwnerWants,
+    Phase,
+    Policy,
+    Regrow,
+    RelendDue,
+    ReturnDone,
+    ScheduleRelend,
+    ShutdownLendee,
+    StartLendee,
+    StartOwner,
+    State,
+    Topology,
+    WaitAgent,
+)
+
+HOUR = 3600.0
+DAY = 24 * HOUR
+WEEK = 7 * DAY
+WARMUP = DAY  # the Sunday before Monday 00:00 (time 0)
+BUDGET = 0.99
+
+TOPO = Topology(
+    lendee="gpu-node",
+    lendee_gpus=frozenset({"gpu-a", "gpu-b", "gpu-c"}),
+    owners={"gaming1": frozenset({"gpu-a"}), "gaming2": frozenset({"gpu-b"})},
+)
+
+
+@dataclass(frozen=True)
+class Durations:
+    """Seconds each step takes (the module docstring says where each comes from)."""
+
+    launch: float = 1.0
+    boot: float = 30.0
+    agent: float = 45.0
+    ping: float = 1.0
+    kube_return: float = 60.0
+    drain: float = 20.0
+    shutdown: float = 15.0
+    owner_start: float = 5.0
+
+
+def sessions() -> list[tuple[float, float, str]]:
+    """(start, end, owner) of every game from the warm-up Sunday to the week's end."""
+    out = []
+    for day in range(-1, 7):  # -1: the Sunday before; 5: Saturday
+        base = day * DAY
+        out += [(base + 19 * HOUR, base + 21 * HOUR, "gaming1"),
+                (base + 20 * HOUR, base + 22 * HOUR, "gaming2")]
+        if day == 5:
+            out += [(base + 10 * HOUR, base + 16 * HOUR, "gaming1"),
+                    (base + 11 * HOUR, base + 17 * HOUR, "gaming2")]
+    return sorted(out)
+
+
+def jobs(seed: int) -> list[tuple[float, float]]:
+    """(arrival, duration) of the cluster's GPU jobs, the same for every policy."""
+    rng = random.Random(seed)
+    out, t = [], -WARMUP
+    while True:
+        t += rng.uniform(2 * HOUR, 6 * HOUR)
+        if t >= WEEK:
+            return out
+        out.append((t, rng.uniform(1 * HOUR, 3 * HOUR)))
+
+
+@dataclass
+class Figures:
+    lent_gs: float = 0.0  # GPU-seconds the lendee held while LENT
+    free_gs: float = 0.0  # GPU-seconds no owner held
+    per_gpu_lent: dict[str, float] = field(default_factory=dict)
+    per_gpu_free: dict[str, float] = field(default_factory=dict)
+    restarts: int = 0
+    killing_restarts: int = 0
+    regrow_kills: int = 0  # of those, restarts no game asked for (a regrow)
+    jobs_killed: int = 0
+    job_hours_done: float = 0.0
+    player_waits: list[float] = field(default_factory=list)
+    regrow_waiting_s: float = 0.0
+    failed_intents: int = 0
+    stale: int = 0
+
+    @property
+    def share(self) -> float:
+        return self.lent_gs / self.free_gs
+
+
+class Replay:
+    """The machine, its executor, libvirt, the players and the cluster on one clock."""
+
+    def __init__(self, policy: Policy, d: Durations, work: list[tuple[float, float]]) -> None:
+        self.policy, self.d = policy, d
+        self.state = State()
+        self.now = -WARMUP
+        self.last = -WARMUP
+        self.heap: list[tuple[float, int, Callable[..., None], tuple[Any, ...]]] = []
+        self.seq = itertools.count()
+        self.ids = itertools.count()
+        self.relend_token = 0
+        self.lendee_started_at = 0.0
+        self.owners_up: set[str] = set()
+        self.asked_at: dict[str, float] = {}
+        self.running: dict[int, tuple[float, float]] = {}  # job id → (end, duration)
+        self.pending: deque[tuple[int, float]] = deque()
+        self.f = Figures()
+        for start, end, owner in sessions():
+            self.at(start, self.player_starts, owner)
+            self.at(end, self.player_stops, owner)
+        for arrival, duration in work:
+            self.at(arrival, self.job_arrives, duration)
+
+    # -- the clock
+
+    def at(self, t: float, fn: Callable[..., None], *args: Any) -> None:
+        heapq.heappush(self.heap, (t, next(self.seq), fn, args))
+
+    def run(self) -> Figures:
+        self.deliver(Observed(at=self.now, lendee_running=False, owners_running=frozenset()))
+        self.deliver(GpuPods(at=self.now, count=0))
+        while self.heap and self.heap[0][0] < WEEK:
+            t, _, fn, args = heapq.heappop(self.heap)
+            self.account(t)
+            self.now = t
+            fn(*args)
+            self.start_jobs()
+        self.account(WEEK)
+        return self.f
+
+    def account(self, t: float) -> None:
+        """Integrate the time since the last event, inside the measured week only."""
+        dt = min(t, WEEK) - max(self.last, 0.0)
+        self.last = t
+        if dt <= 0:
+            return
+        s = self.state
+        held = TOPO.gpus_of(self.owners_up)
+        lent = s.lent if s.phase is Phase.LENT else frozenset()
+        for gpu in TOPO.lendee_gpus:
+            if gpu not in held:
+                self.f.free_gs += dt
+                self.f.per_gpu_free[gpu] = self.f.per_gpu_free.get(gpu, 0.0) + dt
+            if gpu in lent:
+                assert gpu not in held, f"{gpu} lent while an owner holds it"
+                self.f.lent_gs += dt
+                self.f.per_gpu_lent[gpu] = self.f.per_gpu_lent.get(gpu, 0.0) + dt
+        if s.regrow_waiting:
+            self.f.regrow_waiting_s += dt
+
+    def measured(self) -> bool:
+        return 0.0 <= self.now < WEEK
+
+    # -- the machine and its executor
+
+    def deliver(self, event: Event) -> None:
+        try:
+            new, actions = step(self.state, event, topo=TOPO, policy=self.policy)
+        except IllegalTransition:
+            self.f.stale += 1  # a report that went stale: the agent logs it, as here
+            return
+        self.state = new
+        for action in actions:
+            self.execute(action)
+
+    def execute(self, action: Action) -> None:
+        d, now = self.d, self.now
+        match action:
+            case ScheduleRelend(at=due):
+                self.relend_token += 1
+                self.at(max(due, now), self.relend_fires, self.relend_token)
+            case CancelRelend():
+                self.relend_token += 1
+            case StartLendee():
+                self.at(now + d.launch, self.lendee_starts)
+            case WaitAgent(ticket=t):
+                if self.state.phase is Phase.BOOTING:
+                    up = self.lendee_started_at + d.boot + d.agent
+                else:
+                    up = now + d.ping
+                self.at(max(up, now), self.deliver, AgentUp(at=max(up, now), ticket=t))
+            case KubeReturn(ticket=t):
+                self.at(now + d.kube_return, self.deliver,
+                        ReturnDone(at=now + d.kube_return, ticket=t))
+            case Drain(ticket=t):
+                self.evict()
+                self.at(now + d.drain, self.deliver, Drained(at=now + d.drain, ticket=t))
+            case ShutdownLendee():
+                self.at(now + d.shutdown, self.lendee_stops)
+            case StartOwner(owner=o):
+                self.owner_launch(o)
+            case CompleteIntent():
+                pass
+            case FailIntent():
+                self.f.failed_intents += 1
+            case _:
+                raise AssertionError(f"the replay has no executor for {action}")
+
+    def relend_fires(self, token: int) -> None:
+        if token == self.relend_token:
+            self.deliver(RelendDue(at=self.now))
+
+    def lendee_starts(self) -> None:
+        self.lendee_started_at = self.now
+        self.deliver(LendeeStarted(at=self.now))
+
+    def lendee_stops(self) -> None:
+        if self.measured():
+            self.f.restarts += 1
+        self.deliver(LendeeStopped(at=self.now))
+
+    # -- libvirt and the players
+
+    def owner_launch(self, owner: str) -> None:
+        """libvirt starts `owner`: the hook lets it through, it runs a moment later."""
+        decision, why = verdict(self.state, owner, topo=TOPO)
+        assert decision == "proceed", f"{owner}: {decision}: {why}"
+        self.deliver(OwnerStarting(at=self.now, owner=owner))
+        self.at(self.now + self.d.owner_start, self.owner_runs, owner)
+
+    def owner_runs(self, owner: str) -> None:
+        self.owners_up.add(owner)
+        if self.measured():
+            self.f.player_waits.append(self.now - self.asked_at.pop(owner))
+        self.deliver(OwnerStarted(at=self.now, owner=owner))
+
+    def player_starts(self, owner: str) -> None:
+        self.asked_at[owner] = self.now
+        decision, why = verdict(self.state, owner, topo=TOPO)
+        if decision == "proceed":
+            self.owner_launch(owner)
+        elif decision == "defer":
+            self.deliver(OwnerWants(at=self.now, owner=owner, intent_id=f"i{next(self.ids)}",
+                                    source=IntentSource.HOOK))
+        else:
+            raise AssertionError(f"{owner} refused: {why}")
+
+    def player_stops(self, owner: str) -> None:
+        self.owners_up.discard(owner)
+        self.deliver(OwnerStopped(at=self.now, owner=owner))
+
+    # -- the cluster's GPU jobs
+
+    def job_arrives(self, duration: float) -> None:
+        self.pending.append((next(self.ids), duration))
+
+    def start_jobs(self) -> None:
+        s, before = self.state, len(self.running)
+        while self.pending and s.phase is Phase.LENT and len(self.running) < len(s.lent):
+            job, duration = self.pending.popleft()
+            self.running[job] = (self.now + duration, duration)
+            self.at(self.now + duration, self.job_ends, job, self.now + duration)
+        if len(self.running) != before:
+            self.deliver(GpuPods(at=self.now, count=len(self.running)))
+
+    def job_ends(self, job: int, end: float) -> None:
+        if self.running.get(job, (None,))[0] != end:
+            return  # evicted since
+        _, duration = self.running.pop(job)
+        if self.measured():
+            self.f.job_hours_done += duration / HOUR
+        self.deliver(GpuPods(at=self.now, count=len(self.running)))
+
+    def evict(self) -> None:
+        """A drain: every running job is evicted, and will start over."""
+        if not self.running:
+            return
+        if self.measured():
+            self.f.killing_restarts += 1
+            self.f.jobs_killed += len(self.running)
+            if not self.state.intents:
+                self.f.regrow_kills += 1
+        for job, (_, duration) in sorted(self.running.items(), reverse=True):
+            self.pending.appendleft((job, duration))
+        self.running.clear()
+        self.at(self.now, self.deliver, GpuPods(at=self.now, count=0))  # the node watch
+
+
+# (column, policy, whether the node runs the GPU jobs): the last column is the default
+# policy on a node without GPU work, to tell what a regrow waiting for jobs costs.
+POLICIES: list[tuple[str, Policy, bool]] = [
+    ("all or nothing", Policy(partial=False), True),
+    ("partial, when-idle", Policy(), True),
+    ("partial, always", Policy(regrow=Regrow.ALWAYS), True),
+    ("partial, never", Policy(regrow=Regrow.NEVER), True),
+    ("partial, when-idle, no GPU jobs", Policy(), False),
+]
+DEFAULT = "partial, when-idle"
+
+
+def table(results: dict[str, Figures], partial: dict[str, bool]) -> list[list[str]]:
+    def pct(x: float) -> str:
+        return f"{100 * x:.2f} %"
+
+    def row(name: str, fn: Callable[[Figures], str]) -> list[str]:
+        return [name, *(fn(f) for f in results.values())]
+
+    rows = [
+        ["per week", *results],
+        row("lent share (GPU-s lent ÷ GPU-s no owner holds)", lambda f: pct(f.share)),
+        *(row(f"  of {gpu} ({', '.join(owners) or 'owned by nobody'})",
+              lambda f, g=gpu: pct(f.per_gpu_lent.get(g, 0) / f.per_gpu_free[g]))
+          for gpu in sorted(TOPO.lendee_gpus)
+          for owners in [[o for o, gs in TOPO.owners.items() if gpu in gs]]),
+        row("GPU-hours not lent (of those no owner holds)",
+            lambda f: f"{(f.free_gs - f.lent_gs) / HOUR:.1f} h of {f.free_gs / HOUR:.0f} h"),
+        row("lendee restarts", lambda f: str(f.restarts)),
+        row("restarts that killed a running GPU job",
+            lambda f: f"{f.killing_restarts} ({f.regrow_kills} by a regrow)"),
+        row("GPU jobs killed (each starts over)", lambda f: str(f.jobs_killed)),
+        row("GPU-job hours completed", lambda f: f"{f.job_hours_done:.1f} h"),
+        row("a regrow waiting for the node to be idle",
+            lambda f: f"{f.regrow_waiting_s / HOUR:.1f} h"),
+        row("longest wait of a player", lambda f: f"{max(f.player_waits):.0f} s"),
+        row("requests failed", lambda f: str(f.failed_intents)),
+        ["budget: lent share ≥ 99 %",
+         *(("met" if f.share >= BUDGET else "MISSED") if partial[name] else "—"
+           for name, f in results.items())],
+    ]
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--markdown", type=Path, help="append the table to this file")
+    ap.add_argument("--seed", type=int, default=14, help="of the GPU jobs' arrivals")
+    opts = ap.parse_args()
+    d, work = Durations(), jobs(opts.seed)
+    results = {name: Replay(policy, d, work if busy else []).run()
+               for name, policy, busy in POLICIES}
+    share = results[DEFAULT].share
+    ok = share >= BUDGET
+    verdict_line = (f"budget: {DEFAULT} lends ≥ {100 * BUDGET:.0f} % of the GPU time no game "
+                    f"uses: {'met' if ok else 'MISSED'} ({100 * share:.2f} %)")
+    rows = table(results, {name: policy.partial for name, policy, _ in POLICIES})
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    print(verdict_line)
+    if opts.markdown:
+        jobs_note = (f"{len(work)} single-GPU jobs of 1-3 h, one every 2-6 h "
+                     f"(seed {opts.seed})")
+        with opts.markdown.open("a") as f:
+            f.write(f"\n| capacity: {' | '.join(rows[0])} |\n")
+            f.write("|---" * len(rows[0]) + "|\n")
+            f.writelines(f"| {' | '.join(r)} |\n" for r in rows[1:])
+            f.write(f"\nCapacity: a reference week replayed through the machine "
+                    f"(bench/capacity.py); GPU work on the node: {jobs_note}; {verdict_line}.\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
