@@ -3,6 +3,7 @@ and the API stand-in with a kubelet that follows the lendee VM."""
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 from typing import Any
@@ -75,7 +76,10 @@ def test_reclaim_drains_like_kubectl_and_the_return_uncordons(lab: Lab) -> None:
         assert not node["spec"].get("unschedulable")
         assert MARKER not in annotations(node)
         assert annotations(node).get("hostagent.io/state") == "lent"
-        assert node["status"]["allocatable"]["nvidia.com/gpu"] == str(len(GPUS))
+        # As many as this lend gave (partial lending: fewer while an owner plays).
+        lent = annotations(node)["hostagent.io/lent-gpus"].split(",")
+        assert node["status"]["allocatable"]["nvidia.com/gpu"] == str(len(lent))
+        assert 1 <= len(lent) <= len(GPUS)
 
 
 def test_an_administrators_cordon_survives_a_full_cycle(lab: Lab) -> None:
@@ -99,8 +103,8 @@ def test_a_node_back_short_of_gpus_stays_cordoned_with_an_error(lab: Lab) -> Non
         kc.kubelet.gpus_seen = lambda: 0
         play_and_stop(lab)
         failed = lab.wait_record(60, event="phase", to="failed")
-        assert (f"reports 0 allocatable nvidia.com/gpu where {len(GPUS)} were lent"
-                in failed["MESSAGE"])
+        assert re.search(r"reports 0 allocatable nvidia.com/gpu where [1-9] were lent",
+                         failed["MESSAGE"])
         assert failed["PRIORITY"] == "3"
         assert kc.node()["spec"]["unschedulable"] is True
 
