@@ -113,6 +113,19 @@ class KubeCluster:
             detail += f"; {self.view.gpu_pods} pod(s) on it use GPUs"
         return detail
 
+    def status(self) -> dict[str, object]:
+        """What `hostagent status` shows of the cluster: what this lend must make
+        allocatable, and the lent node as the watch last saw it."""
+        view = self.view
+        return {
+            "node": self.node,
+            "expected": None if self.expected is None else str(self.expected),
+            "ready": None if view is None else view.ready,
+            "allocatable": None if view is None else dict(view.allocatable),
+            "gpu_pods": None if view is None else view.gpu_pods,
+            "trouble": self.trouble,
+        }
+
     # --- reclaim --------------------------------------------------------------------------
 
     async def reclaim(self, owners: list[str]) -> str | None:

@@ -926,6 +926,9 @@ class Cluster:
             "phase": phase,
             "conditions": [pod_ready_condition(ready and phase == "Running")],
         }
+        if node and phase in ("Running", "Pending"):
+            self._addresses += 1
+            status["podIP"] = f"10.42.{self._addresses // 250}.{self._addresses % 250 + 2}"
         return self._insert(PODS, {"metadata": meta, "spec": spec, "status": status})
 
     def add_pdb(

@@ -304,6 +304,9 @@ async def test_a_gpu_lost_while_lent_turns_health_red_and_is_recorded(
     try:
         await until(lambda: metrics.gpu_pods and metrics.gpu_pods[-1] == 1)
         assert "1 pod(s) on it use GPUs" in await cluster.health()
+        shown = cluster.status()
+        assert shown["gpu_pods"] == 1 and shown["allocatable"] == {"nvidia.com/gpu": 2}
+        assert shown["expected"] == "2 nvidia.com/gpu (2 GPUs, one nvidia.com/gpu each)"
         set_status(api, allocatable={"nvidia.com/gpu": "1"})  # one fell off the bus
         await until(lambda: cluster.trouble is not None)
         with pytest.raises(CheckFailed, match="lost GPUs while lent: it reports 1 "
