@@ -24,7 +24,7 @@ import sys
 import time
 import uuid
 import xml.etree.ElementTree as ElementTree
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -94,15 +94,28 @@ class Cluster(Protocol):
     async def reclaim(self, owners: list[str]) -> str | None:
         """Cordon and drain; None when done, or why the reclaim must be aborted."""
 
-    async def give_back(self, gpus: int) -> str | None:
-        """Wait Ready and GPUs, uncordon; None when done, or why the node stays cordoned."""
+    async def give_back(self, lent: Collection[str]) -> str | None:
+        """Wait Ready and the `lent` GPUs, uncordon; None when done, or why the node
+        stays cordoned."""
+
+    async def lendee_down(self, *, why: str) -> None:
+        """Cordon (as ours) the node of a lendee that went down, whatever stopped it."""
+
+    async def watch_lent(self, on_view: Callable[[Any], None] | None = None) -> None:
+        """Follow the lent node until cancelled; `on_view` gets each change."""
 
 
 class NoCluster:
     async def reclaim(self, owners: list[str]) -> str | None:
         return None
 
-    async def give_back(self, gpus: int) -> str | None:
+    async def give_back(self, lent: Collection[str]) -> str | None:
+        return None
+
+    async def lendee_down(self, *, why: str) -> None:
+        return None
+
+    async def watch_lent(self, on_view: Callable[[Any], None] | None = None) -> None:
         return None
 
 
@@ -207,6 +220,14 @@ class Agent:
             self._record_phase(old, new, event)
         if old.ticket != new.ticket:
             self._supervise(new.ticket)
+        if new.phase is Phase.LENT and old.phase is not Phase.LENT:
+            # A step of LENT: it ends with the phase (see _supervise).
+            self._spawn(self.cluster.watch_lent(on_view=self._node_view), ticket=new.ticket)
+        if new.phase is Phase.OFF and old.phase not in (Phase.OFF, Phase.DRAINING,
+                                                        Phase.STOPPING):
+            # Down, and not by a reclaim (which cordoned it): a crash, a shutdown by
+            # hand. Cordoned now, so that its return is verified before it takes work.
+            self._spawn(self.cluster.lendee_down(why=f"{self.lendee} stopped"))
         if new.regrow_waiting and not old.regrow_waiting:
             more = self._gpu_names(machine.free_gpus(new, self.topo, self.policy) - new.lent)
             journal.record("regrow", f"{self.lendee} could take {more} too, but "
@@ -242,6 +263,12 @@ class Agent:
         kube = await self._connect_cluster()
         # Reality first: until the machine knows what runs, its verdicts would be guesses.
         await self._observe()
+        if not self.state.phase.lendee_running:
+            # Off at start (a host reboot, a crash while the agent was down): its node
+            # must not take work before the next lend is verified.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.cluster.lendee_down(
+                    why=f"{self.lendee} was found off at start"), 15)
         if self.host_booted:
             self._start_at_boot()
         inbox = Inbox(self._on_hook)
@@ -269,6 +296,10 @@ class Agent:
         finally:
             if self.host_stopping():
                 await self._drain_for_shutdown()
+            flush = getattr(self.cluster, "flush_events", None)
+            if flush is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(flush(), 5)
             hooks.close()
             if self._exporter is not None:
                 self._exporter.close()
@@ -288,20 +319,27 @@ class Agent:
         if self.cfg.kubernetes is None or self.cluster_given:
             return None
         from hostagent.cluster import KubeCluster
-        from hostagent.kube import Kube, KubeConfigError, KubeUnavailable, NodeNotFound, Timing
+        from hostagent.kube import Kube, KubeAuthError, KubeConfigError, KubeUnavailable, Timing
         try:
             kube = await Kube.from_config(
                 self.cfg.kubernetes, timing=Timing(evict_retry=self.cfg.kubernetes.evict_retry))
         except KubeConfigError as e:
             raise StartupError(f"{self.cfg.source}: kubernetes.kubeconfig: {e}") from e
         try:
-            await kube.check_node(self.cfg.lendee.node, timeout=10)
-        except NodeNotFound as e:
-            await kube.close()
-            raise StartupError(f"{self.cfg.source}: lendee.node: {e}") from e
+            check = await kube.check_node(self.cfg.lendee.node, timeout=10)
+            if not check.exists:
+                # Not fatal: a node deleted while its VM was off registers again when
+                # the lendee starts, and only a lend starts it.
+                log.warning("%s; it registers again when %s starts", check, self.lendee)
         except KubeUnavailable as e:
             log.warning("the Kubernetes API is not reachable yet (%s); steps will retry", e)
-        self.cluster = KubeCluster(kube, self.cfg, remember_cordon=self._remember_cordon)
+        except KubeAuthError as e:
+            journal.record("kubernetes", f"the API server refuses hostagent's credentials: {e};"
+                           " every Kubernetes step fails until they are fixed",
+                           result="unauthorized", priority=journal.Priority.ERR)
+        self.cluster = KubeCluster(kube, self.cfg, remember_cordon=self._remember_cordon,
+                                   metrics=self.metrics)
+        self.health.add("kubernetes", health.kubernetes(self.cluster))
         return kube
 
     def _start_at_boot(self) -> None:
@@ -333,6 +371,12 @@ class Agent:
                           f"cordoned, its drain incomplete ({problem})")
                        + "; it is uncordoned after its GPUs are verified at the next boot",
                        vm=self.lendee, result="ok" if problem is None else "failed")
+
+    def _node_view(self, view: Any) -> None:
+        """The lent node changed: the count of GPU pods is what a regrow waits on."""
+        pods = getattr(view, "gpu_pods", None)
+        if pods is not None and pods != self.state.gpu_pods:
+            self.apply(GpuPods(at=_now(), count=pods))
 
     def _remember_cordon(self, ours: bool) -> None:
         # The marker on the Node is what uncordon trusts; the state file keeps a copy.
@@ -561,8 +605,9 @@ class Agent:
             self._relend.cancel()
             self._relend = None
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], action: Action | None = None) -> None:
-        ticket = getattr(action, "ticket", None)
+    def _spawn(self, coro: Coroutine[Any, Any, None], action: Action | None = None, *,
+               ticket: int | None = None) -> None:
+        ticket = getattr(action, "ticket", ticket)
         # A step of the lendee's waits for the steps of earlier phases to be gone.
         previous = [t for t, n in self._steps.items() if ticket is not None and n != ticket]
         task = asyncio.get_running_loop().create_task(self._guard(coro, action, previous))
@@ -725,7 +770,7 @@ class Agent:
         if not self._current(ticket):
             return
         if problem is None:
-            problem = await self.cluster.give_back(len(lent))
+            problem = await self.cluster.give_back(lent)
         if problem is None:
             self.apply(ReturnDone(at=_now(), ticket=ticket))
         else:
@@ -774,8 +819,7 @@ class Agent:
         while True:
             bound = max(1.0, min(30.0, deadline - time.monotonic()))
             try:
-                code, out, err = await self._ask_guest(bound)
-                outcome = in_guest.outcome_of_run(expected, code, out, err)
+                outcome = await self._ask_guest(expected, bound)
             except (HostError, in_guest.VerifyError) as e:
                 outcome = in_guest.Outcome(seen=(), missing=tuple(expected), problem=(
                     f"could not run {self.cfg.verify.command} through {method}: {e}"))
@@ -804,16 +848,23 @@ class Agent:
                        missing=",".join(g.label for g in outcome.missing) or ",".join(leaked))
         return summary
 
-    async def _ask_guest(self, timeout: float) -> tuple[int, str, str]:
-        """(exit status, stdout, stderr) of the GPU query in the lendee."""
-        argv = [self.cfg.verify.command, *in_guest.QUERY]
+    async def _ask_guest(self, expected: list[in_guest.Expected],
+                         timeout: float) -> in_guest.Outcome:
+        """The GPU query in the lendee, with the configured command or where NixOS and
+        the GPU operator put nvidia-smi (`verify.PLACES`)."""
         ssh = self.cfg.verify.ssh
-        if self.cfg.verify.method is VerifyMethod.SSH and ssh is not None:
-            return await in_guest.run_ssh(host=ssh.host, port=ssh.port, user=ssh.user,
-                                          key=str(ssh.key), known_hosts=str(ssh.known_hosts),
-                                          argv=argv, timeout=timeout)
-        done = await self.libvirt.guest_exec(self.lendee, argv[0], argv[1:], timeout=timeout)
-        return done.exitcode, done.stdout, done.stderr
+
+        async def run(command: str) -> tuple[int, str, str]:
+            if self.cfg.verify.method is VerifyMethod.SSH and ssh is not None:
+                return await in_guest.run_ssh(
+                    host=ssh.host, port=ssh.port, user=ssh.user, key=str(ssh.key),
+                    known_hosts=str(ssh.known_hosts), argv=[command, *in_guest.QUERY],
+                    timeout=timeout)
+            done = await self.libvirt.guest_exec(self.lendee, command, list(in_guest.QUERY),
+                                                 timeout=timeout)
+            return done.exitcode, done.stdout, done.stderr
+
+        return await in_guest.query(expected, run, self.cfg.verify.command)
 
     async def _screenshot_dead_boot(self) -> None:
         """The lendee's guest agent never answered after its start: keep its screen,
@@ -983,6 +1034,8 @@ class Agent:
                          "age_s": round(now - i.created_at, 1)} for i in self.state.intents],
             "relend_in_s": round(self.state.relend_at - now, 1) if self.state.relend_at else None,
             "libvirt_connected": self.libvirt.connected,
+            "cluster": (self.cluster.status() if hasattr(self.cluster, "status")
+                        else None),
             "health": [r.as_dict() for r in self.health.last],
         }
 

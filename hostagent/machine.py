@@ -378,6 +378,10 @@ def _owner_started(state: State, event: OwnerStarted, ctx: _Ctx) -> _Outcome:
         # The lendee waited for this start: it now takes what is left, at once.
         new, more = _schedule_relend(new, ctx, event.at)
         actions += more
+    elif new.phase is Phase.LENT:
+        # Its start, pending, held back a regrow for GPUs freed meanwhile: arm it again.
+        new, more = _schedule_relend(new, ctx, event.at + ctx.policy.relend_delay)
+        actions += more
     return new, actions
 
 
@@ -568,8 +572,12 @@ def _observed(state: State, event: Observed, ctx: _Ctx) -> _Outcome:
         # Same instance or not, nobody knows: its agent must answer again.
         lent = ctx.topo.lendee_gpus if event.lendee_gpus is None else event.lendee_gpus
         new, more = _rebuild_running(replace(new, agent_up=False, lent=lent), ctx)
+        # Owners whose GPUs it does not hold were started when they asked; that start
+        # may have been lost with the previous agent.
         others = [
-            StartOwner(owner=o) for o in new.waiting_owners if not ctx.topo.needs_lendee_gpus(o)
+            StartOwner(owner=o)
+            for o in new.waiting_owners
+            if not ctx.topo.owners.get(o, frozenset()) & new.lent
         ]
         return new, actions + more + others
     new = _enter(
@@ -909,7 +917,9 @@ def step(
     return new, actions
 
 
-def verdict(state: State, domain: str, *, topo: Topology) -> tuple[Decision, str]:
+def verdict(
+    state: State, domain: str, *, topo: Topology, gpus: frozenset[str] | None = None
+) -> tuple[Decision, str]:
     """The hook's answer to libvirt's ``prepare begin`` for `domain`, from memory.
 
     Pure and cheap: libvirtd waits on it with its locks held. "defer" and "refuse" come
@@ -921,10 +931,19 @@ def verdict(state: State, domain: str, *, topo: Topology) -> tuple[Decision, str
 
     A start that is allowed here still races a relend that fires before libvirt reports
     the start; QEMU's lock on the device settles that race (one start fails, and the
-    owner's hook then defers).
+    owner's hook then defers). `gpus`, for the lendee: the GPUs of the definition being
+    started (read by the hook from libvirt's XML), which tells the agent's own start
+    from one by hand.
     """
     lendee = topo.lendee
     if domain == lendee:
+        extra = sorted((gpus or frozenset()) - state.lent)
+        if state.phase is Phase.OFF and state.lendee_starting and gpus is not None and extra:
+            # Not the live definition the agent is starting: a start by hand, meanwhile.
+            return "defer", (
+                f"hostagent is starting {lendee} without {', '.join(extra)} right now; "
+                f"it lends {lendee} the rest by itself when they are free ({FOLLOW})"
+            )
         if state.phase is not Phase.OFF or state.lendee_starting:
             return "proceed", f"{lendee} is started by hostagent (or already runs)"
         # By hand: its whole persistent definition, every GPU it may borrow.
@@ -951,8 +970,8 @@ def verdict(state: State, domain: str, *, topo: Topology) -> tuple[Decision, str
         return "refuse", f"{rival} ({FOLLOW})"
     if not topo.needs_lendee_gpus(domain):
         return "proceed", f"{domain} shares no GPU with {lendee}"
-    gpus = ", ".join(sorted(topo.owners[domain] & state.lent))
-    if not gpus:
+    held = ", ".join(sorted(topo.owners[domain] & state.lent))
+    if not held:
         if state.phase is Phase.OFF and not state.lendee_starting:
             return "proceed", f"{lendee} is off"
         return "proceed", f"{lendee} runs without {', '.join(sorted(topo.shared_gpus(domain)))}"
@@ -960,24 +979,24 @@ def verdict(state: State, domain: str, *, topo: Topology) -> tuple[Decision, str
     match state.phase:
         case Phase.OFF:
             what = (
-                f"{lendee} is starting and would take {gpus}; hostagent frees them first "
+                f"{lendee} is starting and would take {held}; hostagent frees them first "
                 f"(shutting {lendee} down cleanly if it got them), and {later} then"
             )
         case Phase.BOOTING | Phase.JOINING | Phase.LENT:
             what = (
-                f"{lendee} holds {gpus}; hostagent is draining it and shutting it "
+                f"{lendee} holds {held}; hostagent is draining it and shutting it "
                 f"down to free them, and {later} then"
             )
         case Phase.DRAINING:
             what = (
-                f"hostagent is draining {lendee} to free {gpus}; {later} once "
+                f"hostagent is draining {lendee} to free {held}; {later} once "
                 f"{lendee} has shut down"
             )
         case Phase.STOPPING:
-            what = f"{lendee} is shutting down to free {gpus}; {later} when it has stopped"
+            what = f"{lendee} is shutting down to free {held}; {later} when it has stopped"
         case Phase.FAILED:
             what = (
-                f"{lendee} holds {gpus} and is stuck (`hostagent status` says why); "
+                f"{lendee} holds {held} and is stuck (`hostagent status` says why); "
                 f"hostagent retries now, and {later} once {lendee} stops"
             )
     return "defer", f"{what} ({FOLLOW})"

@@ -46,10 +46,16 @@ class HeldCluster:
         self.node.append("drained")
         return None
 
-    async def give_back(self, gpus: int) -> str | None:
+    async def give_back(self, lent: object) -> str | None:
         self.returns += 1
         await self.return_go.wait()
         self.node.append("uncordon")
+        return None
+
+    async def lendee_down(self, *, why: str) -> None:
+        self.node.append("cordon (down)")
+
+    async def watch_lent(self, on_view: object = None) -> None:
         return None
 
 

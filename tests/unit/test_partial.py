@@ -655,14 +655,9 @@ def test_free_gpus() -> None:
     assert free_gpus(S(running_owners=vms("gaming3")), TOPO, ALL_OR_NOTHING) == ALL
 
 
-# --- known bugs: minimal sequences the world found ------------------------------------
+# --- minimal sequences the world found (bugs, fixed) -----------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "machine: _observed, finding the lendee running, issues StartOwner again only for "
-    "owners that share no GPU with the lendee (needs_lendee_gpus), not for those whose "
-    "GPUs are outside its live set: their StartOwner, lost with the agent, never comes "
-    "back, and the request waits until the lendee next stops"))
 def test_observed_starts_a_waiting_owner_outside_the_live_set() -> None:
     # gaming1 asked while the lendee ran with gpu-b and gpu-c: started at once (the
     # intent persisted); the agent restarted before the start ran.
@@ -673,10 +668,17 @@ def test_observed_starts_a_waiting_owner_outside_the_live_set() -> None:
     assert StartOwner(owner="gaming1") in actions
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "machine: _owner_started does not arm a regrow in LENT: an owner that reboots "
-    "within relend_delay cancels the regrow while it starts (a pending claimant), and "
-    "once it runs outside the live set nothing arms it again: gpu-b stays unlent"))
+def test_a_start_of_the_lendee_by_hand_during_the_agents_own_is_deferred() -> None:
+    """The hook reads the definition being started: while the agent starts gpu-node
+    without gpu-a, a start by hand of its whole definition is deferred, not taken for
+    the agent's own (the machine would believe a live set it does not have)."""
+    starting = S(lendee_starting=True, lent=gpus(B, C))
+    assert verdict(starting, LENDEE, topo=TOPO, gpus=gpus(B, C))[0] == "proceed"
+    decision, message = verdict(starting, LENDEE, topo=TOPO, gpus=ALL)
+    assert decision == "defer" and message.startswith(
+        "hostagent is starting gpu-node without gpu-a right now")
+
+
 def test_a_regrow_cancelled_by_a_pending_owner_is_armed_again_once_it_runs() -> None:
     state = S(Phase.LENT, lent=gpus(C), running_owners=vms("gaming1", "gaming2"))
     state, actions = run(state, OwnerStopped(at=AT, owner="gaming2"),  # gpu-b is free
@@ -872,7 +874,6 @@ class World(RuleBasedStateMachine):
         if ok:
             self.owners_up.add(owner)
             self.deliver(OwnerStarted(at=self.now, owner=owner), may_be_stale=listed)
-            self.rearm_regrow()
             return
         if ours:
             self.deliver(StartFailed(at=self.now, vm=owner, reason="x"), may_be_stale=True)
@@ -1083,33 +1084,6 @@ class World(RuleBasedStateMachine):
         self.deliver(Observed(at=self.now, lendee_running=self.live is not None,
                               owners_running=frozenset(self.owners_up | self.listed),
                               lendee_gpus=self.live))
-        self.restart_stranded_owners()
-
-    def rearm_regrow(self) -> None:
-        """Known bug (test_a_regrow_cancelled_by_a_pending_owner_is_armed_again, xfail):
-        an owner whose pending start cancelled a regrow runs, outside the live set, and
-        the regrow is not armed again. The operator's `resume` arms it here, so that the
-        world explores on and its resting place is still checked."""
-        s, p = self.state, self.policy
-        if (s.phase is Phase.LENT and not s.hold and p.partial and p.regrow is not Regrow.NEVER
-                and s.relend_at is None and not s.regrow_waiting
-                and not any(TOPO.needs_lendee_gpus(o)
-                            for o in (*s.waiting_owners, *s.starting_owners))
-                and free_gpus(s, TOPO, p) - s.lent):
-            self.deliver(Resume(at=self.now))
-
-    def restart_stranded_owners(self) -> None:
-        """Known bug (test_observed_starts_a_waiting_owner_outside_the_live_set, xfail):
-        a reread that finds the lendee running does not start again a waiting owner
-        whose GPUs the lendee does not hold, so its lost `StartOwner` is never issued
-        again. Issued here as the fixed machine would, so the world explores on."""
-        s = self.state
-        if not s.phase.lendee_running:
-            return
-        for o in s.waiting_owners:
-            if (TOPO.needs_lendee_gpus(o) and not TOPO.owners[o] & s.lent
-                    and StartOwner(owner=o) not in self.queue):
-                self.queue.append(StartOwner(owner=o))
 
     # -- what must always hold
 
