@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hostagent import health, journal, machine, metrics, state as persisted
-from hostagent import lint, screenshots, verify as in_guest
+from hostagent import devices, lint, screenshots, verify as in_guest
+from hostagent.backoff import keep_trying
 from hostagent.config import Config
 from hostagent.config import VerifyMethod
 from hostagent.control import Reply, VerbHandler, current_caller, serve_control
@@ -129,6 +130,10 @@ def _now() -> float:
     return time.time()
 
 
+# Of the hook's 0.3 s budget for an answer: the rest is its own start and the exchange.
+HOOK_SAVE_BUDGET = 0.15
+
+
 def _boot_id() -> str | None:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -145,6 +150,10 @@ def _host_stopping() -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.stdout.strip() == "stopping"
+
+
+async def _await(task: asyncio.Task[None]) -> None:
+    await task
 
 
 def _persisted(state: State) -> tuple[object, ...]:
@@ -190,6 +199,7 @@ class Agent:
         self._fatal: asyncio.Future[BaseException] | None = None
         self.metrics = metrics.Metrics(self.topo)
         self._exporter: asyncio.Server | None = None
+        self._endpoint: Any = None  # the SSH endpoint's server, once bound
         # Checks of real things, not "the process runs" (see hostagent.health).
         self.health = health.Health()
         self.health.add("libvirt", health.libvirt_alive(self.libvirt))
@@ -206,8 +216,12 @@ class Agent:
             log.debug("ignored: %s", e)
             return False
         old = self.state
-        if _persisted(old) != _persisted(new) and not self._save(new) and isinstance(
-                event, OwnerWants):
+        # A hook waits for its answer a fraction of a second: its request gets that long
+        # to be on disk (a busy disk must not make the hook give up and spool it).
+        within = HOOK_SAVE_BUDGET if isinstance(event, OwnerWants) and (
+            event.source is IntentSource.HOOK) else None
+        if _persisted(old) != _persisted(new) and not self._save(new, within=within) and (
+                isinstance(event, OwnerWants)):
             # A request is taken only once it is on disk (invariant 4); a fact is taken
             # whatever the disk says, and its save is retried.
             return False
@@ -278,10 +292,9 @@ class Agent:
         hooks = await serve_hooks(self.cfg.hook_socket, inbox, log=log)
         control = await serve_control(self.cfg.control_socket, self._verbs(), log=log,
                                       **self._control_access())
-        endpoint: Any = None
         try:
             replayed += await replay_spool(self.cfg.spool_dir, inbox, log=log)
-            endpoint = await self._serve_ssh()
+            await self._serve_ssh()
             await self._serve_metrics()
             if replayed:
                 log.info("replayed %d hook event(s) spooled while the agent was down", replayed)
@@ -304,8 +317,8 @@ class Agent:
             if self._exporter is not None:
                 self._exporter.close()
             control.close()
-            if endpoint is not None:
-                endpoint.close()
+            if self._endpoint is not None:
+                self._endpoint.close()
             for task in list(self._tasks):
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -389,15 +402,29 @@ class Agent:
             self._fatal.set_exception(asyncio.CancelledError())
 
     async def _serve_metrics(self) -> None:
+        """/metrics and /healthz; a port that cannot be bound yet (in use, an address
+        not up at boot) is tried again in the background, never a reason to exit."""
         address = self.cfg.metrics.address
         if address is None:
             return
-        try:
-            self._exporter = await metrics.serve(address, self.metrics, self.health, log=log)
-        except OSError as e:
-            raise StartupError(f"{self.cfg.source}: metrics.listen: cannot listen on "
-                               f"{self.cfg.metrics.listen}: {e.strerror or e}; choose a free "
-                               "port, or remove [metrics]") from e
+
+        async def bind() -> None:
+            self._exporter = await keep_trying(
+                lambda: metrics.serve(address, self.metrics, self.health, log=log),
+                what=f"the metrics endpoint on {self.cfg.metrics.listen}",
+                transient=(OSError,))
+
+        await self._bind_soon(bind)
+
+    async def _bind_soon(self, bind: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run `bind` now; if its first attempt does not succeed at once, leave it
+        retrying in the background (its own record says so) and go on."""
+        task = asyncio.get_running_loop().create_task(bind())
+        done, _ = await asyncio.wait({task}, timeout=1.0)
+        if task in done:
+            task.result()  # a StartupError: a person must fix the configuration
+            return
+        self._spawn(_await(task))
 
     def _load(self) -> None:
         saved, warning = persisted.load_state(self.cfg.state_file)
@@ -411,15 +438,16 @@ class Agent:
         self.state = State(intents=intents, hold=saved.hold, relend_at=relend_at,
                            reclaiming=saved.reclaiming)
 
-    def _save(self, state: State | None = None) -> bool:
-        """Write `state` (default: the current one); False if it could not be written.
+    def _save(self, state: State | None = None, *, within: float | None = None) -> bool:
+        """Write `state` (default: the current one); False if it could not be written
+        (or not `within` seconds, when given).
 
         A failure (disk full, EIO, no descriptor left) never stops the agent: it is
         reported once in the journal and in health, and retried every few seconds.
         """
         state = state or self.state
         try:
-            persisted.save_state(self.cfg.state_file, persisted.State(
+            snapshot = persisted.State(
                 intents=tuple(persisted.Intent(
                     id=i.id, owner=i.owner, source=i.source,
                     created=datetime.fromtimestamp(i.created_at, UTC))
@@ -431,7 +459,13 @@ class Agent:
                 relend_at=(datetime.fromtimestamp(state.relend_at, UTC)
                            if state.relend_at is not None else None),
                 lendee_phase=state.phase.value,
-                lendee_phase_since=datetime.fromtimestamp(self.phase_since, UTC)))
+                lendee_phase_since=datetime.fromtimestamp(self.phase_since, UTC))
+            if within is None:
+                persisted.save_state(self.cfg.state_file, snapshot)
+            elif not persisted.save_state_within(self.cfg.state_file, snapshot, within):
+                self._save_failed = (f"the disk did not take {self.cfg.state_file} within "
+                                     f"{within:g}s")
+                return False
         except (OSError, ValueError) as e:
             why = f"cannot write {self.cfg.state_file}: {getattr(e, 'strerror', None) or e}"
             if why != self._save_failed:
@@ -504,7 +538,12 @@ class Agent:
     def _prepare(self, event: HookEvent) -> Verdict:
         """libvirt's ``prepare begin``: the machine's verdict, and what it implies."""
         vm = event.domain
-        decision, message = machine.verdict(self.state, vm, topo=self.topo)
+        gpus = None
+        if vm == self.lendee:
+            # The definition being started says whether it is the agent's own start.
+            with contextlib.suppress(ValueError):
+                gpus = devices.gpus_in(event.xml, self._lendee_gpu_config())
+        decision, message = machine.verdict(self.state, vm, topo=self.topo, gpus=gpus)
         if decision == "refuse":
             journal.record("refuse", f"refused the start of {vm}: {message}", vm=vm,
                            result="refused")
@@ -985,16 +1024,23 @@ class Agent:
                                f"on this host; create it (groupadd {name}) or remove the "
                                "key") from None
 
-    async def _serve_ssh(self) -> Any:
+    async def _serve_ssh(self) -> None:
         """The SSH endpoint when [ssh] is configured (see hostagent.ssh), else None."""
         if self.cfg.ssh is None or self.cfg.ssh_host_key is None:
             return None
         from hostagent import ssh  # asyncssh only where it is used
-        try:
-            return await ssh.serve(self.cfg.ssh.address, self.cfg.ssh_host_key,
-                                   self.cfg.ssh.authorized_keys, self._verbs())
-        except ssh.EndpointError as e:
-            raise StartupError(f"{self.cfg.source}: [ssh]: {e}") from e
+        endpoint, key = self.cfg.ssh, self.cfg.ssh_host_key
+
+        async def bind() -> None:
+            try:
+                self._endpoint = await keep_trying(
+                    lambda: ssh.serve(endpoint.address, key, endpoint.authorized_keys,
+                                      self._verbs()),
+                    what=f"the SSH endpoint on {endpoint.listen}", transient=(ssh.Transient,))
+            except ssh.EndpointError as e:
+                raise StartupError(f"{self.cfg.source}: [ssh]: {e}") from e
+
+        await self._bind_soon(bind)
 
     def _progress(self, event: str, message: str, fields: dict[str, Any]) -> None:
         """Hand one transition to every client following progress. No I/O: a queue each."""

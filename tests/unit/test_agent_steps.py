@@ -245,3 +245,26 @@ async def test_an_owner_starts_at_boot_once(tmp_path: Path) -> None:
             assert [i.owner for i in agent.state.intents] == ["gaming1"]
             fake = agent.libvirt
             await until(lambda: "gaming1" in fake.running)  # type: ignore[attr-defined]  # noqa: B023
+
+
+async def test_a_metrics_port_in_use_is_retried_not_fatal(tmp_path: Path) -> None:
+    """The port is taken when the agent starts (another exporter, an address not up yet
+    at boot): the agent goes on without it and binds it once it is free, instead of
+    exiting 2 and being left failed by RestartPreventExitStatus."""
+    import socket
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    port = squatter.getsockname()[1]
+    text = TWO_OWNERS.format(root=tmp_path) + f'\n[metrics]\nlisten = "127.0.0.1:{port}"\n'
+    agent = Agent(parse(text, "test.toml"))
+    agent._fatal = asyncio.get_running_loop().create_future()
+    await agent._serve_metrics()  # returns: it keeps trying in the background
+    assert agent._exporter is None
+    squatter.close()
+    await until(lambda: agent._exporter is not None, timeout=10)
+    assert agent._exporter is not None
+    agent._exporter.close()
+    assert not agent._fatal.done()
+    for task in list(agent._tasks):
+        task.cancel()
