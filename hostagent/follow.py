@@ -43,7 +43,6 @@ def format_reply(reply: Reply) -> str:
         return f"error: {reply.get('error')}"
     data = reply.get("data") or {}
     if "lendee" in data:
-        from hostagent.cli import format_status  # the table of `hostagent status`
         table = format_status(data)
         return f"{data['message']}\n\n{table}" if "message" in data else table
     return str(data.get("message", "ok"))
@@ -133,3 +132,56 @@ def _stopped(verb: str, args: dict[str, Any], why: str) -> str:
                "release": f"the shutdown of {args.get('vm')} goes on",
                "reclaim": "the reclaim goes on"}.get(verb, "the request goes on")
     return f"stopped waiting {why}; {goes_on}: follow it with `hostagent status`"
+
+
+def format_status(data: dict[str, Any]) -> str:
+    lendee = data["lendee"]
+    since = time.time() - lendee["since"]
+    lines = [f"lendee {lendee['domain']}: {lendee['phase']} for {_age(since)}"
+             + (" (lending on hold)" if lendee["hold"] else "")]
+    if lendee["reason"]:
+        lines.append(f"  reason: {lendee['reason']}")
+    if lendee.get("lent"):
+        lines.append(f"  runs with {', '.join(lendee['lent'])}")
+    if lendee.get("regrow_waiting"):
+        lines.append("  would take the GPUs freed since, once no pod on its node uses a GPU")
+    checked = data.get("verified")
+    if checked:
+        lines.append(f"  GPUs checked in the guest {_age(time.time() - checked['at'])} ago: "
+                     + ("ok" if checked["ok"] else "MISMATCH") + f" ({checked['summary']})")
+    if data.get("relend_in_s") is not None:
+        lines.append(f"  lending again in {_age(data['relend_in_s'])}")
+    rows = [("GPU", "NAME", "PCI", "OWNERS", "HELD BY")]
+    for g in data["gpus"]:
+        rows.append((g["gpu"], g["name"] or "-", g["pci"], ", ".join(g["owners"]) or "-",
+                     g["holder"] or "nobody"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines.append("")
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+              for r in rows]
+    lines.append("")
+    if data["intents"]:
+        lines.append("waiting to start:")
+        for i in data["intents"]:
+            lines.append(f"  {i['owner']} (asked via {i['source']}, {_age(i['age_s'])} ago)")
+    else:
+        lines.append("nothing waiting to start")
+    if not data.get("libvirt_connected", True):
+        lines.append("libvirt: NOT connected (reconnecting)")
+    failed = [c for c in data.get("health", []) if not c["ok"]]
+    if failed:
+        lines.append("")
+        lines.append("failed checks:")
+        lines += [f"  {c['check']}: {c['detail']}" for c in failed]
+    elif data.get("health"):
+        lines.append(f"health: {len(data['health'])} checks pass")
+    return "\n".join(lines)
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hostagent import config, health, machine, metrics
-from hostagent.cli import format_status
+from hostagent.follow import format_status
 from hostagent.health import CheckFailed, Health
 from hostagent.model import (
     AgentUp,
