@@ -20,7 +20,12 @@ from hostagent.agent import Agent
 from hostagent.config import parse
 from hostagent.inbox import HookEvent
 from hostagent.model import Observed, OwnerStopped, OwnerWants, IntentSource, Phase
-from tests.unit.test_control import FakeLibvirt, make_agent, until
+from tests.unit.test_control import (  # noqa: F401 (a fixture)
+    FakeLibvirt,
+    make_agent,
+    no_step_outlives_its_test,
+    until,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -177,7 +182,7 @@ async def test_a_second_owner_of_a_gpu_is_refused_with_one_sentence(tmp_path: Pa
     assert (verdict.decision, verdict.message.split(" (")[0]) == (
         "defer", "gpu-a is in use by gaming1")
     assert agent.state.intents == ()
-    replies = [r async for r in agent._verbs()["play"]({"vm": "gaming1-linux"})]
+    replies = [r async for r in agent.verbs.handlers()["play"]({"vm": "gaming1-linux"})]
     assert replies[-1] == {"ok": False,
                            "error": "gaming1-linux cannot start now: gpu-a is in use by gaming1"}
 
@@ -266,5 +271,5 @@ async def test_a_metrics_port_in_use_is_retried_not_fatal(tmp_path: Path) -> Non
     assert agent._exporter is not None
     agent._exporter.close()
     assert not agent._fatal.done()
-    for task in list(agent._tasks):
+    for task in list(agent.executor.tasks):
         task.cancel()

@@ -181,7 +181,7 @@ class FakeLibvirt:
         self.connected = True
 
     def _event(self, vm: str, kind: Lifecycle, delay: float = 0.01) -> None:
-        asyncio.get_running_loop().call_later(delay, self.agent._lifecycle, vm, kind)
+        asyncio.get_running_loop().call_later(delay, self.agent.lifecycle, vm, kind)
 
     async def start(self, name: str) -> None:
         self.calls.append(("start", name))
@@ -260,6 +260,18 @@ method = "none"
 """
 
 
+@pytest.fixture(autouse=True)
+async def no_step_outlives_its_test() -> AsyncIterator[None]:
+    """The agent's steps run as tasks: each test's are cancelled and awaited at its end,
+    as the agent does when it stops, before the event loop closes."""
+    yield
+    me = asyncio.current_task()
+    left = [t for t in asyncio.all_tasks() if t is not me]
+    for task in left:
+        task.cancel()
+    await asyncio.gather(*left, return_exceptions=True)
+
+
 def make_agent(tmp_path: Path, relend: str = "0.2s") -> tuple[Agent, FakeLibvirt]:
     cfg = parse(CONFIG.format(root=tmp_path, relend=relend), "test.toml")
     agent = Agent(cfg)
@@ -284,7 +296,7 @@ async def until(cond: Any, timeout: float = 5) -> None:
 
 
 async def collect(agent: Agent, verb: str, **args: Any) -> list[Reply]:
-    return [r async for r in agent._verbs()[verb](args)]
+    return [r async for r in agent.verbs.handlers()[verb](args)]
 
 
 def healthy(agent: Agent) -> None:
@@ -296,7 +308,7 @@ async def test_play_persists_the_intent_then_streams_every_step_until_it_runs(
     agent, fake = make_agent(tmp_path)
     await lent(agent, fake)
     replies: list[Reply] = []
-    async for reply in agent._verbs()["play"]({"vm": "gaming1"}):
+    async for reply in agent.verbs.handlers()["play"]({"vm": "gaming1"}):
         if not replies:  # persisted before the client hears anything
             saved, _ = persisted.load_state(agent.cfg.state_file)
             assert [i.owner for i in saved.intents] == ["gaming1"]
@@ -344,11 +356,11 @@ async def test_play_answers_at_once_or_names_the_owners(tmp_path: Path) -> None:
 async def test_a_client_gone_mid_play_does_not_cancel_the_intent(tmp_path: Path) -> None:
     agent, fake = make_agent(tmp_path)
     await lent(agent, fake)
-    stream = agent._verbs()["play"]({"vm": "gaming1"})
+    stream = agent.verbs.handlers()["play"]({"vm": "gaming1"})
     first = await stream.__anext__()
     assert first["to"] == "pending"
     await stream.aclose()  # what the control socket does when the client hangs up
-    assert not agent._followers
+    assert not agent.verbs._followers
     await until(lambda: "gaming1" in agent.state.running_owners)
     assert agent.state.intents == ()
     healthy(agent)
@@ -366,7 +378,7 @@ async def test_play_stops_waiting_with_the_reason_when_the_lendee_gets_stuck(
         "the request stands: gaming1 starts by itself once gpu-node has stopped")
     assert [i.owner for i in agent.state.intents] == ["gaming1"]  # still pending
     fake.running.discard("gpu-node")  # a human stops it: the game starts
-    agent._lifecycle("gpu-node", Lifecycle.STOPPED)
+    agent.lifecycle("gpu-node", Lifecycle.STOPPED)
     await until(lambda: "gaming1" in fake.running)
 
 
@@ -393,7 +405,7 @@ async def test_release_through_the_guest_agent_or_acpi_then_says_when_it_lends(
     assert (await collect(agent, "release", vm="gaming2"))[0]["data"]["message"].startswith(
         "gaming2 is not running; gpu-node gets its GPUs back in")
     fake.running.add("gaming1")
-    agent._lifecycle("gaming1", Lifecycle.STARTED)
+    agent.lifecycle("gaming1", Lifecycle.STARTED)
     fake.ignores_shutdown.add("gaming1")
     *_, result = await collect(agent, "release", vm="gaming1")
     assert result == {"ok": False, "elapsed_s": result["elapsed_s"], "error": (

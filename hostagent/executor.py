@@ -1,0 +1,395 @@
+"""The executor: each action of the machine becomes one supervised step.
+
+A step is a task. The lendee's steps (drain, waits, shutdown, the return to the cluster)
+belong to the phase that started them, named by its ticket: when the phase moves on
+they are cancelled, and the next phase's steps await them before touching anything
+(`spawn`, `supervise`), so a stale return can never uncordon a node in the middle of a
+new drain. Every step reports what happened as an event, through the agent's `apply`;
+none changes the state itself. A step that fails unexpectedly ends the process, and
+systemd restarts it: the restart resumes from libvirt and the state file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any
+
+from hostagent import journal, lint, machine, screenshots
+from hostagent import verify as in_guest
+from hostagent.config import VerifyMethod
+from hostagent.libvirt_host import DomainNotFound, HookRefused, HostError, Lifecycle
+from hostagent.model import (
+    Action,
+    AgentTimeout,
+    AgentUp,
+    CancelRelend,
+    CompleteIntent,
+    Drain,
+    Drained,
+    DrainFailed,
+    FailIntent,
+    ForceOff,
+    KubeReturn,
+    LendeeStopped,
+    Phase,
+    RelendDue,
+    ReturnDone,
+    ReturnFailed,
+    ScheduleRelend,
+    ShutdownLendee,
+    ShutdownTimeout,
+    StartFailed,
+    StartLendee,
+    StartOwner,
+    WaitAgent,
+)
+
+if TYPE_CHECKING:
+    from hostagent.agent import Agent
+
+log = logging.getLogger("hostagent")
+
+
+def _now() -> float:
+    return time.time()
+
+
+class Executor:
+    """Runs the machine's actions for `host`, which owns the state and `apply`."""
+
+    def __init__(self, host: Agent) -> None:
+        self.host = host
+        self.tasks: set[asyncio.Task[None]] = set()
+        # The lendee's steps, by the ticket of the phase that started them: a step is
+        # cancelled, and awaited, when its phase ends (see supervise).
+        self._steps: dict[asyncio.Task[None], int] = {}
+        self._relend: asyncio.TimerHandle | None = None
+        self.stopped: dict[str, asyncio.Event] = {}
+        # Set when libvirt sees the lendee's qemu-ga connect: wakes the guest-ping wait.
+        self.agent_connected = asyncio.Event()
+        # The last in-guest check, for `status`: at (unix time), ok, summary.
+        self.verified: dict[str, Any] | None = None
+
+    def execute(self, action: Action) -> None:
+        match action:
+            case Drain(ticket=t):
+                self.spawn(self._drain(t), action)
+            case WaitAgent(ticket=t):
+                self.spawn(self._wait_agent(t), action)
+            case ShutdownLendee(ticket=t):
+                self.spawn(self._shutdown(t), action)
+            case ForceOff(ticket=t):
+                self.spawn(self._force_off(t), action)
+            case StartOwner(owner=owner):
+                self.spawn(self._start(owner, action), action)
+            case StartLendee(gpus=gpus):
+                self.spawn(self._start(self.host.lendee, action, gpus), action)
+            case KubeReturn(ticket=t):
+                self.spawn(self._give_back(t), action)
+            case ScheduleRelend(at=at):
+                self._cancel_relend()
+                self._relend = asyncio.get_running_loop().call_later(
+                    max(0.0, at - _now()), lambda: self.host.apply(RelendDue(at=_now())))
+            case CancelRelend():
+                self._cancel_relend()
+            case CompleteIntent(intent_id=iid, owner=owner):
+                journal.record("intent", f"{owner} is running, as asked", vm=owner,
+                               to="done", result="ok", intent=iid)
+                self.host.verbs.answer(iid, True, f"{owner} is running")
+            case FailIntent(intent_id=iid, owner=owner, reason=reason):
+                journal.record("intent", f"could not start {owner}: {reason}", vm=owner,
+                               to="failed", result="failed", intent=iid,
+                               priority=journal.Priority.ERR)
+                self.host.verbs.answer(iid, False, reason)
+            case _:
+                raise AssertionError(f"unhandled action {action}")
+
+    def _cancel_relend(self) -> None:
+        if self._relend is not None:
+            self._relend.cancel()
+            self._relend = None
+
+    def spawn(self, coro: Coroutine[Any, Any, None], action: Action | None = None, *,
+               ticket: int | None = None) -> None:
+        ticket = getattr(action, "ticket", ticket)
+        # A step of the lendee's waits for the steps of earlier phases to be gone.
+        previous = [t for t, n in self._steps.items() if ticket is not None and n != ticket]
+        task = asyncio.get_running_loop().create_task(self._guard(coro, action, previous))
+        # A step cancelled before it began was never awaited: close it (no warning).
+        task.add_done_callback(lambda _: coro.close())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        if ticket is not None:
+            self._steps[task] = ticket
+            task.add_done_callback(lambda t: self._steps.pop(t, None))
+
+    def supervise(self, ticket: int) -> None:
+        """A new phase began: cancel every step of the earlier ones (a drain, a return to
+        the cluster, a wait). The next step awaits them before it touches anything, and
+        a step whose ticket is stale never acts (it is cancelled at its next await)."""
+        me = asyncio.current_task()
+        for task, n in list(self._steps.items()):
+            if n != ticket and task is not me:
+                task.cancel()
+
+    def _wanted(self, action: Action) -> bool:
+        """An action can go stale between being issued and running (see the machine)."""
+        if machine.still_wanted(self.host.state, action, topo=self.host.topo):
+            return True
+        log.debug("skipped, no longer wanted: %s", action)
+        return False
+
+    async def _guard(self, coro: Coroutine[Any, Any, None], action: Action | None,
+                     previous: list[asyncio.Task[None]] | None = None) -> None:
+        if previous:
+            await asyncio.gather(*previous, return_exceptions=True)
+        if action is not None and not self._wanted(action):
+            coro.close()
+            return
+        # A bug in one action must not wedge the agent silently: end the process and let
+        # systemd restart it; the restart resumes from libvirt and the state file.
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            log.exception("an action failed unexpectedly; stopping so that systemd restarts us")
+            if self.host._fatal is not None and not self.host._fatal.done():
+                self.host._fatal.set_exception(e)
+
+    def _current(self, ticket: int) -> bool:
+        return self.host.state.ticket == ticket
+
+    async def _drain(self, ticket: int) -> None:
+        problem = await self.host.cluster.reclaim(list(self.host.state.waiting_owners))
+        if problem is None:
+            self.host.apply(Drained(at=_now(), ticket=ticket))
+        else:
+            self.host.apply(DrainFailed(at=_now(), ticket=ticket, reason=problem))
+
+    async def _wait_agent(self, ticket: int) -> None:
+        """guest-ping until it answers, bounded: the agent needs 30-60 s in a fresh VM.
+
+        libvirt tells us when qemu-ga connects its port, so the wait is mostly asleep;
+        the pings with backoff are what decides (a connected agent may still not answer).
+        """
+        deadline = time.monotonic() + self.host.cfg.timeouts.guest_agent
+        delay = 1.0
+        while self._current(ticket):
+            self.agent_connected.clear()
+            try:
+                if await self.host.libvirt.ping_agent(self.host.lendee, timeout=3):
+                    self.host.apply(AgentUp(at=_now(), ticket=ticket))
+                    return
+            except DomainNotFound:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if self.host.state.phase is Phase.BOOTING:
+                    await self._screenshot_dead_boot()
+                self.host.apply(AgentTimeout(at=_now(), ticket=ticket))
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.agent_connected.wait(), min(delay, left))
+            delay = min(delay * 1.5, 5.0)
+
+    async def _shutdown(self, ticket: int) -> None:
+        stopped = self.stopped.setdefault(self.host.lendee, asyncio.Event())
+        stopped.clear()
+        for attempt in range(3):
+            try:
+                await self.host.libvirt.shutdown_via_agent(self.host.lendee)
+                break
+            except HostError as e:
+                if not await self.host.libvirt.is_running(self.host.lendee):
+                    break
+                log.warning("guest-agent shutdown of %s failed (%s); retrying", self.host.lendee, e)
+                await asyncio.sleep(1 + attempt + random.random())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopped.wait(), self.host.cfg.timeouts.shutdown)
+        if await self.host.libvirt.is_running(self.host.lendee):
+            self.host.apply(ShutdownTimeout(at=_now(), ticket=ticket))
+        elif self.host.state.phase is not Phase.OFF:
+            self.host.apply(LendeeStopped(at=_now()))  # the event was lost; reality says off
+
+    async def _force_off(self, ticket: int) -> None:
+        grace = self.host.cfg.policy.force_off_after or 0.0
+        journal.record("force-off", f"{self.host.lendee} did not shut down: forcing it off in "
+                       f"{grace:g}s as policy.force_off_after allows", vm=self.host.lendee,
+                       result="forced", priority=journal.Priority.WARNING)
+        await asyncio.sleep(grace)
+        if self._current(ticket):
+            with contextlib.suppress(HostError):
+                await self.host.libvirt.destroy(self.host.lendee)
+
+    async def _start(self, vm: str, action: Action,
+                     gpus: frozenset[str] | None = None) -> None:
+        """Start a VM; a failed start is retried twice with jittered backoff (starting a
+        running VM is a no-op, so retrying is safe), all within timeouts.start. A start
+        a hook refused is not retried: it would only be refused again.
+        Unless policy.lint_before_start is off, a VM whose XML has errors on this host
+        is not started: the finding is in the journal and the start fails with it.
+        The lendee starts with `gpus` only: a live definition for this boot, without the
+        others' devices; its persistent definition is never edited."""
+        if self.host.cfg.policy.lint_before_start:
+            refusal = await self._lint_before_start(vm)
+            if refusal is not None:
+                self.host.apply(StartFailed(at=_now(), vm=vm, reason=refusal))
+                return
+        deadline = time.monotonic() + self.host.cfg.timeouts.start
+        for attempt in range(3):
+            if attempt and not self._wanted(action):
+                return
+            try:
+                libvirt = self.host.libvirt
+                start = (libvirt.start(vm) if gpus is None else libvirt.start_with(
+                    vm, drop=self.host.topo.lendee_gpus - gpus, gpus=self.lendee_gpu_config()))
+                await asyncio.wait_for(start, deadline - time.monotonic())
+                break
+            except HookRefused as e:
+                self.host.apply(StartFailed(at=_now(), vm=vm, reason=e.sentence or str(e)))
+                return
+            except DomainNotFound as e:
+                self.host.apply(StartFailed(at=_now(), vm=vm, reason=str(e)))
+                return
+            except (HostError, TimeoutError) as e:
+                reason = str(e) or f"no answer within {self.host.cfg.timeouts.start:g}s"
+                pause = (1 + attempt) * (0.5 + random.random())
+                if attempt == 2 or time.monotonic() + pause >= deadline:
+                    self.host.apply(StartFailed(at=_now(), vm=vm, reason=reason))
+                    return
+                log.warning("starting %s failed (%s); retrying in %.1fs", vm, reason, pause)
+                await asyncio.sleep(pause)
+        # The lifecycle event normally got here first; if it was lost, reality decides.
+        self.host.lifecycle(vm, Lifecycle.STARTED)
+
+    def lendee_gpu_config(self) -> dict[str, Any]:
+        """The configured GPUs the lendee may borrow, by label (their PCI functions)."""
+        return {label: self.host.cfg.gpus[label] for label in self.host.topo.lendee_gpus
+                if label in self.host.cfg.gpus}
+
+    async def _give_back(self, ticket: int) -> None:
+        # What the driver in the guest sees comes first: the cluster's return uncordons.
+        lent = self.host.state.lent
+        problem = await self._verify_gpus(ticket, lent)
+        if not self._current(ticket):
+            return
+        if problem is None:
+            problem = await self.host.cluster.give_back(lent)
+        if problem is None:
+            self.host.apply(ReturnDone(at=_now(), ticket=ticket))
+        else:
+            self.host.apply(ReturnFailed(at=_now(), ticket=ticket, reason=problem))
+
+    async def _lint_before_start(self, vm: str) -> str | None:
+        """Why `vm` must not be started (errors in its XML on this host), or None.
+
+        Only what the domain's own XML says, against the host (`lint.check_domain`):
+        whether the configuration agrees with it is `hostagent lint`'s job.
+        """
+        try:
+            dom = lint.parse_domain(await self.host.libvirt.xml(vm))
+        except (HostError, ValueError):
+            return None  # the start itself will say what is wrong
+        findings = await asyncio.to_thread(lint.check_domain, dom, lendee=vm == self.host.lendee)
+        for f in findings:
+            error = f.severity is lint.Severity.ERROR
+            journal.record("lint", f"{vm}: {f.what}: {f.why} Fix: {f.fix}", vm=vm,
+                           result="refused" if error else "warning", check=f.check.value,
+                           priority=journal.Priority.ERR if error else journal.Priority.WARNING)
+        errors = lint.errors(findings)
+        if not errors:
+            return None
+        return (f"hostagent did not start {vm}: " + "; ".join(f.what for f in errors)
+                + f" (`hostagent lint {vm}` says why and how to fix it)")
+
+    async def _verify_gpus(self, ticket: int, lent: frozenset[str]) -> str | None:
+        """Ask the driver in the lendee which GPUs it sees; None if exactly the lent ones.
+
+        Retried until verify.timeout: the guest agent answers before the NVIDIA driver
+        has always loaded. The outcome is one journal record, an error naming the
+        missing GPUs and the usual causes when it fails."""
+        method = self.host.cfg.verify.method
+        if method is VerifyMethod.NONE:
+            return None
+        expected = [in_guest.Expected(label=label, uuid=gpu.uuid if gpu else None,
+                                      name=gpu.name if gpu else None)
+                    for label in sorted(lent)
+                    for gpu in [self.host.cfg.gpus.get(label)]]
+        deadline = time.monotonic() + self.host.cfg.verify.timeout
+        while True:
+            bound = max(1.0, min(30.0, deadline - time.monotonic()))
+            try:
+                outcome = await self._ask_guest(expected, bound)
+            except (HostError, in_guest.VerifyError) as e:
+                outcome = in_guest.Outcome(seen=(), missing=tuple(expected), problem=(
+                    f"could not run {self.host.cfg.verify.command} through {method}: {e}"))
+            if outcome.ok or not self._current(ticket) or time.monotonic() + 3 >= deadline:
+                break
+            await asyncio.sleep(3)
+        if not self._current(ticket):
+            return None
+        # Exactly the lent set: a GPU this boot left out but the guest sees means its
+        # live definition was not what the agent asked for.
+        withheld = {gpu.uuid: label for label in self.host.topo.lendee_gpus - lent
+                    for gpu in [self.host.cfg.gpus.get(label)] if gpu is not None and gpu.uuid}
+        leaked = sorted(withheld[g.uuid] for g in outcome.seen if g.uuid in withheld)
+        ok = outcome.ok and not leaked
+        summary = outcome.summary(self.host.lendee)
+        if outcome.ok and leaked:
+            names = self.host.recorder.gpu_names(tuple(leaked))
+            summary = (f"the driver in {self.host.lendee} also sees {names}, "
+                       "which this boot did not lend it (its live definition was not applied)")
+        self.verified = {"at": _now(), "ok": ok, "summary": summary}
+        if ok:
+            journal.record("verify", summary, vm=self.host.lendee, result="ok", method=method.value,
+                           gpus=",".join(g.uuid for g in outcome.seen))
+            return None
+        journal.record("verify", f"{summary}; {in_guest.CAUSES}", vm=self.host.lendee,
+                       result="mismatch", method=method.value, priority=journal.Priority.ERR,
+                       missing=",".join(g.label for g in outcome.missing) or ",".join(leaked))
+        return summary
+
+    async def _ask_guest(self, expected: list[in_guest.Expected],
+                         timeout: float) -> in_guest.Outcome:
+        """The GPU query in the lendee, with the configured command or where NixOS and
+        the GPU operator put nvidia-smi (`verify.PLACES`)."""
+        ssh = self.host.cfg.verify.ssh
+
+        async def run(command: str) -> tuple[int, str, str]:
+            if self.host.cfg.verify.method is VerifyMethod.SSH and ssh is not None:
+                return await in_guest.run_ssh(
+                    host=ssh.host, port=ssh.port, user=ssh.user, key=str(ssh.key),
+                    known_hosts=str(ssh.known_hosts), argv=[command, *in_guest.QUERY],
+                    timeout=timeout)
+            done = await self.host.libvirt.guest_exec(self.host.lendee, command,
+                                                      list(in_guest.QUERY),
+                                                 timeout=timeout)
+            return done.exitcode, done.stdout, done.stderr
+
+        return await in_guest.query(expected, run, self.host.cfg.verify.command)
+
+    async def _screenshot_dead_boot(self) -> None:
+        """The lendee's guest agent never answered after its start: keep its screen,
+        the one witness left (a UEFI shell, an installer, firmware stuck on a ROM)."""
+        lendee = self.host.lendee
+        waited = f"{self.host.cfg.timeouts.guest_agent:g}s"
+        try:
+            mime, data = await self.host.libvirt.screenshot(lendee)
+            path = await asyncio.to_thread(screenshots.save,
+                                           self.host.cfg.state_dir / "screenshots",
+                                           lendee, mime, data)
+        except (HostError, OSError) as e:
+            journal.record("boot", f"{lendee}'s guest agent did not answer within {waited} "
+                           f"of its start, and its screen could not be saved: {e}",
+                           vm=lendee, result="failed", priority=journal.Priority.ERR)
+            return
+        journal.record("boot", f"{lendee}'s guest agent did not answer within {waited} of "
+                       f"its start: its screen is saved in {path} (a UEFI shell, an installer, "
+                       "firmware stuck on an option ROM, a kernel panic?)", vm=lendee,
+                       result="failed", screenshot=str(path), priority=journal.Priority.ERR)

@@ -1,0 +1,108 @@
+"""One journald record per transition, in plain words, with stable fields.
+
+Each phase change of the lendee and each new intent becomes one record
+(``HOSTAGENT_EVENT``, ``_VM``, ``_FROM``, ``_TO``, ``_DURATION_MS``, ``_RESULT``,
+``_HOLDERS``...) and one update for the control clients that follow progress.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from hostagent import journal, machine
+from hostagent.model import (
+    Event,
+    GpuPods,
+    Intent,
+    IntentSource,
+    Phase,
+    Regrow,
+    RelendDue,
+    State,
+)
+
+if TYPE_CHECKING:
+    from hostagent.agent import Agent
+
+
+def _now() -> float:
+    return time.time()
+
+
+class Recorder:
+    """Journal records of `host`'s transitions."""
+
+    def __init__(self, host: Agent) -> None:
+        self.host = host
+
+    def gpu_names(self, labels: frozenset[str] | tuple[str, ...]) -> str:
+        return ", ".join(str(self.host.cfg.gpus[g]) if g in self.host.cfg.gpus else g
+                         for g in sorted(labels))
+
+    def phase(self, old: State, new: State, event: Event) -> None:
+        now = _now()
+        took = (now - self.host.phase_since) * 1000
+        self.host.phase_since = now
+        lendee, gpus = self.host.lendee, self.gpu_names(new.lent)
+        wanting = [o for o in new.waiting_owners if self.host.topo.owners[o] & old.lent]
+        wanted = self.host.topo.gpus_of(wanting) & old.lent
+        who = ", ".join(wanting) or ("hostagent reclaim" if new.reclaiming else "an owner VM")
+        draining = f"{who} wants {self.gpu_names(wanted or old.lent)}: draining {lendee}"
+        if isinstance(event, RelendDue | GpuPods):
+            free = machine.free_gpus(new, self.host.topo, self.host.policy)
+            more = self.gpu_names(free - old.lent)
+            why = ("policy.regrow = always" if self.host.policy.regrow is Regrow.ALWAYS
+                   else "no pod on its node requests a GPU (policy.regrow = when-idle)")
+            draining = f"{more} are free again and {why}: restarting {lendee} to add them"
+        held = self.host.topo.lendee_gpus - new.lent
+        others = f" ({self.gpu_names(held)} not lent)" if held and new.lent else ""
+        messages = {
+            Phase.BOOTING: f"{lendee} is running with {gpus}: waiting for its guest agent",
+            Phase.JOINING: f"{lendee}'s guest agent answered: returning it to the cluster",
+            Phase.LENT: f"{lendee} is lent: {gpus} are the cluster's{others}",
+            Phase.DRAINING: draining,
+            Phase.STOPPING: f"{lendee} is drained: shutting it down through its guest agent "
+                            "once the agent answers",
+            Phase.OFF: f"{lendee} is off: its GPUs are free",
+            Phase.FAILED: f"{lendee} needs attention: {new.reason}",
+        }
+        failed = new.phase is Phase.FAILED
+        journal.record("phase", messages[new.phase], vm=lendee, from_=old.phase.value,
+                       to=new.phase.value, duration_ms=took,
+                       result="failed" if failed else "ok", cause=type(event).__name__,
+                       holders=self.holders(),
+                       priority=journal.Priority.ERR if failed else journal.Priority.INFO)
+        self.host.verbs.progress("phase", messages[new.phase], {"vm": lendee,
+                                                                "from": old.phase.value,
+                                                     "to": new.phase.value})
+
+    def holders(self) -> str:
+        """HOSTAGENT_HOLDERS: who holds each GPU after this transition, for `history`."""
+        return ",".join(f"{gpu}={vm or '-'}" for gpu, vm in
+                        machine.holders(self.host.state, self.host.topo).items())
+
+    def intent(self, intent: Intent) -> None:
+        shared = self.host.topo.owners.get(intent.owner, frozenset()) & self.host.state.lent
+        how = {IntentSource.HOOK: "through libvirt", IntentSource.CONTROL: "by hostagent play",
+               IntentSource.RESUME: "before the agent restarted"}[intent.source]
+        if not shared:
+            journal.record("intent", f"{intent.owner} asked to start {how}: its GPUs are "
+                           f"free, starting it", vm=intent.owner, to="pending", result="ok",
+                           intent=intent.id)
+            self.host.verbs.progress("intent",
+                                     f"{intent.owner} asked to start ({intent.source.value})",
+                           {"vm": intent.owner, "intent": intent.id, "to": "pending"})
+            return
+        journal.record("intent", f"{intent.owner} asked to start {how}: "
+                       f"{self.gpu_names(shared)} {'are' if len(shared) > 1 else 'is'} lent to "
+                       f"{self.host.lendee}; {intent.owner} will start by itself once "
+                       f"{'they are' if len(shared) > 1 else 'it is'} free",
+                       vm=intent.owner, to="pending", result="deferred", intent=intent.id)
+        self.host.verbs.progress("intent", f"{intent.owner} asked to start ({intent.source.value})",
+                       {"vm": intent.owner, "intent": intent.id, "to": "pending"})
+
+    def status_line(self) -> str:
+        pending = ", ".join(self.host.state.waiting_owners)
+        return f"{self.host.lendee} {self.host.state.phase.value}" + (f"; waiting: {pending}"
+                                                            if pending else "")

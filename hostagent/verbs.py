@@ -1,0 +1,340 @@
+"""The control verbs (status, play, release, hold, resume/lend, reclaim), shared by
+the control socket and the SSH endpoint.
+
+Those that wait (play, release, reclaim) follow the transitions the agent journals
+(`progress`) and stream them, with the time elapsed and what they wait for. A client
+that goes away stops its own waiting, never what it started: an intent lives in the
+machine. Verbs change the state only through the agent's `apply`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+import xml.etree.ElementTree as ElementTree
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any
+
+from hostagent import machine
+from hostagent.control import Reply, VerbHandler, current_caller
+from hostagent.libvirt_host import HostError, Lifecycle
+from hostagent.model import (
+    CancelIntent,
+    Hold,
+    IntentSource,
+    OwnerWants,
+    Phase,
+    Reclaim,
+    Resume,
+)
+
+if TYPE_CHECKING:
+    from hostagent.agent import Agent
+
+log = logging.getLogger("hostagent")
+
+
+def _now() -> float:
+    return time.time()
+
+
+class Verbs:
+    """The verbs of `host`'s control socket and SSH endpoint."""
+
+    def __init__(self, host: Agent) -> None:
+        self.host = host
+        # Control clients following progress (play, release, reclaim): see progress.
+        self._followers: set[asyncio.Queue[Reply]] = set()
+
+    def handlers(self) -> dict[str, VerbHandler]:
+        return {"status": self._status, "play": self._play,
+                "release": self._release, "hold": self._hold,
+                "resume": self._resume, "lend": self._resume,
+                "reclaim": self._reclaim}
+
+    def progress(self, event: str, message: str, fields: dict[str, Any]) -> None:
+        """Hand one transition to every client following progress. No I/O: a queue each."""
+        update = {"event": event, "message": message, **fields}
+        for queue in self._followers:
+            queue.put_nowait(update)
+
+    @contextlib.contextmanager
+    def following(self) -> Iterator[asyncio.Queue[Reply]]:
+        queue: asyncio.Queue[Reply] = asyncio.Queue()
+        self._followers.add(queue)
+        try:
+            yield queue
+        finally:
+            self._followers.discard(queue)
+
+    def status(self) -> dict[str, Any]:
+        now, state = _now(), self.host.state
+        holders = machine.holders(self.host.state, self.host.topo)
+        gpus = []
+        for label in sorted(self.host.topo.gpus):
+            gpu = self.host.cfg.gpus.get(label)
+            gpus.append({"gpu": label, "name": gpu.name if gpu else None,
+                         "pci": gpu.pci if gpu else label,
+                         "owners": list(self.host.cfg.owners_of(label)),
+                         "holder": holders.get(label)})
+        return {
+            "lendee": {"domain": self.host.lendee, "phase": self.host.state.phase.value,
+                       "reason": self.host.state.reason, "since": self.host.phase_since,
+                       "hold": self.host.state.hold, "lent": sorted(self.host.state.lent),
+                       "free": sorted(machine.free_gpus(state, self.host.topo, self.host.policy)),
+                       "regrow_waiting": self.host.state.regrow_waiting},
+            "gpus": gpus,
+            "verified": self.host.executor.verified,
+            "owners": {o: o in state.running_owners for o in sorted(self.host.topo.owners)},
+            "intents": [{"id": i.id, "owner": i.owner, "source": i.source.value,
+                         "age_s": round(now - i.created_at, 1)} for i in self.host.state.intents],
+            "relend_in_s": round(state.relend_at - now, 1) if state.relend_at else None,
+            "libvirt_connected": self.host.libvirt.connected,
+            "cluster": (self.host.cluster.status() if hasattr(self.host.cluster, "status")
+                        else None),
+            "health": [r.as_dict() for r in self.host.health.last],
+        }
+
+    async def _status(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
+        await self.host.health.check()
+        yield {"ok": True, "data": self.status()}
+
+    async def _hold(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
+        self.host.apply(Hold(at=_now()))
+        message = f"lending is on hold: {self.host.lendee} is not lent again until `hostagent lend`"
+        if self.host.state.phase is not Phase.OFF:
+            message += ("; it keeps running for now (`hostagent reclaim` takes its GPUs "
+                        "back)")
+        yield {"ok": True, "data": {**self.status(), "message": message}}
+
+    async def _resume(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
+        """`resume` and `lend`: lend again now, and retry a step that failed."""
+        self.host.apply(Resume(at=_now()))
+        yield {"ok": True, "data": {**self.status(), "message": self.lend_note()}}
+
+    def _owner_arg(self, args: dict[str, Any], verb: str) -> tuple[str | None, str]:
+        """(the owner VM named in args, "") or (None, why not, naming the owners)."""
+        vm = args.get("vm")
+        owners = ", ".join(sorted(self.host.topo.owners)) or "none is configured"
+        if not isinstance(vm, str) or not vm:
+            return None, f"{verb} needs an owner VM: {owners}"
+        if vm == self.host.lendee:
+            return None, (f"{vm} is the lendee, not an owner VM: {verb} takes one of "
+                          f"{owners} (`hostagent reclaim` takes the GPUs back from {vm})")
+        if not self.host.topo.is_owner(vm):
+            return None, (f"unknown VM {vm[:64]!r}: hostagent manages {owners} "
+                          f"(owners.* in {self.host.cfg.source})")
+        return vm, ""
+
+    def _waiting_for(self, vm: str | None = None) -> str:
+        """What a client waits for now, in a few words."""
+        state, lendee = self.host.state, self.host.lendee
+        if vm is not None and not self.host.topo.needs_lendee_gpus(vm):
+            return f"{vm} to start"
+        match state.phase:
+            case Phase.DRAINING:
+                return f"{lendee}'s node to drain"
+            case Phase.STOPPING if state.shutdown_sent:
+                return f"{lendee} to power off"
+            case Phase.STOPPING:
+                return f"{lendee}'s guest agent to answer, to shut it down"
+            case Phase.FAILED:
+                return f"a human: {state.reason}"
+            case Phase.OFF if state.lendee_starting:
+                return f"{lendee} to finish starting, then to give its GPUs back"
+            case Phase.OFF:
+                return f"{vm} to start" if vm else "nothing"
+            case _:
+                return f"{lendee} to be reclaimed"
+
+    def lend_note(self) -> str:
+        """When the lendee gets its GPUs back, as things stand."""
+        state, lendee = self.host.state, self.host.lendee
+        if state.relend_at is not None:
+            free = machine.free_gpus(state, self.host.topo, self.host.policy)
+            what = ("its GPUs" if free == self.host.topo.lendee_gpus and not state.lent
+                    else self.host.recorder.gpu_names(free))
+            return (f"{lendee} gets {what} back in {max(0.0, state.relend_at - _now()):.0f}s"
+                    " (policy.relend_delay) unless an owner VM starts meanwhile")
+        if state.phase is not Phase.OFF:
+            return f"{lendee} is {state.phase.value}"
+        if state.lendee_starting:
+            return f"{lendee} is starting"
+        if state.hold:
+            return f"lending is on hold: `hostagent lend` gives {lendee} its GPUs back"
+        claimants = [o for o in (*sorted(state.running_owners), *state.waiting_owners)
+                     if self.host.topo.needs_lendee_gpus(o)]
+        if claimants:
+            return (f"{', '.join(dict.fromkeys(claimants))} still needs {lendee}'s GPUs; "
+                    f"{lendee} gets them back after")
+        if state.reason:
+            return f"{lendee} is not lent: {state.reason}"
+        return f"{lendee} stays off"
+
+    async def _play(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
+        """Start an owner VM: an intent, then its progress until the VM runs or fails."""
+        vm, problem = self._owner_arg(args, "play")
+        if vm is None:
+            yield {"ok": False, "error": problem}
+            return
+        started = time.monotonic()
+
+        def took() -> float:
+            return round(time.monotonic() - started, 1)
+
+        if vm in self.host.state.running_owners:
+            yield {"ok": True, "data": {"vm": vm, "elapsed_s": 0.0,
+                                        "message": f"{vm} is already running"}}
+            return
+        rival = machine.conflict(self.host.state, vm, self.host.topo)
+        if rival is not None:
+            yield {"ok": False, "error": f"{vm} cannot start now: {rival}"}
+            return
+        intent = f"play-{uuid.uuid4().hex[:12]}"
+        with self.following() as updates:
+            # Persisted inside apply before the client hears anything: invariant 4.
+            if not self.host.apply(OwnerWants(at=_now(), owner=vm, intent_id=intent,
+                                         source=IntentSource.CONTROL)):
+                why = (f"its request could not be recorded ({self.host.save_failed})"
+                       if self.host.save_failed else "see journalctl -u hostagent")
+                yield {"ok": False, "error": f"the agent refused to start {vm} now: {why}"}
+                return
+            while True:
+                update = await updates.get()
+                if update.get("event") == "intent" and update.get("intent") != intent:
+                    continue  # another caller's request
+                to = update.get("to")
+                if update.get("event") == "intent" and to == "done":
+                    yield {"ok": True, "data": {"vm": vm, "intent": intent, "elapsed_s": took(),
+                                                "message": f"{vm} is running ({took():g}s)"}}
+                    return
+                if update.get("event") == "intent" and to == "failed":
+                    yield {"ok": False, "error": update["message"], "intent": intent,
+                           "elapsed_s": took()}
+                    return
+                if update.get("event") == "intent":  # ours, pending: say what comes next
+                    update = {**update, "message": self._play_plan(vm)}
+                yield {**update, "elapsed_s": took(), "waiting": self._waiting_for(vm)}
+                if update.get("event") == "phase" and to == Phase.FAILED.value:
+                    yield {"ok": False, "intent": intent, "pending": True, "elapsed_s": took(),
+                           "error": f"{update['message']}; the request stands: {vm} starts "
+                                    f"by itself once {self.host.lendee} has stopped"}
+                    return
+
+    def _play_plan(self, vm: str) -> str:
+        state, lendee = self.host.state, self.host.lendee
+        if not self.host.topo.needs_lendee_gpus(vm):
+            return f"starting {vm}: it shares no GPU with {lendee}"
+        if state.phase is Phase.OFF and not state.lendee_starting:
+            return f"starting {vm}: {lendee} is off"
+        shared = self.host.topo.owners[vm] & state.lent
+        if not shared:
+            return f"starting {vm}: {lendee} runs without its GPUs"
+        names = self.host.recorder.gpu_names(shared)
+        return (f"{vm} needs {names}: {lendee} ({state.phase.value}) gives "
+                f"{'them' if len(shared) > 1 else 'it'} back first")
+
+    async def _release(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
+        """Shut an owner VM down and wait until it is off; the lend follows by itself."""
+        vm, problem = self._owner_arg(args, "release")
+        if vm is None:
+            yield {"ok": False, "error": problem}
+            return
+        started = time.monotonic()
+
+        def took() -> float:
+            return round(time.monotonic() - started, 1)
+
+        if self.host.state.intents_of(vm) and vm not in self.host.state.running_owners:
+            # Still waiting for its GPUs: releasing it withdraws the request.
+            caller = current_caller()
+            by = f"hostagent release ({caller})" if caller else "hostagent release"
+            self.host.apply(CancelIntent(at=_now(), owner=vm, by=by))
+            yield {"ok": True, "data": {"vm": vm, "elapsed_s": took(), "cancelled": True,
+                                        "message": f"the pending start of {vm} is cancelled; "
+                                                   f"{self.lend_note()}"}}
+            return
+        if not await self.host.libvirt.is_running(vm):
+            yield {"ok": True, "data": {"vm": vm, "elapsed_s": took(), "relend_in_s":
+                                        self.status()["relend_in_s"],
+                                        "message": f"{vm} is not running; {self.lend_note()}"}}
+            return
+        stopped = self.host.executor.stopped.setdefault(vm, asyncio.Event())
+        stopped.clear()
+        how = await self._shut_down_owner(vm)
+        yield {"event": "release", "vm": vm, "message": f"shutting {vm} down through {how}",
+               "elapsed_s": took(), "waiting": f"{vm} to power off"}
+        limit = self.host.cfg.timeouts.shutdown
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopped.wait(), limit)
+        if await self.host.libvirt.is_running(vm):
+            yield {"ok": False, "elapsed_s": took(), "error":
+                   f"{vm} did not power off within {limit:g}s (timeouts.shutdown) after a "
+                   f"shutdown through {how}; it keeps running: close what holds it up inside, "
+                   f"or stop it by hand (virsh shutdown {vm})"}
+            return
+        if vm in self.host.state.running_owners:
+            self.host.lifecycle(vm, Lifecycle.STOPPED)  # the event was lost; reality says off
+        yield {"ok": True, "data": {"vm": vm, "elapsed_s": took(),
+                                    "relend_in_s": self.status()["relend_in_s"],
+                                    "message": f"{vm} is off ({took():g}s); {self.lend_note()}"}}
+
+    async def _shut_down_owner(self, vm: str) -> str:
+        """Through its guest agent if it has one that answers, else ACPI; says which."""
+        channels = ElementTree.fromstring(await self.host.libvirt.xml(vm)).findall(
+            "./devices/channel/target[@name='org.qemu.guest_agent.0']")
+        if not channels:
+            await self.host.libvirt.shutdown_via_acpi(vm)
+            return "ACPI (it has no guest agent channel)"
+        if await self.host.libvirt.ping_agent(vm, timeout=3):
+            try:
+                await self.host.libvirt.shutdown_via_agent(vm)
+                return "its guest agent"
+            except HostError as e:
+                log.warning("guest-agent shutdown of %s failed (%s); using ACPI", vm, e)
+        await self.host.libvirt.shutdown_via_acpi(vm)
+        return "ACPI (its guest agent did not answer)"
+
+    async def _reclaim(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
+        """Take the GPUs back from the lendee with no owner starting; stream until off.
+
+        The lendee stays off until `lend` (the machine's Reclaim holds). A lendee start
+        that was in flight is reclaimed once it lands (see machine._reclaim_by_hand).
+        """
+        started = time.monotonic()
+        lendee, gpus = self.host.lendee, self.host.recorder.gpu_names(self.host.topo.lendee_gpus)
+        with self.following() as updates:
+            self.host.apply(Reclaim(at=_now()))
+            update: Reply | None = {"event": "reclaim", "message": f"reclaiming {gpus} from "
+                                    f"{lendee} ({self.host.state.phase.value})"}
+            while True:
+                state = self.host.state
+                if state.phase in (Phase.BOOTING, Phase.JOINING, Phase.LENT):
+                    self.host.apply(Reclaim(at=_now()))  # a start that was in flight landed
+                    continue
+                done = state.phase is Phase.OFF and not state.lendee_starting
+                if update is not None and update.get("event") != "intent" and not (
+                        done and update.get("event") == "reclaim"):
+                    yield {**update, "elapsed_s": round(time.monotonic() - started, 1),
+                           "waiting": self._waiting_for()}
+                if done:
+                    yield {"ok": True, "data": {
+                        "elapsed_s": round(time.monotonic() - started, 1),
+                        "message": f"{lendee} is off: {gpus} are free; it stays off until "
+                                   "`hostagent lend`"}}
+                    return
+                if state.phase is Phase.FAILED:
+                    yield {"ok": False, "error": f"{lendee} could not be reclaimed: "
+                                                 f"{state.reason}"}
+                    return
+                update = None
+                with contextlib.suppress(TimeoutError):
+                    # A tick as well: a failed lendee start changes no phase.
+                    update = await asyncio.wait_for(updates.get(), 1.0)
+
+    def answer(self, intent_id: str, ok: bool, message: str) -> None:
+        """An intent ended: tell whoever follows it (a `play` waiting on it, if any)."""
+        self.progress("intent", message, {"intent": intent_id, "to": "done" if ok else "failed"})
