@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 import xml.etree.ElementTree as ElementTree
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from hostagent import machine
@@ -39,6 +39,12 @@ log = logging.getLogger("hostagent")
 
 def _now() -> float:
     return time.time()
+
+
+def _stopwatch() -> Callable[[], float]:
+    """Seconds since it was made, to a tenth: the ``elapsed_s`` of a streamed reply."""
+    started = time.monotonic()
+    return lambda: round(time.monotonic() - started, 1)
 
 
 class Verbs:
@@ -180,10 +186,7 @@ class Verbs:
         if vm is None:
             yield {"ok": False, "error": problem}
             return
-        started = time.monotonic()
-
-        def took() -> float:
-            return round(time.monotonic() - started, 1)
+        took = _stopwatch()
 
         if vm in self.host.state.running_owners:
             yield {"ok": True, "data": {"vm": vm, "elapsed_s": 0.0,
@@ -243,10 +246,7 @@ class Verbs:
         if vm is None:
             yield {"ok": False, "error": problem}
             return
-        started = time.monotonic()
-
-        def took() -> float:
-            return round(time.monotonic() - started, 1)
+        took = _stopwatch()
 
         if self.host.state.intents_of(vm) and vm not in self.host.state.running_owners:
             # Still waiting for its GPUs: releasing it withdraws the request.
@@ -304,7 +304,7 @@ class Verbs:
         The lendee stays off until `lend` (the machine's Reclaim holds). A lendee start
         that was in flight is reclaimed once it lands (see machine._reclaim_by_hand).
         """
-        started = time.monotonic()
+        took = _stopwatch()
         lendee, gpus = self.host.lendee, self.host.recorder.gpu_names(self.host.topo.lendee_gpus)
         with self.following() as updates:
             self.host.apply(Reclaim(at=_now()))
@@ -318,11 +318,11 @@ class Verbs:
                 done = state.phase is Phase.OFF and not state.lendee_starting
                 if update is not None and update.get("event") != "intent" and not (
                         done and update.get("event") == "reclaim"):
-                    yield {**update, "elapsed_s": round(time.monotonic() - started, 1),
+                    yield {**update, "elapsed_s": took(),
                            "waiting": self._waiting_for()}
                 if done:
                     yield {"ok": True, "data": {
-                        "elapsed_s": round(time.monotonic() - started, 1),
+                        "elapsed_s": took(),
                         "message": f"{lendee} is off: {gpus} are free; it stays off until "
                                    "`hostagent lend`"}}
                     return

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from hostagent.config import parse
 from hostagent.inbox import HookEvent
 from hostagent.model import Observed, OwnerStopped, OwnerWants, IntentSource, Phase
 from tests.unit.test_control import (  # noqa: F401 (a fixture)
+    CONFIG,
     FakeLibvirt,
     make_agent,
     no_step_outlives_its_test,
@@ -28,12 +28,7 @@ from tests.unit.test_control import (  # noqa: F401 (a fixture)
 )
 
 
-@pytest.fixture(autouse=True)
-def sink() -> Iterator[journal.ListSink]:
-    listed = journal.ListSink()
-    previous = journal.use_sink(listed)
-    yield listed
-    journal.use_sink(previous)
+pytestmark = pytest.mark.usefixtures("sink")  # journal records in memory (conftest)
 
 
 class HeldCluster:
@@ -187,33 +182,9 @@ async def test_a_second_owner_of_a_gpu_is_refused_with_one_sentence(tmp_path: Pa
                            "error": "gaming1-linux cannot start now: gpu-a is in use by gaming1"}
 
 
-TWO_OWNERS = """\
-control_socket = "{root}/control.sock"
-hook_socket = "{root}/hook.sock"
-state_dir = "{root}/state"
-
-[lendee]
-domain = "gpu-node"
-gpus = ["gpu-a", "gpu-b"]
-
-[gpus.gpu-a]
-pci = "0000:0a:00.0"
-
-[gpus.gpu-b]
-pci = "0000:0b:00.0"
-
-[owners.gaming1]
-gpus = ["gpu-a"]
-
-[owners.gaming1-linux]
-gpus = ["gpu-a"]
-
-[policy]
-lint_before_start = false
-
-[verify]
-method = "none"
-"""
+# gaming1-linux shares gpu-a with gaming1 (gaming2 stays, unused here).
+TWO_OWNERS = CONFIG.replace("[owners.gaming2]", '[owners.gaming1-linux]\ngpus = ["gpu-a"]\n\n'
+                            "[owners.gaming2]").replace('"{relend}"', '"60s"')
 
 
 async def test_at_host_shutdown_the_lent_node_is_drained_first(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
 
@@ -11,12 +10,7 @@ from hostagent.backoff import keep_trying
 from hostagent.ssh import EndpointError, Transient
 
 
-@pytest.fixture(autouse=True)
-def sink() -> Iterator[journal.ListSink]:
-    listed = journal.ListSink()
-    previous = journal.use_sink(listed)
-    yield listed
-    journal.use_sink(previous)
+pytestmark = pytest.mark.usefixtures("sink")  # journal records in memory (conftest)
 
 
 async def test_a_transient_failure_is_retried_with_capped_backoff(

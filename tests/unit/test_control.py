@@ -15,13 +15,12 @@ import os
 import socket
 import stat
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hostagent import journal
 from hostagent import state as persisted
 from hostagent.agent import Agent, StartupError
 from hostagent.config import parse
@@ -33,12 +32,7 @@ from hostagent.model import Observed, Phase
 log = logging.getLogger("test")
 
 
-@pytest.fixture(autouse=True)
-def sink() -> Iterator[journal.ListSink]:
-    listed = journal.ListSink()
-    previous = journal.use_sink(listed)
-    yield listed
-    journal.use_sink(previous)
+pytestmark = pytest.mark.usefixtures("sink")  # journal records in memory (conftest)
 
 
 # --- the protocol --------------------------------------------------------------------------

@@ -37,8 +37,8 @@ NOBODY = 65534
 GROUP = 47913  # control_group's gid for these tests; needs no /etc/group entry
 VERBS = ("status", "play", "release", "hold", "resume", "lend", "reclaim")
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run clients as "
-                                "other users")
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run clients as "
+                                 "other users"), pytest.mark.usefixtures("sink")]
 
 CLIENT = r"""
 import json, socket, sys
@@ -63,14 +63,6 @@ for verb in verbs:
     out[verb] = "ok" if reply.get("ok") else reply.get("error")
 print(json.dumps(out))
 """
-
-
-@pytest.fixture(autouse=True)
-def sink() -> Iterator[journal.ListSink]:
-    listed = journal.ListSink()
-    previous = journal.use_sink(listed)
-    yield listed
-    journal.use_sink(previous)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +50,7 @@ time.sleep(120)
 """
 
 
-@pytest.fixture(autouse=True)
-def sink() -> Iterator[journal.ListSink]:
-    listed = journal.ListSink()
-    previous = journal.use_sink(listed)
-    yield listed
-    journal.use_sink(previous)
+pytestmark = pytest.mark.usefixtures("sink")  # journal records in memory (conftest)
 
 
 def descriptors() -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +20,7 @@ from hostagent.ssh import BadCommand, KeysError, parse_authorized_keys, parse_co
 VERBS = frozenset({"status", "play", "release", "hold", "resume", "lend", "reclaim"})
 
 
-@pytest.fixture(autouse=True)
-def sink() -> Iterator[journal.ListSink]:
-    listed = journal.ListSink()
-    previous = journal.use_sink(listed)
-    yield listed
-    journal.use_sink(previous)
+pytestmark = pytest.mark.usefixtures("sink")  # journal records in memory (conftest)
 
 
 def ssh_records(sink: journal.ListSink) -> list[tuple[str, str]]:
