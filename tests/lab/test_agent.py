@@ -217,6 +217,7 @@ def test_lendee_started_by_hand_mid_game_is_deferred(lab: Lab) -> None:
 def test_agent_killed_mid_reclaim_finishes_after_restart(lab: Lab) -> None:
     # A slow guest agent keeps the reclaim in STOPPING long enough to kill us there.
     lab.define("gpu-node", agent_delay=10)
+    definition = persistent(lab)
     lab.start_agent()
     lab.wait_record(event="phase", to="booting")
     refused = lab.virsh("start", "gaming1", check=False)
@@ -232,6 +233,8 @@ def test_agent_killed_mid_reclaim_finishes_after_restart(lab: Lab) -> None:
     assert status(lab)["lendee"]["lent"] == ["gpu-b", "gpu-c"]
     assert "lab guest: shutdown" in lab.console("gpu-node")
     assert len(lab.records(event="intent", to="done")) == 1
+    # Killed mid-cycle, restarted with a live definition: the persistent one is intact.
+    assert same(persistent(lab), definition)
 
 
 def test_libvirtd_restart_mid_game_reconnects_and_lends_back(lab: Lab) -> None:
@@ -266,3 +269,23 @@ def test_garbage_state_file_is_kept_and_rebuilt_from_reality(lab: Lab) -> None:
     err = lab.records(event="state")
     assert err and "corrupt" in err[0]["MESSAGE"]
     assert list(state.parent.glob("state.toml.corrupt-*"))
+
+
+def test_a_pending_start_is_cancelled_by_release(lab: Lab) -> None:
+    """gaming1 waits for gpu-a while gpu-node's slow guest agent holds the shutdown
+    back: `hostagent release gaming1` withdraws the request. The reclaim under way is
+    finished (a half-drained node is the worst of both), gaming1 never starts, and
+    gpu-node is lent again."""
+    lab.define("gpu-node", agent_delay=8)
+    lab.start_agent()
+    lab.wait_record(event="phase", to="booting")
+    refused = lab.virsh("start", "gaming1", check=False)
+    assert refused.returncode != 0
+    out = lab.hostagent("release", "gaming1")
+    assert out.returncode == 0, out.stderr
+    assert "the pending start of gaming1 is cancelled" in out.stdout
+    failed = lab.wait_record(event="intent", to="failed")
+    assert "cancelled by hostagent release" in failed["MESSAGE"]
+    lent(lab, timeout=120)
+    assert lab.state("gaming1") == "shut off"
+    assert status(lab)["intents"] == []

@@ -201,3 +201,35 @@ def test_a_node_not_in_the_cluster_does_not_stop_the_agent(lab: Lab) -> None:
         proc = lab.start_agent()
         assert proc.poll() is None and lab.agent_ready()
         assert lab.stop_agent() == 0
+
+
+def test_regrow_when_idle_waits_for_the_gpu_job_then_takes_the_freed_gpu(lab: Lab) -> None:
+    """gaming1 ends while a pod on gpu-node uses a GPU: the regrow (a restart, so a
+    drain) waits, running, and says why; once the pod is gone gpu-node is restarted
+    with all three GPUs, verified and uncordoned."""
+    from tests.kubeapi.cluster import PODS
+
+    with lab_cluster(lab, workloads=False) as kc:
+        lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig))
+        lab.start_agent()
+        lends(lab, 1)
+        lab.virsh("start", "gaming1", check=False)
+        lab.wait_state("gaming1", "running", timeout=90)
+        lends(lab, 2)
+        cluster = kc.api.standin.cluster
+        kc.api.call(cluster.add_pod, "train-1", node=LENDEE, owner="Job/train",
+                    gpus={"nvidia.com/gpu": 1})
+        lab.wait_agent("gaming1")
+        lab.virsh("shutdown", "--mode", "agent", "gaming1")
+        waiting = lab.wait_record(30, event="regrow", result="waiting")
+        assert "1 pod(s) on its node request a GPU" in waiting["MESSAGE"]
+        time.sleep(2)
+        assert lab.phases()[-1] == "joining>lent"  # not restarted under the job
+        assert annotations(kc.node())["hostagent.io/lent-gpus"] == "gpu-b,gpu-c"
+        kc.api.call(cluster.delete, PODS, "default", "train-1")
+        lends(lab, 3)
+        regrow = lab.records(event="phase", to="draining")[-1]
+        assert "no pod on its node requests a GPU" in regrow["MESSAGE"]
+        node = kc.node()
+        assert annotations(node)["hostagent.io/lent-gpus"] == "gpu-a,gpu-b,gpu-c"
+        assert not node["spec"].get("unschedulable")
