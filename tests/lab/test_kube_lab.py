@@ -233,3 +233,27 @@ def test_regrow_when_idle_waits_for_the_gpu_job_then_takes_the_freed_gpu(lab: La
         node = kc.node()
         assert annotations(node)["hostagent.io/lent-gpus"] == "gpu-a,gpu-b,gpu-c"
         assert not node["spec"].get("unschedulable")
+
+
+def test_a_lendee_destroyed_by_hand_comes_back_cordoned_until_verified(lab: Lab) -> None:
+    """Not a reclaim: `virsh destroy gpu-node` while lent. Its node is cordoned (as
+    ours) at once, stays cordoned while gpu-node boots again, and is uncordoned only
+    once the return verified its GPUs."""
+    with lab_cluster(lab, workloads=False) as kc:
+        lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig))
+        lab.start_agent()
+        lends(lab, 1)
+        lab.virsh("destroy", LENDEE)
+        deadline = time.monotonic() + 20
+        while not kc.node()["spec"].get("unschedulable"):
+            assert time.monotonic() < deadline, "never cordoned after the destroy"
+            time.sleep(0.1)
+        assert annotations(kc.node())[MARKER] == "hostagent"
+        while len(lab.records(event="phase", to="joining")) < 2:
+            assert time.monotonic() < deadline + 60, f"never booted again: {lab.phases()}"
+            time.sleep(0.1)
+        assert kc.node()["spec"].get("unschedulable") is True  # booted, not yet verified
+        lends(lab, 2)
+        assert lab.records(event="verify", result="ok")
+        node = kc.node()
+        assert not node["spec"].get("unschedulable") and MARKER not in annotations(node)
