@@ -184,3 +184,29 @@ def test_cli_history_says_when_journalctl_fails(
                                                 "exit 1\n")
     assert cli.main(["history"]) == 1
     assert capsys.readouterr().err == "hostagent: journalctl failed: No journal files were found.\n"
+
+
+def test_a_gpu_lent_while_another_is_in_a_game() -> None:
+    """Partial lending read back: while gaming1 plays with gpu-a, gpu-node is lent gpu-b
+    again; the history and its timeline show both at once, and the regrow after."""
+    partial = "gpu-a=gaming1,gpu-b=gpu-node"
+    records = [
+        *CYCLE[:9],  # lent, reclaimed for gaming1, gaming1 plays
+        phase(106, "off", "booting", partial, 2),
+        phase(116, "booting", "joining", partial, 10),
+        phase(118, "joining", "lent", partial, 2),
+        rec(200, "owner", "gaming1", "running", "off", "gpu-a=-,gpu-b=gpu-node"),
+        phase(232, "lent", "draining", "gpu-a=-,gpu-b=gpu-node", 114),
+        phase(234, "draining", "stopping", "gpu-a=-,gpu-b=gpu-node", 2),
+        phase(236, "stopping", "off", FREE, 2),
+        phase(266, "off", "booting", LENT, 30),
+    ]
+    h = history.build(records, until=T0 + 300)
+    assert [(s.holder, s.start - T0, s.end - T0) for s in h.gpus["gpu-b"]] == [
+        ("gpu-node", 0, 104), (None, 104, 106), ("gpu-node", 106, 236), (None, 236, 266),
+        ("gpu-node", 266, 300)]
+    assert h.totals("gpu-a") == {"lent": 104 + 34, "gaming": 95, "idle": 1 + 66}
+    rows = ET.fromstring(timeline.svg(h)).findall(f".//{SVG}g[@class='row']")
+    segments = [[s.get("data-holder") for s in r.findall(f"{SVG}rect[@class='segment']")]
+              for r in rows]
+    assert "gaming1" in segments[0] and segments[1].count("gpu-node") == 3
