@@ -89,6 +89,7 @@ class OpenSsh:
 
 
 def test_home_automation_over_ssh_with_openssh_and_asyncssh(lab: Lab, tmp_path: Path) -> None:
+    lab.partial = False  # the endpoint is the subject: no restart of gpu-node in between
     port = free_port()
     button = keygen(tmp_path / "button", "kitchen-button")
     admin = keygen(tmp_path / "admin", "admin")
@@ -234,6 +235,7 @@ def _as(lab: Lab, uid: int, gid: int) -> subprocess.CompletedProcess[str]:
 
 
 def test_control_socket_permissions_streamed_play_and_clients_that_leave(lab: Lab) -> None:
+    lab.partial = False  # the socket is the subject: no restart of gpu-node in between
     lab.write_config('control_group = "nogroup"\n' + lab.config_text())
     lab.start_agent()
     sock = lab.path("/run/hostagent/control.sock")
