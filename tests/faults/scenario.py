@@ -8,7 +8,8 @@ figures users care about in one row of the table (see conftest.py):
   journaled as pending that ended none of those ways. A failed intent is not lost (it
   is answered, with its reason) but fails the scenario unless its policy allows it;
 - **double holders**: samples, taken every 100 ms straight from libvirt, in which the
-  lendee and an owner that shares a GPU with it were both running;
+  lendee and an owner that shares a GPU with it were both running; the lendee's GPUs
+  are those of its live definition (with partial lending it may run with a subset);
 - **forced stops**: times the lendee stopped for any other reason than its own
   shutdown (libvirt's stop reason: "destroyed", "crashed", "failed"...), leaving out
   the stops the test itself caused on purpose (`Scenario.deliberate`);
@@ -21,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import shutil
 import subprocess
@@ -42,8 +44,13 @@ SHUTOFF_REASONS = {0: "unknown", 1: "shutdown", 2: "destroyed", 3: "crashed", 4:
 DEFERRED = "will start by itself"
 
 
-def shares_with_lendee(owner: str) -> bool:
-    return bool(set(OWNERS[owner]) & set(GPUS))
+def shares_with_lendee(owner: str, lent: frozenset[str] = frozenset(GPUS)) -> bool:
+    return bool(set(OWNERS[owner]) & lent)
+
+
+def gpus_in_xml(xml: str) -> frozenset[str]:
+    """The lab GPUs a domain's XML gives it (their disks' ua-hostagent-LABEL aliases)."""
+    return frozenset(re.findall(r"<alias name='ua-hostagent-([a-z0-9-]+?)'/>", xml)) & set(GPUS)
 
 
 @dataclass
@@ -72,6 +79,7 @@ class Watcher(threading.Thread):
         self.errors = 0
         self._conn: Any = None
         self._active: set[str] | None = None
+        self._lent: tuple[int, frozenset[str]] | None = None  # (domain id, its GPUs)
         self._lendee_ran = False
         self._deliberate = 0
         self._done = threading.Event()
@@ -101,11 +109,14 @@ class Watcher(threading.Thread):
             self._conn = libvirt.open(self.uri)
         deliberate = self._deliberate > 0  # read before the sample: a stop inside counts
         now = time.monotonic()
-        states = {d.name(): d.state() for d in
-                  self._conn.listAllDomains(libvirt.VIR_CONNECT_LIST_DOMAINS_ACTIVE)}
+        domains = {d.name(): d for d in
+                   self._conn.listAllDomains(libvirt.VIR_CONNECT_LIST_DOMAINS_ACTIVE)}
+        states = {name: d.state() for name, d in domains.items()}
         holders = sorted(n for n, (st, _) in states.items() if st == libvirt.VIR_DOMAIN_RUNNING)
-        if LENDEE in holders and any(o in holders and shares_with_lendee(o) for o in OWNERS):
-            self.overlaps.append((now, holders))
+        if LENDEE in holders:
+            lent = self._lendee_gpus(domains[LENDEE])
+            if any(o in holders and shares_with_lendee(o, lent) for o in OWNERS):
+                self.overlaps.append((now, holders))
         if LENDEE in holders:
             self._lendee_ran = True
         if self._active is not None and LENDEE in self._active and LENDEE not in states:
@@ -116,6 +127,13 @@ class Watcher(threading.Thread):
                 self._lendee_ran = False
         self._active = set(states)
         self.samples += 1
+
+    def _lendee_gpus(self, dom: Any) -> frozenset[str]:
+        """The GPUs this run of the lendee was started with (its live definition), read
+        once per run; every lab GPU if its XML names none."""
+        if self._lent is None or self._lent[0] != dom.ID():
+            self._lent = (dom.ID(), gpus_in_xml(dom.XMLDesc(0)) or frozenset(GPUS))
+        return self._lent[1]
 
     def settle(self, samples: int = 2, timeout: float = 30) -> None:
         """Wait until `samples` more samples have been taken (libvirtd answering)."""

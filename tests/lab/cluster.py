@@ -42,6 +42,11 @@ def gpus_seen(lab: Lab) -> int:
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
 
 
+def lendee_running(lab: Lab) -> bool:
+    """What the kubelet sees of its VM: not running while libvirtd is down too."""
+    return lab.virsh("domstate", LENDEE, check=False).stdout.strip() == "running"
+
+
 def seed_workloads(api: ThreadedStandIn) -> None:
     """A few pods on the lendee's node: a web Deployment's pod, two training pods behind
     a PodDisruptionBudget (minAvailable 1: one eviction at a time, the next once the
@@ -75,7 +80,7 @@ def lab_cluster(lab: Lab, *, workloads: bool = True, ready_delay: float = 1.0,
                                                       unschedulable=cordoned))
         if workloads:
             seed_workloads(api)
-        kubelet = Kubelet(kubeconfig, LENDEE, lendee_running=lambda: lab.state(LENDEE) == "running",
+        kubelet = Kubelet(kubeconfig, LENDEE, lendee_running=lambda: lendee_running(lab),
                           gpus_seen=lambda: gpus_seen(lab), ready_delay=ready_delay,
                           gpu_delay=0.3, heartbeat_grace=1.0)
         api.call(kubelet.start)
