@@ -71,6 +71,9 @@ def wait_until(cond, timeout: float, what: str) -> None:  # type: ignore[no-unty
 
 
 def test_metrics_health_and_history_follow_a_cycle(lab: Lab, tmp_path: Path) -> None:
+    # All or nothing: one reclaim and one lend to count (a GPU lent while another is in
+    # a game is drawn by tests/unit/test_history.py).
+    lab.partial = False
     port = free_port()
     lab.write_config(lab.config_text() + f'\n[metrics]\nlisten = "127.0.0.1:{port}"\n')
     since = f"@{lab.mark_us / 1e6:.6f}"
@@ -93,7 +96,7 @@ def test_metrics_health_and_history_follow_a_cycle(lab: Lab, tmp_path: Path) -> 
     status, health = scrape.healthz()
     assert status == 200, health
     assert [c["check"] for c in health["checks"]] == ["libvirt", "hook socket",
-                                                      "last lend verified"]
+                                                      "last lend verified", "state file"]
     assert value(m, "hostagent_health_check_success", check="libvirt") == 1
 
     # gaming1 is started through libvirt: deferred, reclaimed, started by the agent.

@@ -130,7 +130,7 @@ def test_the_example_config_parses_with_the_installed_package(staged: Staged) ->
         capture_output=True, text=True, timeout=60, check=False,
     )
     assert check.returncode == 0, check.stderr
-    assert "OK (2 GPUs, 2 owners, lendee gpu-node)" in check.stdout
+    assert "OK (3 GPUs, 3 owners, lendee gpu-node)" in check.stdout
     assert str(staged.root) in check.stdout  # it was the staged file that was read
 
 
