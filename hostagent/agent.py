@@ -174,6 +174,10 @@ class Agent:
         self.metrics = metrics.Metrics(self.topo)
         self._exporter: asyncio.Server | None = None
         self._endpoint: Any = None  # the SSH endpoint's server, once bound
+        # Set while the hook socket is served (`run` clears it until then): a lend waits
+        # for it, so that the lendee's own prepare hook gets an answer.
+        self.serving = asyncio.Event()
+        self.serving.set()
         # Checks of real things, not "the process runs" (see hostagent.health).
         self.health = health.Health()
         self.health.add("libvirt", health.libvirt_alive(self.libvirt))
@@ -246,10 +250,15 @@ class Agent:
             lock.release()
 
     async def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.serving.clear()
         self._load()
         await self.libvirt.connect()
         await self._check_domains()
         kube = await self._connect_cluster()
+        if self.host_booted:
+            # Asked before reality is read, so that the first lend leaves their GPUs
+            # out instead of booting the lendee with them only to reclaim them at once.
+            self._start_at_boot()
         # Reality first: until the machine knows what runs, its verdicts would be guesses.
         await self._observe()
         if not self.state.phase.lendee_running:
@@ -258,13 +267,12 @@ class Agent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.cluster.lendee_down(
                     why=f"{self.lendee} was found off at start"), 15)
-        if self.host_booted:
-            self._start_at_boot()
         inbox = Inbox(self._on_hook)
         # What happened while the agent was down comes before anything live; a hook that
         # spooled in the moment before the socket existed is picked up by the second pass.
         replayed = await replay_spool(self.cfg.spool_dir, inbox, log=log)
         hooks = await serve_hooks(self.cfg.hook_socket, inbox, log=log)
+        self.serving.set()
         control = await serve_control(self.cfg.control_socket, self.verbs.handlers(), log=log,
                                       **self._control_access())
         try:
@@ -409,7 +417,9 @@ class Agent:
         intents = tuple(Intent(id=i.id, owner=i.owner, created_at=i.created.timestamp(),
                                source=i.source) for i in saved.intents)
         relend_at = saved.relend_at.timestamp() if saved.relend_at else None
-        self.host_booted = saved.boot_id != self.boot_id
+        # A new kernel boot id: the host booted since the agent last ran (a first run,
+        # with no id kept, is not taken for a boot: the host may have been up for days).
+        self.host_booted = saved.boot_id is not None and saved.boot_id != self.boot_id
         self.state = State(intents=intents, hold=saved.hold, relend_at=relend_at,
                            reclaiming=saved.reclaiming)
 

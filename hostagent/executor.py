@@ -94,7 +94,7 @@ class Executor:
             case ScheduleRelend(at=at):
                 self._cancel_relend()
                 self._relend = asyncio.get_running_loop().call_later(
-                    max(0.0, at - _now()), lambda: self.host.apply(RelendDue(at=_now())))
+                    max(0.0, at - _now()), self._relend_due)
             case CancelRelend():
                 self._cancel_relend()
             case CompleteIntent(intent_id=iid, owner=owner):
@@ -108,6 +108,15 @@ class Executor:
                 self.host.verbs.answer(iid, False, reason)
             case _:
                 raise AssertionError(f"unhandled action {action}")
+
+    def _relend_due(self) -> None:
+        if not self.host.serving.is_set():
+            # Starting up: the lendee's own hook must find the socket, or it is spooled
+            # and its start goes through unanswered. Fired once the agent serves it.
+            self._relend = asyncio.get_running_loop().call_later(0.05, self._relend_due)
+            return
+        self._relend = None
+        self.host.apply(RelendDue(at=_now()))
 
     def _cancel_relend(self) -> None:
         if self._relend is not None:

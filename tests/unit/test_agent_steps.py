@@ -7,6 +7,7 @@ release to force the interleavings a real API server allows.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import time
 from pathlib import Path
@@ -207,20 +208,31 @@ async def test_at_host_shutdown_the_lent_node_is_drained_first(
 
 async def test_an_owner_starts_at_boot_once(tmp_path: Path) -> None:
     """[owners.X] start_at_boot: started when the agent first runs after a host boot
-    (a new kernel boot id), through the usual road; not again when the agent restarts."""
+    (a new kernel boot id), through the usual road; not on a first run ever (the host
+    may have been up for days), not again when the agent restarts."""
     text = TWO_OWNERS.format(root=tmp_path).replace(
-        '[owners.gaming1]\ngpus = ["gpu-a"]', '[owners.gaming1]\ngpus = ["gpu-a"]\nstart_at_boot = true')
-    for expected in (True, False):
-        agent = Agent(parse(text, "test.toml"))
-        agent.libvirt = FakeLibvirt(agent)  # type: ignore[assignment]
-        agent._fatal = asyncio.get_running_loop().create_future()
-        agent._load()
-        assert agent.host_booted is expected
-        if agent.host_booted:
-            agent._start_at_boot()
-            assert [i.owner for i in agent.state.intents] == ["gaming1"]
-            fake = agent.libvirt
-            await until(lambda: "gaming1" in fake.running)  # type: ignore[attr-defined]  # noqa: B023
+        '[owners.gaming1]\ngpus = ["gpu-a"]',
+        '[owners.gaming1]\ngpus = ["gpu-a"]\nstart_at_boot = true')
+
+    def agent() -> Agent:
+        made = Agent(parse(text, "test.toml"))
+        made.libvirt = FakeLibvirt(made)  # type: ignore[assignment]
+        made._fatal = asyncio.get_running_loop().create_future()
+        made._load()
+        return made
+
+    first = agent()
+    assert not first.host_booted
+    first._save()
+    saved, _ = persisted.load_state(first.cfg.state_file)
+    persisted.save_state(first.cfg.state_file, dataclasses.replace(saved, boot_id="before"))
+    booted = agent()
+    assert booted.host_booted
+    booted._start_at_boot()
+    assert [i.owner for i in booted.state.intents] == ["gaming1"]
+    fake = booted.libvirt
+    await until(lambda: "gaming1" in fake.running)  # type: ignore[attr-defined]
+    assert not agent().host_booted
 
 
 async def test_a_metrics_port_in_use_is_retried_not_fatal(tmp_path: Path) -> None:
