@@ -493,9 +493,14 @@ class Agent:
         running = await self.libvirt.running_domains()
         lent = None
         if self.lendee in running:
-            # Its live definition says which GPUs this boot got (partial lending).
-            with contextlib.suppress(HostError):
-                lent = await self.libvirt.live_gpus(self.lendee, self.executor.lendee_gpu_config())
+            # Its live definition says which GPUs this boot got (partial lending). A
+            # domain in the middle of stopping may keep that read waiting, and events
+            # that come meanwhile are lost on a machine that has not read reality yet:
+            # bounded, then the running set is read again.
+            with contextlib.suppress(HostError, TimeoutError):
+                lent = await asyncio.wait_for(self.libvirt.live_gpus(
+                    self.lendee, self.executor.lendee_gpu_config()), 5)
+            running = await self.libvirt.running_domains()
         self.apply(Observed(at=_now(), lendee_running=self.lendee in running,
                             owners_running=frozenset(running & set(self.topo.owners)),
                             lendee_gpus=lent & self.topo.lendee_gpus if lent else None))

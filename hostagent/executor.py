@@ -197,6 +197,16 @@ class Executor:
                     return
             except DomainNotFound:
                 pass
+            try:
+                running = await self.host.libvirt.is_running(self.host.lendee)
+            except HostError:
+                running = True  # libvirt cannot tell now: keep waiting
+            if not running:
+                # Level-triggered: it stopped and the event was lost (a restart of the
+                # agent while libvirtd was stopping it). Reality says off.
+                if self._current(ticket):
+                    self.host.apply(LendeeStopped(at=_now()))
+                return
             left = deadline - time.monotonic()
             if left <= 0:
                 if self.host.state.phase is Phase.BOOTING:

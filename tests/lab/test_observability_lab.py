@@ -150,7 +150,7 @@ def test_metrics_health_and_history_follow_a_cycle(lab: Lab, tmp_path: Path) -> 
     table = lab.hostagent("history", "--since", since)
     assert table.returncode == 0 and "per GPU" in table.stdout
     text = lab.hostagent("status")
-    assert text.returncode == 0 and "health: 3 checks pass" in text.stdout, text.stdout
+    assert text.returncode == 0 and "health: 4 checks pass" in text.stdout, text.stdout
 
     # libvirtd goes away under the agent: /healthz says so, naming libvirt.
     lab.stop_libvirtd()
