@@ -19,7 +19,8 @@ from hostagent import state as persisted
 from hostagent.agent import Agent
 from hostagent.config import parse
 from hostagent.inbox import HookEvent
-from hostagent.model import Observed, OwnerStopped, OwnerWants, IntentSource, Phase
+from hostagent.libvirt_host import Lifecycle
+from hostagent.model import IntentSource, Observed, OwnerStopped, OwnerWants, Phase, Regrow
 from tests.unit.test_control import (  # noqa: F401 (a fixture)
     CONFIG,
     FakeLibvirt,
@@ -256,3 +257,29 @@ async def test_a_metrics_port_in_use_is_retried_not_fatal(tmp_path: Path) -> Non
     assert not agent._fatal.done()
     for task in list(agent.executor.tasks):
         task.cancel()
+
+
+@pytest.mark.parametrize("regrow", ["never", "always"])
+async def test_regrow_never_keeps_the_smaller_lendee_running(tmp_path: Path,
+                                                             regrow: str) -> None:
+    """gaming1 ends while the lendee runs with gpu-b alone: `never` leaves it running as
+    it is (no restart, no drain); `always` restarts it with both after relend_delay."""
+    cluster = HeldCluster()
+    cluster.drain_go.set()
+    cluster.return_go.set()
+    agent, fake = agent_with(tmp_path, cluster)
+    agent.policy = dataclasses.replace(agent.policy, relend_delay=0.2, regrow=Regrow(regrow))
+    fake.running.update({"gaming1", "gpu-node"})
+    agent.apply(Observed(at=time.time(), lendee_running=True,
+                         owners_running=frozenset({"gaming1"}), lendee_gpus=frozenset({"gpu-b"})))
+    await until(lambda: agent.state.phase is Phase.LENT)
+    fake.running.discard("gaming1")
+    agent.lifecycle("gaming1", Lifecycle.STOPPED)
+    if regrow == "never":
+        await asyncio.sleep(1.0)
+        assert agent.state.phase is Phase.LENT and agent.state.lent == {"gpu-b"}
+        assert ("agent shutdown", "gpu-node") not in fake.calls
+    else:
+        await until(lambda: agent.state.lent == {"gpu-a", "gpu-b"}
+                    and agent.state.phase is Phase.LENT)
+        assert ("agent shutdown", "gpu-node") in fake.calls
