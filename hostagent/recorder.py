@@ -50,11 +50,12 @@ class Recorder:
         who = ", ".join(wanting) or ("hostagent reclaim" if new.reclaiming else "an owner VM")
         draining = f"{who} wants {self.gpu_names(wanted or old.lent)}: draining {lendee}"
         if isinstance(event, RelendDue | GpuPods):
-            free = machine.free_gpus(new, self.host.topo, self.host.policy)
-            more = self.gpu_names(free - old.lent)
+            freed = machine.free_gpus(new, self.host.topo, self.host.policy) - old.lent
+            more = self.gpu_names(freed)
             why = ("policy.regrow = always" if self.host.policy.regrow is Regrow.ALWAYS
                    else "no pod on its node requests a GPU (policy.regrow = when-idle)")
-            draining = f"{more} are free again and {why}: restarting {lendee} to add them"
+            verb, them = ("is", "it") if len(freed) == 1 else ("are", "them")
+            draining = f"{more} {verb} free again and {why}: restarting {lendee} to add {them}"
         held = self.host.topo.lendee_gpus - new.lent
         others = f" ({self.gpu_names(held)} not lent)" if held and new.lent else ""
         messages = {

@@ -96,7 +96,7 @@ def test_full_cycle_gaming1_plays_while_gpu_node_keeps_the_rest(lab: Lab) -> Non
                             "draining>stopping", "stopping>off", "off>booting",
                             "booting>joining", "joining>lent"]
     regrow = lab.records(event="phase", to="draining")[-1]
-    assert "are free again and policy.regrow = always" in regrow["MESSAGE"]
+    assert "is free again and policy.regrow = always" in regrow["MESSAGE"]
     # One structured record per transition, with stable fields and a duration.
     for rec in lab.records(event="phase"):
         assert rec["SYSLOG_IDENTIFIER"] == "hostagent"
