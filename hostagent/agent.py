@@ -84,6 +84,12 @@ class Cluster(Protocol):
     async def watch_lent(self, on_view: Callable[[Any], None] | None = None) -> None:
         """Follow the lent node until cancelled; `on_view` gets each change."""
 
+    def status(self) -> dict[str, object] | None:
+        """What `hostagent status` shows of the cluster."""
+
+    async def flush_events(self) -> None:
+        """Post the Kubernetes Events still queued (at exit)."""
+
 
 class NoCluster:
     async def reclaim(self, owners: list[str]) -> str | None:
@@ -96,6 +102,12 @@ class NoCluster:
         return None
 
     async def watch_lent(self, on_view: Callable[[Any], None] | None = None) -> None:
+        return None
+
+    def status(self) -> dict[str, object] | None:
+        return None
+
+    async def flush_events(self) -> None:
         return None
 
 
@@ -144,7 +156,7 @@ class Agent:
     def __init__(self, cfg: Config, *, cluster: Cluster | None = None) -> None:
         self.cfg = cfg
         self.topo = topology(cfg)
-        regrow = Regrow(cfg.policy.regrow.value)
+        regrow = cfg.policy.regrow
         if cfg.kubernetes is None and regrow is Regrow.WHEN_IDLE:
             regrow = Regrow.ALWAYS  # nothing can tell whether a GPU job runs on the node
         self.policy = Policy(relend_delay=cfg.policy.relend_delay,
@@ -221,12 +233,7 @@ class Agent:
             # hand. Cordoned now, so that its return is verified before it takes work.
             self.executor.spawn(self.cluster.lendee_down(why=f"{self.lendee} stopped"))
         if new.regrow_waiting and not old.regrow_waiting:
-            free = machine.free_gpus(new, self.topo, self.policy)
-            more = self.recorder.gpu_names(free - new.lent)
-            journal.record("regrow", f"{self.lendee} could take {more} too, but "
-                           f"{new.gpu_pods} pod(s) on its node request a GPU: it restarts "
-                           "once none does (policy.regrow = when-idle)", vm=self.lendee,
-                           result="waiting")
+            self.recorder.regrow_waits(new)
         for action in actions:
             self.executor.execute(action)
         if old.phase is not new.phase or old.intents != new.intents:
@@ -292,10 +299,8 @@ class Agent:
         finally:
             if self.host_stopping():
                 await self._drain_for_shutdown()
-            flush = getattr(self.cluster, "flush_events", None)
-            if flush is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(flush(), 5)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.cluster.flush_events(), 5)
             hooks.close()
             if self._exporter is not None:
                 self._exporter.close()
@@ -310,8 +315,9 @@ class Agent:
                 await kube.close()
 
     async def _connect_cluster(self) -> Any:
-        """The Kubernetes adapter, if configured: a bad kubeconfig or an unknown node
-        stops the agent with the fix; an API server that is down only delays steps."""
+        """The Kubernetes adapter, if configured: a bad kubeconfig stops the agent with
+        the fix; a missing Node, an API server that is down or refused credentials are
+        said and only delay steps."""
         if self.cfg.kubernetes is None or self.cluster_given:
             return None
         from hostagent.cluster import KubeCluster
@@ -355,7 +361,7 @@ class Agent:
         """The host is going down with the lendee lent: cordon and drain its node now,
         while the API answers, so that it comes back cordoned and is uncordoned only
         once its GPUs are verified (the kubelet's own shutdown does not drain)."""
-        if not self.state.phase.lendee_running or self.state.phase is Phase.OFF:
+        if not self.state.phase.lendee_running:
             return
         limit = min(self.cfg.timeouts.drain, 60.0)
         try:
@@ -379,6 +385,11 @@ class Agent:
         if self.cordoned_by_us != ours:
             self.cordoned_by_us = ours
             self._save()
+
+    def fail(self, error: BaseException) -> None:
+        """End `run` with `error` (a bug in a step: systemd restarts the agent)."""
+        if self._fatal is not None and not self._fatal.done():
+            self._fatal.set_exception(error)
 
     def stop(self) -> None:
         if self._fatal is not None and not self._fatal.done():

@@ -151,6 +151,8 @@ from datetime import date, datetime, time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from hostagent.model import Regrow  # the machine's own policy values
+
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
@@ -546,14 +548,6 @@ class DrainTimeoutAction(enum.StrEnum):
 
     PROCEED = "proceed"  # shut the lendee down anyway: the gamer waits no longer
     ABORT = "abort"  # give up: the lendee keeps its GPUs and the owner does not start
-
-
-class Regrow(enum.StrEnum):
-    """When a lendee running with fewer GPUs restarts to add those a game freed."""
-
-    WHEN_IDLE = "when-idle"  # once no pod on the node requests a GPU: no job is killed
-    ALWAYS = "always"  # after relend_delay, drain and all
-    NEVER = "never"  # only when the lendee stops for another reason
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -158,8 +158,7 @@ class Executor:
         if previous:
             await asyncio.gather(*previous, return_exceptions=True)
         if action is not None and not self._wanted(action):
-            coro.close()
-            return
+            return  # never awaited: spawn's done callback closes it
         # A bug in one action must not wedge the agent silently: end the process and let
         # systemd restart it; the restart resumes from libvirt and the state file.
         try:
@@ -168,8 +167,7 @@ class Executor:
             raise
         except BaseException as e:
             log.exception("an action failed unexpectedly; stopping so that systemd restarts us")
-            if self.host._fatal is not None and not self.host._fatal.done():
-                self.host._fatal.set_exception(e)
+            self.host.fail(e)
 
     def _current(self, ticket: int) -> bool:
         return self.host.state.ticket == ticket

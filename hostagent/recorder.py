@@ -83,6 +83,14 @@ class Recorder:
         return ",".join(f"{gpu}={vm or '-'}" for gpu, vm in
                         machine.holders(self.host.state, self.host.topo).items())
 
+    def regrow_waits(self, new: State) -> None:
+        """A regrow is due but waits: pods on the node use a GPU (policy.regrow)."""
+        freed = machine.free_gpus(new, self.host.topo, self.host.policy) - new.lent
+        journal.record("regrow", f"{self.host.lendee} could take {self.gpu_names(freed)} too, "
+                       f"but {new.gpu_pods} pod(s) on its node request a GPU: it restarts "
+                       "once none does (policy.regrow = when-idle)", vm=self.host.lendee,
+                       result="waiting")
+
     def intent(self, intent: Intent) -> None:
         shared = self.host.topo.owners.get(intent.owner, frozenset()) & self.host.state.lent
         how = {IntentSource.HOOK: "through libvirt", IntentSource.CONTROL: "by hostagent play",

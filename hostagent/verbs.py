@@ -77,30 +77,29 @@ class Verbs:
             self._followers.discard(queue)
 
     def status(self) -> dict[str, Any]:
-        now, state = _now(), self.host.state
-        holders = machine.holders(self.host.state, self.host.topo)
+        now, state, topo = _now(), self.host.state, self.host.topo
+        holders = machine.holders(state, topo)
         gpus = []
-        for label in sorted(self.host.topo.gpus):
+        for label in sorted(topo.gpus):
             gpu = self.host.cfg.gpus.get(label)
             gpus.append({"gpu": label, "name": gpu.name if gpu else None,
                          "pci": gpu.pci if gpu else label,
                          "owners": list(self.host.cfg.owners_of(label)),
                          "holder": holders.get(label)})
         return {
-            "lendee": {"domain": self.host.lendee, "phase": self.host.state.phase.value,
-                       "reason": self.host.state.reason, "since": self.host.phase_since,
-                       "hold": self.host.state.hold, "lent": sorted(self.host.state.lent),
-                       "free": sorted(machine.free_gpus(state, self.host.topo, self.host.policy)),
-                       "regrow_waiting": self.host.state.regrow_waiting},
+            "lendee": {"domain": self.host.lendee, "phase": state.phase.value,
+                       "reason": state.reason, "since": self.host.phase_since,
+                       "hold": state.hold, "lent": sorted(state.lent),
+                       "free": sorted(machine.free_gpus(state, topo, self.host.policy)),
+                       "regrow_waiting": state.regrow_waiting},
             "gpus": gpus,
             "verified": self.host.executor.verified,
-            "owners": {o: o in state.running_owners for o in sorted(self.host.topo.owners)},
+            "owners": {o: o in state.running_owners for o in sorted(topo.owners)},
             "intents": [{"id": i.id, "owner": i.owner, "source": i.source.value,
-                         "age_s": round(now - i.created_at, 1)} for i in self.host.state.intents],
+                         "age_s": round(now - i.created_at, 1)} for i in state.intents],
             "relend_in_s": round(state.relend_at - now, 1) if state.relend_at else None,
             "libvirt_connected": self.host.libvirt.connected,
-            "cluster": (self.host.cluster.status() if hasattr(self.host.cluster, "status")
-                        else None),
+            "cluster": self.host.cluster.status(),
             "health": [r.as_dict() for r in self.host.health.last],
         }
 

@@ -60,6 +60,12 @@ class HeldCluster:
     async def watch_lent(self, on_view: object = None) -> None:
         return None
 
+    def status(self) -> None:
+        return None
+
+    async def flush_events(self) -> None:
+        return None
+
 
 def agent_with(tmp_path: Path, cluster: HeldCluster) -> tuple[Agent, FakeLibvirt]:
     agent, fake = make_agent(tmp_path, relend="60s")
