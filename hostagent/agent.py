@@ -244,17 +244,23 @@ class Agent:
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         self._fatal = loop.create_future()
-        try:
-            lock = lock_agent(self.cfg.state_dir / "agent.lock")
-        except AlreadyRunning as e:
-            raise StartupError(str(e)) from e
-        except OSError as e:
-            raise StartupError(f"{self.cfg.source}: state_dir: cannot lock "
-                               f"{self.cfg.state_dir / 'agent.lock'}: {e.strerror or e}") from e
-        try:
+        with contextlib.ExitStack() as locks:
+            # The state directory and the sockets' (runtime) directory each: an agent
+            # with another state_dir must not unlink and rebind the hook socket.
+            dirs: dict[Path, str] = {}
+            for key, directory in (("state_dir", self.cfg.state_dir),
+                                   ("hook_socket", self.cfg.hook_socket.parent),
+                                   ("control_socket", self.cfg.control_socket.parent)):
+                dirs.setdefault(directory, key)
+            for directory, key in dirs.items():
+                try:
+                    locks.enter_context(lock_agent(directory / "agent.lock"))
+                except AlreadyRunning as e:
+                    raise StartupError(str(e)) from e
+                except OSError as e:
+                    raise StartupError(f"{self.cfg.source}: {key}: cannot lock "
+                                       f"{directory / 'agent.lock'}: {e.strerror or e}") from e
             await self._run(loop)
-        finally:
-            lock.release()
 
     async def _run(self, loop: asyncio.AbstractEventLoop) -> None:
         self.serving.clear()

@@ -2,7 +2,9 @@
 
 Two agents with the same configuration would each unlink and bind the hook and control
 sockets (the second steals both, the first keeps running blind) and race on the state
-file. The first agent takes an exclusive `flock` on a file and keeps it until it exits;
+file. The first agent takes an exclusive `flock` on a file in its state directory and
+one in its sockets' directory (two agents with different state_dirs would still share
+/run/hostagent/hook.sock, which libvirt's hook knows), and keeps them until it exits;
 the kernel drops the lock when the process dies, however it dies, so there is no stale
 lock to clean after a crash. A second agent is refused with the pid of the first.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -9,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from hostagent.agent import Agent, StartupError
+from hostagent.config import parse
 from hostagent.lock import AlreadyRunning, lock_agent
+from tests.unit.test_control import (  # noqa: F401 (a fixture)
+    CONFIG,
+    FakeLibvirt,
+    no_step_outlives_its_test,
+    until,
+)
 
 HOLD = """
 import sys, time
@@ -57,3 +67,44 @@ def test_a_symlink_is_not_followed(tmp_path: Path) -> None:
     with pytest.raises(OSError):
         lock_agent(tmp_path / "agent.lock")
     assert target.read_text() == "keep"
+
+
+class RunningLibvirt(FakeLibvirt):
+    """The control tests' fake libvirt, with what `Agent.run` asks of it at start."""
+
+    async def connect(self) -> None:
+        return None
+
+    async def defined_domains(self) -> set[str]:
+        return {"gpu-node", "gaming1", "gaming2"}
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_a_second_agent_with_another_state_dir_leaves_the_hook_socket_alone(
+        tmp_path: Path) -> None:
+    """Two configurations that differ only in state_dir share the hook socket (the hook
+    knows one path): the second agent is refused before it unlinks and rebinds it."""
+    first = Agent(parse(CONFIG.format(root=tmp_path, relend="60s"), "first.toml"))
+    first.libvirt = RunningLibvirt(first)  # type: ignore[assignment]
+    running = asyncio.get_running_loop().create_task(first.run())
+    try:
+        await until(lambda: first.serving.is_set() and first.cfg.hook_socket.exists())
+        bound = first.cfg.hook_socket.stat().st_ino
+        text = CONFIG.format(root=tmp_path, relend="60s").replace(
+            f'state_dir = "{tmp_path}/state"', f'state_dir = "{tmp_path}/other"')
+        second = Agent(parse(text, "second.toml"))
+        second.libvirt = RunningLibvirt(second)  # type: ignore[assignment]
+        other = asyncio.get_running_loop().create_task(second.run())
+        # Refused at once; one that got through rebinds the socket within its start.
+        await until(lambda: other.done()
+                    or first.cfg.hook_socket.stat().st_ino != bound, timeout=5)
+        assert first.cfg.hook_socket.stat().st_ino == bound, "the socket was stolen"
+        with pytest.raises(StartupError, match=r"pid \d+.*already running"):
+            await other
+        assert not running.done()
+    finally:
+        first.stop()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
