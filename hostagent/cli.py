@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             cfg = _placed(cfg)
     except configuration.ConfigError as e:
-        print(f"hostagent: {e}", file=sys.stderr)
+        _config_problems(e)
         return 2
     if args.command == "check-config":
         print(f"{args.config}: OK ({len(cfg.gpus)} GPUs, {len(cfg.owners)} owners, "
@@ -138,6 +138,14 @@ def main(argv: list[str] | None = None) -> int:
             print(data["message"] + "\n")
         print(format_status(data))
     return 0
+
+
+def _config_problems(e: configuration.ConfigError) -> None:
+    """Every problem of the file, one line each (key, what is wrong, the fix)."""
+    for problem in e.problems:
+        print(f"hostagent: {problem}", file=sys.stderr)
+    if len(e.problems) > 1:
+        print(f"hostagent: {len(e.problems)} problems in the configuration", file=sys.stderr)
 
 
 # hooks/qemu knows only its built-in paths, the configuration's defaults: libvirtd runs
@@ -231,7 +239,7 @@ def _lint(args: argparse.Namespace) -> int:
         try:
             cfg = _placed(configuration.load(args.config))
         except configuration.ConfigError as e:
-            print(f"hostagent: {e}", file=sys.stderr)
+            _config_problems(e)
             return 2
     else:
         print(f"hostagent: no configuration at {args.config}: checking the domains alone",

@@ -1,8 +1,10 @@
 """Read hostagent's configuration: one TOML file, checked whole before the agent starts.
 
 The agent moves hardware between running VMs, so it refuses to start on a file it does
-not fully understand. Every mistake is a `ConfigError` that names the file, the key
-(``owners.gaming1.gpus[1]``), what is wrong and how to fix it.
+not fully understand. Every mistake names the file, the key (``owners.gaming1.gpus[1]``),
+what is wrong and how to fix it; one `ConfigError` carries every mistake of the file in
+its ``problems`` (those that span sections once each section reads), so a single run of
+``hostagent check-config`` names them all.
 
 Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional)::
 
@@ -145,7 +147,8 @@ import enum
 import json
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import date, datetime, time
 from pathlib import Path
@@ -206,6 +209,20 @@ class ConfigError(Exception):
         if key:
             where += f": {key}"
         super().__init__(f"{where}: {problem}" + (f"; {fix}" if fix else ""))
+        # Every problem found in one reading, this one first: a file is checked whole,
+        # so that one run of check-config names them all.
+        self.problems: tuple[ConfigError, ...] = (self,)
+
+    @classmethod
+    def several(cls, errors: Sequence[ConfigError]) -> ConfigError:
+        """One error that stands for `errors` (at least one): the first's fields, every
+        problem in `problems`, one line each in its message."""
+        first = errors[0]
+        combined = cls(source=first.source, problem=first.problem, fix=first.fix,
+                       key=first.key, line=first.line, column=first.column)
+        combined.problems = tuple(errors)
+        combined.args = ("\n".join(str(e) for e in errors),)
+        return combined
 
 
 # --- durations -------------------------------------------------------------------------
@@ -244,6 +261,37 @@ class _Problem(Exception):
         self.key = key
         self.problem = problem
         self.fix = fix
+
+    @property
+    def each(self) -> list[_Problem]:
+        return [self]
+
+
+class _Problems(_Problem):
+    """Several problems in one table, the first standing for them all where one is read."""
+
+    def __init__(self, problems: list[_Problem]) -> None:
+        first = problems[0]
+        super().__init__(first.key, first.problem, first.fix)
+        self.problems = problems
+
+    @property
+    def each(self) -> list[_Problem]:
+        return self.problems
+
+
+@contextlib.contextmanager
+def _gather(problems: list[_Problem]) -> Iterator[None]:
+    """Add the problems the block raises to `problems` and go on with the next key."""
+    try:
+        yield
+    except _Problem as p:
+        problems.extend(p.each)
+
+
+def _raise_any(problems: list[_Problem]) -> None:
+    if problems:
+        raise _Problems(problems) if len(problems) > 1 else problems[0]
 
 
 _Reader = Callable[[object, str], Any]
@@ -290,16 +338,18 @@ def _build(cls: type[_T], table: object, where: str, **given: Any) -> _T:
     if not isinstance(table, dict):
         raise _wrong_type(where, table, "a table", f"write it as a [{where}] section")
     fields = {f.name: f for f in dataclasses.fields(cls) if _READ in f.metadata}
-    for name in table:
-        if name not in fields:
-            raise _unknown_key(_join(where, name), name, list(fields))
+    problems = [_unknown_key(_join(where, name), name, list(fields))
+                for name in table if name not in fields]
     values: dict[str, Any] = dict(given)
     for name, f in fields.items():
         key = _join(where, name)
         if name in table:
-            values[name] = f.metadata[_READ](table[name], key)
+            with _gather(problems):
+                values[name] = f.metadata[_READ](table[name], key)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise _Problem(key, "missing", "add " + _example(name, f.metadata[_EXAMPLE], where))
+            problems.append(
+                _Problem(key, "missing", "add " + _example(name, f.metadata[_EXAMPLE], where)))
+    _raise_any(problems)
     return cls(**values)
 
 
@@ -331,10 +381,13 @@ def _table_of(cls: type[_T], name_field: str) -> _Reader:
     def read(value: object, key: str) -> dict[str, _T]:
         if not isinstance(value, dict):
             raise _wrong_type(key, value, "a table", f"write entries as [{key}.NAME] sections")
-        return {
-            name: _build(cls, entry, _join(key, name), **{name_field: name})
-            for name, entry in value.items()
-        }
+        problems: list[_Problem] = []
+        entries = {}
+        for name, entry in value.items():
+            with _gather(problems):
+                entries[name] = _build(cls, entry, _join(key, name), **{name_field: name})
+        _raise_any(problems)
+        return entries
 
     return read
 
@@ -454,7 +507,13 @@ def _list(item: _Reader, *, at_least_one: str = "") -> _Reader:
             raise _wrong_type(key, value, "an array", fix or "write it in brackets: [...]")
         if not value and at_least_one:
             raise _Problem(key, "is empty", at_least_one)
-        items = tuple(item(v, f"{key}[{i}]") for i, v in enumerate(value))
+        problems: list[_Problem] = []
+        read_items = []
+        for i, v in enumerate(value):
+            with _gather(problems):
+                read_items.append(item(v, f"{key}[{i}]"))
+        _raise_any(problems)
+        items = tuple(read_items)
         for i, v in enumerate(items):
             if v in items[:i]:
                 raise _Problem(f"{key}[{i}]", f'"{v}" is listed twice', "remove one")
@@ -842,35 +901,38 @@ def _link(config: Config) -> Config:
     gpus = dict(config.gpus)
     holder: dict[str, tuple[str, str]] = {}  # PCI function -> (GPU label, key that set it)
     by_uuid: dict[str, str] = {}  # UUID -> GPU label
+    problems: list[_Problem] = []
     for label, gpu in gpus.items():
         if gpu.pci is None and gpu.uuid is None:
             where = _join("gpus", label)
-            raise _Problem(
+            problems.append(_Problem(
                 f"{where}.pci",
                 "missing",
                 f'add pci = "0000:01:00.0" under [{where}] (see lspci -D), or uuid = '
                 '"GPU-..." if NVML on this host sees it (see hostagent gpus)',
-            )
+            ))
         if gpu.uuid is not None:
             if gpu.uuid in by_uuid:
-                raise _Problem(
+                problems.append(_Problem(
                     f"{_join('gpus', label)}.uuid",
                     f"{gpu.uuid} is already the UUID of GPU {by_uuid[gpu.uuid]}",
                     "a UUID names one GPU: fix one of them",
-                )
-            by_uuid[gpu.uuid] = label
+                ))
+            else:
+                by_uuid[gpu.uuid] = label
         keys = [f"{_join('gpus', label)}.pci"] * (gpu.pci is not None) + [
             f"{_join('gpus', label)}.functions[{i}]" for i in range(len(gpu.functions))
         ]
         for address, key in zip(gpu.pci_functions, keys, strict=True):
             if address in holder:
                 other, other_key = holder[address]
-                raise _Problem(
+                problems.append(_Problem(
                     key,
                     f"{address} is already a function of GPU {other} ({other_key})",
                     "a PCI function belongs to one GPU: remove one of them",
-                )
-            holder[address] = (label, key)
+                ))
+            else:
+                holder[address] = (label, key)
 
     def resolve(ref: str, key: str) -> str:
         if ref in gpus:
@@ -901,40 +963,45 @@ def _link(config: Config) -> Config:
         return label
 
     def resolve_all(refs: tuple[str, ...], key: str) -> tuple[str, ...]:
-        labels = tuple(resolve(ref, f"{key}[{i}]") for i, ref in enumerate(refs))
-        for i, label in enumerate(labels):
-            if label in labels[:i]:
-                raise _Problem(
-                    f"{key}[{i}]",
-                    f"GPU {label} is already listed at {key}[{labels.index(label)}]",
-                    "remove one",
-                )
-        return labels
+        at: dict[str, int] = {}  # label -> where it is first listed
+        for i, ref in enumerate(refs):
+            with _gather(problems):
+                label = resolve(ref, f"{key}[{i}]")
+                if label in at:
+                    raise _Problem(f"{key}[{i}]",
+                                   f"GPU {label} is already listed at {key}[{at[label]}]",
+                                   "remove one")
+                at[label] = i
+        return tuple(at)
 
     if config.verify.method is VerifyMethod.SSH and config.verify.ssh is None:
-        raise _Problem(
+        problems.append(_Problem(
             "verify.ssh",
             'missing: verify.method = "ssh" needs it',
             "add a [verify.ssh] section with host, user, key and known_hosts",
-        )
+        ))
     lendee = dataclasses.replace(config.lendee, gpus=resolve_all(config.lendee.gpus, "lendee.gpus"))
-    if not 1 <= lendee.min_gpus <= len(lendee.gpus):
-        raise _Problem(
+    # Counted only when every GPU of lendee.gpus reads: a bad one is its own problem.
+    complete = len(lendee.gpus) == len(config.lendee.gpus)
+    if complete and not 1 <= lendee.min_gpus <= len(lendee.gpus):
+        problems.append(_Problem(
             "lendee.min_gpus",
             f"{lendee.min_gpus} is not between 1 and the {len(lendee.gpus)} GPU(s) in lendee.gpus",
             f"write a number from 1 to {len(lendee.gpus)} (1, the default, runs the lendee "
             "whenever a GPU is free)",
-        )
+        ))
     owners: dict[str, Owner] = {}
     for domain, owner in config.owners.items():
         key = _join("owners", domain)
         if domain == lendee.domain:
-            raise _Problem(
+            problems.append(_Problem(
                 key,
                 f"{domain} is the lendee, and the lendee cannot also own GPUs",
                 f"remove [{key}]: the lendee borrows what lendee.gpus lists",
-            )
+            ))
+            continue
         owners[domain] = dataclasses.replace(owner, gpus=resolve_all(owner.gpus, f"{key}.gpus"))
+    _raise_any(problems)
     return dataclasses.replace(config, lendee=lendee, owners=owners, gpus=gpus)
 
 
@@ -950,9 +1017,12 @@ def parse(text: str, source: str = "<config>") -> Config:
     except tomllib.TOMLDecodeError as e:
         raise _syntax_error(e, text, source) from None
     try:
+        # Problems that span sections are looked for once every section reads.
         return _link(_build(Config, document, "", source=source))
     except _Problem as p:
-        raise ConfigError(source=source, key=p.key, problem=p.problem, fix=p.fix) from None
+        raise ConfigError.several([
+            ConfigError(source=source, key=one.key, problem=one.problem, fix=one.fix)
+            for one in p.each]) from None
 
 
 def _syntax_error(error: tomllib.TOMLDecodeError, text: str, source: str) -> ConfigError:

@@ -90,3 +90,40 @@ def test_the_warnings_premise_the_hooks_paths_are_the_defaults() -> None:
                     "StateDirectory=hostagent"):
         assert re.search(rf"^{setting}$", unit, re.M), setting
     assert not re.search(r"^ReadWritePaths=", unit, re.M)
+
+
+def test_every_problem_is_reported_each_with_its_key_and_fix(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A file with mistakes in four sections: one run names all four, not the first."""
+    path = tmp_path / "config.toml"
+    path.write_text(LENDEE + '[gpus.gpu-a]\npci = "01:00"\n'
+                    '[owners.gaming1]\ngpus = ["gpu-a"]\nstart_at_boot = "yes"\n'
+                    '[policy]\nrelend_dealy = "30s"\n'
+                    '[timeouts]\ndrain = 90\n')
+    assert cli.main(["--config", str(path), "check-config"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.splitlines()
+    assert f'{path}: gpus.gpu-a.pci: "01:00" is not a PCI address; write it as ' \
+        'domain:bus:device.function' in err
+    assert f"{path}: timeouts.drain: expected a duration string, got an integer; " \
+        'write "90s" for seconds' in err
+    for key in ("gpus.gpu-a.pci", "owners.gaming1.start_at_boot", "timeouts.drain",
+                "policy.relend_dealy"):
+        assert sum(f"{path}: {key}: " in line for line in lines) == 1, (key, lines)
+    assert lines[-1] == "hostagent: 4 problems in the configuration"
+
+
+def test_references_across_sections_are_all_reported(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text('[lendee]\ndomain = "gpu-node"\ngpus = ["gpu-a", "gpu-x"]\n'
+                    '[gpus.gpu-a]\npci = "0000:01:00.0"\n'
+                    '[owners.gaming1]\ngpus = ["gpu-y"]\n'
+                    '[owners.gpu-node]\ngpus = ["gpu-a"]\n')
+    assert cli.main(["--config", str(path), "check-config"]) == 2
+    err = capsys.readouterr().err
+    assert f'{path}: lendee.gpus[1]: unknown GPU "gpu-x"; define it' in err
+    assert f'{path}: owners.gaming1.gpus[0]: unknown GPU "gpu-y"; define it' in err
+    assert f"{path}: owners.gpu-node: gpu-node is the lendee" in err
+    assert err.splitlines()[-1] == "hostagent: 3 problems in the configuration"
