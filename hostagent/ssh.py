@@ -55,10 +55,13 @@ options field says what the key may do::
   Refusing beats granting something the line did not mean.
 - The comment names the key in the journal, next to its SHA256 fingerprint.
 
-The file must be owned by root (or by the user the agent runs as) and not be writable
-by group or others (as sshd's StrictModes). It is read when the endpoint starts and
-read again at a connection when it changed; while it is missing or broken, every key
-is refused (and the journal says why) until it is fixed: no restart is needed.
+The file, and every directory above it, must be owned by root (or by the user the
+agent runs as) and not be writable by group or others (as sshd's StrictModes); it is
+read through one descriptor opened without following a link (`hostagent.trusted`), so
+a link flipped between the check and the read grants nothing. It is read when the
+endpoint starts and read again at a connection when it changed; while it is missing or
+broken, every key is refused (and the journal says why) until it is fixed: no restart
+is needed.
 
 The host key is ``ssh.host_key`` (default ``<state_dir>/ssh_host_ed25519_key``). If the
 file does not exist at start (or is empty: no key was ever served from it), an ed25519
@@ -83,7 +86,6 @@ import logging
 import contextlib
 import os
 import re
-import stat
 import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -92,7 +94,7 @@ from typing import Any
 
 import asyncssh
 
-from hostagent import journal
+from hostagent import journal, trusted
 from hostagent.control import Caller, serving
 from hostagent.follow import format_reply
 from hostagent.ratelimit import Summarised
@@ -286,25 +288,20 @@ class _KeyFile:
         self.path = path
         self.verbs = verbs
         self.grants: list[Grant] = []
-        self._seen: tuple[int, int, int] | None = None
+        self._seen: tuple[int, int, int, int] | None = None
         self.problem: str | None = None  # why every key is refused, while it lasts
         self.refresh()
 
-    def _read(self) -> tuple[tuple[int, int, int], str]:
+    def _read(self) -> tuple[tuple[int, int, int, int], str]:
         try:
-            st = self.path.stat()
-            text = self.path.read_text()
+            st, data = trusted.read_trusted(self.path)
+        except trusted.UnsafeFile as e:
+            raise KeysError(f"{e}; until then nobody may use the SSH endpoint") from e
         except OSError as e:
             raise KeysError(f"{self.path}: cannot read the SSH authorized keys "
                             f"({e.strerror}); create it, or remove [ssh] from the "
                             "configuration") from e
-        if st.st_uid not in (0, os.geteuid()):
-            raise KeysError(f"{self.path}: owned by uid {st.st_uid}, not root, so that user "
-                            f"can grant any key every verb: chown root {self.path}")
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise KeysError(f"{self.path}: writable by group or others, so anyone who can "
-                            f"write it can play: chmod go-w {self.path}")
-        return (st.st_mtime_ns, st.st_size, st.st_ino), text
+        return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size), data.decode(errors="replace")
 
     def refresh(self) -> None:
         try:

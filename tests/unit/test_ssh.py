@@ -395,3 +395,62 @@ def test_the_host_key_is_written_whole_and_an_empty_one_is_replaced(
     with pytest.raises(ssh.EndpointError, match=rf"cut short.*mv {path} {path}.broken"):
         ssh.load_host_key(path)
     assert path.read_bytes() == cut  # never replaced behind the clients' back
+
+
+# --- the keys file is read as sshd's StrictModes would --------------------------------------
+
+
+def grants_of(keys: Path) -> tuple[list[str], str | None]:
+    found = ssh._KeyFile(keys, VERBS)
+    return [g.comment for g in found.grants], found.problem
+
+
+def test_a_keys_file_linked_into_a_directory_others_may_write_is_refused(
+        tmp_path: Path) -> None:
+    # The link is root's, the file it names is root's and 0644: stat() said fine. But
+    # anyone may replace that file between the check and the read (a link flipped in
+    # its directory), and so grant a key of theirs every verb.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    (shared / "keys").write_text(f'verbs="*",vms="*" {pub(KEY_C, "intruder")}\n')
+    (shared / "keys").chmod(0o644)
+    keys = tmp_path / "authorized_keys"
+    keys.symlink_to(shared / "keys")
+    granted, problem = grants_of(keys)
+    assert granted == []
+    assert problem is not None and problem.startswith(
+        f"{shared}: writable by group or others, so anyone who can write there can replace "
+        f"{keys}: chmod go-w {shared}")
+
+
+def test_every_directory_above_the_keys_file_is_checked(tmp_path: Path) -> None:
+    above = tmp_path / "etc" / "hostagent"
+    above.mkdir(parents=True)
+    keys = above / "authorized_keys"
+    keys.write_text(f'verbs="status" {pub(KEY_A, "button")}\n')
+    keys.chmod(0o644)
+    assert grants_of(keys) == (["button"], None)
+    (tmp_path / "etc").chmod(0o775)
+    granted, problem = grants_of(keys)
+    assert granted == [] and problem is not None
+    assert f"{tmp_path / 'etc'}: writable by group or others" in problem
+    # Sticky, as /tmp: nobody else may rename or remove what root owns there.
+    (tmp_path / "etc").chmod(0o1777)
+    assert grants_of(keys) == (["button"], None)
+
+
+def test_a_link_flipped_after_it_was_resolved_is_not_followed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = tmp_path / "keys"
+    real.write_text(f'verbs="status" {pub(KEY_A, "button")}\n')
+    real.chmod(0o644)
+    keys = tmp_path / "authorized_keys"
+    keys.symlink_to(real)
+    assert grants_of(keys) == (["button"], None)
+    # As if the link had been put there after the path was resolved: the open itself
+    # refuses it (O_NOFOLLOW) instead of reading whatever it names.
+    monkeypatch.setattr(os.path, "realpath", lambda p: str(p))
+    granted, problem = grants_of(keys)
+    assert granted == [] and problem is not None
+    assert "cannot read the SSH authorized keys (Too many levels of symbolic links)" in problem
