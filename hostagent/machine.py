@@ -457,6 +457,7 @@ def _start_failed(state: State, event: StartFailed, ctx: _Ctx) -> _Outcome:
             state,
             lendee_starting=False,
             lent=frozenset(),
+            reclaiming=False,
             reason=(
                 f"{event.vm} failed to start: {event.reason}; lending resumes when an "
                 "owner stops or on `hostagent resume`"
@@ -512,12 +513,13 @@ def _reclaim_by_hand(state: State, event: Reclaim, ctx: _Ctx) -> _Outcome:
 
     - Running in a lending phase (BOOTING, JOINING, LENT) or stuck (FAILED): reclaim.
     - DRAINING, STOPPING: a reclaim is already under way; holding is all that is left.
-    - OFF: hold, which cancels a scheduled relend. A lendee start already in flight is
-      not recalled (nothing can stop a start libvirt is running): it lands as
-      `LendeeStarted`, and the caller reclaims again once the lendee runs.
+    - OFF: hold, which cancels a scheduled relend. A lendee start already in flight
+      cannot be recalled (nothing stops a start libvirt is running), so the reclaim is
+      kept: it lands as `LendeeStarted` and is reclaimed at once, whether or not anyone
+      still waits for the answer; a start that fails leaves nothing to reclaim.
     """
     if state.phase is Phase.OFF:
-        return replace(state, hold=True), []
+        return replace(state, hold=True, reclaiming=state.lendee_starting), []
     new = replace(state, hold=True, reclaiming=True)
     if state.phase in (Phase.BOOTING, Phase.JOINING, Phase.LENT, Phase.FAILED):
         return _reclaim(new)

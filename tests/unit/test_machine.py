@@ -1019,6 +1019,17 @@ def test_reclaim_by_hand_while_off_cancels_the_scheduled_relend() -> None:
     assert state.hold and state.relend_at is None and state.phase is Phase.OFF
 
 
+def test_reclaim_by_hand_during_a_lendee_start_is_kept_by_the_machine() -> None:
+    # The start in flight lands after the caller stopped waiting (a timeout, Ctrl-C, an
+    # SSH client gone, an agent restart): the machine reclaims it by itself, and a start
+    # that fails instead leaves nothing under way.
+    starting = S(lendee_starting=True, lent=TOPO.lendee_gpus)
+    state, actions = run(starting, Reclaim(at=AT), LendeeStarted(at=AT + 1))
+    assert (state.phase, state.hold, actions) == (Phase.DRAINING, True, [Drain(ticket=T + 1)])
+    state, actions = run(starting, Reclaim(at=AT), StartFailed(at=AT + 1, vm=LENDEE, reason="x"))
+    assert (state.phase, state.hold, state.reclaiming) == (Phase.OFF, True, False)
+
+
 def test_reclaim_by_hand_joins_an_owner_and_the_owner_still_starts() -> None:
     # An owner asked first; the operator reclaims too: one drain, the owner starts when
     # the lendee is off, and the lendee stays off after the game (hold).
