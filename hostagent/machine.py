@@ -685,9 +685,11 @@ def _agent_timeout_booting(state: State, event: AgentTimeout, ctx: _Ctx) -> _Out
 
 def _returned(state: State, event: ReturnDone, ctx: _Ctx) -> _Outcome:
     """JOINING → LENT: Ready, every GPU counted, uncordoned. If a game ended meanwhile,
-    a regrow is due after `relend_delay`."""
+    a regrow is due after `relend_delay`. The GPU pods are unknown until this lend's
+    watch reports them: a count from an earlier lend says nothing about this one."""
     _check_ticket(state, event)
-    return _schedule_relend(_enter(state, Phase.LENT), ctx, event.at + ctx.policy.relend_delay)
+    new = _enter(state, Phase.LENT, gpu_pods=None)
+    return _schedule_relend(new, ctx, event.at + ctx.policy.relend_delay)
 
 
 def _return_failed(state: State, event: ReturnFailed, ctx: _Ctx) -> _Outcome:

@@ -485,6 +485,16 @@ def test_regrow_under_each_policy(policy: Policy, pods: int) -> None:
     assert actions == [StartLendee(gpus=ALL)]
 
 
+def test_a_lend_knows_no_gpu_pods_until_its_own_watch_reports() -> None:
+    # The previous lend's watch last said 0: this lend's regrow must not decide on that.
+    state = S(Phase.JOINING, lent=gpus(B, C), running_owners=vms("gaming1"), gpu_pods=0)
+    state, _ = run(state, ReturnDone(at=AT, ticket=T), OwnerStopped(at=AT, owner="gaming1"),
+                   RelendDue(at=AT + 30))
+    assert (state.phase, state.gpu_pods, state.regrow_waiting) == (Phase.LENT, None, True)
+    state, actions = go(state, GpuPods(at=AT + 31, count=0))
+    assert (state.phase, actions) == (Phase.DRAINING, [Drain(ticket=state.ticket)])
+
+
 def test_a_regrow_is_cancelled_when_the_game_restarts_within_relend_delay() -> None:
     state = S(Phase.LENT, lent=gpus(B, C), running_owners=vms("gaming1"))
     state, actions = go(state, OwnerStopped(at=AT, owner="gaming1"))
