@@ -98,6 +98,18 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     host_key = "/var/lib/hostagent/ssh_host_ed25519_key"  # the default; made if missing
     authorized_keys = "/etc/hostagent/authorized_keys"    # each key: verbs="…",vms="…"
 
+    [mqtt]                                  # Home Assistant over MQTT; off without it
+    broker = "mqtts://broker.lan:8883"      # mqtt://host[:port] (1883) or mqtts:// (8883)
+    ca = "/etc/hostagent/broker-ca.pem"     # mqtts only; default: the system's CAs
+    username = "hostagent"
+    password_file = "/run/credentials/hostagent.service/mqtt-password"  # the default when
+                                            # the unit passes the credential mqtt-password
+    discovery_prefix = "homeassistant"
+    base_topic = "hostagent"                # states and commands live under it
+    verbs = ["play", "release", "hold", "lend", "reclaim"]  # what MQTT may command (all)
+    vms = ["gaming1"]                       # the owners it may start and stop; default: all
+    per_entity = false                      # true: one discovery message per entity
+
 Rules beyond the types:
 
 - A GPU reference (in ``lendee.gpus`` or ``owners.*.gpus``) is a label from ``[gpus]``,
@@ -137,6 +149,9 @@ Rules beyond the types:
 - ``[ssh]`` turns the SSH endpoint on (`hostagent.ssh`, which documents the
   authorized-keys syntax). Its host key is created (ed25519, mode 0600, with a ``.pub``
   beside it) when the file does not exist; an existing one is never replaced.
+- ``[mqtt]`` turns the Home Assistant device on (`hostagent.mqtt`, `hostagent.homeassistant`).
+  The broker URL carries no user or password: the password is read from
+  ``password_file`` (a systemd credential) at each connection. ``mqtt.vms`` lists owners.
 """
 
 from __future__ import annotations
@@ -148,6 +163,7 @@ import json
 import re
 import tomllib
 import contextlib
+import urllib.parse
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import date, datetime, time
@@ -168,6 +184,7 @@ __all__ = [
     "Kubernetes",
     "Lendee",
     "Metrics",
+    "Mqtt",
     "Owner",
     "Policy",
     "Regrow",
@@ -821,6 +838,80 @@ class SshEndpoint:
         return address
 
 
+# What MQTT may command: the control verbs that change something (status is published).
+MQTT_VERBS = ("play", "release", "hold", "lend", "reclaim")
+_MQTT_TOPIC = re.compile(r"[^\s+#/\x00]+(/[^\s+#/\x00]+)*")
+
+
+def _broker(value: object, key: str) -> str:
+    url = _text(value, key)
+    example = 'write e.g. "mqtt://broker.lan" or "mqtts://broker.lan:8883"'
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise _Problem(key, f'"{url}" is not a broker URL', example) from None
+    if parts.scheme not in ("mqtt", "mqtts") or not parts.hostname:
+        raise _Problem(key, f'"{url}" is not a broker URL', example)
+    if parts.username is not None or parts.password is not None:
+        raise _Problem(key, "the URL carries a user or password",
+                       "remove it: set username and password_file under [mqtt]")
+    if parts.path.strip("/") or parts.query or parts.fragment:
+        raise _Problem(key, f'"{url}" has a path', example)
+    if port == 0:
+        raise _Problem(key, f'"{url}" has port 0', "write a port from 1 to 65535")
+    return url
+
+
+def _topic(value: object, key: str) -> str:
+    topic = _text(value, key)
+    if not _MQTT_TOPIC.fullmatch(topic) or len(topic) > 128:
+        raise _Problem(key, f'"{topic[:64]}" is not a topic prefix',
+                       'write levels joined by "/", without +, #, spaces or a "/" at either '
+                       'end, e.g. "hostagent"')
+    return topic
+
+
+def _mqtt_verb(value: object, key: str) -> str:
+    verb = _text(value, key)
+    verb = "lend" if verb == "resume" else verb
+    if verb not in MQTT_VERBS:
+        raise _Problem(key, f'"{verb}" is not a verb MQTT can command',
+                       f"write some of {', '.join(MQTT_VERBS)} (its states are published)")
+    return verb
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mqtt:
+    """The Home Assistant device over MQTT (`hostagent.mqtt`); off without [mqtt]."""
+
+    broker: str = field(metadata=_key(_broker, example='"mqtt://broker.lan"'))
+    # mqtts: the CA that signed the broker's certificate; None: the system's.
+    ca: Path | None = field(default=None, metadata=_key(_absolute_path))
+    username: str | None = field(default=None, metadata=_key(_text))
+    # None: $CREDENTIALS_DIRECTORY/mqtt-password when the unit passes that credential.
+    password_file: Path | None = field(default=None, metadata=_key(_absolute_path))
+    discovery_prefix: str = field(default="homeassistant", metadata=_key(_topic))
+    base_topic: str = field(default="hostagent", metadata=_key(_topic))
+    verbs: frozenset[str] = field(default=frozenset(MQTT_VERBS),
+                                  metadata=_key(lambda v, k: frozenset(_list(_mqtt_verb)(v, k))))
+    # None: every owner; else the owners whose switch may start and stop them.
+    vms: tuple[str, ...] | None = field(default=None, metadata=_key(_list(_text)))
+    # True: one discovery message per entity (Home Assistant before 2024.11).
+    per_entity: bool = field(default=False, metadata=_key(_bool))
+
+    @property
+    def tls(self) -> bool:
+        return urllib.parse.urlsplit(self.broker).scheme == "mqtts"
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) of the broker."""
+        parts = urllib.parse.urlsplit(self.broker)
+        assert parts.hostname is not None  # checked when read
+        return parts.hostname, parts.port or (8883 if self.tls else 1883)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Config:
     """The whole configuration. GPU references are resolved to labels of `gpus`."""
@@ -842,6 +933,8 @@ class Config:
     metrics: Metrics = field(default_factory=Metrics, metadata=_key(_section(Metrics)))
     # None: no [ssh] section, no SSH endpoint.
     ssh: SshEndpoint | None = field(default=None, metadata=_key(_section(SshEndpoint)))
+    # None: no [mqtt] section, no Home Assistant device.
+    mqtt: Mqtt | None = field(default=None, metadata=_key(_section(Mqtt)))
     libvirt_uri: str = field(default="qemu:///system", metadata=_key(_text))
     hook_socket: Path = field(
         default=Path("/run/hostagent/hook.sock"), metadata=_key(_absolute_path)
@@ -1001,6 +1094,14 @@ def _link(config: Config) -> Config:
             ))
             continue
         owners[domain] = dataclasses.replace(owner, gpus=resolve_all(owner.gpus, f"{key}.gpus"))
+    if config.mqtt is not None and config.mqtt.ca is not None and not config.mqtt.tls:
+        problems.append(_Problem("mqtt.ca", "set, but the broker URL is mqtt:// (no TLS)",
+                                 "write the broker as mqtts://... or remove ca"))
+    for i, vm in enumerate((config.mqtt.vms or ()) if config.mqtt else ()):
+        if vm not in owners:
+            problems.append(_Problem(
+                f"mqtt.vms[{i}]", f'"{vm}" is not an owner VM',
+                f"list some of {', '.join(owners) or 'the [owners] (none yet)'}"))
     _raise_any(problems)
     return dataclasses.replace(config, lendee=lendee, owners=owners, gpus=gpus)
 

@@ -1,0 +1,316 @@
+"""What Home Assistant sees of the host over MQTT, and what it may ask: pure, no I/O.
+
+Topics and payloads come from the configuration and from the data of `hostagent
+status`; a command comes from a (topic, payload) pair. `hostagent.mqtt` does the
+talking. Discovery is device-based (Home Assistant 2024.11 and later): one retained
+message on ``<prefix>/device/<id>/config`` holds the device (``dev``), the origin
+(``o``) and every entity (``cmps``, each with its platform ``p``), keys abbreviated as
+Home Assistant documents them; ``per_entity`` gives one message per entity instead
+(``<prefix>/<platform>/<id>/<entity>/config``), for older releases.
+
+Under ``base_topic`` (``<base>``), every state retained:
+
+    <base>/availability               online / offline (the client's last will)
+    <base>/owner/<vm>/state, /set     ON / OFF: the VM runs; ON = play, OFF = release
+    <base>/gpu/<gpu>/state            who holds it: a VM's name, or "free"
+    <base>/gpu/<gpu>/attributes       JSON: its name, PCI address and owners
+    <base>/lent/state                 ON / OFF: the lendee is lent (verified, uncordoned)
+    <base>/phase/state                the lendee's phase (off, booting, ... failed)
+    <base>/live_gpus/state            the GPUs of the lendee's live definition, or "none"
+    <base>/transition/state           the last transition, in one sentence
+    <base>/hold/state, /set           ON / OFF: lending on hold; ON = hold, OFF = lend
+    <base>/reclaim/press              PRESS: take the GPUs back from the lendee
+    <base>/lend/press                 PRESS: lend again now
+
+A name that is not a topic level (``+``, ``#``, ``/``, spaces) is slugged; two names
+that slug alike get a suffix, so each entity has its own topics.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from hostagent.config import Config
+
+__all__ = ["Command", "Refused", "Surface", "command", "command_topics", "components",
+           "device_config", "entity_configs", "entity_topics", "removals", "sentence",
+           "stale_entity", "states", "surface"]
+
+ON, OFF, PRESS = "ON", "OFF", "PRESS"
+ONLINE, OFFLINE = "online", "offline"
+MAX_STATE = 255  # Home Assistant drops a sensor state longer than this
+MAX_PAYLOAD = 64  # a command is a word: anything longer is refused unread
+MAX_TOPIC = 512
+
+
+def _slugs(names: Iterable[str]) -> dict[str, str]:
+    """slug -> name, each slug a topic level and an object id Home Assistant takes."""
+    out: dict[str, str] = {}
+    for name in names:
+        base = re.sub(r"[^A-Za-z0-9_-]", "_", name)[:48] or "_"
+        slug, n = base, 2
+        while slug in out:
+            slug, n = f"{base}_{n}", n + 1
+        out[slug] = name
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Surface:
+    """What the device shows and takes, fixed by the configuration."""
+
+    prefix: str
+    base: str
+    node: str  # the device's id: a topic level and the prefix of unique ids
+    version: str
+    lendee: str
+    owners: Mapping[str, str]  # slug -> owner VM
+    gpus: Mapping[str, str]  # slug -> GPU label
+    verbs: frozenset[str]
+    vms: frozenset[str]  # owners MQTT may start and stop
+    per_entity: bool = False
+
+    def topic(self, *levels: str) -> str:
+        return "/".join((self.base, *levels))
+
+    @property
+    def availability(self) -> str:
+        return self.topic("availability")
+
+    @property
+    def device_topic(self) -> str:
+        return f"{self.prefix}/device/{self.node}/config"
+
+    @property
+    def birth_topic(self) -> str:
+        """Home Assistant says "online" here when it (re)starts: discovery again."""
+        return f"{self.prefix}/status"
+
+    def commandable(self, vm: str) -> bool:
+        return vm in self.vms and bool(self.verbs & {"play", "release"})
+
+
+def surface(cfg: Config, *, version: str) -> Surface:
+    """The device of `cfg` (which has an [mqtt] section)."""
+    mqtt = cfg.mqtt
+    assert mqtt is not None
+    owners = list(cfg.owners)
+    node = re.sub(r"[^A-Za-z0-9_-]", "_", mqtt.base_topic)
+    return Surface(prefix=mqtt.discovery_prefix, base=mqtt.base_topic, node=node,
+                   version=version, lendee=cfg.lendee.domain, owners=_slugs(owners),
+                   gpus=_slugs(sorted(set(cfg.lendee.gpus).union(
+                       *(o.gpus for o in cfg.owners.values())))),
+                   verbs=mqtt.verbs, vms=frozenset(owners if mqtt.vms is None else mqtt.vms),
+                   per_entity=mqtt.per_entity)
+
+
+# --- discovery --------------------------------------------------------------------------
+
+
+def components(s: Surface) -> dict[str, dict[str, Any]]:
+    """Entity id -> its discovery config (abbreviated keys, `p` the platform)."""
+    cmps: dict[str, dict[str, Any]] = {}
+
+    def add(cid: str, platform: str, name: str, **more: Any) -> None:
+        cmps[cid] = {"p": platform, "name": name, "uniq_id": f"{s.node}_{cid}", **more}
+
+    for slug, vm in s.owners.items():
+        state = s.topic("owner", slug, "state")
+        if s.commandable(vm):
+            add(f"owner_{slug}", "switch", vm, stat_t=state, cmd_t=s.topic("owner", slug, "set"),
+                pl_on=ON, pl_off=OFF, ic="mdi:gamepad-variant")
+        else:
+            add(f"owner_{slug}", "binary_sensor", vm, stat_t=state, pl_on=ON, pl_off=OFF,
+                dev_cla="running")
+    for slug, label in s.gpus.items():
+        add(f"gpu_{slug}", "sensor", f"GPU {label}", stat_t=s.topic("gpu", slug, "state"),
+            json_attr_t=s.topic("gpu", slug, "attributes"), ic="mdi:expansion-card")
+    add("lent", "binary_sensor", f"{s.lendee} lent", stat_t=s.topic("lent", "state"),
+        pl_on=ON, pl_off=OFF, ic="mdi:kubernetes")
+    add("phase", "sensor", f"{s.lendee} phase", stat_t=s.topic("phase", "state"),
+        dev_cla="enum", ops=["off", "booting", "joining", "lent", "draining", "stopping",
+                             "failed"])
+    add("live_gpus", "sensor", f"{s.lendee} GPUs", stat_t=s.topic("live_gpus", "state"),
+        ic="mdi:expansion-card-variant")
+    add("transition", "sensor", "Last transition", stat_t=s.topic("transition", "state"),
+        ic="mdi:message-text")
+    if s.verbs & {"hold", "lend"}:
+        add("hold", "switch", "Hold lending", stat_t=s.topic("hold", "state"),
+            cmd_t=s.topic("hold", "set"), pl_on=ON, pl_off=OFF, ic="mdi:pause-circle")
+    else:
+        add("hold", "binary_sensor", "Lending on hold", stat_t=s.topic("hold", "state"),
+            pl_on=ON, pl_off=OFF)
+    if "reclaim" in s.verbs:
+        add("reclaim", "button", "Reclaim GPUs", cmd_t=s.topic("reclaim", "press"),
+            pl_prs=PRESS, ic="mdi:download")
+    if "lend" in s.verbs:
+        add("lend", "button", "Lend GPUs", cmd_t=s.topic("lend", "press"), pl_prs=PRESS,
+            ic="mdi:upload")
+    return cmps
+
+
+def _device(s: Surface) -> dict[str, Any]:
+    return {"ids": [s.node], "name": f"hostagent {s.base}" if s.base != "hostagent"
+            else "hostagent", "mf": "hostagent", "mdl": "GPU lending host", "sw": s.version}
+
+
+def _origin(s: Surface) -> dict[str, Any]:
+    return {"name": "hostagent", "sw": s.version}
+
+
+def _shared(s: Surface) -> dict[str, Any]:
+    return {"avty_t": s.availability, "pl_avail": ONLINE, "pl_not_avail": OFFLINE, "qos": 1}
+
+
+def device_config(s: Surface, removed: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The device-based discovery message; `removed` (entity id -> platform) are
+    entities of an earlier configuration, sent with their platform alone so that Home
+    Assistant deletes them."""
+    cmps: dict[str, dict[str, Any]] = {cid: {"p": p} for cid, p in (removed or {}).items()}
+    cmps.update(components(s))
+    payload = {"dev": _device(s), "o": _origin(s), "cmps": cmps, **_shared(s)}
+    return s.device_topic, json.dumps(payload, sort_keys=True)
+
+
+def entity_configs(s: Surface) -> dict[str, str]:
+    """Per-entity discovery: topic -> payload, one per entity."""
+    out = {}
+    for cid, cmp in components(s).items():
+        cmp = dict(cmp)
+        platform = cmp.pop("p")
+        payload = {**cmp, "dev": _device(s), "o": _origin(s), **_shared(s)}
+        out[f"{s.prefix}/{platform}/{s.node}/{cid}/config"] = json.dumps(payload, sort_keys=True)
+    return out
+
+
+def removals(s: Surface, retained: bytes) -> dict[str, str]:
+    """Entities of a retained device message (an earlier configuration's) that this one
+    lacks: entity id -> platform. Ones already sent as removals are not repeated."""
+    try:
+        cmps = json.loads(retained).get("cmps")
+    except (ValueError, AttributeError):
+        return {}
+    if not isinstance(cmps, dict):
+        return {}
+    current = components(s)
+    return {cid: c["p"] for cid, c in cmps.items() if cid not in current
+            and isinstance(c, dict) and isinstance(c.get("p"), str) and set(c) != {"p"}}
+
+
+def entity_topics(s: Surface) -> str:
+    """The per-entity config topics of this device, as a subscription."""
+    return f"{s.prefix}/+/{s.node}/+/config"
+
+
+def stale_entity(s: Surface, topic: str) -> bool:
+    """A retained per-entity config of this device that the configuration no longer has
+    (a removed owner, or discovery now device-based): cleared with an empty message."""
+    levels = topic.split("/")
+    ours = (topic.startswith(f"{s.prefix}/") and len(levels) == len(s.prefix.split("/")) + 4
+            and levels[-3] == s.node and levels[-1] == "config")
+    return ours and topic not in (entity_configs(s) if s.per_entity else {})
+
+
+# --- states -----------------------------------------------------------------------------
+
+
+def _onoff(value: object) -> str:
+    return ON if value else OFF
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= MAX_STATE else text[:MAX_STATE - 1] + "…"
+
+
+def states(s: Surface, status: Mapping[str, Any], transition: str) -> dict[str, str]:
+    """Topic -> retained payload, from `hostagent status`'s data and the last sentence."""
+    lendee = status["lendee"]
+    running = status.get("owners", {})
+    holders = {g["gpu"]: g for g in status.get("gpus", ())}
+    out = {s.topic("owner", slug, "state"): _onoff(running.get(vm))
+           for slug, vm in s.owners.items()}
+    for slug, label in s.gpus.items():
+        gpu = holders.get(label, {})
+        out[s.topic("gpu", slug, "state")] = _short(gpu.get("holder") or "free")
+        out[s.topic("gpu", slug, "attributes")] = json.dumps(
+            {"name": gpu.get("name"), "pci": gpu.get("pci"), "owners": gpu.get("owners", [])},
+            sort_keys=True)
+    out[s.topic("lent", "state")] = _onoff(lendee["phase"] == "lent")
+    out[s.topic("phase", "state")] = lendee["phase"]
+    out[s.topic("live_gpus", "state")] = _short(", ".join(lendee["lent"]) or "none")
+    out[s.topic("transition", "state")] = _short(transition or "")
+    out[s.topic("hold", "state")] = _onoff(lendee["hold"])
+    return out
+
+
+def sentence(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> str | None:
+    """What changed among the owners between two statuses, in words (None: nothing).
+    The lendee's phases and the intents have their own sentences (the journal's)."""
+    if old is None:
+        return None
+    said = [f"{vm} is running" if on else f"{vm} stopped"
+            for vm, on in new.get("owners", {}).items() if old.get("owners", {}).get(vm) != on]
+    return "; ".join(said) or None
+
+
+# --- commands ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Command:
+    verb: str
+    vm: str | None = None
+
+    @property
+    def args(self) -> dict[str, Any]:
+        return {"vm": self.vm} if self.vm else {}
+
+    def __str__(self) -> str:
+        return f"{self.verb} {self.vm}" if self.vm else self.verb
+
+
+@dataclass(frozen=True)
+class Refused:
+    why: str
+
+
+def command_topics(s: Surface) -> list[str]:
+    """What the client subscribes to for commands."""
+    return [s.topic("owner", "+", "set"), s.topic("hold", "set"), s.topic("reclaim", "press"),
+            s.topic("lend", "press")]
+
+
+def command(s: Surface, topic: str, payload: bytes) -> Command | Refused:
+    """The verb a message asks for, or why it is refused (with the payload shown safely)."""
+    if len(payload) > MAX_PAYLOAD:
+        return Refused(f"a {len(payload)}-byte payload on {topic[:MAX_TOPIC]} (at most "
+                       f"{MAX_PAYLOAD})")
+    word = payload.decode("utf-8", "replace").strip()
+    shown = json.dumps(word[:MAX_PAYLOAD])
+    levels = topic.split("/")[len(s.base.split("/")):] if topic.startswith(s.base + "/") else []
+    wanted: dict[str, str] = {}
+    vm = None
+    match levels:
+        case ["owner", slug, "set"] if slug in s.owners:
+            vm = s.owners[slug]
+            wanted = {ON: "play", OFF: "release"}
+        case ["hold", "set"]:
+            wanted = {ON: "hold", OFF: "lend"}
+        case ["reclaim", "press"]:
+            wanted = {PRESS: "reclaim"}
+        case ["lend", "press"]:
+            wanted = {PRESS: "lend"}
+        case _:
+            return Refused(f"{shown} on {topic[:MAX_TOPIC]}, which commands nothing")
+    verb = wanted.get(word)
+    if verb is None:
+        return Refused(f"{shown} on {topic}: expected {' or '.join(wanted)}")
+    if verb not in s.verbs:
+        return Refused(f"{verb} on {topic}: mqtt.verbs does not allow it")
+    if vm is not None and vm not in s.vms:
+        return Refused(f"{verb} {vm} on {topic}: mqtt.vms does not list {vm}")
+    return Command(verb, vm)
