@@ -1120,11 +1120,16 @@ class Kube:
 
         Watches, not polling: a GPU that falls off the bus shows as the device plugin
         lowering allocatable, a dead kubelet as Ready going Unknown; both within a
-        second of the API server knowing. Raises KubeAuthError only."""
-        state: dict[str, Any] = {"node": None, "pods": None}
+        second of the API server knowing. Raises KubeAuthError only.
+
+        Nothing is published before both lists are in: a node not listed yet is not a
+        node deleted, and pods not listed yet are not none."""
+        state: dict[str, Any] = {"node": None, "pods": None, "listed": False}
         last: list[NodeView] = []
 
         def publish() -> None:
+            if not state["listed"] or state["pods"] is None:
+                return
             current = state["node"]
             pods = state["pods"]
             condition = _ready(current) if current is not None else None
@@ -1137,7 +1142,7 @@ class Kube:
                                                else ""),
                 allocatable={r: _gpus(current, r) for r in resources} if current is not None
                 else {r: 0 for r in resources},
-                gpu_pods=None if pods is None else sum(pods.values()),
+                gpu_pods=sum(pods.values()),
             )
             if not last or last[0] != view:
                 last[:] = [view]
@@ -1145,6 +1150,7 @@ class Kube:
 
         def node_reset(items: list[Any]) -> None:
             state["node"] = items[0] if items else None
+            state["listed"] = True
             publish()
 
         def node_apply(kind: str, obj: Any) -> None:

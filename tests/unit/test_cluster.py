@@ -331,6 +331,27 @@ async def test_a_gpu_lost_while_lent_turns_health_red_and_is_recorded(
     assert "GPULost" in [r for _, r, _ in events(api)]
 
 
+async def test_the_watch_judges_nothing_before_both_its_lists_are_in(
+        api: StandIn, kube: Kube, records: journal.ListSink) -> None:
+    """The pods' list answers before the node's: no view of a node "deleted while lent"
+    (an ERROR on every lend), the first view is of the node as it is, with its pods."""
+    cluster = cluster_for(kube)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    api.slow("^/api/v1/nodes$", delay=0.5, times=1, method="GET")
+    views: list[Any] = []
+    watch = asyncio.create_task(cluster.watch_lent(on_view=views.append))
+    try:
+        await until(lambda: views)
+        await asyncio.sleep(0.2)
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+    assert [(v.exists, v.gpu_pods) for v in views] == [(True, 0)]
+    assert not [e for e in records.entries if "deleted while lent" in e.message]
+
+
 async def test_watch_gpu_pods_follows_the_count(api: StandIn, kube: Kube) -> None:
     cluster = cluster_for(kube)
     seen: list[int] = []
