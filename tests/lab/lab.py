@@ -89,6 +89,12 @@ LENDEE = "gpu-node"
 # gaming-win owns gpu-a too: a second VM on one card (owners of a card take turns).
 OWNERS = {"gaming1": ("gpu-a",), "gaming2": ("gpu-b",), "gaming-win": ("gpu-a",)}
 
+# How long libvirtd may take to answer after a start: about a second when the machine is
+# idle, but a start beside other work on 2 cores has taken over 30 s. Past USUAL_WAIT
+# its log is printed (the test's output shows what it was doing), and the wait goes on.
+LIBVIRTD_PATIENCE = 180.0
+USUAL_WAIT = 30.0
+
 # The agent's configuration in the lab. Lab GPUs are disks, so their PCI addresses
 # are made up; everything else is what a user writes.
 AGENT_CONFIG = """\
@@ -145,6 +151,7 @@ class Lab:
     # policy.partial in the configurations below: the product's default, unless a suite
     # that tests other roads sets it off (see tests/faults/conftest.py).
     partial: bool = True
+    libvirtd_patience: float = LIBVIRTD_PATIENCE
 
     # ---- paths -----------------------------------------------------------------
     def path(self, inside: str) -> Path:
@@ -215,9 +222,11 @@ class Lab:
 
     def reset(self) -> None:
         """No agent, every VM off, lab GPUs as new, no agent state or spool: the state
-        each test starts from."""
+        each test starts from. A libvirtd or journald that a failed test left dead or
+        hung is brought back first, so that one failure stays one failure."""
         if "agent" in self.procs:
             _stop(self.procs.pop("agent"))
+        self._revive()
         # The journal outlives a test: records() only shows what came after this.
         self.mark_us = time.time_ns() // 1000
         for dom in self.running():
@@ -310,11 +319,70 @@ class Lab:
         env = {**os.environ, "LIBVIRT_LOG_OUTPUTS": "1:stderr" if log_filters else "3:stderr"}
         if log_filters:
             env["LIBVIRT_LOG_FILTERS"] = log_filters
+        with open(self.root / "libvirtd.log", "ab") as log:
+            log.write(f"--- lab: libvirtd started at {time.strftime('%H:%M:%S')}\n".encode())
         self.spawn("libvirtd", ["libvirtd", "--config", "/etc/libvirt/libvirtd.conf"], env=env)
-        _wait_for(self._libvirtd_alive, 30, "libvirtd to answer")
+        self._wait_libvirtd()
+
+    def _wait_libvirtd(self) -> None:
+        """Until libvirtd answers. Past `USUAL_WAIT` its log is printed and the wait goes
+        on, up to `libvirtd_patience`; one that exits or never answers raises, with its
+        log (TimeoutError: it still runs)."""
+        proc = self.procs["libvirtd"]
+        start = time.monotonic()
+        told = False
+        while not self._libvirtd_alive():
+            waited = time.monotonic() - start
+            if proc.poll() is not None:
+                raise RuntimeError(f"libvirtd exited with status {proc.returncode} after "
+                                   f"{waited:.0f}s; its log:\n{self.libvirtd_log()}")
+            if waited > self.libvirtd_patience:
+                raise TimeoutError(f"libvirtd did not answer within {waited:.0f}s; its log:"
+                                   f"\n{self.libvirtd_log()}")
+            if waited > USUAL_WAIT and not told:
+                told = True
+                print(f"lab: libvirtd has not answered for {waited:.0f}s (a busy machine?); "
+                      f"waiting up to {self.libvirtd_patience:g}s. Its log so far:\n"
+                      f"{self.libvirtd_log()}", file=sys.stderr, flush=True)
+            time.sleep(0.2)
+
+    def libvirtd_log(self, lines: int = 40) -> str:
+        """The end of what libvirtd wrote: its stderr and its log file."""
+        out = []
+        for f in (self.root / "libvirtd.log", self.root / "log-libvirt" / "libvirtd.log"):
+            if f.exists():
+                tail = f.read_text(errors="replace").splitlines()[-lines:]
+                out.append(f"{f}:\n" + "\n".join(f"  {line}" for line in tail))
+        return "\n".join(out) or "(libvirtd wrote nothing)"
 
     def _libvirtd_alive(self) -> bool:
-        return self.virsh("version", check=False).returncode == 0
+        # A hung libvirtd accepts connections and answers nothing: bound the call.
+        try:
+            return self.virsh("version", check=False, timeout=10).returncode == 0
+        except subprocess.TimeoutExpired:
+            return False
+
+    def _revive(self) -> None:
+        """Bring back a journald that is dead, a libvirtd that is dead or never answers."""
+        journald = self.procs.get("journald")
+        if journald is not None and journald.poll() is not None:
+            print("lab: journald had exited; starting it again", file=sys.stderr, flush=True)
+            self._start_journald()
+        proc = self.procs.get("libvirtd")
+        if proc is not None and proc.poll() is None:
+            try:
+                self._wait_libvirtd()
+                return
+            except (TimeoutError, RuntimeError) as e:
+                print(f"lab: {e}\nlab: starting libvirtd again", file=sys.stderr, flush=True)
+        elif proc is not None:
+            print(f"lab: libvirtd had exited (status {proc.returncode}); starting it again. "
+                  f"Its log:\n{self.libvirtd_log()}", file=sys.stderr, flush=True)
+        else:
+            print("lab: libvirtd was left stopped; starting it again", file=sys.stderr,
+                  flush=True)
+        self.stop_libvirtd()
+        self._start_libvirtd()
 
     def restart_libvirtd(self, *, log_filters: str = "") -> None:
         self.stop_libvirtd()
@@ -322,10 +390,15 @@ class Lab:
 
     def stop_libvirtd(self) -> None:
         """Stop libvirtd (running guests stay up); `start_libvirtd` brings it back."""
-        _stop(self.procs.pop("libvirtd"))
+        proc = self.procs.pop("libvirtd", None)
+        if proc is not None:
+            _stop(proc)
 
     def start_libvirtd(self, *, log_filters: str = "") -> None:
-        if "libvirtd" not in self.procs:
+        """Start libvirtd unless it runs, and wait for its answer."""
+        proc = self.procs.get("libvirtd")
+        if proc is None or proc.poll() is not None:
+            self.procs.pop("libvirtd", None)
             self._start_libvirtd(log_filters)
 
     # ---- the agent ----------------------------------------------------------
@@ -581,7 +654,37 @@ def need_lab() -> str | None:
     return None
 
 
+def main(argv: list[str]) -> int:
+    """A lab by hand, up until Ctrl-C (or SIGTERM), then down: nothing of it is left
+    running."""
+    reason = need_lab()
+    if reason:
+        print(f"lab: {reason}", file=sys.stderr)
+        return 1
+    lab = Lab(Path(argv[0]) if argv else REPO / ".lab" / "manual")
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+    # SIGINT too: a lab started in the background by a script inherits it ignored.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, interrupt)
+    try:
+        lab.up()
+        print(f"lab up: {lab.uri}\n"
+              f"  virsh -c '{lab.uri}' list --all\n"
+              f"  journalctl -D {lab.root / 'journal'}\n"
+              f"  nsenter --mount=/proc/{lab.holder.pid if lab.holder else '?'}/ns/mnt  "
+              "(a shell inside the lab's mount namespace)\n"
+              "Ctrl-C (or SIGTERM) takes it down.", flush=True)
+        while True:
+            signal.pause()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        lab.down()
+        print("lab down", flush=True)
+    return 0
+
+
 if __name__ == "__main__":
-    lab = Lab(Path(sys.argv[1]) if len(sys.argv) > 1 else REPO / ".lab" / "manual")
-    lab.up()
-    print("lab up:", lab.uri)
+    sys.exit(main(sys.argv[1:]))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.lab.lab import GPUS, Lab, host_fingerprint, need_lab
+from tests.lab.lab import GPUS, LIBVIRTD_PATIENCE, Lab, host_fingerprint, need_lab
 
 pytestmark = pytest.mark.lab
 
@@ -92,3 +93,37 @@ def test_teardown_leaves_no_process_or_mount_behind() -> None:
                 assert os.readlink(p / "ns/mnt") != ns
             except OSError:
                 pass
+
+
+def test_a_dead_or_hung_libvirtd_is_brought_back_by_the_next_reset(
+        lab: Lab, capsys: pytest.CaptureFixture[str]) -> None:
+    """A test that leaves libvirtd killed, stopped or hung fails alone: the next test's
+    reset starts it again, and says so with libvirtd's log."""
+    lab.virsh("start", "gaming2")
+    libvirtd = lab.procs["libvirtd"]
+    libvirtd.kill()
+    libvirtd.wait()
+    lab.reset()
+    assert lab.procs["libvirtd"] is not libvirtd
+    # The new libvirtd found gaming2 still running; reset destroyed it.
+    assert lab.running() == []
+    assert "libvirtd had exited" in capsys.readouterr().err
+
+    lab.stop_libvirtd()  # as a test that failed before starting it again leaves it
+    lab.reset()
+    assert lab.state("gpu-node") == "shut off"
+
+    # Hung: it takes connections and answers none.
+    hung = lab.procs["libvirtd"]
+    os.kill(hung.pid, signal.SIGSTOP)
+    lab.libvirtd_patience = 1
+    try:
+        lab.reset()
+    finally:
+        lab.libvirtd_patience = LIBVIRTD_PATIENCE
+    assert hung.poll() is not None and lab.procs["libvirtd"] is not hung
+    err = capsys.readouterr().err
+    assert "libvirtd did not answer within" in err and "starting libvirtd again" in err
+    assert str(lab.root / "libvirtd.log") in err  # its log, printed
+    assert sorted(lab.virsh("list", "--all", "--name").stdout.split()) == sorted(
+        ["gpu-node", "gaming1", "gaming2", "gaming-win"])
