@@ -230,8 +230,10 @@ class Agent:
         if new.phase is Phase.OFF and old.phase not in (Phase.OFF, Phase.DRAINING,
                                                         Phase.STOPPING):
             # Down, and not by a reclaim (which cordoned it): a crash, a shutdown by
-            # hand. Cordoned now, so that its return is verified before it takes work.
-            self.executor.spawn(self.cluster.lendee_down(why=f"{self.lendee} stopped"))
+            # hand. Cordoned now, so that its return is verified before it takes work;
+            # a step of OFF, so a slow cordon never lands after the next return.
+            self.executor.spawn(self.cluster.lendee_down(why=f"{self.lendee} stopped"),
+                                ticket=new.ticket)
         if new.regrow_waiting and not old.regrow_waiting:
             self.recorder.regrow_waits(new)
         for action in actions:

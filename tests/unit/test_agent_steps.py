@@ -40,6 +40,8 @@ class HeldCluster:
         self.node: list[str] = []  # what reached the node, in order
         self.return_go = asyncio.Event()
         self.drain_go = asyncio.Event()
+        self.down_go = asyncio.Event()  # set: the cordon after a stop goes through at once
+        self.down_go.set()
         self.returns = 0
 
     async def reclaim(self, owners: list[str]) -> str | None:
@@ -55,6 +57,7 @@ class HeldCluster:
         return None
 
     async def lendee_down(self, *, why: str) -> None:
+        await self.down_go.wait()
         self.node.append("cordon (down)")
 
     async def watch_lent(self, on_view: object = None) -> None:
@@ -118,6 +121,28 @@ async def test_a_stale_drain_never_touches_a_node_lent_again(tmp_path: Path) -> 
     await until(lambda: "gaming1" in fake.running)
     # One drain finished, and only the current one: the stale one never reported.
     assert cluster.node == ["cordon", "cordon", "drained"]
+
+
+async def test_a_slow_cordon_after_a_stop_never_lands_after_the_next_return(
+        tmp_path: Path) -> None:
+    """The lendee stops by hand and its node's cordon hangs (the API is slow); it is lent
+    again meanwhile. The cordon is a step of the phase it began in: it never lands after
+    the next return's uncordon, which would leave the node lent and cordoned."""
+    cluster = HeldCluster()
+    cluster.drain_go.set()
+    cluster.return_go.set()
+    cluster.down_go.clear()
+    agent, fake = agent_with(tmp_path, cluster)
+    agent.policy = dataclasses.replace(agent.policy, relend_delay=0.1)
+    fake.running.add("gpu-node")
+    agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
+    await until(lambda: agent.state.phase is Phase.LENT)
+    fake.running.discard("gpu-node")
+    agent.lifecycle("gpu-node", Lifecycle.STOPPED)
+    await until(lambda: agent.state.phase is Phase.LENT and cluster.node.count("uncordon") == 2)
+    cluster.down_go.set()  # the cordon of the stop, late
+    await asyncio.sleep(0.1)
+    assert cluster.node[-1] == "uncordon", cluster.node
 
 
 async def test_a_failed_save_refuses_the_request_and_keeps_the_machine_moving(
