@@ -60,16 +60,20 @@ faults: setup
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/faults
 
 # Benchmarks, not tests: figures and ratios measured in one run, written with the
-# machine's description to bench/RESULTS.md (README's table is copied from there).
+# machine's description and the commit measured to bench/RESULTS.md (README's figures are
+# read from there). Written beside it first and moved into place at the end, so that a
+# run that fails leaves the last complete results.
 bench: setup
+	@set -e; out=bench/.RESULTS.md.tmp; trap 'rm -f $$out' EXIT; \
 	{ echo "# Benchmark results"; echo; \
-	  echo "Measured $$(date -u '+%Y-%m-%d %H:%M UTC') on $$(nproc) CPUs ($$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')), $$(free -g | awk '/^Mem:/ {print $$2}') GiB, $$(uname -sr); libvirt $$(libvirtd --version | awk '{print $$NF}'), $$(qemu-system-x86_64 --version | head -1); the lab's guests run under TCG."; \
-	  echo; echo "What each figure measures, and between which boundaries: the docstrings of bench/hook.py, bench/cycle.py, bench/agent.py and bench/capacity.py."; } > bench/RESULTS.md
-	$(VENV)/bin/python bench/hook.py --runs 500 --markdown bench/RESULTS.md
-	$(VENV)/bin/python -m bench.cycle --cycles 5 --markdown bench/RESULTS.md
-	$(VENV)/bin/python -m bench.agent --markdown bench/RESULTS.md
-	$(VENV)/bin/python -m bench.capacity --markdown bench/RESULTS.md
-	@echo; echo "written to bench/RESULTS.md"
+	  echo "Measured $$(date -u '+%Y-%m-%d %H:%M UTC') at commit $$(git describe --always --dirty --abbrev=12 2>/dev/null || echo unknown) on $$(nproc) CPUs ($$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')), $$(free -g | awk '/^Mem:/ {print $$2}') GiB, $$(uname -sr); libvirt $$(libvirtd --version | awk '{print $$NF}'), $$(qemu-system-x86_64 --version | head -1); the lab's guests run under TCG."; \
+	  echo; echo "What each figure measures, and between which boundaries: the docstrings of bench/hook.py, bench/cycle.py, bench/agent.py and bench/capacity.py."; } > $$out; \
+	$(VENV)/bin/python bench/hook.py --runs 500 --markdown $$out; \
+	$(VENV)/bin/python -m bench.cycle --cycles 5 --markdown $$out; \
+	$(VENV)/bin/python -m bench.agent --markdown $$out; \
+	$(VENV)/bin/python -m bench.capacity --markdown $$out; \
+	mv -f $$out bench/RESULTS.md; \
+	echo; echo "written to bench/RESULTS.md"
 
 clean:
 	rm -rf $(STAMPS) .lab

@@ -1,15 +1,19 @@
-"""Reclaim and lend, timed in the lab: what hostagent adds on top of the steps that
+"""The partial swap, timed in the lab: what hostagent adds on top of the steps that
 take the time anyway (the drain, the guests' own shutdown and boot, the cluster).
 
     python -m bench.cycle [--cycles 5] [--markdown FILE]
 
 Each cycle runs the real swap of `make demo`: gpu-node (the lendee, a node of the
 Kubernetes API stand-in with three pods on it, two of them behind a
-PodDisruptionBudget) is lent; `virsh start gaming1` is deferred by the hook while the
-agent drains the node, shuts gpu-node down through its guest agent and starts gaming1;
-then `virsh shutdown --mode agent gaming1`, and the agent lends gpu-node again up to
-the uncordon. Every boundary is taken from the component that does the step, never
-from hostagent's own journal:
+PodDisruptionBudget) is lent gpu-a, gpu-b and gpu-c; `virsh start gaming1` (gpu-a) is
+deferred by the hook while the agent drains the node, shuts gpu-node down through its
+guest agent and starts gaming1 (the reclaim); the agent starts gpu-node again with
+gpu-b and gpu-c up to the uncordon (the partial lend); three pods land on it again;
+then `virsh shutdown --mode agent gaming1`, and once relend_delay has passed (no pod
+on the node requests a GPU: policy.regrow = when-idle begins at once) the agent drains
+gpu-node, shuts it down and starts it with all three up to the uncordon (the regrow).
+Every boundary is taken from the component that does the step, never from hostagent's
+own journal:
 
 - the bench's own libvirt connection: lifecycle events (gaming1 RESUMED and STARTED)
   and guest-agent lifecycle events (qemu-ga connected its port);
@@ -24,12 +28,16 @@ Reclaim: `virsh start gaming1` → gaming1's STARTED event. Inherent:
   drain     first eviction request → the last evicted pod gone (as the API server saw it)
   shutdown  libvirt sends guest-shutdown → gpu-node's QEMU has exited
   start     libvirt launches gaming1's QEMU → gaming1's vCPUs run (RESUMED)
-Lend: gaming1's QEMU has exited → the node is uncordoned (as the API server saw it).
-Inherent:
-  relend_delay   the configured pause before lending again (policy.relend_delay)
+Partial lend: gaming1's STARTED event → the node uncordoned with two GPUs (as the API
+server saw it). Inherent:
   boot           libvirt launches gpu-node's QEMU → its guest agent connects
-  cluster        then → the node Ready with every GPU allocatable (the lab kubelet's
-                 own pace; 0 if it was already so)
+  cluster        then → the node Ready with every lent GPU allocatable (the lab
+                 kubelet's own pace; 0 if it was already so)
+Regrow: gaming1's QEMU has exited → the node uncordoned with three GPUs. Inherent:
+  relend_delay   the configured pause before lending again (policy.relend_delay),
+                 twice: after the game stopped, and after the lendee stopped (as after
+                 any stop of the lendee that no owner waits on)
+  drain, shutdown, boot, cluster as above
 Overhead = total − inherent: every hook run in those paths, the agent's reactions,
 its API calls, its in-guest GPU check, libvirt's own bookkeeping between steps.
 """
@@ -137,44 +145,40 @@ class Events:
 
 
 @dataclass
-class Cycle:
-    """One reclaim and one lend, each as (total, {inherent step: seconds},
-    {overhead gap: seconds})."""
+class Leg:
+    """One leg of a cycle: its total, {inherent step: seconds}, {overhead gap: seconds}."""
 
-    reclaim: float = 0.0
-    reclaim_steps: dict[str, float] = field(default_factory=dict)
-    reclaim_gaps: dict[str, float] = field(default_factory=dict)
-    lend: float = 0.0
-    lend_steps: dict[str, float] = field(default_factory=dict)
-    lend_gaps: dict[str, float] = field(default_factory=dict)
+    total: float = 0.0
+    steps: dict[str, float] = field(default_factory=dict)
+    gaps: dict[str, float] = field(default_factory=dict)
 
     @property
-    def reclaim_overhead(self) -> float:
-        return self.reclaim - sum(self.reclaim_steps.values())
-
-    @property
-    def lend_overhead(self) -> float:
-        return self.lend - sum(self.lend_steps.values())
+    def overhead(self) -> float:
+        return self.total - sum(self.steps.values())
 
 
-def seed(kc: LabCluster, n: int) -> None:
-    """Cycle n's pods on gpu-node: a Deployment's pod and two StatefulSet pods behind a
-    PodDisruptionBudget of their own (minAvailable 1: the second eviction waits until
-    the first one's replacement is Ready elsewhere). The earlier cycles' pods, replaced
-    on cpu-node, stay there under other labels and budgets."""
+LEGS = ("reclaim", "partial lend", "regrow")
+
+
+def seed(kc: LabCluster, tag: str, first: bool) -> None:
+    """Pods on gpu-node before a drain: a Deployment's pod and two StatefulSet pods
+    behind a PodDisruptionBudget of their own (minAvailable 1: the second eviction waits
+    until the first one's replacement is Ready elsewhere). None requests a GPU (a
+    when-idle regrow does not wait for them). The earlier ones, replaced on cpu-node,
+    stay there under other labels and budgets."""
     cluster = kc.api.standin.cluster
 
     def add() -> None:
-        if n == 0:
+        if first:
             cluster.add_node("cpu-node")
             cluster.add_pod("gpu-device-plugin-z7x", node=LENDEE, owner="DaemonSet/device-plugin",
                             labels={"app": "device-plugin"})
-        cluster.add_pod(f"web-{n}-x2k8q", node=LENDEE, owner=f"ReplicaSet/web-{n}",
-                        labels={"app": f"web-{n}"})
+        cluster.add_pod(f"web-{tag}-x2k8q", node=LENDEE, owner=f"ReplicaSet/web-{tag}",
+                        labels={"app": f"web-{tag}"})
         for i in (1, 2):
-            cluster.add_pod(f"trainer-{n}-{i}", node=LENDEE, owner=f"StatefulSet/trainer-{n}",
-                            labels={"app": f"trainer-{n}"})
-        cluster.add_pdb(f"trainer-{n}", match_labels={"app": f"trainer-{n}"}, min_available=1)
+            cluster.add_pod(f"trainer-{tag}-{i}", node=LENDEE, owner=f"StatefulSet/trainer-{tag}",
+                            labels={"app": f"trainer-{tag}"})
+        cluster.add_pdb(f"trainer-{tag}", match_labels={"app": f"trainer-{tag}"}, min_available=1)
     kc.api.call(add)
 
 
@@ -212,56 +216,102 @@ def libvirtd_log(lab: Lab, text: str, after: float) -> float:
                     10, f"{text!r} in {path}")
 
 
-def reclaim(lab: Lab, kc: LabCluster, ev: Events) -> Cycle:
-    c = Cycle()
+def drain_span(kc: LabCluster, after: float) -> tuple[float, float]:
+    """(first eviction request, last evicted pod gone) of the drain begun after `after`."""
+    evictions = [t for t, _ in kc.api.standin.requests_at("POST", "/eviction$") if t >= after]
+    gone = [ch.at for ch in changes(kc, after) if ch.resource is PODS and ch.type == "DELETED"
+            and ch.obj["spec"].get("nodeName") == LENDEE]
+    return min(evictions), max(gone)
+
+
+def uncordoned_after(kc: LabCluster, after: float) -> float:
+    """When the API server committed the first uncordon of the node after `after`."""
+    return wait_for(lambda: next(
+        (ch.at for ch in changes(kc, after) if ch.resource is NODES and ch.type == "MODIFIED"
+         and (ch.old or {}).get("spec", {}).get("unschedulable")
+         and not ch.obj["spec"].get("unschedulable")), None), 180, "the uncordon")
+
+
+def back(lab: Lab, kc: LabCluster, ev: Events, after: float, gpus: int,
+         uncordoned: float) -> tuple[float, float, float]:
+    """(gpu-node's QEMU launched, its guest agent connected, the node Ready with `gpus`
+    GPUs) of the lend that ended with the uncordon at `uncordoned`. The last time the
+    node became so before the uncordon: the lab kubelet may post a stale GPU count
+    while the guest boots, and that one is not it."""
+    launch = qemu_log(lab, LENDEE, "starting up", after)
+    agent_up = ev.wait(LENDEE, "agent-connected", launch)
+    ready = max(ch.at for ch in changes(kc, launch)
+                if ch.resource is NODES and ch.at <= uncordoned and node_ok(ch.obj, gpus)
+                and not node_ok(ch.old or {"status": {}}, gpus))
+    return launch, agent_up, ready
+
+
+def reclaim(lab: Lab, kc: LabCluster, ev: Events) -> tuple[Leg, float]:
+    """The reclaim leg, and when gaming1's STARTED event came."""
     t0 = time.time()
     out = lab.virsh("start", OWNER, check=False)
     if out.returncode == 0:
         raise RuntimeError(f"virsh start {OWNER} was not deferred: the lendee was not lent")
     started = ev.wait(OWNER, "started", t0)
     resumed = ev.wait(OWNER, "resumed", t0)
-    evictions = [t for t, _ in kc.api.standin.requests_at("POST", "/eviction$") if t >= t0]
-    gone = [ch.at for ch in changes(kc, t0) if ch.resource is PODS and ch.type == "DELETED"
-            and ch.obj["spec"].get("nodeName") == LENDEE]
+    first_eviction, last_gone = drain_span(kc, t0)
     shutdown_sent = libvirtd_log(lab, '"execute":"guest-shutdown"', t0)
     lendee_exit = qemu_log(lab, LENDEE, "shutting down", t0)
     owner_launch = qemu_log(lab, OWNER, "starting up", t0)
-    c.reclaim = started - t0
-    c.reclaim_steps = {"drain": max(gone) - min(evictions),
-                       "guest shutdown": lendee_exit - shutdown_sent,
-                       "owner start": resumed - owner_launch}
-    c.reclaim_gaps = {"virsh start → first eviction": min(evictions) - t0,
-                      "last pod gone → guest-shutdown sent": shutdown_sent - max(gone),
-                      "lendee exited → owner's QEMU launched": owner_launch - lendee_exit,
-                      "owner running → STARTED event": started - resumed}
-    return c
+    return Leg(
+        total=started - t0,
+        steps={"drain": last_gone - first_eviction,
+               "guest shutdown": lendee_exit - shutdown_sent,
+               "owner start": resumed - owner_launch},
+        gaps={"virsh start → first eviction": first_eviction - t0,
+              "last pod gone → guest-shutdown sent": shutdown_sent - last_gone,
+              "lendee exited → owner's QEMU launched": owner_launch - lendee_exit,
+              "owner running → STARTED event": started - resumed},
+    ), started
 
 
-def lend(lab: Lab, kc: LabCluster, ev: Events, c: Cycle, relend_delay: float) -> None:
+def partial_lend(lab: Lab, kc: LabCluster, ev: Events, started: float) -> Leg:
+    """gaming1 runs: gpu-node starts again with gpu-b and gpu-c, up to the uncordon."""
+    uncordoned = uncordoned_after(kc, started)
+    launch, agent_up, ready = back(lab, kc, ev, started, 2, uncordoned)
+    return Leg(
+        total=uncordoned - started,
+        steps={"lendee boot to guest agent": agent_up - launch,
+               "Ready and GPUs after that": max(0.0, ready - agent_up)},
+        gaps={"owner's STARTED event → lendee launched": launch - started,
+              "node Ready with GPUs → uncordoned": uncordoned - max(agent_up, ready)},
+    )
+
+
+def regrow(lab: Lab, kc: LabCluster, ev: Events, relend_delay: float) -> Leg:
+    """gaming1 shuts down: after relend_delay gpu-node is drained, shut down and started
+    with all three GPUs, up to the uncordon."""
     t1 = time.time()
     out = lab.virsh("shutdown", "--mode", "agent", OWNER, check=False)
     # qemu-ga may power the guest off before its answer is out: the shutdown goes on.
     if out.returncode != 0 and "End of file from agent socket" not in out.stderr:
         raise RuntimeError(f"virsh shutdown {OWNER} failed: {out.stderr.strip()}")
-    uncordoned = wait_for(lambda: next(
-        (ch.at for ch in changes(kc, t1) if ch.resource is NODES and ch.type == "MODIFIED"
-         and (ch.old or {}).get("spec", {}).get("unschedulable")
-         and not ch.obj["spec"].get("unschedulable")), None), 180, "the uncordon")
     owner_exit = qemu_log(lab, OWNER, "shutting down", t1)
-    launch = qemu_log(lab, LENDEE, "starting up", owner_exit)
-    agent_up = ev.wait(LENDEE, "agent-connected", launch)
-    # The last time the node became Ready with every GPU before the uncordon (the lab
-    # kubelet may post a stale GPU count while the guest boots: that one is not it).
-    node_back = max(ch.at for ch in changes(kc, launch)
-                    if ch.resource is NODES and ch.at <= uncordoned and node_ok(ch.obj, 2)
-                    and not node_ok(ch.old or {"status": {}}, 2))
-    c.lend = uncordoned - owner_exit
-    c.lend_steps = {"relend_delay": relend_delay,
-                    "lendee boot to guest agent": agent_up - launch,
-                    "Ready and GPUs after that": max(0.0, node_back - agent_up)}
-    c.lend_gaps = {"owner exited → lendee launched, beyond relend_delay":
-                   launch - owner_exit - relend_delay,
-                   "node Ready with GPUs → uncordoned": uncordoned - max(agent_up, node_back)}
+    uncordoned = uncordoned_after(kc, owner_exit)
+    first_eviction, last_gone = drain_span(kc, owner_exit)
+    shutdown_sent = libvirtd_log(lab, '"execute":"guest-shutdown"', owner_exit)
+    lendee_exit = qemu_log(lab, LENDEE, "shutting down", owner_exit)
+    launch, agent_up, ready = back(lab, kc, ev, lendee_exit, 3, uncordoned)
+    return Leg(
+        total=uncordoned - owner_exit,
+        steps={"relend_delay after the game": relend_delay,
+               "drain": last_gone - first_eviction,
+               "guest shutdown": lendee_exit - shutdown_sent,
+               "relend_delay after the lendee stopped": relend_delay,
+               "lendee boot to guest agent": agent_up - launch,
+               "Ready and GPUs after that": max(0.0, ready - agent_up)},
+        gaps={"owner exited → first eviction, beyond relend_delay":
+              first_eviction - owner_exit - relend_delay,
+              "last pod gone → guest-shutdown sent": shutdown_sent - last_gone,
+              "lendee exited → lendee launched, beyond relend_delay":
+              launch - lendee_exit - relend_delay,
+              "node Ready with GPUs → uncordoned": uncordoned - max(agent_up, ready)},
+    )
 
 
 def enable_agent_log(lab: Lab) -> None:
@@ -273,10 +323,10 @@ def enable_agent_log(lab: Lab) -> None:
         subprocess.run(["virt-admin", "-c", admin, *args], check=True, capture_output=True)
 
 
-def run(cycles: int) -> list[Cycle]:
+def run(cycles: int) -> list[dict[str, Leg]]:
     lab = Lab(Path(tempfile.mkdtemp(prefix="hostagent-bench-")))
     relend_delay = 2.0
-    done: list[Cycle] = []
+    done: list[dict[str, Leg]] = []
     try:
         lab.up()
         lab.reset()
@@ -288,18 +338,24 @@ def run(cycles: int) -> list[Cycle]:
                                                  kubeconfig=kc.kubeconfig))
                 lab.start_agent()
                 for n in range(cycles):
-                    seed(kc, n)
-                    wait_for(lambda n=n: len(lab.records(event="phase", to="lent")) > n, 180,
+                    # Each cycle lends twice: the partial lend and the regrow.
+                    seed(kc, f"{n}", first=n == 0)
+                    wait_for(lambda n=n: len(lab.records(event="phase", to="lent")) > 2 * n, 180,
                              "gpu-node lent")
                     wait_for(lambda: not kc.node()["spec"].get("unschedulable"), 60,
                              "the node uncordoned")
-                    c = reclaim(lab, kc, ev)
+                    legs: dict[str, Leg] = {}
+                    legs["reclaim"], started = reclaim(lab, kc, ev)
+                    legs["partial lend"] = partial_lend(lab, kc, ev, started)
+                    wait_for(lambda n=n: len(lab.records(event="phase", to="lent")) > 2 * n + 1,
+                             60, "gpu-node lent gpu-b and gpu-c")
+                    seed(kc, f"{n}r", first=False)
                     lab.wait_agent(OWNER)  # `virsh shutdown --mode agent` needs it
-                    lend(lab, kc, ev, c, relend_delay)
-                    done.append(c)
-                    print(f"cycle {n + 1}/{cycles}: reclaim {c.reclaim:.2f}s "
-                          f"(overhead {c.reclaim_overhead * 1000:.0f} ms), lend {c.lend:.2f}s "
-                          f"(overhead {c.lend_overhead * 1000:.0f} ms)", file=sys.stderr)
+                    legs["regrow"] = regrow(lab, kc, ev, relend_delay)
+                    done.append(legs)
+                    print(f"cycle {n + 1}/{cycles}: " + ", ".join(
+                        f"{name} {leg.total:.2f}s (overhead {leg.overhead * 1000:.0f} ms)"
+                        for name, leg in legs.items()), file=sys.stderr)
         finally:
             ev.close()
     finally:
@@ -311,34 +367,30 @@ def ms(s: float) -> str:
     return f"{s * 1000:.0f} ms"
 
 
-def table(cycles: list[Cycle]) -> list[tuple[str, str, str]]:
+def table(cycles: list[dict[str, Leg]]) -> list[tuple[str, str, str]]:
     def stat(values: list[float], unit: Callable[[float], str] = ms) -> str:
         return f"median {unit(statistics.median(values))}, max {unit(max(values))}"
 
     rows: list[tuple[str, str, str]] = []
-    for name, total, steps, gaps, over in (
-            ("reclaim", lambda c: c.reclaim, lambda c: c.reclaim_steps, lambda c: c.reclaim_gaps,
-             lambda c: c.reclaim_overhead),
-            ("lend", lambda c: c.lend, lambda c: c.lend_steps, lambda c: c.lend_gaps,
-             lambda c: c.lend_overhead)):
-        totals = [total(c) for c in cycles]
-        inherent = [sum(steps(c).values()) for c in cycles]
-        overheads = [over(c) for c in cycles]
+    for name in LEGS:
+        legs = [c[name] for c in cycles]
+        totals = [leg.total for leg in legs]
+        overheads = [leg.overhead for leg in legs]
         worst = max(overheads)
         rows.append((f"{name}: total", stat(totals, lambda s: f"{s:.2f} s"),
                      f"{len(cycles)} cycles"))
-        for step in steps(cycles[0]):
+        for step in legs[0].steps:
             rows.append((f"{name}: inherent: {step}",
-                         stat([steps(c)[step] for c in cycles]), ""))
+                         stat([leg.steps[step] for leg in legs]), ""))
         rows.append((f"{name}: overhead", stat(overheads),
                      f"budget < {BUDGET_S * 1000:.0f} ms: "
                      f"{'met' if worst < BUDGET_S else 'MISSED'}"))
-        ratios = [t / i for t, i in zip(totals, inherent, strict=True)]
+        ratios = [leg.total / sum(leg.steps.values()) for leg in legs]
         rows.append((f"{name}: total / inherent", f"median {statistics.median(ratios):.3f}, "
                      f"max {max(ratios):.3f}", ""))
-        for gap in gaps(cycles[0]):
+        for gap in legs[0].gaps:
             rows.append((f"{name}: of the overhead: {gap}",
-                         stat([gaps(c)[gap] for c in cycles]), ""))
+                         stat([leg.gaps[gap] for leg in legs]), ""))
     return rows
 
 
@@ -357,7 +409,7 @@ def main() -> int:
         print(f"{name:<{width}}  {figure:<28}  {note}")
     if opts.markdown:
         with opts.markdown.open("a") as f:
-            f.write("\n| reclaim and lend | figure | note |\n|---|---|---|\n")
+            f.write("\n| the partial swap | figure | note |\n|---|---|---|\n")
             f.writelines(f"| {a} | {b} | {c} |\n" for a, b, c in rows)
     return 0
 
