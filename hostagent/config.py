@@ -152,6 +152,8 @@ Rules beyond the types:
 - ``[mqtt]`` turns the Home Assistant device on (`hostagent.mqtt`, `hostagent.homeassistant`).
   The broker URL carries no user or password: the password is read from
   ``password_file`` (a systemd credential) at each connection. ``mqtt.vms`` lists owners.
+- Private keys (``ssh.host_key``, ``verify.ssh.key``) that group or others may read are
+  refused, with the fix (``chmod 600``), as OpenSSH refuses them.
 """
 
 from __future__ import annotations

@@ -67,8 +67,8 @@ The host key is ``ssh.host_key`` (default ``<state_dir>/ssh_host_ed25519_key``).
 file does not exist at start (or is empty: no key was ever served from it), an ed25519
 key is created (mode 0600, with the public half in ``<file>.pub``), written atomically
 and durably, and its fingerprint journaled; add the ``.pub`` line to the client's
-known_hosts. An existing key is never replaced: one that cannot be read stops the
-endpoint with the fix.
+known_hosts. An existing key is never replaced: one that cannot be read, or that group
+or others may read (as OpenSSH refuses it), stops the endpoint with the fix.
 
 `serve` raises `Transient` when the address cannot be listened on (taken, or not yet
 configured at boot): the caller retries it later. Other `EndpointError`s need a person.
@@ -345,7 +345,9 @@ def load_host_key(path: Path) -> Any:
                            f"{path}.pub in their known_hosts", result="created",
                            fingerprint=key.get_fingerprint("sha256"))
     try:
-        return asyncssh.read_private_key(path)
+        return asyncssh.import_private_key(trusted.read_private(path))
+    except trusted.UnsafeFile as e:
+        raise EndpointError(f"the SSH host key: {e}") from e
     except (OSError, asyncssh.KeyImportError, ValueError) as e:
         raise EndpointError(
             f"{path}: cannot use it as the SSH host key ({e}); it may have been cut short "

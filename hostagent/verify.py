@@ -26,6 +26,9 @@ import asyncio
 import shlex
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+from hostagent import trusted
 
 __all__ = [
     "CAUSES",
@@ -244,8 +247,17 @@ async def run_ssh(*, host: str, port: int, user: str, key: str, known_hosts: str
     import asyncssh  # only where SSH is chosen
 
     try:
+        # Read as OpenSSH would use it: a key others may read is refused, with the fix.
+        client_key = asyncssh.import_private_key(
+            await asyncio.to_thread(trusted.read_private, Path(key)))
+    except trusted.UnsafeFile as e:
+        raise VerifyError(f"verify.ssh.key: {e}") from e
+    except (OSError, ValueError, asyncssh.Error) as e:  # ValueError: not a key
+        raise VerifyError(f"SSH to {user}@{host}:{port}: the key {key}: {e}") from e
+    try:
         async with asyncio.timeout(timeout):
-            async with asyncssh.connect(host, port=port, username=user, client_keys=[key],
+            async with asyncssh.connect(host, port=port, username=user,
+                                        client_keys=[client_key],
                                         known_hosts=known_hosts, config=None,
                                         agent_path=None) as conn:
                 result = await conn.run(shlex.join(argv), check=False)

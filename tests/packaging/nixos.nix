@@ -116,6 +116,25 @@ let
         };
       }
     ];
+    # Private keys in the store: one as a path literal (copied there), one named there.
+    store = evalNixos [
+      module
+      {
+        virtualisation.libvirtd.enable = true;
+        services.hostagent = {
+          enable = true;
+          settings = {
+            lendee = {
+              domain = "gpu-node";
+              gpus = [ "gpu-a" ];
+            };
+            gpus = { inherit gpu-a; };
+            ssh.host_key = ./ssh_host_ed25519_key;
+            verify.ssh.key = "/nix/store/00000000000000000000000000000000-id_ed25519";
+          };
+        };
+      }
+    ];
     # Each convenience set twice; a GPU with neither address nor UUID.
     twice = evalNixos [
       module

@@ -211,6 +211,10 @@ def test_every_assertion_fires_with_its_message(evaluated: dict[str, Any]) -> No
         "services.hostagent.settings.hook_socket must stay /run/hostagent/hook.sock: libvirtd runs the hook with a scrubbed environment, so the hook knows only that path.",
         "services.hostagent.settings.state_dir must stay /var/lib/hostagent: libvirtd runs the hook with a scrubbed environment, so the hook knows only that path.",
     ])
+    assert sorted(cases["store"]["failed"]) == [
+        'services.hostagent.settings.ssh.host_key is a private key in the Nix store, which anyone on the machine can read: give the path of a file outside it as a string, e.g. ssh.host_key = "/var/lib/hostagent/ssh_host_ed25519_key"; (a path literal such as ./key is copied into the store), and replace the key, which others may have copied.',
+        'services.hostagent.settings.verify.ssh.key is a private key in the Nix store, which anyone on the machine can read: give the path of a file outside it as a string, e.g. verify.ssh.key = "/var/lib/hostagent/id_ed25519"; (a path literal such as ./key is copied into the store), and replace the key, which others may have copied.',
+    ]
     assert sorted(cases["twice"]["failed"]) == sorted([
         # A relative path, this time.
         "services.hostagent.kubeconfigFile must be an absolute path outside the Nix store, which anyone on the machine can read: keep the kubeconfig in e.g. /run/secrets or /var/lib/secrets.",

@@ -397,6 +397,20 @@ def test_the_host_key_is_written_whole_and_an_empty_one_is_replaced(
     assert path.read_bytes() == cut  # never replaced behind the clients' back
 
 
+def test_a_host_key_others_may_read_is_refused_with_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / "ssh_host_ed25519_key"
+    ssh.load_host_key(path)
+    path.chmod(0o644)
+    with pytest.raises(ssh.EndpointError) as info:
+        ssh.load_host_key(path)
+    assert str(info.value) == (
+        f"the SSH host key: {path}: a private key readable by group or others (mode 0644), "
+        f"so anyone who can read it can use it: chmod 600 {path}, and replace the key if "
+        "others may have copied it")
+    path.chmod(0o600)
+    assert ssh.load_host_key(path).public_data == asyncssh.read_private_key(path).public_data
+
+
 # --- the keys file is read as sshd's StrictModes would --------------------------------------
 
 

@@ -104,6 +104,7 @@ async def ssh_server(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
     host_key = asyncssh.generate_private_key("ssh-ed25519")
     client_key = asyncssh.generate_private_key("ssh-ed25519")
     (tmp_path / "id").write_bytes(client_key.export_private_key())
+    (tmp_path / "id").chmod(0o600)
     (tmp_path / "authorized").write_bytes(client_key.export_public_key())
     server = await asyncssh.create_server(
         _Server, "127.0.0.1", 0, server_host_keys=[host_key],
@@ -148,15 +149,30 @@ async def test_ssh_that_cannot_connect_says_where(tmp_path: Path) -> None:
     await listener.wait_closed()
     (tmp_path / "k").write_bytes(asyncssh.generate_private_key("ssh-ed25519")
                                  .export_private_key())
+    (tmp_path / "k").chmod(0o600)
     (tmp_path / "known").write_text("")
     with pytest.raises(verify.VerifyError, match=rf"SSH to u@127\.0\.0\.1:{port}: .*"
                        r"[Cc]onnect"):
         await verify.run_ssh(host="127.0.0.1", port=port, user="u", key=str(tmp_path / "k"),
                              known_hosts=str(tmp_path / "known"), argv=["true"], timeout=5)
+    (tmp_path / "known").chmod(0o600)
     with pytest.raises(verify.VerifyError, match="Invalid private key"):
         await verify.run_ssh(host="127.0.0.1", port=port, user="u",
                              key=str(tmp_path / "known"), known_hosts=str(tmp_path / "known"),
                              argv=["true"], timeout=5)
+
+
+async def test_ssh_refuses_a_key_others_may_read(ssh_server: dict[str, Any]) -> None:
+    s = ssh_server
+    Path(s["key"]).chmod(0o640)
+    with pytest.raises(verify.VerifyError) as info:
+        await verify.run_ssh(host=s["host"], port=s["port"], user=s["user"], key=s["key"],
+                             known_hosts=s["known"], argv=["nvidia-smi", *verify.QUERY],
+                             timeout=10)
+    assert str(info.value) == (
+        f"verify.ssh.key: {s['key']}: a private key readable by group or others (mode "
+        f"0640), so anyone who can read it can use it: chmod 600 {s['key']}, and replace the "
+        "key if others may have copied it")
 
 
 # --- screenshots ------------------------------------------------------------------------------
