@@ -11,6 +11,12 @@ every probe concurrently, each within a time budget, so one hung dependency cann
 the answer. `hostagent status`, ``/healthz`` and the ``hostagent_health_check_success``
 metric all show the same results.
 
+Anyone who may ask for the status (a key allowed `status` over SSH, anyone who reaches
+``/healthz``) can ask thousands of times a second, and each run opens a connection to
+the hook socket, makes a libvirt call and a Kubernetes request. So a run is shared: a
+caller joins the run in flight rather than starting another, and takes the last
+results while they are younger than `Health.max_age`.
+
 Who adds which check: the agent adds "libvirt", "hook socket" and "last lend verified";
 the Kubernetes wiring adds "kubernetes" with
 ``agent.health.add("kubernetes", health.kubernetes(cluster))``: a real request to the
@@ -21,6 +27,7 @@ node found (a GPU lost, the node NotReady while lent).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +37,7 @@ __all__ = ["CheckFailed", "CheckResult", "Health", "Probe", "kubernetes", "libvi
            "socket_answers"]
 
 Probe = Callable[[], Awaitable[str | None]]
+MAX_AGE = 1.0  # seconds a run's results are shared with later callers
 
 
 class CheckFailed(Exception):
@@ -49,10 +57,15 @@ class CheckResult:
 class Health:
     """The named checks, in the order they were added."""
 
-    def __init__(self, *, timeout: float = 3.0) -> None:
+    def __init__(self, *, timeout: float = 3.0, max_age: float = MAX_AGE,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.timeout = timeout
+        self.max_age = max_age
+        self._clock = clock
         self._probes: dict[str, Probe] = {}
-        self.last: list[CheckResult] = []  # the results of the latest `check`
+        self.last: list[CheckResult] = []  # the results of the latest run
+        self._taken: float | None = None  # when the latest run began
+        self._running: asyncio.Task[list[CheckResult]] | None = None
 
     def add(self, name: str, probe: Probe) -> None:
         """Add (or replace) the check called `name`."""
@@ -65,11 +78,28 @@ class Health:
     def names(self) -> list[str]:
         return list(self._probes)
 
-    async def check(self) -> list[CheckResult]:
-        """Run every check now, concurrently; each gets `timeout` seconds."""
-        self.last = list(await asyncio.gather(
-            *(self._run(name, probe) for name, probe in self._probes.items())))
-        return self.last
+    async def check(self, *, max_age: float | None = None) -> list[CheckResult]:
+        """The results of every check, begun at most `max_age` seconds ago (default
+        `self.max_age`; 0: a run begun now, or the one in flight). A caller that stops
+        waiting (a client hung up) leaves the run to the others."""
+        age = self.max_age if max_age is None else max_age
+        if (self._running is None and self._taken is not None
+                and self._clock() - self._taken < age):
+            return self.last
+        if self._running is None:
+            self._running = asyncio.get_running_loop().create_task(self._run_all())
+        return await asyncio.shield(self._running)
+
+    async def _run_all(self) -> list[CheckResult]:
+        """Every check, concurrently; each gets `timeout` seconds."""
+        began = self._clock()
+        try:
+            self.last = list(await asyncio.gather(
+                *(self._run(name, probe) for name, probe in self._probes.items())))
+            self._taken = began
+            return self.last
+        finally:
+            self._running = None
 
     async def _run(self, name: str, probe: Probe) -> CheckResult:
         try:

@@ -162,6 +162,42 @@ async def test_health_runs_every_check_within_its_budget(tmp_path: Path) -> None
     assert h.last == list(results.values())
 
 
+async def test_health_is_one_run_shared_by_every_caller_and_briefly_kept() -> None:
+    """Status over SSH, /healthz and /metrics, asked in a flood, cost one run per
+    max_age: each run connects to the hook socket, calls libvirt and asks the API server."""
+    runs = 0
+    now = 100.0
+    gate = asyncio.Event()
+
+    async def probe() -> str:
+        nonlocal runs
+        runs += 1
+        await gate.wait()
+        return f"run {runs}"
+
+    h = Health(clock=lambda: now)
+    h.add("kubernetes", probe)
+    callers = [asyncio.create_task(h.check()) for _ in range(200)]
+    await asyncio.sleep(0)
+    gate.set()
+    answers = await asyncio.gather(*callers)
+    assert runs == 1
+    assert all(a == answers[0] for a in answers) and answers[0][0].detail == "run 1"
+    now += h.max_age / 2
+    assert (await h.check())[0].detail == "run 1" and runs == 1  # young enough: kept
+    now += h.max_age
+    assert (await h.check())[0].detail == "run 2"
+    assert (await h.check(max_age=0))[0].detail == "run 3"  # asked for fresh
+    # A caller that stops waiting (its client hung up) leaves the run to the others.
+    gate.clear()
+    gone, stays = (asyncio.create_task(h.check(max_age=0)) for _ in range(2))
+    await asyncio.sleep(0)
+    gone.cancel()
+    gate.set()
+    assert (await stays)[0].detail == "run 4" and runs == 4
+    assert gone.cancelled()
+
+
 async def test_socket_check_connects(tmp_path: Path) -> None:
     path = tmp_path / "hook.sock"
     probe = health.socket_answers(path, "hook socket")
@@ -191,7 +227,7 @@ async def test_libvirt_check_says_what_is_wrong() -> None:
 
 async def test_http_serves_metrics_and_healthz() -> None:
     d = Driver()
-    h = Health()
+    h = Health(max_age=0)  # each request sees the switch at once
     ok = True
 
     async def switch() -> str:
