@@ -314,8 +314,9 @@ def _owner_wants(state: State, event: OwnerWants, ctx: _Ctx) -> _Outcome:
     - The same intent id twice is a replay (a spooled hook event read again): stale.
     - An owner that already runs has what was asked for: the intent completes at once.
     - Otherwise the intent is kept until `OwnerStarted` completes it or `StartFailed`
-      fails it. A second caller for the same owner gets an intent of its own (its own
-      id, answered on its own), but the owner is started once.
+      fails it. A request for an owner that already has one joins it: one intent per
+      owner, whoever asks and however often (a client that asks and hangs up in a loop
+      adds nothing to keep or to write); a second caller follows that intent's answer.
     - Another owner of one of its GPUs runs or is on its way: refused at once with one
       sentence ("gpu-a is in use by gaming-win"), never a reclaim, never a wait on a game.
     - An owner whose GPUs the lendee neither holds nor is getting (it shares none with
@@ -337,7 +338,7 @@ def _owner_wants(state: State, event: OwnerWants, ctx: _Ctx) -> _Outcome:
         raise _stale(state, event, rival)
     first = not state.intents_of(event.owner)
     intent = Intent(id=event.intent_id, owner=event.owner, created_at=event.at, source=event.source)
-    new = replace(state, intents=(*state.intents, intent))
+    new = replace(state, intents=(*state.intents, intent)) if first else state
     if not ctx.topo.owners[event.owner] & state.lent:
         return new, [StartOwner(owner=event.owner)] if first else []
     if state.phase in (Phase.OFF, Phase.DRAINING, Phase.STOPPING):

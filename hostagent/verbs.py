@@ -204,6 +204,16 @@ class Verbs:
                        if self.host.save_failed else "see journalctl -u hostagent")
                 yield {"ok": False, "error": f"the agent refused to start {vm} now: {why}"}
                 return
+            pending = self.host.state.intents_of(vm)
+            if pending and all(i.id != intent for i in pending):
+                # Asked for already (by anyone): this request joined that one; follow it.
+                intent = pending[0].id
+                yield {"event": "intent", "vm": vm, "intent": intent, "to": "pending",
+                       "message": f"{vm} was already asked to start "
+                                  f"({pending[0].source.value}, "
+                                  f"{max(0.0, _now() - pending[0].created_at):.0f}s ago); "
+                                  + self._play_plan(vm),
+                       "elapsed_s": took(), "waiting": self._waiting_for(vm)}
             while True:
                 update = await updates.get()
                 if update.get("event") == "intent" and update.get("intent") != intent:

@@ -360,6 +360,43 @@ async def test_a_client_gone_mid_play_does_not_cancel_the_intent(tmp_path: Path)
     healthy(agent)
 
 
+async def test_play_and_hang_up_in_a_loop_adds_nothing_to_keep_or_write(
+        tmp_path: Path) -> None:
+    """A client that asks for gaming1 and hangs up, again and again, while its reclaim
+    is under way: every request joins the pending one (one intent, one record), and the
+    state file is not rewritten for any of them. The last caller still hears the end."""
+    agent, fake = make_agent(tmp_path)
+    fake.ignores_shutdown.add("gpu-node")  # the reclaim waits in STOPPING meanwhile
+    await lent(agent, fake)
+    first = [r async for r in _until_pending(agent)]
+    await until(lambda: agent.state.phase is Phase.STOPPING and agent.state.shutdown_sent)
+    saved = agent.cfg.state_file.stat().st_ino  # each save renames a new file in
+    for _ in range(20):
+        again = [r async for r in _until_pending(agent)]
+        assert again[-1]["intent"] == first[-1]["intent"], again
+        assert "already asked to start" in again[-1]["message"]
+    assert [i.id for i in agent.state.intents] == [first[-1]["intent"]]
+    assert agent.cfg.state_file.stat().st_ino == saved
+    stream = agent.verbs.handlers()["play"]({"vm": "gaming1"})
+    fake.ignores_shutdown.clear()
+    fake.running.discard("gpu-node")
+    agent.lifecycle("gpu-node", Lifecycle.STOPPED)
+    replies = [r async for r in stream]
+    assert replies[-1]["ok"] and replies[-1]["data"]["intent"] == first[-1]["intent"]
+    healthy(agent)
+
+
+async def _until_pending(agent: Agent) -> AsyncIterator[Reply]:
+    """`play gaming1` until its first line (the request pending), then hang up."""
+    stream = agent.verbs.handlers()["play"]({"vm": "gaming1"})
+    try:
+        reply = await stream.__anext__()
+        assert reply.get("to") == "pending", reply
+        yield reply
+    finally:
+        await stream.aclose()  # what the control socket does when the client hangs up
+
+
 async def test_play_stops_waiting_with_the_reason_when_the_lendee_gets_stuck(
         tmp_path: Path) -> None:
     agent, fake = make_agent(tmp_path)

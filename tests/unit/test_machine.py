@@ -898,15 +898,18 @@ def test_intent_is_recorded_with_its_origin() -> None:
     )
 
 
-def test_two_callers_for_one_owner_each_get_an_answer() -> None:
+def test_a_second_request_for_an_owner_joins_its_intent() -> None:
+    """Asked again (a second caller, or one that asks and hangs up in a loop): one
+    intent, nothing more to keep or to write, and the owner started once."""
     state, actions = run(
         S(Phase.LENT),
         wants("gaming1", "first"),
         wants("gaming1", "second", at=AT + 1),
+        wants("gaming1", "third", at=AT + 2),
     )
     assert actions == [Drain(ticket=T + 1)]
-    assert [i.id for i in state.intents] == ["first", "second"]
-    assert state.waiting_owners == ("gaming1",)
+    assert [i.id for i in state.intents] == ["first"]
+    assert go(state, wants("gaming1", "fourth", at=AT + 3)) == (state, [])
     _, done = run(
         state,
         Drained(at=AT + 10, ticket=T + 1),
@@ -919,7 +922,6 @@ def test_two_callers_for_one_owner_each_get_an_answer() -> None:
         ShutdownLendee(ticket=T + 2),
         StartOwner(owner="gaming1"),
         CompleteIntent(intent_id="first", owner="gaming1"),
-        CompleteIntent(intent_id="second", owner="gaming1"),
     ]
 
 
@@ -1535,7 +1537,8 @@ class World(RuleBasedStateMachine):
 
     def ask(self, owner: str, source: IntentSource) -> None:
         intent_id = f"i{next(self.ids)}"
-        self.open[intent_id] = owner
+        if not self.state.intents_of(owner):  # else it joins the one pending
+            self.open[intent_id] = owner
         self.deliver(OwnerWants(at=self.now, owner=owner, intent_id=intent_id, source=source))
 
     def execute(self, action: Action, ok: bool, late: bool = False) -> None:

@@ -857,7 +857,8 @@ class World(RuleBasedStateMachine):
 
     def open_intent(self, owner: str, source: IntentSource) -> None:
         intent_id = f"i{next(self.ids)}"
-        self.open[intent_id] = owner
+        if not self.state.intents_of(owner):  # else it joins the one pending
+            self.open[intent_id] = owner
         rival = conflict(self.state, owner, TOPO) if owner not in self.state.running_owners \
             else None
         try:
@@ -866,7 +867,7 @@ class World(RuleBasedStateMachine):
         except IllegalTransition as e:
             # Another owner of its card: refused with its sentence, nothing recorded.
             assert rival is not None and e.why == rival, e
-            del self.open[intent_id]
+            self.open.pop(intent_id, None)
 
     def let_through(self, owner: str) -> None:
         """The hook said proceed: the agent records the claim, libvirt starts it."""
