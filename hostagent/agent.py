@@ -289,7 +289,7 @@ class Agent:
         hooks = await serve_hooks(self.cfg.hook_socket, inbox, log=log)
         self.serving.set()
         control = await serve_control(self.cfg.control_socket, self.verbs.handlers(), log=log,
-                                      **self._control_access())
+                                      owners=self.topo.owners, **self._control_access())
         try:
             replayed += await replay_spool(self.cfg.spool_dir, inbox, log=log)
             await self._serve_ssh()

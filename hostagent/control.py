@@ -21,7 +21,9 @@ pid): root, and the user the agent runs as, may use every verb; members of
 but ``status`` is journaled with its caller (``HOSTAGENT_EVENT=control``,
 ``HOSTAGENT_USER``, ``HOSTAGENT_UID``, ``HOSTAGENT_PID``), and a verb reads its caller
 with `current_caller()` to name it in its own records. Refusals are journaled once per
-interval, then summarised, so a caller in a loop cannot flood the journal.
+interval, then summarised, and requests (allowed or bad) `REQUESTS_BURST` per uid and
+interval, then summarised, so a caller in a loop cannot flood the journal. A request's
+record names a VM only for a verb that takes one and a VM that is a configured owner.
 
 A connection must send its request within `REQUEST_TIMEOUT` seconds, and at most
 `MAX_CONNECTIONS` connections (`MAX_PER_CALLER` per uid) are served at once; root and
@@ -70,6 +72,14 @@ MAX_CONNECTIONS = 64  # served at once, for callers other than root and the agen
 MAX_PER_CALLER = 16  # of those, per uid
 MAX_PRIVILEGED = 64  # and for root and the agent's user, counted apart
 REFUSALS_INTERVAL = 10.0  # one journal record per interval for refusals, then a summary
+# Requests journaled per uid and interval (allowed and bad alike), then one summary: a
+# caller in a loop must not drown the agent's own records (journald drops past its
+# rate limit, whoever wrote them).
+REQUESTS_BURST = 10
+REQUESTS_INTERVAL = 10.0
+# The verbs whose "vm" argument names an owner; only there, and only for a configured
+# owner, is it journaled (anything else a caller sends is not taken for a VM's name).
+VM_VERBS = frozenset({"play", "release"})
 
 Reply = dict[str, Any]
 # A verb handler yields progress dicts and finally a result: {"ok": bool, ...}.
@@ -218,9 +228,12 @@ async def serve_control(path: Path, verbs: Mapping[str, VerbHandler], *, mode: i
                         group_name: str | None = None,
                         request_timeout: float = REQUEST_TIMEOUT,
                         max_connections: int = MAX_CONNECTIONS,
-                        max_per_caller: int = MAX_PER_CALLER) -> asyncio.Server:
+                        max_per_caller: int = MAX_PER_CALLER,
+                        requests_interval: float = REQUESTS_INTERVAL,
+                        owners: Collection[str] = ()) -> asyncio.Server:
     """Serve `verbs` on `path`. `group` (a gid) may connect (mode 0660) and use
-    `group_verbs` (default `GROUP_VERBS`); root and the agent's user may use all."""
+    `group_verbs` (default `GROUP_VERBS`); root and the agent's user may use all.
+    `owners`: the VM names a request's record may carry (see `VM_VERBS`)."""
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
@@ -236,6 +249,21 @@ async def serve_control(path: Path, verbs: Mapping[str, VerbHandler], *, mode: i
                        priority=journal.Priority.WARNING)
 
     refusals = Summarised(refused_record, interval=REFUSALS_INTERVAL)
+    known = frozenset(owners)
+    requests: dict[int | None, Summarised] = {}  # uid → its requests' records
+
+    def journaled(caller: Caller, reason: str) -> bool:
+        """Whether `caller`'s request is journaled now (else counted for its summary)."""
+        limit = requests.get(caller.uid)
+        if limit is None:
+            def summary(message: str, count: int, reasons: dict[str, int]) -> None:
+                journal.record("control", f"{caller.user} (uid {caller.uid}): {message}",
+                               result="summarised", count=count,
+                               **{k: v for k, v in caller.fields().items() if k != "pid"})
+
+            limit = requests[caller.uid] = Summarised(
+                summary, interval=requests_interval, burst=REQUESTS_BURST, what="requests")
+        return limit.allow(reason)
 
     def admit(caller: Caller) -> str | None:
         kind = "privileged" if caller.privileged else "others"
@@ -286,7 +314,9 @@ async def serve_control(path: Path, verbs: Mapping[str, VerbHandler], *, mode: i
                 refuse(writer, caller, f"no request within {request_timeout:g}s", "idle")
                 return
             except ValueError as e:
-                log.warning("control socket: bad request from %s: %s", caller, e)
+                if journaled(caller, "bad"):
+                    log.warning("control socket: bad request from %s: %s", caller,
+                                str(e)[:200])
                 writer.write(_line({"type": "result", "ok": False, "error": f"bad request: {e}"}))
                 return
             handler = verbs.get(verb)
@@ -298,11 +328,13 @@ async def serve_control(path: Path, verbs: Mapping[str, VerbHandler], *, mode: i
             if denied is not None:
                 refuse(writer, caller, f"denied: {denied}", f"denied {verb}")
                 return
-            if verb != "status":  # status is polled; the rest change something
-                shown = verb + (f" {args['vm']}" if isinstance(args.get("vm"), str) else "")
-                journal.record("control", f"{caller} asked for {shown[:120]}",
-                               vm=args.get("vm") if isinstance(args.get("vm"), str) else None,
-                               result="allowed", verb=verb, **caller.fields())
+            # status is polled; the rest change something
+            if verb != "status" and journaled(caller, verb):
+                vm = args.get("vm") if verb in VM_VERBS else None
+                vm = vm if isinstance(vm, str) and vm in known else None
+                journal.record("control", f"{caller} asked for {verb}"
+                               + (f" {vm}" if vm else ""), vm=vm, result="allowed",
+                               verb=verb, **caller.fields())
             with serving(caller):
                 done = await stream_replies(handler(args), writer, hangup=_eof(reader))
             if not done:

@@ -24,6 +24,7 @@ import pytest
 from hostagent import journal
 from hostagent.control import (
     GROUP_VERBS,
+    REQUESTS_BURST,
     Caller,
     Reply,
     Rights,
@@ -218,3 +219,61 @@ s = held[-1]; s.settimeout(5); print(s.recv(4096).decode(), flush=True)
         for s in held:
             s.close()
         server.close()
+
+
+FLOODER = r"""
+import json, socket, sys, time
+path, n = sys.argv[1], int(sys.argv[2])
+
+def send(line):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    s.sendall(line)
+    while s.recv(65536):
+        pass
+    s.close()
+
+for i in range(n):
+    send(json.dumps({"v": 1, "verb": "hold", "args": {"vm": "hold-vm\x1b[2J"}}).encode() + b"\n")
+    send(b"{not json " + b"\x1b]52;c;AAAA\x07" * 50 + b"\n")
+    send(json.dumps({"v": 1, "verb": "play", "args": {"vm": "no-such-vm\x1b[2J"}}).encode()
+         + b"\n")
+time.sleep(float(sys.argv[3]))
+send(json.dumps({"v": 1, "verb": "play", "args": {"vm": "gaming1"}}).encode() + b"\n")
+"""
+
+
+async def test_a_member_in_a_loop_gets_a_few_records_then_a_summary(
+        sock: Path, sink: journal.ListSink, caplog: pytest.LogCaptureFixture) -> None:
+    """One control_group member sends 600 requests in a loop (allowed, malformed, and
+    play for a VM that does not exist): a few are journaled, the rest summarised once
+    the interval is over, so the agent's own records are never drowned. A request's
+    record names a VM only for play or release of a configured owner."""
+    server = await serve_control(sock, Seen().verbs(), mode=0o660, group=GROUP,
+                                 group_name="hostagent", log=log, owners={"gaming1"},
+                                 group_verbs=GROUP_VERBS | {"play"}, requests_interval=1.0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="test"):
+            await asyncio.to_thread(
+                subprocess.run, ["/usr/bin/python3", "-I", "-c", FLOODER, str(sock), "200",
+                                 "1.2"],
+                user=NOBODY, group=NOBODY, extra_groups=[GROUP], timeout=120, check=True)
+            answers = await asyncio.to_thread(lambda: list(request(sock, "release",
+                                                                   {"vm": "gaming1"})))
+            assert answers[-1]["ok"] is True
+    finally:
+        server.close()
+    theirs = [e for e in sink.entries if e.fields.get("HOSTAGENT_UID") == str(NOBODY)]
+    bad = [r for r in caplog.records if "bad request" in r.getMessage()]
+    written = [e for e in theirs if e.fields.get("HOSTAGENT_RESULT") == "allowed"]
+    # The first burst, and the last request (the interval was over by then).
+    assert len(written) + len(bad) == REQUESTS_BURST + 1, (len(written), len(bad))
+    summary = [e for e in theirs if e.fields.get("HOSTAGENT_RESULT") == "summarised"]
+    assert len(summary) == 1 and "more requests in the last 1s" in summary[0].message
+    assert len(written) + len(bad) + int(summary[0].fields["HOSTAGENT_COUNT"]) == 601
+    assert written[-1].fields["HOSTAGENT_VM"] == "gaming1"  # the one after the interval
+    assert all("HOSTAGENT_VM" not in e.fields for e in written[:-1])
+    assert not any("vm" in e.message or "\x1b" in e.message for e in sink.entries)
+    assert all(len(r.getMessage()) < 400 for r in bad)
+    ours = [e for e in sink.entries if e.fields.get("HOSTAGENT_VERB") == "release"]
+    assert len(ours) == 1 and ours[0].fields["HOSTAGENT_VM"] == "gaming1"
