@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("run", help="run the agent (what the systemd unit starts)")
     st = sub.add_parser("status", help="each GPU, its owner and holder; the lendee; intents")
     st.add_argument("--json", action="store_true", help="machine-readable output")
-    sub.add_parser("hold", help="stop lending: the lendee stays off until `resume`")
+    sub.add_parser("hold", help=(
+        "lend no more: a running lendee keeps running, a stopped one stays off until `resume`"))
     sub.add_parser("resume", help="lend again (and retry a step that failed)")
     for verb, what in (("play", "start an owner VM (its GPUs are taken back first) and wait "
                                 "until it runs"),
@@ -65,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     cf = sub.add_parser("config", help="configuration helpers")
     cf_sub = cf.add_subparsers(dest="config_command", required=True)
     ini = cf_sub.add_parser("init", help=(
-        "write a starter configuration from the domains' <hostdev> entries"))
+        "write a starter configuration from the domains' `<hostdev>` entries"))
     ini.add_argument("--output", metavar="PATH",
                      help="where to write it (default: the --config path; - for stdout)")
     ini.add_argument("--force", action="store_true", help="overwrite an existing file")

@@ -1,16 +1,22 @@
-"""The README's installation examples are configurations the agent takes.
+"""README tells the truth about the code, and cannot drift from it unnoticed.
 
 The Debian section's TOML goes through the agent's own loader; the NixOS section's
 `services.hostagent` is evaluated by Nix (it uses neither lib nor pkgs) and must be the
-same configuration, once the module's two conveniences are spelled as TOML keys.
+same configuration, once the module's two conveniences are spelled as TOML keys. Every
+other TOML snippet is checked by the loader too, every Nix snippet parses, the table of
+commands is each command's `--help` summary, and the figures README quotes from the
+code (connection limits, exit statuses, health checks, the hook's sentence) are read
+from it.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shutil
 import subprocess
+import textwrap
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -18,7 +24,8 @@ from typing import Any
 import pytest
 import tomli_w
 
-from hostagent import config
+from hostagent import agent, cli, config, metrics, ssh
+from hostagent.machine import Phase, State, Topology, verdict
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 NIX = shutil.which("nix-instantiate")
@@ -31,10 +38,16 @@ def section(title: str) -> str:
     return text[start : end if end != -1 else len(text)]
 
 
-def block(title: str, language: str) -> str:
-    found = re.findall(rf"^```{language}\n(.*?)^```", section(title), re.S | re.M)
+def blocks(language: str, text: str | None = None) -> list[str]:
+    return [str(b) for b in re.findall(rf"^ *```{language}\n(.*?)^ *```",
+                                       README.read_text() if text is None else text,
+                                       re.S | re.M)]
+
+
+def block(title: str, language: str, containing: str = "") -> str:
+    found = [b for b in blocks(language, section(title)) if containing in b]
     assert len(found) == 1, f"expected one {language} block under {title!r}"
-    return str(found[0])
+    return found[0]
 
 
 def toml_example() -> dict[str, Any]:
@@ -59,7 +72,7 @@ def test_the_readme_shows_how_to_follow_the_agent() -> None:
 @pytest.mark.skipif(NIX is None, reason="nix-instantiate is not installed (Debian package nix-bin)")
 def test_the_nixos_example_is_the_same_configuration(tmp_path: Path) -> None:
     example = tmp_path / "configuration.nix"
-    example.write_text(block("Installing on NixOS", "nix"))
+    example.write_text(block("Installing on NixOS", "nix", "services.hostagent"))
     assert NIX is not None
     out = subprocess.run(
         [NIX, "--eval", "--strict", "--json", "--expr",
@@ -80,3 +93,146 @@ def test_the_nixos_example_is_the_same_configuration(tmp_path: Path) -> None:
     assert hostagent["kubeconfigFile"].startswith("/")
     assert settings == expected
     config.parse(tomli_w.dumps(settings))
+
+
+# --- snippets ------------------------------------------------------------------------
+
+
+def test_every_toml_snippet_is_taken_by_the_agent() -> None:
+    """Each TOML block parses, and the agent takes it: a fragment (a [verify] or
+    [metrics] section) as part of the Debian example."""
+    base = toml_example()
+    snippets = blocks("toml")
+    assert len(snippets) >= 5
+    for snippet in snippets:
+        table = tomllib.loads(textwrap.dedent(snippet))
+        if "lendee" not in table:
+            merged = json.loads(json.dumps(base))
+            for key, value in table.items():
+                if isinstance(value, dict):
+                    merged.setdefault(key, {}).update(value)
+                else:
+                    merged[key] = value
+            table = merged
+        config.parse(tomli_w.dumps(table), "README.md")
+
+
+@pytest.mark.skipif(NIX is None, reason="nix-instantiate is not installed (Debian package nix-bin)")
+def test_every_nix_snippet_parses(tmp_path: Path) -> None:
+    assert NIX is not None
+    snippets = blocks("nix")
+    assert len(snippets) >= 3
+    for i, snippet in enumerate(snippets):
+        text = snippet if snippet.lstrip().startswith("{") else "{\n" + snippet + "}\n"
+        f = tmp_path / f"snippet{i}.nix"
+        f.write_text(text)
+        out = subprocess.run([NIX, "--parse", str(f)], capture_output=True, text=True,
+                             timeout=60, check=False)
+        assert out.returncode == 0, f"{snippet}\n{out.stderr}"
+
+
+def test_the_flake_snippet_names_what_the_flake_gives() -> None:
+    snippet = block("Installing on NixOS", "nix", "inputs.hostagent")
+    flake = (README.parent / "flake.nix").read_text()
+    assert "hostagent.nixosModules.default" in snippet and "nixosModules.default =" in flake
+    assert 'inputs.hostagent.inputs.nixpkgs.follows = "nixpkgs"' in snippet
+    assert "inputs.nixpkgs.url" in flake  # the input that `follows` replaces
+
+
+# --- the table of commands -----------------------------------------------------------
+
+
+def help_summaries(parser: argparse.ArgumentParser, prefix: str = "hostagent") -> dict[str, str]:
+    """Each command as README's table writes it (its positional arguments included),
+    and its summary in `hostagent --help`."""
+    out: dict[str, str] = {}
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        for choice in action._choices_actions:
+            sub = action.choices[choice.dest]
+            if any(isinstance(a, argparse._SubParsersAction) for a in sub._actions):
+                out |= help_summaries(sub, f"{prefix} {choice.dest}")
+                continue
+            words = [prefix, choice.dest] + [
+                a.metavar if a.nargs is None else f"[{a.metavar} ...]"
+                for a in sub._actions if not a.option_strings]
+            out[" ".join(str(w) for w in words)] = str(choice.help)
+    return out
+
+
+def test_the_table_of_commands_is_each_commands_help_summary() -> None:
+    rows = dict(re.findall(r"^\| `(hostagent [^`]+)` \| (.+) \|$", section("Commands"), re.M))
+    assert rows == help_summaries(cli._parser())
+
+
+# --- claims read from the code ---------------------------------------------------------
+
+
+def test_the_connection_limits_are_the_codes() -> None:
+    text = section("Watching it: metrics, health, history")
+    assert (f"It serves {metrics.MAX_CONNECTIONS} connections at once, "
+            f"{metrics.MAX_PER_SOURCE} per address") in text
+    assert (f"on the SSH port ({ssh.MAX_CONNECTIONS} connections at once; at most "
+            f"{ssh.MAX_UNAUTHENTICATED} of them\nstill logging in, {ssh.MAX_PER_SOURCE} of "
+            f"those from one address, each with {ssh.LOGIN_TIMEOUT:g} s to log in)") in text
+
+
+def test_every_ssh_exit_status_is_listed() -> None:
+    text = " ".join(section("Home automation: `hostagent play` and the SSH endpoint").split())
+    listed = {int(n) for n in re.findall(r"\b(\d+) (?:done|failed|a malformed|a verb|the agent)",
+                                         text)}
+    assert listed == {int(s) for s in ssh.ExitStatus}
+
+
+# What README says each health check looks at, by the name the agent gives it.
+HEALTH = {
+    "libvirt": "libvirt answers a call",
+    "hook socket": "the hook socket accepts a connection",
+    "last lend verified": "the last lend was verified",
+    "state file": "the state file takes saves",
+    "kubernetes": "the Kubernetes API answers",
+}
+
+
+def test_every_health_check_is_described() -> None:
+    source = Path(agent.__file__).read_text()
+    assert set(re.findall(r'health\.add\("([^"]+)"', source)) == set(HEALTH)
+    text = " ".join(section("Watching it: metrics, health, history").split())
+    for what in HEALTH.values():
+        assert what in text
+
+
+def test_the_deferred_start_shows_the_agents_own_sentence() -> None:
+    """What README shows `virsh start gaming1` print is the hook's sentence for a lent
+    lendee, as the agent words it."""
+    shown = " ".join(section("What `virsh start` says while a GPU is reclaimed").split())
+    topo = Topology(lendee="gpu-node", lendee_gpus=frozenset({"gpu-a", "gpu-b"}),
+                    owners={"gaming1": frozenset({"gpu-a"})})
+    state = State(phase=Phase.LENT, agent_up=True, lent=frozenset({"gpu-a", "gpu-b"}))
+    decision, sentence = verdict(state, "gaming1", topo=topo)
+    assert decision == "defer"
+    assert f"unexpected exit status 1: {sentence}" in shown
+    assert "error: Failed to start domain 'gaming1'" in shown
+
+
+def test_a_newcomer_installs_make_and_git_first() -> None:
+    steps = section("The two commands")
+    assert steps.index("apt-get install -y make git") < steps.index("git clone") \
+        < steps.index("make demo")
+
+
+def test_the_debian_install_edits_and_checks_before_enabling() -> None:
+    steps = block("Installing on Debian", "sh")
+    order = ["make install", "hostagent config init", "/etc/hostagent/config.toml",
+             "hostagent check-config", "hostagent lint", "systemctl enable --now hostagent"]
+    assert [steps.index(s) for s in order] == sorted(steps.index(s) for s in order)
+    prose = section("Installing on Debian")
+    before = prose[:prose.index("- **Host boot and shutdown**")]
+    for prerequisite in ("org.qemu.guest_agent.0", "guest-exec", "nvidia-smi"):
+        assert prerequisite in before
+
+
+def test_the_lab_by_hand_uses_the_venv_and_says_how_to_take_it_down() -> None:
+    text = section("The lab")
+    assert ".venv/bin/python -m tests.lab.lab" in text and "Ctrl-C" in text
