@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import tomli_w
 
-from hostagent import agent, cli, config, metrics, ssh
+from hostagent import agent, cli, config, control, metrics, ssh
 from hostagent.machine import Phase, State, Topology, verdict
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -176,6 +176,13 @@ def test_the_connection_limits_are_the_codes() -> None:
     assert (f"on the SSH port ({ssh.MAX_CONNECTIONS} connections at once; at most "
             f"{ssh.MAX_UNAUTHENTICATED} of them\nstill logging in, {ssh.MAX_PER_SOURCE} of "
             f"those from one address, each with {ssh.LOGIN_TIMEOUT:g} s to log in)") in text
+
+
+def test_which_control_requests_are_journaled() -> None:
+    text = " ".join(section("Home automation: `hostagent play` and the SSH endpoint").split())
+    assert ("Each request but `status` (which dashboards poll) is journaled with who sent it, "
+            f"up to {control.REQUESTS_BURST} per user every {control.REQUESTS_INTERVAL:g} s "
+            "and then a count of the rest") in text
 
 
 def test_every_ssh_exit_status_is_listed() -> None:
