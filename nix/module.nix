@@ -46,7 +46,7 @@ let
   # not the service at boot. tests/packaging/test_nix.py runs this same script.
   checkScript = ''
     if ! hostagent --config "$configFile" check-config; then
-      echo "hostagent refuses services.hostagent.settings: the key above is under settings (services.hostagent.checkConfig = false skips this check)" >&2
+      echo "hostagent refuses services.hostagent.settings: each key named above is under settings (services.hostagent.checkConfig = false skips this check)" >&2
       exit 1
     fi
     ln -s "$configFile" "$out"

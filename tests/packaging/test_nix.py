@@ -110,8 +110,9 @@ def readme_block() -> str:
     text = README.read_text()
     start = text.index("\n## Installing on NixOS\n")
     end = text.find("\n## ", start + 1)
-    found = re.findall(r"^```nix\n(.*?)^```", text[start:end], re.S | re.M)
-    assert len(found) == 1, "expected one nix block under Installing on NixOS"
+    found = [b for b in re.findall(r"^```nix\n(.*?)^```", text[start:end], re.S | re.M)
+             if "services.hostagent" in b]  # the configuration, not the flake beside it
+    assert len(found) == 1, "expected one nix block with services.hostagent under Installing on NixOS"
     return str(found[0])
 
 
@@ -280,7 +281,7 @@ def test_the_build_checks_the_file(evaluated: dict[str, Any], tmp_path: Path) ->
     assert bad.stderr.splitlines() == [
         f'hostagent: {tmp_path}/typo.toml: policy.relend_dealy: unknown key; did you mean '
         '"relend_delay"?',
-        "hostagent refuses services.hostagent.settings: the key above is under settings "
+        "hostagent refuses services.hostagent.settings: each key named above is under settings "
         "(services.hostagent.checkConfig = false skips this check)",
     ]
     assert not (tmp_path / "typo-out").exists()
