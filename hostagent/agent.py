@@ -71,8 +71,9 @@ class StartupError(Exception):
 class Cluster(Protocol):
     """The Kubernetes steps of a cycle. Without a [kubernetes] section: `NoCluster`."""
 
-    async def reclaim(self, owners: list[str]) -> str | None:
-        """Cordon and drain; None when done, or why the reclaim must be aborted."""
+    async def reclaim(self, owners: list[str], *, regrow: bool = False) -> str | None:
+        """Cordon and drain; None when done, or why the reclaim must be aborted. A
+        `regrow`'s is aborted whenever its drain cannot finish: nobody waits for it."""
 
     async def give_back(self, lent: Collection[str]) -> str | None:
         """Wait Ready and the `lent` GPUs, uncordon; None when done, or why the node
@@ -92,7 +93,7 @@ class Cluster(Protocol):
 
 
 class NoCluster:
-    async def reclaim(self, owners: list[str]) -> str | None:
+    async def reclaim(self, owners: list[str], *, regrow: bool = False) -> str | None:
         return None
 
     async def give_back(self, lent: Collection[str]) -> str | None:

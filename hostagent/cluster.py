@@ -6,6 +6,8 @@ tell the cluster (an Event on the Node), drain; `on_drain_timeout` decides wheth
 drain that could not finish lets the reclaim go on ("proceed": the player first; the
 pods left are named in the journal, loudly when they will die without an eviction) or
 stops it ("abort": the GPUs stay lent, the player's request fails with the reason).
+A regrow (a restart of the lendee to take more GPUs) has no player: its drain is
+always of the "abort" kind, so no pod is killed for a restart nobody waits for.
 Credentials the API server refuses (401, 403) are never a reason to go on: nothing is
 known about the pods, so the reclaim stops whatever the policy says.
 
@@ -128,8 +130,9 @@ class KubeCluster:
 
     # --- reclaim --------------------------------------------------------------------------
 
-    async def reclaim(self, owners: list[str]) -> str | None:
-        abort = self.policy.on_drain_timeout is DrainTimeoutAction.ABORT
+    async def reclaim(self, owners: list[str], *, regrow: bool = False) -> str | None:
+        on_timeout = DrainTimeoutAction.ABORT if regrow else self.policy.on_drain_timeout
+        abort = on_timeout is DrainTimeoutAction.ABORT
         # One budget for the whole reclaim: a player never waits longer than
         # timeouts.drain for the cluster, however the API server behaves.
         deadline = time.monotonic() + self.timeouts.drain
@@ -137,7 +140,8 @@ class KubeCluster:
 
         def left() -> float:
             return max(0.1, deadline - time.monotonic())
-        who = ", ".join(owners) or "hostagent reclaim"
+        who = ", ".join(owners) or ("a restart with more GPUs" if regrow
+                                    else "hostagent reclaim")
         try:
             cordon = await self.kube.cordon(self.node, marker_prefix=self.prefix,
                                             timeout=left())
@@ -154,7 +158,7 @@ class KubeCluster:
             report = await self.kube.drain(
                 self.node, timeout=left(), emptydir_ok=self.settings.drain_emptydir,
                 unmanaged_ok=self.settings.drain_unmanaged,
-                on_timeout=self.policy.on_drain_timeout,
+                on_timeout=on_timeout,
                 grace_period=self.settings.grace_period,
                 skip_wait_for_delete_timeout=self.settings.skip_wait_for_delete_timeout)
         except DrainAborted as e:

@@ -77,8 +77,8 @@ class Executor:
 
     def execute(self, action: Action) -> None:
         match action:
-            case Drain(ticket=t):
-                self.spawn(self._drain(t), action)
+            case Drain(ticket=t, regrow=regrow):
+                self.spawn(self._drain(t, regrow), action)
             case WaitAgent(ticket=t):
                 self.spawn(self._wait_agent(t), action)
             case ShutdownLendee(ticket=t):
@@ -172,8 +172,9 @@ class Executor:
     def _current(self, ticket: int) -> bool:
         return self.host.state.ticket == ticket
 
-    async def _drain(self, ticket: int) -> None:
-        problem = await self.host.cluster.reclaim(list(self.host.state.waiting_owners))
+    async def _drain(self, ticket: int, regrow: bool) -> None:
+        problem = await self.host.cluster.reclaim(list(self.host.state.waiting_owners),
+                                                  regrow=regrow)
         if problem is None:
             self.host.apply(Drained(at=_now(), ticket=ticket))
         else:

@@ -159,7 +159,9 @@ class _Ctx:
 
 def _enter(state: State, phase: Phase, **changes: Any) -> State:
     """`state` in `phase`, with a new ticket: actions and reports of the previous phase
-    go stale. No phase begins with a shutdown already sent (STOPPING sends its own)."""
+    go stale. No phase begins with a shutdown already sent (STOPPING sends its own), and
+    a regrow goes on only from its drain to its shutdown."""
+    changes.setdefault("regrowing", state.regrowing and phase is Phase.STOPPING)
     return replace(state, phase=phase, ticket=state.ticket + 1, shutdown_sent=False, **changes)
 
 
@@ -245,9 +247,19 @@ def _relend_allowed(state: State, ctx: _Ctx) -> bool:
 def _regrow_wanted(state: State, ctx: _Ctx) -> bool:
     """Whether a lent lendee could hold more GPUs than it does (a game ended since it
     started), and the policy would restart it for them."""
+    return state.phase is Phase.LENT and _regrow_gains(state, ctx)
+
+
+def _regrow_moot(state: State, ctx: _Ctx) -> bool:
+    """Whether the regrow under way would gain nothing now (the game it waited on started
+    again, lending was put on hold): the lendee is better returned as it is."""
+    return state.regrowing and not _regrow_gains(state, ctx)
+
+
+def _regrow_gains(state: State, ctx: _Ctx) -> bool:
+    """Whether a restart of the lendee would take more GPUs than it holds, as allowed."""
     return (
-        state.phase is Phase.LENT
-        and not state.hold
+        not state.hold
         and ctx.policy.partial
         and ctx.policy.regrow is not Regrow.NEVER
         and not _pending_claimants(state, ctx.topo)
@@ -280,10 +292,32 @@ def _start_waiting(state: State, topo: Topology, *, all_owners: bool = False) ->
     ]
 
 
-def _reclaim(state: State) -> _Outcome:
-    """Begin taking the GPUs back: cordon and drain first, never shut down a busy node."""
-    new = _enter(state, Phase.DRAINING, reason=None)
-    return new, [Drain(ticket=new.ticket)]
+def _reclaim(state: State, *, regrow: bool = False) -> _Outcome:
+    """Begin taking the GPUs back: cordon and drain first, never shut down a busy node.
+    A `regrow`'s drain is the kind nobody waits for (see `Drain`)."""
+    new = _enter(state, Phase.DRAINING, reason=None, regrowing=regrow)
+    return new, [Drain(ticket=new.ticket, regrow=regrow)]
+
+
+def _join_reclaim(state: State) -> _Outcome:
+    """A reclaim someone waits for joins the one under way. A regrow's is not theirs:
+    its drain gives up where theirs must not, so it begins again as theirs (a drain is
+    idempotent); once drained, the shutdown is theirs as it stands."""
+    if not state.regrowing:
+        return state, []
+    if state.phase is Phase.DRAINING:
+        return _reclaim(state)
+    return replace(state, regrowing=False), []
+
+
+def _back_to_lending(state: State) -> _Outcome:
+    """A reclaim given up while the lendee runs: it is returned to the cluster the usual
+    way (its cordon lifted by `KubeReturn`, only if it was ours), through BOOTING first
+    if its guest agent has not answered yet."""
+    if not state.agent_up:
+        return _boot(state)
+    new = _enter(state, Phase.JOINING, reason=None)
+    return new, [KubeReturn(ticket=new.ticket)]
 
 
 def _boot(state: State) -> _Outcome:
@@ -341,8 +375,10 @@ def _owner_wants(state: State, event: OwnerWants, ctx: _Ctx) -> _Outcome:
     new = replace(state, intents=(*state.intents, intent)) if first else state
     if not ctx.topo.owners[event.owner] & state.lent:
         return new, [StartOwner(owner=event.owner)] if first else []
-    if state.phase in (Phase.OFF, Phase.DRAINING, Phase.STOPPING):
+    if state.phase is Phase.OFF:
         return new, []
+    if state.phase in (Phase.DRAINING, Phase.STOPPING):
+        return _join_reclaim(new)
     return _reclaim(new)
 
 
@@ -434,7 +470,7 @@ def _gpu_pods(state: State, event: GpuPods, ctx: _Ctx) -> _Outcome:
     the node to be idle of GPU work begins when that count reaches zero."""
     new = replace(state, gpu_pods=event.count)
     if new.regrow_waiting and event.count == 0 and _regrow_wanted(new, ctx):
-        return _reclaim(replace(new, regrow_waiting=False))
+        return _reclaim(replace(new, regrow_waiting=False), regrow=True)
     return new, []
 
 
@@ -513,7 +549,8 @@ def _reclaim_by_hand(state: State, event: Reclaim, ctx: _Ctx) -> _Outcome:
     request takes: drain, wait for the guest agent, shut down. ``resume`` lends again.
 
     - Running in a lending phase (BOOTING, JOINING, LENT) or stuck (FAILED): reclaim.
-    - DRAINING, STOPPING: a reclaim is already under way; holding is all that is left.
+    - DRAINING, STOPPING: a reclaim is already under way; holding is all that is left
+      (a regrow's is made this one, see `_join_reclaim`).
     - OFF: hold, which cancels a scheduled relend. A lendee start already in flight
       cannot be recalled (nothing stops a start libvirt is running), so the reclaim is
       kept: it lands as `LendeeStarted` and is reclaimed at once, whether or not anyone
@@ -524,7 +561,7 @@ def _reclaim_by_hand(state: State, event: Reclaim, ctx: _Ctx) -> _Outcome:
     new = replace(state, hold=True, reclaiming=True)
     if state.phase in (Phase.BOOTING, Phase.JOINING, Phase.LENT, Phase.FAILED):
         return _reclaim(new)
-    return new, []
+    return _join_reclaim(new)
 
 
 def _observed(state: State, event: Observed, ctx: _Ctx) -> _Outcome:
@@ -651,7 +688,7 @@ def _regrow_due(state: State, event: RelendDue, ctx: _Ctx) -> _Outcome:
         raise _stale(state, event, "no regrow is scheduled")
     new = replace(state, relend_at=None)
     if ctx.policy.regrow is Regrow.ALWAYS or state.gpu_pods == 0:
-        return _reclaim(new)
+        return _reclaim(new, regrow=True)
     return replace(new, regrow_waiting=True), []
 
 
@@ -716,9 +753,13 @@ def _drained(state: State, event: Drained, ctx: _Ctx) -> _Outcome:
 
     The reclaim is finished even if the reason for it went away meanwhile (the owner
     that appeared by hand stopped again): a cordoned, half-drained node is the worst of
-    both worlds, and the relend after the shutdown is automatic.
+    both worlds, and the relend after the shutdown is automatic. A regrow is the
+    exception: nobody waits for it, and one that would gain nothing now (the game
+    started again) returns the lendee as it is rather than restart it with the same set.
     """
     _check_ticket(state, event)
+    if _regrow_moot(state, ctx):
+        return _back_to_lending(state)
     new = _enter(state, Phase.STOPPING)
     return new, [WaitAgent(ticket=new.ticket)]
 
@@ -742,19 +783,19 @@ def _drain_failed(state: State, event: DrainFailed, ctx: _Ctx) -> _Outcome:
         FailIntent(intent_id=i.id, owner=i.owner, reason=why) for i in state.intents if waits(i)
     ]
     kept = tuple(i for i in state.intents if not waits(i))
-    new = replace(state, intents=kept)
-    if not state.agent_up:
-        new, more = _boot(new)
-        return new, failed + more
-    new = _enter(new, Phase.JOINING, reason=None)
-    return new, [*failed, KubeReturn(ticket=new.ticket)]
+    new, more = _back_to_lending(replace(state, intents=kept))
+    return new, failed + more
 
 
 def _agent_up_stopping(state: State, event: AgentUp, ctx: _Ctx) -> _Outcome:
-    """STOPPING: the agent answered, so now, and only now, the shutdown is sent."""
+    """STOPPING: the agent answered, so now, and only now, the shutdown is sent; unless
+    this is a regrow that would gain nothing any more (see `_drained`), the last moment
+    to give it up."""
     _check_ticket(state, event)
     if state.shutdown_sent:
         raise _stale(state, event, "the shutdown was already sent")
+    if _regrow_moot(state, ctx):
+        return _back_to_lending(replace(state, agent_up=True))
     new = replace(state, agent_up=True, shutdown_sent=True)
     return new, [ShutdownLendee(ticket=new.ticket)]
 

@@ -226,6 +226,9 @@ class State:
     ``gpu_pods``: pods on the node that request a GPU, as last watched (None: unknown).
     ``regrow_waiting``: a regrow is due but waits for those pods to end.
     ``reclaiming``: a reclaim by hand is under way (it survives a restart of the agent).
+    ``regrowing``: the reclaim under way is a regrow, which nobody waits for: it is
+    given up (the lendee returned as it is) when its drain cannot finish or when the
+    restart would gain nothing any more.
     """
 
     phase: Phase = Phase.OFF
@@ -243,6 +246,7 @@ class State:
     gpu_pods: int | None = None
     regrow_waiting: bool = False
     reclaiming: bool = False
+    regrowing: bool = False
 
     def intents_of(self, owner: str) -> tuple[Intent, ...]:
         return tuple(i for i in self.intents if i.owner == owner)
@@ -341,7 +345,8 @@ class Drained(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class DrainFailed(Event):
-    """Report of `Drain`: draining timed out and the policy is to abort."""
+    """Report of `Drain`: draining timed out and the policy is to abort (always, for a
+    regrow's)."""
 
     ticket: int
     reason: str
@@ -418,9 +423,12 @@ class Action:
 @dataclass(frozen=True, kw_only=True)
 class Drain(Action):
     """Cordon (marking the cordon as ours) and drain the node; a running `KubeReturn`
-    is superseded. Reports `Drained` or `DrainFailed`."""
+    is superseded. Reports `Drained` or `DrainFailed`. A `regrow`'s drain is the
+    optional kind: nobody waits for it, so one that cannot finish fails, whatever
+    policy.on_drain_timeout says for the drains players wait for."""
 
     ticket: int
+    regrow: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

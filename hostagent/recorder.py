@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from hostagent import journal, machine
 from hostagent.model import (
+    DrainFailed,
     Event,
     GpuPods,
     Intent,
@@ -58,9 +59,19 @@ class Recorder:
             draining = f"{more} {verb} free again and {why}: restarting {lendee} to add {them}"
         held = self.host.topo.lendee_gpus - new.lent
         others = f" ({self.gpu_names(held)} not lent)" if held and new.lent else ""
+        returning = f"{lendee}'s guest agent answered: returning it to the cluster"
+        if old.regrowing and new.phase in (Phase.BOOTING, Phase.JOINING):
+            why, then = "it would gain no GPU now", ""
+            if isinstance(event, DrainFailed):
+                why = f"its node could not be drained ({event.reason})"
+                then = (f"; tried again in {self.host.policy.relend_delay:g}s "
+                        "(policy.relend_delay)")
+            returning = (f"the restart of {lendee} for more GPUs is given up: {why}; it goes "
+                         f"back to the cluster with {gpus} as it is{then}")
         messages = {
-            Phase.BOOTING: f"{lendee} is running with {gpus}: waiting for its guest agent",
-            Phase.JOINING: f"{lendee}'s guest agent answered: returning it to the cluster",
+            Phase.BOOTING: returning if old.regrowing else
+            f"{lendee} is running with {gpus}: waiting for its guest agent",
+            Phase.JOINING: returning,
             Phase.LENT: f"{lendee} is lent: {gpus} are the cluster's{others}",
             Phase.DRAINING: draining,
             Phase.STOPPING: f"{lendee} is drained: shutting it down through its guest agent "

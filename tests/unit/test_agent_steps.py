@@ -44,7 +44,7 @@ class HeldCluster:
         self.down_go.set()
         self.returns = 0
 
-    async def reclaim(self, owners: list[str]) -> str | None:
+    async def reclaim(self, owners: list[str], *, regrow: bool = False) -> str | None:
         self.node.append("cordon")
         await self.drain_go.wait()
         self.node.append("drained")

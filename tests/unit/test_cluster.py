@@ -409,6 +409,18 @@ async def test_unmanaged_pods_left_with_proceed_are_named_before_the_power_off(
     assert loud[0].priority is journal.Priority.WARNING
 
 
+async def test_a_regrows_drain_kills_nothing_whatever_the_policy_says(
+        api: StandIn, kube: Kube, records: journal.ListSink) -> None:
+    """A restart for more GPUs has no player waiting: with on_drain_timeout = "proceed",
+    a pod the drain cannot evict stops the regrow, and nothing is evicted for it."""
+    api.cluster.add_pod("bare", node="gpu-node")
+    api.cluster.add_pod("web", node="gpu-node", owner="ReplicaSet/web")
+    problem = await cluster_for(kube, config(policy="proceed")).reclaim([], regrow=True)
+    assert problem is not None and "default/bare" in problem
+    assert api.cluster.pod("default", "bare") and api.cluster.pod("default", "web")
+    assert not result_of(records, "killed-without-eviction")
+
+
 async def test_the_grace_period_override_goes_with_each_eviction(
         api: StandIn, kube: Kube) -> None:
     def stop_kubelet() -> None:  # keep the evicted pod Terminating, to read its grace

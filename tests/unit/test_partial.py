@@ -304,10 +304,11 @@ ROWS: list[Row] = [
         OwnerStarting(at=AT, owner="gaming-win"), Phase.LENT, [CancelRelend()]),
     Row("lent/regrow due (always): the reclaim road, GPU pods or not",
         S(Phase.LENT, lent=gpus(B, C), relend_at=AT, gpu_pods=2), RelendDue(at=AT),
-        Phase.DRAINING, [Drain(ticket=T + 1)], policy=ALWAYS, fields={"relend_at": None}),
+        Phase.DRAINING, [Drain(ticket=T + 1, regrow=True)], policy=ALWAYS,
+        fields={"relend_at": None, "regrowing": True}),
     Row("lent/regrow due (when-idle), no GPU pod: the reclaim road",
         S(Phase.LENT, lent=gpus(B, C), relend_at=AT, gpu_pods=0), RelendDue(at=AT),
-        Phase.DRAINING, [Drain(ticket=T + 1)]),
+        Phase.DRAINING, [Drain(ticket=T + 1, regrow=True)]),
     Row("lent/regrow due (when-idle), GPU pods running: waits for them",
         S(Phase.LENT, lent=gpus(B, C), relend_at=AT, gpu_pods=2), RelendDue(at=AT),
         Phase.LENT, [], fields={"regrow_waiting": True, "relend_at": None}),
@@ -316,7 +317,8 @@ ROWS: list[Row] = [
         Phase.LENT, [], fields={"regrow_waiting": True}),
     Row("lent/the last GPU pod ends while a regrow waits: the reclaim road",
         S(Phase.LENT, lent=gpus(B, C), regrow_waiting=True, gpu_pods=1), GpuPods(at=AT, count=0),
-        Phase.DRAINING, [Drain(ticket=T + 1)], fields={"regrow_waiting": False, "gpu_pods": 0}),
+        Phase.DRAINING, [Drain(ticket=T + 1, regrow=True)],
+        fields={"regrow_waiting": False, "gpu_pods": 0}),
     Row("lent/GPU pods change while a regrow waits: still waiting",
         S(Phase.LENT, lent=gpus(B, C), regrow_waiting=True, gpu_pods=1), GpuPods(at=AT, count=3),
         Phase.LENT, [], fields={"regrow_waiting": True, "gpu_pods": 3}),
@@ -478,7 +480,7 @@ def test_regrow_under_each_policy(policy: Policy, pods: int) -> None:
         state, actions = go(state, GpuPods(at=AT + 90, count=pods + 1), policy)
         assert (state.phase, actions) == (Phase.LENT, [])
         state, actions = go(state, GpuPods(at=AT + 100, count=0), policy)
-    assert (state.phase, actions) == (Phase.DRAINING, [Drain(ticket=state.ticket)])
+    assert (state.phase, actions) == (Phase.DRAINING, [Drain(ticket=state.ticket, regrow=True)])
     state, actions = _reclaim_road(state)
     assert actions[-1] == ScheduleRelend(at=AT + 33)
     state, actions = go(state, RelendDue(at=AT + 33), policy)
@@ -492,7 +494,48 @@ def test_a_lend_knows_no_gpu_pods_until_its_own_watch_reports() -> None:
                    RelendDue(at=AT + 30))
     assert (state.phase, state.gpu_pods, state.regrow_waiting) == (Phase.LENT, None, True)
     state, actions = go(state, GpuPods(at=AT + 31, count=0))
-    assert (state.phase, actions) == (Phase.DRAINING, [Drain(ticket=state.ticket)])
+    assert (state.phase, actions) == (Phase.DRAINING, [Drain(ticket=state.ticket, regrow=True)])
+
+
+REGROW_DUE = S(Phase.LENT, lent=gpus(B, C), gpu_pods=0, relend_at=AT)  # gpu-a free again
+
+
+def test_a_regrow_whose_drain_cannot_finish_is_given_up_and_tried_again_later() -> None:
+    # Nobody waits for a regrow: its drain is the optional kind (a pod a PDB protects is
+    # never killed for it), and a drain that cannot finish returns the node as it is.
+    state, actions = go(REGROW_DUE, RelendDue(at=AT))
+    assert (state.phase, actions) == (Phase.DRAINING, [Drain(ticket=T + 1, regrow=True)])
+    state, actions = go(state, DrainFailed(at=AT + 60, ticket=T + 1, reason="a PDB"))
+    assert (state.phase, actions) == (Phase.JOINING, [KubeReturn(ticket=T + 2)])
+    state, actions = go(state, ReturnDone(at=AT + 70, ticket=T + 2))
+    assert (state.phase, state.lent, actions) == (Phase.LENT, gpus(B, C),
+                                                  [ScheduleRelend(at=AT + 100)])
+
+
+@pytest.mark.parametrize("event", [wants("gaming2"), Reclaim(at=AT + 5)],
+                         ids=["an owner", "by hand"])
+def test_a_reclaim_joining_a_regrows_drain_drains_again_as_its_own(event: Event) -> None:
+    state, _ = go(REGROW_DUE, RelendDue(at=AT))
+    state, actions = go(state, event)
+    assert (state.phase, actions) == (Phase.DRAINING, [Drain(ticket=T + 2)])
+    state, actions = run(state, Drained(at=AT + 10, ticket=T + 2), AgentUp(at=AT + 11, ticket=T + 3))
+    assert actions == [WaitAgent(ticket=T + 3), ShutdownLendee(ticket=T + 3)]
+
+
+@pytest.mark.parametrize("when", ["draining", "stopping"])
+def test_a_regrow_that_would_gain_nothing_now_is_given_up_before_the_shutdown(when: str) -> None:
+    # gaming1 starts again while the regrow drains (or waits for the guest agent): gpu-a
+    # is not free any more, and a restart would bring the lendee back with what it has.
+    state, _ = go(REGROW_DUE, RelendDue(at=AT))
+    game = [wants("gaming1", at=AT + 5), OwnerStarted(at=AT + 6, owner="gaming1")]
+    if when == "draining":
+        state, actions = run(state, *game, Drained(at=AT + 10, ticket=T + 1))
+        assert actions[-1:] == [KubeReturn(ticket=T + 2)]
+    else:
+        state, _ = run(state, Drained(at=AT + 10, ticket=T + 1), *game)
+        state, actions = go(state, AgentUp(at=AT + 11, ticket=T + 2))
+        assert actions == [KubeReturn(ticket=T + 3)]
+    assert (state.phase, state.lent, state.regrowing) == (Phase.JOINING, gpus(B, C), False)
 
 
 def test_a_regrow_is_cancelled_when_the_game_restarts_within_relend_delay() -> None:
