@@ -13,9 +13,11 @@ Security model
 - Public-key authentication only, against ``ssh.authorized_keys``; no password,
   keyboard-interactive, host-based or certificate authentication. The user name is
   not checked (write ``hostagent@``); the key decides everything.
-- A session runs one command line (an ``exec`` request) and nothing else: shell,
-  pty, subsystems (SFTP), SCP, X11, agent and port forwarding are all refused. A
-  session that asked for a terminal runs nothing (``ssh -tt`` would not wait for it).
+- A connection opens one session, which runs one command line (an ``exec`` request),
+  as ``ssh host verb`` does, and nothing else: a second session, shell, pty,
+  subsystems (SFTP), SCP, X11, agent and port forwarding are all refused, and a
+  connection refused `MAX_REFUSALS` times is closed. A session that asked for a
+  terminal runs nothing (``ssh -tt`` would not wait for it).
 - The command line is never given to a shell. It is at most `MAX_COMMAND` characters of
   printable ASCII, split on single spaces into a verb and at most one VM name
   (``[A-Za-z0-9_.-]+``); anything else is refused before anything happens.
@@ -29,11 +31,22 @@ Security model
 
 Floods
 ------
-The endpoint shares the agent's process, and so its descriptors, with the hook socket:
-a connection flood must not starve it. At most `MAX_CONNECTIONS` connections are
-served at once, of which at most `MAX_UNAUTHENTICATED` have not yet authenticated and
-at most `MAX_PER_SOURCE` of those come from one address; more are closed as they
-arrive. A connection has `LOGIN_TIMEOUT` seconds to authenticate.
+The endpoint shares the agent's process, its descriptors and its event loop with the
+hook socket: no flood may starve it, from strangers or from a listed key.
+
+- At most `MAX_CONNECTIONS` connections are served at once. Of those, at most
+  `MAX_UNAUTHENTICATED` have not authenticated yet, and at most `MAX_PER_PREFIX` of
+  them come from one /24 (IPv4) or /64 (IPv6), where one host has many addresses.
+  Over a limit, the oldest connection waiting to authenticate is closed for the new
+  one: whoever holds connections open without authenticating cannot lock a button out.
+  A connection has `LOGIN_TIMEOUT` seconds to authenticate.
+- One key holds at most `MAX_PER_KEY` authenticated connections; one more is
+  disconnected. An authenticated connection that runs no command for `IDLE_TIMEOUT`
+  seconds is closed.
+- At most `MAX_RUNNING` commands run at once over SSH, every key together; one more
+  gets exit status 75 and "busy" at once. A session cannot be multiplied either: one
+  per connection (above), so thousands of channels on one connection are thousands of
+  refusals, and after `MAX_REFUSALS` the connection is closed.
 
 Authorized keys
 ---------------
@@ -75,13 +88,15 @@ configured at boot): the caller retries it later. Other `EndpointError`s need a 
 
 Exit status carried back to the client: 0 done; 1 the verb failed (the reason is the
 last line on stderr); 64 the command line is malformed; 77 the key may not do that;
-70 the agent failed unexpectedly.
+75 too many commands are running over SSH, try again; 70 the agent failed
+unexpectedly.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import ipaddress
 import logging
 import contextlib
 import os
@@ -102,8 +117,12 @@ from hostagent.ratelimit import Summarised
 __all__ = [
     "LOGIN_TIMEOUT",
     "MAX_COMMAND",
+    "IDLE_TIMEOUT",
     "MAX_CONNECTIONS",
-    "MAX_PER_SOURCE",
+    "MAX_PER_KEY",
+    "MAX_PER_PREFIX",
+    "MAX_REFUSALS",
+    "MAX_RUNNING",
     "MAX_UNAUTHENTICATED",
     "VM_VERBS",
     "BadCommand",
@@ -116,6 +135,7 @@ __all__ = [
     "load_host_key",
     "parse_authorized_keys",
     "parse_command",
+    "prefix",
     "serve",
 ]
 
@@ -125,8 +145,12 @@ VerbHandler = Callable[[dict[str, Any]], AsyncIterator[Reply]]
 MAX_COMMAND = 256
 MAX_CONNECTIONS = 32  # served at once
 MAX_UNAUTHENTICATED = 16  # of those, not yet authenticated
-MAX_PER_SOURCE = 4  # of those, from one address
-LOGIN_TIMEOUT = 10.0  # seconds to authenticate (a button does it in well under one)
+MAX_PER_PREFIX = 4  # of those, from one /24 or /64
+MAX_PER_KEY = 4  # authenticated connections of one key
+MAX_RUNNING = 8  # commands running at once over SSH, every key together
+MAX_REFUSALS = 3  # requests refused on one connection before it is closed
+LOGIN_TIMEOUT = 5.0  # seconds to authenticate (a button does it in well under one)
+IDLE_TIMEOUT = 30.0  # seconds an authenticated connection may run no command
 ACCEPT_BACKLOG = 8  # the listen queue, and asyncio's batch of accepts
 PREAUTH_BURST = 20  # records before authentication, per interval, then a summary
 PREAUTH_INTERVAL = 60.0
@@ -143,6 +167,7 @@ class ExitStatus(enum.IntEnum):
     FAILED = 1
     USAGE = 64  # sysexits EX_USAGE: the command line is malformed
     SOFTWARE = 70  # EX_SOFTWARE: the agent failed
+    TEMPFAIL = 75  # EX_TEMPFAIL: busy, try again
     NOPERM = 77  # EX_NOPERM: the key may not do that
 
 
@@ -427,21 +452,39 @@ def parse_command(line: str | None, verbs: frozenset[str]) -> tuple[str, str | N
 # --- the server --------------------------------------------------------------------------
 
 
+def prefix(address: str) -> str:
+    """The network `address` counts in: its /24 (IPv4, mapped ones too) or its /64."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    bits = 24 if ip.version == 4 else 64
+    return str(ipaddress.ip_network(f"{ip}/{bits}", strict=False))
+
+
 class Endpoint:
-    """What every connection shares: the verbs, the keys, the journal."""
+    """What every connection shares: the verbs, the keys, the journal, the limits."""
 
     def __init__(self, verbs: Mapping[str, VerbHandler], keys: Path, *,
                  max_connections: int = MAX_CONNECTIONS,
                  max_unauthenticated: int = MAX_UNAUTHENTICATED,
-                 max_per_source: int = MAX_PER_SOURCE) -> None:
+                 max_per_prefix: int = MAX_PER_PREFIX, max_per_key: int = MAX_PER_KEY,
+                 max_running: int = MAX_RUNNING, idle_timeout: float = IDLE_TIMEOUT) -> None:
         self.verbs = verbs
         self.names = frozenset(verbs)
         self.keys = _KeyFile(keys, self.names)
         self.max_connections = max_connections
         self.max_unauthenticated = max_unauthenticated
-        self.max_per_source = max_per_source
-        self.connections = 0
-        self.unauthenticated: dict[str, int] = {}  # source address → connections
+        self.max_per_prefix = max_per_prefix
+        self.max_per_key = max_per_key
+        self.max_running = max_running
+        self.idle_timeout = idle_timeout
+        self.live: set[_Connection] = set()
+        self.waiting: dict[_Connection, None] = {}  # not authenticated yet, oldest first
+        self.per_key: dict[str, int] = {}  # fingerprint → authenticated connections
+        self.running = 0  # commands running
         self.preauth = Summarised(self._preauth_record, interval=PREAUTH_INTERVAL,
                                   burst=PREAUTH_BURST)
 
@@ -450,40 +493,58 @@ class Endpoint:
         if count == 1:
             [result] = reasons
             journal.record("ssh", message, result=result,
-                           priority=journal.Priority.WARNING if result == "refused"
+                           priority=journal.Priority.WARNING if result in ("refused", "evicted")
                            else journal.Priority.INFO)
         else:
             journal.record("ssh", f"before authentication: {message}", result="summary",
                            count=count, priority=journal.Priority.WARNING)
 
-    def admit(self, source: str) -> str | None:
-        """Count a new connection from `source`; None, or why it is refused."""
-        waiting = sum(self.unauthenticated.values())
-        if self.connections >= self.max_connections:
-            return f"{self.connections} connections already (the limit)"
-        if waiting >= self.max_unauthenticated:
-            return f"{waiting} connections already waiting to authenticate (the limit)"
-        if self.unauthenticated.get(source, 0) >= self.max_per_source:
-            return (f"{self.max_per_source} connections from {source} already waiting to "
-                    "authenticate (the limit)")
-        self.connections += 1
-        self.unauthenticated[source] = self.unauthenticated.get(source, 0) + 1
+    def admit(self, conn: _Connection) -> str | None:
+        """Count a new connection; None, or why it is refused. Over a limit on those
+        waiting to authenticate, the oldest of them is closed to make room."""
+        if len(self.live) >= self.max_connections and not self.waiting:
+            return f"{len(self.live)} authenticated connections already (the limit)"
+        same = [c for c in self.waiting if c.prefix == conn.prefix]
+        if len(same) >= self.max_per_prefix:
+            self._evict(same[0], f"{len(same)} connections from {conn.prefix} were waiting "
+                        "to authenticate (the limit)")
+        elif len(self.waiting) >= self.max_unauthenticated:
+            self._evict(next(iter(self.waiting)), f"{len(self.waiting)} connections were "
+                        "waiting to authenticate (the limit)")
+        elif len(self.live) >= self.max_connections:
+            self._evict(next(iter(self.waiting)), f"{len(self.live)} connections were open "
+                        "(the limit)")
+        self.live.add(conn)
+        self.waiting[conn] = None
         return None
 
-    def authenticated(self, source: str) -> None:
-        self._forget(source)
+    def _evict(self, old: _Connection, why: str) -> None:
+        self.gone(old)
+        self.preauth(f"closed the connection from {old.peer}, the oldest waiting to "
+                     f"authenticate, for a newer one: {why}", "evicted")
+        old.close()
 
-    def gone(self, source: str, *, authenticated: bool) -> None:
-        self.connections -= 1
-        if not authenticated:
-            self._forget(source)
+    def authenticated(self, conn: _Connection, fingerprint: str) -> str | None:
+        """Count `conn` as its key's; None, or why it must be closed."""
+        self.waiting.pop(conn, None)
+        held = self.per_key.get(fingerprint, 0)
+        if held >= self.max_per_key:
+            return f"this key already holds {held} connections (the limit)"
+        self.per_key[fingerprint] = held + 1
+        return None
 
-    def _forget(self, source: str) -> None:
-        left = self.unauthenticated.get(source, 0) - 1
-        if left > 0:
-            self.unauthenticated[source] = left
-        else:
-            self.unauthenticated.pop(source, None)
+    def gone(self, conn: _Connection) -> None:
+        """Forget `conn` (closed, or being closed); once only."""
+        if conn not in self.live:
+            return
+        self.live.discard(conn)
+        self.waiting.pop(conn, None)
+        if conn.counted is not None:
+            left = self.per_key.get(conn.counted, 0) - 1
+            if left > 0:
+                self.per_key[conn.counted] = left
+            else:
+                self.per_key.pop(conn.counted, None)
 
     async def run(self, grant: Grant, peer: str, command: str | None,
                   out: Callable[[str], None], err: Callable[[str], None]) -> ExitStatus:
@@ -506,10 +567,18 @@ class Endpoint:
                            priority=journal.Priority.WARNING)
             err(f"hostagent: denied: {denied}\n")
             return ExitStatus.NOPERM
+        if self.running >= self.max_running:
+            busy = f"{self.running} commands are running over SSH already (the limit)"
+            journal.record("ssh", f"refused {shown} to {grant.comment} at {peer}: {busy}",
+                           vm=vm, result="busy", command=shown, **fields,
+                           priority=journal.Priority.WARNING)
+            err(f"hostagent: busy: {busy}; try again shortly\n")
+            return ExitStatus.TEMPFAIL
         journal.record("ssh", f"{grant.comment} at {peer} runs {shown}", vm=vm,
                        result="allowed", command=shown, **fields)
         status = ExitStatus.SOFTWARE
         caller = Caller(user=grant.comment, via="ssh", peer=peer)
+        self.running += 1
         try:
             # The verb runs in this task: it names its caller with control.current_caller().
             with serving(caller):
@@ -534,6 +603,8 @@ class Endpoint:
             logging.getLogger("hostagent").exception("ssh: %s failed", shown)
             err(f"hostagent: agent error: {e}\n")
             status = ExitStatus.SOFTWARE
+        finally:
+            self.running -= 1
         journal.record("ssh", f"{shown} for {grant.comment} at {peer} ended with exit "
                        f"status {int(status)}", vm=vm, result="ok" if status == 0 else "failed",
                        command=shown, exit_status=int(status), **fields)
@@ -577,13 +648,17 @@ class _Session(asyncssh.SSHServerSession[str]):
         return True
 
     def session_started(self) -> None:
+        self._conn.busy(True)
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def _run(self) -> None:
         grant = self._conn.grant
         assert grant is not None  # sessions only open after authentication
-        status = await self._conn.endpoint.run(grant, self._conn.peer, self._command,
-                                               self._chan.write, self._chan.write_stderr)
+        try:
+            status = await self._conn.endpoint.run(grant, self._conn.peer, self._command,
+                                                   self._chan.write, self._chan.write_stderr)
+        finally:
+            self._conn.busy(False)
         self._chan.exit(int(status))
 
     def data_received(self, data: str, datatype: Any) -> None:
@@ -613,11 +688,17 @@ class _Connection(asyncssh.SSHServer):
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
         self.peer = "?"
-        self.source = "?"  # the peer's address, without the port
+        self.prefix = "?"  # the network the peer's address counts in
         self.grant: Grant | None = None
         self.admitted = False
+        self.counted: str | None = None  # the fingerprint this connection counts against
+        self._conn: Any = None  # asyncssh's connection
         self._candidate: Grant | None = None
         self._decided: set[str] = set()
+        self._session = False  # one per connection
+        self._refusals = 0
+        self._idle: asyncio.TimerHandle | None = None
+        self._closing = False
 
     def _record(self, message: str, result: str, **fields: Any) -> None:
         if self.grant is not None:
@@ -629,28 +710,63 @@ class _Connection(asyncssh.SSHServer):
         """A record before authentication: anyone can cause it, so it is rate-limited."""
         self.endpoint.preauth(message, result)
 
-    def refuse(self, what: str) -> None:
+    def refuse(self, what: str, why: str = "hostagent only runs commands") -> None:
+        """Journal a refused request; one too many closes the connection (a client
+        that asks again and again for what it is refused only floods)."""
+        self._refusals += 1
+        if self._closing:
+            return  # requests already on their way when the connection was closed
         self._record(f"refused {what} to {self.grant.comment if self.grant else '?'} at "
-                     f"{self.peer}: hostagent only runs commands", "refused",
-                     priority=journal.Priority.WARNING)
+                     f"{self.peer}: {why}", "refused", priority=journal.Priority.WARNING)
+        if self._refusals == MAX_REFUSALS:
+            self.disconnect(f"{MAX_REFUSALS} requests refused")
+
+    def close(self) -> None:
+        """Drop the connection unanswered; its descriptor is back within a loop turn."""
+        if self._conn is not None:
+            self._conn.abort()
+
+    def disconnect(self, why: str) -> None:
+        """Say why and close, once asyncssh is done with the packet at hand."""
+        if self._conn is None or self._closing:
+            return
+        self._closing = True
+        self._record(f"closing the connection from {self.peer}: {why}", "disconnected")
+        self.endpoint.gone(self)
+        conn = self._conn
+        asyncio.get_running_loop().call_soon(
+            conn.disconnect, asyncssh.DISC_TOO_MANY_CONNECTIONS, f"hostagent: {why}")
+
+    def busy(self, running: bool) -> None:
+        """A command runs (no idle timeout) or has ended (the idle timeout runs)."""
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        if not running and self._conn is not None:
+            timeout = self.endpoint.idle_timeout
+            self._idle = asyncio.get_running_loop().call_later(
+                timeout, self.disconnect, f"no command for {timeout:g}s")
 
     def connection_made(self, conn: Any) -> None:
+        self._conn = conn
         peer = conn.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
-        self.source = str(peer[0]) if peer else "?"
-        full = self.endpoint.admit(self.source)
+        self.prefix = prefix(str(peer[0])) if peer else "?"
+        full = self.endpoint.admit(self)
         if full is not None:
             self._preauth(f"refused a connection from {self.peer}: {full}", "refused")
-            # Closed at once, unanswered: its descriptor is back within a loop turn.
-            conn.abort()
+            self.close()
             return
         self.admitted = True
         self._preauth(f"connection from {self.peer}", "connected")
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+        self._conn = None
         if not self.admitted:
             return
-        self.endpoint.gone(self.source, authenticated=self.grant is not None)
+        self.endpoint.gone(self)
         message = f"connection from {self.peer} closed" + (f": {exc}" if exc else "")
         if self.grant is None:
             self._preauth(message, "closed")
@@ -696,10 +812,22 @@ class _Connection(asyncssh.SSHServer):
     def auth_completed(self) -> None:
         self.grant = self._candidate
         assert self.grant is not None
-        self.endpoint.authenticated(self.source)
         self._record(f"{self.grant.comment} authenticated from {self.peer}", "authenticated")
+        over = self.endpoint.authenticated(self, self.grant.fingerprint)
+        if over is not None:
+            self.disconnect(over)
+            return
+        self.counted = self.grant.fingerprint
+        self.busy(False)
 
     def session_requested(self) -> _Session:
+        if self._session:
+            self.refuse("a second session", "one session per connection, which runs one "
+                        "command: connect again for another")
+            raise asyncssh.ChannelOpenError(
+                asyncssh.OPEN_ADMINISTRATIVELY_PROHIBITED,
+                "hostagent runs one command per connection: connect again for another")
+        self._session = True
         return _Session(self)
 
     def connection_requested(self, dest_host: str, dest_port: int, orig_host: str,
@@ -727,7 +855,8 @@ class _Connection(asyncssh.SSHServer):
 async def serve(address: tuple[str, int], host_key: Path, authorized_keys: Path,
                 verbs: Mapping[str, VerbHandler], *, max_connections: int = MAX_CONNECTIONS,
                 max_unauthenticated: int = MAX_UNAUTHENTICATED,
-                max_per_source: int = MAX_PER_SOURCE,
+                max_per_prefix: int = MAX_PER_PREFIX, max_per_key: int = MAX_PER_KEY,
+                max_running: int = MAX_RUNNING, idle_timeout: float = IDLE_TIMEOUT,
                 login_timeout: float = LOGIN_TIMEOUT) -> Any:
     """Listen for SSH clients; the asyncssh acceptor (close() it).
 
@@ -736,7 +865,9 @@ async def serve(address: tuple[str, int], host_key: Path, authorized_keys: Path,
     authorized-keys file does not stop it: every key is refused until it is fixed."""
     key = load_host_key(host_key)
     endpoint = Endpoint(verbs, authorized_keys, max_connections=max_connections,
-                        max_unauthenticated=max_unauthenticated, max_per_source=max_per_source)
+                        max_unauthenticated=max_unauthenticated,
+                        max_per_prefix=max_per_prefix, max_per_key=max_per_key,
+                        max_running=max_running, idle_timeout=idle_timeout)
     host, port = address
     try:
         server = await asyncssh.create_server(

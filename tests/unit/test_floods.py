@@ -10,6 +10,7 @@ answering, and the journal gets a handful of records, not two per connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -156,31 +157,173 @@ async def test_an_unauthenticated_connection_is_dropped_after_the_login_timeout(
     finally:
         server.close()
         await server.wait_closed()
-    assert ssh.LOGIN_TIMEOUT <= 10
+    assert ssh.LOGIN_TIMEOUT <= 5  # a few seconds: a button needs well under one
 
 
-async def test_ssh_caps_per_source_then_in_all(tmp_path: Path) -> None:
+# --- SSH: what a stranger and what a listed key can hold ---------------------------------
+
+BUTTON = asyncssh.generate_private_key("ssh-ed25519", comment="button")
+ADMIN = asyncssh.generate_private_key("ssh-ed25519", comment="admin")
+
+
+class Blocking:
+    """Verbs for the SSH tests: `status` answers at once, `play` waits to be let go."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.go = asyncio.Event()
+        self.playing: asyncio.Queue[str] = asyncio.Queue()
+
+    def table(self) -> dict[str, Any]:
+        async def status(args: dict[str, Any]) -> AsyncIterator[Reply]:
+            self.calls.append("status")
+            yield {"ok": True, "data": {"message": "fine"}}
+
+        async def play(args: dict[str, Any]) -> AsyncIterator[Reply]:
+            self.calls.append("play")
+            self.playing.put_nowait(args["vm"])
+            await self.go.wait()
+            yield {"ok": True, "data": {"message": f"{args['vm']} is running"}}
+
+        return {"status": status, "play": play}
+
+
+@contextlib.asynccontextmanager
+async def ssh_endpoint(tmp_path: Path, verbs: Blocking, **limits: Any) -> AsyncIterator[int]:
     keys = tmp_path / "authorized_keys"
-    keys.write_text("")
+    keys.write_text("".join(f'verbs="*",vms="*" {k.export_public_key().decode().strip()}\n'
+                            for k in (BUTTON, ADMIN)))
     keys.chmod(0o600)
-    server = await ssh.serve(("127.0.0.1", 0), tmp_path / "host_key", keys, {},
-                             max_per_source=3, max_unauthenticated=5)
-    held = []
+    server = await ssh.serve(("127.0.0.1", 0), tmp_path / "host_key", keys, verbs.table(),
+                             **limits)
     try:
-        port = server.get_port()
-        for _ in range(4):
-            held.append(await asyncio.open_connection("127.0.0.1", port))
-        banners = []
-        for reader, _ in held:
-            try:
-                banners.append(await asyncio.wait_for(reader.readline(), 2))
-            except (TimeoutError, ConnectionError):
-                banners.append(b"")
-        assert sum(b.startswith(b"SSH-2.0-hostagent") for b in banners) >= 3
-        await asyncio.sleep(0.2)
-        assert await asyncio.wait_for(held[3][0].read(), 2) == b""  # the fourth: closed
+        yield server.get_port()
     finally:
-        for _, writer in held:
-            writer.close()
         server.close()
         await server.wait_closed()
+
+
+def client(port: int, key: asyncssh.SSHKey, tmp_path: Path, local: str = "127.0.0.1") -> Any:
+    host_key = asyncssh.read_private_key(tmp_path / "host_key")
+    known = asyncssh.import_known_hosts(
+        f"[127.0.0.1]:{port} {host_key.export_public_key().decode()}")
+    return asyncssh.connect("127.0.0.1", port, username="hostagent", client_keys=[key],
+                            known_hosts=known, agent_path=None, config=None,
+                            password_auth=False, kbdint_auth=False, local_addr=(local, 0))
+
+
+def ssh_results(sink: journal.ListSink) -> list[str]:
+    return [e.fields["HOSTAGENT_RESULT"] for e in sink.entries
+            if e.fields.get("HOSTAGENT_EVENT") == "ssh"]
+
+
+async def test_one_connection_runs_one_command_however_many_sessions_it_opens(
+        tmp_path: Path, sink: journal.ListSink) -> None:
+    # Before: each channel ran its command, and each status a health check (a hook
+    # socket connection, a libvirt call, a Kubernetes request): 4,500 channels on one
+    # connection of a status-only key exhausted the descriptors and hooks spooled.
+    verbs = Blocking()
+    async with ssh_endpoint(tmp_path, verbs) as port:
+        async with client(port, BUTTON, tmp_path) as conn:
+            first = await conn.create_process("play gaming1")
+            await asyncio.wait_for(verbs.playing.get(), 10)
+            more = await asyncio.gather(*(conn.run("status") for _ in range(500)),
+                                        return_exceptions=True)
+            await asyncio.wait_for(conn.wait_closed(), 10)  # refused too often: closed
+        assert all(isinstance(s, asyncssh.ChannelOpenError) for s in more), {
+            type(s) for s in more}
+        assert "hostagent runs one command per connection: connect again for another" in {
+            s.reason for s in more if isinstance(s, asyncssh.ChannelOpenError)}
+        assert (await first.wait()).exit_status is None  # hung up on, as the client was
+        assert verbs.calls == ["play"]
+        # A connection of its own runs the next command.
+        async with client(port, BUTTON, tmp_path) as conn:
+            assert (await conn.run("status")).exit_status == 0
+    results = ssh_results(sink)
+    assert results.count("refused") == ssh.MAX_REFUSALS, results
+    assert results.count("disconnected") == 1
+
+
+async def test_commands_running_over_ssh_are_bounded_for_every_key_together(
+        tmp_path: Path, sink: journal.ListSink) -> None:
+    verbs = Blocking()
+    async with ssh_endpoint(tmp_path, verbs, max_running=2) as port:
+        async with client(port, BUTTON, tmp_path) as a, client(port, ADMIN, tmp_path) as b, \
+                client(port, ADMIN, tmp_path) as c:
+            first = await a.create_process("play gaming1")
+            second = await b.create_process("play gaming2")
+            for _ in range(2):
+                await asyncio.wait_for(verbs.playing.get(), 10)
+            third = await asyncio.wait_for(c.run("status"), 10)
+            assert third.exit_status == 75
+            assert third.stderr == ("hostagent: busy: 2 commands are running over SSH "
+                                    "already (the limit); try again shortly\n")
+            verbs.go.set()
+            assert (await first.wait()).exit_status == 0
+            assert (await second.wait()).exit_status == 0
+        async with client(port, ADMIN, tmp_path) as d:
+            assert (await d.run("status")).exit_status == 0  # room again
+    assert verbs.calls == ["play", "play", "status"]
+    assert "busy" in ssh_results(sink)
+
+
+async def test_one_key_holds_a_few_connections_and_an_idle_one_is_closed(
+        tmp_path: Path, sink: journal.ListSink) -> None:
+    verbs = Blocking()
+    async with ssh_endpoint(tmp_path, verbs, max_per_key=2, idle_timeout=0.5) as port:
+        async with client(port, BUTTON, tmp_path) as a, client(port, BUTTON, tmp_path) as b:
+            async with client(port, BUTTON, tmp_path) as c:
+                with pytest.raises((asyncssh.DisconnectError, asyncssh.ChannelOpenError)):
+                    await c.run("status")
+            async with client(port, ADMIN, tmp_path) as other:  # another key: its own count
+                assert (await other.run("status")).exit_status == 0
+            # Neither runs a command: both are closed, and the key may connect again.
+            await asyncio.wait_for(asyncio.gather(a.wait_closed(), b.wait_closed()), 10)
+        async with client(port, BUTTON, tmp_path) as again:
+            assert (await again.run("status")).exit_status == 0
+    assert verbs.calls == ["status", "status"]
+    closing = [e.message for e in sink.entries if e.fields.get("HOSTAGENT_RESULT") == "disconnected"]
+    assert closing[0].endswith(": this key already holds 2 connections (the limit)")
+    assert sum(m.endswith(": no command for 0.5s") for m in closing) == 2  # a and b
+
+
+async def test_strangers_are_counted_per_prefix_and_the_oldest_waiting_makes_room(
+        tmp_path: Path) -> None:
+    # Before: counted per address (one host has a whole /64), and over the limit the
+    # newest was refused: whoever held the slots without authenticating locked a
+    # button out until the login timeout, again and again.
+    verbs = Blocking()
+
+    async def silent(local: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(local, 0))
+        assert (await asyncio.wait_for(reader.readline(), 5)).startswith(b"SSH-2.0-hostagent")
+        return reader, writer
+
+    async def closed(reader: asyncio.StreamReader) -> bool:
+        try:
+            await asyncio.wait_for(reader.read(), 10)
+        except ConnectionError:
+            pass
+        return True
+
+    async with ssh_endpoint(tmp_path, verbs, max_per_prefix=3, max_unauthenticated=5) as port:
+        held = [await silent(f"127.0.0.{1 + i % 2}") for i in range(3)]  # one /24
+        held.append(await silent("127.0.0.2"))  # one more there: the oldest makes room
+        assert await closed(held[0][0])
+        held += [await silent("127.0.1.1") for _ in range(2)]  # another /24: 5 waiting
+        held.append(await silent("127.0.1.1"))  # the sixth: the oldest of all goes
+        assert await closed(held[1][0])
+        # Its /24 full of silent connections, the button still gets in.
+        async with client(port, BUTTON, tmp_path, local="127.0.0.1") as conn:
+            assert (await conn.run("status")).exit_status == 0
+        assert await closed(held[2][0])
+        for _, writer in held:
+            writer.close()
+    assert verbs.calls == ["status"]
+
+
+def test_prefixes() -> None:
+    assert ssh.prefix("192.0.2.17") == "192.0.2.0/24"
+    assert ssh.prefix("::ffff:192.0.2.17") == "192.0.2.0/24"
+    assert ssh.prefix("2001:db8:1:2:3:4:5:6") == "2001:db8:1:2::/64"
+    assert ssh.prefix("?") == "?"

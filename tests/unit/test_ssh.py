@@ -220,6 +220,12 @@ def connect(port: int, key: asyncssh.SSHKey, tmp_path: Path) -> Any:
                             password_auth=False, kbdint_auth=False)
 
 
+async def run(port: int, key: asyncssh.SSHKey, tmp_path: Path, line: str) -> Any:
+    """One command on a connection of its own, as `ssh host verb` runs it."""
+    async with connect(port, key, tmp_path) as conn:
+        return await conn.run(line)
+
+
 async def test_an_allowed_key_plays_and_gets_the_progress_and_exit_0(
         endpoint: tuple[int, Verbs, Path], tmp_path: Path, sink: journal.ListSink) -> None:
     port, verbs, _ = endpoint
@@ -253,26 +259,29 @@ async def test_refusals_happen_before_anything_runs(
     assert ("refused", f"refused an unknown key {KEY_C.get_fingerprint('sha256')} from "
             f"{next(m for r, m in ssh_records(sink) if r == 'connected').split()[-1]} "
             "(user 'hostagent')") in ssh_records(sink)
+    done = await run(port, KEY_A, tmp_path, "play gaming2")
+    assert (done.exit_status, done.stderr) == (77, (
+        "hostagent: denied: this key (button) may not touch gaming2; it may name: "
+        "gaming1\n"))
+    done = await run(port, KEY_A, tmp_path, "reclaim")
+    assert done.exit_status == 77
+    for line in ("play gaming1; rm -rf /", "play 'gaming1'", "play gaming1 && reboot",
+                 "play  gaming1", "play gaming1\nreboot", "x" * 5000, "status; id"):
+        done = await run(port, KEY_A, tmp_path, line)
+        assert done.exit_status == 64, line
+        assert done.stderr.startswith("hostagent: refused: "), line
+        assert done.stdout == ""
+    # A shell, a terminal, SFTP, forwarding: refused by the protocol.
     async with connect(port, KEY_A, tmp_path) as conn:
-        done = await conn.run("play gaming2")
-        assert (done.exit_status, done.stderr) == (77, (
-            "hostagent: denied: this key (button) may not touch gaming2; it may name: "
-            "gaming1\n"))
-        done = await conn.run("reclaim")
-        assert done.exit_status == 77
-        for line in ("play gaming1; rm -rf /", "play 'gaming1'", "play gaming1 && reboot",
-                     "play  gaming1", "play gaming1\nreboot", "x" * 5000, "status; id"):
-            done = await conn.run(line)
-            assert done.exit_status == 64, line
-            assert done.stderr.startswith("hostagent: refused: "), line
-            assert done.stdout == ""
-        # A shell, a terminal, SFTP, forwarding: refused by the protocol.
         with pytest.raises(asyncssh.ChannelOpenError, match="PTY request failed"):
             await conn.create_process("status", term_type="xterm")
+    async with connect(port, KEY_A, tmp_path) as conn:
         with pytest.raises(asyncssh.ChannelOpenError, match="Session request failed"):
             await conn.create_process()  # a shell
+    async with connect(port, KEY_A, tmp_path) as conn:
         with pytest.raises(asyncssh.ChannelOpenError, match="Session request failed"):
             await conn.start_sftp_client()  # the sftp subsystem
+    async with connect(port, KEY_A, tmp_path) as conn:
         with pytest.raises(asyncssh.ChannelOpenError):
             await conn.open_connection("127.0.0.1", port)
         with pytest.raises(asyncssh.ChannelListenError):
@@ -290,11 +299,11 @@ async def test_refusals_happen_before_anything_runs(
 async def test_a_failed_verb_exits_1_and_a_hangup_stops_the_waiting(
         endpoint: tuple[int, Verbs, Path], tmp_path: Path) -> None:
     port, verbs, _ = endpoint
+    done = await run(port, KEY_B, tmp_path, "reclaim")
+    assert (done.exit_status, done.stderr) == (1, "hostagent: the lendee is stuck\n")
+    done = await run(port, KEY_B, tmp_path, "status")
+    assert (done.exit_status, done.stdout) == (0, "status done\n")
     async with connect(port, KEY_B, tmp_path) as conn:
-        done = await conn.run("reclaim")
-        assert (done.exit_status, done.stderr) == (1, "hostagent: the lendee is stuck\n")
-        done = await conn.run("status")
-        assert (done.exit_status, done.stdout) == (0, "status done\n")
         await conn.create_process("release gaming2")
         await asyncio.wait_for(verbs.release_started.wait(), 5)
     await asyncio.wait_for(verbs.release_closed.wait(), 5)  # the client went away
