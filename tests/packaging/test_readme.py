@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import tomli_w
 
-from hostagent import agent, cli, config, control, metrics, ssh
+from hostagent import agent, cli, config, control, health, metrics, ssh
 from hostagent.machine import Phase, State, Topology, verdict
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -174,8 +174,12 @@ def test_the_connection_limits_are_the_codes() -> None:
     assert (f"It serves {metrics.MAX_CONNECTIONS} connections at once, "
             f"{metrics.MAX_PER_SOURCE} per address") in text
     assert (f"on the SSH port ({ssh.MAX_CONNECTIONS} connections at once; at most "
-            f"{ssh.MAX_UNAUTHENTICATED} of them\nstill logging in, {ssh.MAX_PER_SOURCE} of "
-            f"those from one address, each with {ssh.LOGIN_TIMEOUT:g} s to log in)") in text
+            f"{ssh.MAX_UNAUTHENTICATED} of them\nstill logging in, {ssh.MAX_PER_PREFIX} of "
+            f"those from one /24 or /64, each with {ssh.LOGIN_TIMEOUT:g} s to log in, the "
+            f"oldest\nclosed for a newer one; {ssh.MAX_PER_KEY} per key, one command each, "
+            f"{ssh.MAX_RUNNING} commands at once; health\nchecked at most once a second "
+            "however often it is asked)") in text
+    assert health.MAX_AGE == 1
 
 
 def test_which_control_requests_are_journaled() -> None:
@@ -187,8 +191,8 @@ def test_which_control_requests_are_journaled() -> None:
 
 def test_every_ssh_exit_status_is_listed() -> None:
     text = " ".join(section("Home automation: `hostagent play` and the SSH endpoint").split())
-    listed = {int(n) for n in re.findall(r"\b(\d+) (?:done|failed|a malformed|a verb|the agent)",
-                                         text)}
+    listed = {int(n) for n in re.findall(
+        r"\b(\d+) (?:done|failed|a malformed|a verb|the agent)", text)}
     assert listed == {int(s) for s in ssh.ExitStatus}
 
 
