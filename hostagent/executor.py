@@ -70,6 +70,8 @@ class Executor:
         self._steps: dict[asyncio.Task[None], int] = {}
         self._relend: asyncio.TimerHandle | None = None
         self.stopped: dict[str, asyncio.Event] = {}
+        # VMs libvirt is being asked to start now: a start that can no longer be withdrawn.
+        self.starting: set[str] = set()
         # Set when libvirt sees the lendee's qemu-ga connect: wakes the guest-ping wait.
         self.agent_connected = asyncio.Event()
         # The last in-guest check, for `status`: at (unix time), ok, summary.
@@ -253,7 +255,10 @@ class Executor:
         Unless policy.lint_before_start is off, a VM whose XML has errors on this host
         is not started: the finding is in the journal and the start fails with it.
         The lendee starts with `gpus` only: a live definition for this boot, without the
-        others' devices; its persistent definition is never edited."""
+        others' devices; its persistent definition is never edited.
+        Whether the start is still wanted is asked again just before libvirt is (the
+        request may have been withdrawn meanwhile); from then until its outcome is
+        applied, `vm` is in `starting`: a start that can no longer be withdrawn."""
         if self.host.cfg.policy.lint_before_start:
             refusal = await self._lint_before_start(vm)
             if refusal is not None:
@@ -261,30 +266,42 @@ class Executor:
                 return
         deadline = time.monotonic() + self.host.cfg.timeouts.start
         for attempt in range(3):
-            if attempt and not self._wanted(action):
+            if not self._wanted(action):
                 return
+            self.starting.add(vm)
             try:
-                libvirt = self.host.libvirt
-                start = (libvirt.start(vm) if gpus is None else libvirt.start_with(
-                    vm, drop=self.host.topo.lendee_gpus - gpus, gpus=self.lendee_gpu_config()))
-                await asyncio.wait_for(start, deadline - time.monotonic())
-                break
-            except HookRefused as e:
-                self.host.apply(StartFailed(at=_now(), vm=vm, reason=e.sentence or str(e)))
-                return
-            except DomainNotFound as e:
-                self.host.apply(StartFailed(at=_now(), vm=vm, reason=str(e)))
-                return
-            except (HostError, TimeoutError) as e:
-                reason = str(e) or f"no answer within {self.host.cfg.timeouts.start:g}s"
-                pause = (1 + attempt) * (0.5 + random.random())
-                if attempt == 2 or time.monotonic() + pause >= deadline:
-                    self.host.apply(StartFailed(at=_now(), vm=vm, reason=reason))
+                if await self._start_once(vm, gpus, attempt, deadline):
                     return
-                log.warning("starting %s failed (%s); retrying in %.1fs", vm, reason, pause)
-                await asyncio.sleep(pause)
+            finally:
+                self.starting.discard(vm)
+
+    async def _start_once(self, vm: str, gpus: frozenset[str] | None, attempt: int,
+                          deadline: float) -> bool:
+        """One attempt of `_start`; False: try again (after a pause, taken here)."""
+        try:
+            libvirt = self.host.libvirt
+            start = (libvirt.start(vm) if gpus is None else libvirt.start_with(
+                vm, drop=self.host.topo.lendee_gpus - gpus, gpus=self.lendee_gpu_config()))
+            await asyncio.wait_for(start, deadline - time.monotonic())
+        except HookRefused as e:
+            self.host.apply(StartFailed(at=_now(), vm=vm, reason=e.sentence or str(e)))
+            return True
+        except DomainNotFound as e:
+            self.host.apply(StartFailed(at=_now(), vm=vm, reason=str(e)))
+            return True
+        except (HostError, TimeoutError) as e:
+            reason = str(e) or f"no answer within {self.host.cfg.timeouts.start:g}s"
+            pause = (1 + attempt) * (0.5 + random.random())
+            if attempt == 2 or time.monotonic() + pause >= deadline:
+                self.host.apply(StartFailed(at=_now(), vm=vm, reason=reason))
+                return True
+            log.warning("starting %s failed (%s); retrying in %.1fs", vm, reason, pause)
+            self.starting.discard(vm)  # withdrawable again until the next attempt
+            await asyncio.sleep(pause)
+            return False
         # The lifecycle event normally got here first; if it was lost, reality decides.
         self.host.lifecycle(vm, Lifecycle.STARTED)
+        return True
 
     def lendee_gpu_config(self) -> dict[str, Any]:
         """The configured GPUs the lendee may borrow, by label (their PCI functions)."""

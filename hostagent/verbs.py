@@ -257,8 +257,16 @@ class Verbs:
             return
         took = _stopwatch()
 
+        if vm in self.host.executor.starting and vm not in self.host.state.running_owners:
+            # libvirt is starting it now: that cannot be withdrawn, and saying so is true.
+            yield {"ok": False, "elapsed_s": took(), "error":
+                   f"{vm} is being started right now (its GPUs are free) and a start under "
+                   f"way cannot be withdrawn: it runs in a moment, and `hostagent release "
+                   f"{vm}` then shuts it down"}
+            return
         if self.host.state.intents_of(vm) and vm not in self.host.state.running_owners:
-            # Still waiting for its GPUs: releasing it withdraws the request.
+            # Still waiting for its GPUs: releasing it withdraws the request (the
+            # executor asks whether it is still wanted just before it starts it).
             caller = current_caller()
             by = f"hostagent release ({caller})" if caller else "hostagent release"
             self.host.apply(CancelIntent(at=_now(), owner=vm, by=by))

@@ -145,6 +145,55 @@ async def test_a_slow_cordon_after_a_stop_never_lands_after_the_next_return(
     assert cluster.node[-1] == "uncordon", cluster.node
 
 
+class GatedLibvirt(FakeLibvirt):
+    """Holds reads of a domain's XML (the lint before a start) and starts until let go."""
+
+    def __init__(self, agent: Agent) -> None:
+        super().__init__(agent)
+        self.xml_go = asyncio.Event()
+        self.start_go = asyncio.Event()
+
+    async def xml(self, name: str) -> str:
+        await self.xml_go.wait()
+        return await super().xml(name)
+
+    async def start(self, name: str) -> None:
+        self.calls.append(("starting", name))
+        await self.start_go.wait()
+        await super().start(name)
+
+
+@pytest.mark.parametrize("when", ["linting", "starting"])
+async def test_release_racing_the_agents_own_start_answers_the_truth(
+        tmp_path: Path, when: str) -> None:
+    """gaming1's start is under way (its GPUs are free) when `hostagent release gaming1`
+    comes: before libvirt is asked, the start is withdrawn and never happens; once libvirt
+    runs it, the verb says it cannot be withdrawn, and gaming1 runs."""
+    agent, _ = agent_with(tmp_path, HeldCluster())
+    fake = GatedLibvirt(agent)
+    agent.libvirt = fake  # type: ignore[assignment]
+    policy = dataclasses.replace(agent.cfg.policy, lint_before_start=True)
+    agent.cfg = dataclasses.replace(agent.cfg, policy=policy)
+    agent.apply(Observed(at=time.time(), lendee_running=False, owners_running=frozenset()))
+    assert agent.apply(OwnerWants(at=time.time(), owner="gaming1", intent_id="p1",
+                                  source=IntentSource.CONTROL))
+    if when == "starting":
+        fake.xml_go.set()
+        await until(lambda: ("starting", "gaming1") in fake.calls)
+    else:
+        await asyncio.sleep(0.05)
+    replies = [r async for r in agent.verbs.handlers()["release"]({"vm": "gaming1"})]
+    fake.xml_go.set()
+    fake.start_go.set()
+    await asyncio.sleep(0.3)
+    if when == "linting":
+        assert replies[-1]["ok"] and replies[-1]["data"]["cancelled"], replies
+        assert "gaming1" not in fake.running and ("starting", "gaming1") not in fake.calls
+    else:
+        assert not replies[-1]["ok"] and "cannot be withdrawn" in replies[-1]["error"]
+        assert "gaming1" in agent.state.running_owners
+
+
 async def test_a_failed_save_refuses_the_request_and_keeps_the_machine_moving(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         sink: journal.ListSink) -> None:
