@@ -299,8 +299,18 @@ class Executor:
             self.starting.discard(vm)  # withdrawable again until the next attempt
             await asyncio.sleep(pause)
             return False
-        # The lifecycle event normally got here first; if it was lost, reality decides.
-        self.host.lifecycle(vm, Lifecycle.STARTED)
+        # The lifecycle event normally got here first; if it was lost, reality decides:
+        # a domain that is already gone again (its QEMU exited at once) did not start.
+        try:
+            running = await self.host.libvirt.is_running(vm)
+        except HostError:
+            return True  # libvirt cannot tell now: its events, or a reconnect's reread, will
+        if running:
+            self.host.lifecycle(vm, Lifecycle.STARTED)
+        else:
+            self.host.apply(StartFailed(at=_now(), vm=vm, reason=(
+                "it stopped right after libvirt started it (its QEMU log, "
+                f"/var/log/libvirt/qemu/{vm}.log, says why)")))
         return True
 
     def lendee_gpu_config(self) -> dict[str, Any]:

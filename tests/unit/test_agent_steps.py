@@ -194,6 +194,29 @@ async def test_release_racing_the_agents_own_start_answers_the_truth(
         assert "gaming1" in agent.state.running_owners
 
 
+class DiesAtOnce(FakeLibvirt):
+    """A start libvirt reports done, of a domain that was gone before its events came."""
+
+    async def start(self, name: str) -> None:
+        self.calls.append(("start", name))
+
+
+async def test_a_start_is_reported_only_for_a_domain_that_runs(
+        tmp_path: Path, sink: journal.ListSink) -> None:
+    """gaming1's QEMU exits right after libvirt started it and its events are lost: the
+    request fails with the reason instead of "gaming1 is running"."""
+    agent, _ = agent_with(tmp_path, HeldCluster())
+    fake = DiesAtOnce(agent)
+    agent.libvirt = fake  # type: ignore[assignment]
+    agent.apply(Observed(at=time.time(), lendee_running=False, owners_running=frozenset()))
+    assert agent.apply(OwnerWants(at=time.time(), owner="gaming1", intent_id="p1",
+                                  source=IntentSource.CONTROL))
+    await until(lambda: not agent.state.intents)
+    assert "gaming1" not in agent.state.running_owners
+    said = [e.message for e in sink.entries if e.fields.get("HOSTAGENT_INTENT") == "p1"]
+    assert said[-1].startswith("could not start gaming1: gaming1 failed to start: it stopped")
+
+
 async def test_a_failed_save_refuses_the_request_and_keeps_the_machine_moving(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         sink: journal.ListSink) -> None:
