@@ -595,19 +595,71 @@ def _gpus(node: Any, resource: str) -> int:
 
 
 def _status_of(e: ApiException) -> tuple[str, str, list[str]]:
-    """(reason, message, cause messages) from the Status body of an error answer."""
+    """(reason, message, cause messages) from the Status body of an error answer.
+
+    The body is whatever the server (or a proxy before it) sent: each field is taken
+    only where it has the type a Status gives it, and ignored otherwise."""
     try:
         body = json.loads(e.body or b"{}")
-    except ValueError:
-        body = {}
-    if not isinstance(body, dict):
-        body = {}
-    causes = [c.get("message", "") for c in (body.get("details") or {}).get("causes") or []]
+    except (ValueError, TypeError, RecursionError):
+        body = None
+    body = body if isinstance(body, dict) else {}
+    details = body.get("details")
+    causes = details.get("causes") if isinstance(details, dict) else None
+    fallback = e.reason if isinstance(e.reason, str) else ""
     return (
-        str(body.get("reason") or e.reason or ""),
-        str(body.get("message") or e.reason or ""),
-        causes,
+        _string(body.get("reason")) or fallback,
+        _string(body.get("message")) or fallback,
+        [_string(c.get("message")) for c in causes if isinstance(c, dict)]
+        if isinstance(causes, list) else [],
     )
+
+
+def _string(value: object) -> str:
+    return value if isinstance(value, str) else ""
+
+
+class _Unreadable(Exception):
+    """A reply of a shape the client or the adapter cannot read."""
+
+
+# What the client's parsing raises on a reply of the wrong shape: a list where an
+# object belongs, a required field missing, a body that is not JSON or not UTF-8.
+_PARSING = (ValueError, TypeError, AttributeError, KeyError, RecursionError)
+
+
+async def _parsed(request: Callable[[], Awaitable[T]], readable: Callable[[Any], bool]) -> T:
+    """`request()`'s object; _Unreadable when it cannot be read."""
+    try:
+        result = await request()
+    except (ApiException, aiohttp.ClientError, OSError):
+        raise
+    except _PARSING as e:
+        # An error answer whose body is not UTF-8 fails inside the client's own handler
+        # of that answer: the answer still stands.
+        if isinstance(e.__context__, ApiException):
+            raise e.__context__ from None
+        raise _Unreadable(f"a reply that could not be read ({type(e).__name__}: "
+                          f"{str(e)[:200]})") from e
+    try:
+        ok = readable(result)
+    except _PARSING:
+        ok = False
+    if not ok:
+        raise _Unreadable(f"a reply that is not what was asked for ({type(result).__name__})")
+    return result
+
+
+def _node(reply: Any) -> bool:
+    return isinstance(reply, k8s.V1Node) and reply.metadata is not None
+
+
+def _pod(reply: Any) -> bool:
+    return isinstance(reply, k8s.V1Pod) and reply.metadata is not None
+
+
+def _pods(reply: Any) -> bool:
+    return isinstance(reply, k8s.V1PodList) and all(_pod(p) for p in reply.items)
 
 
 def _transient(e: ApiException) -> bool:
@@ -744,8 +796,13 @@ class Kube:
         deadline: float,
         *,
         transient: Callable[[ApiException], bool] = _transient,
+        readable: Callable[[Any], bool] = lambda _: True,
     ) -> T:
-        """`request()`, retried while the API is unreachable or answers 5xx, until `deadline`."""
+        """`request()`, retried while the API is unreachable or answers 5xx, until `deadline`.
+
+        A reply the client cannot parse, or whose object `readable` refuses, counts as
+        no answer (retried like a 5xx): the server, or a proxy before it, is not one
+        whose word can be taken."""
         attempt = 0
         last = ""
         refreshed = False
@@ -760,7 +817,9 @@ class Kube:
             limit = min(remaining, self.timing.request_timeout)
             try:
                 async with asyncio.timeout(limit):
-                    return await request()
+                    return await _parsed(request, readable)
+            except _Unreadable as e:
+                last = str(e)
             except ApiException as e:
                 if e.status == 401 and not refreshed:
                     refreshed = True
@@ -800,7 +859,8 @@ class Kube:
     async def _read_node(self, node: str, deadline: float) -> Any:
         try:
             return await self._call(
-                f"read node {node}", lambda: self._core.read_node(node), deadline
+                f"read node {node}", lambda: self._core.read_node(node), deadline,
+                readable=_node,
             )
         except KubeRequestError as e:
             if e.status == 404:
@@ -1242,6 +1302,7 @@ class Kube:
                     field_selector=f"spec.nodeName={node}"
                 ),
                 deadline,
+                readable=_pods,
             )
         except (KubeUnavailable, KubeRequestError) as e:
             return self._finish(
@@ -1436,6 +1497,7 @@ class Kube:
                 # self._core at each try: a refresh of the credentials replaces it
                 lambda: self._core.read_namespaced_pod(pod.name, pod.namespace),
                 deadline,
+                readable=_pod,
             )
         except KubeRequestError as e:
             if e.status == 404:
