@@ -163,7 +163,7 @@ class Agent:
         self.policy = Policy(relend_delay=cfg.policy.relend_delay,
                              force_off=cfg.policy.force_off_after is not None,
                              partial=cfg.policy.partial, min_gpus=cfg.lendee.min_gpus,
-                             regrow=regrow)
+                             regrow=regrow, regrow_max_wait=cfg.policy.regrow_max_wait)
         self.cluster: Cluster = cluster or NoCluster()
         self.cluster_given = cluster is not None
         self.lendee = cfg.lendee.domain

@@ -63,6 +63,7 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
                                             # the lendee runs only with all of its GPUs
     regrow = "when-idle"                    # add GPUs a game freed (a restart): "when-idle"
                                             # (no GPU pod on the node), "always" or "never"
+    regrow_max_wait = "2m"                  # when-idle restarts anyway after this; "": no limit
 
     [verify]                                # after a lend: does the guest see its GPUs?
     method = "guest-agent"                  # "guest-agent" (guest-exec), "ssh" or "none"
@@ -134,9 +135,12 @@ Rules beyond the types:
   restarts to add those a game freed: ``"when-idle"`` when no pod on the node requests
   a GPU (without ``[kubernetes]``: as ``"always"``), ``"always"`` after
   ``relend_delay``, ``"never"`` only when it stops for another reason.
+  ``policy.regrow_max_wait`` bounds the wait of ``"when-idle"``: after it, the lendee
+  restarts and the GPU pods still running start over (``""``: no bound).
 - An owner may keep a GPU the lendee does not borrow: hostagent leaves it alone.
 - A ``[gpus]`` entry nobody references is allowed and ignored.
-- Timeouts must be longer than zero; ``relend_delay`` and ``force_off_after`` may be 0.
+- Timeouts must be longer than zero; ``relend_delay``, ``force_off_after`` and
+  ``regrow_max_wait`` may be 0.
 - ``force_off_after`` is how long after a guest-agent shutdown timed out the lendee is
   destroyed. Unset (or ``""``), it never is.
 - Paths must be absolute: the agent's working directory is nobody's business.
@@ -703,6 +707,9 @@ class Policy:
     # False: all or nothing, the lendee runs only when every GPU it borrows is free.
     partial: bool = field(default=True, metadata=_key(_bool))
     regrow: Regrow = field(default=Regrow.WHEN_IDLE, metadata=_key(_choice(Regrow)))
+    # A when-idle regrow restarts the lendee anyway after this long; None: waits as long
+    # as GPU pods run. Waiting leaves the freed GPUs idle: bench/capacity.py weighs it.
+    regrow_max_wait: float | None = field(default=120.0, metadata=_key(_optional_duration))
 
 
 class VerifyMethod(enum.StrEnum):

@@ -682,14 +682,24 @@ def _regrow_due(state: State, event: RelendDue, ctx: _Ctx) -> _Outcome:
 
     ``when-idle`` waits, running, while pods on the node request a GPU (a restart would
     kill their work), and begins when `GpuPods` says none is left; ``always`` does not.
-    The bookkeeping has already cancelled a timer that stopped being wanted.
+    A bounded wait (``regrow_max_wait``) arms the timer once more for its end: the timer
+    firing while the regrow waits is that end, and the restart begins, pods or not (the
+    timer cannot be armed twice, so nothing else fires it meanwhile). The bookkeeping
+    has already cancelled a timer that stopped being wanted.
     """
     if state.relend_at is None:
         raise _stale(state, event, "no regrow is scheduled")
     new = replace(state, relend_at=None)
-    if ctx.policy.regrow is Regrow.ALWAYS or state.gpu_pods == 0:
+    limit = ctx.policy.regrow_max_wait
+    waited_enough = state.regrow_waiting and limit is not None
+    if ctx.policy.regrow is Regrow.ALWAYS or state.gpu_pods == 0 or waited_enough:
+        return _reclaim(replace(new, regrow_waiting=False), regrow=True)
+    if limit is None:
+        return replace(new, regrow_waiting=True), []
+    if limit <= 0:
         return _reclaim(new, regrow=True)
-    return replace(new, regrow_waiting=True), []
+    due = event.at + limit
+    return replace(new, regrow_waiting=True, relend_at=due), [ScheduleRelend(at=due)]
 
 
 def _agent_up_booting(state: State, event: AgentUp, ctx: _Ctx) -> _Outcome:

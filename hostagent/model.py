@@ -160,6 +160,9 @@ class Policy:
     ``partial``: the lendee runs with whatever GPUs no owner holds or waits for (False:
     all of them or none, the lendee off while any owner needs one). ``min_gpus``: below
     this many free GPUs the lendee is not worth running. ``regrow``: see `Regrow`.
+    ``regrow_max_wait``: how long a ``when-idle`` regrow waits for the node's GPU pods
+    to end before it restarts the lendee anyway (None: as long as they run). Every
+    second of it leaves the freed GPUs idle while the pods use the others.
     """
 
     relend_delay: float = 30.0
@@ -167,6 +170,7 @@ class Policy:
     partial: bool = True
     min_gpus: int = 1
     regrow: Regrow = Regrow.WHEN_IDLE
+    regrow_max_wait: float | None = 120.0
 
 
 # --- what the machine remembers --------------------------------------------------------

@@ -53,8 +53,15 @@ class Recorder:
         if isinstance(event, RelendDue | GpuPods):
             freed = machine.free_gpus(new, self.host.topo, self.host.policy) - old.lent
             more = self.gpu_names(freed)
-            why = ("policy.regrow = always" if self.host.policy.regrow is Regrow.ALWAYS
-                   else "no pod on its node requests a GPU (policy.regrow = when-idle)")
+            limit = self.host.policy.regrow_max_wait
+            pods = "an unknown number of" if old.gpu_pods is None else old.gpu_pods
+            if self.host.policy.regrow is Regrow.ALWAYS:
+                why = "policy.regrow = always"
+            elif isinstance(event, RelendDue) and old.regrow_waiting and old.gpu_pods != 0:
+                why = (f"{pods} pod(s) on its node still request a GPU after "
+                       f"policy.regrow_max_wait ({limit:g}s): they start over")
+            else:
+                why = "no pod on its node requests a GPU (policy.regrow = when-idle)"
             verb, them = ("is", "it") if len(freed) == 1 else ("are", "them")
             draining = f"{more} {verb} free again and {why}: restarting {lendee} to add {them}"
         held = self.host.topo.lendee_gpus - new.lent
@@ -97,10 +104,14 @@ class Recorder:
     def regrow_waits(self, new: State) -> None:
         """A regrow is due but waits: pods on the node use a GPU (policy.regrow)."""
         freed = machine.free_gpus(new, self.host.topo, self.host.policy) - new.lent
+        limit = self.host.policy.regrow_max_wait
+        bound = "" if limit is None else (
+            f", or in {limit:g}s with them (policy.regrow_max_wait)")
+        pods = "an unknown number of" if new.gpu_pods is None else new.gpu_pods
         journal.record("regrow", f"{self.host.lendee} could take {self.gpu_names(freed)} too, "
-                       f"but {new.gpu_pods} pod(s) on its node request a GPU: it restarts "
-                       "once none does (policy.regrow = when-idle)", vm=self.host.lendee,
-                       result="waiting")
+                       f"but {pods} pod(s) on its node request a GPU: it restarts "
+                       f"once none does (policy.regrow = when-idle){bound}",
+                       vm=self.host.lendee, result="waiting")
 
     def intent(self, intent: Intent) -> None:
         shared = self.host.topo.owners.get(intent.owner, frozenset()) & self.host.state.lent

@@ -208,6 +208,7 @@ in
               default = null;
               description = "When a lendee running with fewer GPUs restarts to add those a game freed: once no pod on its node requests a GPU (`when-idle`), after `relend_delay` (`always`), or only when it stops for another reason (`never`) (the agent's default: `\"when-idle\"`).";
             };
+            regrow_max_wait = optionalStr "How long a `when-idle` regrow waits for the node's GPU pods before it restarts the lendee anyway; `\"\"`: as long as they run (the agent's default: `\"2m\"`).";
           };
         };
 

@@ -20,7 +20,15 @@ from hostagent.agent import Agent
 from hostagent.config import parse
 from hostagent.inbox import HookEvent
 from hostagent.libvirt_host import Lifecycle
-from hostagent.model import IntentSource, Observed, OwnerStopped, OwnerWants, Phase, Regrow
+from hostagent.model import (
+    GpuPods,
+    IntentSource,
+    Observed,
+    OwnerStopped,
+    OwnerWants,
+    Phase,
+    Regrow,
+)
 from tests.unit.test_control import (  # noqa: F401 (a fixture)
     CONFIG,
     FakeLibvirt,
@@ -358,6 +366,37 @@ async def test_a_metrics_port_in_use_is_retried_not_fatal(tmp_path: Path) -> Non
     assert agent._exporter is not None
     agent._exporter.close()
     assert not agent._fatal.done()
+    for task in list(agent.executor.tasks):
+        task.cancel()
+
+
+async def test_a_regrow_restarts_under_gpu_jobs_once_regrow_max_wait_is_over(
+        tmp_path: Path, sink: journal.ListSink) -> None:
+    """gaming1 ends while a GPU pod runs on the node: the when-idle regrow waits, says
+    for how long at most, and restarts the lendee with the pod still there once
+    regrow_max_wait is over, saying so (not "no pod requests a GPU")."""
+    cluster = HeldCluster()
+    cluster.drain_go.set()
+    cluster.return_go.set()
+    agent, fake = agent_with(tmp_path, cluster)
+    agent.policy = dataclasses.replace(agent.policy, relend_delay=0.2, regrow=Regrow.WHEN_IDLE,
+                                       regrow_max_wait=0.3)
+    fake.running.update({"gaming1", "gpu-node"})
+    agent.apply(Observed(at=time.time(), lendee_running=True,
+                         owners_running=frozenset({"gaming1"}), lendee_gpus=frozenset({"gpu-b"})))
+    await until(lambda: agent.state.phase is Phase.LENT)
+    agent.apply(GpuPods(at=time.time(), count=1))
+    fake.running.discard("gaming1")
+    agent.lifecycle("gaming1", Lifecycle.STOPPED)
+    await until(lambda: agent.state.regrow_waiting)
+    assert any("it restarts once none does (policy.regrow = when-idle), or in 0.3s with them"
+               in e.message for e in sink.entries)
+    await until(lambda: agent.state.lent == {"gpu-a", "gpu-b"}
+                and agent.state.phase is Phase.LENT)
+    draining = [e.message for e in sink.entries if "restarting gpu-node" in e.message]
+    assert len(draining) == 1 and draining[0].endswith(
+        "is free again and 1 pod(s) on its node still request a GPU after "
+        "policy.regrow_max_wait (0.3s): they start over: restarting gpu-node to add it")
     for task in list(agent.executor.tasks):
         task.cancel()
 

@@ -99,7 +99,8 @@ TOPO = Topology(
 )
 OWNERS = ("gaming1", "gaming2", "gaming-win", "gaming3")
 ALL = TOPO.lendee_gpus
-POLICY = Policy(relend_delay=30.0)  # the defaults: partial, regrow when idle, min_gpus 1
+POLICY = Policy(relend_delay=30.0)  # the defaults: partial, regrow when idle (≤ 2 min), min_gpus 1
+UNBOUNDED = replace(POLICY, regrow_max_wait=None)  # when idle, however long that takes
 ALWAYS = replace(POLICY, regrow=Regrow.ALWAYS)
 NEVER = replace(POLICY, regrow=Regrow.NEVER)
 MIN2 = replace(POLICY, min_gpus=2)
@@ -309,12 +310,39 @@ ROWS: list[Row] = [
     Row("lent/regrow due (when-idle), no GPU pod: the reclaim road",
         S(Phase.LENT, lent=gpus(B, C), relend_at=AT, gpu_pods=0), RelendDue(at=AT),
         Phase.DRAINING, [Drain(ticket=T + 1, regrow=True)]),
-    Row("lent/regrow due (when-idle), GPU pods running: waits for them",
+    Row("lent/regrow due (when-idle, no limit), GPU pods running: waits for them",
         S(Phase.LENT, lent=gpus(B, C), relend_at=AT, gpu_pods=2), RelendDue(at=AT),
-        Phase.LENT, [], fields={"regrow_waiting": True, "relend_at": None}),
-    Row("lent/regrow due (when-idle), GPU pods unknown: waits for the count",
+        Phase.LENT, [], policy=UNBOUNDED, fields={"regrow_waiting": True, "relend_at": None}),
+    Row("lent/regrow due (when-idle, no limit), GPU pods unknown: waits for the count",
         S(Phase.LENT, lent=gpus(B, C), relend_at=AT), RelendDue(at=AT),
-        Phase.LENT, [], fields={"regrow_waiting": True}),
+        Phase.LENT, [], policy=UNBOUNDED, fields={"regrow_waiting": True}),
+    Row("lent/the timer armed again while a regrow waits with no limit: still waiting",
+        S(Phase.LENT, lent=gpus(B, C), relend_at=AT, regrow_waiting=True, gpu_pods=1),
+        RelendDue(at=AT), Phase.LENT, [], policy=UNBOUNDED,
+        fields={"regrow_waiting": True, "relend_at": None}),
+    Row("lent/regrow due (when-idle), GPU pods running: waits, its end armed",
+        S(Phase.LENT, lent=gpus(B, C), relend_at=AT, gpu_pods=2), RelendDue(at=AT),
+        Phase.LENT, [ScheduleRelend(at=AT + 120)],
+        fields={"regrow_waiting": True, "relend_at": AT + 120}),
+    Row("lent/regrow due (when-idle), GPU pods unknown: waits for the count, its end armed",
+        S(Phase.LENT, lent=gpus(B, C), relend_at=AT), RelendDue(at=AT),
+        Phase.LENT, [ScheduleRelend(at=AT + 120)], fields={"regrow_waiting": True}),
+    Row("lent/the wait ends with GPU pods running: the reclaim road",
+        S(Phase.LENT, lent=gpus(B, C), relend_at=AT, regrow_waiting=True, gpu_pods=2),
+        RelendDue(at=AT), Phase.DRAINING, [Drain(ticket=T + 1, regrow=True)],
+        fields={"regrow_waiting": False, "relend_at": None}),
+    Row("lent/the last GPU pod ends before the wait does: the reclaim road, its end disarmed",
+        S(Phase.LENT, lent=gpus(B, C), relend_at=AT + 60, regrow_waiting=True, gpu_pods=1),
+        GpuPods(at=AT, count=0), Phase.DRAINING, [CancelRelend(), Drain(ticket=T + 1, regrow=True)],
+        fields={"regrow_waiting": False, "relend_at": None}),
+    Row("lent/the game restarts during the wait: it stops waiting, its end disarmed",
+        S(Phase.LENT, lent=gpus(B, C), relend_at=AT + 60, regrow_waiting=True, gpu_pods=1),
+        OwnerStarting(at=AT, owner="gaming1"), Phase.LENT, [CancelRelend()],
+        fields={"regrow_waiting": False, "relend_at": None}),
+    Row("lent/regrow due with a wait of 0: the reclaim road, GPU pods or not",
+        S(Phase.LENT, lent=gpus(B, C), relend_at=AT, gpu_pods=2), RelendDue(at=AT),
+        Phase.DRAINING, [Drain(ticket=T + 1, regrow=True)], policy=replace(POLICY, regrow_max_wait=0.0),
+        fields={"regrow_waiting": False, "relend_at": None}),
     Row("lent/the last GPU pod ends while a regrow waits: the reclaim road",
         S(Phase.LENT, lent=gpus(B, C), regrow_waiting=True, gpu_pods=1), GpuPods(at=AT, count=0),
         Phase.DRAINING, [Drain(ticket=T + 1, regrow=True)],
@@ -464,7 +492,8 @@ def test_gaming2_starting_mid_game_leaves_only_gpu_c() -> None:
     assert free_gpus(state, TOPO, POLICY) - state.lent == {A, B}
 
 
-@pytest.mark.parametrize("policy", [POLICY, ALWAYS, NEVER], ids=lambda p: p.regrow.value)
+@pytest.mark.parametrize("policy", [POLICY, UNBOUNDED, ALWAYS, NEVER],
+                         ids=["when-idle", "when-idle, no limit", "always", "never"])
 @pytest.mark.parametrize("pods", [0, 1], ids=["idle", "GPU pod"])
 def test_regrow_under_each_policy(policy: Policy, pods: int) -> None:
     state = S(Phase.LENT, lent=gpus(B, C), running_owners=vms("gaming1"))
@@ -475,11 +504,14 @@ def test_regrow_under_each_policy(policy: Policy, pods: int) -> None:
         return
     state, actions = go(state, RelendDue(at=AT + 30), policy)
     if policy.regrow is Regrow.WHEN_IDLE and pods:
-        # No restart while a GPU job runs; it begins when the last one ends.
-        assert (state.phase, actions, state.regrow_waiting) == (Phase.LENT, [], True)
+        # No restart while a GPU job runs; it begins when the last one ends, or when
+        # the wait's limit is reached.
+        end = [] if policy.regrow_max_wait is None else [ScheduleRelend(at=AT + 150)]
+        assert (state.phase, actions, state.regrow_waiting) == (Phase.LENT, end, True)
         state, actions = go(state, GpuPods(at=AT + 90, count=pods + 1), policy)
         assert (state.phase, actions) == (Phase.LENT, [])
         state, actions = go(state, GpuPods(at=AT + 100, count=0), policy)
+        actions = [a for a in actions if a != CancelRelend()]
     assert (state.phase, actions) == (Phase.DRAINING, [Drain(ticket=state.ticket, regrow=True)])
     state, actions = _reclaim_road(state)
     assert actions[-1] == ScheduleRelend(at=AT + 33)
@@ -494,7 +526,9 @@ def test_a_lend_knows_no_gpu_pods_until_its_own_watch_reports() -> None:
                    RelendDue(at=AT + 30))
     assert (state.phase, state.gpu_pods, state.regrow_waiting) == (Phase.LENT, None, True)
     state, actions = go(state, GpuPods(at=AT + 31, count=0))
-    assert (state.phase, actions) == (Phase.DRAINING, [Drain(ticket=state.ticket, regrow=True)])
+    # The end of the wait, armed meanwhile, is disarmed.
+    assert (state.phase, actions) == (Phase.DRAINING,
+                                      [CancelRelend(), Drain(ticket=state.ticket, regrow=True)])
 
 
 REGROW_DUE = S(Phase.LENT, lent=gpus(B, C), gpu_pods=0, relend_at=AT)  # gpu-a free again
@@ -552,14 +586,32 @@ def test_a_regrow_is_cancelled_when_the_game_restarts_within_relend_delay() -> N
         go(state, RelendDue(at=AT + 30))  # the timer that was cancelled, firing late
 
 
-def test_a_regrow_waiting_for_gpu_pods_is_dropped_when_the_game_restarts() -> None:
+@pytest.mark.parametrize("policy", [POLICY, UNBOUNDED], ids=["when-idle", "no limit"])
+def test_a_regrow_waiting_for_gpu_pods_is_dropped_when_the_game_restarts(policy: Policy) -> None:
     state = S(Phase.LENT, lent=gpus(B, C), running_owners=vms("gaming1"), gpu_pods=1)
-    state, _ = run(state, OwnerStopped(at=AT, owner="gaming1"), RelendDue(at=AT + 30))
+    state, _ = run(state, OwnerStopped(at=AT, owner="gaming1"), RelendDue(at=AT + 30),
+                   policy=policy)
     assert state.regrow_waiting
     state, actions = run(state, OwnerStarting(at=AT + 40, owner="gaming1"),
                          OwnerStarted(at=AT + 45, owner="gaming1"),
-                         GpuPods(at=AT + 50, count=0))
-    assert (state.phase, actions, state.regrow_waiting) == (Phase.LENT, [], False)
+                         GpuPods(at=AT + 50, count=0), policy=policy)
+    assert (state.phase, state.regrow_waiting, state.relend_at) == (Phase.LENT, False, None)
+    assert Drain(ticket=state.ticket) not in actions
+
+
+def test_a_regrow_waits_at_most_regrow_max_wait_for_gpu_pods() -> None:
+    # The default: a GPU job that outlives the wait is killed by the restart, so the
+    # freed GPU is not left idle for the rest of it.
+    state = S(Phase.LENT, lent=gpus(B, C), running_owners=vms("gaming1"), gpu_pods=1)
+    state, actions = run(state, OwnerStopped(at=AT, owner="gaming1"), RelendDue(at=AT + 30),
+                         GpuPods(at=AT + 60, count=2))
+    assert actions == [ScheduleRelend(at=AT + 30), ScheduleRelend(at=AT + 150)]
+    assert (state.phase, state.regrow_waiting) == (Phase.LENT, True)
+    state, actions = go(state, RelendDue(at=AT + 150))
+    assert (state.phase, actions) == (Phase.DRAINING, [Drain(ticket=state.ticket, regrow=True)])
+    state, actions = _reclaim_road(state)
+    state, actions = go(state, RelendDue(at=AT + 33))
+    assert actions == [StartLendee(gpus=ALL)]
 
 
 @pytest.mark.parametrize(
