@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
         "also draw a timeline: one row per GPU, coloured by holder, swaps marked"))
     hi.add_argument("-D", "--journal-dir", type=Path, metavar="DIR",
                     help="read the journal files in DIR (as journalctl -D)")
+    hi.add_argument("--unit", metavar="UNIT", help=(
+        "the service's systemd unit: only root's records from it count "
+        "(default hostagent.service)"))
     gp = sub.add_parser("gpus", help="this host's GPUs: NVML (index, UUID, PCI) and sysfs")
     gp.add_argument("--json", action="store_true", help="machine-readable output")
     gp.add_argument("--sysfs", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
@@ -310,15 +313,16 @@ def _config_init(args: argparse.Namespace) -> int:
 
 def _history(args: argparse.Namespace) -> int:
     from hostagent import history, timeline
+    unit = args.unit or history.UNIT
     try:
         records = history.read_journal(since=args.since, until=args.until,
-                                       directory=args.journal_dir)
+                                       directory=args.journal_dir, unit=unit)
     except history.HistoryError as e:
         print(f"hostagent: {e}", file=sys.stderr)
         return 1
     now = time.time()
     h = history.build(records, until=history.until_time(args.until, now=now)
-                      if args.until else now)
+                      if args.until else now, unit=unit)
     if args.svg:
         args.svg.write_text(timeline.svg(h))
     if args.json:

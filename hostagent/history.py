@@ -12,6 +12,12 @@ each swap from the lendee to an owner took.
 ``--since`` and ``--until`` take exactly what ``journalctl`` takes ("1h ago", "today",
 "2025-01-31 20:00", "@1738353600").
 
+Only the service's own records count: ``SYSLOG_IDENTIFIER`` and the ``HOSTAGENT_*``
+fields are whatever the sender wrote, and any local user can send a record with them
+(``logger``, ``systemd-cat``). Journald itself adds the fields that start with an
+underscore from what the kernel says of the sender; the service's unit
+(``_SYSTEMD_UNIT``, from its control group) and root (``_UID=0``) are asked for.
+
 What the journal cannot say is not guessed: a holder lasts until the next record that
 says otherwise (or the end of the window), and time before the first record is not
 counted.
@@ -41,8 +47,11 @@ __all__ = [
     "read_journal",
     "span",
     "to_json",
+    "trusted",
     "until_time",
 ]
+
+UNIT = "hostagent.service"  # systemd/hostagent.service, and the NixOS module's
 
 TRANSITION_EVENTS = ("phase", "owner")
 READ_EVENTS = (*TRANSITION_EVENTS, "intent")  # intents: who was waiting, for swaps
@@ -146,10 +155,18 @@ def _transition(rec: Mapping[str, Any]) -> Transition | None:
         holders=parse_holders(holders) if isinstance(holders, str) else None)
 
 
-def build(records: Iterable[Mapping[str, Any]], *, until: float | None = None) -> History:
+def trusted(rec: Mapping[str, Any], unit: str = UNIT) -> bool:
+    """Whether journald says `rec` came from root in the service's unit."""
+    return rec.get("_SYSTEMD_UNIT") == unit and rec.get("_UID") == "0"
+
+
+def build(records: Iterable[Mapping[str, Any]], *, until: float | None = None,
+          unit: str = UNIT) -> History:
     """The history in journal `records` (journalctl's JSON objects), up to `until`
-    (default: the last record). No side effects."""
-    ordered = sorted(records, key=lambda r: int(r.get("__REALTIME_TIMESTAMP", 0)))
+    (default: the last record), from the records of root in `unit` only. No side
+    effects."""
+    ordered = sorted((r for r in records if trusted(r, unit)),
+                     key=lambda r: int(r.get("__REALTIME_TIMESTAMP", 0)))
     pairs = [(r, _transition(r)) for r in ordered]
     # Owner records carry no duration: it is the time since that VM's previous record.
     last_seen: dict[str, float] = {}
@@ -252,9 +269,9 @@ def until_time(text: str, *, now: float) -> float | None:
 
 def read_journal(*, since: str | None = None, until: str | None = None,
                  directory: Path | None = None, journalctl: str = "journalctl",
-                 ) -> list[dict[str, Any]]:
+                 unit: str = UNIT) -> list[dict[str, Any]]:
     """hostagent's transition records, oldest first, through journalctl (`directory`:
-    read the journal files there, as ``journalctl -D``)."""
+    read the journal files there, as ``journalctl -D``): those root wrote from `unit`."""
     exe = shutil.which(journalctl)
     if exe is None:
         raise HistoryError("journalctl is not installed: the history is read from the journal")
@@ -266,7 +283,8 @@ def read_journal(*, since: str | None = None, until: str | None = None,
     if until:
         argv += ["--until", until]
     # Same field twice: either value; different fields: both must match.
-    argv += ["SYSLOG_IDENTIFIER=hostagent", *(f"HOSTAGENT_EVENT={e}" for e in READ_EVENTS)]
+    argv += [f"_SYSTEMD_UNIT={unit}", "_UID=0", "SYSLOG_IDENTIFIER=hostagent",
+             *(f"HOSTAGENT_EVENT={e}" for e in READ_EVENTS)]
     out = subprocess.run(argv, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise HistoryError(f"journalctl failed: {out.stderr.strip() or out.returncode}")

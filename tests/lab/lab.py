@@ -424,12 +424,17 @@ class Lab:
         return self.config
 
     def start_agent(self, *args: str) -> subprocess.Popen[bytes]:
-        """`hostagent run` inside the lab, as systemd would start it."""
+        """`hostagent run` inside the lab, as systemd would start it: in the control group
+        of its unit, which journald names in each record (`hostagent history` reads only
+        those)."""
         if not self.config.exists():
             self.write_config()
-        proc = self.spawn("agent", [str(REPO / ".venv" / "bin" / "hostagent"),
-                                    "--config", str(self.config), *args, "run"],
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        argv = [str(REPO / ".venv" / "bin" / "hostagent"), "--config", str(self.config),
+                *args, "run"]
+        group = unit_cgroup()
+        if group is not None:  # joined before the agent's first record: sh execs it
+            argv = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", *argv]
+        proc = self.spawn("agent", argv, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         _wait_for(lambda: proc.poll() is not None or self.agent_ready(), 30, "the agent")
         return proc
 
@@ -551,6 +556,20 @@ class Lab:
         out = subprocess.run(["journalctl", "-D", str(self.root / "journal"), "-o", "json",
                               "--no-pager", *match], capture_output=True, text=True, check=False)
         return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def unit_cgroup(unit: str = "hostagent.service") -> Path | None:
+    """The control group systemd would give `unit`, made if need be, in the hierarchy
+    journald reads (the unified one); None where there is none to write to."""
+    for top in (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")):
+        if (top / "cgroup.procs").exists() and not (top / "cgroup.clone_children").exists():
+            group = top / "system.slice" / unit
+            try:
+                group.mkdir(parents=True, exist_ok=True)
+            except OSError:
+                return None
+            return group
+    return None
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ T0 = 1_700_000_000.0
 def rec(at: float, event: str, vm: str, from_: str, to: str, holders: str | None = None,
         **extra: str) -> dict[str, Any]:
     r = {"__REALTIME_TIMESTAMP": str(int((T0 + at) * 1e6)), "SYSLOG_IDENTIFIER": "hostagent",
-         "MESSAGE": f"{vm}: {from_} to {to}", "HOSTAGENT_EVENT": event, "HOSTAGENT_VM": vm,
+         "_SYSTEMD_UNIT": "hostagent.service", "_UID": "0", "MESSAGE": f"{vm}: {from_} to {to}", "HOSTAGENT_EVENT": event, "HOSTAGENT_VM": vm,
          "HOSTAGENT_FROM": from_, "HOSTAGENT_TO": to, "HOSTAGENT_RESULT": "ok"}
     if holders is not None:
         r["HOSTAGENT_HOLDERS"] = holders
@@ -170,12 +170,40 @@ def test_cli_history(fake_journalctl: Path, capsys: pytest.CaptureFixture[str]) 
     args = (fake_journalctl / "args").read_text().splitlines()
     assert args[args.index("--since") + 1] == "1h ago"
     assert args[args.index("-D") + 1] == "/lab/journal"
-    assert {"SYSLOG_IDENTIFIER=hostagent", "HOSTAGENT_EVENT=phase", "HOSTAGENT_EVENT=owner",
-            "HOSTAGENT_EVENT=intent"} <= set(args)
+    assert {"_SYSTEMD_UNIT=hostagent.service", "_UID=0", "SYSLOG_IDENTIFIER=hostagent",
+            "HOSTAGENT_EVENT=phase", "HOSTAGENT_EVENT=owner", "HOSTAGENT_EVENT=intent"} <= set(args)
     assert json.loads(capsys.readouterr().out)["swaps"][0]["owner"] == "gaming1"
     assert len(ET.parse(svg).getroot().findall(f".//{SVG}g[@class='row']")) == 2
     assert cli.main(["history"]) == 0
     assert "per GPU" in capsys.readouterr().out
+
+
+def forged(r: dict[str, Any], **trusted: str | None) -> dict[str, Any]:
+    """`r` as a local user sends it (logger, systemd-cat): journald's own fields differ."""
+    out = {**r, "MESSAGE": "forged"}
+    for name, value in trusted.items():
+        if value is None:
+            out.pop(name)
+        else:
+            out[name] = value
+    return out
+
+
+def test_records_anyone_could_send_are_not_history() -> None:
+    """The HOSTAGENT_* fields and SYSLOG_IDENTIFIER are the sender's to write: only
+    journald's own fields say a record is the service's."""
+    late = [rec(300, "owner", "gaming1", "off", "running", "gpu-a=gaming1,gpu-b=-"),
+            phase(300, "lent", "off", FREE, 1)]
+    forgeries = [forged(r, **fields) for r in late for fields in (
+        {"_SYSTEMD_UNIT": None, "_UID": None},  # logger, from anywhere
+        {"_SYSTEMD_UNIT": "user@1000.service", "_UID": "1000"},  # systemd-cat in a session
+        {"_UID": "1000"},  # not root (a unit's User=)
+        {"_SYSTEMD_UNIT": "other.service"})]  # root, another service
+    h = history.build(CYCLE + forgeries)
+    assert [t.message for t in h.transitions] == [t.message for t in history.build(CYCLE).transitions]
+    assert history.build(CYCLE + late).transitions[-1].at == T0 + 300
+    moved = [{**r, "_SYSTEMD_UNIT": "ha.service"} for r in CYCLE]
+    assert history.build(moved, unit="ha.service").transitions
 
 
 def test_cli_history_says_when_journalctl_fails(
