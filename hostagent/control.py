@@ -229,8 +229,8 @@ async def serve_control(path: Path, verbs: Mapping[str, VerbHandler], *, mode: i
                         request_timeout: float = REQUEST_TIMEOUT,
                         max_connections: int = MAX_CONNECTIONS,
                         max_per_caller: int = MAX_PER_CALLER,
-                        requests_interval: float = REQUESTS_INTERVAL,
-                        owners: Collection[str] = ()) -> asyncio.Server:
+                        owners: Collection[str] = (),
+                        clock: Callable[[], float] = time.monotonic) -> asyncio.Server:
     """Serve `verbs` on `path`. `group` (a gid) may connect (mode 0660) and use
     `group_verbs` (default `GROUP_VERBS`); root and the agent's user may use all.
     `owners`: the VM names a request's record may carry (see `VM_VERBS`)."""
@@ -262,7 +262,8 @@ async def serve_control(path: Path, verbs: Mapping[str, VerbHandler], *, mode: i
                                **{k: v for k, v in caller.fields().items() if k != "pid"})
 
             limit = requests[caller.uid] = Summarised(
-                summary, interval=requests_interval, burst=REQUESTS_BURST, what="requests")
+                summary, interval=REQUESTS_INTERVAL, burst=REQUESTS_BURST, what="requests",
+                clock=clock)
         return limit.allow(reason)
 
     def admit(caller: Caller) -> str | None:

@@ -25,6 +25,7 @@ from hostagent import journal
 from hostagent.control import (
     GROUP_VERBS,
     REQUESTS_BURST,
+    REQUESTS_INTERVAL,
     Caller,
     Reply,
     Rights,
@@ -222,7 +223,7 @@ s = held[-1]; s.settimeout(5); print(s.recv(4096).decode(), flush=True)
 
 
 FLOODER = r"""
-import json, socket, sys, time
+import json, socket, sys
 path, n = sys.argv[1], int(sys.argv[2])
 
 def send(line):
@@ -238,8 +239,14 @@ for i in range(n):
     send(b"{not json " + b"\x1b]52;c;AAAA\x07" * 50 + b"\n")
     send(json.dumps({"v": 1, "verb": "play", "args": {"vm": "no-such-vm\x1b[2J"}}).encode()
          + b"\n")
-time.sleep(float(sys.argv[3]))
-send(json.dumps({"v": 1, "verb": "play", "args": {"vm": "gaming1"}}).encode() + b"\n")
+"""
+PLAY = r"""
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+s.sendall(json.dumps({"v": 1, "verb": "play", "args": {"vm": "gaming1"}}).encode() + b"\n")
+while s.recv(65536):
+    pass
 """
 
 
@@ -249,15 +256,19 @@ async def test_a_member_in_a_loop_gets_a_few_records_then_a_summary(
     play for a VM that does not exist): a few are journaled, the rest summarised once
     the interval is over, so the agent's own records are never drowned. A request's
     record names a VM only for play or release of a configured owner."""
+    now = [0.0]  # the records' clock: the flood fits in one interval, however slow
     server = await serve_control(sock, Seen().verbs(), mode=0o660, group=GROUP,
                                  group_name="hostagent", log=log, owners={"gaming1"},
-                                 group_verbs=GROUP_VERBS | {"play"}, requests_interval=1.0)
+                                 group_verbs=GROUP_VERBS | {"play"}, clock=lambda: now[0])
     try:
         with caplog.at_level(logging.WARNING, logger="test"):
             await asyncio.to_thread(
-                subprocess.run, ["/usr/bin/python3", "-I", "-c", FLOODER, str(sock), "200",
-                                 "1.2"],
+                subprocess.run, ["/usr/bin/python3", "-I", "-c", FLOODER, str(sock), "200"],
                 user=NOBODY, group=NOBODY, extra_groups=[GROUP], timeout=120, check=True)
+            now[0] += REQUESTS_INTERVAL
+            await asyncio.to_thread(
+                subprocess.run, ["/usr/bin/python3", "-I", "-c", PLAY, str(sock)],
+                user=NOBODY, group=NOBODY, extra_groups=[GROUP], timeout=60, check=True)
             answers = await asyncio.to_thread(lambda: list(request(sock, "release",
                                                                    {"vm": "gaming1"})))
             assert answers[-1]["ok"] is True
@@ -269,7 +280,7 @@ async def test_a_member_in_a_loop_gets_a_few_records_then_a_summary(
     # The first burst, and the last request (the interval was over by then).
     assert len(written) + len(bad) == REQUESTS_BURST + 1, (len(written), len(bad))
     summary = [e for e in theirs if e.fields.get("HOSTAGENT_RESULT") == "summarised"]
-    assert len(summary) == 1 and "more requests in the last 1s" in summary[0].message
+    assert len(summary) == 1 and "more requests in the last 10s" in summary[0].message
     assert len(written) + len(bad) + int(summary[0].fields["HOSTAGENT_COUNT"]) == 601
     assert written[-1].fields["HOSTAGENT_VM"] == "gaming1"  # the one after the interval
     assert all("HOSTAGENT_VM" not in e.fields for e in written[:-1])
