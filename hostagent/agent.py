@@ -124,6 +124,8 @@ def _now() -> float:
 
 # Of the hook's 0.3 s budget for an answer: the rest is its own start and the exchange.
 HOOK_SAVE_BUDGET = 0.15
+# Waited for the last state to be on disk when the agent stops.
+EXIT_SAVE_BUDGET = 10.0
 
 
 def _boot_id() -> str | None:
@@ -175,6 +177,12 @@ class Agent:
         self.host_booted = False  # this is the agent's first start since the host booted
         self.libvirt = Libvirt(cfg.libvirt_uri, on_lifecycle=self.lifecycle,
                                on_reconnect=self._reconnected)
+        # The state file is written from a worker thread (its fsyncs may take seconds
+        # on a busy disk, and nothing on the loop may wait for them); see `request`.
+        self.saver = persisted.Saver(cfg.state_file)
+        # Intents of requests waiting to be on disk before they are taken: every save
+        # meanwhile includes them, so none overwrites them.
+        self._unconfirmed: tuple[Intent, ...] = ()
         # Why the last state save failed (None: saved); retried until it works.
         self.save_failed: str | None = None
         self._save_retry: asyncio.TimerHandle | None = None
@@ -207,15 +215,6 @@ class Agent:
             log.debug("ignored: %s", e)
             return False
         old = self.state
-        # A hook waits for its answer a fraction of a second: its request gets that long
-        # to be on disk (a busy disk must not make the hook give up and spool it).
-        within = HOOK_SAVE_BUDGET if isinstance(event, OwnerWants) and (
-            event.source is IntentSource.HOOK) else None
-        if _persisted(old) != _persisted(new) and not self._save(new, within=within) and (
-                isinstance(event, OwnerWants)):
-            # A request is taken only once it is on disk (invariant 4); a fact is taken
-            # whatever the disk says, and its save is retried.
-            return False
         self.state = new
         self.metrics.transition(old, new, event)
         for intent in new.intents:
@@ -223,6 +222,11 @@ class Agent:
                 self.recorder.intent(intent)
         if old.phase is not new.phase:
             self.recorder.phase(old, new, event)
+        if _persisted(old) != _persisted(new):
+            # Handed to the saver: the loop never waits for the disk. A request was on
+            # disk before it got here (`request`); a fact is taken whatever the disk
+            # says, and its save is retried.
+            self._save()
         if old.ticket != new.ticket:
             self.executor.supervise(new.ticket)
         if new.phase is Phase.LENT and old.phase is not Phase.LENT:
@@ -322,6 +326,8 @@ class Agent:
             await self.libvirt.close()
             if kube is not None:
                 await kube.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.saver.flush(), EXIT_SAVE_BUDGET)
 
     async def _connect_cluster(self) -> Any:
         """The Kubernetes adapter, if configured: a bad kubeconfig stops the agent with
@@ -395,6 +401,36 @@ class Agent:
             self.cordoned_by_us = ours
             self._save()
 
+    async def request(self, event: OwnerWants, *, within: float | None = None) -> bool:
+        """An owner's start request: taken (applied) only once it is on disk, without
+        the loop waiting for the disk (invariant 4 and 12). False if it could not be
+        written (`save_failed` says why), not `within` seconds, or was stale.
+
+        A request that joins a pending one, or that completes at once, adds nothing to
+        keep and is applied at once. A request given up on may still reach the file (its
+        write was under way); the next save replaces it, and a crash before that starts
+        the owner at the next start, which is what its caller asked for."""
+        try:
+            new, _ = machine.step(self.state, event, topo=self.topo, policy=self.policy)
+        except machine.IllegalTransition:
+            return self.apply(event)  # says why, and changes nothing
+        added = tuple(i for i in new.intents if i not in self.state.intents)
+        if not added:
+            return self.apply(event)
+        self._unconfirmed += added
+        durable = self._save()
+        try:
+            error = await asyncio.wait_for(asyncio.shield(durable), within)
+        except TimeoutError:
+            self.save_failed = (f"the disk did not take {self.cfg.state_file} within "
+                                f"{within:g}s")
+            return False
+        finally:
+            self._unconfirmed = tuple(i for i in self._unconfirmed if i not in added)
+            if not durable.done():  # given up on: a state without it takes its place
+                self._save()
+        return error is None and self.apply(event)
+
     def fail(self, error: BaseException) -> None:
         """End `run` with `error` (a bug in a step: systemd restarts the agent)."""
         if self._fatal is not None and not self._fatal.done():
@@ -443,50 +479,49 @@ class Agent:
         self.state = State(intents=intents, hold=saved.hold, relend_at=relend_at,
                            reclaiming=saved.reclaiming)
 
-    def _save(self, state: State | None = None, *, within: float | None = None) -> bool:
-        """Write `state` (default: the current one); False if it could not be written
-        (or not `within` seconds, when given).
+    def _save(self, state: State | None = None) -> asyncio.Future[OSError | None]:
+        """Hand `state` (default: the current one) to the saver; the future says when
+        it (or a later state) is on disk, or the OSError that kept it off.
 
         A failure (disk full, EIO, no descriptor left) never stops the agent: it is
         reported once in the journal and in health, and retried every few seconds.
         """
         state = state or self.state
-        try:
-            snapshot = persisted.State(
-                intents=tuple(persisted.Intent(
-                    id=i.id, owner=i.owner, source=i.source,
-                    created=datetime.fromtimestamp(i.created_at, UTC))
-                    for i in state.intents),
-                cordoned_by_us=self.cordoned_by_us,
-                hold=state.hold,
-                reclaiming=state.reclaiming,
-                boot_id=self.boot_id,
-                relend_at=(datetime.fromtimestamp(state.relend_at, UTC)
-                           if state.relend_at is not None else None),
-                lendee_phase=state.phase.value,
-                lendee_phase_since=datetime.fromtimestamp(self.phase_since, UTC))
-            if within is None:
-                persisted.save_state(self.cfg.state_file, snapshot)
-            elif not persisted.save_state_within(self.cfg.state_file, snapshot, within):
-                self.save_failed = (f"the disk did not take {self.cfg.state_file} within "
-                                     f"{within:g}s")
-                return False
-        except (OSError, ValueError) as e:
-            why = f"cannot write {self.cfg.state_file}: {getattr(e, 'strerror', None) or e}"
-            if why != self.save_failed:
-                journal.record("state", f"{why}; requests that cannot be recorded are refused "
-                               "and the save is retried (free space on its filesystem?)",
-                               result="failed", priority=journal.Priority.ERR)
-            self.save_failed = why
-            if self._save_retry is None:
-                with contextlib.suppress(RuntimeError):  # no loop: nothing to retry on
-                    self._save_retry = asyncio.get_running_loop().call_later(
-                        5.0, self._retry_save)
-            return False
-        if self.save_failed is not None:
-            journal.record("state", f"{self.cfg.state_file} is written again", result="ok")
-            self.save_failed = None
-        return True
+        intents = (*state.intents, *(i for i in self._unconfirmed if i not in state.intents))
+        snapshot = persisted.State(
+            intents=tuple(persisted.Intent(
+                id=i.id, owner=i.owner, source=i.source,
+                created=datetime.fromtimestamp(i.created_at, UTC))
+                for i in intents),
+            cordoned_by_us=self.cordoned_by_us,
+            hold=state.hold,
+            reclaiming=state.reclaiming,
+            boot_id=self.boot_id,
+            relend_at=(datetime.fromtimestamp(state.relend_at, UTC)
+                       if state.relend_at is not None else None),
+            lendee_phase=state.phase.value,
+            lendee_phase_since=datetime.fromtimestamp(self.phase_since, UTC))
+        durable = self.saver.submit(snapshot)
+        durable.add_done_callback(self._saved)
+        return durable
+
+    def _saved(self, durable: asyncio.Future[OSError | None]) -> None:
+        if durable.cancelled() or durable.exception() is not None:
+            return  # the agent is stopping, or a bug the saver's task reports
+        error = durable.result()
+        if error is None:
+            if self.save_failed is not None:
+                journal.record("state", f"{self.cfg.state_file} is written again", result="ok")
+                self.save_failed = None
+            return
+        why = f"cannot write {self.cfg.state_file}: {error.strerror or error}"
+        if why != self.save_failed:
+            journal.record("state", f"{why}; requests that cannot be recorded are refused "
+                           "and the save is retried (free space on its filesystem?)",
+                           result="failed", priority=journal.Priority.ERR)
+        self.save_failed = why
+        if self._save_retry is None:
+            self._save_retry = asyncio.get_running_loop().call_later(5.0, self._retry_save)
 
     def _retry_save(self) -> None:
         self._save_retry = None
@@ -538,14 +573,14 @@ class Agent:
             log.info("while the agent was down: %s %s %s", event.domain, event.op, event.sub)
             return Verdict("proceed")
         if (event.op, event.sub) == ("prepare", "begin"):
-            return self._prepare(event)
+            return await self._prepare(event)
         if (event.op, event.sub) == ("release", "end"):
             # The owner's devices are released: the surest sign it stopped (or that a
             # start the hook let through failed).
             self.lifecycle(event.domain, Lifecycle.STOPPED)
         return Verdict("proceed")
 
-    def _prepare(self, event: HookEvent) -> Verdict:
+    async def _prepare(self, event: HookEvent) -> Verdict:
         """libvirt's ``prepare begin``: the machine's verdict, and what it implies."""
         vm = event.domain
         gpus = None
@@ -564,9 +599,11 @@ class Agent:
                 self.apply(OwnerStarting(at=_now(), owner=vm))
             return Verdict("proceed", message)
         if self.topo.is_owner(vm):
-            # Persisted (inside apply) before the hook hears "defer": invariant 4.
-            recorded = self.apply(OwnerWants(at=_now(), owner=vm, intent_id=event.id,
-                                             source=IntentSource.HOOK))
+            # On disk before the hook hears "defer" (invariant 4), within the part of
+            # the hook's budget it gets: a busy disk makes a clear refusal.
+            recorded = await self.request(OwnerWants(at=_now(), owner=vm, intent_id=event.id,
+                                                     source=IntentSource.HOOK),
+                                          within=HOOK_SAVE_BUDGET)
             if not recorded and self.save_failed and not self.state.intents_of(vm):
                 message = (f"hostagent could not record the request to start {vm} "
                            f"({self.save_failed}), so it will not start it by itself: "

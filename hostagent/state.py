@@ -35,7 +35,6 @@ import contextlib
 import enum
 import os
 import tempfile
-import threading
 import tomllib
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -56,7 +55,6 @@ __all__ = [
     "State",
     "load_state",
     "save_state",
-    "save_state_within",
 ]
 
 STATE_VERSION = 1
@@ -241,15 +239,6 @@ def _aware(value: datetime | None, what: str) -> datetime | None:
 
 def save_state(path: Path, state: State) -> None:
     """Replace `path` with `state`, atomically and durably."""
-    _write(path, state, abandoned=None)
-
-
-# Held around the rename: a write given up on (save_state_within) either renames before
-# a later save does, or not at all. Never an older state over a newer one.
-_RENAME = threading.Lock()
-
-
-def _write(path: Path, state: State, *, abandoned: threading.Event | None) -> bool:
     data = tomli_w.dumps(_encode(state)).encode("utf-8")
     directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
@@ -260,11 +249,7 @@ def _write(path: Path, state: State, *, abandoned: threading.Event | None) -> bo
             f.flush()
             os.fchmod(f.fileno(), 0o644)  # not secret; lets an administrator read it
             os.fsync(f.fileno())
-        with _RENAME:
-            if abandoned is not None and abandoned.is_set():
-                os.unlink(temp)
-                return False
-            os.replace(temp, path)
+        os.replace(temp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
@@ -275,39 +260,6 @@ def _write(path: Path, state: State, *, abandoned: threading.Event | None) -> bo
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-    return True
-
-
-def save_state_within(path: Path, state: State, seconds: float) -> bool:
-    """`save_state`, waiting at most `seconds` for it: True once durable.
-
-    For a caller that must not acknowledge before the state is on disk (invariant 4)
-    but must answer within a budget (the hook's, a fraction of a second) on a disk
-    that may be busy for seconds. False: not durable in time; the caller answers
-    without acknowledging. The write goes on in a thread and is then dropped before its
-    rename (the file keeps the state it had), unless its rename had already begun, in
-    which case the file holds `state` (it is replaced by the next save; a crash before
-    that keeps it). Raises what save_state raises, if that happens in time.
-    """
-    abandoned = threading.Event()
-    finished = threading.Event()
-    failure: list[BaseException] = []
-
-    def work() -> None:
-        try:
-            _write(path, state, abandoned=abandoned)
-        except BaseException as e:  # handed to the caller, if it still waits
-            failure.append(e)
-        finally:
-            finished.set()
-
-    threading.Thread(target=work, name="state file", daemon=True).start()
-    if not finished.wait(seconds):
-        abandoned.set()
-        return False
-    if failure:
-        raise failure[0]
-    return True
 
 
 # --- saving from the event loop ------------------------------------------------------
@@ -325,13 +277,13 @@ class Saver:
 
     Invariant 4 stays the caller's: await the future before acknowledging an intent,
     with a bound (`asyncio.wait_for(asyncio.shield(future), budget)`); a save that has
-    not finished in time goes on, and the request is answered without a "defer".
+    not finished in time goes on, and the request is refused, never acknowledged.
     """
 
     def __init__(self, path: Path, *,
                  write: Callable[[Path, State], None] | None = None) -> None:
         self.path = path
-        self._write = write or save_state
+        self._write = write  # None: save_state, looked up at each save
         self._pending: State | None = None
         self._waiters: list[asyncio.Future[OSError | None]] = []
         self._task: asyncio.Task[None] | None = None
@@ -363,9 +315,15 @@ class Saver:
             waiters, self._waiters = self._waiters, []
             error: OSError | None = None
             try:
-                await asyncio.to_thread(self._write, self.path, state)
+                await asyncio.to_thread(self._write or save_state, self.path, state)
             except OSError as e:
                 error = e
+            except BaseException as e:  # a bug, or cancelled: no waiter waits forever
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.cancel() if isinstance(e, asyncio.CancelledError) else (
+                            waiter.set_exception(e))
+                raise
             self.last_error = error
             for waiter in waiters:
                 if not waiter.done():

@@ -197,9 +197,9 @@ class Verbs:
             return
         intent = f"play-{uuid.uuid4().hex[:12]}"
         with self.following() as updates:
-            # Persisted inside apply before the client hears anything: invariant 4.
-            if not self.host.apply(OwnerWants(at=_now(), owner=vm, intent_id=intent,
-                                         source=IntentSource.CONTROL)):
+            # On disk before the client hears anything: invariant 4.
+            if not await self.host.request(OwnerWants(at=_now(), owner=vm, intent_id=intent,
+                                                      source=IntentSource.CONTROL)):
                 why = (f"its request could not be recorded ({self.host.save_failed})"
                        if self.host.save_failed else "see journalctl -u hostagent")
                 yield {"ok": False, "error": f"the agent refused to start {vm} now: {why}"}

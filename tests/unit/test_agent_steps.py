@@ -9,6 +9,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import errno
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,16 +24,18 @@ from hostagent import journal
 from hostagent import state as persisted
 from hostagent.agent import Agent
 from hostagent.config import parse
-from hostagent.inbox import HookEvent
+from hostagent.inbox import HookEvent, Inbox, serve_hooks
 from hostagent.libvirt_host import Lifecycle
 from hostagent.model import (
     GpuPods,
+    Hold,
     IntentSource,
     Observed,
     OwnerStopped,
     OwnerWants,
     Phase,
     Regrow,
+    Resume,
 )
 from tests.unit.test_control import (  # noqa: F401 (a fixture)
     CONFIG,
@@ -36,6 +44,7 @@ from tests.unit.test_control import (  # noqa: F401 (a fixture)
     no_step_outlives_its_test,
     until,
 )
+from tests.unit.test_hook import HOOK, Place, run_hook
 
 
 pytestmark = pytest.mark.usefixtures("sink")  # journal records in memory (conftest)
@@ -245,19 +254,20 @@ async def test_a_failed_save_refuses_the_request_and_keeps_the_machine_moving(
         real_save(path, state)
 
     monkeypatch.setattr(persisted, "save_state", save)
-    before = agent.state
-    assert not agent.apply(OwnerWants(at=time.time(), owner="gaming1", intent_id="p1",
-                                      source=IntentSource.CONTROL))
-    assert agent.state == before  # nothing taken that could not be kept
+    assert not await agent.request(OwnerWants(at=time.time(), owner="gaming1",
+                                              intent_id="p1", source=IntentSource.CONTROL))
+    assert agent.state.intents == ()  # nothing taken that could not be kept
     # A fact is taken even so: gaming2 stopped.
     assert agent.apply(OwnerStopped(at=time.time(), owner="gaming2"))
     assert "gaming2" not in agent.state.running_owners
+    await agent.saver.flush()
     await agent.health.check()
     failing = {r.check: r.detail for r in agent.health.last if not r.ok}
     assert "No space left on device" in (failing.get("state file") or "")
     assert any("No space left on device" in e.message for e in sink.entries)
     full = False
     agent._retry_save()
+    await agent.saver.flush()
     await agent.health.check(max_age=0)
     assert all(r.ok for r in agent.health.last if r.check == "state file")
     saved, _ = persisted.load_state(agent.cfg.state_file)
@@ -335,7 +345,7 @@ async def test_an_owner_starts_at_boot_once(tmp_path: Path) -> None:
 
     first = agent()
     assert not first.host_booted
-    first._save()
+    await first._save()
     saved, _ = persisted.load_state(first.cfg.state_file)
     persisted.save_state(first.cfg.state_file, dataclasses.replace(saved, boot_id="before"))
     booted = agent()
@@ -425,3 +435,63 @@ async def test_regrow_never_keeps_the_smaller_lendee_running(tmp_path: Path,
         await until(lambda: agent.state.lent == {"gpu-a", "gpu-b"}
                     and agent.state.phase is Phase.LENT)
         assert ("agent shutdown", "gpu-node") in fake.calls
+
+
+async def test_a_slow_disk_never_keeps_a_hook_from_its_answer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fsync takes a second (an SD card, a disk busy with something else) while
+    the state keeps changing: the hooks that come meanwhile are answered by the agent,
+    none spooled. An owner's request that cannot be on disk within the hook's share of
+    its budget is refused with the reason, never deferred unrecorded; once the disk is
+    quick again, the same request is deferred and kept."""
+    cluster = HeldCluster()
+    cluster.return_go.set()
+    agent, fake = agent_with(tmp_path, cluster)
+    fake.running.add("gpu-node")
+    agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
+    await until(lambda: agent.state.phase is Phase.LENT)
+    short = Path(tempfile.mkdtemp(prefix="hk-"))  # a socket's path has a short limit
+    place = Place(short / "hook.sock", short / "spool")
+    server = await serve_hooks(place.socket, Inbox(agent._on_hook), log=logging.getLogger())
+    fsync = os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        time.sleep(1.0)
+        fsync(fd)
+
+    def hooks() -> list[subprocess.CompletedProcess[str]]:
+        """As libvirtd runs them: in processes of their own, whatever the agent does."""
+        calls = [("other-vm", "<domain><name>other-vm</name></domain>")] * 3 + [
+            ("gaming1", "<domain><name>gaming1</name></domain>")]
+        return [subprocess.run(
+            [sys.executable, "-I", "-S", str(HOOK), vm, "prepare", "begin", "-"], input=xml,
+            env={"PATH": "/usr/bin:/bin", "HOSTAGENT_SOCKET": str(place.socket),
+                 "HOSTAGENT_SPOOL": str(place.spool)},
+            capture_output=True, text=True, timeout=30, check=False) for vm, xml in calls]
+
+    changing = True
+
+    async def keep_changing() -> None:
+        while changing:  # each a change of the state file, each two fsyncs
+            agent.apply(Resume(at=time.time()) if agent.state.hold else Hold(at=time.time()))
+            await asyncio.sleep(0.05)
+
+    try:
+        monkeypatch.setattr(os, "fsync", slow_fsync)
+        changer = asyncio.get_running_loop().create_task(keep_changing())
+        *runs, asked = await asyncio.to_thread(hooks)
+        changing = False
+        await changer
+        assert place.spooled() == [] and [r.returncode for r in runs] == [0, 0, 0], runs
+        assert asked.returncode != 0 and "could not record the request" in asked.stderr, asked
+        assert agent.state.intents == ()
+        monkeypatch.setattr(os, "fsync", fsync)
+        await agent.saver.flush()
+        again = await run_hook(place, "gaming1", "prepare", "begin", "-")
+        assert again.rc != 0 and "will start by itself" in again.stderr, again
+        assert [i.owner for i in agent.state.intents] == ["gaming1"]
+        saved, _ = persisted.load_state(agent.cfg.state_file)
+        assert [i.owner for i in saved.intents] == ["gaming1"]
+    finally:
+        server.close()
+        shutil.rmtree(short)

@@ -370,12 +370,14 @@ async def test_play_and_hang_up_in_a_loop_adds_nothing_to_keep_or_write(
     await lent(agent, fake)
     first = [r async for r in _until_pending(agent)]
     await until(lambda: agent.state.phase is Phase.STOPPING and agent.state.shutdown_sent)
+    await agent.saver.flush()
     saved = agent.cfg.state_file.stat().st_ino  # each save renames a new file in
     for _ in range(20):
         again = [r async for r in _until_pending(agent)]
         assert again[-1]["intent"] == first[-1]["intent"], again
         assert "already asked to start" in again[-1]["message"]
     assert [i.id for i in agent.state.intents] == [first[-1]["intent"]]
+    await agent.saver.flush()
     assert agent.cfg.state_file.stat().st_ino == saved
     stream = agent.verbs.handlers()["play"]({"vm": "gaming1"})
     fake.ignores_shutdown.clear()
