@@ -363,7 +363,10 @@ class Timing:
     evict_retry: float = 5.0  # kubectl drain retries a 429 every 5 s
     delete_poll: float = 1.0  # kubectl drain checks each second whether a pod is gone
     # (here also woken at once by a watch on the node's pods: see Kube.drain)
-    watch_timeout: float = 300.0  # ask the server to end each watch; we re-read and resume
+    watch_timeout: float = 60.0  # ask the server to end each watch; we re-read and resume
+    # A watch still open `request_timeout` after the server was to end it is taken for a
+    # half-open connection (an API host rebooted, an address moved, a NAT entry
+    # dropped): nothing would ever come on it. It is given up, and the list read again.
 
 
 # --- the drain plan (no side effects) --------------------------------------------------
@@ -785,6 +788,11 @@ class Kube:
     def _deadline(self, timeout: float | None) -> float:
         return self._now() + (self.timing.api_timeout if timeout is None else timeout)
 
+    def _watch_bound(self, seconds: float) -> float:
+        """How long a watch the server was asked to end after `seconds` may stay open
+        before it is taken for a half-open connection (see `Timing`)."""
+        return seconds + self.timing.request_timeout
+
     def _backoff(self, attempt: int) -> float:
         ceiling = min(self.timing.backoff_max, self.timing.backoff_min * 2.0**attempt)
         return ceiling / 2 + random.uniform(0, ceiling / 2)  # jitter: no retries in lockstep
@@ -1063,9 +1071,10 @@ class Kube:
             if done(current):
                 return current, ""
             remaining = deadline - self._now()
+            seconds = max(1, math.ceil(min(remaining, self.timing.watch_timeout)))
             try:
-                async with asyncio.timeout(remaining), k8s_watch.Watch() as stream:
-                    seconds = max(1, math.ceil(min(remaining, self.timing.watch_timeout)))
+                async with asyncio.timeout(min(remaining, self._watch_bound(seconds))), \
+                        k8s_watch.Watch() as stream:
                     async for event in stream.stream(
                         self._core.list_node,
                         field_selector=f"metadata.name={node}",
@@ -1079,7 +1088,7 @@ class Kube:
                 attempt = 0
                 continue
             except TimeoutError:
-                continue  # the deadline: the loop ends
+                continue  # the deadline (the loop ends), or a silent connection: read again
             except ApiException as e:
                 if e.status == 410:
                     continue  # history expired: read again, watch from there
@@ -1151,17 +1160,23 @@ class Kube:
                 attempt += 1
                 continue
             reset(list(listed.items))
+            seconds = max(1, math.ceil(self.timing.watch_timeout))
             try:
-                async with k8s_watch.Watch() as stream:
+                async with asyncio.timeout(self._watch_bound(seconds)), \
+                        k8s_watch.Watch() as stream:
                     async for event in stream.stream(
                         getattr(self._core, method),
                         field_selector=selector,
                         resource_version=listed.metadata.resource_version,
-                        timeout_seconds=max(1, math.ceil(self.timing.watch_timeout)),
+                        timeout_seconds=seconds,
                     ):
                         if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
                             apply(event["type"], event["object"])
                 attempt = 0
+                continue
+            except TimeoutError:
+                log.info("the watch of %s stayed open past its end: taken for a dead "
+                         "connection, listed again", selector)
                 continue
             except ApiException as e:
                 if e.status == 410:

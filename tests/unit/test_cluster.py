@@ -352,6 +352,74 @@ async def test_the_watch_judges_nothing_before_both_its_lists_are_in(
     assert not [e for e in records.entries if "deleted while lent" in e.message]
 
 
+class BlackHole:
+    """A TCP relay to the API server whose connections can be cut without a word: after
+    `freeze`, what they carry is dropped both ways and they stay open (an API host that
+    rebooted, an address that moved, a NAT entry dropped). New connections go through."""
+
+    def __init__(self, target: str) -> None:
+        host, _, port = target.removeprefix("http://").partition(":")
+        self.target = (host, int(port))
+        self.frozen: set[asyncio.StreamWriter] = set()
+        self.live: set[asyncio.StreamWriter] = set()
+        self.closed = asyncio.Event()
+        self.url = ""
+
+    async def __aenter__(self) -> BlackHole:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+        self.closed.set()
+        for writer in self.live:
+            writer.close()
+
+    def freeze(self) -> None:
+        self.frozen |= self.live
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        self.live |= {writer, up_writer}
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await src.read(65536):
+                    if writer not in self.frozen:
+                        dst.write(data)
+            if writer in self.frozen:  # a dead peer never says goodbye
+                await self.closed.wait()
+            dst.close()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+
+async def test_a_half_open_watch_is_given_up_and_the_node_listed_again(
+        api: StandIn, tmp_path: Path) -> None:
+    """The connection under the lent node's watch goes silent without closing: the watch
+    does not wait on it for the rest of the lend; it lists again, and sees a GPU lost."""
+    timing = Timing(request_timeout=1.0, api_timeout=3.0, backoff_min=0.02, backoff_max=0.1,
+                    watch_timeout=1.0)
+    async with BlackHole(api.url) as hole, await Kube.connect(
+            write_kubeconfig(tmp_path / "kc", hole.url), timing=timing) as kube:
+        cluster = cluster_for(kube)
+        await kube.cordon("gpu-node", marker_prefix=PREFIX)
+        assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+        views: list[Any] = []
+        watch = asyncio.create_task(cluster.watch_lent(on_view=views.append))
+        try:
+            await until(lambda: views)
+            hole.freeze()
+            set_status(api, allocatable={"nvidia.com/gpu": "1"})  # one fell off the bus
+            await until(lambda: views[-1].allocatable == {"nvidia.com/gpu": 1}, timeout=10)
+            assert cluster.trouble is not None and "lost GPUs" in cluster.trouble
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+
+
 async def test_watch_gpu_pods_follows_the_count(api: StandIn, kube: Kube) -> None:
     cluster = cluster_for(kube)
     seen: list[int] = []
