@@ -85,6 +85,10 @@ class Cluster(Protocol):
     async def watch_lent(self, on_view: Callable[[Any], None] | None = None) -> None:
         """Follow the lent node until cancelled; `on_view` gets each change."""
 
+    async def watch_cordon(self) -> None:
+        """Follow the node of a lendee off or stuck until cancelled: our cordon's marker
+        is dropped once someone is seen lifting it."""
+
     def status(self) -> dict[str, object] | None:
         """What `hostagent status` shows of the cluster."""
 
@@ -103,6 +107,9 @@ class NoCluster:
         return None
 
     async def watch_lent(self, on_view: Callable[[Any], None] | None = None) -> None:
+        return None
+
+    async def watch_cordon(self) -> None:
         return None
 
     def status(self) -> dict[str, object] | None:
@@ -232,6 +239,10 @@ class Agent:
         if new.phase is Phase.LENT and old.phase is not Phase.LENT:
             # A step of LENT: it ends with the phase (see _supervise).
             self.executor.spawn(self.cluster.watch_lent(on_view=self._node_view), ticket=new.ticket)
+        if new.phase in (Phase.OFF, Phase.FAILED) and old.ticket != new.ticket:
+            # Its node cordoned by us for long (a game, a human asked to look): a step
+            # of the phase, which drops our marker if someone lifts the cordon meanwhile.
+            self.executor.spawn(self.cluster.watch_cordon(), ticket=new.ticket)
         if new.phase is Phase.OFF and old.phase not in (Phase.OFF, Phase.DRAINING,
                                                         Phase.STOPPING):
             # Down, and not by a reclaim (which cordoned it): a crash, a shutdown by

@@ -372,6 +372,19 @@ class KubeCluster:
                 self.metrics.gpu_lost()
             self._event("GPULost", trouble, warning=True)
 
+    async def watch_cordon(self) -> None:
+        """While the lendee is off or stuck (its node cordoned by us, for hours during a
+        game), follow the node until cancelled: a cordon of ours that someone lifts
+        (``kubectl uncordon``) loses our marker the moment it is seen, so that a cordon
+        they set later is never lifted by us (invariant 6). Never raises."""
+        while True:
+            try:
+                await self.kube.watch_cordon(self.node, marker_prefix=self.prefix)
+                return
+            except KubeAuthError as e:
+                log.warning("cannot watch node %s for a cordon lifted by hand: %s", self.node, e)
+                await asyncio.sleep(self.auth_retry)
+
     def watch_gpu_pods(self) -> AsyncIterator[int]:
         """The count of pods on the node that request a GPU: the current count, then each
         change, while iterated. For deciding when restarting the lendee (a regrow) is safe:

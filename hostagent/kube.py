@@ -988,17 +988,25 @@ class Kube:
         lifted: list[bool] = []
 
         def change(current: Any) -> dict[str, Any] | None:
-            lifted[:] = [_annotations(current).get(marker) == MARKER_VALUE]
-            if not lifted[0]:
+            ours = _annotations(current).get(marker) == MARKER_VALUE
+            # Our marker on a schedulable node: someone lifted our cordon, and whatever
+            # cordon comes next is theirs. The marker goes; nothing is lifted.
+            stale[:] = [ours and not _unschedulable(current)]
+            lifted[:] = [ours and not stale[0]]
+            if not ours:
                 return None
-            return {
-                "metadata": {"annotations": {marker: None, _cordoned_at(marker_prefix): None}},
-                "spec": {"unschedulable": None},
-            }
+            body: dict[str, Any] = {
+                "metadata": {"annotations": {marker: None, _cordoned_at(marker_prefix): None}}}
+            if lifted[0]:
+                body["spec"] = {"unschedulable": None}
+            return body
 
+        stale: list[bool] = []
         await self._update_node(node, change, self._deadline(timeout))
         if lifted[0]:
             journal.record("uncordon", f"uncordoned {node}", result="ok", node=node)
+        elif stale[0]:
+            self._record_lifted(node)
         else:
             journal.record(
                 "uncordon",
@@ -1008,6 +1016,68 @@ class Kube:
                 priority=journal.Priority.NOTICE,
             )
         return lifted[0]
+
+    async def forget_cordon(
+        self, node: str, *, marker_prefix: str, timeout: float | None = None
+    ) -> bool:
+        """Drop our cordon marker if `node` is schedulable: someone lifted our cordon
+        (``kubectl uncordon``), so a cordon set after that is theirs and must never be
+        lifted by us. True if the marker was dropped."""
+        marker = cordon_marker(marker_prefix)
+        dropped: list[bool] = []
+
+        def change(current: Any) -> dict[str, Any] | None:
+            dropped[:] = [_annotations(current).get(marker) == MARKER_VALUE
+                          and not _unschedulable(current)]
+            if not dropped[0]:
+                return None
+            return {"metadata": {"annotations": {marker: None,
+                                                 _cordoned_at(marker_prefix): None}}}
+
+        await self._update_node(node, change, self._deadline(timeout))
+        if dropped[0]:
+            self._record_lifted(node)
+        return dropped[0]
+
+    @staticmethod
+    def _record_lifted(node: str) -> None:
+        journal.record("uncordon", f"{node} was uncordoned by someone else since hostagent "
+                       "cordoned it: hostagent's marker is dropped, and a cordon set from now "
+                       "on is left alone", result="not-ours", node=node,
+                       priority=journal.Priority.NOTICE)
+
+    async def watch_cordon(self, node: str, *, marker_prefix: str) -> None:
+        """Follow `node` until cancelled, dropping our cordon marker each time the node is
+        seen schedulable with it (see `forget_cordon`). Raises KubeAuthError."""
+        marker = cordon_marker(marker_prefix)
+        lifted = asyncio.Event()
+
+        def see(obj: Any) -> None:
+            if (obj is not None and _annotations(obj).get(marker) == MARKER_VALUE
+                    and not _unschedulable(obj)):
+                lifted.set()
+
+        follower = asyncio.create_task(self._follow(
+            "list_node", f"metadata.name={node}", lambda items: see(items[0] if items else None),
+            lambda kind, obj: see(None if kind == "DELETED" else obj)))
+        wait: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                wait = asyncio.ensure_future(lifted.wait())
+                await asyncio.wait({wait, follower}, return_when=asyncio.FIRST_COMPLETED)
+                if follower.done():
+                    follower.result()  # raises what ended it
+                    return
+                lifted.clear()
+                try:
+                    await self.forget_cordon(node, marker_prefix=marker_prefix)
+                except (NodeNotFound, KubeUnavailable, KubeRequestError) as e:
+                    log.info("could not drop the cordon marker of %s yet: %s", node, e)
+        finally:
+            if wait is not None:
+                wait.cancel()
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
 
     async def annotate(
         self,

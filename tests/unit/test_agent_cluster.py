@@ -21,6 +21,7 @@ from hostagent.cluster import KubeCluster
 from hostagent.config import parse
 from hostagent.inbox import HookEvent
 from hostagent.kube import Kube, cordon_marker
+from hostagent.libvirt_host import Lifecycle
 from hostagent.model import Observed, Phase
 from tests.kubeapi import StandIn, write_kubeconfig
 from tests.kubeapi.cluster import ready_condition
@@ -83,3 +84,40 @@ async def test_a_stale_return_never_uncordons_the_node_a_new_drain_cordoned(
     assert spec.get("unschedulable") is True
     assert notes.get(cordon_marker("hostagent.io/")) == "hostagent"
     assert agent.state.phase is Phase.OFF  # all or nothing: off while gaming1 plays
+
+
+def spec(api: StandIn, unschedulable: bool) -> None:
+    """What `kubectl cordon` and `kubectl uncordon` write."""
+    def change(obj: dict[str, Any]) -> dict[str, Any]:
+        obj["spec"]["unschedulable"] = unschedulable
+        return obj
+    api.cluster.update(NODES, None, "gpu-node", change)
+
+
+async def test_a_cordon_of_ours_lifted_by_hand_is_ours_no_more(
+        api: StandIn, kube: Kube, tmp_path: Path) -> None:
+    """Our cordon while a game runs is lifted by hand (kubectl uncordon), and later an
+    administrator cordons the node: the next return leaves their cordon in place."""
+    text = KUBE_CONFIG.replace('"60s"', '"0.2s"').format(root=tmp_path)
+    agent = Agent(parse(text, "test.toml"))
+    fake = FakeLibvirt(agent)
+    agent.libvirt = fake  # type: ignore[assignment]
+    agent._fatal = asyncio.get_running_loop().create_future()
+    agent.cluster = KubeCluster(kube, agent.cfg, remember_cordon=agent._remember_cordon)
+    ready(api)
+    fake.running.add("gpu-node")
+    agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
+    await until(lambda: agent.state.phase is Phase.LENT, timeout=15)
+    await agent._on_hook(HookEvent(id="h1", time=time.time(), domain="gaming1", op="prepare",
+                                   sub="begin", extra="-", xml="<domain/>"))
+    await until(lambda: "gaming1" in fake.running, timeout=15)
+    node = api.cluster.node
+    marker = cordon_marker("hostagent.io/")
+    assert node("gpu-node")["metadata"]["annotations"].get(marker) == "hostagent"
+    spec(api, False)  # kubectl uncordon, mid-game
+    await until(lambda: marker not in node("gpu-node")["metadata"].get("annotations", {}))
+    spec(api, True)  # kubectl cordon, an administrator's, later
+    fake.running.discard("gaming1")
+    agent.lifecycle("gaming1", Lifecycle.STOPPED)
+    await until(lambda: agent.state.phase is Phase.LENT, timeout=15)
+    assert node("gpu-node")["spec"].get("unschedulable") is True

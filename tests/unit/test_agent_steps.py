@@ -80,6 +80,9 @@ class HeldCluster:
     async def watch_lent(self, on_view: object = None) -> None:
         return None
 
+    async def watch_cordon(self) -> None:
+        return None
+
     def status(self) -> None:
         return None
 

@@ -291,6 +291,19 @@ async def test_the_lendee_going_down_never_takes_an_administrators_cordon(
 # --- while lent ----------------------------------------------------------------------------------
 
 
+async def test_our_marker_on_a_node_uncordoned_by_hand_is_dropped_not_trusted(
+        api: StandIn, kube: Kube, records: journal.ListSink) -> None:
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+
+    def uncordon(obj: dict[str, Any]) -> dict[str, Any]:  # kubectl uncordon
+        obj["spec"]["unschedulable"] = False
+        return obj
+    api.cluster.update(NODES, None, "gpu-node", uncordon)
+    assert not await kube.uncordon("gpu-node", marker_prefix=PREFIX)
+    assert MARKER not in node(api)["metadata"].get("annotations", {})
+    assert "uncordoned by someone else" in result_of(records, "not-ours")[-1].message
+
+
 async def test_a_gpu_lost_while_lent_turns_health_red_and_is_recorded(
         api: StandIn, kube: Kube, records: journal.ListSink) -> None:
     metrics = FakeMetrics()
