@@ -733,9 +733,11 @@ class _Connection(asyncssh.SSHServer):
         self._closing = True
         self._record(f"closing the connection from {self.peer}: {why}", "disconnected")
         self.endpoint.gone(self)
-        conn = self._conn
-        asyncio.get_running_loop().call_soon(
-            conn.disconnect, asyncssh.DISC_TOO_MANY_CONNECTIONS, f"hostagent: {why}")
+        asyncio.get_running_loop().call_soon(self._disconnect_now, why)
+
+    def _disconnect_now(self, why: str) -> None:
+        if self._conn is not None:  # not lost meanwhile
+            self._conn.disconnect(asyncssh.DISC_TOO_MANY_CONNECTIONS, f"hostagent: {why}")
 
     def busy(self, running: bool) -> None:
         """A command runs (no idle timeout) or has ended (the idle timeout runs)."""

@@ -16,6 +16,7 @@ import socket
 import stat
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -194,25 +195,31 @@ def _client(port: int, known_hosts: Path, key: Path) -> Any:
 
 async def _asyncssh_refusals(port: int, known_hosts: Path, button: Path, stranger: Path
                              ) -> dict[str, Any]:
+    """Each attempt on a connection of its own: a connection runs one command."""
     seen: dict[str, Any] = {}
     try:
         async with _client(port, known_hosts, stranger):
             pass
     except asyncssh.PermissionDenied as e:
         seen["unknown key"] = type(e).__name__
-    async with _client(port, known_hosts, button) as conn:
-        seen["gaming2"] = (await conn.run("play gaming2")).exit_status
-        codes = {(await conn.run(line)).exit_status for line in INJECTIONS}
-        seen["injection"] = codes.pop() if len(codes) == 1 else codes
-        attempts = {
-            "shell": conn.create_process(),
-            "pty": conn.create_process("status", term_type="xterm"),
-            "sftp": conn.start_sftp_client(),
-            "forward": conn.open_connection("127.0.0.1", port),
-        }
-        for what, attempt in attempts.items():
+
+    async def run(line: str) -> int | None:
+        async with _client(port, known_hosts, button) as conn:
+            return (await conn.run(line)).exit_status
+
+    seen["gaming2"] = await run("play gaming2")
+    codes = {await run(line) for line in INJECTIONS}
+    seen["injection"] = codes.pop() if len(codes) == 1 else codes
+    attempts: dict[str, Callable[[Any], Awaitable[Any]]] = {
+        "shell": lambda conn: conn.create_process(),
+        "pty": lambda conn: conn.create_process("status", term_type="xterm"),
+        "sftp": lambda conn: conn.start_sftp_client(),
+        "forward": lambda conn: conn.open_connection("127.0.0.1", port),
+    }
+    for what, attempt in attempts.items():
+        async with _client(port, known_hosts, button) as conn:
             try:
-                await attempt
+                await attempt(conn)
                 seen[what] = "allowed!"
             except (asyncssh.Error, OSError) as e:
                 seen[what] = type(e).__name__
