@@ -120,8 +120,19 @@ class NoCluster:
 
 
 def topology(cfg: Config) -> Topology:
+    """The machine's view of `cfg`; GPUs whose functions share an IOMMU group (as
+    `hostagent.gpus.on_host` read them) form one group, transitively."""
+    groups: list[set[str]] = []
+    for label, gpu in sorted(cfg.gpus.items()):
+        mine = {label}
+        for group in [g for g in groups
+                      if any(set(gpu.iommu_groups) & set(cfg.gpus[o].iommu_groups) for o in g)]:
+            groups.remove(group)
+            mine |= group
+        groups.append(mine)
     return Topology(lendee=cfg.lendee.domain, lendee_gpus=frozenset(cfg.lendee.gpus),
-                    owners={d: frozenset(o.gpus) for d, o in cfg.owners.items()})
+                    owners={d: frozenset(o.gpus) for d, o in cfg.owners.items()},
+                    groups=tuple(frozenset(g) for g in groups if len(g) > 1))
 
 
 def _now() -> float:

@@ -25,6 +25,8 @@ def _parser() -> argparse.ArgumentParser:
         "gaming VM starts."))
     p.add_argument("--config", type=Path, default=configuration.DEFAULT_PATH,
                    help=f"configuration file (default {configuration.DEFAULT_PATH})")
+    # Where the host's PCI devices are read (tests and the lab point it at a fake tree).
+    p.add_argument("--sysfs", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("run", help="run the agent (what the systemd unit starts)")
     st = sub.add_parser("status", help="each GPU, its owner and holder; the lendee; intents")
@@ -58,14 +60,14 @@ def _parser() -> argparse.ArgumentParser:
         "(default hostagent.service)"))
     gp = sub.add_parser("gpus", help="this host's GPUs: NVML (index, UUID, PCI) and sysfs")
     gp.add_argument("--json", action="store_true", help="machine-readable output")
-    gp.add_argument("--sysfs", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
+    gp.add_argument("--sysfs", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     li = sub.add_parser("lint", help="check domain XML against this host and the configuration")
     li.add_argument("domains", nargs="*", metavar="DOMAIN",
                     help="libvirt domains to check (default: every defined one)")
     li.add_argument("--xml", type=Path, action="append", default=[], metavar="FILE",
                     help="check this domain XML file instead of asking libvirt (repeatable)")
     li.add_argument("--connect", metavar="URI", help="libvirt URI (default: the config's)")
-    li.add_argument("--sysfs", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
+    li.add_argument("--sysfs", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     cf = sub.add_parser("config", help="configuration helpers")
     cf_sub = cf.add_subparsers(dest="config_command", required=True)
     ini = cf_sub.add_parser("init", help=(
@@ -79,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="libvirt URI (default qemu:///system)")
     ini.add_argument("--xml", type=Path, action="append", default=[], metavar="FILE",
                      help="read domain XML files instead of asking libvirt (repeatable)")
-    ini.add_argument("--sysfs", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
+    ini.add_argument("--sysfs", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     return p
 
 
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = configuration.load(args.config)
         if args.command == "run":
-            cfg = _placed(cfg)
+            cfg = _placed(cfg, args.sysfs)
     except configuration.ConfigError as e:
         _config_problems(e)
         return 2
@@ -200,16 +202,18 @@ def path_warnings(cfg: configuration.Config) -> list[str]:
     return warnings
 
 
-def _placed(cfg: configuration.Config) -> configuration.Config:
-    """`cfg` with GPUs given by UUID placed at the address NVML reports for them."""
-    if not any(g.uuid for g in cfg.gpus.values()):
-        return cfg
+def _placed(cfg: configuration.Config, sysfs: Path) -> configuration.Config:
+    """`cfg` as it is on this host: GPUs given by UUID placed at the address NVML
+    reports for them, every GPU with every function of its slot and its IOMMU groups.
+    Raises ConfigError."""
     from hostagent import gpus
-    try:
-        seen, error = gpus.read_nvml(), None
-    except gpus.NvmlUnavailable as e:
-        seen, error = [], str(e)
-    return gpus.resolve_uuids(cfg, seen, nvml_error=error)
+    if any(g.uuid for g in cfg.gpus.values()):
+        try:
+            seen, error = gpus.read_nvml(), None
+        except gpus.NvmlUnavailable as e:
+            seen, error = [], str(e)
+        cfg = gpus.resolve_uuids(cfg, seen, nvml_error=error)
+    return gpus.on_host(cfg, sysfs)
 
 
 def _gpus(args: argparse.Namespace) -> int:
@@ -241,7 +245,7 @@ def _lint(args: argparse.Namespace) -> int:
     cfg: configuration.Config | None = None
     if args.config.exists():
         try:
-            cfg = _placed(configuration.load(args.config))
+            cfg = _placed(configuration.load(args.config), args.sysfs)
         except configuration.ConfigError as e:
             _config_problems(e)
             return 2

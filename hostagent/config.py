@@ -22,8 +22,8 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     min_gpus = 1                            # fewer free than this: the lendee stays off
 
     [gpus.gpu-a]                            # a label of your choosing
-    pci = "0000:01:00.0"                    # the GPU function
-    functions = ["0000:01:00.1"]            # other functions (audio) that move with it
+    pci = "0000:01:00.0"                    # the GPU function; every function of its
+    functions = ["0000:01:00.1"]            # slot moves with it, listed here or not
     uuid = "GPU-5f2ab1c4-0000-4000-8000-000000000001"  # checked inside the lendee
     name = "RTX 3050"                       # for messages
 
@@ -639,9 +639,13 @@ class Gpu:
     label: str
     # None: given by uuid alone, placed where NVML sees it when the agent starts.
     pci: str | None = field(default=None, metadata=_key(_pci))
+    # Other functions that move with it. Every function of its slot does anyway: the
+    # agent adds those it finds on the host (`hostagent.gpus.on_host`).
     functions: tuple[str, ...] = field(default=(), metadata=_key(_list(_pci)))
     uuid: str | None = field(default=None, metadata=_key(_text))
     name: str | None = field(default=None, metadata=_key(_text))
+    # Not a key: the IOMMU groups of its functions, as the host has them (`on_host`).
+    iommu_groups: tuple[str, ...] = ()
 
     @property
     def pci_functions(self) -> tuple[str, ...]:

@@ -153,12 +153,16 @@ def format_status(data: dict[str, Any]) -> str:
         lines.append(f"  lending again in {_age(data['relend_in_s'])}")
     rows = [("GPU", "NAME", "PCI", "OWNERS", "HELD BY")]
     for g in data["gpus"]:
-        rows.append((g["gpu"], g["name"] or "-", g["pci"], ", ".join(g["owners"]) or "-",
-                     g["holder"] or "nobody"))
+        rows.append((g["gpu"], g["name"] or "-", _functions(g["pci"], g.get("functions", [])),
+                     ", ".join(g["owners"]) or "-", g["holder"] or "nobody"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines.append("")
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
               for r in rows]
+    groups = sorted({tuple(sorted([g["gpu"], *g["moves_with"]]))
+                     for g in data["gpus"] if g.get("moves_with")})
+    for group in groups:
+        lines.append(f"{' and '.join(group)} share an IOMMU group: lent and reclaimed together")
     lines.append("")
     if data["intents"]:
         lines.append("waiting to start:")
@@ -176,6 +180,14 @@ def format_status(data: dict[str, Any]) -> str:
     elif data.get("health"):
         lines.append(f"health: {len(data['health'])} checks pass")
     return "\n".join(lines)
+
+
+def _functions(pci: str, functions: list[str]) -> str:
+    """``0000:01:00.0+.1+.2+.3``: a GPU's address and the functions that move with it
+    (those of its own slot by function number)."""
+    slot = pci.rsplit(".", 1)[0]
+    return pci + "".join(f"+.{f.rsplit('.', 1)[1]}" if f.rsplit(".", 1)[0] == slot
+                         else f"+{f}" for f in functions)
 
 
 def _age(seconds: float) -> str:

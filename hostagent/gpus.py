@@ -9,7 +9,8 @@ Two views, because a passthrough host needs both:
   depending on who reads it: pin cards by UUID (``CUDA_VISIBLE_DEVICES=GPU-…``).
 - **sysfs** (``/sys/bus/pci/devices``) sees every display device, including those bound
   to vfio-pci for passthrough, which NVML cannot see: vendor and device ids, the bound
-  driver, the IOMMU group and the other devices in it (a group moves into a VM whole).
+  driver, the other functions of its slot (a Turing card has four: VGA, audio, USB,
+  UCSI) and its IOMMU group with the other devices in it (a group moves into a VM whole).
 
 The sysfs root is a parameter, so tests build a fake tree; the NVML library is one too
 (any object with pynvml's functions), so tests need no GPU. Reading has no other side
@@ -39,6 +40,7 @@ __all__ = [
     "format_inventory",
     "inventory",
     "inventory_json",
+    "on_host",
     "pci_device",
     "read_nvml",
     "resolve_uuids",
@@ -227,10 +229,13 @@ def sysfs_gpus(root: Path = SYSFS) -> list[PciDevice]:
     return [d for d in found if d is not None and d.is_display]
 
 
+def _slot(address: str) -> str:
+    return address.rsplit(".", 1)[0]
+
+
 def slot_functions(address: str, root: Path = SYSFS) -> list[str]:
     """Every function of the device at `address` (the GPU and its audio, ...)."""
-    slot = address.rsplit(".", 1)[0]
-    return [a for a in _addresses(root) if a.rsplit(".", 1)[0] == slot]
+    return [a for a in _addresses(root) if _slot(a) == _slot(address)]
 
 
 # --- both views together ----------------------------------------------------------------
@@ -241,6 +246,8 @@ class Inventory:
     nvml: list[NvmlGpu]
     nvml_error: str | None  # why NVML saw nothing, when it could not start
     pci: list[PciDevice]  # display devices per sysfs, NVML's included
+    # Display device (or NVML's card) -> the other functions of its slot, per sysfs.
+    functions: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
 
 def inventory(root: Path = SYSFS, nvml: Any = None) -> Inventory:
@@ -248,15 +255,24 @@ def inventory(root: Path = SYSFS, nvml: Any = None) -> Inventory:
         seen, error = read_nvml(nvml), None
     except NvmlUnavailable as e:
         seen, error = [], str(e)
-    return Inventory(nvml=seen, nvml_error=error, pci=sysfs_gpus(root))
+    pci = sysfs_gpus(root)
+    cards = {d.address for d in pci} | {g.pci for g in seen}
+    functions = {a: tuple(f for f in slot_functions(a, root) if f != a) for a in sorted(cards)}
+    return Inventory(nvml=seen, nvml_error=error, pci=pci, functions=functions)
+
+
+def _others(address: str, inv: Inventory) -> str:
+    return ", ".join(inv.functions.get(address, ())) or "-"
 
 
 def inventory_json(inv: Inventory) -> dict[str, Any]:
     return {
         "nvml": {"available": inv.nvml_error is None, "error": inv.nvml_error,
-                 "gpus": [dataclasses.asdict(g) for g in inv.nvml]},
+                 "gpus": [{**dataclasses.asdict(g),
+                           "functions": list(inv.functions.get(g.pci, ()))} for g in inv.nvml]},
         "pci": [{**dataclasses.asdict(d), "class_code": f"0x{d.class_code:06x}",
-                 "group_members": list(d.group_members)} for d in inv.pci],
+                 "group_members": list(d.group_members),
+                 "functions": list(inv.functions.get(d.address, ()))} for d in inv.pci],
         "warning": CUDA_ORDER_WARNING if inv.nvml else None,
     }
 
@@ -272,8 +288,9 @@ def format_inventory(inv: Inventory) -> str:
     lines: list[str] = []
     if inv.nvml:
         lines.append(f"NVIDIA driver {inv.nvml[0].driver_version}, as NVML sees it:")
-        rows = [("INDEX", "UUID", "PCI", "NAME", "MEMORY")]
-        rows += [(str(g.index), g.uuid, g.pci, g.name, f"{g.memory_mib} MiB") for g in inv.nvml]
+        rows = [("INDEX", "UUID", "PCI", "NAME", "MEMORY", "OTHER FUNCTIONS")]
+        rows += [(str(g.index), g.uuid, g.pci, g.name, f"{g.memory_mib} MiB",
+                  _others(g.pci, inv)) for g in inv.nvml]
         lines += ["  " + line for line in _table(rows)]
         lines += ["", "note: " + CUDA_ORDER_WARNING]
     else:
@@ -283,10 +300,14 @@ def format_inventory(inv: Inventory) -> str:
     if others:
         lines += ["", "Display devices NVML does not see (sysfs):" if inv.nvml
                   else "Display devices (sysfs):"]
-        rows = [("PCI", "IDS", "DRIVER", "IOMMU GROUP", "ALSO IN THE GROUP")]
-        rows += [(d.address, d.ids, d.driver or "none", d.iommu_group or "-",
-                  ", ".join(d.group_members) or "-") for d in others]
+        rows = [("PCI", "IDS", "DRIVER", "OTHER FUNCTIONS", "IOMMU GROUP",
+                 "ALSO IN THE GROUP")]
+        rows += [(d.address, d.ids, d.driver or "none", _others(d.address, inv),
+                  d.iommu_group or "-", ", ".join(d.group_members) or "-") for d in others]
         lines += ["  " + line for line in _table(rows)]
+    if any(inv.functions.get(d.address) for d in inv.pci):
+        lines += ["", "Every function of a card's slot moves with it (hostagent lends and "
+                  "reclaims them together)."]
     if not inv.nvml and not inv.pci:
         lines = [
             "No GPU found: NVML sees none "
@@ -329,4 +350,61 @@ def resolve_uuids(cfg: Config, seen: Iterable[NvmlGpu], *, nvml_error: str | Non
                 problem=f"{gpu.uuid} ({found.name}) is at {found.pci}, not {gpu.pci}",
                 fix=f'the card moved: write pci = "{found.pci}" (and check its functions)')
         gpus[label] = dataclasses.replace(gpu, pci=found.pci)
+    return dataclasses.replace(cfg, gpus=gpus)
+
+
+# --- the configuration against this host's slots and IOMMU groups ----------------------------
+
+
+def on_host(cfg: Config, root: Path = SYSFS) -> Config:
+    """`cfg` with each GPU's functions as the host has them: every function of its slot
+    (same domain:bus:slot), whatever the configuration lists, and the IOMMU groups of
+    them all. A card is passed through whole, so its functions move together, and a
+    group goes to one VM at a time, so GPUs sharing one are lent and reclaimed
+    together (DESIGN.md, invariant 11).
+
+    GPUs given by UUID alone must be placed first (`resolve_uuids`). Raises ConfigError
+    for an address the host does not have, and for two GPUs on one slot.
+    """
+    gpus = dict(cfg.gpus)
+    slot_of: dict[str, str] = {}  # slot -> the GPU label whose slot it is
+    for label, gpu in cfg.gpus.items():
+        if gpu.pci is None:
+            continue
+        key = f"gpus.{label}"
+        listed = [(f"{key}.pci", gpu.pci)]
+        listed += [(f"{key}.functions[{i}]", a) for i, a in enumerate(gpu.functions)]
+        for where, address in listed:
+            if pci_device(address, root) is None:
+                raise ConfigError(
+                    source=cfg.source, key=where,
+                    problem=f"{address} is not on this host ({_devices_dir(root)} has no "
+                            "such device)",
+                    fix="write the address lspci -D shows (`hostagent gpus` lists the "
+                        "display devices with their functions)"
+                        + ("; a card's own functions need not be listed: they move with it"
+                           if where != f"{key}.pci" else ""))
+        if _slot(gpu.pci) in slot_of:
+            raise ConfigError(
+                source=cfg.source, key=f"{key}.pci",
+                problem=f"{gpu.pci} is on the slot of GPU {slot_of[_slot(gpu.pci)]}",
+                fix="one card is one GPU: its other functions move with it, so remove one "
+                    "of the two")
+        slot_of[_slot(gpu.pci)] = label
+        extra = [a for a in slot_functions(gpu.pci, root)
+                 if a != gpu.pci and a not in gpu.functions]
+        functions = (*gpu.functions, *extra)
+        groups = {d.iommu_group for d in (pci_device(a, root) for a in (gpu.pci, *functions))
+                  if d is not None and d.iommu_group is not None}
+        gpus[label] = dataclasses.replace(gpu, functions=functions,
+                                          iommu_groups=tuple(sorted(groups)))
+    holder: dict[str, str] = {}
+    for label, gpu in gpus.items():
+        for address in gpu.pci_functions:
+            if address in holder:
+                raise ConfigError(
+                    source=cfg.source, key=f"gpus.{label}.functions",
+                    problem=f"{address} is a function of GPU {holder[address]}'s card",
+                    fix=f"remove it here: it moves with {holder[address]}")
+            holder[address] = label
     return dataclasses.replace(cfg, gpus=gpus)

@@ -57,6 +57,8 @@ class Check(enum.StrEnum):
     NOT_VFIO = "not-vfio"
     GROUP_NOT_VIABLE = "iommu-group"
     SPLIT_GPU = "split-gpu"
+    SLOT_FUNCTION = "slot-function"
+    SHARED_GROUP = "shared-iommu-group"
     ROM_BAR = "rom-bar"
     NOT_Q35 = "not-q35"
     CDROM_FIRST = "cdrom-first"
@@ -313,19 +315,133 @@ def lint(domains: Sequence[Domain], *, sysfs: Path = inventory.SYSFS,
         lendee = None if config is None else dom.name == config.lendee.domain
         found += check_domain(dom, sysfs=sysfs, lendee=lendee)
     found += _split(domains, sysfs)
+    found += _shared_groups(domains, sysfs, config)
     if config is not None:
         found += _against_config(domains, config)
+        found += _slot_functions(domains, config, sysfs)
     return found
+
+
+_ACS_FIX = (
+    "put one of the cards in a slot with an IOMMU group of its own (usually one wired to "
+    "the CPU's own root ports rather than the chipset's), or turn on ACS for that root "
+    "port in the firmware if it offers it (`hostagent gpus` shows the groups). The "
+    "pcie_acs_override kernel patch splits the group without the hardware's isolation: "
+    "the cards can then reach each other's memory by peer-to-peer DMA, past the IOMMU, "
+    "so a VM can read or corrupt the other's")
+
+
+def _shared_groups(domains: Sequence[Domain], sysfs: Path,
+                   config: Config | None) -> list[Finding]:
+    """Several cards in one IOMMU group. VFIO gives a group to one VM at a time, so they
+    move together: with the configuration, GPUs of different owners sharing a group
+    are an error (those owners exclude each other, and hostagent lends and reclaims
+    them together); without it, VMs that use disjoint cards of one group are."""
+    cards: dict[str, dict[str, set[str]]] = {}  # group -> card (slot) -> domains using it
+    for dom in domains:
+        for h in dom.hostdevs:
+            group = _group(h.address, sysfs)
+            if group:
+                cards.setdefault(group, {}).setdefault(_slot(h.address), set()).add(dom.name)
+    labels: dict[str, str] = {}  # slot -> GPU label
+    if config is not None:
+        for gpu in config.gpus.values():
+            for address in gpu.pci_functions:
+                labels[_slot(address)] = gpu.label
+                group = _group(address, sysfs)
+                if group:
+                    cards.setdefault(group, {}).setdefault(_slot(address), set())
+    found = []
+    for group, users in sorted(cards.items()):
+        if len(users) < 2:
+            continue
+        if config is None:
+            sets = [frozenset(u) for u in users.values()]
+            if not any(a.isdisjoint(b) and a and b for a in sets for b in sets if a is not b):
+                continue
+            listing = "; ".join(f"{slot} in {', '.join(sorted(u)) or 'no VM'}"
+                                for slot, u in sorted(users.items()))
+            for name in sorted(set().union(*users.values())):
+                found.append(Finding(
+                    domain=name, check=Check.SHARED_GROUP, severity=Severity.ERROR,
+                    what=f"cards of IOMMU group {group} are given to different VMs: {listing}",
+                    why="VFIO gives a whole IOMMU group to one VM at a time, so these VMs "
+                        "cannot run together even though their XML says they share nothing.",
+                    fix=_ACS_FIX))
+            continue
+        gpus = sorted({labels.get(slot, slot) for slot in users})
+        if len(gpus) < 2:
+            continue
+        owners = {g: frozenset(config.owners_of(g)) for g in gpus}
+        together = " and ".join(gpus)
+        named = ", ".join(f"{g} ({' and '.join(sorted(o)) or 'no owner'})"
+                          for g, o in owners.items())
+        owned = [o for o in owners.values() if o]
+        if len(set(owned)) > 1:
+            players = sorted(set().union(*owned))
+            found.append(Finding(
+                domain=", ".join(players), check=Check.SHARED_GROUP, severity=Severity.ERROR,
+                what=f"GPUs of different owners share IOMMU group {group}: {named}",
+                why=f"VFIO gives a group to one VM at a time: {' and '.join(players)} cannot "
+                    f"run together, and hostagent lends and reclaims {together} together "
+                    "(one owner's start takes them all from the lendee).",
+                fix=_ACS_FIX + "; or give those GPUs to the same owners"))
+        elif owned and len(owned) < len(gpus):
+            found.append(Finding(
+                domain=config.lendee.domain, check=Check.SHARED_GROUP,
+                severity=Severity.WARNING,
+                what=f"{together} share IOMMU group {group}: they move together ({named})",
+                why=f"VFIO gives a group to one VM at a time, so while "
+                    f"{' or '.join(sorted(set().union(*owned)))} plays, the lendee has none "
+                    f"of {together}.",
+                fix=_ACS_FIX))
+    return found
+
+
+def _slot_functions(domains: Sequence[Domain], config: Config, sysfs: Path) -> list[Finding]:
+    """A hostdev on a configured GPU's slot that the agent would not move with it (it
+    moves the functions the configuration lists and those the host has in that slot):
+    it would stay behind in the lendee's live definition and keep the card busy."""
+    found = []
+    for dom in domains:
+        for h in dom.hostdevs:
+            gpu = next((g for g in config.gpus.values()
+                        if g.pci is not None and _slot(g.pci) == _slot(h.address)), None)
+            if gpu is None or h.address in gpu.pci_functions:
+                continue
+            if h.address in inventory.slot_functions(gpu.pci or h.address, sysfs):
+                continue
+            found.append(Finding(
+                domain=dom.name, check=Check.SLOT_FUNCTION, severity=Severity.ERROR,
+                what=f"<hostdev> {h.address} is on the slot of GPU {gpu.label} but hostagent "
+                     f"does not move it with {gpu.label}: the card there has no such function "
+                     "on this host",
+                why="hostagent moves a GPU with every function its slot has on the host; a "
+                    "hostdev it does not know stays in the lendee's live definition, so the "
+                    "owner's start fails on a device in use.",
+                fix=f"remove the <hostdev> {h.address} from {dom.name} (virsh edit "
+                    f"{dom.name}): `hostagent gpus` lists the functions the card has"))
+    return found
+
+
+def _group(address: str, sysfs: Path) -> str | None:
+    device = inventory.pci_device(address, sysfs)
+    return device.iommu_group if device else None
 
 
 def _split(domains: Sequence[Domain], sysfs: Path) -> list[Finding]:
     """A GPU's functions divided between VMs. Lending means two VMs list the same
-    functions; each must list the same set, or they look independent and are not."""
+    functions; each must list the same set, or they look independent and are not.
+    Several cards in one IOMMU group are `_shared_groups`' concern."""
+    slots: dict[str, set[str]] = {}  # IOMMU group -> the slots of its hostdevs
+    for dom in domains:
+        for h in dom.hostdevs:
+            slots.setdefault(_group(h.address, sysfs) or "", set()).add(_slot(h.address))
     groups: dict[str, dict[str, set[str]]] = {}  # group (or slot) -> domain -> functions
     for dom in domains:
         for h in dom.hostdevs:
-            device = inventory.pci_device(h.address, sysfs)
-            key = (f"IOMMU group {device.iommu_group}" if device and device.iommu_group
+            group = _group(h.address, sysfs)
+            key = (f"IOMMU group {group}" if group and len(slots[group]) == 1
                    else f"device {_slot(h.address)}")
             groups.setdefault(key, {}).setdefault(dom.name, set()).add(h.address)
     found = []

@@ -46,6 +46,9 @@ What this machine promises
    failures, retries and restarts of the agent (`Observed`).
 5. **One reclaim serves everyone.** Owners asking while a reclaim is under way join it;
    they are all started when the lendee stops.
+6. **An IOMMU group moves as one.** An owner claims every GPU that shares a group with
+   its own (`Topology.claims`): the lendee never starts with part of a group an owner
+   needs, and an owner's start reclaims the lendee if it holds any of the group.
 
 How to read it
 --------------
@@ -200,14 +203,14 @@ def _in_the_way(state: State, topo: Topology) -> list[str]:
     """Owners that run, start or wait and need a GPU the lendee holds (or is getting):
     each is a reason to take the lendee down."""
     owners = [*sorted(state.running_owners), *_pending(state)]
-    return list(dict.fromkeys(o for o in owners if topo.owners.get(o, frozenset()) & state.lent))
+    return list(dict.fromkeys(o for o in owners if topo.claims(o) & state.lent))
 
 
 def free_gpus(state: State, topo: Topology, policy: Policy) -> frozenset[str]:
-    """The lendee's GPUs that no owner holds, starts with or waits for: what a lendee
-    start takes. All or nothing unless ``policy.partial``."""
+    """The lendee's GPUs that no owner holds, starts with or waits for, nor shares an
+    IOMMU group with: what a lendee start takes. All or nothing unless ``policy.partial``."""
     owners = state.running_owners | state.starting_owners | set(state.waiting_owners)
-    claimed = topo.gpus_of(owners) & topo.lendee_gpus
+    claimed = topo.whole(topo.gpus_of(owners)) & topo.lendee_gpus
     if claimed and not policy.partial:
         return frozenset()
     return topo.lendee_gpus - claimed
@@ -217,11 +220,11 @@ def conflict(state: State, owner: str, topo: Topology) -> str | None:
     """Why `owner` cannot start because another owner of one of its GPUs runs or is on
     its way (owners of one card exclude each other: never a reclaim, never a wait on a
     game), or None."""
-    mine = topo.owners.get(owner, frozenset())
+    mine = topo.claims(owner)
     for others, what in ((sorted(state.running_owners), "in use by"),
                          (_pending(state), "being handed to")):
         for other in others:
-            both = mine & topo.owners.get(other, frozenset())
+            both = mine & topo.claims(other)
             if other != owner and both:
                 verb = "is" if len(both) == 1 else "are"
                 return f"{', '.join(sorted(both))} {verb} {what} {other}"
@@ -373,7 +376,7 @@ def _owner_wants(state: State, event: OwnerWants, ctx: _Ctx) -> _Outcome:
     first = not state.intents_of(event.owner)
     intent = Intent(id=event.intent_id, owner=event.owner, created_at=event.at, source=event.source)
     new = replace(state, intents=(*state.intents, intent)) if first else state
-    if not ctx.topo.owners[event.owner] & state.lent:
+    if not ctx.topo.claims(event.owner) & state.lent:
         return new, [StartOwner(owner=event.owner)] if first else []
     if state.phase is Phase.OFF:
         return new, []
@@ -403,7 +406,7 @@ def _owner_started(state: State, event: OwnerStarted, ctx: _Ctx) -> _Outcome:
         intents=tuple(i for i in state.intents if i.owner != event.owner),
     )
     actions: list[Action] = [CompleteIntent(intent_id=i.id, owner=i.owner) for i in mine]
-    if ctx.topo.owners[event.owner] & state.lent and state.phase in (
+    if ctx.topo.claims(event.owner) & state.lent and state.phase in (
         Phase.BOOTING,
         Phase.JOINING,
         Phase.LENT,
@@ -505,7 +508,7 @@ def _start_failed(state: State, event: StartFailed, ctx: _Ctx) -> _Outcome:
     mine = state.intents_of(event.vm)
     if not mine:
         raise _stale(state, event, f"no start of {event.vm} was requested")
-    if ctx.topo.owners[event.vm] & state.lent and state.phase.lendee_running:
+    if ctx.topo.claims(event.vm) & state.lent and state.phase.lendee_running:
         return state, []
     new = replace(
         state,
@@ -617,7 +620,7 @@ def _observed(state: State, event: Observed, ctx: _Ctx) -> _Outcome:
         others = [
             StartOwner(owner=o)
             for o in new.waiting_owners
-            if not ctx.topo.owners.get(o, frozenset()) & new.lent
+            if not ctx.topo.claims(o) & new.lent
         ]
         return new, actions + more + others
     new = _enter(
@@ -787,7 +790,7 @@ def _drain_failed(state: State, event: DrainFailed, ctx: _Ctx) -> _Outcome:
     why = f"{ctx.topo.lendee} could not be drained ({event.reason}), and the policy keeps it lent"
 
     def waits(i: Intent) -> bool:
-        return bool(ctx.topo.owners.get(i.owner, frozenset()) & state.lent)
+        return bool(ctx.topo.claims(i.owner) & state.lent)
 
     failed: list[Action] = [
         FailIntent(intent_id=i.id, owner=i.owner, reason=why) for i in state.intents if waits(i)
@@ -1026,7 +1029,7 @@ def verdict(
         return "refuse", f"{rival} ({FOLLOW})"
     if not topo.needs_lendee_gpus(domain):
         return "proceed", f"{domain} shares no GPU with {lendee}"
-    held = ", ".join(sorted(topo.owners[domain] & state.lent))
+    held = ", ".join(sorted(topo.claims(domain) & state.lent))
     if not held:
         if state.phase is Phase.OFF and not state.lendee_starting:
             return "proceed", f"{lendee} is off"
@@ -1075,7 +1078,7 @@ def still_wanted(state: State, action: Action, *, topo: Topology) -> bool:
         case StartOwner(owner=owner):
             if not state.intents_of(owner) or owner in state.running_owners:
                 return False
-            return not topo.owners.get(owner, frozenset()) & state.lent
+            return not topo.claims(owner) & state.lent
         case StartLendee(gpus=gpus):
             return state.lendee_starting and gpus == state.lent
     return True

@@ -96,11 +96,17 @@ class Topology:
     owners may own one GPU (a Windows and a Linux game on one card): they exclude each
     other. The lendee may also hold GPUs nobody owns, and an owner may own GPUs the
     lendee never borrows. Checked on construction.
+
+    ``groups``: GPUs that share an IOMMU group. VFIO gives a group to one VM at a time,
+    so a group moves as one (DESIGN.md, invariant 11): an owner *claims* every GPU of
+    the groups of its own (`claims`), which the lendee then neither starts with nor
+    keeps. A GPU in no group moves alone.
     """
 
     lendee: str
     lendee_gpus: frozenset[str]
     owners: Mapping[str, frozenset[str]] = field(hash=False)
+    groups: tuple[frozenset[str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.lendee_gpus:
@@ -110,6 +116,11 @@ class Topology:
         for owner, gpus in self.owners.items():
             if not gpus:
                 raise ValueError(f"owner {owner} owns no GPU")
+        seen: set[str] = set()
+        for group in self.groups:
+            if seen & group:
+                raise ValueError(f"{', '.join(sorted(seen & group))} in two IOMMU groups")
+            seen |= group
         # Frozen means frozen: nobody edits the topology behind the machine's back.
         object.__setattr__(self, "owners", MappingProxyType(dict(self.owners)))
 
@@ -126,8 +137,18 @@ class Topology:
         return bool(self.shared_gpus(owner))
 
     def shared_gpus(self, owner: str) -> frozenset[str]:
-        """The GPUs `owner` and the lendee both use (empty if they never meet)."""
-        return self.owners.get(owner, frozenset()) & self.lendee_gpus
+        """The lendee's GPUs that `owner` claims (empty if they never meet)."""
+        return self.claims(owner) & self.lendee_gpus
+
+    def whole(self, gpus: Iterable[str]) -> frozenset[str]:
+        """`gpus` and every GPU that shares an IOMMU group with one of them."""
+        given = frozenset(gpus)
+        return given.union(*(g for g in self.groups if g & given))
+
+    def claims(self, owner: str) -> frozenset[str]:
+        """The GPUs `owner` takes from the lendee when it runs: its own, and those that
+        share an IOMMU group with them (empty for a VM that is not an owner)."""
+        return self.whole(self.owners.get(owner, frozenset()))
 
     def gpus_of(self, owners: Iterable[str]) -> frozenset[str]:
         """Every GPU those owners own."""

@@ -46,8 +46,8 @@ class Recorder:
         took = (now - self.host.phase_since) * 1000
         self.host.phase_since = now
         lendee, gpus = self.host.lendee, self.gpu_names(new.lent)
-        wanting = [o for o in new.waiting_owners if self.host.topo.owners[o] & old.lent]
-        wanted = self.host.topo.gpus_of(wanting) & old.lent
+        wanting = [o for o in new.waiting_owners if self.host.topo.claims(o) & old.lent]
+        wanted = self.host.topo.whole(self.host.topo.gpus_of(wanting)) & old.lent
         who = ", ".join(wanting) or ("hostagent reclaim" if new.reclaiming else "an owner VM")
         draining = f"{who} wants {self.gpu_names(wanted or old.lent)}: draining {lendee}"
         if isinstance(event, RelendDue | GpuPods):
@@ -114,7 +114,7 @@ class Recorder:
                        vm=self.host.lendee, result="waiting")
 
     def intent(self, intent: Intent) -> None:
-        shared = self.host.topo.owners.get(intent.owner, frozenset()) & self.host.state.lent
+        shared = self.host.topo.claims(intent.owner) & self.host.state.lent
         how = {IntentSource.HOOK: "through libvirt", IntentSource.CONTROL: "by hostagent play",
                IntentSource.RESUME: "before the agent restarted"}[intent.source]
         if not shared:

@@ -84,6 +84,10 @@ class Verbs:
             gpu = self.host.cfg.gpus.get(label)
             gpus.append({"gpu": label, "name": gpu.name if gpu else None,
                          "pci": gpu.pci if gpu else label,
+                         # Every function that moves with it, and the GPUs that share
+                         # an IOMMU group with it (they move together).
+                         "functions": list(gpu.functions) if gpu else [],
+                         "moves_with": sorted(topo.whole({label}) - {label}),
                          "owners": list(self.host.cfg.owners_of(label)),
                          "holder": holders.get(label)})
         return {
@@ -242,7 +246,7 @@ class Verbs:
             return f"starting {vm}: it shares no GPU with {lendee}"
         if state.phase is Phase.OFF and not state.lendee_starting:
             return f"starting {vm}: {lendee} is off"
-        shared = self.host.topo.owners[vm] & state.lent
+        shared = self.host.topo.claims(vm) & state.lent
         if not shared:
             return f"starting {vm}: {lendee} runs without its GPUs"
         names = self.host.recorder.gpu_names(shared)

@@ -183,7 +183,8 @@ def start_agent_while_host_stops(lab: Lab) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PATH": f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
     proc = lab.spawn("agent", [str(REPO / ".venv" / "bin" / "hostagent"),
-                               "--config", str(lab.config), "run"], env=env)
+                               "--config", str(lab.config), "--sysfs", str(lab.sysfs),
+                               "run"], env=env)
     wait_for(lambda: proc.poll() is not None or lab.agent_ready(), 30, "the agent")
     return proc
 

@@ -169,7 +169,8 @@ def test_a_second_agent(lab: Lab, fault: Scenario) -> None:
     hook, control = (lab.root / "run-hostagent" / f"{n}.sock" for n in ("hook", "control"))
     inodes = (hook.stat().st_ino, control.stat().st_ino)
     second = subprocess.run(lab.nsenter(str(REPO / ".venv" / "bin" / "hostagent"),
-                                        "--config", str(lab.config), "run"),
+                                        "--config", str(lab.config),
+                                        "--sysfs", str(lab.sysfs), "run"),
                             capture_output=True, text=True, timeout=60, check=False)
     assert second.returncode == 2, second
     assert "already running" in second.stderr and f"pid {first.pid}" in second.stderr

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.lab import image
+from tests.sysfs import FakeSysfs
 
 REPO = Path(__file__).resolve().parents[2]
 HOOK = REPO / "hooks" / "qemu"
@@ -96,7 +97,8 @@ LIBVIRTD_PATIENCE = 180.0
 USUAL_WAIT = 30.0
 
 # The agent's configuration in the lab. Lab GPUs are disks, so their PCI addresses
-# are made up; everything else is what a user writes.
+# are made up, and the lab's fake sysfs (`lab_host`) is the host that has them;
+# everything else is what a user writes.
 AGENT_CONFIG = """\
 [lendee]
 domain = "gpu-node"
@@ -152,6 +154,11 @@ class Lab:
     # that tests other roads sets it off (see tests/faults/conftest.py).
     partial: bool = True
     libvirtd_patience: float = LIBVIRTD_PATIENCE
+    # The host's PCI devices as hostagent reads them (a fake sysfs: `lab_host`), and
+    # the devices each lab GPU has beside its own disk (label -> names), which move
+    # with it as a card's other functions do. A test may change both; reset() restores.
+    sysfs: Path = Path()
+    extra: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     # ---- paths -----------------------------------------------------------------
     def path(self, inside: str) -> Path:
@@ -178,6 +185,7 @@ class Lab:
         self.host_before = host_fingerprint()
         self.guest = image.build(self.cache)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.sysfs = lab_host(self.root / "sysfs")
         for name in BINDS.values():
             (self.root / name).mkdir(exist_ok=True)
         # QEMU's capabilities take seconds to probe; they are the same for every lab.
@@ -231,6 +239,7 @@ class Lab:
         self.mark_us = time.time_ns() // 1000
         for dom in self.running():
             self.virsh("destroy", dom, check=False)
+        self.sysfs, self.extra = self.root / "sysfs", {}
         for gpu, (gpu_uuid, name) in GPUS.items():
             self.write_gpu(gpu, f"LABGPU {gpu_uuid} {name}")
         for dom in (LENDEE, *OWNERS):
@@ -430,7 +439,7 @@ class Lab:
         if not self.config.exists():
             self.write_config()
         argv = [str(REPO / ".venv" / "bin" / "hostagent"), "--config", str(self.config),
-                *args, "run"]
+                "--sysfs", str(self.sysfs), *args, "run"]
         group = unit_cgroup()
         if group is not None:  # joined before the agent's first record: sh execs it
             argv = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", *argv]
@@ -450,7 +459,8 @@ class Lab:
     def hostagent(self, *args: str) -> subprocess.CompletedProcess[str]:
         """The CLI, run inside the lab (its control socket is the lab's)."""
         return subprocess.run(self.nsenter(str(REPO / ".venv" / "bin" / "hostagent"),
-                                           "--config", str(self.config), *args),
+                                           "--config", str(self.config),
+                                           "--sysfs", str(self.sysfs), *args),
                               capture_output=True, text=True, timeout=60, check=False)
 
     def records(self, **match: str) -> list[dict[str, Any]]:
@@ -482,10 +492,18 @@ class Lab:
         self.gpu_image(gpu).write_bytes(data)
 
     def define(self, name: str, *, agent_delay: float = 0) -> None:
-        """(Re)define a lab domain: the lendee takes every lab GPU, an owner its own."""
+        """(Re)define a lab domain: the lendee takes every lab GPU, an owner its own,
+        each with its extra devices."""
         gpus = OWNERS.get(name, tuple(sorted(GPUS)))
         assert self.guest is not None, "define() needs the lab up"
-        xml = domain_xml(name, self.guest, [self.gpu_image(g) for g in gpus],
+        images = []
+        for gpu in gpus:
+            images.append(self.gpu_image(gpu))
+            for extra in self.extra.get(gpu, ()):
+                # Not a GPU to the guest's nvidia-smi: another function of the card.
+                self.write_gpu(f"{gpu}-{extra}", f"LABFUNCTION {gpu} {extra}")
+                images.append(self.gpu_image(f"{gpu}-{extra}"))
+        xml = domain_xml(name, self.guest, images,
                          console=self.root / "console" / f"{name}.log",
                          agent_delay=agent_delay)
         f = self.root / f"{name}.xml"
@@ -643,6 +661,17 @@ def domain_xml(name: str, guest: image.GuestImage, gpus: list[Path], *, console:
   </devices>
 </domain>
 """
+
+
+def lab_host(root: Path) -> Path:
+    """The host the lab configuration describes, as sysfs: gpu-a a card with its audio
+    function, gpu-b and gpu-c one function each, every card in an IOMMU group of its
+    own, all on vfio-pci. Built once per lab."""
+    if not root.exists():
+        host = FakeSysfs(root)
+        host.gpu("0a", group="10").gpu("0b", group="11", audio=False)
+        host.gpu("0c", group="12", audio=False)
+    return root
 
 
 def _stop(proc: subprocess.Popen[bytes], timeout: float = 10) -> None:

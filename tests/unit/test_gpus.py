@@ -113,9 +113,12 @@ def test_inventory_text_shows_nvml_order_warning_and_what_nvml_misses(sysfs: Any
     assert "use UUIDs in CUDA_VISIBLE_DEVICES" in text
     # The vfio-bound card NVML cannot see, from sysfs.
     assert "Display devices NVML does not see (sysfs):" in text
-    assert "0000:0b:00.0  10de:2584  vfio-pci  11" in text
+    assert "0000:0b:00.0  10de:2584  vfio-pci  0000:0b:00.1     11" in text
+    # Each card's other functions, NVML's too: they move with it.
+    assert lines[2].split()[-1] == "0000:05:00.1"
     data = gpus.inventory_json(inv)
     assert [g["uuid"] for g in data["nvml"]["gpus"]] == ["GPU-aaaa", "GPU-bbbb"]
+    assert [d["functions"] for d in data["pci"]] == [[f"0000:{b}:00.1"] for b in ("05", "0a", "0b")]
     assert data["pci"][2]["class_code"] == "0x030000"
     assert "CUDA" in data["warning"]
     json.dumps(data)
