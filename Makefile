@@ -133,13 +133,17 @@ install:
 	@echo
 	@echo "hostagent is installed in $(PREFIX). Next:"
 	@if [ -e $(DESTDIR)$(CONFDIR)/config.toml ]; then \
-		echo "  1. $(CONFDIR)/config.toml is kept as it was; check it: hostagent check-config"; \
+		echo "  1. $(CONFDIR)/config.toml is kept as it was; check it:"; \
 	else \
 		echo "  1. write $(CONFDIR)/config.toml from your VMs: hostagent config init"; \
-		echo "     (or start from $(CONFDIR)/config.example.toml), then: hostagent check-config"; \
+		echo "     (or start from $(CONFDIR)/config.example.toml); edit it ([kubernetes] is"; \
+		echo "     commented out: uncomment it if the lendee is a Kubernetes node), then:"; \
 	fi
-	@echo "  2. start it now and at every boot: systemctl enable --now hostagent"
-	@echo "  3. libvirtd looks for hooks only when it starts: if $(HOOKDIR)/hostagent is"
+	@echo "       hostagent check-config && hostagent lint"
+	@echo "  2. the lendee's prerequisites and the host's boot and shutdown: README.md,"
+	@echo "     Installing on Debian"
+	@echo "  3. start it now and at every boot: systemctl enable --now hostagent"
+	@echo "  4. libvirtd looks for hooks only when it starts: if $(HOOKDIR)/hostagent is"
 	@echo "     the first hook on this machine, restart it once (running VMs keep running):"
 	@echo "       systemctl restart libvirtd"
 	@echo "  Follow it with: journalctl -u hostagent -f"

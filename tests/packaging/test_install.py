@@ -137,7 +137,9 @@ def test_the_example_config_parses_with_the_installed_package(staged: Staged) ->
 def test_the_output_says_what_to_do_next(staged: Staged) -> None:
     out = staged.make("install").stdout
     assert "hostagent config init" in out
-    assert "systemctl enable --now hostagent" in out
+    # Edited and checked (every problem, then the VMs' XML) before the service starts.
+    assert out.index("edit it") < out.index("hostagent check-config && hostagent lint") \
+        < out.index("lendee's prerequisites") < out.index("systemctl enable --now hostagent")
     assert "systemctl restart libvirtd" in out and "first hook" in out
 
 
