@@ -3,9 +3,11 @@
 Everything that happens becomes an `Event` applied by `Agent.apply`, on the event loop
 thread, one at a time: the pure `machine.step` decides, the agent persists what must
 survive a crash, writes one journal record per transition, and runs the actions as
-tasks. Each task reports back with another event. The loop itself never blocks:
-libvirt calls run in worker threads (see `libvirt_host`), so the hook socket is
-answered while libvirtd is busy starting the VM whose hook is asking.
+tasks. Each task reports back with another event. An owner's start request is applied
+only once it is on disk (`Agent.request`). The loop itself never blocks: libvirt calls
+and state saves run in worker threads (see `libvirt_host`, `state.Saver`), so the hook
+socket is answered while libvirtd is busy starting the VM whose hook is asking, and
+while the disk takes its time.
 
 Level-triggered: at start and after every libvirt reconnect the agent reads which
 VMs run and hands that to the machine (`Observed`); events only wake it up.
