@@ -279,6 +279,97 @@ def ssh_session_flood(lab: Lab, scratch: Path) -> Iterator[str]:
           "commands run while the hook was timed", file=sys.stderr)
 
 
+@contextmanager
+def in_a_loop(work: Callable[[], None]) -> Iterator[list[int]]:
+    """`work` again and again in a thread until the block ends; yields [times done]."""
+    done = threading.Event()
+    ran = [0]
+
+    def loop() -> None:
+        while not done.is_set():
+            work()
+            ran[0] += 1
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield ran
+    finally:
+        done.set()
+        thread.join(60)
+
+
+def control(lab: Lab, verb: str, *, hang_up: bool = False, **args: str) -> None:
+    """One request on the lab's control socket, as root; read to the end, or hang up
+    once the agent said something."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(60)
+        s.connect(str(lab.root / "run-hostagent" / "control.sock"))
+        s.sendall(json.dumps({"v": 1, "verb": verb, "args": args}).encode() + b"\n")
+        while (chunk := s.recv(65536)) and not (hang_up and b"\n" in chunk):
+            pass
+
+
+@attack("slow fsync")
+@contextmanager
+def slow_fsync(lab: Lab, scratch: Path) -> Iterator[str]:
+    """Every fsync of the agent takes a second (an SD card, a busy disk) while its state
+    changes every 0.2 s: hold, then lend, each a save (tests/faults/test_load.py)."""
+    from tests.faults.test_load import slow_disk
+
+    with slow_disk(lab, 1.0):
+        start_lent(lab)
+
+    def change() -> None:
+        for verb in ("hold", "resume"):
+            control(lab, verb)
+            time.sleep(0.1)
+
+    with in_a_loop(change) as ran:
+        yield "fsync 1 s, a state change every 0.2 s"
+    print(f"slow fsync: {2 * ran[0]} state changes while the hook was timed", file=sys.stderr)
+
+
+@attack("control flood")
+@contextmanager
+def control_flood(lab: Lab, scratch: Path) -> Iterator[str]:
+    """Root's client gone wrong, twice: malformed lines and verbs naming no VM there is,
+    one connection each, in a loop (tests/faults/test_load.py)."""
+    start_lent(lab)
+    before = len(lab.records(event="control"))
+
+    def flood() -> None:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(lab.root / "run-hostagent" / "control.sock"))
+            s.sendall(b"{not json\n")
+            while s.recv(65536):
+                pass
+        control(lab, "release", vm="no-such-vm")
+        control(lab, "play", vm="gaming9")
+
+    with in_a_loop(flood) as one, in_a_loop(flood) as two:
+        yield "two clients, malformed and unknown-VM requests in a loop"
+    records = len(lab.records(event="control")) - before
+    print(f"control flood: {3 * (one[0] + two[0])} requests, {records} journal records",
+          file=sys.stderr)
+
+
+@attack("repeated requests")
+@contextmanager
+def repeated_requests(lab: Lab, scratch: Path) -> Iterator[str]:
+    """`play gaming1`, hung up once the agent answers, again and again: its GPU is
+    reclaimed from the lendee meanwhile, then it runs (tests/faults/test_load.py)."""
+    start_lent(lab)
+    with in_a_loop(lambda: control(lab, "play", hang_up=True, vm="gaming1")) as ran:
+        # Timed once gaming1 runs: its boot under TCG takes both of a small machine's
+        # cores, which no agent can help (the fault row covers the reclaim itself).
+        lab.wait_state("gaming1", "running", timeout=120)
+        yield "play gaming1 and hang up, in a loop, gaming1 started by the first"
+    intents = len(lab.records(event="intent", to="pending", vm="gaming1"))
+    print(f"repeated requests: {ran[0]} requests, {intents} intent(s) recorded",
+          file=sys.stderr)
+
+
 def under_attack(interpreter: list[str], hook: Path, runs: int, bare_p99: float,
                  markdown: Path | None) -> None:
     """The hook against the real agent, idle and under each attack."""
