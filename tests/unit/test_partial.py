@@ -855,10 +855,6 @@ def test_partial_events_refused_in_every_phase(phase: Phase) -> None:
 # --- a randomised world ----------------------------------------------------------------
 
 
-def owned(owners: set[str] | frozenset[str]) -> frozenset[str]:
-    return TOPO.gpus_of(owners)
-
-
 class World(RuleBasedStateMachine):
     """libvirt, the guest, the cluster, people and the executor, with the GPUs each VM
     really holds.
@@ -877,6 +873,13 @@ class World(RuleBasedStateMachine):
     After a restart of the agent, libvirt lists an owner whose start is in flight as
     running (its domain is active from the moment libvirt starts preparing it).
     """
+
+    topo = TOPO
+
+    def owned(self, owners: set[str] | frozenset[str]) -> frozenset[str]:
+        """What those owners hold when they run: their GPUs and every GPU that shares
+        an IOMMU group with one (VFIO takes the group)."""
+        return self.topo.whole(self.topo.gpus_of(owners))
 
     def __init__(self) -> None:
         super().__init__()
@@ -901,7 +904,7 @@ class World(RuleBasedStateMachine):
     def deliver(self, event: Event, *, may_be_stale: bool = False) -> None:
         before = self.state
         try:
-            after, actions = step(before, event, topo=TOPO, policy=self.policy)
+            after, actions = step(before, event, topo=self.topo, policy=self.policy)
         except IllegalTransition:
             if not may_be_stale:
                 raise
@@ -914,7 +917,7 @@ class World(RuleBasedStateMachine):
 
     def claimed(self, s: State) -> frozenset[str]:
         """What owners hold, start with or wait for, as the machine knows it."""
-        return owned(s.running_owners | s.starting_owners | set(s.waiting_owners))
+        return self.owned(s.running_owners | s.starting_owners | set(s.waiting_owners))
 
     def take(self, before: State, after: State, action: Action) -> None:
         match action:
@@ -935,17 +938,17 @@ class World(RuleBasedStateMachine):
                 assert self.live is not None and self.answered, "shutdown before agent up"
                 self.queue.append(action)
             case StartOwner(owner=o):
-                assert not TOPO.owners[o] & after.lent, f"{o} started into the lendee's set"
+                assert not self.topo.claims(o) & after.lent, f"{o} started into the lendee's set"
                 self.queue.append(action)
             case StartLendee(gpus=g):
                 assert not after.hold
                 assert g == after.lent and after.lendee_starting
                 assert len(g) >= self.policy.min_gpus, f"{sorted(g)} is below min_gpus"
-                assert g <= TOPO.lendee_gpus
+                assert g <= self.topo.lendee_gpus
                 assert not g & self.claimed(after), f"{sorted(g)} meets what owners claim"
-                assert not g & owned(self.owners_up | self.owners_starting)
+                assert not g & self.owned(self.owners_up | self.owners_starting)
                 if not self.policy.partial:
-                    assert g == TOPO.lendee_gpus
+                    assert g == self.topo.lendee_gpus
                 self.queue.append(action)
             case _:
                 self.queue.append(action)
@@ -954,7 +957,7 @@ class World(RuleBasedStateMachine):
         intent_id = f"i{next(self.ids)}"
         if not self.state.intents_of(owner):  # else it joins the one pending
             self.open[intent_id] = owner
-        rival = conflict(self.state, owner, TOPO) if owner not in self.state.running_owners \
+        rival = conflict(self.state, owner, self.topo) if owner not in self.state.running_owners \
             else None
         try:
             self.deliver(OwnerWants(at=self.now, owner=owner, intent_id=intent_id,
@@ -994,7 +997,7 @@ class World(RuleBasedStateMachine):
         self.deliver(LendeeStopped(at=self.now))
 
     def execute(self, action: Action, ok: bool, late: bool = False) -> None:
-        wanted = still_wanted(self.state, action, topo=TOPO)
+        wanted = still_wanted(self.state, action, topo=self.topo)
         if not wanted and not (late and isinstance(action, (WaitAgent, Drain, KubeReturn))):
             return
         stale = not wanted
@@ -1006,7 +1009,7 @@ class World(RuleBasedStateMachine):
                 if not ok:
                     self.deliver(StartFailed(at=self.now, vm=o, reason="x"))
                     return
-                decision, why = verdict(self.state, o, topo=TOPO)
+                decision, why = verdict(self.state, o, topo=self.topo)
                 assert decision == "proceed", f"our own start of {o}: {decision}: {why}"
                 self.agent_starts.add(o)
                 self.let_through(o)
@@ -1014,7 +1017,7 @@ class World(RuleBasedStateMachine):
                 if not ok:
                     self.deliver(StartFailed(at=self.now, vm=LENDEE, reason="x"))
                     return
-                if verdict(self.state, LENDEE, topo=TOPO)[0] == "defer":
+                if verdict(self.state, LENDEE, topo=self.topo)[0] == "defer":
                     self.deliver(StartFailed(at=self.now, vm=LENDEE, reason="deferred"))
                     return
                 assert self.live is None
@@ -1062,10 +1065,14 @@ class World(RuleBasedStateMachine):
         # never ran the lendee with a subset).
         if lendee is not None and (not partial or len(lendee) < min_gpus):
             lendee = ALL
-        if "gaming1" in owners:
-            owners.discard("gaming-win")
+        # Each GPU (and IOMMU group) held once: gaming1 wins its card over gaming-win.
+        kept: set[str] = set()
+        for o in OWNERS:
+            if o in owners and not self.owned(kept) & self.topo.claims(o):
+                kept.add(o)
+        owners = kept
         if lendee is not None:
-            owners = {o for o in owners if not TOPO.owners[o] & lendee}
+            owners = {o for o in owners if not self.topo.claims(o) & lendee}
         self.live, self.owners_up = lendee, set(owners)
         self.deliver(Observed(at=0.0, lendee_running=lendee is not None,
                               owners_running=frozenset(owners), lendee_gpus=lendee))
@@ -1075,13 +1082,13 @@ class World(RuleBasedStateMachine):
     def virsh_start(self, owner: str) -> None:
         if owner in self.owners_up | self.owners_starting:
             return
-        decision, message = verdict(self.state, owner, topo=TOPO)
+        decision, message = verdict(self.state, owner, topo=self.topo)
         if decision == "proceed":
             self.let_through(owner)
         elif decision == "defer":
             self.open_intent(owner, IntentSource.HOOK)
         else:
-            rival = conflict(self.state, owner, TOPO)
+            rival = conflict(self.state, owner, self.topo)
             assert rival is not None and message == f"{rival} ({FOLLOW})"
 
     @precondition(lambda self: bool(self.owners_starting))
@@ -1111,9 +1118,9 @@ class World(RuleBasedStateMachine):
         the lendee got (the machine assumes the one it asked for)."""
         if self.live is not None or self.state.lendee_starting:
             return
-        if verdict(self.state, LENDEE, topo=TOPO)[0] == "proceed":
-            assert not TOPO.lendee_gpus & owned(self.owners_up | self.owners_starting)
-            self.start_lendee(TOPO.lendee_gpus)
+        if verdict(self.state, LENDEE, topo=self.topo)[0] == "proceed":
+            assert not self.topo.lendee_gpus & self.owned(self.owners_up | self.owners_starting)
+            self.start_lendee(self.topo.lendee_gpus)
 
     @rule(owner=st.sampled_from(OWNERS))
     def owner_stops(self, owner: str) -> None:
@@ -1196,16 +1203,16 @@ class World(RuleBasedStateMachine):
     @invariant()
     def never_two_running_holders_of_a_gpu(self) -> None:
         if self.live is not None:
-            assert not self.live & owned(self.owners_up), "the lendee and an owner share"
+            assert not self.live & self.owned(self.owners_up), "the lendee and an owner share"
         for one, other in itertools.combinations(sorted(self.owners_up), 2):
-            assert not TOPO.owners[one] & TOPO.owners[other], f"{one} and {other} share"
+            assert not self.topo.claims(one) & self.topo.claims(other), f"{one} and {other} share"
 
     @invariant()
     def the_live_set_never_meets_a_claim(self) -> None:
         s = self.state
         if s.phase in (Phase.BOOTING, Phase.JOINING, Phase.LENT):
             assert not s.lent & self.claimed(s), f"{s.phase} with {sorted(s.lent)}: {s}"
-            world = owned(self.owners_up | self.owners_starting | set(s.waiting_owners))
+            world = self.owned(self.owners_up | self.owners_starting | set(s.waiting_owners))
             assert self.live is not None and not self.live & world
 
     @invariant()
@@ -1224,11 +1231,11 @@ class World(RuleBasedStateMachine):
         if self.live is not None:
             assert s.lent == self.live
         expected = {
-            gpu: next((o for o in sorted(running) if gpu in TOPO.owners[o]), None)
+            gpu: next((o for o in sorted(running) if gpu in self.topo.owners[o]), None)
             or (LENDEE if self.live is not None and gpu in self.live else None)
-            for gpu in sorted(TOPO.gpus)
+            for gpu in sorted(self.topo.gpus)
         }
-        assert holders(s, TOPO) == expected
+        assert holders(s, self.topo) == expected
 
     @invariant()
     def the_state_is_coherent(self) -> None:
@@ -1260,7 +1267,7 @@ class World(RuleBasedStateMachine):
                 self.deliver(GpuPods(at=self.now, count=0))  # the GPU jobs end
             elif s.phase is Phase.FAILED or (
                 s.phase is Phase.OFF and s.reason and idle and not s.hold
-                and len(free_gpus(s, TOPO, self.policy)) >= self.policy.min_gpus
+                and len(free_gpus(s, self.topo, self.policy)) >= self.policy.min_gpus
             ):
                 self.deliver(Resume(at=self.now))  # the operator's "try again"
             elif self.queue:
@@ -1273,8 +1280,8 @@ class World(RuleBasedStateMachine):
             raise AssertionError(f"the machine never came to rest: {self.state}")
         assert not self.open, f"intents never ended: {self.open}"
         s = self.state
-        free = TOPO.lendee_gpus - owned(self.owners_up)
-        if not self.policy.partial and free != TOPO.lendee_gpus:
+        free = self.topo.lendee_gpus - self.owned(self.owners_up)
+        if not self.policy.partial and free != self.topo.lendee_gpus:
             free = frozenset()
         if s.hold:
             assert s.phase in (Phase.OFF, Phase.LENT)
@@ -1294,3 +1301,20 @@ World.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_world = World.TestCase
+
+
+class GroupedWorld(World):
+    """The same world on a host where gpu-b (gaming2's) shares an IOMMU group with
+    gpu-c (nobody's), and gpu-a with gpu-z (gaming3's, never lent): an owner holds its
+    whole group, so the lendee's live set must never meet one."""
+
+    topo = replace(TOPO, groups=(gpus(B, C), gpus(A, Z)))
+
+
+GroupedWorld.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_grouped_world = GroupedWorld.TestCase
