@@ -353,9 +353,11 @@ def run(cycles: int) -> list[dict[str, Leg]]:
                     lab.wait_agent(OWNER)  # `virsh shutdown --mode agent` needs it
                     legs["regrow"] = regrow(lab, kc, ev, relend_delay)
                     done.append(legs)
-                    print(f"cycle {n + 1}/{cycles}: " + ", ".join(
-                        f"{name} {leg.total:.2f}s (overhead {leg.overhead * 1000:.0f} ms)"
-                        for name, leg in legs.items()), file=sys.stderr)
+                    print(f"cycle {n + 1}/{cycles}: " + "; ".join(
+                        f"{name} {leg.total:.2f}s (overhead {leg.overhead * 1000:.0f} ms: "
+                        + ", ".join(f"{k} {v * 1000:.0f}" for k, v in {**leg.steps,
+                                                                      **leg.gaps}.items())
+                        + ")" for name, leg in legs.items()), file=sys.stderr)
         finally:
             ev.close()
     finally:

@@ -8,10 +8,16 @@ gpu-c, verified in the guest, uncordoned. `virsh shutdown gaming1`; once no pod 
 node uses a GPU, gpu-node regrows (policy.regrow = when-idle): drained, restarted with
 all three, verified, uncordoned. Every component is real except the Kubernetes API
 server, a stand-in (not installable here) with a kubelet that follows the VM.
+
+    python -m tests.lab.demo [--svg FILE]
+
+--svg draws the cycle from the demo's journal with `hostagent history --svg` (README's
+docs/timeline.svg is drawn so).
 """
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 import sys
@@ -77,6 +83,9 @@ def wait_phase(lab: Lab, to: str, count: int, timeout: float = 120) -> float:
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--svg", type=Path, help="draw the cycle's timeline to this file")
+    opts = ap.parse_args()
     reason = need_lab()
     if reason:
         print(f"demo: {reason}", file=sys.stderr)
@@ -131,6 +140,12 @@ def main() -> int:
         print(f"\n  reclaim (virsh start → gaming1 running): {reclaim:.1f}s")
         print(f"  partial lend (virsh start → gpu-node lent gpu-b, gpu-c): {partial:.1f}s")
         print(f"  regrow (gaming1 shutdown → gpu-node lent all three): {lend:.1f}s")
+        if opts.svg is not None:
+            out = lab.hostagent("history", "--svg", str(opts.svg.resolve()))
+            if out.returncode != 0:
+                print(f"demo: hostagent history failed: {out.stderr.strip()}", file=sys.stderr)
+                return 1
+            print(f"\n  the timeline: {opts.svg}")
         return 0
     finally:
         time.sleep(0.3)  # let journalctl print the last lines
