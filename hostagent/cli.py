@@ -14,6 +14,7 @@ from hostagent import config as configuration
 from hostagent import journal
 from hostagent.control import ControlError, request
 from hostagent.follow import format_status
+from hostagent.text import clean
 
 if TYPE_CHECKING:
     from hostagent import lint
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hostagent: {e}", file=sys.stderr)
         return 1
     if not reply.get("ok"):
-        print(f"hostagent: {reply.get('error')}", file=sys.stderr)
+        print(f"hostagent: {clean(reply.get('error'), None)}", file=sys.stderr)
         return 1
     data = reply["data"]
     if getattr(args, "json", False):
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         print()
     else:
         if "message" in data:  # hold, resume, lend: what it changed
-            print(data["message"] + "\n")
+            print(clean(data["message"], None) + "\n")
         print(format_status(data))
     return 0
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hostagent.control import ControlError, ControlTimeout, request
+from hostagent.text import clean
 
 __all__ = ["TIMED_OUT", "follow", "format_reply"]
 
@@ -31,21 +32,24 @@ Reply = dict[str, Any]
 
 
 def format_reply(reply: Reply) -> str:
-    """A progress line or a result as text, for a log, a pipe or an SSH client."""
+    """A progress line or a result as text, for a log, a pipe or an SSH client.
+
+    What the agent says may quote a guest, the API server or a journal: every line is
+    cleaned as it is printed (`hostagent.text`)."""
     if "ok" not in reply:
         elapsed = reply.get("elapsed_s")
         line = f"[{elapsed:6.1f}s] " if isinstance(elapsed, int | float) else ""
         line += str(reply.get("message", ""))
         if reply.get("waiting"):
             line += f" (waiting for {reply['waiting']})"
-        return line
+        return clean(line, None)
     if not reply["ok"]:
-        return f"error: {reply.get('error')}"
+        return f"error: {clean(reply.get('error'), None)}"
     data = reply.get("data") or {}
     if "lendee" in data:
         table = format_status(data)
-        return f"{data['message']}\n\n{table}" if "message" in data else table
-    return str(data.get("message", "ok"))
+        return f"{clean(data['message'], None)}\n\n{table}" if "message" in data else table
+    return clean(data.get("message", "ok"), None)
 
 
 class _Line:
@@ -67,6 +71,7 @@ class _Line:
         text = f"[{elapsed:5.0f}s] {self.step.get('message', '')}"
         if self.step.get("waiting"):
             text += f" - waiting for {self.step['waiting']}"
+        text = clean(text, None)
         width = max(20, shutil.get_terminal_size().columns - 1)
         if len(text) > width:
             text = text[:width - 1] + "…"
@@ -105,7 +110,7 @@ def follow(path: Path, verb: str, args: dict[str, Any], *, json_lines: bool = Fa
                 if not json_lines:
                     print(format_reply(reply), file=out, flush=True)
                 return 0
-            print(f"hostagent: {reply.get('error')}", file=err)
+            print(f"hostagent: {clean(reply.get('error'), None)}", file=err)
             return 1
     except ControlTimeout as e:
         if line is not None:
@@ -135,6 +140,8 @@ def _stopped(verb: str, args: dict[str, Any], why: str) -> str:
 
 
 def format_status(data: dict[str, Any]) -> str:
+    """The status verb's reply as text; each line cleaned as it is printed (the reason
+    and the check's summary quote the guest and the API server)."""
     lendee = data["lendee"]
     since = time.time() - lendee["since"]
     lines = [f"lendee {lendee['domain']}: {lendee['phase']} for {_age(since)}"
@@ -151,10 +158,11 @@ def format_status(data: dict[str, Any]) -> str:
                      + ("ok" if checked["ok"] else "MISMATCH") + f" ({checked['summary']})")
     if data.get("relend_in_s") is not None:
         lines.append(f"  lending again in {_age(data['relend_in_s'])}")
-    rows = [("GPU", "NAME", "PCI", "OWNERS", "HELD BY")]
+    rows: list[tuple[str, ...]] = [("GPU", "NAME", "PCI", "OWNERS", "HELD BY")]
     for g in data["gpus"]:
-        rows.append((g["gpu"], g["name"] or "-", _functions(g["pci"], g.get("functions", [])),
-                     ", ".join(g["owners"]) or "-", g["holder"] or "nobody"))
+        rows.append(tuple(clean(c, None) for c in (
+            g["gpu"], g["name"] or "-", _functions(g["pci"], g.get("functions", [])),
+            ", ".join(g["owners"]) or "-", g["holder"] or "nobody")))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines.append("")
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
@@ -179,7 +187,7 @@ def format_status(data: dict[str, Any]) -> str:
         lines += [f"  {c['check']}: {c['detail']}" for c in failed]
     elif data.get("health"):
         lines.append(f"health: {len(data['health'])} checks pass")
-    return "\n".join(lines)
+    return "\n".join(clean(line, None) for line in lines)
 
 
 def _functions(pci: str, functions: list[str]) -> str:

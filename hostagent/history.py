@@ -35,6 +35,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from hostagent.text import clean
+
 __all__ = [
     "History",
     "HistoryError",
@@ -144,15 +146,30 @@ def _transition(rec: Mapping[str, Any]) -> Transition | None:
         return None
     ms = _float(rec.get("HOSTAGENT_DURATION_MS", ""))
     holders = rec.get("HOSTAGENT_HOLDERS")
-    message = rec.get("MESSAGE", "")
+    cause = rec.get("HOSTAGENT_CAUSE")
+
+    def field(name: str, limit: int = 200) -> str:  # printed later: cleaned as it comes in
+        return clean(_text(rec.get(name, "")), limit)
+
     return Transition(
-        at=at / 1e6, event=str(event), vm=str(rec.get("HOSTAGENT_VM", "")),
-        from_=str(rec.get("HOSTAGENT_FROM", "")), to=str(rec.get("HOSTAGENT_TO", "")),
-        duration=None if ms is None else ms / 1000, result=str(rec.get("HOSTAGENT_RESULT", "")),
-        cause=rec.get("HOSTAGENT_CAUSE"),
-        # journalctl prints a message that is not valid UTF-8 as a list of bytes.
-        message=message if isinstance(message, str) else bytes(message).decode(errors="replace"),
-        holders=parse_holders(holders) if isinstance(holders, str) else None)
+        at=at / 1e6, event=str(event), vm=field("HOSTAGENT_VM"), from_=field("HOSTAGENT_FROM"),
+        to=field("HOSTAGENT_TO"), duration=None if ms is None else ms / 1000,
+        result=field("HOSTAGENT_RESULT"),
+        cause=None if cause is None else field("HOSTAGENT_CAUSE"),
+        message=clean(_text(rec.get("MESSAGE", ""))),
+        holders=parse_holders(field("HOSTAGENT_HOLDERS", 4000)) if isinstance(holders, str)
+        else None)
+
+
+def _text(value: object) -> str:
+    """A journal field's text: journalctl prints one that is not valid UTF-8 as a list
+    of bytes."""
+    if isinstance(value, list):
+        try:
+            return bytes(value).decode(errors="replace")
+        except (TypeError, ValueError):
+            return ""
+    return str(value)
 
 
 def trusted(rec: Mapping[str, Any], unit: str = UNIT) -> bool:
@@ -314,6 +331,7 @@ def _clock(at: float) -> str:
 
 
 def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    rows = [tuple(clean(c, None) for c in r) for r in rows]  # cleaned again as printed
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
             for r in rows]

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from hostagent.text import clean
+
 __all__ = [
     "IDENTIFIER",
     "INFO",
@@ -93,9 +95,11 @@ class Entry:
             words.append("error:")
         elif self.priority == Priority.WARNING:
             words.append("warning:")
-        words.append(self.message)
+        # One line, whatever the message quotes (a guest, the API server, a caller).
+        words.append(clean(self.message, None))
         pairs = [
-            f"{name.removeprefix(_PREFIX).lower()}={_quoted(v)}" for name, v in self.fields.items()
+            f"{name.removeprefix(_PREFIX).lower()}={clean(_quoted(v), None)}"
+            for name, v in self.fields.items()
         ]
         if pairs:
             words.append("[" + " ".join(pairs) + "]")

@@ -80,6 +80,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from hostagent import journal
 from hostagent.config import DrainTimeoutAction
 from hostagent.config import Kubernetes as KubernetesConfig
+from hostagent.text import clean
 
 __all__ = [
     "MARKER_VALUE",
@@ -611,9 +612,9 @@ def _status_of(e: ApiException) -> tuple[str, str, list[str]]:
     causes = details.get("causes") if isinstance(details, dict) else None
     fallback = e.reason if isinstance(e.reason, str) else ""
     return (
-        _string(body.get("reason")) or fallback,
-        _string(body.get("message")) or fallback,
-        [_string(c.get("message")) for c in causes if isinstance(c, dict)]
+        clean(_string(body.get("reason")) or fallback, 200),
+        clean(_string(body.get("message")) or fallback),
+        [clean(_string(c.get("message"))) for c in causes[:20] if isinstance(c, dict)]
         if isinstance(causes, list) else [],
     )
 
@@ -643,7 +644,7 @@ async def _parsed(request: Callable[[], Awaitable[T]], readable: Callable[[Any],
         if isinstance(e.__context__, ApiException):
             raise e.__context__ from None
         raise _Unreadable(f"a reply that could not be read ({type(e).__name__}: "
-                          f"{str(e)[:200]})") from e
+                          f"{clean(e, 200)})") from e
     try:
         ok = readable(result)
     except _PARSING:
@@ -683,7 +684,7 @@ def _describe(e: BaseException) -> str:
     if isinstance(e, ApiException):
         reason, message, _ = _status_of(e)
         return f"{e.status} {reason}: {message}" if message else f"{e.status} {reason}"
-    return str(e) or type(e).__name__
+    return clean(e) or type(e).__name__
 
 
 _HOSTNAME = socket.gethostname()
@@ -917,7 +918,7 @@ class Kube:
         condition = _ready(current)
         return NodeCheck(node=node, exists=True, ready=_is_ready(current),
                          unschedulable=_unschedulable(current),
-                         detail=f"{condition.reason}" if condition is not None and
+                         detail=clean(condition.reason, 200) if condition is not None and
                          condition.reason else "")
 
     async def post_event(self, node: str, *, reason: str, message: str,
@@ -1177,8 +1178,9 @@ class Kube:
         why = ""
         condition = _ready(last) if last is not None else None
         if condition is not None:
-            why = f": Ready={condition.status}" + (
-                f" ({condition.reason}: {condition.message})" if condition.reason else ""
+            why = f": Ready={clean(condition.status, 20)}" + (
+                f" ({clean(condition.reason, 200)}: {clean(condition.message)})"
+                if condition.reason else ""
             )
         if problem:
             why += f"; {problem}"
@@ -1283,8 +1285,8 @@ class Kube:
                 exists=current is not None,
                 ready=current is not None and _is_ready(current),
                 ready_detail="" if condition is None else
-                f"Ready={condition.status}" + (f" ({condition.reason})" if condition.reason
-                                               else ""),
+                f"Ready={clean(condition.status, 20)}" + (
+                    f" ({clean(condition.reason, 200)})" if condition.reason else ""),
                 allocatable={r: _gpus(current, r) for r in resources} if current is not None
                 else {r: 0 for r in resources},
                 gpu_pods=sum(pods.values()),

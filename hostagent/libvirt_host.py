@@ -44,6 +44,7 @@ import libvirtaio
 
 from hostagent import devices
 from hostagent.config import Gpu
+from hostagent.text import clean
 
 log = logging.getLogger("hostagent.libvirt")
 T = TypeVar("T")
@@ -216,7 +217,8 @@ class Libvirt:
                         libvirt.VIR_ERR_RPC) and not conn.isAlive():
                 self._lost()
                 raise Disconnected(f"{what}: lost libvirtd ({e.get_error_message()})") from e
-            raise HostError(f"{what}: {e.get_error_message()}") from e
+            # The guest agent's errors carry the guest's words.
+            raise HostError(f"{what}: {clean(e.get_error_message())}") from e
 
     # ---- queries ----------------------------------------------------------
     async def defined_domains(self) -> set[str]:
@@ -391,8 +393,7 @@ def _text(b64: object, what: str) -> str:
 
 def _short(value: object) -> str:
     """A guest's reply, cut short for a message (it may be huge)."""
-    text = repr(value) if not isinstance(value, BaseException) else str(value)
-    return text[:120] + ("…" if len(text) > 120 else "")
+    return clean(repr(value) if not isinstance(value, BaseException) else value, 120)
 
 
 @dataclass(frozen=True)

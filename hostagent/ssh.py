@@ -113,6 +113,7 @@ from hostagent import journal, trusted
 from hostagent.control import Caller, serving
 from hostagent.follow import format_reply
 from hostagent.ratelimit import Summarised
+from hostagent.text import clean
 
 __all__ = [
     "LOGIN_TIMEOUT",
@@ -834,11 +835,11 @@ class _Connection(asyncssh.SSHServer):
 
     def connection_requested(self, dest_host: str, dest_port: int, orig_host: str,
                              orig_port: int) -> bool:
-        self.refuse(f"a port forwarding to {dest_host[:64]}:{dest_port}")
+        self.refuse(f"a port forwarding to {clean(dest_host, 64)}:{dest_port}")
         raise _prohibited()
 
     def server_requested(self, listen_host: str, listen_port: int) -> bool:
-        self.refuse(f"a remote port forwarding from {listen_host[:64]}:{listen_port}")
+        self.refuse(f"a remote port forwarding from {clean(listen_host, 64)}:{listen_port}")
         return False
 
     def unix_connection_requested(self, dest_path: str) -> bool:

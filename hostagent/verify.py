@@ -15,6 +15,9 @@ operator's driver container in /run/nvidia/driver/usr/bin, others in /usr/bin,
 those places; `query` tries them in order until one runs, and when none does, its
 error names every place it looked.
 
+What the guest says is the lendee's tenants' to write: names and errors are cleaned
+and capped here, where they come in (`hostagent.text`).
+
 Everything above `query` and `run_ssh` is pure: parsing and comparing, no side effects.
 The guest is reached by the agent (through the guest agent, `Libvirt.guest_exec`) or by
 `run_ssh`; `query` only calls the runner it is given.
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hostagent import trusted
+from hostagent.text import clean
 
 __all__ = [
     "CAUSES",
@@ -125,13 +129,16 @@ def parse_query(text: str) -> list[SeenGpu]:
     Raises ValueError on a line that is not three fields (an error message, say).
     """
     found = []
-    for line in text.splitlines():
+    # Lines end at "\n" alone: a carriage return or a separator inside a name is the
+    # name's (cleaned below), not an end of line that would split it.
+    for line in text.split("\n"):
         if not line.strip():
             continue
         fields = [f.strip() for f in line.split(",", 2)]
         if len(fields) != 3 or not fields[0]:
-            raise ValueError(f"not a uuid, pci.bus_id, name line: {line.strip()!r}")
-        found.append(SeenGpu(uuid=fields[0], pci=fields[1], name=fields[2]))
+            raise ValueError(f"not a uuid, pci.bus_id, name line: {clean(line.strip(), 200)}")
+        found.append(SeenGpu(uuid=clean(fields[0], 100), pci=clean(fields[1], 100),
+                             name=clean(fields[2], 200)))
     return found
 
 
@@ -157,7 +164,7 @@ def outcome_of_run(expected: Sequence[Expected], exitcode: int, stdout: str,
                    stderr: str) -> Outcome:
     """The verdict from one run of the query command in the guest."""
     if exitcode != 0:
-        said = (stdout.strip() or stderr.strip() or "no output").splitlines()[0]
+        said = clean((stdout.strip() or stderr.strip() or "no output").splitlines()[0], 200)
         return Outcome(seen=(), missing=tuple(expected),
                        problem=f"nvidia-smi exited with status {exitcode}: {said}")
     try:
@@ -197,7 +204,7 @@ def combine(expected: Sequence[Expected], attempts: Sequence[tuple[str, Run | Ex
         if isinstance(result, Exception):
             if _missing(str(result)):
                 continue
-            return Outcome(seen=(), missing=tuple(expected), problem=str(result))
+            return Outcome(seen=(), missing=tuple(expected), problem=clean(result))
         code, out, err = result
         if code in (126, 127) or (code != 0 and not out.strip() and _missing(err)):
             continue

@@ -1,7 +1,9 @@
-"""Words from others: records any local user can send to the journal.
+"""Words from others: records any local user can send to the journal, and a guest whose
+GPU names carry terminal escape sequences.
 
-No Kubernetes needed. The journal is the lab's real journald, so the forgeries carry
-the fields journald itself adds.
+Neither needs Kubernetes. The journal is the lab's real journald, so the forgeries carry
+the fields journald itself adds; the guest is a real lab guest whose stand-in
+nvidia-smi reads its GPU names off the lab GPUs' disks.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import sys
 
 import pytest
 
-from tests.lab.lab import Lab
+from tests.faults.scenario import wait_lent
+from tests.lab.lab import GPUS, Lab
 
 pytestmark = pytest.mark.lab
 
@@ -49,3 +52,29 @@ def test_forged_journal_records(lab: Lab) -> None:
     assert not {s["holder"] for g in h["gpus"].values() for s in g["segments"]} - {"gpu-node", None}
     table = lab.hostagent("history", "--since", since)
     assert table.returncode == 0 and "gaming1" not in table.stdout, table.stdout
+
+
+# What a tenant of the lendee can make its GPU's name say: clear root's screen and home
+# the cursor, write root's clipboard (OSC 52), a CSI in its 8-bit form, a carriage
+# return that would print over the line, a right-to-left override.
+HOSTILE = "Evil\x1b[2J\x1b[H\x1b]52;c;cm0gLXJmIC8K\x07\x9b31m\rRTX\u202e3050"
+
+
+def hostile(text: str) -> list[str]:
+    """The characters in `text` a terminal would act on (line ends aside)."""
+    return [c for c in text if not c.isprintable() and c != "\n"]
+
+
+def test_hostile_guest_text(lab: Lab) -> None:
+    """hostile guest text: a GPU name with escape sequences reaches no terminal"""
+    gpu_uuid, _ = GPUS["gpu-a"]
+    lab.write_gpu("gpu-a", f"LABGPU {gpu_uuid} {HOSTILE}")
+    lab.start_agent()
+    wait_lent(lab, timeout=180)
+    out = lab.hostagent("status")
+    assert out.returncode == 0, out.stderr
+    assert "GPUs checked in the guest" in out.stdout and "ok" in out.stdout, out.stdout
+    assert hostile(out.stdout) == [], out.stdout
+    assert "\\x1b[2J" in out.stdout and "\\x07" in out.stdout, out.stdout  # shown, escaped
+    verified = lab.records(event="verify")[-1]
+    assert hostile(verified["MESSAGE"]) == [] and "\\x1b]52" in verified["MESSAGE"]

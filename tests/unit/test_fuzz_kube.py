@@ -131,17 +131,19 @@ def call(live: Live, op: str, replies: list[Reply]) -> object:
 
 @pytest.mark.parametrize("details", [
     "a string", ["a", "list"], 3, {"causes": "a string"}, {"causes": {"message": "x"}},
+    {"causes": [{"message": "\x1b]52;c;cm0gLXJmIC8K\x07"}]},
     {"causes": ["a string", 3, None, {"message": ["not", "a", "string"]}]},
 ])
 def test_a_status_of_any_shape_is_a_request_error(live: Live, details: object) -> None:
     """A real Status has objects in `details` and `causes`; any other shape is still the
     server's answer: a refusal with its message, not an AttributeError."""
     body = json.dumps({"kind": "Status", "status": "Failure", "reason": "Invalid",
-                       "message": "the node is invalid", "code": 422, "details": details})
+                       "message": "the node is invalid\x1b[2J", "code": 422, "details": details})
     e = call(live, "check", [(422, body)])
     assert isinstance(e, KubeRequestError), e
     assert e.status == 422 and e.reason == "Invalid" and "the node is invalid" in str(e)
-    assert all(isinstance(c, str) for c in e.causes)
+    assert str(e).isprintable()  # the server's words, cleaned as they come in
+    assert all(isinstance(c, str) and c.isprintable() for c in e.causes)
 
 
 # --- any reply ---------------------------------------------------------------------------
@@ -206,4 +208,6 @@ def exchanges(draw: st.DrawFn) -> tuple[str, list[Reply]]:
 def test_any_reply_is_an_answer_or_a_kube_error(live: Live,
                                                 exchange: tuple[str, list[Reply]]) -> None:
     op, replies = exchange
-    call(live, op, replies)  # a non-Kube error escapes and fails the example
+    answer = call(live, op, replies)  # a non-Kube error escapes and fails the example
+    if isinstance(answer, KubeError):  # it is printed: the server's words, cleaned
+        assert str(answer).isprintable(), answer
