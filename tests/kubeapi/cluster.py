@@ -28,13 +28,16 @@ from typing import Any
 
 from tests.kubeapi.rules import (
     DAEMONSETS,
+    DEVICECLASSES,
     EVENTS,
     LEASES,
     MODIFIED,
     NODES,
     PDBS,
     PODS,
+    RESOURCECLAIMS,
     RESOURCES,
+    RESOURCESLICES,
     ApiError,
     Obj,
     Resource,
@@ -89,6 +92,7 @@ NODE_INFO = {
     "architecture": "amd64",
 }
 _SUFFIX_CHARS = "bcdfghjklmnpqrstvwxz2456789"  # what generateName draws from
+DRA_DRIVER = "gpu.nvidia.com"  # NVIDIA's DRA driver, and the DeviceClass it installs
 
 
 @dataclass(frozen=True)
@@ -333,6 +337,8 @@ class Cluster:
                     ],
                 )
             meta["name"] = meta["generateName"] + "".join(random.choices(_SUFFIX_CHARS, k=5))
+        if resource is RESOURCECLAIMS:
+            obj.pop("status", None)  # the scheduler allocates, through the status
         if resource is PODS:
             spec = obj.setdefault("spec", {})
             spec.setdefault("terminationGracePeriodSeconds", 30)
@@ -639,6 +645,8 @@ class Cluster:
         self._controllers_see_deleted(gone, terminating=False)
 
     def _controllers_see_deleted(self, pod: Obj, *, terminating: bool) -> None:
+        if not terminating:
+            self._release_claims(pod)
         owner = _controller(pod)
         if owner is None:
             return
@@ -650,6 +658,24 @@ class Cluster:
             self._replacement(pod, same_name=False)
         elif owner["kind"] == "StatefulSet" and not terminating:
             self._replacement(pod, same_name=True)
+
+    def _release_claims(self, pod: Obj) -> None:
+        """The resourceclaim controller: a pod gone is no claim's user any more, and the
+        claims made for it from a template go with it (their devices free again)."""
+        uid = pod["metadata"]["uid"]
+        for key, claim in list(self._store[RESOURCECLAIMS.plural].items()):
+            if key[0] != pod["metadata"]["namespace"]:
+                continue
+            if any(ref.get("uid") == uid for ref in claim["metadata"].get("ownerReferences") or []):
+                self._commit(RESOURCECLAIMS, key, None)
+                continue
+            reserved = (claim.get("status") or {}).get("reservedFor") or []
+            if any(r.get("uid") == uid for r in reserved):
+                new = copy.deepcopy(claim)
+                new["status"]["reservedFor"] = [r for r in reserved if r.get("uid") != uid]
+                if not new["status"]["reservedFor"]:
+                    del new["status"]["reservedFor"]
+                self._commit(RESOURCECLAIMS, key, new)
 
     def _replacement(self, old: Obj, *, same_name: bool) -> None:
         meta = old["metadata"]
@@ -889,9 +915,14 @@ class Cluster:
         mirror: bool = False,
         grace: int = 30,
         gpus: dict[str, int] | None = None,
+        devices: list[str] | None = None,
+        driver: str = DRA_DRIVER,
     ) -> Obj:
         """A pod already scheduled and running; `owner` is "Kind/name", e.g. "ReplicaSet/web";
-        `gpus`: what its container requests (and limits), e.g. {"nvidia.com/gpu": 1}."""
+        `gpus`: what its container requests (and limits), e.g. {"nvidia.com/gpu": 1};
+        `devices`: DRA devices of `driver` on its node (their names in the node's
+        ResourceSlice), held through a ResourceClaim made for it from a template,
+        allocated and reserved for it as the scheduler leaves one."""
         meta: Obj = {"name": name, "namespace": namespace, "labels": dict(labels or {})}
         refs = []
         if owner is not None:
@@ -919,6 +950,11 @@ class Cluster:
         if gpus:
             amounts = {k: str(v) for k, v in gpus.items()}
             spec["containers"][0]["resources"] = {"requests": amounts, "limits": dict(amounts)}
+        claim = ""
+        if devices:
+            claim = f"{name}-gpu-" + "".join(random.choices(_SUFFIX_CHARS, k=5))
+            spec["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "gpu"}]
+            spec["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
         if emptydir:
             spec["containers"][0]["volumeMounts"] = [{"name": "scratch", "mountPath": "/scratch"}]
             spec["volumes"] = [{"name": "scratch", "emptyDir": {}}]
@@ -929,7 +965,52 @@ class Cluster:
         if node and phase in ("Running", "Pending"):
             self._addresses += 1
             status["podIP"] = f"10.42.{self._addresses // 250}.{self._addresses % 250 + 2}"
-        return self._insert(PODS, {"metadata": meta, "spec": spec, "status": status})
+        if claim:
+            status["resourceClaimStatuses"] = [{"name": "gpu", "resourceClaimName": claim}]
+        pod = self._insert(PODS, {"metadata": meta, "spec": spec, "status": status})
+        if claim:
+            self._insert(RESOURCECLAIMS, _claim(claim, pod, devices or [], driver))
+        return pod
+
+    def publish_devices(self, node: str, devices: list[Obj], *, driver: str = DRA_DRIVER) -> Obj:
+        """What a DRA driver's kubelet plugin does: the node's pool of `driver` devices
+        in one ResourceSlice, its pool generation raised each time it changes."""
+        selector = f"spec.nodeName={node},spec.driver={driver}"
+        existing = list(self._select(RESOURCESLICES, None, selector, ""))
+        if existing:
+            def change(slice_: Obj) -> Obj:
+                if slice_["spec"].get("devices") != devices:
+                    slice_["spec"]["devices"] = copy.deepcopy(devices)
+                    slice_["spec"]["pool"]["generation"] += 1
+                return slice_
+
+            return self.update(RESOURCESLICES, None, existing[0]["metadata"]["name"], change)
+        return self.create(RESOURCESLICES, None, {
+            "metadata": {"generateName": f"{node}-{driver}-"},
+            "spec": {"driver": driver, "nodeName": node,
+                     "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                     "devices": copy.deepcopy(devices)},
+        })  # fmt: skip
+
+    def withdraw_devices(self, node: str, *, driver: str = DRA_DRIVER) -> None:
+        """The node's slices of `driver` deleted (a kubelet wipes them as it starts)."""
+        for slice_ in list(self._select(RESOURCESLICES, None,
+                                        f"spec.nodeName={node},spec.driver={driver}", "")):
+            self.delete(RESOURCESLICES, None, slice_["metadata"]["name"])
+
+    def add_device_class(self, name: str = DRA_DRIVER, *, driver: str = DRA_DRIVER) -> Obj:
+        """The DeviceClass a DRA driver installs: every device of `driver`."""
+        return self.create(DEVICECLASSES, None, {
+            "metadata": {"name": name},
+            "spec": {"selectors": [{"cel": {"expression": f"device.driver == '{driver}'"}}]},
+        })  # fmt: skip
+
+    def slices(self, node: str | None = None) -> list[Obj]:
+        selector = f"spec.nodeName={node}" if node is not None else ""
+        return self.list(RESOURCESLICES, None, field_selector=selector)["items"]
+
+    def claims(self, namespace: str | None = None) -> list[Obj]:
+        return self.list(RESOURCECLAIMS, namespace)["items"]
 
     def add_pdb(
         self,
@@ -991,6 +1072,55 @@ def gpu_status(gpus: int, *, resource: str = "nvidia.com/gpu", replicas: int = 1
     if replicas > 1:
         labels["nvidia.com/gpu.sharing-strategy"] = "time-slicing"
     return labels, {resource: str(gpus * replicas)}
+
+
+def gpu_device(index: int, uuid_: str, *, product: str = "NVIDIA A100-SXM4-80GB",
+               memory: str = "81920Mi") -> Obj:
+    """One GPU as NVIDIA's DRA driver (gpu.nvidia.com) publishes it in a ResourceSlice
+    (resource.k8s.io/v1 Device: typed attributes, capacity quantities)."""
+    return {
+        "name": f"gpu-{index}",
+        "attributes": {
+            "type": {"string": "gpu"},
+            "uuid": {"string": uuid_},
+            "productName": {"string": product},
+            "brand": {"string": "Nvidia"},
+            "architecture": {"string": "Ampere"},
+            "cudaComputeCapability": {"version": "8.0.0"},
+            "driverVersion": {"version": "570.172.8"},
+            "cudaDriverVersion": {"version": "12.8.0"},
+            "index": {"int": index},
+            "minor": {"int": index},
+        },
+        "capacity": {"memory": {"value": memory}},
+    }
+
+
+def _claim(name: str, pod: Obj, devices: list[str], driver: str) -> Obj:
+    """A ResourceClaim made from a pod's template, allocated `devices` and reserved for it."""
+    meta = pod["metadata"]
+    node = pod["spec"].get("nodeName", "")
+    return {
+        "metadata": {
+            "name": name, "namespace": meta["namespace"],
+            "annotations": {"resource.kubernetes.io/pod-claim-name": "gpu"},
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": meta["name"],
+                                 "uid": meta["uid"], "controller": True,
+                                 "blockOwnerDeletion": True}],
+        },
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": driver, "allocationMode": "ExactCount",
+            "count": len(devices)}}]}},
+        "status": {
+            "allocation": {
+                "devices": {"results": [{"request": "gpu", "driver": driver, "pool": node,
+                                         "device": d} for d in devices]},
+                "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [
+                    {"key": "metadata.name", "operator": "In", "values": [node]}]}]},
+            },
+            "reservedFor": [{"resource": "pods", "name": meta["name"], "uid": meta["uid"]}],
+        },
+    }  # fmt: skip
 
 
 def owner_reference(kind: str, name: str) -> Obj:

@@ -8,7 +8,8 @@ from the resources the stand-in models, the way kube-apiserver does: legacy disc
 only (a client asking for the aggregated ``apidiscovery.k8s.io/v2`` form gets the
 legacy one with ``Content-Type: application/json`` and falls back to it, as it does
 with any server older than 1.26), and the columns of pkg/printers/internalversion for
-nodes, pods, events and PodDisruptionBudgets. Nothing here does I/O.
+nodes, pods, events, PodDisruptionBudgets, DeviceClasses, ResourceSlices and
+ResourceClaims. Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -16,7 +17,19 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from tests.kubeapi.rules import DAEMONSETS, EVENTS, NODES, PDBS, PODS, RESOURCES, Obj, Resource
+from tests.kubeapi.rules import (
+    DAEMONSETS,
+    DEVICECLASSES,
+    EVENTS,
+    NODES,
+    PDBS,
+    PODS,
+    RESOURCECLAIMS,
+    RESOURCES,
+    RESOURCESLICES,
+    Obj,
+    Resource,
+)
 
 _VERBS = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
 _SHORT = {"nodes": ["no"], "pods": ["po"], "events": ["ev"], "poddisruptionbudgets": ["pdb"],
@@ -90,7 +103,7 @@ def api_resource_list(group: str, version: str) -> Obj | None:
         if (r.group, r.version) != (group, version):
             continue
         resources.append(_entry(r))
-        if r in (NODES, PODS, PDBS, DAEMONSETS):
+        if r in (NODES, PODS, PDBS, DAEMONSETS, RESOURCECLAIMS):
             resources.append(_sub(r, "status"))
         if r is PODS:
             # What `kubectl drain` looks for before it evicts (CheckEvictionSupport).
@@ -247,6 +260,46 @@ _PDB_COLUMNS = [_column("Name", fmt="name"), _column("Min Available"),
                 _column("Age")]  # fmt: skip
 
 
+def _slice_row(slice_: Obj) -> list[Any]:
+    spec = slice_.get("spec") or {}
+    return [slice_["metadata"]["name"], _none(spec.get("nodeName")), spec.get("driver", ""),
+            (spec.get("pool") or {}).get("name", ""),
+            _age(slice_["metadata"].get("creationTimestamp"))]  # fmt: skip
+
+
+_SLICE_COLUMNS = [_column("Name", fmt="name"), _column("Node"), _column("Driver"),
+                  _column("Pool"), _column("Age")]  # fmt: skip
+
+
+def _claim_state(claim: Obj) -> str:
+    """The printers' summary: deleted, pending or allocated, and reserved."""
+    status = claim.get("status") or {}
+    states = []
+    if claim["metadata"].get("deletionTimestamp"):
+        states.append("deleted")
+    if status.get("allocation") is None:
+        if not claim["metadata"].get("deletionTimestamp"):
+            states.append("pending")
+    else:
+        states.append("allocated")
+    if status.get("reservedFor"):
+        states.append("reserved")
+    return ",".join(states)
+
+
+def _claim_row(claim: Obj) -> list[Any]:
+    return [claim["metadata"]["name"], _claim_state(claim),
+            _age(claim["metadata"].get("creationTimestamp"))]  # fmt: skip
+
+
+_CLAIM_COLUMNS = [
+    _column("Name", fmt="name"),
+    _column("State", description="A summary of the current state (allocated, pending, "
+            "reserved, etc.)."),
+    _column("Age"),
+]  # fmt: skip
+
+
 def _default_row(obj: Obj) -> list[Any]:
     return [obj["metadata"]["name"], _age(obj["metadata"].get("creationTimestamp"))]
 
@@ -256,6 +309,9 @@ _TABLES = {
     PODS.plural: (_POD_COLUMNS, _pod_row),
     EVENTS.plural: (_EVENT_COLUMNS, _event_row),
     PDBS.plural: (_PDB_COLUMNS, _pdb_row),
+    DEVICECLASSES.plural: ([_column("Name", fmt="name"), _column("Age")], _default_row),
+    RESOURCESLICES.plural: (_SLICE_COLUMNS, _slice_row),
+    RESOURCECLAIMS.plural: (_CLAIM_COLUMNS, _claim_row),
 }
 
 

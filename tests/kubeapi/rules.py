@@ -83,7 +83,22 @@ DAEMONSETS = Resource(
 LEASES = Resource(
     "leases", "Lease", "coordination.k8s.io", "v1", True, ("metadata.name", "metadata.namespace")
 )
-RESOURCES = (NODES, PODS, PDBS, EVENTS, DAEMONSETS, LEASES)
+# Dynamic Resource Allocation (resource.k8s.io/v1, GA in 1.34): a DRA driver publishes
+# each node's devices in ResourceSlices; a pod gets devices through a ResourceClaim that
+# the scheduler allocates and reserves for it.
+DEVICECLASSES = Resource(
+    "deviceclasses", "DeviceClass", "resource.k8s.io", "v1", False, ("metadata.name",)
+)
+RESOURCESLICES = Resource(
+    "resourceslices", "ResourceSlice", "resource.k8s.io", "v1", False,
+    ("metadata.name", "spec.nodeName", "spec.driver"),
+)  # fmt: skip
+RESOURCECLAIMS = Resource(
+    "resourceclaims", "ResourceClaim", "resource.k8s.io", "v1", True,
+    ("metadata.name", "metadata.namespace"),
+)  # fmt: skip
+RESOURCES = (NODES, PODS, PDBS, EVENTS, DAEMONSETS, LEASES, DEVICECLASSES, RESOURCESLICES,
+             RESOURCECLAIMS)  # fmt: skip
 
 
 # --- Status errors ---------------------------------------------------------------------

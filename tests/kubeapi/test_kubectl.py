@@ -19,6 +19,7 @@ from hostagent.cluster import KubeCluster
 from hostagent.config import Config, parse
 from hostagent.kube import Kube, Timing
 from tests.kubeapi import StandIn, write_kubeconfig
+from tests.kubeapi.cluster import gpu_device
 
 KUBECTL = shutil.which("kubectl") or ("/usr/bin/kubectl" if Path("/usr/bin/kubectl").exists()
                                       else None)  # fmt: skip
@@ -175,3 +176,26 @@ async def test_get_events_and_describe_show_hostagents_events(
     described = await kubectl("describe", "node", "gpu-node")
     events = described.split("Events:", 1)[1]
     assert "Reclaimed" in events and "hostagent" in events
+
+
+async def test_get_resourceslices_and_claims_prints_the_servers_columns(
+        api: StandIn, kubectl: Kubectl) -> None:
+    c = api.cluster
+    c.add_device_class()
+    c.publish_devices("gpu-node", [gpu_device(0, "GPU-0"), gpu_device(1, "GPU-1")])
+    c.add_pod("train-1", node="gpu-node", owner="Job/train", devices=["gpu-1"])
+    out = await kubectl("get", "resourceslices")
+    assert out.splitlines()[0].split() == ["NAME", "NODE", "DRIVER", "POOL", "AGE"]
+    assert out.splitlines()[1].split()[1:4] == ["gpu-node", "gpu.nvidia.com", "gpu-node"]
+    claims = await kubectl("get", "resourceclaims")
+    assert claims.splitlines()[1].split()[1] == "allocated,reserved"
+    assert "gpu.nvidia.com" in await kubectl("get", "deviceclasses")
+    shown = await kubectl("get", "resourceslices", "-o", "jsonpath={.items[0].spec.devices[*]"
+                          ".attributes.uuid.string}")
+    assert shown.split() == ["GPU-0", "GPU-1"]
+    c.publish_devices("gpu-node", [gpu_device(0, "GPU-0")])
+    shown = await kubectl("get", "resourceslices", "--field-selector", "spec.nodeName=gpu-node",
+                          "-o", "jsonpath={.items[*].spec.devices[*].attributes.uuid.string}")
+    assert shown.split() == ["GPU-0"]
+    await kubectl("delete", "pod", "train-1", "--wait=true")
+    assert "No resources found" in await kubectl("get", "resourceclaims")
