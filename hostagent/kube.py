@@ -658,8 +658,9 @@ def _node(reply: Any) -> bool:
     return isinstance(reply, k8s.V1Node) and reply.metadata is not None
 
 
-def _pod(reply: Any) -> bool:
-    return isinstance(reply, k8s.V1Pod) and reply.metadata is not None
+def _pod(reply: Any) -> bool:  # named: its eviction and reads go by name
+    return (isinstance(reply, k8s.V1Pod) and reply.metadata is not None
+            and isinstance(reply.metadata.name, str) and isinstance(reply.metadata.namespace, str))
 
 
 def _pods(reply: Any) -> bool:
@@ -795,7 +796,9 @@ class Kube:
         return seconds + self.timing.request_timeout
 
     def _backoff(self, attempt: int) -> float:
-        ceiling = min(self.timing.backoff_max, self.timing.backoff_min * 2.0**attempt)
+        # The exponent is bounded: 2.0**1024 overflows, and a request that fails at once
+        # reaches that many attempts within a long deadline.
+        ceiling = min(self.timing.backoff_max, self.timing.backoff_min * 2.0**min(attempt, 60))
         return ceiling / 2 + random.uniform(0, ceiling / 2)  # jitter: no retries in lockstep
 
     async def _call(

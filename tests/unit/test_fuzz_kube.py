@@ -211,3 +211,10 @@ def test_any_reply_is_an_answer_or_a_kube_error(live: Live,
     answer = call(live, op, replies)  # a non-Kube error escapes and fails the example
     if isinstance(answer, KubeError):  # it is printed: the server's words, cleaned
         assert str(answer).isprintable(), answer
+
+
+def test_the_backoff_stays_bounded_however_many_attempts(live: Live) -> None:
+    """A request that fails at once (a pod list whose pods have no name cannot even be
+    evicted) tries thousands of times within a drain's deadline."""
+    for attempt in (0, 10, 1100, 10**6):
+        assert 0 <= live.kube._backoff(attempt) <= FAST.backoff_max
