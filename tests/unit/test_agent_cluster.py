@@ -22,7 +22,7 @@ from hostagent.config import parse
 from hostagent.inbox import HookEvent
 from hostagent.kube import Kube, cordon_marker
 from hostagent.libvirt_host import Lifecycle
-from hostagent.model import Observed, Phase
+from hostagent.model import IntentSource, Observed, OwnerWants, Phase
 from tests.kubeapi import StandIn, write_kubeconfig
 from tests.kubeapi.cluster import ready_condition
 from tests.kubeapi.rules import NODES
@@ -108,8 +108,8 @@ async def test_a_cordon_of_ours_lifted_by_hand_is_ours_no_more(
     fake.running.add("gpu-node")
     agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
     await until(lambda: agent.state.phase is Phase.LENT, timeout=15)
-    await agent._on_hook(HookEvent(id="h1", time=time.time(), domain="gaming1", op="prepare",
-                                   sub="begin", extra="-", xml="<domain/>"))
+    assert agent.apply(OwnerWants(at=time.time(), owner="gaming1", intent_id="p1",
+                                  source=IntentSource.CONTROL))
     await until(lambda: "gaming1" in fake.running, timeout=15)
     node = api.cluster.node
     marker = cordon_marker("hostagent.io/")
