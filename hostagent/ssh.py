@@ -44,9 +44,9 @@ hook socket: no flood may starve it, from strangers or from a listed key.
   disconnected. An authenticated connection that runs no command for `IDLE_TIMEOUT`
   seconds is closed.
 - At most `MAX_RUNNING` commands run at once over SSH, every key together; one more
-  gets exit status 75 and "busy" at once. A session cannot be multiplied either: one
-  per connection (above), so thousands of channels on one connection are thousands of
-  refusals, and after `MAX_REFUSALS` the connection is closed.
+  gets exit status 75 and "busy" at once. Nor can a connection multiply its command:
+  one session each (above), a second refused, and after `MAX_REFUSALS` refusals the
+  connection is closed, so thousands of channels asked on one connection cost a few.
 
 Authorized keys
 ---------------
