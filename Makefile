@@ -14,7 +14,7 @@ STAMPS   := .stamps
 # already there (another package's /usr/bin/kubectl would conflict with it).
 APT_PACKAGES := libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients \
 	qemu-system-x86 qemu-utils libvirt-dev libsystemd-dev pkg-config gcc \
-	python3-venv python3-dev cpio systemd util-linux openssh-client nix-bin \
+	python3-venv python3-dev cpio systemd util-linux openssh-client nix-bin mosquitto \
 	$(if $(wildcard /usr/bin/kubectl),,kubernetes-client)
 
 .PHONY: setup demo test check unit lab faults bench clean

@@ -215,6 +215,8 @@ class Agent:
         self.metrics = metrics.Metrics(self.topo)
         self._exporter: asyncio.Server | None = None
         self._endpoint: Any = None  # the SSH endpoint's server, once bound
+        # Told after each change of state, on the loop, with no I/O (the MQTT device).
+        self.watchers: list[Callable[[], None]] = []
         # Set while the hook socket is served (`run` clears it until then): a lend waits
         # for it, so that the lendee's own prepare hook gets an answer.
         self.serving = asyncio.Event()
@@ -269,6 +271,8 @@ class Agent:
             self.executor.execute(action)
         if old.phase is not new.phase or old.intents != new.intents:
             journal.notify(self.recorder.status_line())
+        for watch in self.watchers:
+            watch()
         return True
 
     # ---- start-up --------------------------------------------------------------------
@@ -323,6 +327,7 @@ class Agent:
             replayed += await replay_spool(self.cfg.spool_dir, inbox, log=log)
             await self._serve_ssh()
             await self._serve_metrics()
+            self._serve_mqtt()
             if replayed:
                 log.info("replayed %d hook event(s) spooled while the agent was down", replayed)
             journal.record("agent", f"hostagent is running: {self.recorder.status_line()}",
@@ -695,6 +700,18 @@ class Agent:
             raise StartupError(f"{self.cfg.source}: control_group: there is no group {name!r} "
                                f"on this host; create it (groupadd {name}) or remove the "
                                "key") from None
+
+    def _serve_mqtt(self) -> None:
+        """The Home Assistant device when [mqtt] is configured (see hostagent.mqtt): its
+        own task, told of each change; a broker that is down or slow delays nothing."""
+        if self.cfg.mqtt is None:
+            return
+        from hostagent.mqtt import Device  # aiomqtt only where it is used
+        device = Device(self.cfg, status=self.verbs.status, handlers=self.verbs.handlers(),
+                        follow=self.verbs.following)
+        self.watchers.append(device.changed)
+        device.changed()
+        self.executor.spawn(device.run())
 
     async def _serve_ssh(self) -> None:
         """The SSH endpoint when [ssh] is configured (see hostagent.ssh), else None."""

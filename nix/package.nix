@@ -42,6 +42,7 @@ python3Packages.buildPythonApplication {
     # systemd-python; called `systemd` before nixpkgs renamed it.
     (python3Packages.systemd-python or python3Packages.systemd)
     python3Packages.prometheus-client
+    python3Packages.aiomqtt
   ];
 
   # The hook imports the standard library only: the bare interpreter, not the

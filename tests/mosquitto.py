@@ -1,0 +1,97 @@
+"""A real mosquitto (Debian's package) on a loopback port, with a password and an ACL
+file, for the tests of the Home Assistant device.
+
+Users: ``hostagent`` (the agent: its base topic and the discovery prefix), ``ha``
+(Home Assistant: reads everything, commands the agent, says it is online) and
+``intruder`` (reads the agent's topics, may publish nothing). No persistence: a
+restart loses every retained message, so the agent must publish them again.
+"""
+
+from __future__ import annotations
+
+import getpass
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+MOSQUITTO = shutil.which("mosquitto") or shutil.which("mosquitto", path="/usr/sbin")
+PASSWD = shutil.which("mosquitto_passwd")
+MISSING = (None if MOSQUITTO and PASSWD else
+           "mosquitto is not installed (Debian package mosquitto; `make setup` installs it)")
+
+USERS = {"hostagent": "agent-secret", "ha": "ha-secret", "intruder": "intruder-secret"}
+ACL = """\
+user hostagent
+topic readwrite hostagent/#
+topic readwrite homeassistant/#
+
+user ha
+topic readwrite homeassistant/#
+topic readwrite hostagent/#
+
+user intruder
+topic read hostagent/#
+topic read homeassistant/#
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Mosquitto:
+    """One broker; `start` and `stop` may be called again (same port, same files)."""
+
+    def __init__(self, root: Path, port: int | None = None) -> None:
+        assert MOSQUITTO and PASSWD, MISSING
+        self.root = root
+        self.port = port or free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+        root.mkdir(parents=True, exist_ok=True)
+        passwords = root / "passwords"
+        passwords.write_text("")
+        for user, password in USERS.items():
+            subprocess.run([PASSWD, "-b", str(passwords), user, password], check=True,
+                           capture_output=True, timeout=30)
+        (root / "acl").write_text(ACL)
+        for name in ("passwords", "acl"):
+            (root / name).chmod(0o600)
+        (root / "mosquitto.conf").write_text(
+            f"listener {self.port} 127.0.0.1\n"
+            "allow_anonymous false\n"
+            f"password_file {passwords}\n"
+            f"acl_file {root / 'acl'}\n"
+            "persistence false\n"
+            # Run as the user that runs the tests: its files stay private to it.
+            f"user {getpass.getuser()}\n"
+            "log_dest stderr\n"
+            "log_type error\nlog_type warning\nlog_type notice\n")
+        (root / "agent-password").write_text(USERS["hostagent"] + "\n")
+
+    def start(self) -> None:
+        assert MOSQUITTO is not None
+        self.log = (self.root / "mosquitto.log").open("ab")
+        self.process = subprocess.Popen([MOSQUITTO, "-c", str(self.root / "mosquitto.conf")],
+                                        stdout=self.log, stderr=self.log)
+        deadline = time.monotonic() + 30
+        while True:  # listening: a connection is accepted
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("mosquitto did not start: "
+                                       + (self.root / "mosquitto.log").read_text()) from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+            self.process = None
+            self.log.close()

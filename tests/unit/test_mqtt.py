@@ -1,0 +1,332 @@
+"""The Home Assistant device (hostagent.mqtt) against a real mosquitto, with its password
+and ACL files (tests/mosquitto.py); the agent's side stood in by a status and verbs.
+
+Waits are bounded (a broken device fails the test rather than hanging it); no
+assertion is about how long something took.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiomqtt
+import pytest
+
+from hostagent import config, journal
+from hostagent.control import Reply
+from hostagent.mqtt import COMMANDS_BURST, Device
+from tests.mosquitto import MISSING, USERS, Mosquitto
+from tests.unit.test_homeassistant import CONFIG, check_device_message, status
+
+pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
+WAIT = 30.0  # a bound, never a measure
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[Mosquitto]:
+    m = Mosquitto(tmp_path / "mosquitto")
+    m.start()
+    yield m
+    m.stop()
+
+
+class Host:
+    """The agent as the device sees it: a status, the verbs, the progress of each."""
+
+    def __init__(self) -> None:
+        self.status = status(phase="off", lent=[])
+        self.status["owners"]["gaming1"] = False
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.called = asyncio.Event()
+        self.followers: set[asyncio.Queue[Reply]] = set()
+
+    def handlers(self) -> dict[str, Any]:
+        def verb(name: str) -> Any:
+            async def run(args: dict[str, Any]) -> AsyncIterator[Reply]:
+                self.calls.append((name, args))
+                self.called.set()
+                yield {"ok": True, "data": {"message": f"{name} done"}}
+            return run
+        return {v: verb(v) for v in ("status", "play", "release", "hold", "lend", "reclaim")}
+
+    @contextlib.contextmanager
+    def following(self) -> Iterator[asyncio.Queue[Reply]]:
+        queue: asyncio.Queue[Reply] = asyncio.Queue()
+        self.followers.add(queue)
+        try:
+            yield queue
+        finally:
+            self.followers.discard(queue)
+
+    def progress(self, message: str) -> None:
+        for queue in self.followers:
+            queue.put_nowait({"event": "phase", "message": message})
+
+
+def device_config(broker: Mosquitto, **mqtt: Any) -> config.Config:
+    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in mqtt.items())
+    return config.parse(CONFIG.replace('broker = "mqtt://127.0.0.1"',
+                                       f'broker = "mqtt://127.0.0.1:{broker.port}"\n'
+                                       'username = "hostagent"\n'
+                                       f'password_file = "{broker.root / "agent-password"}"')
+                        + extra)
+
+
+async def recorded(sink: journal.ListSink, result: str) -> None:
+    """Until the journal has a record with HOSTAGENT_RESULT `result` (bounded)."""
+    async with asyncio.timeout(WAIT):
+        # The sink has no event to wait on.
+        while result not in [e.fields.get("HOSTAGENT_RESULT") for e in sink.entries]:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def running(cfg: config.Config, host: Host, **kw: Any) -> AsyncIterator[Device]:
+    device = Device(cfg, status=lambda: copy.deepcopy(host.status), handlers=host.handlers(),
+                    follow=host.following, **kw)
+    device.changed()
+    task = asyncio.get_running_loop().create_task(device.run())
+    try:
+        yield device
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+class Watcher:
+    """A client of the broker as `user`, keeping the last payload of each topic."""
+
+    def __init__(self, client: aiomqtt.Client) -> None:
+        self.client = client
+        self.last: dict[str, bytes] = {}
+        self.changed = asyncio.Event()
+
+    async def read(self) -> None:
+        async for message in self.client.messages:
+            assert isinstance(message.payload, bytes | bytearray)
+            self.last[message.topic.value] = bytes(message.payload)
+            self.changed.set()
+
+    async def until(self, topic: str, payload: bytes | None = None) -> bytes:
+        """The payload of `topic` once it is there (and `payload`, if given)."""
+        async with asyncio.timeout(WAIT):
+            while topic not in self.last or payload is not None and self.last[topic] != payload:
+                self.changed.clear()
+                await self.changed.wait()
+        return self.last[topic]
+
+
+@contextlib.asynccontextmanager
+async def watching(broker: Mosquitto, user: str = "ha",
+                   topics: tuple[str, ...] = ("hostagent/#", "homeassistant/#")
+                   ) -> AsyncIterator[Watcher]:
+    async with aiomqtt.Client("127.0.0.1", broker.port, username=user,
+                              password=USERS[user], identifier=f"test-{user}") as client:
+        for topic in topics:
+            await client.subscribe(topic, qos=1)
+        watcher = Watcher(client)
+        reader = asyncio.get_running_loop().create_task(watcher.read())
+        try:
+            yield watcher
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+
+
+async def test_discovery_and_states_are_published_and_follow_changes(
+        broker: Mosquitto, sink: journal.ListSink) -> None:
+    host = Host()
+    async with running(device_config(broker), host) as device, watching(broker) as ha:
+        topic = "homeassistant/device/hostagent/config"
+        check_device_message(topic, (await ha.until(topic)).decode())
+        assert await ha.until("hostagent/availability") == b"online"
+        assert await ha.until("hostagent/owner/gaming1/state") == b"OFF"
+        assert await ha.until("hostagent/phase/state") == b"off"
+        host.status["owners"]["gaming1"] = True
+        host.status["lendee"]["phase"] = "draining"
+        device.changed()
+        await ha.until("hostagent/owner/gaming1/state", b"ON")
+        await ha.until("hostagent/transition/state", b"gaming1 is running")
+        await ha.until("hostagent/phase/state", b"draining")
+        host.progress("gpu-node is drained: shutting it down through its guest agent")
+        await ha.until("hostagent/transition/state",
+                       b"gpu-node is drained: shutting it down through its guest agent")
+    # Stopped: offline at once, not at the will's delay.
+    async with watching(broker) as ha:
+        assert await ha.until("hostagent/availability") == b"offline"
+
+
+async def test_commands_run_the_verbs_as_mqtt(broker: Mosquitto,
+                                               sink: journal.ListSink) -> None:
+    host = Host()
+    async with running(device_config(broker), host), watching(broker) as ha:
+        await ha.until("hostagent/availability", b"online")
+        for topic, payload in [("hostagent/owner/gaming1/set", "ON"),
+                               ("hostagent/owner/gaming_2/set", "OFF"),
+                               ("hostagent/hold/set", "ON"), ("hostagent/hold/set", "OFF"),
+                               ("hostagent/reclaim/press", "PRESS"),
+                               ("hostagent/lend/press", "PRESS")]:
+            host.called.clear()
+            await ha.client.publish(topic, payload, qos=1)
+            async with asyncio.timeout(WAIT):
+                await host.called.wait()
+    assert host.calls == [("play", {"vm": "gaming1"}), ("release", {"vm": "gaming/2"}),
+                          ("hold", {}), ("lend", {}), ("reclaim", {}), ("lend", {})]
+    asked = [e for e in sink.entries if e.fields.get("HOSTAGENT_RESULT") == "allowed"]
+    assert [e.message for e in asked][:2] == ["mqtt asked for play gaming1",
+                                              "mqtt asked for release gaming/2"]
+    assert all(e.fields["HOSTAGENT_VIA"] == "mqtt" and e.fields["HOSTAGENT_USER"] == "mqtt"
+               and e.fields["HOSTAGENT_EVENT"] == "control" for e in asked)
+
+
+async def test_bad_payloads_forbidden_clients_and_retained_commands_change_nothing(
+        broker: Mosquitto, sink: journal.ListSink) -> None:
+    host = Host()
+    cfg = device_config(broker, vms=["gaming1"], verbs=["play", "release"])
+    async with watching(broker) as ha:
+        # Left retained by someone: it would replay at each of the agent's connections.
+        await ha.client.publish("hostagent/owner/gaming1/set", "OFF", qos=1, retain=True)
+    async with running(cfg, host), watching(broker) as ha:
+        await ha.until("hostagent/availability", b"online")
+        async with watching(broker, "intruder") as intruder:
+            await intruder.client.publish("hostagent/owner/gaming1/set", "ON", qos=1)
+        for topic, payload in [("hostagent/owner/gaming1/set", "on"),
+                               ("hostagent/owner/gaming1/set", "ON" * 40),
+                               ("hostagent/owner/gaming_2/set", "ON"),
+                               ("hostagent/reclaim/press", "PRESS"),
+                               ("hostagent/nothing/set", "ON")]:
+            await ha.client.publish(topic, payload, qos=1)
+        await ha.client.publish("hostagent/owner/gaming1/set", "", qos=1, retain=True)
+        # The broker delivers one publisher's messages in order: once this one has run,
+        # every message before it has been handled.
+        await ha.client.publish("hostagent/owner/gaming1/set", "ON", qos=1)
+        async with asyncio.timeout(WAIT):
+            await host.called.wait()
+    assert host.calls == [("play", {"vm": "gaming1"})]
+    refused = [e.message for e in sink.entries if e.fields.get("HOSTAGENT_RESULT") == "refused"]
+    assert refused == [
+        "refused from MQTT: a retained command on hostagent/owner/gaming1/set: publish commands without retain (and clear it: an empty retained message)",
+        'refused from MQTT: "on" on hostagent/owner/gaming1/set: expected ON or OFF',
+        "refused from MQTT: a 80-byte payload on hostagent/owner/gaming1/set (at most 64)",
+    ]  # then summarised (burst 3 per 10 s): a loop cannot flood the journal
+    assert all(e.priority == journal.Priority.WARNING for e in sink.entries
+               if e.fields.get("HOSTAGENT_RESULT") == "refused")
+
+
+async def test_commands_past_the_rate_are_refused(broker: Mosquitto,
+                                                  sink: journal.ListSink) -> None:
+    host = Host()
+    # A clock that stands still: no token comes back.
+    async with running(device_config(broker), host, clock=lambda: 0.0) as device, \
+            watching(broker) as ha:
+        await ha.until("hostagent/availability", b"online")
+        for _ in range(COMMANDS_BURST + 5):
+            await ha.client.publish("hostagent/hold/set", "ON", qos=1)
+        await ha.client.publish("hostagent/owner/gaming1/set", "ON", qos=1)
+        async with asyncio.timeout(WAIT):
+            # 3 records, then counted for the summary.
+            while device.refusals.held < 3:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+    assert host.calls == [("hold", {})] * COMMANDS_BURST
+    refused = [e.message for e in sink.entries if e.fields.get("HOSTAGENT_RESULT") == "refused"]
+    assert refused == ["refused from MQTT: a command on hostagent/hold/set: more than 2 per second"] * 3
+
+
+async def test_a_broker_down_at_start_and_restarted_loses_nothing(
+        tmp_path: Path, sink: journal.ListSink) -> None:
+    broker = Mosquitto(tmp_path / "mosquitto")  # not started yet
+    host = Host()
+    async with running(device_config(broker), host) as device:
+        await recorded(sink, "retrying")
+        host.status["lendee"]["phase"] = "booting"
+        device.changed()  # while the broker is down: kept, not waited for
+        broker.start()
+        try:
+            async with watching(broker) as ha:
+                await ha.until("hostagent/phase/state", b"booting")
+                await ha.until("homeassistant/device/hostagent/config")
+            broker.stop()  # no persistence: every retained message is gone
+            host.status["lendee"]["phase"] = "lent"
+            host.status["lendee"]["lent"] = ["gpu-b", "gpu-c"]
+            device.changed()
+            broker.start()
+            async with watching(broker) as ha:
+                await ha.until("hostagent/phase/state", b"lent")
+                await ha.until("hostagent/live_gpus/state", b"gpu-b, gpu-c")
+                await ha.until("hostagent/availability", b"online")
+                check_device_message("homeassistant/device/hostagent/config", (await ha.until(
+                    "homeassistant/device/hostagent/config")).decode())
+        finally:
+            broker.stop()
+
+
+async def test_home_assistant_online_gets_discovery_again(broker: Mosquitto,
+                                                          sink: journal.ListSink) -> None:
+    host = Host()
+    topic = "homeassistant/device/hostagent/config"
+    async with running(device_config(broker), host), watching(broker) as ha:
+        await ha.until(topic)
+        await ha.client.publish(topic, "", qos=1, retain=True)  # forgotten
+        await ha.until(topic, b"")
+        await ha.client.publish("homeassistant/status", "offline", qos=1)
+        await ha.client.publish("homeassistant/status", "online", qos=1)
+        async with asyncio.timeout(WAIT):
+            while not ha.last[topic]:
+                ha.changed.clear()
+                await ha.changed.wait()
+        check_device_message(topic, ha.last[topic].decode())
+
+
+async def test_an_owner_removed_from_the_configuration_loses_its_entity(
+        broker: Mosquitto, sink: journal.ListSink) -> None:
+    topic = "homeassistant/device/hostagent/config"
+    async with running(device_config(broker), Host()), watching(broker) as ha:
+        before = json.loads(await ha.until(topic))
+    assert "owner_gaming_2" in before["cmps"]
+    fewer = device_config(broker)
+    fewer = config.parse(CONFIG.replace('[owners."gaming/2"]\ngpus = ["gpu-b"]\n', "").replace(
+        'broker = "mqtt://127.0.0.1"', f'broker = "{fewer.mqtt.broker if fewer.mqtt else ""}"\n'
+        f'username = "hostagent"\npassword_file = "{broker.root / "agent-password"}"'))
+    host = Host()
+    del host.status["owners"]["gaming/2"]
+    async with running(fewer, host), watching(broker) as ha:
+        async with asyncio.timeout(WAIT):
+            while json.loads(ha.last.get(topic) or b"{}").get("cmps", {}).get(
+                    "owner_gaming_2") != {"p": "switch"}:
+                ha.changed.clear()
+                await ha.changed.wait()
+        check_device_message(topic, ha.last[topic].decode())
+    assert any("owner_gaming_2" in e.message for e in sink.entries
+               if e.fields.get("HOSTAGENT_RESULT") == "removed")
+
+
+async def test_per_entity_discovery_clears_what_is_no_longer_there(
+        broker: Mosquitto, sink: journal.ListSink) -> None:
+    device_topic = "homeassistant/device/hostagent/config"
+    async with running(device_config(broker), Host()), watching(broker) as ha:
+        await ha.until(device_topic)
+    stale = "homeassistant/switch/hostagent/owner_gaming9/config"
+    async with watching(broker) as ha:
+        await ha.client.publish(stale, '{"name": "gaming9"}', qos=1, retain=True)
+        async with running(device_config(broker, per_entity=True), Host()):
+            await ha.until("homeassistant/switch/hostagent/owner_gaming1/config")
+            await ha.until(stale, b"")
+            await ha.until(device_topic, b"")
+
+
+async def test_a_wrong_password_is_retried_not_fatal(broker: Mosquitto,
+                                                     sink: journal.ListSink) -> None:
+    (broker.root / "agent-password").write_text("wrong\n")
+    async with running(device_config(broker), Host()):
+        await recorded(sink, "retrying")
+        (broker.root / "agent-password").write_text(USERS["hostagent"])
+        async with watching(broker) as ha:
+            await ha.until("hostagent/availability", b"online")
+    assert any("Not authorized" in e.message or "not authorised" in e.message.lower()
+               for e in sink.entries if e.fields.get("HOSTAGENT_RESULT") == "retrying")
