@@ -25,6 +25,12 @@ Lent: `watch_lent` follows the node until cancelled (Ready, allocatable, pods th
 use GPUs); a GPU lost or a node NotReady while lent is a journal error and a failing
 "kubernetes" health check (`health`), and the GPU pods count feeds
 ``hostagent_node_gpu_pods`` and `watch_gpu_pods`.
+
+DRA (``[kubernetes] gpu_api``, "auto" deciding at each lend): the node has no GPU in
+allocatable; its ResourceSlices of the DRA driver must list exactly the lent GPUs by
+UUID before the uncordon, a lent UUID gone from them while lent is a GPU lost, and the
+ResourceClaims say which pod holds which lent GPU (`status`, the
+``hostagent_lent_gpu_pod`` metric, the node's ``gpu-holders`` annotation).
 """
 
 from __future__ import annotations
@@ -35,8 +41,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Collection
 from typing import Protocol
 
-from hostagent import journal
-from hostagent.config import Config, DrainTimeoutAction
+from hostagent import dra, journal
+from hostagent.config import Config, DrainTimeoutAction, GpuApi
 from hostagent.health import CheckFailed
 from hostagent.kube import (
     DrainAborted,
@@ -70,6 +76,8 @@ class Metrics(Protocol):
 
     def gpu_lost(self) -> None: ...
 
+    def lent_gpu_pods(self, holders: dict[str, str] | None) -> None: ...
+
 
 class KubeCluster:
     def __init__(self, kube: Kube, cfg: Config, *,
@@ -82,6 +90,7 @@ class KubeCluster:
         self.policy = cfg.policy
         self.node = cfg.lendee.node
         self.lendee_gpus = tuple(cfg.lendee.gpus)
+        self.uuids = {label: gpu.uuid for label, gpu in cfg.gpus.items()}
         self.prefix = cfg.kubernetes.annotation_prefix
         self.taints = [parse_taint(t) for t in cfg.kubernetes.lent_taints]
         self._remember_cordon = remember_cordon
@@ -89,6 +98,8 @@ class KubeCluster:
         # Decided once per lend by `expect`; what `status` shows and the watch checks.
         self.expected: ExpectedGpus | None = None
         self.view: NodeView | None = None  # what the watch of the lent node last saw
+        # DRA lends (decided by `expect`): the lent GPUs' label -> UUID; None: device plugin.
+        self.dra: dict[str, str | None] | None = None
         self.trouble: str | None = None  # why the lent node is not whole (health fails)
         self._events: set[asyncio.Task[None]] = set()
         self.auth_retry = 30.0  # seconds between watches refused with 401/403
@@ -125,8 +136,16 @@ class KubeCluster:
             "ready": None if view is None else view.ready,
             "allocatable": None if view is None else dict(view.allocatable),
             "gpu_pods": None if view is None else view.gpu_pods,
+            "gpu_api": "device-plugin" if self.dra is None else f"dra ({self.settings.dra_driver})",
+            "holders": None if view is None or self.dra is None else self._holders(view),
             "trouble": self.trouble,
         }
+
+    def _holders(self, view: NodeView) -> dict[str, str]:
+        """Lent GPU label -> the pods holding it, from the claims the watch saw."""
+        assert self.dra is not None
+        return {label: view.holders[uuid] for label, uuid in sorted(self.dra.items())
+                if uuid and uuid in view.holders}
 
     # --- reclaim --------------------------------------------------------------------------
 
@@ -229,6 +248,17 @@ class KubeCluster:
         Feature Discovery labels (see `kube.expected_gpus`). Journaled; kept in
         `self.expected` for `status` and the watch."""
         gpus = self._labels(lent)
+        self.dra = None
+        if await self._uses_dra():
+            self.dra = {label: self.uuids.get(label) for label in gpus}
+            driver = self.settings.dra_driver
+            self.expected = ExpectedGpus(gpus, {}, f"{len(gpus)} GPU(s) by UUID in its {driver} "
+                                         "ResourceSlices (DRA)")
+            listed = ", ".join(f"{g} ({u or 'no uuid'})" for g, u in self.dra.items())
+            journal.record("expect", f"node {self.node} must list {listed} in its {driver} "
+                           "ResourceSlices (DRA)", vm=self.node,
+                           result="decided", gpus=",".join(gpus))
+            return self.expected
         labels: dict[str, str] = {}
         capacity: dict[str, str] = {}
         labelled: int | None = None
@@ -249,6 +279,16 @@ class KubeCluster:
                        gpus=",".join(gpus))
         return self.expected
 
+    async def _uses_dra(self) -> bool:
+        """gpu_api, or for "auto" what the cluster serves (unreadable: the device plugin)."""
+        if self.settings.gpu_api is not GpuApi.AUTO:
+            return self.settings.gpu_api is GpuApi.DRA
+        try:
+            return await self.kube.dra_in_use(self.settings.dra_driver, timeout=10)
+        except KubeError as e:
+            log.info("could not tell whether the cluster uses DRA (%s): the device plugin", e)
+            return False
+
     async def give_back(self, lent: Collection[str] | int,
                         expected: ExpectedGpus | None = None) -> str | None:
         """Wait Ready and the expected allocatable; then taints, label and annotations;
@@ -263,6 +303,10 @@ class KubeCluster:
                 expected = await self.expect(lent)
             self.expected = expected
             await self.kube.wait_ready(self.node, timeout=self.timeouts.ready)
+            if self.dra is not None:
+                problem = await self._wait_devices(self.dra)
+                if problem is not None:
+                    return problem
             found = await self.kube.wait_gpus(self.node, expected=expected,
                                               timeout=self.timeouts.ready)
             if not expected.met_by(found):
@@ -282,7 +326,8 @@ class KubeCluster:
                 f"{self.prefix}holder": None,
                 f"{self.prefix}lent-gpus": ",".join(expected.gpus),
                 f"{self.prefix}expected": ", ".join(
-                    f"{n} {r}" for r, n in sorted(expected.resources.items())),
+                    f"{n} {r}" for r, n in sorted(expected.resources.items())) or None,
+                f"{self.prefix}gpu-holders": None,
             }, labels=labels, add_taints=self.taints)
             # ...and the uncordon last. It lifts only our own cordon (the marker on the
             # Node says whose it is); an administrator's stays, and the adapter says so.
@@ -295,6 +340,23 @@ class KubeCluster:
         self._event("Lent", f"lent with {len(expected.gpus)} GPU(s) "
                     f"({', '.join(expected.gpus)}): {expected}")
         return None
+
+    async def _wait_devices(self, lent: dict[str, str | None]) -> str | None:
+        """DRA: wait until the node's slices list exactly the `lent` GPUs by UUID; None,
+        or why the node stays cordoned (each GPU missing, or there but not lent, named)."""
+        driver = self.settings.dra_driver
+        seen = await self.kube.wait_devices(
+            self.node, driver=driver, timeout=self.timeouts.ready,
+            done=lambda uuids: dra.mismatch(lent, uuids) is None)
+        wrong = dra.mismatch(lent, seen or frozenset(), driver=driver, node=f"node {self.node}")
+        if wrong is None:
+            return None
+        await self.kube.annotate(self.node, {f"{self.prefix}state": "short-of-gpus"})
+        problem = (f"{wrong}; it stays cordoned. Look inside it: is the driver branch right "
+                   f"for the card, is the {driver} DRA driver's kubelet plugin running, did "
+                   "the passthrough work?")
+        self._event("ReturnFailed", problem, warning=True)
+        return problem
 
     # --- while lent -----------------------------------------------------------------------
 
@@ -309,6 +371,8 @@ class KubeCluster:
         expected = self.expected
         resources = list(expected.resources) if expected is not None \
             else [self.settings.gpu_resource]
+        lent_dra = self.dra
+        driver = self.settings.dra_driver if lent_dra is not None else None
         was: list[NodeView] = []
 
         def seen(view: NodeView) -> None:
@@ -318,13 +382,16 @@ class KubeCluster:
             if self.metrics is not None:
                 self.metrics.node_gpu_pods(view.gpu_pods)
             self._judge(view, before, expected)
+            if lent_dra is not None and (before is None or before.holders != view.holders):
+                self._show_holders(view)
             if on_view is not None:
                 on_view(view)
 
         try:
             while True:
                 try:
-                    await self.kube.watch_node(self.node, resources=resources, on_change=seen)
+                    await self.kube.watch_node(self.node, resources=resources, on_change=seen,
+                                               dra_driver=driver)
                 except KubeAuthError as e:
                     # Health stays red until the credentials are fixed; tried again
                     # meanwhile, so that fixing them is enough.
@@ -339,6 +406,27 @@ class KubeCluster:
             self.view = None
             if self.metrics is not None:
                 self.metrics.node_gpu_pods(None)
+                if lent_dra is not None:
+                    self.metrics.lent_gpu_pods(None)
+
+    def _show_holders(self, view: NodeView) -> None:
+        """Who holds which lent GPU: the metric, and the node's annotation (in the
+        background, like an Event: it never delays a step)."""
+        holders = self._holders(view)
+        if self.metrics is not None:
+            self.metrics.lent_gpu_pods(holders)
+        text = ",".join(f"{gpu}={pods.replace(',', '+')}" for gpu, pods in holders.items())
+
+        async def annotate() -> None:
+            try:
+                await self.kube.annotate(self.node, {f"{self.prefix}gpu-holders": text or None},
+                                         timeout=10)
+            except KubeError as e:
+                log.warning("could not annotate node %s with its GPUs' holders: %s",
+                            self.node, e)
+        task = asyncio.get_running_loop().create_task(annotate())
+        self._events.add(task)
+        task.add_done_callback(self._events.discard)
 
     def _judge(self, view: NodeView, before: NodeView | None,
                expected: ExpectedGpus | None) -> None:
@@ -348,17 +436,23 @@ class KubeCluster:
             problems.append(f"node {self.node} was deleted while lent")
         elif not view.ready:
             problems.append(f"node {self.node} is not Ready while lent ({view.ready_detail})")
-        lost = expected is not None and view.exists and any(
-            view.allocatable.get(r, 0) < n for r, n in expected.resources.items())
-        if lost and expected is not None:
+        gone = self._gone(view)
+        lost = expected is not None and view.exists and (bool(gone) or any(
+            view.allocatable.get(r, 0) < n for r, n in expected.resources.items()))
+        if gone:
+            problems.append(f"node {self.node} lost GPUs while lent: {', '.join(gone)} left "
+                            f"its {self.settings.dra_driver} ResourceSlices (a GPU off the "
+                            "bus, a driver crash, the DRA driver's plugin restarting?)")
+        elif lost and expected is not None:
             problems.append(f"node {self.node} lost GPUs while lent: it "
                             f"{expected.shortfall(view.allocatable)} (a GPU off the bus, a "
                             "driver crash, the device plugin restarting?)")
         trouble = "; ".join(problems) or None
         if trouble == self.trouble:
             return
-        had_lost = before is not None and expected is not None and before.exists and any(
-            before.allocatable.get(r, 0) < n for r, n in expected.resources.items())
+        had_lost = before is not None and expected is not None and before.exists and (
+            bool(self._gone(before)) or any(
+                before.allocatable.get(r, 0) < n for r, n in expected.resources.items()))
         self.trouble = trouble
         if trouble is None:
             journal.record("watch", f"node {self.node} is whole again: Ready, {expected}",
@@ -371,6 +465,13 @@ class KubeCluster:
             if self.metrics is not None:
                 self.metrics.gpu_lost()
             self._event("GPULost", trouble, warning=True)
+
+    def _gone(self, view: NodeView) -> list[str]:
+        """DRA: the lent GPUs ("label (UUID)") the node's slices no longer list."""
+        if self.dra is None or view.devices is None or not view.exists:
+            return []
+        return [f"{label} ({uuid})" for label, uuid in sorted(self.dra.items())
+                if uuid and uuid not in view.devices]
 
     async def watch_cordon(self) -> None:
         """While the lendee is off or stuck (its node cordoned by us, for hours during a
@@ -391,7 +492,9 @@ class KubeCluster:
         ``async for n in cluster.watch_gpu_pods(): if n == 0: break``."""
         resources = list(self.expected.resources) if self.expected is not None \
             else [self.settings.gpu_resource]
-        return self.kube.watch_gpu_pods(self.node, resources=resources)
+        return self.kube.watch_gpu_pods(
+            self.node, resources=resources,
+            dra_driver=self.settings.dra_driver if self.dra is not None else None)
 
     # --- telling the cluster --------------------------------------------------------------
 

@@ -81,6 +81,10 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     kubeconfig = "/etc/rancher/k3s/k3s.yaml"  # default: the client's own lookup
     annotation_prefix = "hostagent.io/"
     gpu_resource = "nvidia.com/gpu"
+    gpu_api = "auto"                        # "device-plugin", "dra" (resource.k8s.io/v1),
+                                            # or "auto": dra where the driver's DeviceClass
+                                            # or ResourceSlices exist
+    dra_driver = "gpu.nvidia.com"           # the DRA driver whose slices list the GPUs
     drain_emptydir = true                   # evict pods that use emptyDir volumes
     drain_unmanaged = false                 # evict pods no controller will recreate
     lent_taints = ["hostagent.io/borrowed=true:NoSchedule"]  # while lent; none by default
@@ -789,6 +793,16 @@ def _label_key_or_off(value: object, key: str) -> str | None:
     return label
 
 
+class GpuApi(enum.StrEnum):
+    """How the cluster hands out GPUs: "device-plugin" (allocatable ``nvidia.com/gpu``),
+    "dra" (Dynamic Resource Allocation: devices in ResourceSlices, by UUID), or "auto"
+    (decided at each lend from what the cluster serves)."""
+
+    AUTO = "auto"
+    DEVICE_PLUGIN = "device-plugin"
+    DRA = "dra"
+
+
 @dataclass(frozen=True, kw_only=True)
 class Kubernetes:
     """How to reach the cluster and how to drain the lendee's node."""
@@ -796,6 +810,8 @@ class Kubernetes:
     kubeconfig: Path | None = field(default=None, metadata=_key(_optional_path))
     annotation_prefix: str = field(default="hostagent.io/", metadata=_key(_annotation_prefix))
     gpu_resource: str = field(default="nvidia.com/gpu", metadata=_key(_text))
+    gpu_api: GpuApi = field(default=GpuApi.AUTO, metadata=_key(_choice(GpuApi)))
+    dra_driver: str = field(default="gpu.nvidia.com", metadata=_key(_text))
     drain_emptydir: bool = field(default=True, metadata=_key(_bool))
     drain_unmanaged: bool = field(default=False, metadata=_key(_bool))
     # Put on the node while it is lent, taken off when it is reclaimed: e.g. to keep

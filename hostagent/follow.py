@@ -150,6 +150,10 @@ def format_status(data: dict[str, Any]) -> str:
         lines.append(f"  reason: {lendee['reason']}")
     if lendee.get("lent"):
         lines.append(f"  runs with {', '.join(lendee['lent'])}")
+    holders = (data.get("cluster") or {}).get("holders")
+    if holders:
+        lines.append("  its node's pods hold " + ", ".join(
+            f"{gpu} ({pods})" for gpu, pods in sorted(holders.items())))
     if lendee.get("regrow_waiting"):
         lines.append("  would take the GPUs freed since, once no pod on its node uses a GPU")
     checked = data.get("verified")

@@ -77,7 +77,7 @@ from kubernetes_asyncio import config as k8s_config
 from kubernetes_asyncio import watch as k8s_watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from hostagent import journal
+from hostagent import dra, journal
 from hostagent.config import DrainTimeoutAction
 from hostagent.config import Kubernetes as KubernetesConfig
 from hostagent.text import clean
@@ -288,6 +288,10 @@ class NodeView:
     ready_detail: str = ""
     allocatable: Mapping[str, int] = field(default_factory=dict)
     gpu_pods: int | None = None
+    # DRA (watched with a driver): the UUIDs in the node's ResourceSlices, None until
+    # listed; and which pods ("ns/name") hold each, from the ResourceClaims.
+    devices: frozenset[str] | None = None
+    holders: Mapping[str, str] = field(default_factory=dict)
 
 
 def requests_gpu(pod: Any, resources: Collection[str] = ("nvidia.com/gpu",)) -> bool:
@@ -479,7 +483,7 @@ class ExpectedGpus:
 
     def __str__(self) -> str:
         wanted = ", ".join(f"{n} {r}" for r, n in sorted(self.resources.items()))
-        return f"{wanted} ({self.how})"
+        return f"{wanted} ({self.how})" if wanted else self.how
 
     def found(self, node: Any) -> dict[str, int]:
         """The node's allocatable count of each expected resource."""
@@ -716,6 +720,7 @@ class Kube:
     ) -> None:
         self._api_client = api_client
         self._core = k8s.CoreV1Api(api_client)
+        self._resource = k8s.ResourceV1Api(api_client)
         self.timing = timing or Timing()
         self.server = server or str(getattr(api_client.configuration, "host", ""))
         # Reads the credentials again (a fresh kubernetes-asyncio Configuration): after
@@ -773,6 +778,7 @@ class Kube:
         self._retired.append(self._api_client)
         self._api_client = k8s.ApiClient(configuration)
         self._core = k8s.CoreV1Api(self._api_client)
+        self._resource = k8s.ResourceV1Api(self._api_client)
         log.info("read the Kubernetes credentials again after a 401 from %s", self.server)
         return True
 
@@ -1214,10 +1220,70 @@ class Kube:
         return (dict(current.metadata.labels or {}), _annotations(current),
                 {k: str(v) for k, v in capacity.items()})
 
+    # --- DRA: the node's devices ----------------------------------------------------------
+
+    async def dra_in_use(self, driver: str, *, timeout: float | None = None) -> bool:
+        """Whether the cluster hands out GPUs through DRA with `driver`: resource.k8s.io/v1
+        is served and there is a DeviceClass of that name (the driver installs it) or a
+        ResourceSlice of that driver. Raises KubeUnavailable, KubeAuthError."""
+        deadline = self._deadline(timeout)
+        try:
+            classes = await self._call(
+                "list DeviceClasses", lambda: self._resource.list_device_class(
+                    field_selector=f"metadata.name={driver}"), deadline)
+            if classes.items:
+                return True
+            slices = await self._call(
+                "list ResourceSlices", lambda: self._resource.list_resource_slice(
+                    field_selector=f"spec.driver={driver}", limit=1), deadline)
+        except KubeRequestError as e:
+            if e.status == 404:
+                return False  # resource.k8s.io/v1 not served: a cluster older than 1.34
+            raise
+        return bool(slices.items)
+
+    async def wait_devices(self, node: str, *, driver: str,
+                           done: Callable[[frozenset[str]], bool],
+                           timeout: float) -> frozenset[str] | None:
+        """Follow the node's ResourceSlices of `driver` until `done(uuids)` or `timeout`;
+        the UUIDs last seen (None: never listed). Raises KubeAuthError."""
+        slices = dra.Slices(driver)
+        seen: list[frozenset[str]] = []
+        met = asyncio.Event()
+
+        def changed() -> None:
+            seen[:] = [slices.uuids()]
+            if done(seen[0]):
+                met.set()
+
+        def reset(items: list[Any]) -> None:
+            slices.reset(items)
+            changed()
+
+        def apply(kind: str, obj: Any) -> None:
+            slices.apply(kind, obj)
+            changed()
+
+        follower = asyncio.create_task(self._follow(
+            "list_resource_slice", f"spec.nodeName={node},spec.driver={driver}", reset, apply,
+            api="_resource"))
+        waiter = asyncio.create_task(met.wait())
+        try:
+            await asyncio.wait({follower, waiter}, timeout=timeout,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if follower.done():
+                follower.result()  # raises what ended it
+        finally:
+            for task in (follower, waiter):
+                task.cancel()
+            await asyncio.gather(follower, waiter, return_exceptions=True)
+        return seen[0] if seen else None
+
     # --- while lent: the node watched --------------------------------------------------
 
     async def _follow(self, method: str, selector: str, reset: Callable[[list[Any]], None],
-                      apply: Callable[[str, Any], None]) -> None:
+                      apply: Callable[[str, Any], None], api: str = "_core",
+                      return_type: str | None = None) -> None:
         """List, then watch from the list's resourceVersion, for ever (until cancelled):
         `reset(items)` after every list, `apply(type, object)` for every event. A watch
         that ends or fails is followed by a fresh list: level-triggered, nothing missed.
@@ -1227,7 +1293,7 @@ class Kube:
             try:
                 listed = await self._call(
                     f"list {selector}",
-                    lambda: getattr(self._core, method)(field_selector=selector),
+                    lambda: getattr(getattr(self, api), method)(field_selector=selector),
                     self._deadline(None))
             except (KubeUnavailable, KubeRequestError) as e:
                 log.debug("following %s: %s", selector, e)
@@ -1238,9 +1304,9 @@ class Kube:
             seconds = max(1, math.ceil(self.timing.watch_timeout))
             try:
                 async with asyncio.timeout(self._watch_bound(seconds)), \
-                        k8s_watch.Watch() as stream:
+                        k8s_watch.Watch(return_type) as stream:
                     async for event in stream.stream(
-                        getattr(self._core, method),
+                        getattr(getattr(self, api), method),
                         field_selector=selector,
                         resource_version=listed.metadata.resource_version,
                         timeout_seconds=seconds,
@@ -1263,7 +1329,8 @@ class Kube:
             attempt += 1
 
     async def watch_node(self, node: str, *, resources: Collection[str],
-                         on_change: Callable[[NodeView], None]) -> None:
+                         on_change: Callable[[NodeView], None],
+                         dra_driver: str | None = None) -> None:
         """Follow `node` and the pods on it until cancelled; `on_change(view)` each time
         what matters changes: the node there and Ready, its allocatable count of each of
         `resources`, the count of its pods that request a GPU (see `requests_gpu`).
@@ -1273,13 +1340,29 @@ class Kube:
         second of the API server knowing. Raises KubeAuthError only.
 
         Nothing is published before both lists are in: a node not listed yet is not a
-        node deleted, and pods not listed yet are not none."""
-        state: dict[str, Any] = {"node": None, "pods": None, "listed": False}
+        node deleted, and pods not listed yet are not none.
+
+        With `dra_driver` (a DRA cluster) the node's ResourceSlices of that driver and
+        the ResourceClaims are followed too: the view's `devices` are the UUIDs the
+        slices list (a GPU lost leaves them), `holders` which pod holds which, and a pod
+        holding one of them counts among the GPU pods."""
+        state: dict[str, Any] = {"node": None, "pods": None, "listed": False,
+                                 "names": {}, "slices": False, "claims": False}
         last: list[NodeView] = []
+        slices, claims = dra.Slices(dra_driver or dra.DRIVER), dra.Claims(dra_driver or dra.DRIVER)
 
         def publish() -> None:
             if not state["listed"] or state["pods"] is None:
                 return
+            if dra_driver is not None and not (state["slices"] and state["claims"]):
+                return
+            holders: dict[str, str] = {}
+            holding: set[str] = set()
+            if dra_driver is not None:
+                names = state["names"]
+                holders = claims.holders(slices.devices(), names)
+                holding = {uid for uid, name in names.items()
+                           if any(name in pods.split(",") for pods in holders.values())}
             current = state["node"]
             pods = state["pods"]
             condition = _ready(current) if current is not None else None
@@ -1292,7 +1375,9 @@ class Kube:
                     f" ({clean(condition.reason, 200)})" if condition.reason else ""),
                 allocatable={r: _gpus(current, r) for r in resources} if current is not None
                 else {r: 0 for r in resources},
-                gpu_pods=sum(pods.values()),
+                gpu_pods=sum(1 for uid, counted in pods.items() if counted or uid in holding),
+                devices=slices.uuids() if dra_driver is not None else None,
+                holders=holders,
             )
             if not last or last[0] != view:
                 last[:] = [view]
@@ -1311,18 +1396,38 @@ class Kube:
             phase = pod.status.phase if pod.status is not None else ""
             return phase not in ("Succeeded", "Failed") and requests_gpu(pod, resources)
 
+        def name(pod: Any) -> str | None:
+            phase = pod.status.phase if pod.status is not None else ""
+            return None if phase in ("Succeeded", "Failed") else \
+                f"{clean(pod.metadata.namespace, 253)}/{clean(pod.metadata.name, 253)}"
+
         def pods_reset(items: list[Any]) -> None:
             state["pods"] = {p.metadata.uid: counts(p) for p in items}
+            state["names"] = {p.metadata.uid: n for p in items if (n := name(p)) is not None}
             publish()
 
         def pods_apply(kind: str, obj: Any) -> None:
             pods = state["pods"] if state["pods"] is not None else {}
-            if kind == "DELETED":
-                pods.pop(obj.metadata.uid, None)
-            else:
+            pods.pop(obj.metadata.uid, None)
+            state["names"].pop(obj.metadata.uid, None)
+            if kind != "DELETED":
                 pods[obj.metadata.uid] = counts(obj)
+                if (n := name(obj)) is not None:
+                    state["names"][obj.metadata.uid] = n
             state["pods"] = pods
             publish()
+
+        def followed(what: str, kept: dra.Slices | dra.Claims
+                     ) -> tuple[Callable[[list[Any]], None], Callable[[str, Any], None]]:
+            def reset(items: list[Any]) -> None:
+                kept.reset(items)
+                state[what] = True
+                publish()
+
+            def apply(kind: str, obj: Any) -> None:
+                kept.apply(kind, obj)
+                publish()
+            return reset, apply
 
         try:
             async with asyncio.TaskGroup() as group:
@@ -1330,13 +1435,23 @@ class Kube:
                                                node_reset, node_apply))
                 group.create_task(self._follow("list_pod_for_all_namespaces",
                                                f"spec.nodeName={node}", pods_reset, pods_apply))
+                if dra_driver is not None:
+                    group.create_task(self._follow(
+                        "list_resource_slice", f"spec.nodeName={node},spec.driver={dra_driver}",
+                        *followed("slices", slices), api="_resource"))
+                    # The library guesses "V1ResourceClaim" from the list's type, a
+                    # name its models lack: the watch is told the class.
+                    group.create_task(self._follow(
+                        "list_resource_claim_for_all_namespaces", "",
+                        *followed("claims", claims), api="_resource",
+                        return_type="ResourceV1ResourceClaim"))
         except ExceptionGroup as group_error:
             _raise_auth_error(group_error)
             raise
 
     async def watch_gpu_pods(self, node: str, *,
-                             resources: Collection[str] = ("nvidia.com/gpu",)
-                             ) -> AsyncIterator[int]:
+                             resources: Collection[str] = ("nvidia.com/gpu",),
+                             dra_driver: str | None = None) -> AsyncIterator[int]:
         """The count of pods on `node` that request a GPU: first the current count, then
         each new one, for as long as the caller iterates (e.g. to restart the lendee
         with more GPUs only once it drops to 0). Raises KubeAuthError."""
@@ -1348,7 +1463,8 @@ class Kube:
                 last[:] = [view.gpu_pods]
                 counts.put_nowait(view.gpu_pods)
 
-        watcher = asyncio.create_task(self.watch_node(node, resources=resources, on_change=seen))
+        watcher = asyncio.create_task(self.watch_node(node, resources=resources, on_change=seen,
+                                                      dra_driver=dra_driver))
         try:
             while True:
                 get = asyncio.ensure_future(counts.get())

@@ -24,6 +24,8 @@ The metrics (Prometheus naming: ``hostagent_`` prefix, base units, ``_total`` co
                                                      (0: none since the agent started)
     hostagent_node_gpu_pods                          pods on the lent node that request
                                                      GPUs (absent until the cluster says)
+    hostagent_lent_gpu_pod{gpu,pod}                  DRA: 1 for each pod holding a lent
+                                                     GPU, from its ResourceClaims
     hostagent_health_check_success{check}            1 if the check passed at this scrape
 
 The HTTP side is deliberately tiny (one request per connection, GET and HEAD, three
@@ -139,6 +141,9 @@ class Metrics:
         self._gpu_pods = _Optional("hostagent_node_gpu_pods",
                                    "Pods on the lent node that request GPUs")
         r.register(self._gpu_pods)
+        self._lent_gpu_pod = Gauge("hostagent_lent_gpu_pod",
+                                   "1 for each pod that holds a lent GPU (DRA: from the "
+                                   "ResourceClaims)", ["gpu", "pod"], registry=r)
         # Every series exists from the start: a rate() needs the zero it starts from.
         for kind in ("lend", "reclaim"):
             self._swaps.labels(kind)
@@ -211,6 +216,14 @@ class Metrics:
         The "capacity without a consumer" signal: GPUs lent while this stays 0 are idle
         capacity a gamer could have had."""
         self._gpu_pods.value = count
+
+    def lent_gpu_pods(self, holders: dict[str, str] | None) -> None:
+        """DRA: which pods hold which lent GPU (label -> "ns/name", comma-separated);
+        None or {} when none does or it is unknown."""
+        self._lent_gpu_pod.clear()
+        for gpu, pods in (holders or {}).items():
+            for pod in pods.split(","):
+                self._lent_gpu_pod.labels(gpu, pod).set(1)
 
     def gpu_lost(self) -> None:
         """The lent node lost GPUs it had (allocatable dropped below what was lent):

@@ -1,0 +1,268 @@
+"""DRA (resource.k8s.io/v1) against the API stand-in: a lend verified by UUID in the
+node's ResourceSlices, a GPU lost from them while lent, the pods whose claims hold lent
+GPUs (when-idle's count, status, the metric, the node's annotation), and the mode told
+from the cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from hostagent import dra, journal
+from hostagent.cluster import KubeCluster
+from hostagent.config import Config, parse
+from hostagent.follow import format_status
+from hostagent.health import CheckFailed
+from hostagent.kube import Kube, Timing
+from tests.kubeapi import StandIn, write_kubeconfig
+from tests.kubeapi.cluster import gpu_device
+from tests.kubeapi.rules import EVENTS, PODS
+
+PREFIX = "hostagent.io/"
+FAST = Timing(request_timeout=2.0, api_timeout=3.0, backoff_min=0.02, backoff_max=0.1,
+              evict_retry=0.05, delete_poll=0.02, watch_timeout=5.0)
+UUID_A = "GPU-5f2ab1c4-0000-4000-8000-00000000000a"
+UUID_B = "GPU-5f2ab1c4-0000-4000-8000-00000000000b"
+UUID_C = "GPU-5f2ab1c4-0000-4000-8000-00000000000c"  # the host's, never lent
+
+
+def config(gpu_api: str = "auto") -> Config:
+    return parse(f"""
+[lendee]
+domain = "gpu-node"
+gpus = ["gpu-a", "gpu-b"]
+
+[gpus.gpu-a]
+pci = "0000:01:00.0"
+uuid = "{UUID_A}"
+
+[gpus.gpu-b]
+pci = "0000:02:00.0"
+uuid = "{UUID_B}"
+
+[timeouts]
+drain = "5s"
+ready = "2s"
+
+[kubernetes]
+gpu_api = "{gpu_api}"
+""", "test.toml")
+
+
+class FakeMetrics:
+    def __init__(self) -> None:
+        self.gpu_pods: list[int | None] = []
+        self.holders: list[dict[str, str] | None] = []
+        self.lost = 0
+
+    def node_gpu_pods(self, count: int | None) -> None:
+        self.gpu_pods.append(count)
+
+    def gpu_lost(self) -> None:
+        self.lost += 1
+
+    def lent_gpu_pods(self, holders: dict[str, str] | None) -> None:
+        self.holders.append(holders)
+
+
+@pytest.fixture(autouse=True)
+def records() -> Iterator[journal.ListSink]:
+    sink = journal.ListSink()
+    previous = journal.use_sink(sink)
+    yield sink
+    journal.use_sink(previous)
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[StandIn]:
+    async with StandIn(termination_scale=0.005) as standin:
+        # A DRA node: no nvidia.com/gpu in allocatable, the driver's DeviceClass installed.
+        standin.cluster.add_node("gpu-node")
+        standin.cluster.add_device_class()
+        yield standin
+
+
+@pytest.fixture
+async def kube(api: StandIn, tmp_path: Path) -> AsyncIterator[Kube]:
+    async with await Kube.connect(write_kubeconfig(tmp_path / "kc", api.url),
+                                  timing=FAST) as k:
+        yield k
+
+
+def cluster_for(kube: Kube, cfg: Config | None = None,
+                metrics: FakeMetrics | None = None) -> KubeCluster:
+    return KubeCluster(kube, cfg or config(), remember_cordon=lambda _: None, metrics=metrics)
+
+
+def publish(api: StandIn, *uuids: str) -> None:
+    api.cluster.publish_devices("gpu-node", [gpu_device(i, u) for i, u in enumerate(uuids)])
+
+
+def later(seconds: float, fn: Callable[..., object], *args: object) -> None:
+    asyncio.get_running_loop().call_later(seconds, lambda: fn(*args))
+
+
+async def until(condition: Callable[[], object], timeout: float = 3.0) -> None:
+    # Polled: the condition reads state that has no event to wait on.
+    async with asyncio.timeout(timeout):
+        while True:
+            if condition():
+                return
+            await asyncio.sleep(0.02)
+
+
+def unschedulable(api: StandIn) -> bool:
+    return bool(api.cluster.node("gpu-node")["spec"].get("unschedulable"))
+
+
+def annotations(api: StandIn) -> dict[str, str]:
+    return dict(api.cluster.node("gpu-node")["metadata"].get("annotations") or {})
+
+
+# --- pure --------------------------------------------------------------------------------
+
+
+def test_mismatch_names_each_gpu_missing_or_not_lent() -> None:
+    lent = {"gpu-a": UUID_A, "gpu-b": UUID_B}
+    assert dra.mismatch(lent, {UUID_A, UUID_B}) is None
+    missing = dra.mismatch(lent, {UUID_A}) or ""
+    assert f"lack gpu-b ({UUID_B})" in missing and "gpu-a" not in missing
+    extra = dra.mismatch({"gpu-a": UUID_A}, {UUID_A, UUID_C}) or ""
+    assert f"list {UUID_C}, not lent" in extra
+    # A GPU without a configured uuid is matched by count.
+    assert dra.mismatch({"gpu-a": UUID_A, "gpu-x": None}, {UUID_A, UUID_C}) is None
+    assert "lack 1 of gpu-x" in (dra.mismatch({"gpu-a": UUID_A, "gpu-x": None}, {UUID_A}) or "")
+
+
+# --- the return ---------------------------------------------------------------------------
+
+
+async def test_a_dra_lend_is_verified_by_uuid_before_the_uncordon(
+        api: StandIn, kube: Kube, records: journal.ListSink) -> None:
+    publish(api, UUID_A, UUID_B, UUID_C)  # what the last boot (with every GPU) left
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    cluster = cluster_for(kube)
+    # Partial lend: gpu-b only; the driver's plugin republishes a little later.
+    later(0.3, publish, api, UUID_B)
+    assert await cluster.give_back({"gpu-b"}) is None
+    assert cluster.dra == {"gpu-b": UUID_B}
+    assert not unschedulable(api)
+    assert annotations(api)[f"{PREFIX}lent-gpus"] == "gpu-b"
+    assert cluster.status()["gpu_api"] == "dra (gpu.nvidia.com)"
+    decided = [e for e in records.entries if e.fields.get("HOSTAGENT_RESULT") == "decided"]
+    assert UUID_B in decided[0].message
+
+
+async def test_a_gpu_missing_from_the_slices_keeps_the_node_cordoned_and_named(
+        api: StandIn, kube: Kube) -> None:
+    publish(api, UUID_A, UUID_C)  # gpu-b did not come up; the host's gpu-c is there
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    cluster = cluster_for(kube)
+    problem = await cluster.give_back(["gpu-a", "gpu-b"])
+    assert problem is not None
+    assert f"lack gpu-b ({UUID_B})" in problem and f"list {UUID_C}, not lent" in problem
+    assert unschedulable(api)
+    assert annotations(api)[f"{PREFIX}state"] == "short-of-gpus"
+    await cluster.flush_events()
+    warnings = [e for e in api.cluster.list(EVENTS, None)["items"] if e["type"] == "Warning"]
+    assert [e["reason"] for e in warnings] == ["ReturnFailed"] and UUID_B in warnings[0]["message"]
+
+
+async def test_without_dra_the_device_plugin_count_is_awaited(api: StandIn, kube: Kube) -> None:
+    publish(api, UUID_A, UUID_B)
+    cluster = cluster_for(kube, config("device-plugin"))
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    problem = await cluster.give_back(["gpu-a", "gpu-b"])
+    assert cluster.dra is None
+    assert problem is not None and "reports 0 allocatable nvidia.com/gpu where 2" in problem
+
+
+async def test_auto_tells_dra_from_the_cluster(api: StandIn, kube: Kube) -> None:
+    assert await kube.dra_in_use("gpu.nvidia.com")
+    assert not await kube.dra_in_use("gpu.example.com")
+    publish(api, UUID_A)
+    api.cluster.publish_devices("gpu-node", [], driver="gpu.example.com")
+    assert await kube.dra_in_use("gpu.example.com")
+
+
+# --- while lent -----------------------------------------------------------------------------
+
+
+async def test_a_lent_gpu_leaving_the_slices_is_a_gpu_lost(
+        api: StandIn, kube: Kube, records: journal.ListSink) -> None:
+    metrics = FakeMetrics()
+    publish(api, UUID_A, UUID_B)
+    cluster = cluster_for(kube, metrics=metrics)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    watch = asyncio.create_task(cluster.watch_lent())
+    try:
+        await until(lambda: cluster.view is not None and cluster.view.devices is not None)
+        await cluster.health()
+        publish(api, UUID_A)  # gpu-b fell off the bus; the driver republished
+        await until(lambda: cluster.trouble is not None)
+        with pytest.raises(CheckFailed, match=f"gpu-b \\({UUID_B}\\) left its gpu.nvidia.com"):
+            await cluster.health()
+        assert metrics.lost == 1
+        assert [e for e in records.entries if e.fields.get("HOSTAGENT_RESULT") == "gpu-lost"]
+        publish(api, UUID_A, UUID_B)
+        await until(lambda: cluster.trouble is None)
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+    await cluster.flush_events()
+    assert "GPULost" in [e["reason"] for e in api.cluster.list(EVENTS, None)["items"]]
+
+
+async def test_pods_whose_claims_hold_lent_gpus_are_gpu_pods_and_named(
+        api: StandIn, kube: Kube) -> None:
+    metrics = FakeMetrics()
+    publish(api, UUID_A, UUID_B)
+    cluster = cluster_for(kube, metrics=metrics)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    seen: list[int] = []
+
+    async def follow() -> None:
+        async for count in cluster.watch_gpu_pods():
+            seen.append(count)
+            if count == 0 and len(seen) > 1:
+                return
+
+    counting = asyncio.create_task(follow())
+    watch = asyncio.create_task(cluster.watch_lent())
+    try:
+        await until(lambda: seen == [0])
+        api.cluster.add_pod("train-1", node="gpu-node", owner="Job/train", devices=["gpu-1"])
+        api.cluster.add_pod("web", node="gpu-node", owner="ReplicaSet/w")
+        await until(lambda: seen[-1] == 1)
+        await until(lambda: cluster.status()["holders"] == {"gpu-b": "default/train-1"})
+        assert metrics.holders[-1] == {"gpu-b": "default/train-1"}
+        await until(lambda: annotations(api).get(f"{PREFIX}gpu-holders")
+                    == "gpu-b=default/train-1")
+        api.cluster.delete(PODS, "default", "train-1", {"gracePeriodSeconds": 0})
+        await asyncio.wait_for(counting, 3)
+        await until(lambda: cluster.status()["holders"] == {})
+        await until(lambda: f"{PREFIX}gpu-holders" not in annotations(api))
+        assert api.cluster.claims() == []  # released with its pod
+    finally:
+        for task in (watch, counting):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    assert metrics.holders[-1] is None
+
+
+
+def test_status_says_which_pod_holds_which_lent_gpu() -> None:
+    data = {"lendee": {"domain": "gpu-node", "since": 0, "phase": "lent", "hold": False,
+                       "reason": "", "lent": ["gpu-a", "gpu-b"]},
+            "gpus": [], "intents": [],
+            "cluster": {"holders": {"gpu-b": "default/train-1", "gpu-a": "ml/a,ml/b"}}}
+    assert "its node's pods hold gpu-a (ml/a,ml/b), gpu-b (default/train-1)" in \
+        format_status(data)
