@@ -18,7 +18,14 @@ from collections.abc import Iterator
 import pytest
 
 from hostagent.control import REQUESTS_BURST, REQUESTS_INTERVAL
-from tests.faults.scenario import DEFERRED, Scenario, count, wait_for, wait_lent
+from tests.faults.scenario import (
+    DEFERRED,
+    Scenario,
+    count,
+    wait_count,
+    wait_for,
+    wait_lent,
+)
 from tests.lab.lab import REPO, Lab
 
 pytestmark = pytest.mark.lab
@@ -118,8 +125,10 @@ def test_repeated_requests(lab: Lab, fault: Scenario) -> None:
         proc.stdout.close()
     lab.wait_state("gaming1", "running", timeout=60)
     fault.recovered()
+    wait_count(lab, 1, event="owner", to="running", vm="gaming1")
     assert count(lab, event="intent", to="pending", vm="gaming1") == 1
-    assert fault.boots("gaming1") == 1
+    assert count(lab, event="intent", to="done", vm="gaming1") == 1
+    assert count(lab, event="owner", to="running", vm="gaming1") == 1
     assert spooled(lab) == []
 
 
