@@ -22,6 +22,8 @@ let
   configPath = "/etc/hostagent/config.toml";
   # Where systemd puts the kubeconfig it reads for the service (LoadCredential=).
   kubeconfigCredential = "/run/credentials/hostagent.service/kubeconfig";
+  # And the MQTT broker's password ([mqtt] password_file).
+  mqttPasswordCredential = "/run/credentials/hostagent.service/mqtt-password";
 
   # libvirtd runs the hook with a scrubbed environment, so the hook knows only its
   # built-in paths: the agent must use the same ones.
@@ -37,6 +39,9 @@ let
       }
       // lib.optionalAttrs (cfg.controlSocketGroup != null) {
         control_group = cfg.controlSocketGroup;
+      }
+      // lib.optionalAttrs (cfg.mqttPasswordFile != null) {
+        mqtt.password_file = mqttPasswordCredential;
       }
     )
   );
@@ -241,6 +246,18 @@ in
       '';
     };
 
+    mqttPasswordFile = mkOption {
+      type = types.nullOr types.str;
+      default = null;
+      example = "/run/secrets/hostagent-mqtt-password";
+      description = ''
+        The MQTT broker's password for `settings.mqtt.username`, as a path on the host
+        that systemd reads when the service starts (`LoadCredential=`): it never
+        enters the world-readable Nix store. Give a string, not a Nix path literal.
+        The broker itself is `settings.mqtt.broker` (the `[mqtt]` section).
+      '';
+    };
+
     checkConfig = mkOption {
       type = types.bool;
       default = true;
@@ -292,6 +309,16 @@ in
       {
         assertion = cfg.controlSocketGroup == null || (cfg.settings.control_group or null) == null;
         message = "services.hostagent: set controlSocketGroup or settings.control_group, not both.";
+      }
+      {
+        assertion =
+          cfg.mqttPasswordFile == null
+          || (lib.hasPrefix "/" cfg.mqttPasswordFile && !lib.hasPrefix "${builtins.storeDir}/" cfg.mqttPasswordFile);
+        message = "services.hostagent.mqttPasswordFile must be an absolute path outside the Nix store, which anyone on the machine can read: keep the password in e.g. /run/secrets or /var/lib/secrets.";
+      }
+      {
+        assertion = cfg.mqttPasswordFile == null || (cfg.settings.mqtt.password_file or null) == null;
+        message = "services.hostagent: set mqttPasswordFile or settings.mqtt.password_file, not both.";
       }
     ]
     ++ lib.mapAttrsToList (label: gpu: {
@@ -358,7 +385,9 @@ in
         # sized against it, so that a flood cannot take the descriptors the hook
         # socket and state saves need.
         LimitNOFILE = 4096;
-        LoadCredential = lib.optional (cfg.kubeconfigFile != null) "kubeconfig:${cfg.kubeconfigFile}";
+        LoadCredential =
+          lib.optional (cfg.kubeconfigFile != null) "kubeconfig:${cfg.kubeconfigFile}"
+          ++ lib.optional (cfg.mqttPasswordFile != null) "mqtt-password:${cfg.mqttPasswordFile}";
 
         # hook.sock and control.sock, recreated at each start; while the agent is
         # down the hook spools under /var/lib/hostagent/spool instead.

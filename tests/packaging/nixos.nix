@@ -141,6 +141,7 @@ let
           settings.hook_socket = "/srv/hook.sock";
           settings.state_dir = "/srv/hostagent";
           kubeconfigFile = "/nix/store/00000000000000000000000000000000-kubeconfig";
+          mqttPasswordFile = "/nix/store/00000000000000000000000000000000-mqtt-password";
         };
       }
     ];
@@ -178,8 +179,10 @@ let
             gpus.gpu-a.name = "RTX 3050";
             kubernetes.kubeconfig = "/etc/rancher/k3s/k3s.yaml";
             control_group = "wheel";
+            mqtt.password_file = "/etc/hostagent/mqtt-password";
           };
           kubeconfigFile = "secrets/kubeconfig";
+          mqttPasswordFile = "/run/secrets/mqtt";
           controlSocketGroup = "hostagent";
         };
       }
@@ -204,6 +207,31 @@ in
           gpus.gpu-d.uuid = "GPU-5f2ab1c4-0000-4000-8000-000000000004";
           timeouts.drain = "10m";
         };
+      };
+    }
+  ]);
+
+  # Home Assistant over MQTT: the password a credential, the rest free-form settings.
+  mqtt = outcome (evalNixos [
+    module
+    {
+      virtualisation.libvirtd.enable = true;
+      services.hostagent = {
+        enable = true;
+        settings = {
+          lendee = {
+            domain = "gpu-node";
+            gpus = [ "gpu-a" ];
+          };
+          gpus = { inherit gpu-a; };
+          owners.gaming1.gpus = [ "gpu-a" ];
+          mqtt = {
+            broker = "mqtts://broker.lan:8883";
+            username = "hostagent";
+            vms = [ "gaming1" ];
+          };
+        };
+        mqttPasswordFile = "/run/secrets/hostagent-mqtt";
       };
     }
   ]);

@@ -199,6 +199,21 @@ def test_a_gpu_by_uuid_alone(evaluated: dict[str, Any]) -> None:
 
 
 @needs_nixos
+def test_the_mqtt_password_is_a_credential(evaluated: dict[str, Any]) -> None:
+    """mqttPasswordFile: read by systemd at start (LoadCredential=), never in the store;
+    the agent reads it where systemd puts it, and takes the [mqtt] section as written."""
+    mqtt = evaluated["mqtt"]
+    assert mqtt["failed"] == [] and mqtt["toplevel"].endswith(".drv")
+    cfg = config.parse(tomli_w.dumps(mqtt["config"]))
+    assert cfg.mqtt is not None
+    assert cfg.mqtt.password_file == Path("/run/credentials/hostagent.service/mqtt-password")
+    assert (cfg.mqtt.address, cfg.mqtt.username, cfg.mqtt.vms) == (
+        ("broker.lan", 8883), "hostagent", ("gaming1",))
+    assert "LoadCredential=mqtt-password:/run/secrets/hostagent-mqtt" in mqtt["unit"].splitlines()
+    assert "secrets/hostagent-mqtt" not in json.dumps(mqtt["config"])
+
+
+@needs_nixos
 def test_every_assertion_fires_with_its_message(evaluated: dict[str, Any]) -> None:
     cases = evaluated["assertions"]
     failed = [m for case in cases.values() for m in case["failed"]]
@@ -209,6 +224,7 @@ def test_every_assertion_fires_with_its_message(evaluated: dict[str, Any]) -> No
         'services.hostagent.settings.lendee.domain is not set: name the libvirt domain of the Kubernetes worker VM that borrows the GPUs, e.g. lendee.domain = "gpu-node";',
         'services.hostagent.settings.lendee.gpus is empty: list the GPUs the lendee borrows (labels from settings.gpus, or PCI addresses), e.g. lendee.gpus = [ "gpu-a" ];',
         "services.hostagent.kubeconfigFile must be an absolute path outside the Nix store, which anyone on the machine can read: keep the kubeconfig in e.g. /run/secrets or /var/lib/secrets.",
+        "services.hostagent.mqttPasswordFile must be an absolute path outside the Nix store, which anyone on the machine can read: keep the password in e.g. /run/secrets or /var/lib/secrets.",
         "services.hostagent.settings.hook_socket must stay /run/hostagent/hook.sock: libvirtd runs the hook with a scrubbed environment, so the hook knows only that path.",
         "services.hostagent.settings.state_dir must stay /var/lib/hostagent: libvirtd runs the hook with a scrubbed environment, so the hook knows only that path.",
     ])
@@ -221,6 +237,7 @@ def test_every_assertion_fires_with_its_message(evaluated: dict[str, Any]) -> No
         "services.hostagent.kubeconfigFile must be an absolute path outside the Nix store, which anyone on the machine can read: keep the kubeconfig in e.g. /run/secrets or /var/lib/secrets.",
         "services.hostagent: set kubeconfigFile or settings.kubernetes.kubeconfig, not both.",
         "services.hostagent: set controlSocketGroup or settings.control_group, not both.",
+        "services.hostagent: set mqttPasswordFile or settings.mqtt.password_file, not both.",
         'services.hostagent.settings.gpus.gpu-a has neither pci nor uuid: give its PCI address as `lspci -D` shows it, e.g. pci = "0000:01:00.0"; (a GPU bound to vfio-pci needs it), or its uuid if NVML on the host sees it.',
     ])
 
@@ -295,7 +312,7 @@ def test_the_unit_is_systemd_hostagent_service(evaluated: dict[str, Any]) -> Non
     but for the store path of ExecStart= and what NixOS and the README's options add."""
     added_by_nixos = {
         "Unit": {"X-Restart-Triggers"},
-        "Service": {"LoadCredential"},  # kubeconfigFile
+        "Service": {"LoadCredential"},  # kubeconfigFile, mqttPasswordFile
         "Install": set(),
     }
 
