@@ -658,6 +658,17 @@ async def _parsed(request: Callable[[], Awaitable[T]], readable: Callable[[Any],
     return result
 
 
+def _malformed(e: BaseException) -> bool:
+    """A watch event that could not be read: the client's parsing errors, and the bare
+    Exception kubernetes-asyncio raises for an event without a type or an object."""
+    return isinstance(e, _PARSING) or type(e) is Exception
+
+
+def _listed(reply: Any) -> bool:
+    return getattr(reply, "metadata", None) is not None and isinstance(
+        getattr(reply, "items", None), list)
+
+
 def _node(reply: Any) -> bool:
     return isinstance(reply, k8s.V1Node) and reply.metadata is not None
 
@@ -1161,7 +1172,7 @@ class Kube:
                         resource_version=current.metadata.resource_version,
                         timeout_seconds=seconds,
                     ):
-                        if event["type"] in ("ADDED", "MODIFIED"):
+                        if event["type"] in ("ADDED", "MODIFIED") and _node(event["object"]):
                             last = event["object"]
                             if done(last):
                                 return last, ""
@@ -1175,6 +1186,10 @@ class Kube:
                 problem = _describe(e)
             except (aiohttp.ClientError, OSError) as e:
                 problem = _describe(e)
+            except Exception as e:
+                if not _malformed(e):
+                    raise
+                problem = f"a watch event that could not be read ({clean(e, 200)})"
             await asyncio.sleep(max(0.0, min(self._backoff(attempt), deadline - self._now())))
             attempt += 1
         return last, problem
@@ -1294,7 +1309,7 @@ class Kube:
                 listed = await self._call(
                     f"list {selector}",
                     lambda: getattr(getattr(self, api), method)(field_selector=selector),
-                    self._deadline(None))
+                    self._deadline(None), readable=_listed)
             except (KubeUnavailable, KubeRequestError) as e:
                 log.debug("following %s: %s", selector, e)
                 await asyncio.sleep(self._backoff(attempt))
@@ -1325,6 +1340,11 @@ class Kube:
                 log.debug("watching %s: %s", selector, _describe(e))
             except (aiohttp.ClientError, OSError, ValueError) as e:
                 log.debug("watching %s: %s", selector, _describe(e))
+            except Exception as e:  # an event or object of the wrong shape: list again
+                if not _malformed(e):
+                    raise
+                log.warning("watching %s: an event that could not be read (%s); listing "
+                            "again", selector, clean(e, 200))
             await asyncio.sleep(self._backoff(attempt))
             attempt += 1
 
@@ -1624,6 +1644,10 @@ class Kube:
                 return
             except (ApiException, aiohttp.ClientError, OSError, ValueError) as e:
                 log.debug("watching the pods on %s: %s", node, _describe(e))
+            except Exception as e:
+                if not _malformed(e):
+                    raise
+                log.debug("watching the pods on %s: an event that could not be read", node)
             resource_version = None  # from now on: the reads catch what was missed
             await asyncio.sleep(max(0.0, min(self.timing.delete_poll, deadline - self._now())))
 

@@ -5,12 +5,14 @@ The server here answers each request with a generated HTTP status and body: Stat
 bodies whose fields have the wrong types (the `details` or `causes` of a real one are
 objects), Nodes and pod lists with lists where objects belong, bodies that are not JSON.
 The real kubernetes-asyncio client talks to it over HTTP, on a loop of its own thread,
-as in test_fuzz_protocols.py; every example is one adapter call.
+as in test_fuzz_protocols.py; every example is one adapter call. Watches get events of
+the wrong shape too: the node is listed again, and followed on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -218,3 +220,59 @@ def test_the_backoff_stays_bounded_however_many_attempts(live: Live) -> None:
     evicted) tries thousands of times within a drain's deadline."""
     for attempt in (0, 10, 1100, 10**6):
         assert 0 <= live.kube._backoff(attempt) <= FAST.backoff_max
+
+
+# --- watches ---------------------------------------------------------------------------
+
+BAD_EVENTS = ['{"type": "MODIFIED", "object": []}', '{"object": {}}', "not JSON", "[1]",
+              '{"type": "ERROR", "object": {"code": 500}}', '{"type": "MODIFIED"}',
+              '{"type": "MODIFIED", "object": {"metadata": []}}',
+              '{"type": "ADDED", "object": {"kind": "Node", "status": {"conditions": 3}}}']
+
+
+class Watched:
+    """Lists one node and no pods; every watch sends `event`, then ends."""
+
+    def __init__(self, event: str) -> None:
+        self.event = event.encode()
+        self.watches = 0
+        self.server = Server()
+        self.server.handle = self.handle  # type: ignore[method-assign]
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        if request.query.get("watch"):
+            self.watches += 1
+            response = web.StreamResponse()
+            await response.prepare(request)
+            await response.write(self.event + b"\n")
+            return response
+        items = [] if "pods" in request.path else [
+            {"metadata": {"name": "n", "uid": "u", "resourceVersion": "1"},
+             "status": {"conditions": [{"type": "Ready", "status": "False"}]}}]
+        return web.json_response({"metadata": {"resourceVersion": "1"}, "items": items})
+
+
+@pytest.mark.parametrize("event", BAD_EVENTS)
+async def test_a_watch_event_of_any_shape_is_followed_by_a_fresh_list(
+        tmp_path: Path, event: str) -> None:
+    """A watch event the client cannot read ended the watch with a Python error, and the
+    agent with it; the node is listed again instead, and the waiting ends as it would."""
+    watched = Watched(event)
+    await watched.server.start()
+    try:
+        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", watched.server.url)
+        async with await Kube.connect(kubeconfig, timing=FAST) as kube:
+            views: list[Any] = []
+            follow = asyncio.create_task(kube.watch_node("n", resources=["nvidia.com/gpu"],
+                                                         on_change=views.append))
+            with pytest.raises(KubeError):
+                await kube.wait_ready("n", timeout=1)
+            assert not follow.done(), follow
+            follow.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await follow
+            assert views and views[0].exists and not views[0].ready
+            assert watched.watches >= 3  # each watch followed by a list and a new watch
+    finally:
+        assert watched.server.runner is not None
+        await watched.server.runner.cleanup()
