@@ -27,13 +27,12 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Collection, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from hostagent import devices, health, journal, machine, metrics
+from hostagent import clock, devices, health, journal, machine, metrics
 from hostagent import state as persisted
 from hostagent.backoff import keep_trying
 from hostagent.config import Config
@@ -137,11 +136,6 @@ def topology(cfg: Config) -> Topology:
                     groups=tuple(frozenset(g) for g in groups if len(g) > 1))
 
 
-def _now() -> float:
-    # Wall time: intents are persisted with it and must age correctly across restarts.
-    return time.time()
-
-
 # Of the hook's 0.3 s budget for an answer: the rest is its own start and the exchange.
 HOOK_SAVE_BUDGET = 0.15
 # Waited for the last state to be on disk when the agent stops.
@@ -190,9 +184,9 @@ class Agent:
         self.cluster_given = cluster is not None
         self.lendee = cfg.lendee.domain
         self.state = State()
-        self.phase_since = _now()
+        self.phase_since = clock.now()
         self.cordoned_by_us = False
-        self.started_at = _now()
+        self.started_at = clock.now()
         self.boot_id = _boot_id()
         self.host_booted = False  # this is the agent's first start since the host booted
         self.libvirt = Libvirt(cfg.libvirt_uri, on_lifecycle=self.lifecycle,
@@ -396,7 +390,7 @@ class Agent:
             if owner.start_at_boot and vm not in self.state.running_owners:
                 journal.record("boot", f"the host booted: starting {vm} ([owners.{vm}] "
                                "start_at_boot)", vm=vm, result="ok")
-                self.apply(OwnerWants(at=_now(), owner=vm, intent_id=f"boot-{vm}",
+                self.apply(OwnerWants(at=clock.now(), owner=vm, intent_id=f"boot-{vm}",
                                       source=IntentSource.CONTROL))
 
     host_stopping = staticmethod(_host_stopping)
@@ -422,7 +416,7 @@ class Agent:
         """The lent node changed: the count of GPU pods is what a regrow waits on."""
         pods = getattr(view, "gpu_pods", None)
         if pods is not None and pods != self.state.gpu_pods:
-            self.apply(GpuPods(at=_now(), count=pods))
+            self.apply(GpuPods(at=clock.now(), count=pods))
 
     def _remember_cordon(self, ours: bool) -> None:
         # The marker on the Node is what uncordon trusts; the state file keeps a copy.
@@ -585,7 +579,7 @@ class Agent:
                 lent = await asyncio.wait_for(self.libvirt.live_gpus(
                     self.lendee, self.executor.lendee_gpu_config()), 5)
             running = await self.libvirt.running_domains()
-        self.apply(Observed(at=_now(), lendee_running=self.lendee in running,
+        self.apply(Observed(at=clock.now(), lendee_running=self.lendee in running,
                             owners_running=frozenset(running & set(self.topo.owners)),
                             lendee_gpus=lent & self.topo.lendee_gpus if lent else None))
 
@@ -625,12 +619,12 @@ class Agent:
         if decision == "proceed":
             if self.topo.is_owner(vm) and vm not in self.state.running_owners:
                 # It claims its GPUs until it runs or its start ends (release end).
-                self.apply(OwnerStarting(at=_now(), owner=vm))
+                self.apply(OwnerStarting(at=clock.now(), owner=vm))
             return Verdict("proceed", message)
         if self.topo.is_owner(vm):
             # On disk before the hook hears "defer" (invariant 4), within the part of
             # the hook's budget it gets: a busy disk makes a clear refusal.
-            recorded = await self.request(OwnerWants(at=_now(), owner=vm, intent_id=event.id,
+            recorded = await self.request(OwnerWants(at=clock.now(), owner=vm, intent_id=event.id,
                                                      source=IntentSource.HOOK),
                                           within=HOOK_SAVE_BUDGET)
             if not recorded and self.save_failed and not self.state.intents_of(vm):
@@ -645,7 +639,7 @@ class Agent:
         return Verdict("defer", message)
 
     def lifecycle(self, domain: str, kind: Lifecycle) -> None:
-        now = _now()
+        now = clock.now()
         if kind is Lifecycle.STOPPED:
             self.executor.stopped.setdefault(domain, asyncio.Event()).set()
         if kind is Lifecycle.AGENT_CONNECTED:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from hostagent import journal, lint, machine, screenshots
+from hostagent import clock, journal, lint, machine, screenshots
 from hostagent import verify as in_guest
 from hostagent.config import VerifyMethod
 from hostagent.libvirt_host import DomainNotFound, HookRefused, HostError, Lifecycle
@@ -53,10 +53,6 @@ if TYPE_CHECKING:
     from hostagent.agent import Agent
 
 log = logging.getLogger("hostagent")
-
-
-def _now() -> float:
-    return time.time()
 
 
 class Executor:
@@ -96,7 +92,7 @@ class Executor:
             case ScheduleRelend(at=at):
                 self._cancel_relend()
                 self._relend = asyncio.get_running_loop().call_later(
-                    max(0.0, at - _now()), self._relend_due)
+                    max(0.0, at - clock.now()), self._relend_due)
             case CancelRelend():
                 self._cancel_relend()
             case CompleteIntent(intent_id=iid, owner=owner):
@@ -118,7 +114,7 @@ class Executor:
             self._relend = asyncio.get_running_loop().call_later(0.05, self._relend_due)
             return
         self._relend = None
-        self.host.apply(RelendDue(at=_now()))
+        self.host.apply(RelendDue(at=clock.now()))
 
     def _cancel_relend(self) -> None:
         if self._relend is not None:
@@ -178,9 +174,9 @@ class Executor:
         problem = await self.host.cluster.reclaim(list(self.host.state.waiting_owners),
                                                   regrow=regrow)
         if problem is None:
-            self.host.apply(Drained(at=_now(), ticket=ticket))
+            self.host.apply(Drained(at=clock.now(), ticket=ticket))
         else:
-            self.host.apply(DrainFailed(at=_now(), ticket=ticket, reason=problem))
+            self.host.apply(DrainFailed(at=clock.now(), ticket=ticket, reason=problem))
 
     async def _wait_agent(self, ticket: int) -> None:
         """guest-ping until it answers, bounded: the agent needs 30-60 s in a fresh VM.
@@ -194,7 +190,7 @@ class Executor:
             self.agent_connected.clear()
             try:
                 if await self.host.libvirt.ping_agent(self.host.lendee, timeout=3):
-                    self.host.apply(AgentUp(at=_now(), ticket=ticket))
+                    self.host.apply(AgentUp(at=clock.now(), ticket=ticket))
                     return
             except DomainNotFound:
                 pass
@@ -206,13 +202,13 @@ class Executor:
                 # Level-triggered: it stopped and the event was lost (a restart of the
                 # agent while libvirtd was stopping it). Reality says off.
                 if self._current(ticket):
-                    self.host.apply(LendeeStopped(at=_now()))
+                    self.host.apply(LendeeStopped(at=clock.now()))
                 return
             left = deadline - time.monotonic()
             if left <= 0:
                 if self.host.state.phase is Phase.BOOTING:
                     await self._screenshot_dead_boot()
-                self.host.apply(AgentTimeout(at=_now(), ticket=ticket))
+                self.host.apply(AgentTimeout(at=clock.now(), ticket=ticket))
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.agent_connected.wait(), min(delay, left))
@@ -233,9 +229,9 @@ class Executor:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stopped.wait(), self.host.cfg.timeouts.shutdown)
         if await self.host.libvirt.is_running(self.host.lendee):
-            self.host.apply(ShutdownTimeout(at=_now(), ticket=ticket))
+            self.host.apply(ShutdownTimeout(at=clock.now(), ticket=ticket))
         elif self.host.state.phase is not Phase.OFF:
-            self.host.apply(LendeeStopped(at=_now()))  # the event was lost; reality says off
+            self.host.apply(LendeeStopped(at=clock.now()))  # the event was lost; reality says off
 
     async def _force_off(self, ticket: int) -> None:
         grace = self.host.cfg.policy.force_off_after or 0.0
@@ -262,7 +258,7 @@ class Executor:
         if self.host.cfg.policy.lint_before_start:
             refusal = await self._lint_before_start(vm)
             if refusal is not None:
-                self.host.apply(StartFailed(at=_now(), vm=vm, reason=refusal))
+                self.host.apply(StartFailed(at=clock.now(), vm=vm, reason=refusal))
                 return
         deadline = time.monotonic() + self.host.cfg.timeouts.start
         for attempt in range(3):
@@ -284,16 +280,16 @@ class Executor:
                 vm, drop=self.host.topo.lendee_gpus - gpus, gpus=self.lendee_gpu_config()))
             await asyncio.wait_for(start, deadline - time.monotonic())
         except HookRefused as e:
-            self.host.apply(StartFailed(at=_now(), vm=vm, reason=e.sentence or str(e)))
+            self.host.apply(StartFailed(at=clock.now(), vm=vm, reason=e.sentence or str(e)))
             return True
         except DomainNotFound as e:
-            self.host.apply(StartFailed(at=_now(), vm=vm, reason=str(e)))
+            self.host.apply(StartFailed(at=clock.now(), vm=vm, reason=str(e)))
             return True
         except (HostError, TimeoutError) as e:
             reason = str(e) or f"no answer within {self.host.cfg.timeouts.start:g}s"
             pause = (1 + attempt) * (0.5 + random.random())
             if attempt == 2 or time.monotonic() + pause >= deadline:
-                self.host.apply(StartFailed(at=_now(), vm=vm, reason=reason))
+                self.host.apply(StartFailed(at=clock.now(), vm=vm, reason=reason))
                 return True
             log.warning("starting %s failed (%s); retrying in %.1fs", vm, reason, pause)
             self.starting.discard(vm)  # withdrawable again until the next attempt
@@ -308,7 +304,7 @@ class Executor:
         if running:
             self.host.lifecycle(vm, Lifecycle.STARTED)
         else:
-            self.host.apply(StartFailed(at=_now(), vm=vm, reason=(
+            self.host.apply(StartFailed(at=clock.now(), vm=vm, reason=(
                 "it stopped right after libvirt started it (its QEMU log, "
                 f"/var/log/libvirt/qemu/{vm}.log, says why)")))
         return True
@@ -327,9 +323,9 @@ class Executor:
         if problem is None:
             problem = await self.host.cluster.give_back(lent)
         if problem is None:
-            self.host.apply(ReturnDone(at=_now(), ticket=ticket))
+            self.host.apply(ReturnDone(at=clock.now(), ticket=ticket))
         else:
-            self.host.apply(ReturnFailed(at=_now(), ticket=ticket, reason=problem))
+            self.host.apply(ReturnFailed(at=clock.now(), ticket=ticket, reason=problem))
 
     async def _lint_before_start(self, vm: str) -> str | None:
         """Why `vm` must not be started (errors in its XML on this host), or None.
@@ -390,7 +386,7 @@ class Executor:
             names = self.host.recorder.gpu_names(tuple(leaked))
             summary = (f"the driver in {self.host.lendee} also sees {names}, "
                        "which this boot did not lend it (its live definition was not applied)")
-        self.verified = {"at": _now(), "ok": ok, "summary": summary}
+        self.verified = {"at": clock.now(), "ok": ok, "summary": summary}
         if ok:
             journal.record("verify", summary, vm=self.host.lendee, result="ok", method=method.value,
                            gpus=",".join(g.uuid for g in outcome.seen))

@@ -2,15 +2,19 @@
 
 This module contains no I/O whatsoever. It does not start VMs, talk to Kubernetes, read
 the clock or log; time arrives inside events (``at``), and everything the world should
-do leaves as `Action` values for the executor in `hostagent.agent`. The lend/reclaim
+do leaves as `Action` values for the executor in `hostagent.executor`. The lend/reclaim
 policy lives here and only here, so it can be read in one sitting and tested
 exhaustively in milliseconds.
 
 The cycle
 ---------
-One lendee VM (a Kubernetes worker) borrows GPUs that owner VMs (games) own. The
-lendee's domain XML holds all its GPUs, so it can only run when no owner that needs one
-of them runs; and an owner that needs one may only start once the lendee is off::
+One lendee VM (a Kubernetes worker) borrows GPUs that owner VMs (games) own. Each
+start of the lendee takes the GPUs that are free then (`free_gpus`: no owner runs,
+starts or waits with them or with their IOMMU group), all of its GPUs or none unless
+``policy.partial``, and at least ``min_gpus``; the set it took is ``lent``. An owner
+that needs a lent GPU reclaims the lendee (a drain, then a shutdown), and may only start
+once the lendee is off; the lendee starts again later with what is free then. GPUs that
+free up while it runs are taken by restarting it (a regrow, per ``policy.regrow``)::
 
               RelendDue → StartLendee,
         ┌──── then LendeeStarted ─────┐
@@ -33,9 +37,10 @@ policy aborts is not a failure of the lendee: the requests fail, and it stays le
 
 What this machine promises
 --------------------------
-1. **Never two running holders of a GPU.** An owner that needs a lendee GPU is only
-   started (`StartOwner`) when the lendee is off and no lendee start is in flight; the
-   lendee is only started (`StartLendee`) when no such owner runs or waits.
+1. **Never two running holders of a GPU.** An owner that needs a GPU the lendee holds
+   or is starting with is only started (`StartOwner`) once the lendee is off and its
+   start is over; the lendee is only started (`StartLendee`) with GPUs no owner runs,
+   starts or waits with.
 2. **Never a shutdown before the guest agent answered.** `ShutdownLendee` is only ever
    the answer to an `AgentUp` in STOPPING, and STOPPING always begins with a fresh
    `WaitAgent`: an agent that answered an hour ago may have been restarted since.

@@ -7,10 +7,9 @@ Each phase change of the lendee and each new intent becomes one record
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
-from hostagent import journal, machine
+from hostagent import clock, journal, machine
 from hostagent.model import (
     DrainFailed,
     Event,
@@ -27,10 +26,6 @@ if TYPE_CHECKING:
     from hostagent.agent import Agent
 
 
-def _now() -> float:
-    return time.time()
-
-
 class Recorder:
     """Journal records of `host`'s transitions."""
 
@@ -42,7 +37,7 @@ class Recorder:
                          for g in sorted(labels))
 
     def phase(self, old: State, new: State, event: Event) -> None:
-        now = _now()
+        now = clock.now()
         took = (now - self.host.phase_since) * 1000
         self.host.phase_since = now
         lendee, gpus = self.host.lendee, self.gpu_names(new.lent)

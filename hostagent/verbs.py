@@ -18,7 +18,7 @@ import xml.etree.ElementTree as ElementTree
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from hostagent import machine
+from hostagent import clock, machine
 from hostagent.control import Reply, VerbHandler, current_caller
 from hostagent.libvirt_host import HostError, Lifecycle
 from hostagent.model import (
@@ -35,10 +35,6 @@ if TYPE_CHECKING:
     from hostagent.agent import Agent
 
 log = logging.getLogger("hostagent")
-
-
-def _now() -> float:
-    return time.time()
 
 
 def _stopwatch() -> Callable[[], float]:
@@ -77,7 +73,7 @@ class Verbs:
             self._followers.discard(queue)
 
     def status(self) -> dict[str, Any]:
-        now, state, topo = _now(), self.host.state, self.host.topo
+        now, state, topo = clock.now(), self.host.state, self.host.topo
         holders = machine.holders(state, topo)
         gpus = []
         for label in sorted(topo.gpus):
@@ -112,7 +108,7 @@ class Verbs:
         yield {"ok": True, "data": self.status()}
 
     async def _hold(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
-        self.host.apply(Hold(at=_now()))
+        self.host.apply(Hold(at=clock.now()))
         message = f"lending is on hold: {self.host.lendee} is not lent again until `hostagent lend`"
         if self.host.state.phase is not Phase.OFF:
             message += ("; it keeps running for now (`hostagent reclaim` takes its GPUs "
@@ -121,7 +117,7 @@ class Verbs:
 
     async def _resume(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
         """`resume` and `lend`: lend again now, and retry a step that failed."""
-        self.host.apply(Resume(at=_now()))
+        self.host.apply(Resume(at=clock.now()))
         yield {"ok": True, "data": {**self.status(), "message": self.lend_note()}}
 
     def _owner_arg(self, args: dict[str, Any], verb: str) -> tuple[str | None, str]:
@@ -166,7 +162,7 @@ class Verbs:
             free = machine.free_gpus(state, self.host.topo, self.host.policy)
             what = ("its GPUs" if free == self.host.topo.lendee_gpus and not state.lent
                     else self.host.recorder.gpu_names(free))
-            return (f"{lendee} gets {what} back in {max(0.0, state.relend_at - _now()):.0f}s"
+            return (f"{lendee} gets {what} back in {max(0.0, state.relend_at - clock.now()):.0f}s"
                     " (policy.relend_delay) unless an owner VM starts meanwhile")
         if state.phase is not Phase.OFF:
             return f"{lendee} is {state.phase.value}"
@@ -202,7 +198,7 @@ class Verbs:
         intent = f"play-{uuid.uuid4().hex[:12]}"
         with self.following() as updates:
             # On disk before the client hears anything: invariant 4.
-            if not await self.host.request(OwnerWants(at=_now(), owner=vm, intent_id=intent,
+            if not await self.host.request(OwnerWants(at=clock.now(), owner=vm, intent_id=intent,
                                                       source=IntentSource.CONTROL)):
                 why = (f"its request could not be recorded ({self.host.save_failed})"
                        if self.host.save_failed else "see journalctl -u hostagent")
@@ -215,7 +211,7 @@ class Verbs:
                 yield {"event": "intent", "vm": vm, "intent": intent, "to": "pending",
                        "message": f"{vm} was already asked to start "
                                   f"({pending[0].source.value}, "
-                                  f"{max(0.0, _now() - pending[0].created_at):.0f}s ago); "
+                                  f"{max(0.0, clock.now() - pending[0].created_at):.0f}s ago); "
                                   + self._play_plan(vm),
                        "elapsed_s": took(), "waiting": self._waiting_for(vm)}
             while True:
@@ -273,7 +269,7 @@ class Verbs:
             # executor asks whether it is still wanted just before it starts it).
             caller = current_caller()
             by = f"hostagent release ({caller})" if caller else "hostagent release"
-            self.host.apply(CancelIntent(at=_now(), owner=vm, by=by))
+            self.host.apply(CancelIntent(at=clock.now(), owner=vm, by=by))
             yield {"ok": True, "data": {"vm": vm, "elapsed_s": took(), "cancelled": True,
                                         "message": f"the pending start of {vm} is cancelled; "
                                                    f"{self.lend_note()}"}}
@@ -328,13 +324,13 @@ class Verbs:
         took = _stopwatch()
         lendee, gpus = self.host.lendee, self.host.recorder.gpu_names(self.host.topo.lendee_gpus)
         with self.following() as updates:
-            self.host.apply(Reclaim(at=_now()))
+            self.host.apply(Reclaim(at=clock.now()))
             update: Reply | None = {"event": "reclaim", "message": f"reclaiming {gpus} from "
                                     f"{lendee} ({self.host.state.phase.value})"}
             while True:
                 state = self.host.state
                 if state.phase in (Phase.BOOTING, Phase.JOINING, Phase.LENT):
-                    self.host.apply(Reclaim(at=_now()))  # a start that was in flight landed
+                    self.host.apply(Reclaim(at=clock.now()))  # a start that was in flight landed
                     continue
                 done = state.phase is Phase.OFF and not state.lendee_starting
                 if update is not None and update.get("event") != "intent" and not (
