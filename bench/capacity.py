@@ -354,7 +354,9 @@ class Replay:
             job, duration = self.pending.popleft()
             self.running[job] = (self.now + duration, duration)
             self.at(self.now + duration, self.job_ends, job, self.now + duration)
-        if len(self.running) != before:
+        # The node watch reports the count when it changes, and first at each lend (the
+        # machine knows nothing of this lend's GPU pods until then).
+        if len(self.running) != before or (s.phase is Phase.LENT and s.gpu_pods is None):
             self.deliver(GpuPods(at=self.now, count=len(self.running)))
 
     def job_ends(self, job: int, end: float) -> None:
