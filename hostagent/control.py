@@ -103,12 +103,12 @@ class Caller:
     gid: int | None = None
     pid: int | None = None
     groups: frozenset[int] = field(default_factory=frozenset)
-    via: str = "control"  # "control" or "ssh"
+    via: str = "control"  # "control", "ssh" or "mqtt"
     peer: str | None = None  # SSH: the client's address
     privileged: bool = False  # root or the agent's own user: every verb
 
     def __str__(self) -> str:
-        if self.via == "ssh":
+        if self.via in ("ssh", "mqtt"):  # the peer: the SSH client, the MQTT broker
             return f"{self.user} at {self.peer or '?'}"
         return f"{self.user} (uid {self.uid}, pid {self.pid})"
 

@@ -103,6 +103,11 @@ class Device:
         self.connected = False
         self.refusals = Summarised(self._refused_record, interval=10.0, burst=3)
 
+    @property
+    def pending(self) -> Mapping[str, str]:
+        """What waits for the broker: the newest payload of each topic not yet sent."""
+        return self._pending
+
     # ---- states (on the agent's loop, no I/O) ---------------------------------------
     def changed(self, sentence: str | None = None) -> None:
         """Something changed: recompute the states and queue those that differ."""

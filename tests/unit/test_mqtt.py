@@ -19,6 +19,7 @@ import aiomqtt
 import pytest
 
 from hostagent import config, journal
+from hostagent import homeassistant
 from hostagent.control import Reply
 from hostagent.mqtt import COMMANDS_BURST, Device
 from tests.mosquitto import MISSING, USERS, Mosquitto
@@ -330,3 +331,23 @@ async def test_a_wrong_password_is_retried_not_fatal(broker: Mosquitto,
             await ha.until("hostagent/availability", b"online")
     assert any("Not authorized" in e.message or "not authorised" in e.message.lower()
                for e in sink.entries if e.fields.get("HOSTAGENT_RESULT") == "retrying")
+
+
+async def test_a_broker_that_never_answers_delays_nothing_and_holds_one_value_per_topic(
+        sink: journal.ListSink) -> None:
+    """A broker that takes the connection and says nothing: the device keeps trying in
+    its own task, and what waits for it is the newest value of each topic, not a queue
+    of every change."""
+    silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    cfg = config.parse(CONFIG.replace('"mqtt://127.0.0.1"', f'"mqtt://127.0.0.1:{port}"'))
+    host = Host()
+    async with silent, running(cfg, host) as device:
+        for n in range(2000):
+            host.status["lendee"]["phase"] = ("draining", "stopping", "off")[n % 3]
+            host.status["owners"]["gaming1"] = bool(n % 2)
+            device.changed()
+        assert set(device.pending) <= set(homeassistant.states(device.surface, status(), "x"))
+        assert device.pending["hostagent/phase/state"] == "stopping"  # the newest, n = 1999
+        assert device.pending["hostagent/owner/gaming1/state"] == "ON"
+        assert not device.connected
