@@ -370,6 +370,32 @@ def repeated_requests(lab: Lab, scratch: Path) -> Iterator[str]:
           file=sys.stderr)
 
 
+@attack("journal flood")
+@contextmanager
+def journal_flood(lab: Lab, scratch: Path) -> Iterator[str]:
+    """Any local user sends forged hostagent records to journald as fast as it can, from
+    two processes (tests/faults/test_untrusted.py): the agent writes each of its records
+    to the same journald, from its event loop."""
+    from tests.faults.test_untrusted import FORGED
+
+    start_lent(lab)
+    send = ("import json, sys, systemd.journal as j\nf = json.loads(sys.argv[1])\n"
+            "while True:\n    j.send(**f)\n")
+    floods = [subprocess.Popen(lab.nsenter("setpriv", "--reuid=65534", "--regid=65534",
+                                           "--clear-groups", sys.executable, "-c", send,
+                                           json.dumps(FORGED)),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+              for _ in range(2)]
+    try:
+        yield "two processes of a local user send forged hostagent records in a loop"
+    finally:
+        for flood in floods:
+            flood.kill()
+            flood.wait()
+    forged = len(lab.journal("_UID=65534", "SYSLOG_IDENTIFIER=hostagent"))
+    print(f"journal flood: {forged} forged records in the journal", file=sys.stderr)
+
+
 def under_attack(interpreter: list[str], hook: Path, runs: int, bare_p99: float,
                  markdown: Path | None) -> None:
     """The hook against the real agent, idle and under each attack."""
