@@ -247,3 +247,24 @@ def test_the_debian_install_edits_and_checks_before_enabling() -> None:
 def test_the_lab_by_hand_uses_the_venv_and_says_how_to_take_it_down() -> None:
     text = section("The lab")
     assert ".venv/bin/python -m tests.lab.lab" in text and "Ctrl-C" in text
+
+
+def test_the_timeline_is_a_partial_swap() -> None:
+    """README's docs/timeline.svg: gpu-node keeps gpu-b and gpu-c while gaming1 plays on
+    gpu-a, and holds all three before and after."""
+    import xml.etree.ElementTree as ET
+
+    ns = "{http://www.w3.org/2000/svg}"
+    root = ET.parse(README.parent / "docs" / "timeline.svg").getroot()
+    rows = {g.get("data-gpu"): [(float(r.get("x", 0)), float(r.get("x", 0)) + float(r.get("width", 0)),
+                                 r.get("data-holder"))
+                                for r in g.findall(f"{ns}rect[@class='segment']")]
+            for g in root.iter(f"{ns}g") if g.get("class") == "row"}
+    assert set(rows) == {"gpu-a", "gpu-b", "gpu-c"}
+    games = [(a, b) for a, b, who in rows["gpu-a"] if who == "gaming1"]
+    assert len(games) == 1
+    middle = sum(games[0]) / 2
+    for gpu in ("gpu-b", "gpu-c"):
+        assert any(a <= middle <= b and who == "gpu-node" for a, b, who in rows[gpu]), gpu
+    lent_a = [(a, b) for a, b, who in rows["gpu-a"] if who == "gpu-node"]
+    assert lent_a[0][1] <= games[0][0] and lent_a[-1][0] >= games[0][1]
