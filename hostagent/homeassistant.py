@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hostagent.config import Config
+from hostagent.model import Phase
 
 __all__ = ["Command", "Refused", "Surface", "command", "command_topics", "components",
            "device_config", "entity_configs", "entity_topics", "removals", "sentence",
@@ -132,8 +133,7 @@ def components(s: Surface) -> dict[str, dict[str, Any]]:
     add("lent", "binary_sensor", f"{s.lendee} lent", stat_t=s.topic("lent", "state"),
         pl_on=ON, pl_off=OFF, ic="mdi:kubernetes")
     add("phase", "sensor", f"{s.lendee} phase", stat_t=s.topic("phase", "state"),
-        dev_cla="enum", ops=["off", "booting", "joining", "lent", "draining", "stopping",
-                             "failed"])
+        dev_cla="enum", ops=[phase.value for phase in Phase])
     add("live_gpus", "sensor", f"{s.lendee} GPUs", stat_t=s.topic("live_gpus", "state"),
         ic="mdi:expansion-card-variant")
     add("transition", "sensor", "Last transition", stat_t=s.topic("transition", "state"),
@@ -239,7 +239,7 @@ def states(s: Surface, status: Mapping[str, Any], transition: str) -> dict[str, 
         out[s.topic("gpu", slug, "attributes")] = json.dumps(
             {"name": gpu.get("name"), "pci": gpu.get("pci"), "owners": gpu.get("owners", [])},
             sort_keys=True)
-    out[s.topic("lent", "state")] = _onoff(lendee["phase"] == "lent")
+    out[s.topic("lent", "state")] = _onoff(lendee["phase"] == Phase.LENT.value)
     out[s.topic("phase", "state")] = lendee["phase"]
     out[s.topic("live_gpus", "state")] = _short(", ".join(lendee["lent"]) or "none")
     out[s.topic("transition", "state")] = _short(transition or "")

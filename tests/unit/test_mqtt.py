@@ -351,3 +351,44 @@ async def test_a_broker_that_never_answers_delays_nothing_and_holds_one_value_pe
         assert device.pending["hostagent/phase/state"] == "stopping"  # the newest, n = 1999
         assert device.pending["hostagent/owner/gaming1/state"] == "ON"
         assert not device.connected
+
+
+async def test_the_agent_tells_the_device_each_change_and_runs_its_commands(
+        broker: Mosquitto, tmp_path: Path, sink: journal.ListSink) -> None:
+    """The agent with a stand-in libvirt (tests/unit/test_control.py) and the device
+    wired as `hostagent run` wires it: the switch reclaims and starts gaming1, and every
+    state follows."""
+    from hostagent.agent import Agent
+    from hostagent.model import Phase
+    from tests.unit.test_control import CONFIG as AGENT, FakeLibvirt, lent, until
+
+    cfg = config.parse(AGENT.format(root=tmp_path, relend="60s") + (
+        f'\n[mqtt]\nbroker = "mqtt://127.0.0.1:{broker.port}"\nusername = "hostagent"\n'
+        f'password_file = "{broker.root / "agent-password"}"\n'), "test.toml")
+    agent = Agent(cfg)
+    fake = FakeLibvirt(agent)
+    agent.libvirt = fake  # type: ignore[assignment]
+    agent._fatal = asyncio.get_running_loop().create_future()
+    try:
+        async with watching(broker) as ha:
+            agent._serve_mqtt()
+            await lent(agent, fake)
+            await ha.until("hostagent/phase/state", b"lent")
+            await ha.until("hostagent/live_gpus/state", b"gpu-a, gpu-b")
+            await ha.client.publish("hostagent/owner/gaming1/set", "ON", qos=1)
+            await until(lambda: "gaming1" in fake.running, timeout=30)
+            await ha.until("hostagent/owner/gaming1/state", b"ON")
+            await ha.until("hostagent/gpu/gpu-a/state", b"gaming1")
+            # Partial lending: gpu-node is lent again with the GPU no game holds.
+            await until(lambda: agent.state.phase is Phase.LENT, timeout=30)
+            await ha.until("hostagent/live_gpus/state", b"gpu-b")
+            await ha.until("hostagent/phase/state", b"lent")
+            assert json.loads(await ha.until("hostagent/gpu/gpu-a/attributes")) == {
+                "name": "RTX A", "owners": ["gaming1"], "pci": "0000:0a:00.0"}
+    finally:
+        for task in list(agent.executor.tasks):
+            task.cancel()
+        await asyncio.gather(*agent.executor.tasks, return_exceptions=True)
+    assert agent._fatal is not None and not agent._fatal.done()
+    assert [e.message for e in sink.entries if e.fields.get("HOSTAGENT_VIA") == "mqtt"
+            and e.fields.get("HOSTAGENT_RESULT") == "allowed"] == ["mqtt asked for play gaming1"]
