@@ -100,6 +100,7 @@ class KubeCluster:
         self.view: NodeView | None = None  # what the watch of the lent node last saw
         # DRA lends (decided by `expect`): the lent GPUs' label -> UUID; None: device plugin.
         self.dra: dict[str, str | None] | None = None
+        self.holders: dict[str, str] = {}  # DRA: lent GPU -> the pods holding it, last seen
         self.trouble: str | None = None  # why the lent node is not whole (health fails)
         self._events: set[asyncio.Task[None]] = set()
         self.auth_retry = 30.0  # seconds between watches refused with 401/403
@@ -172,8 +173,13 @@ class KubeCluster:
                 f"{self.prefix}state": "reclaiming",
                 f"{self.prefix}holder": ",".join(owners) or None,
             }, labels=labels, remove_taints=self.taints, timeout=left())
+            stops = ", ".join(f"{pods} ({gpu})" for gpu, pods in self.holders.items())
+            if stops:
+                journal.record("drain", f"the drain of node {self.node} stops the pods that "
+                               f"hold lent GPUs: {stops}", vm=self.node, result="holders",
+                               pods=stops)
             self._event("Reclaimed", f"GPUs reclaimed for {who}: draining, then the "
-                        "node's VM shuts down")
+                        "node's VM shuts down" + (f"; it stops {stops}" if stops else ""))
             report = await self.kube.drain(
                 self.node, timeout=left(), emptydir_ok=self.settings.drain_emptydir,
                 unmanaged_ok=self.settings.drain_unmanaged,
@@ -248,7 +254,7 @@ class KubeCluster:
         Feature Discovery labels (see `kube.expected_gpus`). Journaled; kept in
         `self.expected` for `status` and the watch."""
         gpus = self._labels(lent)
-        self.dra = None
+        self.dra, self.holders = None, {}
         if await self._uses_dra():
             self.dra = {label: self.uuids.get(label) for label in gpus}
             driver = self.settings.dra_driver
@@ -286,7 +292,8 @@ class KubeCluster:
         try:
             return await self.kube.dra_in_use(self.settings.dra_driver, timeout=10)
         except KubeError as e:
-            log.info("could not tell whether the cluster uses DRA (%s): the device plugin", e)
+            log.warning("could not tell whether the cluster uses DRA (%s): expecting the device "
+                        "plugin; set kubernetes.gpu_api to say which", e)
             return False
 
     async def give_back(self, lent: Collection[str] | int,
@@ -412,7 +419,7 @@ class KubeCluster:
     def _show_holders(self, view: NodeView) -> None:
         """Who holds which lent GPU: the metric, and the node's annotation (in the
         background, like an Event: it never delays a step)."""
-        holders = self._holders(view)
+        holders = self.holders = self._holders(view)
         if self.metrics is not None:
             self.metrics.lent_gpu_pods(holders)
         text = ",".join(f"{gpu}={pods.replace(',', '+')}" for gpu, pods in holders.items())

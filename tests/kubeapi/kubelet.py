@@ -14,6 +14,12 @@ a further `gpu_delay` (the device plugin registering). Until then the node keeps
 count it had before, as a real one does for a while after a kubelet restart: that
 stale count is why the agent also checks inside the guest. After the VM stops:
 Ready=Unknown (NodeStatusUnknown) once `heartbeat_grace` has passed.
+
+With `devices_seen` (a DRA node: "which GPUs, by UUID and name, does the guest see?")
+it plays NVIDIA's DRA driver instead of the device plugin: no allocatable, and the
+node's ResourceSlice of ``gpu.nvidia.com`` lists the GPUs seen, republished when they
+change. As a real kubelet does, it deletes the node's slices when it starts (the VM
+booted); until then they are the ones the last boot left.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import aiohttp
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from tests.kubeapi.cluster import gpu_status, ready_condition
+from tests.kubeapi.cluster import DRA_DRIVER, gpu_device, gpu_status, ready_condition
 from tests.kubeapi.rules import now
 
 log = logging.getLogger(__name__)
@@ -52,6 +58,7 @@ class Kubelet:
         heartbeat: float = 10.0,
         interval: float = 0.2,
         gpu_recheck: float = 1.0,
+        devices_seen: Callable[[], list[tuple[str, str]]] | None = None,
     ) -> None:
         self.kubeconfig = kubeconfig
         self.node = node
@@ -66,6 +73,7 @@ class Kubelet:
         self.heartbeat = heartbeat
         self.interval = interval
         self.gpu_recheck = gpu_recheck
+        self.devices_seen = devices_seen  # DRA: (UUID, product name) of each GPU seen
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> Kubelet:
@@ -95,30 +103,33 @@ class Kubelet:
         )
         async with client.ApiClient(configuration) as api_client:
             api = client.CoreV1Api(api_client)
+            resource = client.ResourceV1Api(api_client)
             loop = asyncio.get_running_loop()
             running_since: float | None = None
             stopped_since: float | None = None
             posted: str | None = None  # the Ready status this kubelet last posted
             # Like the device plugin's ListAndWatch: the count is re-read while the VM
             # runs, and posted when it changes (the driver may come up after Ready).
-            gpus_posted: int | None = None
+            gpus_posted: Any = None
             last_gpu_check = 0.0
             last_post = 0.0
             while True:
                 running = await asyncio.to_thread(self.lendee_running)
                 t = loop.time()
                 want: str | None = None
-                gpus: int | None = None
+                gpus: Any = None
                 if running:
                     stopped_since = None
                     if running_since is None:
                         running_since, gpus_posted = t, None
                         posted = None
+                        if self.devices_seen is not None:
+                            await self._wipe(resource)
                     want = "True" if t - running_since >= self.ready_delay else "False"
                     if (t - running_since >= self.ready_delay + self.gpu_delay
                             and t - last_gpu_check >= self.gpu_recheck):
                         last_gpu_check = t
-                        seen = await asyncio.to_thread(self.gpus_seen)
+                        seen: Any = await asyncio.to_thread(self.devices_seen or self.gpus_seen)
                         gpus = seen if seen != gpus_posted else None
                 else:
                     running_since = None
@@ -129,7 +140,11 @@ class Kubelet:
                 heartbeat_due = running and t - last_post >= self.heartbeat
                 if want is not None and (want != posted or gpus is not None or heartbeat_due):
                     try:
-                        await self._post(api, want, gpus)
+                        if gpus is not None and self.devices_seen is not None:
+                            await self._publish(resource, gpus)
+                            await self._post(api, want, None)
+                        else:
+                            await self._post(api, want, gpus)
                     except (ApiException, aiohttp.ClientError, OSError, TimeoutError) as e:
                         log.debug("kubelet for %s could not post its status: %s", self.node, e)
                     else:
@@ -137,6 +152,39 @@ class Kubelet:
                         if gpus is not None:
                             gpus_posted = gpus
                 await asyncio.sleep(self.interval)
+
+    async def _slices(self, resource: Any) -> list[Any]:
+        listed = await resource.list_resource_slice(
+            field_selector=f"spec.nodeName={self.node},spec.driver={DRA_DRIVER}",
+            _request_timeout=5)
+        return list(listed.items)
+
+    async def _wipe(self, resource: Any) -> None:
+        try:
+            for found in await self._slices(resource):
+                # Not read as a ResourceSlice: the answer is a Status.
+                await resource.delete_resource_slice(found.metadata.name, _request_timeout=5,
+                                                     _preload_content=False)
+        except (ApiException, aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
+            log.debug("kubelet for %s could not delete its slices: %s", self.node, e)
+
+    async def _publish(self, resource: Any, seen: list[tuple[str, str]]) -> None:
+        """The DRA driver's kubelet plugin: the node's pool, one device per GPU seen."""
+        devices = [gpu_device(i, uuid, product=name) for i, (uuid, name) in enumerate(seen)]
+        found = await self._slices(resource)
+        if not found:
+            await resource.create_resource_slice({
+                "metadata": {"generateName": f"{self.node}-{DRA_DRIVER}-"},
+                "spec": {"driver": DRA_DRIVER, "nodeName": self.node,
+                         "pool": {"name": self.node, "generation": 1, "resourceSliceCount": 1},
+                         "devices": devices},
+            }, _request_timeout=5)  # fmt: skip
+            return
+        generation = found[0].spec.pool.generation + 1
+        await resource.patch_resource_slice(found[0].metadata.name, {"spec": {
+            "devices": devices, "pool": {"name": self.node, "generation": generation,
+                                         "resourceSliceCount": 1}}},
+            _request_timeout=5, _content_type="application/merge-patch+json")  # fmt: skip
 
     async def _post(self, api: Any, ready: str, gpus: int | None) -> None:
         try:

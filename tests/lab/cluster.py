@@ -4,11 +4,14 @@ pods on it, and a lab kubelet that follows the lendee VM's real state.
 The kubelet marks node gpu-node Ready a moment after the VM runs (NotReady once it
 stops), and reports as `nvidia.com/gpu` what the stand-in nvidia-smi *inside the guest*
 lists, read through the guest agent: a lab GPU whose driver "fails" is not counted.
+On a DRA node (``dra=True``) it publishes those GPUs, by UUID, in the node's
+ResourceSlice of gpu.nvidia.com instead, and the cluster has the driver's DeviceClass.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +31,23 @@ class LabCluster:
     def node(self) -> dict[str, Any]:
         return self.api.call(self.api.standin.cluster.node, LENDEE)
 
+    def slice_uuids(self) -> list[str]:
+        """The UUIDs in the lendee node's ResourceSlices (DRA)."""
+        slices = self.api.call(self.api.standin.cluster.slices, LENDEE)
+        return sorted(d["attributes"]["uuid"]["string"] for s in slices
+                      for d in s["spec"].get("devices") or [])
+
+    def add_gpu_job(self, name: str, uuid: str) -> None:
+        """A Job's pod on the lendee's node holding the GPU `uuid` through a claim, as
+        the scheduler would allocate it from the node's slice (DRA)."""
+        def add() -> None:
+            cluster = self.api.standin.cluster
+            device = next(d["name"] for s in cluster.slices(LENDEE)
+                          for d in s["spec"].get("devices") or []
+                          if d["attributes"]["uuid"]["string"] == uuid)
+            cluster.add_pod(name, node=LENDEE, owner=f"Job/{name}", devices=[device])
+        self.api.call(add)
+
     def pods_on(self, node: str) -> list[str]:
         pods = self.api.call(self.api.standin.cluster.pods, node)
         return sorted(p["metadata"]["name"] for p in pods
@@ -40,6 +60,17 @@ def gpus_seen(lab: Lab) -> int:
     except Exception:  # no agent yet, VM gone: the device plugin sees nothing either
         return 0
     return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+
+
+def devices_seen(lab: Lab) -> list[tuple[str, str]]:
+    """(UUID, name) of each GPU nvidia-smi lists inside the lendee: what NVIDIA's DRA
+    driver would publish."""
+    try:
+        out = lab.guest_exec(LENDEE, "/usr/bin/nvidia-smi", "-L", timeout=5)
+    except Exception:  # no agent yet, VM gone: the driver sees nothing either
+        return []
+    return [(m[2], m[1]) for line in out.stdout.splitlines()
+            if (m := re.fullmatch(r"GPU \d+: (.*) \(UUID: (\S+)\)", line.strip()))]
 
 
 def lendee_running(lab: Lab) -> bool:
@@ -68,21 +99,26 @@ def seed_workloads(api: ThreadedStandIn) -> None:
 
 @contextlib.contextmanager
 def lab_cluster(lab: Lab, *, workloads: bool = True, ready_delay: float = 1.0,
-                cordoned: bool = False) -> Iterator[LabCluster]:
+                cordoned: bool = False, dra: bool = False) -> Iterator[LabCluster]:
     """The stand-in and kubelet for `lab`; `cordoned`: an administrator cordoned the
-    node before hostagent ever ran."""
+    node before hostagent ever ran; `dra`: the GPUs go through DRA, not the device
+    plugin."""
     kubeconfig = lab.root / "agent" / "kubeconfig"
     kubeconfig.parent.mkdir(exist_ok=True)
     with serve_in_thread(termination_scale=0.02, replacement_node="cpu-node",
                          replacement_ready_after=1.0) as api:
         api.write_kubeconfig(kubeconfig)
-        api.call(lambda: api.standin.cluster.add_node(LENDEE, ready=False, gpus=0,
+        api.call(lambda: api.standin.cluster.add_node(LENDEE, ready=False,
+                                                      gpus=None if dra else 0,
                                                       unschedulable=cordoned))
+        if dra:
+            api.call(api.standin.cluster.add_device_class)
         if workloads:
             seed_workloads(api)
         kubelet = Kubelet(kubeconfig, LENDEE, lendee_running=lambda: lendee_running(lab),
                           gpus_seen=lambda: gpus_seen(lab), ready_delay=ready_delay,
-                          gpu_delay=0.3, heartbeat_grace=1.0)
+                          gpu_delay=0.3, heartbeat_grace=1.0,
+                          devices_seen=(lambda: devices_seen(lab)) if dra else None)
         api.call(kubelet.start)
         try:
             yield LabCluster(api, kubelet, kubeconfig)

@@ -259,6 +259,28 @@ async def test_pods_whose_claims_hold_lent_gpus_are_gpu_pods_and_named(
 
 
 
+async def test_a_reclaim_names_the_pods_holding_lent_gpus_it_stops(
+        api: StandIn, kube: Kube, records: journal.ListSink) -> None:
+    publish(api, UUID_A, UUID_B)
+    cluster = cluster_for(kube)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    api.cluster.add_pod("train-1", node="gpu-node", owner="Job/train", devices=["gpu-0"])
+    watch = asyncio.create_task(cluster.watch_lent())
+    await until(lambda: cluster.holders == {"gpu-a": "default/train-1"})
+    watch.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watch
+    assert await cluster.reclaim(["gaming1"]) is None
+    named = [e for e in records.entries if e.fields.get("HOSTAGENT_RESULT") == "holders"]
+    assert named and "default/train-1 (gpu-a)" in named[0].message
+    assert api.cluster.pods("gpu-node") == [] and api.cluster.claims() == []
+    await cluster.flush_events()
+    reclaimed = [e["message"] for e in api.cluster.list(EVENTS, None)["items"]
+                 if e["reason"] == "Reclaimed"]
+    assert reclaimed and "it stops default/train-1 (gpu-a)" in reclaimed[0]
+
+
 def test_status_says_which_pod_holds_which_lent_gpu() -> None:
     data = {"lendee": {"domain": "gpu-node", "since": 0, "phase": "lent", "hold": False,
                        "reason": "", "lent": ["gpu-a", "gpu-b"]},
