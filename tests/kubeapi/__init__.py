@@ -40,11 +40,18 @@ What it models:
   (`cluster.gpu_status`): time-slicing (``nvidia.com/gpu.replicas``, allocatable × the
   replicas) and MIG, mixed strategy (``nvidia.com/mig-<profile>`` resources and
   labels); pods that request GPUs.
+- Dynamic Resource Allocation (resource.k8s.io/v1): DeviceClasses, ResourceSlices
+  (field selectors ``spec.nodeName``, ``spec.driver``) and ResourceClaims (``status``
+  subresource), with discovery and the printers' columns; GPUs as NVIDIA's DRA driver
+  publishes them (`cluster.gpu_device`, `Cluster.publish_devices`), pods holding them
+  through claims allocated and reserved as the scheduler leaves them
+  (``add_pod(devices=...)``), claims released with their pod as the resourceclaim
+  controller does. No allocation of claims a client creates (no scheduler).
 - Faults: refused connections (`StandIn.down`, `down_for`), error answers and delays
   per path regex (`fail`, `slow`; 401 and 403 with the server's Status bodies); a
   bearer token if asked.
-- A lab kubelet (`Kubelet`) that posts the node's Ready condition and GPU count from
-  the lendee VM's real state.
+- A lab kubelet (`Kubelet`) that posts the node's Ready condition and GPU count (or,
+  on a DRA node, its ResourceSlice) from the lendee VM's real state.
 
 What it does not model: TLS, authentication beyond one bearer token, authorization,
 admission, aggregated discovery (a client asking for it gets the legacy form and
