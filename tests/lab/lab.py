@@ -159,6 +159,8 @@ class Lab:
     # with it as a card's other functions do. A test may change both; reset() restores.
     sysfs: Path = Path()
     extra: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # The agent's control group, as systemd would give its unit (`unit_cgroup`).
+    cgroup: Path | None = None
 
     # ---- paths -----------------------------------------------------------------
     def path(self, inside: str) -> Path:
@@ -227,6 +229,7 @@ class Lab:
         if self.holder is not None:
             _stop(self.holder)
             self.holder = None
+        remove_cgroup(self.cgroup)
 
     def reset(self) -> None:
         """No agent, every VM off, lab GPUs as new, no agent state or spool: the state
@@ -440,7 +443,7 @@ class Lab:
             self.write_config()
         argv = [str(REPO / ".venv" / "bin" / "hostagent"), "--config", str(self.config),
                 "--sysfs", str(self.sysfs), *args, "run"]
-        group = unit_cgroup()
+        group = self.cgroup = unit_cgroup()
         if group is not None:  # joined before the agent's first record: sh execs it
             argv = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", *argv]
         proc = self.spawn("agent", argv, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -577,17 +580,33 @@ class Lab:
 
 
 def unit_cgroup(unit: str = "hostagent.service") -> Path | None:
-    """The control group systemd would give `unit`, made if need be, in the hierarchy
-    journald reads (the unified one); None where there is none to write to."""
+    """A control group that journald names `unit` in each record, made in the
+    hierarchy it reads (the unified one); None where there is none to write to.
+
+    It lies under a slice of the lab's own, never under the machine's system.slice,
+    where a real hostagent.service may run: journald skips every `.slice` at the top
+    of the path, so the records still say `_SYSTEMD_UNIT=unit`. `remove_cgroup` takes
+    it away with the lab."""
     for top in (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup")):
         if (top / "cgroup.procs").exists() and not (top / "cgroup.clone_children").exists():
-            group = top / "system.slice" / unit
+            group = top / f"hostagent-lab-{os.getpid()}.slice" / unit
             try:
                 group.mkdir(parents=True, exist_ok=True)
             except OSError:
                 return None
             return group
     return None
+
+
+def remove_cgroup(group: Path | None) -> None:
+    """Remove the group and its lab slice, once no process is left in them."""
+    if group is None:
+        return
+    for path in (group, group.parent):
+        try:
+            path.rmdir()
+        except OSError:
+            return
 
 
 @dataclass(frozen=True)
