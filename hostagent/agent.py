@@ -80,6 +80,10 @@ class Cluster(Protocol):
         """Wait Ready and the `lent` GPUs, uncordon; None when done, or why the node
         stays cordoned."""
 
+    async def grow(self, lent: Collection[str]) -> str | None:
+        """A hot-add: wait until the node, lent all along, advertises the `lent` GPUs;
+        None when it does, or why not."""
+
     async def lendee_down(self, *, why: str) -> None:
         """Cordon (as ours) the node of a lendee that went down, whatever stopped it."""
 
@@ -102,6 +106,9 @@ class NoCluster:
         return None
 
     async def give_back(self, lent: Collection[str]) -> str | None:
+        return None
+
+    async def grow(self, lent: Collection[str]) -> str | None:
         return None
 
     async def lendee_down(self, *, why: str) -> None:
@@ -179,7 +186,8 @@ class Agent:
         self.policy = Policy(relend_delay=cfg.policy.relend_delay,
                              force_off=cfg.policy.force_off_after is not None,
                              partial=cfg.policy.partial, min_gpus=cfg.lendee.min_gpus,
-                             regrow=regrow, regrow_max_wait=cfg.policy.regrow_max_wait)
+                             regrow=regrow, regrow_max_wait=cfg.policy.regrow_max_wait,
+                             hotplug=cfg.policy.hotplug)
         self.cluster: Cluster = cluster or NoCluster()
         self.cluster_given = cluster is not None
         self.lendee = cfg.lendee.domain
@@ -245,8 +253,9 @@ class Agent:
             self._save()
         if old.ticket != new.ticket:
             self.executor.supervise(new.ticket)
-        if new.phase is Phase.LENT and old.phase is not Phase.LENT:
-            # A step of LENT: it ends with the phase (see _supervise).
+        if new.phase is Phase.LENT and old.ticket != new.ticket and not new.attaching:
+            # A step of LENT: it ends with the phase (see _supervise), and a hot-add,
+            # which enters LENT anew, ends it too: the node's count changes.
             self.executor.spawn(self.cluster.watch_lent(on_view=self._node_view), ticket=new.ticket)
         if new.phase in (Phase.OFF, Phase.FAILED) and old.ticket != new.ticket:
             # Its node cordoned by us for long (a game, a human asked to look): a step

@@ -41,7 +41,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Collection
 from typing import Protocol
 
-from hostagent import dra, journal
+from hostagent import dra, hotplug, journal
 from hostagent.config import Config, DrainTimeoutAction, GpuApi
 from hostagent.health import CheckFailed
 from hostagent.kube import (
@@ -345,6 +345,46 @@ class KubeCluster:
             self._event("ReturnFailed", problem, warning=True)
             return problem
         self._event("Lent", f"lent with {len(expected.gpus)} GPU(s) "
+                    f"({', '.join(expected.gpus)}): {expected}")
+        return None
+
+    async def grow(self, lent: Collection[str]) -> str | None:
+        """A hot-add: the node, lent and uncordoned all along, must advertise the `lent`
+        GPUs now. The GPU plugins' pods on it are restarted (they enumerate GPUs when
+        they start), then the node must report what `expect` decides for `lent`; only
+        then are our annotations changed. None, or why not: the node is left as it was
+        and what it must report too (the GPU added waits for the next restart)."""
+        before = (self.expected, self.dra)
+        try:
+            expected = await self.expect(lent)
+            deleted = await hotplug.restart_plugins(self.kube, self.node,
+                                                    timeout=self.timeouts.ready)
+            journal.record("hotplug", f"restarted {', '.join(deleted) or 'no plugin pod'} on "
+                           f"node {self.node} to advertise {', '.join(sorted(lent))}",
+                           vm=self.node, result="ok")
+            if self.dra is not None:
+                lent_dra, driver = self.dra, self.settings.dra_driver
+                seen = await self.kube.wait_devices(
+                    self.node, driver=driver, timeout=self.timeouts.ready,
+                    done=lambda uuids: dra.mismatch(lent_dra, uuids) is None)
+                problem = dra.mismatch(lent_dra, seen or frozenset(), driver=driver,
+                                       node=f"node {self.node}")
+            else:
+                found = await self.kube.wait_gpus(self.node, expected=expected,
+                                                  timeout=self.timeouts.ready)
+                problem = None if expected.met_by(found) else (
+                    f"node {self.node} {expected.shortfall(found)} ({expected.how})")
+            if problem is None:
+                await self.kube.annotate(self.node, {
+                    f"{self.prefix}lent-gpus": ",".join(expected.gpus),
+                    f"{self.prefix}expected": ", ".join(
+                        f"{n} {r}" for r, n in sorted(expected.resources.items())) or None})
+        except KubeError as e:
+            problem = f"node {self.node} could not be told of the GPUs: {e}"
+        if problem is not None:
+            self.expected, self.dra = before
+            return problem
+        self._event("Lent", f"lent {len(expected.gpus)} GPU(s) with no restart "
                     f"({', '.join(expected.gpus)}): {expected}")
         return None
 

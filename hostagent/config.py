@@ -64,6 +64,7 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     regrow = "when-idle"                    # add GPUs a game freed (a restart): "when-idle"
                                             # (no GPU pod on the node), "always" or "never"
     regrow_max_wait = "2m"                  # when-idle restarts anyway after this; "": no limit
+    hotplug = "none"                        # "add": attach freed GPUs live, no restart
 
     [verify]                                # after a lend: does the guest see its GPUs?
     method = "guest-agent"                  # "guest-agent" (guest-exec), "ssh" or "none"
@@ -141,6 +142,9 @@ Rules beyond the types:
   ``relend_delay``, ``"never"`` only when it stops for another reason.
   ``policy.regrow_max_wait`` bounds the wait of ``"when-idle"``: after it, the lendee
   restarts and the GPU pods still running start over (``""``: no bound).
+- ``policy.hotplug = "add"`` attaches the GPUs a game freed to the running lendee
+  (its live definition only) instead of that restart; a hot-add that fails leaves
+  them to the regrow. ``"none"`` (the default): every change is a restart.
 - An owner may keep a GPU the lendee does not borrow: hostagent leaves it alone.
 - A ``[gpus]`` entry nobody references is allowed and ignored.
 - Timeouts must be longer than zero; ``relend_delay``, ``force_off_after`` and
@@ -180,7 +184,7 @@ from datetime import date, datetime, time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from hostagent.model import Regrow  # the machine's own policy values
+from hostagent.model import Hotplug, Regrow  # the machine's own policy values
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -197,6 +201,7 @@ __all__ = [
     "Mqtt",
     "Owner",
     "Policy",
+    "Hotplug",
     "Regrow",
     "Ssh",
     "SshEndpoint",
@@ -718,6 +723,8 @@ class Policy:
     # A when-idle regrow restarts the lendee anyway after this long; None: waits as long
     # as GPU pods run. Waiting leaves the freed GPUs idle: bench/capacity.py weighs it.
     regrow_max_wait: float | None = field(default=120.0, metadata=_key(_optional_duration))
+    # "add": GPUs a game freed are attached to the running lendee, no drain, no restart.
+    hotplug: Hotplug = field(default=Hotplug.NONE, metadata=_key(_choice(Hotplug)))
 
 
 class VerifyMethod(enum.StrEnum):

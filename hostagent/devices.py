@@ -30,8 +30,8 @@ from collections.abc import Iterable, Mapping
 
 from hostagent.config import Gpu
 
-__all__ = ["ALIAS_PREFIX", "GpuNotInXml", "XmlError", "alias_label", "gpus_in", "owner_label",
-           "without"]
+__all__ = ["ALIAS_PREFIX", "GpuNotInXml", "XmlError", "alias_label", "elements_of", "gpus_in",
+           "owner_label", "without"]
 
 ALIAS_PREFIX = "ua-hostagent-"
 
@@ -145,6 +145,24 @@ def without(xml: str, drop: Iterable[str], gpus: Mapping[str, Gpu]) -> str:
         at = end
     out += data[at:]
     return out.decode()
+
+
+def elements_of(xml: str, labels: Iterable[str], gpus: Mapping[str, Gpu]) -> list[str]:
+    """The text of every device element of the GPUs `labels` in `xml`, in its order, as
+    libvirt wrote it: what a hot-add attaches (guest addresses included, so each goes
+    back to the root port the definition gives it). Raises as `without`."""
+    wanted = frozenset(labels)
+    for label in wanted:
+        if label not in gpus:
+            raise KeyError(f"unknown GPU {label!r}: known are {', '.join(gpus)}")
+    root = _parse(xml)
+    owners = [owner_label(dev, gpus) for dev in _devices(root)]
+    missing = {label: _looked_for(gpus[label]) for label in sorted(wanted - set(owners))}
+    if missing:
+        raise GpuNotInXml(root.findtext("name", "").strip() or "the domain", missing)
+    data = xml.encode()
+    return [data[start:end].decode() for (start, end), owner in
+            zip(_device_spans(data), owners, strict=True) if owner in wanted]
 
 
 def _looked_for(gpu: Gpu) -> str:

@@ -19,7 +19,7 @@ import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from hostagent import clock, journal, lint, machine, screenshots
+from hostagent import clock, hotplug, journal, lint, machine, screenshots
 from hostagent import verify as in_guest
 from hostagent.config import VerifyMethod
 from hostagent.libvirt_host import DomainNotFound, HookRefused, HostError, Lifecycle
@@ -27,6 +27,7 @@ from hostagent.model import (
     Action,
     AgentTimeout,
     AgentUp,
+    AttachGpus,
     CancelRelend,
     CompleteIntent,
     Drain,
@@ -89,6 +90,8 @@ class Executor:
                 self.spawn(self._start(self.host.lendee, action, gpus), action)
             case KubeReturn(ticket=t):
                 self.spawn(self._give_back(t), action)
+            case AttachGpus(ticket=t, gpus=gpus):
+                self.spawn(hotplug.hot_add(self, t, gpus), action)
             case ScheduleRelend(at=at):
                 self._cancel_relend()
                 self._relend = asyncio.get_running_loop().call_later(

@@ -293,6 +293,26 @@ class Libvirt:
             c.createXML(xml, 0)
         await self._call(f"start {name} without {left_out}", create)
 
+    async def attach_live(self, name: str, labels: Collection[str],
+                          gpus: Mapping[str, Gpu]) -> None:
+        """Attach the devices of the GPUs `labels` to the running `name`, live only: as
+        its persistent definition has them (`devices.elements_of`), each into the
+        root port that definition gives it, which the live definition left empty. The
+        persistent definition is not touched. Raises HostError."""
+        what = f"attach {', '.join(sorted(labels))} to {name} live"
+
+        def attach(c: Any) -> None:
+            dom = c.lookupByName(name)
+            if not dom.isActive():
+                raise libvirt.libvirtError(f"{name} is not running")
+            try:
+                parts = devices.elements_of(str(dom.XMLDesc(_INACTIVE_SECURE)), labels, gpus)
+            except (devices.XmlError, devices.GpuNotInXml, KeyError) as e:
+                raise HostError(f"{what}: {e}") from e
+            for part in parts:
+                dom.attachDeviceFlags(part, libvirt.VIR_DOMAIN_AFFECT_LIVE)
+        await self._call(what, attach)
+
     async def shutdown_via_agent(self, name: str) -> None:
         """Ask the guest to power off through its agent (never ACPI, never destroy)."""
         await self._call(f"shut down {name} through its guest agent", lambda c: c.lookupByName(

@@ -29,6 +29,10 @@ free up while it runs are taken by restarting it (a regrow, per ``policy.regrow`
         └──────── STOPPING ◀──────────┘
                   AgentUp → ShutdownLendee
 
+In LENT, GPUs a game freed are added by a restart (a regrow: the reclaim's road, then
+a start with more), or with ``policy.hotplug`` attached live (`AttachGpus`; LENT is
+entered anew until `GpusAttached` or `AttachFailed`).
+
 FAILED is where the lendee stays, running, when a step cannot finish without a human:
 its guest agent never answered, it ignored a shutdown, or the node came back without
 all its GPUs. The reason says what to do. An owner asking again (or ``hostagent
@@ -87,6 +91,8 @@ from hostagent.model import (
     Action,
     AgentTimeout,
     AgentUp,
+    AttachFailed,
+    AttachGpus,
     CancelIntent,
     CancelRelend,
     CompleteIntent,
@@ -97,7 +103,9 @@ from hostagent.model import (
     FailIntent,
     ForceOff,
     GpuPods,
+    GpusAttached,
     Hold,
+    Hotplug,
     Intent,
     KubeReturn,
     LendeeStarted,
@@ -168,8 +176,10 @@ class _Ctx:
 def _enter(state: State, phase: Phase, **changes: Any) -> State:
     """`state` in `phase`, with a new ticket: actions and reports of the previous phase
     go stale. No phase begins with a shutdown already sent (STOPPING sends its own), and
-    a regrow goes on only from its drain to its shutdown."""
+    a regrow goes on only from its drain to its shutdown, a hot-add only within its own
+    entry of LENT."""
     changes.setdefault("regrowing", state.regrowing and phase is Phase.STOPPING)
+    changes.setdefault("attaching", frozenset())
     return replace(state, phase=phase, ticket=state.ticket + 1, shutdown_sent=False, **changes)
 
 
@@ -179,6 +189,7 @@ def _stale(state: State, event: Event, why: str) -> IllegalTransition:
 
 _Report = (
     AgentUp | AgentTimeout | Drained | DrainFailed | ShutdownTimeout | ReturnDone | ReturnFailed
+    | GpusAttached | AttachFailed
 )
 
 
@@ -265,14 +276,21 @@ def _regrow_moot(state: State, ctx: _Ctx) -> bool:
 
 
 def _regrow_gains(state: State, ctx: _Ctx) -> bool:
-    """Whether a restart of the lendee would take more GPUs than it holds, as allowed."""
+    """Whether a restart (or a hot-add) would give the lendee more GPUs than it holds,
+    as allowed."""
     return (
         not state.hold
         and ctx.policy.partial
-        and ctx.policy.regrow is not Regrow.NEVER
+        and (ctx.policy.regrow is not Regrow.NEVER or _hot_add(state, ctx))
         and not _pending_claimants(state, ctx.topo)
         and bool(free_gpus(state, ctx.topo, ctx.policy) - state.lent)
     )
+
+
+def _hot_add(state: State, ctx: _Ctx) -> bool:
+    """Whether GPUs freed while the lendee runs are attached live rather than by a
+    restart: the policy says so, and no hot-add failed since it started."""
+    return ctx.policy.hotplug is not Hotplug.NONE and not state.hotadd_failed
 
 
 def _schedule_relend(state: State, ctx: _Ctx, due: float) -> _Outcome:
@@ -693,10 +711,13 @@ def _regrow_due(state: State, event: RelendDue, ctx: _Ctx) -> _Outcome:
     A bounded wait (``regrow_max_wait``) arms the timer once more for its end: the timer
     firing while the regrow waits is that end, and the restart begins, pods or not (the
     timer cannot be armed twice, so nothing else fires it meanwhile). The bookkeeping
-    has already cancelled a timer that stopped being wanted.
+    has already cancelled a timer that stopped being wanted. With ``hotplug`` the GPUs
+    are attached live instead (`_attach`), at once: that stops no pod.
     """
     if state.relend_at is None:
         raise _stale(state, event, "no regrow is scheduled")
+    if _hot_add(state, ctx):
+        return _attach(state, ctx)
     new = replace(state, relend_at=None)
     limit = ctx.policy.regrow_max_wait
     waited_enough = state.regrow_waiting and limit is not None
@@ -708,6 +729,45 @@ def _regrow_due(state: State, event: RelendDue, ctx: _Ctx) -> _Outcome:
         return _reclaim(new, regrow=True)
     due = event.at + limit
     return replace(new, regrow_waiting=True, relend_at=due), [ScheduleRelend(at=due)]
+
+
+def _attach(state: State, ctx: _Ctx) -> _Outcome:
+    """LENT → LENT with the free GPUs being attached live: no drain, no restart, so no
+    pod is stopped and nothing waits for the node to be idle.
+
+    The GPUs count as the lendee's from the first call on (``lent``): libvirt may have
+    attached some of their functions whatever happens next, so an owner asking for one
+    meanwhile takes the reclaim's road, like for any GPU the lendee holds. LENT is
+    entered anew: its watch of the node ends (the device plugin restarts to advertise
+    them, which is no GPU lost) and begins again with the node's new count at the end.
+    """
+    gain = free_gpus(state, ctx.topo, ctx.policy) - state.lent
+    new = _enter(state, Phase.LENT, relend_at=None, regrow_waiting=False, attaching=gain,
+                 lent=state.lent | gain)
+    return new, [AttachGpus(ticket=new.ticket, gpus=gain)]
+
+
+def _gpus_attached(state: State, event: GpusAttached, ctx: _Ctx) -> _Outcome:
+    """LENT, attaching → LENT: the GPUs are in the guest and the node advertises them;
+    they are lent. A game that ended meanwhile is a regrow due after `relend_delay`."""
+    _check_ticket(state, event)
+    if event.gpus != state.attaching:
+        raise _stale(state, event, "not the GPUs being attached")
+    new = _enter(state, Phase.LENT)
+    return _schedule_relend(new, ctx, event.at + ctx.policy.relend_delay)
+
+
+def _attach_failed(state: State, event: AttachFailed, ctx: _Ctx) -> _Outcome:
+    """LENT, attaching → LENT without the GPUs the lendee did not get: a step failed
+    within its bound (the executor journaled why). Those its live definition holds stay
+    its own (only its stop frees them); the others wait for a regrow by restart, as the
+    policy says, and no hot-add is tried again until the lendee restarts."""
+    _check_ticket(state, event)
+    if event.gpus != state.attaching:
+        raise _stale(state, event, "not the GPUs being attached")
+    lent = state.lent - (state.attaching - event.held)
+    new = _enter(state, Phase.LENT, lent=lent, hotadd_failed=True)
+    return _schedule_relend(new, ctx, event.at + ctx.policy.relend_delay)
 
 
 def _agent_up_booting(state: State, event: AgentUp, ctx: _Ctx) -> _Outcome:
@@ -861,7 +921,7 @@ def _lendee_stopped(state: State, event: LendeeStopped, ctx: _Ctx) -> _Outcome:
     that stopped during a reclaim may be rebooting)."""
     new = _enter(
         state, Phase.OFF, agent_up=False, reason=None, lent=frozenset(), reclaiming=False,
-        regrow_waiting=False,
+        regrow_waiting=False, hotadd_failed=False,
     )
     starts = _start_waiting(new, ctx.topo)
     new, relend = _schedule_relend(new, ctx, event.at + ctx.policy.relend_delay)
@@ -928,7 +988,14 @@ _BY_PHASE: dict[Phase, dict[type[Event], _Rule]] = {
         ]
     ),
     # Lent: steady state; an owner (above), a regrow or a stop moves it.
-    Phase.LENT: dict([_on(RelendDue, _regrow_due), *_STOPS.items()]),
+    Phase.LENT: dict(
+        [
+            _on(RelendDue, _regrow_due),
+            _on(GpusAttached, _gpus_attached),
+            _on(AttachFailed, _attach_failed),
+            *_STOPS.items(),
+        ]
+    ),
     # Draining: the drain's verdict. Reports of the boot road are stale here.
     Phase.DRAINING: dict(
         [
@@ -1080,6 +1147,8 @@ def still_wanted(state: State, action: Action, *, topo: Topology) -> bool:
     match action:
         case Drain() | WaitAgent() | ShutdownLendee() | ForceOff() | KubeReturn():
             return action.ticket == state.ticket
+        case AttachGpus(ticket=ticket, gpus=gpus):
+            return ticket == state.ticket and gpus == state.attaching
         case StartOwner(owner=owner):
             if not state.intents_of(owner) or owner in state.running_owners:
                 return False

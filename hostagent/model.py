@@ -21,8 +21,9 @@ The executor runs actions concurrently with everything else, so an action can ou
 the situation that asked for it, and so can its report (the node was drained while the
 boot-time `WaitAgent` was still waiting, and its timeout now lands in the middle of the
 shutdown). The lendee's actions (`Drain`, `WaitAgent`, `ShutdownLendee`, `ForceOff`,
-`KubeReturn`) carry the ``ticket`` of the phase that issued them; the machine bumps the
-ticket whenever it enters a phase. Both directions use it:
+`KubeReturn`, `AttachGpus`) carry the ``ticket`` of the phase that issued them; the
+machine bumps the ticket whenever it enters a phase (a hot-add enters LENT anew, and
+its end once more). Both directions use it:
 
 - a report (`AgentUp`, `Drained`, ...) carries its action's ticket back, and the machine
   refuses one whose ticket is not current;
@@ -43,6 +44,8 @@ from types import MappingProxyType
 __all__ = [
     "Action",
     "AgentTimeout",
+    "AttachFailed",
+    "AttachGpus",
     "AgentUp",
     "CancelRelend",
     "CompleteIntent",
@@ -54,7 +57,9 @@ __all__ = [
     "FailIntent",
     "ForceOff",
     "GpuPods",
+    "GpusAttached",
     "Hold",
+    "Hotplug",
     "Intent",
     "IntentSource",
     "KubeReturn",
@@ -168,6 +173,13 @@ class Regrow(enum.StrEnum):
     NEVER = "never"  # only when it stops for another reason
 
 
+class Hotplug(enum.StrEnum):
+    """Whether the lendee's GPUs change while it runs, instead of by a restart."""
+
+    NONE = "none"  # every change is a restart (drain, shutdown, start)
+    ADD = "add"  # GPUs a game freed are attached live; a reclaim still restarts
+
+
 @dataclass(frozen=True, kw_only=True)
 class Policy:
     """How the machine may act. Timeouts belong to the executor; these are decisions.
@@ -184,6 +196,8 @@ class Policy:
     ``regrow_max_wait``: how long a ``when-idle`` regrow waits for the node's GPU pods
     to end before it restarts the lendee anyway (None: as long as they run). Every
     second of it leaves the freed GPUs idle while the pods use the others.
+    ``hotplug``: see `Hotplug`; a hot-add that fails leaves its GPUs to a regrow by
+    restart, as ``regrow`` says.
     """
 
     relend_delay: float = 30.0
@@ -192,6 +206,7 @@ class Policy:
     min_gpus: int = 1
     regrow: Regrow = Regrow.WHEN_IDLE
     regrow_max_wait: float | None = 120.0
+    hotplug: Hotplug = Hotplug.NONE
 
 
 # --- what the machine remembers --------------------------------------------------------
@@ -254,6 +269,9 @@ class State:
     ``regrowing``: the reclaim under way is a regrow, which nobody waits for: it is
     given up (the lendee returned as it is) when its drain cannot finish or when the
     restart would gain nothing any more.
+    ``attaching``: in LENT, GPUs being attached live (already in ``lent``: the lendee
+    may hold them from the first call on). ``hotadd_failed``: a hot-add failed since the
+    lendee started, so the GPUs it left wait for a restart.
     """
 
     phase: Phase = Phase.OFF
@@ -272,6 +290,8 @@ class State:
     regrow_waiting: bool = False
     reclaiming: bool = False
     regrowing: bool = False
+    attaching: frozenset[str] = frozenset()
+    hotadd_failed: bool = False
 
     def intents_of(self, owner: str) -> tuple[Intent, ...]:
         return tuple(i for i in self.intents if i.owner == owner)
@@ -400,6 +420,26 @@ class ReturnFailed(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class GpusAttached(Event):
+    """Report of `AttachGpus`: the GPUs are in the live definition, the guest's driver
+    sees them and the node advertises them."""
+
+    ticket: int
+    gpus: frozenset[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttachFailed(Event):
+    """Report of `AttachGpus`: a step failed within its bound. ``held``: those of
+    ``gpus`` the lendee's live definition holds anyway (they stay with it)."""
+
+    ticket: int
+    gpus: frozenset[str]
+    held: frozenset[str]
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class RelendDue(Event):
     """The relend timer set by `ScheduleRelend` fired."""
 
@@ -498,6 +538,15 @@ class KubeReturn(Action):
     or `ReturnFailed`."""
 
     ticket: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttachGpus(Action):
+    """Attach `gpus` to the running lendee (its live definition only), wait for them in
+    the guest, have the node advertise them. Reports `GpusAttached` or `AttachFailed`."""
+
+    ticket: int
+    gpus: frozenset[str]
 
 
 @dataclass(frozen=True, kw_only=True)

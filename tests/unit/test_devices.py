@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from hostagent.config import Gpu, parse
-from hostagent.devices import GpuNotInXml, XmlError, gpus_in, without
+from hostagent.devices import GpuNotInXml, XmlError, elements_of, gpus_in, without
 
 GPUS = {
     "gpu-a": Gpu(label="gpu-a", pci="0000:01:00.0", functions=("0000:01:00.1",)),
@@ -167,3 +167,15 @@ functions = ["01:00.1"]
 """)
     assert gpus_in(LENDEE, cfg.gpus) == {"gpu-a", "0000:0a:00.0"}
     assert without(LENDEE, {"0000:0a:00.0"}, cfg.gpus) == HEAD + GPU_A + GPU_B + USB_B + TAIL
+
+
+def test_elements_of_gives_each_device_of_the_gpus_as_written() -> None:
+    assert elements_of(LENDEE, {"gpu-b", "gpu-c"}, GPUS) == [
+        part.removeprefix("    ").removesuffix("\n")
+        for part in (*_split(GPU_B), USB_B, GPU_C)]
+    with pytest.raises(GpuNotInXml):
+        elements_of(HEAD + TAIL, {"gpu-a"}, GPUS)
+
+
+def _split(devices: str) -> list[str]:
+    return [d + "</hostdev>\n" for d in devices.split("</hostdev>\n") if d.strip()]

@@ -37,6 +37,7 @@ from hostagent.model import (
     Action,
     AgentTimeout,
     AgentUp,
+    AttachFailed,
     CancelIntent,
     CancelRelend,
     CompleteIntent,
@@ -47,6 +48,7 @@ from hostagent.model import (
     FailIntent,
     ForceOff,
     GpuPods,
+    GpusAttached,
     Hold,
     Intent,
     IntentSource,
@@ -711,7 +713,7 @@ def test_every_legal_pair_has_a_row_or_a_scenario() -> None:
         Phase.OFF: every | {RelendDue, LendeeStarted},
         Phase.BOOTING: every | running_stop | {AgentUp, AgentTimeout},
         Phase.JOINING: every | running_stop | {ReturnDone, ReturnFailed},
-        Phase.LENT: every | running_stop | {RelendDue},
+        Phase.LENT: every | running_stop | {RelendDue, GpusAttached, AttachFailed},
         Phase.DRAINING: every | running_stop | {Drained, DrainFailed},
         Phase.STOPPING: every | running_stop | {AgentUp, AgentTimeout, ShutdownTimeout},
         Phase.FAILED: every | running_stop,
@@ -723,8 +725,9 @@ def test_every_legal_pair_has_a_row_or_a_scenario() -> None:
     assert isinstance(TRANSITIONS, MappingProxyType)
     covered = {(row[1].phase, type(row[2])) for row in ROWS}
     # Observed is covered by its own tests below, the events of partial lending (and a
-    # regrow due in LENT) in test_partial.py; the rest must each have a row.
-    partial = {Observed, OwnerStarting, CancelIntent, GpuPods}
+    # regrow due in LENT) in test_partial.py, those of a hot-add in test_hotplug.py; the
+    # rest must each have a row.
+    partial = {Observed, OwnerStarting, CancelIntent, GpuPods, GpusAttached, AttachFailed}
     rest = {k for k in TRANSITIONS if k[1] not in partial and k != (Phase.LENT, RelendDue)}
     assert rest <= covered
 
@@ -753,6 +756,8 @@ EXAMPLES: list[Event] = [
     OwnerStarting(at=AT, owner="gaming1"),
     CancelIntent(at=AT, owner="gaming1", by="alice"),
     GpuPods(at=AT, count=0),
+    GpusAttached(at=AT, ticket=T, gpus=frozenset({"gpu-a"})),
+    AttachFailed(at=AT, ticket=T, gpus=frozenset({"gpu-a"}), held=frozenset(), reason="x"),
 ]
 
 
