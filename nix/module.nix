@@ -239,6 +239,18 @@ in
               also works where the file is readable by root only.
             '';
             gpu_resource = optionalStr "The allocatable resource the node must report (the agent's default: `\"nvidia.com/gpu\"`).";
+            gpu_api = mkOption {
+              type = types.nullOr (
+                types.enum [
+                  "auto"
+                  "device-plugin"
+                  "dra"
+                ]
+              );
+              default = null;
+              description = "How the cluster hands out GPUs: allocatable counts (`device-plugin`), devices in ResourceSlices verified by UUID (`dra`, Dynamic Resource Allocation), or decided at each lend from what the cluster serves (`auto`) (the agent's default: `\"auto\"`).";
+            };
+            dra_driver = optionalStr "The DRA driver whose ResourceSlices list the GPUs (the agent's default: `\"gpu.nvidia.com\"`).";
           });
         };
       };
