@@ -209,6 +209,18 @@ def qemu_log(lab: Lab, dom: str, text: str, after: float) -> float:
                     10, f"{text!r} in {path}")
 
 
+def last_launch(lab: Lab, dom: str, after: float, before: float) -> float:
+    """When libvirt last launched `dom`'s QEMU between `after` and `before`: the launch
+    that ran. An earlier one may have failed (a hook that ran out of its budget on a
+    busy machine lets a start through, and QEMU refuses the device in use)."""
+    path = lab.root / "log-libvirt" / "qemu" / f"{dom}.log"
+    def last() -> float | None:
+        return max((t for t, rest in log_lines(path)
+                    if rest.startswith("starting up") and after - 0.001 <= t <= before),
+                   default=None)
+    return wait_for(last, 10, f"a launch of {dom} in {path}")
+
+
 def libvirtd_log(lab: Lab, text: str, after: float) -> float:
     path = lab.root / "log-libvirt" / "libvirtd.log"
     return wait_for(lambda: next((t for t, rest in log_lines(path)
@@ -238,7 +250,7 @@ def back(lab: Lab, kc: LabCluster, ev: Events, after: float, gpus: int,
     GPUs) of the lend that ended with the uncordon at `uncordoned`. The last time the
     node became so before the uncordon: the lab kubelet may post a stale GPU count
     while the guest boots, and that one is not it."""
-    launch = qemu_log(lab, LENDEE, "starting up", after)
+    launch = last_launch(lab, LENDEE, after, uncordoned)
     agent_up = ev.wait(LENDEE, "agent-connected", launch)
     ready = max(ch.at for ch in changes(kc, launch)
                 if ch.resource is NODES and ch.at <= uncordoned and node_ok(ch.obj, gpus)
@@ -257,7 +269,7 @@ def reclaim(lab: Lab, kc: LabCluster, ev: Events) -> tuple[Leg, float]:
     first_eviction, last_gone = drain_span(kc, t0)
     shutdown_sent = libvirtd_log(lab, '"execute":"guest-shutdown"', t0)
     lendee_exit = qemu_log(lab, LENDEE, "shutting down", t0)
-    owner_launch = qemu_log(lab, OWNER, "starting up", t0)
+    owner_launch = last_launch(lab, OWNER, t0, resumed)
     return Leg(
         total=started - t0,
         steps={"drain": last_gone - first_eviction,
