@@ -1,0 +1,59 @@
+"""Hot-add in the lab (``policy.hotplug = "add"``): the real agent attaches the lab GPU
+a game freed to the running lendee (its disk, into the root port its live definition
+left empty), the stand-in nvidia-smi lists it, the lab kubelet follows the live set,
+and the GPU is lent with no drain and no restart while a GPU job runs on the node."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.lab.cluster import lab_cluster
+from tests.lab.lab import GPUS, LENDEE, Lab
+from tests.lab.test_kube_lab import annotations, lends
+
+pytestmark = pytest.mark.lab
+
+
+def test_a_regrow_by_hot_add_lends_the_freed_gpu_without_a_restart(lab: Lab) -> None:
+    from tests.kubeapi.cluster import PODS
+
+    with lab_cluster(lab, workloads=False) as kc:
+        lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig).replace(
+            "[policy]\n", '[policy]\nhotplug = "add"\n'))
+        lab.start_agent()
+        lends(lab, 1)
+        lab.virsh("start", "gaming1", check=False)
+        lab.wait_state("gaming1", "running", timeout=90)
+        lends(lab, 2)
+        persistent = lab.virsh("dumpxml", "--inactive", LENDEE).stdout
+        cluster = kc.api.standin.cluster
+        kc.api.call(cluster.add_pod, "train-1", node=LENDEE, owner="Job/train",
+                    gpus={"nvidia.com/gpu": 1})
+        lab.wait_agent("gaming1")
+        lab.virsh("shutdown", "--mode", "agent", "gaming1")
+        lab.wait_record(120, event="hotplug", result="ok")
+        phases = lab.phases()
+        # Lent twice, then no drain, no stop: the second lend's instance runs on.
+        assert phases[-1] == "joining>lent" and phases.count("joining>lent") == 2, phases
+        assert not lab.records(event="regrow", result="waiting")
+        assert str(lab.gpu_image("gpu-a")) in lab.virsh("dumpxml", LENDEE).stdout
+        assert lab.virsh("dumpxml", "--inactive", LENDEE).stdout == persistent
+        listed = lab.guest_exec(LENDEE, "/usr/bin/nvidia-smi", "-L").stdout
+        assert all(uuid in listed for uuid, _ in GPUS.values()), listed
+        seen = lab.records(event="verify", result="ok")[-1]["HOSTAGENT_GPUS"].split(",")
+        assert sorted(seen) == sorted(uuid for uuid, _ in GPUS.values())
+        node = kc.node()
+        assert annotations(node)["hostagent.io/lent-gpus"] == "gpu-a,gpu-b,gpu-c"
+        assert not node["spec"].get("unschedulable")
+        assert node["status"]["allocatable"]["nvidia.com/gpu"] == "3"
+        assert kc.pods_on(LENDEE) == ["train-1"]  # the job ran on through it
+        status = json.loads(lab.hostagent("status", "--json").stdout)
+        assert status["lendee"]["lent"] == ["gpu-a", "gpu-b", "gpu-c"]
+        # The next game's reclaim is the usual one: gaming1 runs once gpu-node has
+        # stopped and let go of gpu-a's disk.
+        kc.api.call(cluster.delete, PODS, "default", "train-1")
+        lab.virsh("start", "gaming1", check=False)
+        lab.wait_state("gaming1", "running", timeout=120)
+        assert lab.phases()[len(phases):len(phases) + 1] == ["lent>draining"]
