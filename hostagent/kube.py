@@ -1245,12 +1245,13 @@ class Kube:
         try:
             classes = await self._call(
                 "list DeviceClasses", lambda: self._resource.list_device_class(
-                    field_selector=f"metadata.name={driver}"), deadline)
+                    field_selector=f"metadata.name={driver}"), deadline, readable=_listed)
             if classes.items:
                 return True
             slices = await self._call(
                 "list ResourceSlices", lambda: self._resource.list_resource_slice(
-                    field_selector=f"spec.driver={driver}", limit=1), deadline)
+                    field_selector=f"spec.driver={driver}", limit=1), deadline,
+                readable=_listed)
         except KubeRequestError as e:
             if e.status == 404:
                 return False  # resource.k8s.io/v1 not served: a cluster older than 1.34

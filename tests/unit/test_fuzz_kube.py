@@ -121,6 +121,9 @@ def call(live: Live, op: str, replies: list[Reply]) -> object:
         "event": lambda: kube.post_event("n", reason="Test", message="fuzz"),
         "drain": lambda: kube.drain("n", timeout=5, emptydir_ok=True, unmanaged_ok=True,
                                     on_timeout=DrainTimeoutAction.PROCEED),
+        "dra": lambda: kube.dra_in_use("gpu.nvidia.com"),
+        "slices": lambda: kube.wait_devices("n", driver="gpu.nvidia.com",
+                                            done=lambda uuids: False, timeout=0.1),
     }
     try:
         return live.run(calls[op]())
@@ -170,6 +173,12 @@ def _shaped(rng: random.Random) -> Any:
             "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}],
             "allocatable": {"nvidia.com/gpu": "2"}}},
         {"kind": "PodList", "metadata": {"resourceVersion": "1"}, "items": [pod, pod]},
+        {"kind": "ResourceSliceList", "metadata": {"resourceVersion": "1"}, "items": [
+            {"metadata": {"name": "s", "uid": "u"}, "spec": {
+                "driver": "gpu.nvidia.com", "nodeName": "n",
+                "pool": {"name": "n", "generation": 1, "resourceSliceCount": 1},
+                "devices": [{"name": "gpu-0", "attributes": {
+                    "uuid": {"string": "GPU-0"}, "index": {"int": 0}}}]}}]},
     ])
     for _ in range(rng.randrange(1, 4)):  # retype a field, at some depth
         target = obj
@@ -200,7 +209,8 @@ def _reply(rng: random.Random) -> Reply:
 
 @st.composite
 def exchanges(draw: st.DrawFn) -> tuple[str, list[Reply]]:
-    op = draw(st.sampled_from(["check", "cordon", "uncordon", "taint", "event", "drain"]))
+    op = draw(st.sampled_from(["check", "cordon", "uncordon", "taint", "event", "drain", "dra",
+                               "slices"]))
     rng = random.Random(draw(st.integers(0, 2**32)))
     return op, [_reply(rng) for _ in range(rng.randrange(1, 5))]
 

@@ -116,6 +116,17 @@ def test_node_gpu_pods_is_absent_until_known() -> None:
     assert d.value("hostagent_node_gpu_pods") is None
 
 
+
+def test_lent_gpu_pod_names_each_holder_and_forgets_those_gone() -> None:
+    d = Driver()
+    d.metrics.lent_gpu_pods({"gpu-a": "ml/train-1,ml/train-2", "gpu-b": "ml/eval"})
+    assert d.value("hostagent_lent_gpu_pod", gpu="gpu-a", pod="ml/train-2") == 1
+    assert d.value("hostagent_lent_gpu_pod", gpu="gpu-b", pod="ml/eval") == 1
+    d.metrics.lent_gpu_pods({"gpu-b": "ml/eval"})
+    assert d.value("hostagent_lent_gpu_pod", gpu="gpu-a", pod="ml/train-1") is None
+    d.metrics.lent_gpu_pods(None)
+    assert d.value("hostagent_lent_gpu_pod", gpu="gpu-b", pod="ml/eval") is None
+
 async def test_last_lend_verified_follows_the_lends() -> None:
     d = Driver()
     assert await d.metrics.lend_verified() == "no lend since the agent started"
