@@ -28,7 +28,7 @@ from pathlib import Path
 
 from hostagent import devices as gpu_devices
 from hostagent import gpus as inventory
-from hostagent.config import Config
+from hostagent.config import Config, Hotplug
 
 __all__ = [
     "AGENT_CHANNEL",
@@ -65,6 +65,7 @@ class Check(enum.StrEnum):
     NO_AGENT_CHANNEL = "no-agent-channel"
     CONFIG_XML = "config-xml"
     AUTOSTART = "autostart"
+    HOTPLUG = "hotplug"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +111,7 @@ class Domain:
     # User aliases ua-hostagent-… of devices: they move with a GPU (`hostagent.devices`).
     aliases: tuple[str, ...] = ()
     autostart: bool | None = None  # None: not known (read from a file)
+    xml: str = ""  # as read: what the hot-add check reads of controllers and addresses
 
     @property
     def q35(self) -> bool:
@@ -196,7 +198,8 @@ def parse_domain(xml: str, *, autostart: bool | None = None) -> Domain:
                       for t in devices.findall("channel/target"))
     return Domain(name=root.findtext("name", "").strip(), machine=machine, ovmf=ovmf,
                   hostdevs=tuple(hostdevs), agent_channel=channel,
-                  boot=_boot_order(root, devices), aliases=tuple(aliases), autostart=autostart)
+                  boot=_boot_order(root, devices), aliases=tuple(aliases), autostart=autostart,
+                  xml=xml)
 
 
 # --- one domain against the host -----------------------------------------------------------
@@ -516,7 +519,104 @@ def _against_config(domains: Sequence[Domain], config: Config) -> list[Finding]:
                     "whenever another VM holds it.",
                 fix=f"add {label} to {key}, or remove the hostdev from {name}"))
     found += _autostart(domains, roles)
+    lendee = by_name.get(config.lendee.domain)
+    if lendee is not None and config.policy.hotplug is not Hotplug.NONE:
+        found += _hot_add(lendee, config)
     return found
+
+
+_PREF64_FIX = (
+    "reserve a 64-bit prefetchable window on the root ports, at least each GPU's BAR1 "
+    "(`lspci -vv` on the host: the largest 64-bit prefetchable region) rounded up: in "
+    "the domain's XML, <qemu:commandline><qemu:arg value='-global'/><qemu:arg "
+    "value='pcie-root-port.pref64-reserve=64G'/></qemu:commandline> (xmlns:qemu="
+    "'http://libvirt.org/schemas/domain/qemu/1.0' on <domain>)")
+
+
+def _hot_add(dom: Domain, config: Config) -> list[Finding]:
+    """Whether GPUs can be attached to the running lendee (policy.hotplug): a q35
+    machine, each function of each GPU an owner may free in a hot-pluggable
+    pcie-root-port of its own (libvirt hot-plugs no multifunction device, and the live
+    definition leaves the GPU's root ports empty for it), and 64-bit prefetchable
+    windows reserved (firmware sizes an empty root port's window at boot)."""
+    def finding(what: str, why: str, fix: str, severity: Severity = Severity.ERROR) -> Finding:
+        return Finding(domain=dom.name, check=Check.HOTPLUG, severity=severity,
+                       what=f"policy.hotplug: {what}", why=why, fix=fix)
+
+    if not dom.q35:
+        return [finding(
+            f"machine {dom.machine or '(unset)'} has no PCIe root ports",
+            "a GPU is hot-added into a pcie-root-port, which only q35 has.",
+            "move the lendee to q35 (a new definition), or set policy.hotplug = \"none\"")]
+    root = ET.fromstring(dom.xml)
+    ports = {c.get("index"): c for c in root.findall("devices/controller[@type='pci']")
+             if c.get("model") == "pcie-root-port"}
+    owned = {label for o in config.owners.values() for label in o.gpus}
+    gpus = {label: config.gpus[label] for label in config.lendee.gpus}
+    found: list[Finding] = []
+    used: dict[int, str] = {}
+    for dev in root.findall("devices/*"):
+        at = dev.find("address[@type='pci']")
+        if at is not None and gpu_devices.owner_label(dev, gpus) is None:
+            used.setdefault(_int(at.get("bus")), f"<{dev.tag}>")
+    for label in sorted(set(gpus) & owned):
+        try:
+            parts = gpu_devices.elements_of(dom.xml, {label}, gpus)
+        except (gpu_devices.GpuNotInXml, ValueError):
+            continue  # said by the config checks above
+        for part in parts:
+            dev = ET.fromstring(part)
+            what = _device_name(dev)
+            at = dev.find("address[@type='pci']")
+            bus = _int(at.get("bus")) if at is not None else -1
+            port = ports.get(str(bus))
+            if at is None or port is None:
+                found.append(finding(
+                    f"{what} of {label} is not in a pcie-root-port of its own",
+                    "a hot-added device goes into an empty hot-pluggable root port; one on "
+                    "the root bus or a bridge cannot be added live.",
+                    "give it <address type='pci' bus='0xNN' slot='0x00'/> on a "
+                    "<controller type='pci' model='pcie-root-port'> with an explicit index "
+                    "(one per function)"))
+                continue
+            if at.get("multifunction") == "on" or bus in used:
+                other = used.get(bus, "another function")
+                found.append(finding(
+                    f"{what} of {label} shares root port {bus} with {other}",
+                    "libvirt hot-plugs one single-function device per root port: a "
+                    "multifunction slot cannot be attached live.",
+                    "give each function its own pcie-root-port (bus), slot 0x00, without "
+                    "multifunction='on'"))
+            target = port.find("target")
+            if target is not None and target.get("hotplug") == "off":
+                found.append(finding(
+                    f"root port {bus} of {label}'s {what} has hotplug='off'",
+                    "the guest is told the port never takes a device.",
+                    f"remove hotplug='off' from the controller with index {bus}"))
+            used[bus] = f"{label}'s {what}"
+    if "pref64-reserve" not in dom.xml:
+        found.append(finding(
+            "no 64-bit prefetchable window is reserved on the root ports",
+            "the firmware sizes an empty root port's windows at boot to almost nothing; a "
+            "GPU attached later whose BAR1 (256 MiB to tens of GiB) does not fit gets no "
+            "address in the guest and its driver fails.",
+            _PREF64_FIX, Severity.WARNING))
+    return found
+
+
+def _int(text: str | None) -> int:
+    try:
+        return int(text or "", 0)
+    except ValueError:
+        return -1
+
+
+def _device_name(dev: ET.Element) -> str:
+    source = dev.find("source/address")
+    if dev.tag == "hostdev" and source is not None:
+        return f"<hostdev> {_address(dev.find('source'))}"
+    alias = dev.find("alias")
+    return f"<{dev.tag}> {alias.get('name', '') if alias is not None else ''}".strip()
 
 
 def _autostart(domains: Sequence[Domain],

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from hostagent import lint
 from hostagent.config import ConfigError, parse
 from hostagent.machine import IllegalTransition, still_wanted, verdict
 from hostagent.model import (
@@ -116,3 +117,75 @@ def test_the_configuration_takes_hotplug() -> None:
     assert parse(base).policy.hotplug is Hotplug.NONE
     with pytest.raises(ConfigError, match="hotplug"):
         parse(base + 'hotplug = "sometimes"\n')
+
+
+# --- lint: can this lendee take a GPU live? ---------------------------------------------
+
+LINT_CONFIG = """
+[lendee]
+domain = "gpu-node"
+gpus = ["gpu-a", "gpu-b"]
+[gpus.gpu-a]
+pci = "0000:01:00.0"
+functions = ["0000:01:00.1"]
+[gpus.gpu-b]
+pci = "0000:02:00.0"
+[owners.gaming1]
+gpus = ["gpu-a"]
+[policy]
+hotplug = "add"
+"""
+
+
+def lendee_xml(*, machine: str = "q35", buses: tuple[int, int] = (1, 2),
+               multifunction: bool = False, hotplug_off: bool = False,
+               pref64: bool = True) -> str:
+    def hostdev(host_bus: int, function: int, guest_bus: int) -> str:
+        multi = " multifunction='on'" if multifunction and function == 0 else ""
+        return (f"<hostdev mode='subsystem' type='pci' managed='yes'><source>"
+                f"<address domain='0x0000' bus='{host_bus:#x}' slot='0x00' "
+                f"function='{function:#x}'/></source>"
+                f"<address type='pci' domain='0x0000' bus='{guest_bus:#04x}' slot='0x00' "
+                f"function='{function if multifunction else 0:#x}'{multi}/></hostdev>")
+    target = "<target hotplug='off'/>" if hotplug_off else ""
+    ports = "".join(f"<controller type='pci' index='{i}' model='pcie-root-port'>{target}"
+                    "</controller>" for i in (1, 2, 3))
+    qemu = ("<qemu:commandline><qemu:arg value='-global'/>"
+            "<qemu:arg value='pcie-root-port.pref64-reserve=64G'/></qemu:commandline>"
+            if pref64 else "")
+    return (f"<domain type='kvm' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>"
+            f"<name>gpu-node</name><os><type machine='{machine}'>hvm</type></os><devices>"
+            f"<controller type='pci' index='0' model='pcie-root'/>{ports}"
+            f"{hostdev(1, 0, buses[0])}{hostdev(1, 1, buses[1])}{hostdev(2, 0, 3)}"
+            "<channel type='unix'><target type='virtio' name='org.qemu.guest_agent.0'/>"
+            f"</channel></devices>{qemu}</domain>")
+
+
+def hot_add_findings(xml: str, config: str = LINT_CONFIG) -> list[str]:
+    found = lint.lint([lint.parse_domain(xml)], config=parse(config))
+    return [f"{f.severity}: {f.what}" for f in found if f.check is lint.Check.HOTPLUG]
+
+
+def test_lint_a_lendee_ready_for_hot_add_has_no_finding() -> None:
+    assert hot_add_findings(lendee_xml()) == []
+    # Nor is one said when hot-add is off.
+    assert hot_add_findings(lendee_xml(machine="pc-i440fx-7.2"),
+                            LINT_CONFIG.replace('hotplug = "add"', "")) == []
+
+
+def test_lint_says_what_keeps_a_lendee_from_hot_add() -> None:
+    assert hot_add_findings(lendee_xml(machine="pc-i440fx-7.2")) == [
+        "error: policy.hotplug: machine pc-i440fx-7.2 has no PCIe root ports"]
+    assert hot_add_findings(lendee_xml(buses=(1, 1), multifunction=True)) == [
+        "error: policy.hotplug: <hostdev> 0000:01:00.0 of gpu-a shares root port 1 with "
+        "another function",
+        "error: policy.hotplug: <hostdev> 0000:01:00.1 of gpu-a shares root port 1 with "
+        "gpu-a's <hostdev> 0000:01:00.0"]
+    assert hot_add_findings(lendee_xml(buses=(1, 7))) == [
+        "error: policy.hotplug: <hostdev> 0000:01:00.1 of gpu-a is not in a pcie-root-port "
+        "of its own"]
+    assert hot_add_findings(lendee_xml(hotplug_off=True)) == [
+        f"error: policy.hotplug: root port {bus} of gpu-a's <hostdev> 0000:01:00.{f} has "
+        "hotplug='off'" for bus, f in ((1, 0), (2, 1))]
+    assert hot_add_findings(lendee_xml(pref64=False)) == [
+        "warning: policy.hotplug: no 64-bit prefetchable window is reserved on the root ports"]
