@@ -36,7 +36,13 @@ Step durations (seconds), and where each comes from:
 - owner start, 5: libvirt starting a passthrough game VM up to its vCPUs running (the
   VFIO device reset and DMA mapping of 8 GB of guest memory; the lab's 200 ms has no
   device to reset);
-- guest-ping of an agent already up, 1; a libvirt start up to its STARTED event, 1.
+- guest-ping of an agent already up, 1; a libvirt start up to its STARTED event, 1;
+- hot-add (``policy.hotplug = "add"``), 40: libvirt's attach and the guest seeing the
+  device take under a second (the lab: tests/lab/test_hotplug_lab.py), the NVIDIA
+  driver's probe of the new card a few seconds, then the device plugin's pod deleted,
+  started again by its DaemonSet and registering after NVML has initialised every
+  card, and the kubelet's next status (every 10 s); an estimate on the slow side. The
+  GPU counts as lent, and takes jobs, only at its end.
 
 The cluster's GPU work: single-GPU jobs of 1 to 3 hours arriving every 2 to 6 hours
 (uniformly random, --seed), run first come first served on the node while it is lent
@@ -61,8 +67,11 @@ The candidates for the default, side by side: ``always``; ``when-idle`` with no 
 on its wait, or restarting anyway after ``regrow_max_wait`` (30 or 2 minutes); each
 bounded one also with no new GPU job starting on the node while the regrow waits (as
 if the node were cordoned for them meanwhile: a job started then is one the restart
-kills). Each is also replayed over 30 weeks of other GPU work (seeds 0-29): in how
-many the budget is met, the worst share, the jobs killed per week.
+kills); and the default with hot-add (``policy.hotplug = "add"``), which attaches the
+GPUs a game freed to the running lendee instead of restarting it: no regrow kills a job
+and none waits for the node to be idle, only a game's reclaim restarts the lendee. Each
+is also replayed over 30 weeks of other GPU work (seeds 0-29): in how many the budget is
+met, the worst share, the jobs killed per week.
 
 Budget: the default policy (`hostagent.model.Policy()`) lends ≥ 99 % of the GPU time
 no game uses, in the reference week and in each of the 30; among the candidates that
@@ -86,6 +95,7 @@ from hostagent.machine import IllegalTransition, step, verdict
 from hostagent.model import (
     Action,
     AgentUp,
+    AttachGpus,
     CancelRelend,
     CompleteIntent,
     Drain,
@@ -93,6 +103,8 @@ from hostagent.model import (
     Event,
     FailIntent,
     GpuPods,
+    GpusAttached,
+    Hotplug,
     IntentSource,
     KubeReturn,
     LendeeStarted,
@@ -141,6 +153,7 @@ class Durations:
     drain: float = 20.0
     shutdown: float = 15.0
     owner_start: float = 5.0
+    hot_add: float = 40.0
 
 
 def sessions() -> list[tuple[float, float, str]]:
@@ -177,6 +190,8 @@ class Figures:
     killing_restarts: int = 0
     regrow_kills: int = 0  # of those, restarts no game asked for (a regrow)
     jobs_killed: int = 0
+    jobs_killed_by_regrow: int = 0
+    hot_adds: int = 0
     job_hours_done: float = 0.0
     player_waits: list[float] = field(default_factory=list)
     regrow_waiting_s: float = 0.0
@@ -238,7 +253,8 @@ class Replay:
             return
         s = self.state
         held = TOPO.gpus_of(self.owners_up)
-        lent = s.lent if s.phase is Phase.LENT else frozenset()
+        # A GPU being hot-added is the lendee's, but not lent until the node has it.
+        lent = s.lent - s.attaching if s.phase is Phase.LENT else frozenset()
         for gpu in TOPO.lendee_gpus:
             if gpu not in held:
                 self.f.free_gs += dt
@@ -281,6 +297,11 @@ class Replay:
                 else:
                     up = now + d.ping
                 self.at(max(up, now), self.deliver, AgentUp(at=max(up, now), ticket=t))
+            case AttachGpus(ticket=t, gpus=gpus):
+                if self.measured():
+                    self.f.hot_adds += 1
+                self.at(now + d.hot_add, self.deliver,
+                        GpusAttached(at=now + d.hot_add, ticket=t, gpus=gpus))
             case KubeReturn(ticket=t):
                 self.at(now + d.kube_return, self.deliver,
                         ReturnDone(at=now + d.kube_return, ticket=t))
@@ -350,7 +371,8 @@ class Replay:
         s, before = self.state, len(self.running)
         if self.hold_new_jobs and s.regrow_waiting:
             return
-        while self.pending and s.phase is Phase.LENT and len(self.running) < len(s.lent):
+        while (self.pending and s.phase is Phase.LENT
+               and len(self.running) < len(s.lent - s.attaching)):
             job, duration = self.pending.popleft()
             self.running[job] = (self.now + duration, duration)
             self.at(self.now + duration, self.job_ends, job, self.now + duration)
@@ -376,6 +398,7 @@ class Replay:
             self.f.jobs_killed += len(self.running)
             if not self.state.intents:
                 self.f.regrow_kills += 1
+                self.f.jobs_killed_by_regrow += len(self.running)
         for job, (_, duration) in sorted(self.running.items(), reverse=True):
             self.pending.appendleft((job, duration))
         self.running.clear()
@@ -407,6 +430,7 @@ CANDIDATES = [
     Candidate("when-idle ≤ 2 min, no new jobs", replace(WHEN_IDLE, regrow_max_wait=2 * 60),
               hold_new_jobs=True),
     Candidate("partial, never", Policy(regrow=Regrow.NEVER)),
+    Candidate("default, hot-add", Policy(hotplug=Hotplug.ADD)),
     Candidate("default, no GPU jobs", Policy(), busy=False),
 ]
 # The agent's default policy, whichever column it is.
@@ -455,6 +479,9 @@ def table(results: dict[str, Figures], weeks: dict[str, Weeks],
         row("restarts that killed a running GPU job",
             lambda f: f"{f.killing_restarts} ({f.regrow_kills} by a regrow)"),
         row("GPU jobs killed in all (each starts over)", lambda f: str(f.jobs_killed)),
+        row("  of those, by a game's reclaim / by a regrow",
+            lambda f: f"{f.jobs_killed - f.jobs_killed_by_regrow} / {f.jobs_killed_by_regrow}"),
+        row("regrows by hot-add (no drain, no restart)", lambda f: str(f.hot_adds)),
         row("GPU-job hours completed", lambda f: f"{f.job_hours_done:.1f} h"),
         row("a regrow waiting for the node to be idle",
             lambda f: f"{f.regrow_waiting_s / HOUR:.1f} h"),
