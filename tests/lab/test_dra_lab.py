@@ -63,6 +63,8 @@ def test_a_dra_node_through_reclaim_partial_lend_and_regrow(lab: Lab) -> None:
         lab.virsh("start", "gaming1", check=False)
         lab.wait_state("gaming1", "running", timeout=90)
         assert "train-1" not in kc.pods_on(LENDEE)
+        named = lab.records(event="drain", result="holders")
+        assert named and "default/train-1 (gpu-a)" in named[0]["MESSAGE"]
         lends(lab, 2)
         assert annotations(kc.node())["hostagent.io/lent-gpus"] == "gpu-b,gpu-c"
         assert kubectl_uuids(kc) == sorted([UUID["gpu-b"], UUID["gpu-c"]])
