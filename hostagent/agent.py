@@ -12,10 +12,12 @@ while the disk takes its time.
 Level-triggered: at start and after every libvirt reconnect the agent reads which
 VMs run and hands that to the machine (`Observed`); events only wake it up.
 
-The agent is the composition root and owns the state and `apply`; its parts are found
-by name: `hostagent.executor` (actions to effects, each a step supervised by its
-phase), `hostagent.verbs` (the control verbs), `hostagent.recorder` (the journal record
-of each transition). They change nothing but through `apply`.
+The agent is the composition root and owns the state and `apply`. Its parts are
+`hostagent.executor` (actions to effects, each a step supervised by its phase),
+`hostagent.verbs` (the control verbs) and `hostagent.recorder` (the journal record of
+each transition); each is given what it uses (`hostagent.parts`: a read-only view of the
+state, `apply`, the progress channel), never the agent, and changes nothing but through
+`apply`. Only `hostagent.cli` imports this module.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Collection, Coroutine
+from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Generic, TypeVar
 
 from hostagent import clock, devices, health, journal, machine, metrics
 from hostagent import state as persisted
@@ -59,72 +61,16 @@ from hostagent.model import (
     State,
     Topology,
 )
+from hostagent.parts import Cluster, Kept, NoCluster, Progress
 from hostagent.recorder import Recorder
 from hostagent.verbs import Verbs
 
 log = logging.getLogger("hostagent")
+T = TypeVar("T")
 
 
 class StartupError(Exception):
     """The agent cannot start; the message says what is wrong and how to fix it."""
-
-
-class Cluster(Protocol):
-    """The Kubernetes steps of a cycle. Without a [kubernetes] section: `NoCluster`."""
-
-    async def reclaim(self, owners: list[str], *, regrow: bool = False) -> str | None:
-        """Cordon and drain; None when done, or why the reclaim must be aborted. A
-        `regrow`'s is aborted whenever its drain cannot finish: nobody waits for it."""
-
-    async def give_back(self, lent: Collection[str]) -> str | None:
-        """Wait Ready and the `lent` GPUs, uncordon; None when done, or why the node
-        stays cordoned."""
-
-    async def grow(self, lent: Collection[str]) -> str | None:
-        """A hot-add: wait until the node, lent all along, advertises the `lent` GPUs;
-        None when it does, or why not."""
-
-    async def lendee_down(self, *, why: str) -> None:
-        """Cordon (as ours) the node of a lendee that went down, whatever stopped it."""
-
-    async def watch_lent(self, on_view: Callable[[Any], None] | None = None) -> None:
-        """Follow the lent node until cancelled; `on_view` gets each change."""
-
-    async def watch_cordon(self) -> None:
-        """Follow the node of a lendee off or stuck until cancelled: our cordon's marker
-        is dropped once someone is seen lifting it."""
-
-    def status(self) -> dict[str, object] | None:
-        """What `hostagent status` shows of the cluster."""
-
-    async def flush_events(self) -> None:
-        """Post the Kubernetes Events still queued (at exit)."""
-
-
-class NoCluster:
-    async def reclaim(self, owners: list[str], *, regrow: bool = False) -> str | None:
-        return None
-
-    async def give_back(self, lent: Collection[str]) -> str | None:
-        return None
-
-    async def grow(self, lent: Collection[str]) -> str | None:
-        return None
-
-    async def lendee_down(self, *, why: str) -> None:
-        return None
-
-    async def watch_lent(self, on_view: Callable[[Any], None] | None = None) -> None:
-        return None
-
-    async def watch_cordon(self) -> None:
-        return None
-
-    def status(self) -> dict[str, object] | None:
-        return None
-
-    async def flush_events(self) -> None:
-        return None
 
 
 def topology(cfg: Config) -> Topology:
@@ -140,7 +86,8 @@ def topology(cfg: Config) -> Topology:
         groups.append(mine)
     return Topology(lendee=cfg.lendee.domain, lendee_gpus=frozenset(cfg.lendee.gpus),
                     owners={d: frozenset(o.gpus) for d, o in cfg.owners.items()},
-                    groups=tuple(frozenset(g) for g in groups if len(g) > 1))
+                    groups=tuple(frozenset(g) for g in groups if len(g) > 1),
+                    names={label: str(gpu) for label, gpu in cfg.gpus.items()})
 
 
 # Of the hook's 0.3 s budget for an answer: the rest is its own start and the exchange.
@@ -176,7 +123,30 @@ def _persisted(state: State) -> tuple[object, ...]:
     return (state.intents, state.phase, state.hold, state.relend_at, state.reclaiming)
 
 
+class _Shared(Generic[T]):
+    """An attribute of the agent that its parts were given too: replacing it (the
+    cluster once connected, a stand-in) replaces it in each part that has it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, agent: Agent, owner: type) -> T:
+        value: T = agent.__dict__[self.name]
+        return value
+
+    def __set__(self, agent: Agent, value: T) -> None:
+        agent.__dict__[self.name] = value
+        for part in agent.__dict__.get("parts", ()):
+            if hasattr(part, self.name):
+                setattr(part, self.name, value)
+
+
 class Agent:
+    cfg: _Shared[Config] = _Shared()
+    policy: _Shared[Policy] = _Shared()
+    libvirt: _Shared[Libvirt] = _Shared()
+    cluster: _Shared[Cluster] = _Shared()
+
     def __init__(self, cfg: Config, *, cluster: Cluster | None = None) -> None:
         self.cfg = cfg
         self.topo = topology(cfg)
@@ -188,11 +158,10 @@ class Agent:
                              partial=cfg.policy.partial, min_gpus=cfg.lendee.min_gpus,
                              regrow=regrow, regrow_max_wait=cfg.policy.regrow_max_wait,
                              hotplug=cfg.policy.hotplug)
-        self.cluster: Cluster = cluster or NoCluster()
         self.cluster_given = cluster is not None
         self.lendee = cfg.lendee.domain
-        self.state = State()
-        self.phase_since = clock.now()
+        # The state the parts read (`View`): only `apply` and `_load` write it.
+        self.kept = Kept()
         self.cordoned_by_us = False
         self.started_at = clock.now()
         self.boot_id = _boot_id()
@@ -205,15 +174,8 @@ class Agent:
         # Intents of requests waiting to be on disk before they are taken: every save
         # meanwhile includes them, so none overwrites them.
         self._unconfirmed: tuple[Intent, ...] = ()
-        # Why the last state save failed (None: saved); retried until it works.
-        self.save_failed: str | None = None
         self._save_retry: asyncio.TimerHandle | None = None
         self._fatal: asyncio.Future[BaseException] | None = None
-        # The parts a reader looks for by name: actions to effects, the control verbs,
-        # the journal and metrics of each transition.
-        self.executor = Executor(self)
-        self.verbs = Verbs(self)
-        self.recorder = Recorder(self)
         self.metrics = metrics.Metrics(self.topo)
         self._exporter: asyncio.Server | None = None
         self._endpoint: Any = None  # the SSH endpoint's server, once bound
@@ -229,6 +191,47 @@ class Agent:
         self.health.add("hook socket", health.socket_answers(cfg.hook_socket, "hook socket"))
         self.health.add("last lend verified", self.metrics.lend_verified)
         self.health.add("state file", self._state_saved)
+        # The parts, each given what it uses: actions to effects, the control verbs,
+        # the journal record of each transition; progress flows from the last two to the
+        # verbs' waiting callers.
+        self.progress = Progress()
+        cluster = cluster or NoCluster()
+        self.executor = Executor(cfg, self.topo, self.kept, self.apply, libvirt=self.libvirt,
+                                 cluster=cluster, progress=self.progress,
+                                 lifecycle=self.lifecycle, fail=self.fail, serving=self.serving)
+        self.verbs = Verbs(cfg, self.topo, self.policy, self.kept, self.apply,
+                           request=self.request, libvirt=self.libvirt, cluster=cluster,
+                           health=self.health, facts=self.executor.facts,
+                           progress=self.progress, lifecycle=self.lifecycle)
+        self.recorder = Recorder(self.topo, self.policy, self.kept, self.progress)
+        self.cluster = cluster
+        self.parts = (self.executor, self.verbs, self.recorder)
+
+    # The state, as the parts read it through `kept`.
+    @property
+    def state(self) -> State:
+        return self.kept.state
+
+    @state.setter
+    def state(self, state: State) -> None:
+        self.kept.state = state
+
+    @property
+    def phase_since(self) -> float:
+        return self.kept.phase_since
+
+    @phase_since.setter
+    def phase_since(self, at: float) -> None:
+        self.kept.phase_since = at
+
+    @property
+    def save_failed(self) -> str | None:
+        """Why the last state save failed (None: saved); retried until it works."""
+        return self.kept.save_failed
+
+    @save_failed.setter
+    def save_failed(self, why: str | None) -> None:
+        self.kept.save_failed = why
 
     # ---- the one place where state changes -----------------------------------------
     def apply(self, event: Event) -> bool:
@@ -246,6 +249,7 @@ class Agent:
                 self.recorder.intent(intent)
         if old.phase is not new.phase:
             self.recorder.phase(old, new, event)
+            self.phase_since = clock.now()
         if _persisted(old) != _persisted(new):
             # Handed to the saver: the loop never waits for the disk. A request was on
             # disk before it got here (`request`); a fact is taken whatever the disk
@@ -650,7 +654,7 @@ class Agent:
     def lifecycle(self, domain: str, kind: Lifecycle) -> None:
         now = clock.now()
         if kind is Lifecycle.STOPPED:
-            self.executor.stopped.setdefault(domain, asyncio.Event()).set()
+            self.executor.facts.stopped.setdefault(domain, asyncio.Event()).set()
         if kind is Lifecycle.AGENT_CONNECTED:
             self.executor.agent_connected.set()
             return
@@ -665,20 +669,20 @@ class Agent:
             if kind is Lifecycle.STARTED and not running:
                 if self.apply(OwnerStarted(at=now, owner=domain)):
                     journal.record("owner", f"{domain} is running: it holds "
-                                   f"{self.recorder.gpu_names(self.topo.owners[domain])}",
+                                   f"{self.topo.gpu_names(self.topo.owners[domain])}",
                                    vm=domain, from_="off", to="running", result="ok",
                                    holders=self.recorder.holders())
             elif kind is Lifecycle.STOPPED and domain in self.state.starting_owners:
                 if self.apply(OwnerStopped(at=now, owner=domain)):
                     journal.record("owner", f"{domain}'s start ended without it running: "
-                                   f"{self.recorder.gpu_names(self.topo.owners[domain])} no longer "
+                                   f"{self.topo.gpu_names(self.topo.owners[domain])} no longer "
                                    "claimed", vm=domain, from_="starting", to="off",
                                    result="failed", holders=self.recorder.holders())
             elif kind is Lifecycle.STOPPED and running:
                 if self.apply(OwnerStopped(at=now, owner=domain)):
                     then = (f"lending them back in {self.policy.relend_delay:g}s"
                             if self.state.relend_at else "they stay free")
-                    gpus = self.recorder.gpu_names(self.topo.owners[domain])
+                    gpus = self.topo.gpu_names(self.topo.owners[domain])
                     journal.record("owner", f"{domain} stopped: {gpus} free; {then}",
                                    vm=domain, from_="running", to="off", result="ok",
                                    holders=self.recorder.holders())
@@ -711,7 +715,7 @@ class Agent:
             return
         from hostagent.mqtt import Device  # aiomqtt only where it is used
         device = Device(self.cfg, status=self.verbs.status, handlers=self.verbs.handlers(),
-                        follow=self.verbs.following)
+                        follow=self.progress.following)
         self.watchers.append(device.changed)
         device.changed()
         self.executor.spawn(device.run())

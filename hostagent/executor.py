@@ -16,13 +16,13 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from hostagent import clock, hotplug, journal, lint, machine, screenshots
 from hostagent import verify as in_guest
-from hostagent.config import VerifyMethod
-from hostagent.libvirt_host import DomainNotFound, HookRefused, HostError, Lifecycle
+from hostagent.config import Config, VerifyMethod
+from hostagent.libvirt_host import DomainNotFound, HookRefused, HostError, Libvirt, Lifecycle
 from hostagent.model import (
     Action,
     AgentTimeout,
@@ -47,32 +47,36 @@ from hostagent.model import (
     StartFailed,
     StartLendee,
     StartOwner,
+    Topology,
     WaitAgent,
 )
-
-if TYPE_CHECKING:
-    from hostagent.agent import Agent
+from hostagent.parts import Apply, Cluster, Facts, Progress, View
 
 log = logging.getLogger("hostagent")
 
 
 class Executor:
-    """Runs the machine's actions for `host`, which owns the state and `apply`."""
+    """Runs the machine's actions: effects through the adapters (`libvirt`, `cluster`),
+    each reported through `apply`. `lifecycle` is the agent's reading of a libvirt event
+    (a start's that was lost), `fail` ends the agent (a bug in a step), and no step of
+    the lendee's begins before `serving` is set (its own hook must find the socket)."""
 
-    def __init__(self, host: Agent) -> None:
-        self.host = host
+    def __init__(self, cfg: Config, topo: Topology, view: View, apply: Apply, *,
+                 libvirt: Libvirt, cluster: Cluster, progress: Progress,
+                 lifecycle: Callable[[str, Lifecycle], None],
+                 fail: Callable[[BaseException], None], serving: asyncio.Event) -> None:
+        self.cfg, self.topo, self.view, self.apply = cfg, topo, view, apply
+        self.libvirt, self.cluster, self.progress = libvirt, cluster, progress
+        self.lifecycle, self.fail, self.serving = lifecycle, fail, serving
+        self.lendee = topo.lendee
+        self.facts = Facts()
         self.tasks: set[asyncio.Task[None]] = set()
         # The lendee's steps, by the ticket of the phase that started them: a step is
         # cancelled, and awaited, when its phase ends (see supervise).
         self._steps: dict[asyncio.Task[None], int] = {}
         self._relend: asyncio.TimerHandle | None = None
-        self.stopped: dict[str, asyncio.Event] = {}
-        # VMs libvirt is being asked to start now: a start that can no longer be withdrawn.
-        self.starting: set[str] = set()
         # Set when libvirt sees the lendee's qemu-ga connect: wakes the guest-ping wait.
         self.agent_connected = asyncio.Event()
-        # The last in-guest check, for `status`: at (unix time), ok, summary.
-        self.verified: dict[str, Any] | None = None
 
     def execute(self, action: Action) -> None:
         match action:
@@ -87,7 +91,7 @@ class Executor:
             case StartOwner(owner=owner):
                 self.spawn(self._start(owner, action), action)
             case StartLendee(gpus=gpus):
-                self.spawn(self._start(self.host.lendee, action, gpus), action)
+                self.spawn(self._start(self.lendee, action, gpus), action)
             case KubeReturn(ticket=t):
                 self.spawn(self._give_back(t), action)
             case AttachGpus(ticket=t, gpus=gpus):
@@ -101,23 +105,23 @@ class Executor:
             case CompleteIntent(intent_id=iid, owner=owner):
                 journal.record("intent", f"{owner} is running, as asked", vm=owner,
                                to="done", result="ok", intent=iid)
-                self.host.verbs.answer(iid, True, f"{owner} is running")
+                self.progress.answer(iid, True, f"{owner} is running")
             case FailIntent(intent_id=iid, owner=owner, reason=reason):
                 journal.record("intent", f"could not start {owner}: {reason}", vm=owner,
                                to="failed", result="failed", intent=iid,
                                priority=journal.Priority.ERR)
-                self.host.verbs.answer(iid, False, reason)
+                self.progress.answer(iid, False, reason)
             case _:
                 raise AssertionError(f"unhandled action {action}")
 
     def _relend_due(self) -> None:
-        if not self.host.serving.is_set():
+        if not self.serving.is_set():
             # Starting up: the lendee's own hook must find the socket, or it is spooled
             # and its start goes through unanswered. Fired once the agent serves it.
             self._relend = asyncio.get_running_loop().call_later(0.05, self._relend_due)
             return
         self._relend = None
-        self.host.apply(RelendDue(at=clock.now()))
+        self.apply(RelendDue(at=clock.now()))
 
     def _cancel_relend(self) -> None:
         if self._relend is not None:
@@ -149,7 +153,7 @@ class Executor:
 
     def _wanted(self, action: Action) -> bool:
         """An action can go stale between being issued and running (see the machine)."""
-        if machine.still_wanted(self.host.state, action, topo=self.host.topo):
+        if machine.still_wanted(self.view.state, action, topo=self.topo):
             return True
         log.debug("skipped, no longer wanted: %s", action)
         return False
@@ -168,18 +172,18 @@ class Executor:
             raise
         except BaseException as e:
             log.exception("an action failed unexpectedly; stopping so that systemd restarts us")
-            self.host.fail(e)
+            self.fail(e)
 
     def _current(self, ticket: int) -> bool:
-        return self.host.state.ticket == ticket
+        return self.view.state.ticket == ticket
 
     async def _drain(self, ticket: int, regrow: bool) -> None:
-        problem = await self.host.cluster.reclaim(list(self.host.state.waiting_owners),
+        problem = await self.cluster.reclaim(list(self.view.state.waiting_owners),
                                                   regrow=regrow)
         if problem is None:
-            self.host.apply(Drained(at=clock.now(), ticket=ticket))
+            self.apply(Drained(at=clock.now(), ticket=ticket))
         else:
-            self.host.apply(DrainFailed(at=clock.now(), ticket=ticket, reason=problem))
+            self.apply(DrainFailed(at=clock.now(), ticket=ticket, reason=problem))
 
     async def _wait_agent(self, ticket: int) -> None:
         """guest-ping until it answers, bounded: the agent needs 30-60 s in a fresh VM.
@@ -187,64 +191,64 @@ class Executor:
         libvirt tells us when qemu-ga connects its port, so the wait is mostly asleep;
         the pings with backoff are what decides (a connected agent may still not answer).
         """
-        deadline = time.monotonic() + self.host.cfg.timeouts.guest_agent
+        deadline = time.monotonic() + self.cfg.timeouts.guest_agent
         delay = 1.0
         while self._current(ticket):
             self.agent_connected.clear()
             try:
-                if await self.host.libvirt.ping_agent(self.host.lendee, timeout=3):
-                    self.host.apply(AgentUp(at=clock.now(), ticket=ticket))
+                if await self.libvirt.ping_agent(self.lendee, timeout=3):
+                    self.apply(AgentUp(at=clock.now(), ticket=ticket))
                     return
             except DomainNotFound:
                 pass
             try:
-                running = await self.host.libvirt.is_running(self.host.lendee)
+                running = await self.libvirt.is_running(self.lendee)
             except HostError:
                 running = True  # libvirt cannot tell now: keep waiting
             if not running:
                 # Level-triggered: it stopped and the event was lost (a restart of the
                 # agent while libvirtd was stopping it). Reality says off.
                 if self._current(ticket):
-                    self.host.apply(LendeeStopped(at=clock.now()))
+                    self.apply(LendeeStopped(at=clock.now()))
                 return
             left = deadline - time.monotonic()
             if left <= 0:
-                if self.host.state.phase is Phase.BOOTING:
+                if self.view.state.phase is Phase.BOOTING:
                     await self._screenshot_dead_boot()
-                self.host.apply(AgentTimeout(at=clock.now(), ticket=ticket))
+                self.apply(AgentTimeout(at=clock.now(), ticket=ticket))
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.agent_connected.wait(), min(delay, left))
             delay = min(delay * 1.5, 5.0)
 
     async def _shutdown(self, ticket: int) -> None:
-        stopped = self.stopped.setdefault(self.host.lendee, asyncio.Event())
+        stopped = self.facts.stopped.setdefault(self.lendee, asyncio.Event())
         stopped.clear()
         for attempt in range(3):
             try:
-                await self.host.libvirt.shutdown_via_agent(self.host.lendee)
+                await self.libvirt.shutdown_via_agent(self.lendee)
                 break
             except HostError as e:
-                if not await self.host.libvirt.is_running(self.host.lendee):
+                if not await self.libvirt.is_running(self.lendee):
                     break
-                log.warning("guest-agent shutdown of %s failed (%s); retrying", self.host.lendee, e)
+                log.warning("guest-agent shutdown of %s failed (%s); retrying", self.lendee, e)
                 await asyncio.sleep(1 + attempt + random.random())
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stopped.wait(), self.host.cfg.timeouts.shutdown)
-        if await self.host.libvirt.is_running(self.host.lendee):
-            self.host.apply(ShutdownTimeout(at=clock.now(), ticket=ticket))
-        elif self.host.state.phase is not Phase.OFF:
-            self.host.apply(LendeeStopped(at=clock.now()))  # the event was lost; reality says off
+            await asyncio.wait_for(stopped.wait(), self.cfg.timeouts.shutdown)
+        if await self.libvirt.is_running(self.lendee):
+            self.apply(ShutdownTimeout(at=clock.now(), ticket=ticket))
+        elif self.view.state.phase is not Phase.OFF:
+            self.apply(LendeeStopped(at=clock.now()))  # the event was lost; reality says off
 
     async def _force_off(self, ticket: int) -> None:
-        grace = self.host.cfg.policy.force_off_after or 0.0
-        journal.record("force-off", f"{self.host.lendee} did not shut down: forcing it off in "
-                       f"{grace:g}s as policy.force_off_after allows", vm=self.host.lendee,
+        grace = self.cfg.policy.force_off_after or 0.0
+        journal.record("force-off", f"{self.lendee} did not shut down: forcing it off in "
+                       f"{grace:g}s as policy.force_off_after allows", vm=self.lendee,
                        result="forced", priority=journal.Priority.WARNING)
         await asyncio.sleep(grace)
         if self._current(ticket):
             with contextlib.suppress(HostError):
-                await self.host.libvirt.destroy(self.host.lendee)
+                await self.libvirt.destroy(self.lendee)
 
     async def _start(self, vm: str, action: Action,
                      gpus: frozenset[str] | None = None) -> None:
@@ -258,77 +262,77 @@ class Executor:
         Whether the start is still wanted is asked again just before libvirt is (the
         request may have been withdrawn meanwhile); from then until its outcome is
         applied, `vm` is in `starting`: a start that can no longer be withdrawn."""
-        if self.host.cfg.policy.lint_before_start:
+        if self.cfg.policy.lint_before_start:
             refusal = await self._lint_before_start(vm)
             if refusal is not None:
-                self.host.apply(StartFailed(at=clock.now(), vm=vm, reason=refusal))
+                self.apply(StartFailed(at=clock.now(), vm=vm, reason=refusal))
                 return
-        deadline = time.monotonic() + self.host.cfg.timeouts.start
+        deadline = time.monotonic() + self.cfg.timeouts.start
         for attempt in range(3):
             if not self._wanted(action):
                 return
-            self.starting.add(vm)
+            self.facts.starting.add(vm)
             try:
                 if await self._start_once(vm, gpus, attempt, deadline):
                     return
             finally:
-                self.starting.discard(vm)
+                self.facts.starting.discard(vm)
 
     async def _start_once(self, vm: str, gpus: frozenset[str] | None, attempt: int,
                           deadline: float) -> bool:
         """One attempt of `_start`; False: try again (after a pause, taken here)."""
         try:
-            libvirt = self.host.libvirt
+            libvirt = self.libvirt
             start = (libvirt.start(vm) if gpus is None else libvirt.start_with(
-                vm, drop=self.host.topo.lendee_gpus - gpus, gpus=self.lendee_gpu_config()))
+                vm, drop=self.topo.lendee_gpus - gpus, gpus=self.lendee_gpu_config()))
             await asyncio.wait_for(start, deadline - time.monotonic())
         except HookRefused as e:
-            self.host.apply(StartFailed(at=clock.now(), vm=vm, reason=e.sentence or str(e)))
+            self.apply(StartFailed(at=clock.now(), vm=vm, reason=e.sentence or str(e)))
             return True
         except DomainNotFound as e:
-            self.host.apply(StartFailed(at=clock.now(), vm=vm, reason=str(e)))
+            self.apply(StartFailed(at=clock.now(), vm=vm, reason=str(e)))
             return True
         except (HostError, TimeoutError) as e:
-            reason = str(e) or f"no answer within {self.host.cfg.timeouts.start:g}s"
+            reason = str(e) or f"no answer within {self.cfg.timeouts.start:g}s"
             pause = (1 + attempt) * (0.5 + random.random())
             if attempt == 2 or time.monotonic() + pause >= deadline:
-                self.host.apply(StartFailed(at=clock.now(), vm=vm, reason=reason))
+                self.apply(StartFailed(at=clock.now(), vm=vm, reason=reason))
                 return True
             log.warning("starting %s failed (%s); retrying in %.1fs", vm, reason, pause)
-            self.starting.discard(vm)  # withdrawable again until the next attempt
+            self.facts.starting.discard(vm)  # withdrawable again until the next attempt
             await asyncio.sleep(pause)
             return False
         # The lifecycle event normally got here first; if it was lost, reality decides:
         # a domain that is already gone again (its QEMU exited at once) did not start.
         try:
-            running = await self.host.libvirt.is_running(vm)
+            running = await self.libvirt.is_running(vm)
         except HostError:
             return True  # libvirt cannot tell now: its events, or a reconnect's reread, will
         if running:
-            self.host.lifecycle(vm, Lifecycle.STARTED)
+            self.lifecycle(vm, Lifecycle.STARTED)
         else:
-            self.host.apply(StartFailed(at=clock.now(), vm=vm, reason=(
+            self.apply(StartFailed(at=clock.now(), vm=vm, reason=(
                 "it stopped right after libvirt started it (its QEMU log, "
                 f"/var/log/libvirt/qemu/{vm}.log, says why)")))
         return True
 
     def lendee_gpu_config(self) -> dict[str, Any]:
         """The configured GPUs the lendee may borrow, by label (their PCI functions)."""
-        return {label: self.host.cfg.gpus[label] for label in self.host.topo.lendee_gpus
-                if label in self.host.cfg.gpus}
+        return {label: self.cfg.gpus[label] for label in self.topo.lendee_gpus
+                if label in self.cfg.gpus}
 
     async def _give_back(self, ticket: int) -> None:
         # What the driver in the guest sees comes first: the cluster's return uncordons.
-        lent = self.host.state.lent
+        lent = self.view.state.lent
         problem = await self._verify_gpus(ticket, lent)
         if not self._current(ticket):
             return
         if problem is None:
-            problem = await self.host.cluster.give_back(lent)
+            problem = await self.cluster.give_back(lent)
         if problem is None:
-            self.host.apply(ReturnDone(at=clock.now(), ticket=ticket))
+            self.apply(ReturnDone(at=clock.now(), ticket=ticket))
         else:
-            self.host.apply(ReturnFailed(at=clock.now(), ticket=ticket, reason=problem))
+            self.apply(ReturnFailed(at=clock.now(), ticket=ticket, reason=problem))
 
     async def _lint_before_start(self, vm: str) -> str | None:
         """Why `vm` must not be started (errors in its XML on this host), or None.
@@ -337,10 +341,10 @@ class Executor:
         whether the configuration agrees with it is `hostagent lint`'s job.
         """
         try:
-            dom = lint.parse_domain(await self.host.libvirt.xml(vm))
+            dom = lint.parse_domain(await self.libvirt.xml(vm))
         except (HostError, ValueError):
             return None  # the start itself will say what is wrong
-        findings = await asyncio.to_thread(lint.check_domain, dom, lendee=vm == self.host.lendee)
+        findings = await asyncio.to_thread(lint.check_domain, dom, lendee=vm == self.lendee)
         for f in findings:
             error = f.severity is lint.Severity.ERROR
             journal.record("lint", f"{vm}: {f.what}: {f.why} Fix: {f.fix}", vm=vm,
@@ -358,21 +362,21 @@ class Executor:
         Retried until verify.timeout: the guest agent answers before the NVIDIA driver
         has always loaded. The outcome is one journal record, an error naming the
         missing GPUs and the usual causes when it fails."""
-        method = self.host.cfg.verify.method
+        method = self.cfg.verify.method
         if method is VerifyMethod.NONE:
             return None
         expected = [in_guest.Expected(label=label, uuid=gpu.uuid if gpu else None,
                                       name=gpu.name if gpu else None)
                     for label in sorted(lent)
-                    for gpu in [self.host.cfg.gpus.get(label)]]
-        deadline = time.monotonic() + self.host.cfg.verify.timeout
+                    for gpu in [self.cfg.gpus.get(label)]]
+        deadline = time.monotonic() + self.cfg.verify.timeout
         while True:
             bound = max(1.0, min(30.0, deadline - time.monotonic()))
             try:
                 outcome = await self._ask_guest(expected, bound)
             except (HostError, in_guest.VerifyError) as e:
                 outcome = in_guest.Outcome(seen=(), missing=tuple(expected), problem=(
-                    f"could not run {self.host.cfg.verify.command} through {method}: {e}"))
+                    f"could not run {self.cfg.verify.command} through {method}: {e}"))
             if outcome.ok or not self._current(ticket) or time.monotonic() + 3 >= deadline:
                 break
             await asyncio.sleep(3)
@@ -380,21 +384,21 @@ class Executor:
             return None
         # Exactly the lent set: a GPU this boot left out but the guest sees means its
         # live definition was not what the agent asked for.
-        withheld = {gpu.uuid: label for label in self.host.topo.lendee_gpus - lent
-                    for gpu in [self.host.cfg.gpus.get(label)] if gpu is not None and gpu.uuid}
+        withheld = {gpu.uuid: label for label in self.topo.lendee_gpus - lent
+                    for gpu in [self.cfg.gpus.get(label)] if gpu is not None and gpu.uuid}
         leaked = sorted(withheld[g.uuid] for g in outcome.seen if g.uuid in withheld)
         ok = outcome.ok and not leaked
-        summary = outcome.summary(self.host.lendee)
+        summary = outcome.summary(self.lendee)
         if outcome.ok and leaked:
-            names = self.host.recorder.gpu_names(tuple(leaked))
-            summary = (f"the driver in {self.host.lendee} also sees {names}, "
+            names = self.topo.gpu_names(tuple(leaked))
+            summary = (f"the driver in {self.lendee} also sees {names}, "
                        "which this boot did not lend it (its live definition was not applied)")
-        self.verified = {"at": clock.now(), "ok": ok, "summary": summary}
+        self.facts.verified = {"at": clock.now(), "ok": ok, "summary": summary}
         if ok:
-            journal.record("verify", summary, vm=self.host.lendee, result="ok", method=method.value,
+            journal.record("verify", summary, vm=self.lendee, result="ok", method=method.value,
                            gpus=",".join(g.uuid for g in outcome.seen))
             return None
-        journal.record("verify", f"{summary}; {in_guest.CAUSES}", vm=self.host.lendee,
+        journal.record("verify", f"{summary}; {in_guest.CAUSES}", vm=self.lendee,
                        result="mismatch", method=method.value, priority=journal.Priority.ERR,
                        missing=",".join(g.label for g in outcome.missing) or ",".join(leaked))
         return summary
@@ -403,30 +407,30 @@ class Executor:
                          timeout: float) -> in_guest.Outcome:
         """The GPU query in the lendee, with the configured command or where NixOS and
         the GPU operator put nvidia-smi (`verify.PLACES`)."""
-        ssh = self.host.cfg.verify.ssh
+        ssh = self.cfg.verify.ssh
 
         async def run(command: str) -> tuple[int, str, str]:
-            if self.host.cfg.verify.method is VerifyMethod.SSH and ssh is not None:
+            if self.cfg.verify.method is VerifyMethod.SSH and ssh is not None:
                 return await in_guest.run_ssh(
                     host=ssh.host, port=ssh.port, user=ssh.user, key=str(ssh.key),
                     known_hosts=str(ssh.known_hosts), argv=[command, *in_guest.QUERY],
                     timeout=timeout)
-            done = await self.host.libvirt.guest_exec(self.host.lendee, command,
+            done = await self.libvirt.guest_exec(self.lendee, command,
                                                       list(in_guest.QUERY),
                                                  timeout=timeout)
             return done.exitcode, done.stdout, done.stderr
 
-        return await in_guest.query(expected, run, self.host.cfg.verify.command)
+        return await in_guest.query(expected, run, self.cfg.verify.command)
 
     async def _screenshot_dead_boot(self) -> None:
         """The lendee's guest agent never answered after its start: keep its screen,
         the one witness left (a UEFI shell, an installer, firmware stuck on a ROM)."""
-        lendee = self.host.lendee
-        waited = f"{self.host.cfg.timeouts.guest_agent:g}s"
+        lendee = self.lendee
+        waited = f"{self.cfg.timeouts.guest_agent:g}s"
         try:
-            mime, data = await self.host.libvirt.screenshot(lendee)
+            mime, data = await self.libvirt.screenshot(lendee)
             path = await asyncio.to_thread(screenshots.save,
-                                           self.host.cfg.state_dir / "screenshots",
+                                           self.cfg.state_dir / "screenshots",
                                            lendee, mime, data)
         except (HostError, OSError) as e:
             journal.record("boot", f"{lendee}'s guest agent did not answer within {waited} "

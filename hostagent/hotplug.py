@@ -23,15 +23,29 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hostagent import clock, journal
-from hostagent.libvirt_host import HostError
+from hostagent.libvirt_host import HostError, Libvirt
 from hostagent.model import AttachFailed, GpusAttached
+from hostagent.parts import Apply, Cluster, View
 
 if TYPE_CHECKING:
-    from hostagent.executor import Executor
     from hostagent.kube import Kube
+
+
+class Step(Protocol):
+    """What of the executor a hot-add uses (`hostagent.executor.Executor`)."""
+
+    lendee: str
+    view: View
+    apply: Apply
+    libvirt: Libvirt
+    cluster: Cluster
+
+    def lendee_gpu_config(self) -> dict[str, Any]: ...
+
+    async def _verify_gpus(self, ticket: int, lent: frozenset[str]) -> str | None: ...
 
 # How long libvirt may take to attach, and the live XML to list, every function.
 ATTACH_BOUND = 60.0
@@ -45,27 +59,26 @@ PLUGIN_SELECTORS = (
 )
 
 
-async def hot_add(ex: Executor, ticket: int, gpus: frozenset[str]) -> None:
+async def hot_add(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
     """The step of `AttachGpus`: see the module docstring."""
-    host = ex.host
-    lendee = host.lendee
+    lendee = ex.lendee
     names = ", ".join(sorted(gpus))
     journal.record("hotplug", f"attaching {names} to {lendee} while it runs", vm=lendee,
                    result="started", gpus=",".join(sorted(gpus)))
     problem = await _attach(ex, gpus)
-    if problem is None and host.state.ticket == ticket:
-        problem = await ex._verify_gpus(ticket, host.state.lent)
-    if problem is None and host.state.ticket == ticket:
-        problem = await host.cluster.grow(host.state.lent)
-    if host.state.ticket != ticket:
+    if problem is None and ex.view.state.ticket == ticket:
+        problem = await ex._verify_gpus(ticket, ex.view.state.lent)
+    if problem is None and ex.view.state.ticket == ticket:
+        problem = await ex.cluster.grow(ex.view.state.lent)
+    if ex.view.state.ticket != ticket:
         return  # the machine moved on (a reclaim): nobody waits for this report
     if problem is None:
         journal.record("hotplug", f"{names} attached to {lendee} and lent, with no restart",
                        vm=lendee, result="ok", gpus=",".join(sorted(gpus)))
-        host.apply(GpusAttached(at=clock.now(), ticket=ticket, gpus=gpus))
+        ex.apply(GpusAttached(at=clock.now(), ticket=ticket, gpus=gpus))
         return
     try:
-        held = await host.libvirt.live_gpus(lendee, ex.lendee_gpu_config()) & gpus
+        held = await ex.libvirt.live_gpus(lendee, ex.lendee_gpu_config()) & gpus
     except HostError:
         held = gpus  # in doubt, the lendee holds them: only its stop frees them for sure
     kept = (f"; {lendee} keeps {', '.join(sorted(held))} until it restarts" if held else
@@ -73,12 +86,12 @@ async def hot_add(ex: Executor, ticket: int, gpus: frozenset[str]) -> None:
     journal.record("hotplug", f"could not add {names} to {lendee} live: {problem}{kept}",
                    vm=lendee, result="failed", gpus=",".join(sorted(gpus)),
                    priority=journal.Priority.ERR)
-    host.apply(AttachFailed(at=clock.now(), ticket=ticket, gpus=gpus, held=held, reason=problem))
+    ex.apply(AttachFailed(at=clock.now(), ticket=ticket, gpus=gpus, held=held, reason=problem))
 
 
-async def _attach(ex: Executor, gpus: frozenset[str]) -> str | None:
+async def _attach(ex: Step, gpus: frozenset[str]) -> str | None:
     """Part 1: attach, then wait for the live XML to list every GPU. None, or why not."""
-    libvirt, lendee = ex.host.libvirt, ex.host.lendee
+    libvirt, lendee = ex.libvirt, ex.lendee
     config = ex.lendee_gpu_config()
     deadline = time.monotonic() + ATTACH_BOUND
     try:

@@ -106,12 +106,16 @@ class Topology:
     so a group moves as one (DESIGN.md, invariant 11): an owner *claims* every GPU of
     the groups of its own (`claims`), which the lendee then neither starts with nor
     keeps. A GPU in no group moves alone.
+
+    ``names``: how records and replies name a GPU (its label, model and address), by
+    label; a GPU without one is named by its label (`gpu_names`).
     """
 
     lendee: str
     lendee_gpus: frozenset[str]
     owners: Mapping[str, frozenset[str]] = field(hash=False)
     groups: tuple[frozenset[str], ...] = ()
+    names: Mapping[str, str] = field(default_factory=dict, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.lendee_gpus:
@@ -128,6 +132,11 @@ class Topology:
             seen |= group
         # Frozen means frozen: nobody edits the topology behind the machine's back.
         object.__setattr__(self, "owners", MappingProxyType(dict(self.owners)))
+        object.__setattr__(self, "names", MappingProxyType(dict(self.names)))
+
+    def gpu_names(self, labels: Iterable[str]) -> str:
+        """`labels` as records and replies name them, sorted: "gpu-a (RTX 4090, ...)"."""
+        return ", ".join(self.names.get(g, g) for g in sorted(labels))
 
     def is_owner(self, domain: str) -> bool:
         return domain in self.owners

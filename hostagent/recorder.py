@@ -7,8 +7,6 @@ Each phase change of the lendee and each new intent becomes one record
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from hostagent import clock, journal, machine
 from hostagent.model import (
     DrainFailed,
@@ -17,40 +15,36 @@ from hostagent.model import (
     Intent,
     IntentSource,
     Phase,
+    Policy,
     Regrow,
     RelendDue,
     State,
+    Topology,
 )
-
-if TYPE_CHECKING:
-    from hostagent.agent import Agent
+from hostagent.parts import Progress, View
 
 
 class Recorder:
-    """Journal records of `host`'s transitions."""
+    """Journal records of the transitions of `view`'s state, told to `progress` too."""
 
-    def __init__(self, host: Agent) -> None:
-        self.host = host
-
-    def gpu_names(self, labels: frozenset[str] | tuple[str, ...]) -> str:
-        return ", ".join(str(self.host.cfg.gpus[g]) if g in self.host.cfg.gpus else g
-                         for g in sorted(labels))
+    def __init__(self, topo: Topology, policy: Policy, view: View, progress: Progress) -> None:
+        self.topo, self.policy, self.view, self.progress = topo, policy, view, progress
+        self.lendee = topo.lendee
 
     def phase(self, old: State, new: State, event: Event) -> None:
-        now = clock.now()
-        took = (now - self.host.phase_since) * 1000
-        self.host.phase_since = now
-        lendee, gpus = self.host.lendee, self.gpu_names(new.lent)
-        wanting = [o for o in new.waiting_owners if self.host.topo.claims(o) & old.lent]
-        wanted = self.host.topo.whole(self.host.topo.gpus_of(wanting)) & old.lent
+        """The lendee's phase changed (the view's `phase_since` is still the old one's)."""
+        took = (clock.now() - self.view.phase_since) * 1000
+        lendee, gpus = self.lendee, self.topo.gpu_names(new.lent)
+        wanting = [o for o in new.waiting_owners if self.topo.claims(o) & old.lent]
+        wanted = self.topo.whole(self.topo.gpus_of(wanting)) & old.lent
         who = ", ".join(wanting) or ("hostagent reclaim" if new.reclaiming else "an owner VM")
-        draining = f"{who} wants {self.gpu_names(wanted or old.lent)}: draining {lendee}"
+        draining = f"{who} wants {self.topo.gpu_names(wanted or old.lent)}: draining {lendee}"
         if isinstance(event, RelendDue | GpuPods):
-            freed = machine.free_gpus(new, self.host.topo, self.host.policy) - old.lent
-            more = self.gpu_names(freed)
-            limit = self.host.policy.regrow_max_wait
+            freed = machine.free_gpus(new, self.topo, self.policy) - old.lent
+            more = self.topo.gpu_names(freed)
+            limit = self.policy.regrow_max_wait
             pods = "an unknown number of" if old.gpu_pods is None else old.gpu_pods
-            if self.host.policy.regrow is Regrow.ALWAYS:
+            if self.policy.regrow is Regrow.ALWAYS:
                 why = "policy.regrow = always"
             elif isinstance(event, RelendDue) and old.regrow_waiting and old.gpu_pods != 0:
                 why = (f"{pods} pod(s) on its node still request a GPU after "
@@ -59,14 +53,14 @@ class Recorder:
                 why = "no pod on its node requests a GPU (policy.regrow = when-idle)"
             verb, them = ("is", "it") if len(freed) == 1 else ("are", "them")
             draining = f"{more} {verb} free again and {why}: restarting {lendee} to add {them}"
-        held = self.host.topo.lendee_gpus - new.lent
-        others = f" ({self.gpu_names(held)} not lent)" if held and new.lent else ""
+        held = self.topo.lendee_gpus - new.lent
+        others = f" ({self.topo.gpu_names(held)} not lent)" if held and new.lent else ""
         returning = f"{lendee}'s guest agent answered: returning it to the cluster"
         if old.regrowing and new.phase in (Phase.BOOTING, Phase.JOINING):
             why, then = "it would gain no GPU now", ""
             if isinstance(event, DrainFailed):
                 why = f"its node could not be drained ({event.reason})"
-                then = (f"; tried again in {self.host.policy.relend_delay:g}s "
+                then = (f"; tried again in {self.policy.relend_delay:g}s "
                         "(policy.relend_delay)")
             returning = (f"the restart of {lendee} for more GPUs is given up: {why}; it goes "
                          f"back to the cluster with {gpus} as it is{then}")
@@ -87,48 +81,49 @@ class Recorder:
                        result="failed" if failed else "ok", cause=type(event).__name__,
                        holders=self.holders(),
                        priority=journal.Priority.ERR if failed else journal.Priority.INFO)
-        self.host.verbs.progress("phase", messages[new.phase], {"vm": lendee,
-                                                                "from": old.phase.value,
-                                                     "to": new.phase.value})
+        self.progress.publish("phase", messages[new.phase], {"vm": lendee,
+                                                             "from": old.phase.value,
+                                                             "to": new.phase.value})
 
     def holders(self) -> str:
         """HOSTAGENT_HOLDERS: who holds each GPU after this transition, for `history`."""
         return ",".join(f"{gpu}={vm or '-'}" for gpu, vm in
-                        machine.holders(self.host.state, self.host.topo).items())
+                        machine.holders(self.view.state, self.topo).items())
 
     def regrow_waits(self, new: State) -> None:
         """A regrow is due but waits: pods on the node use a GPU (policy.regrow)."""
-        freed = machine.free_gpus(new, self.host.topo, self.host.policy) - new.lent
-        limit = self.host.policy.regrow_max_wait
+        freed = machine.free_gpus(new, self.topo, self.policy) - new.lent
+        limit = self.policy.regrow_max_wait
         bound = "" if limit is None else (
             f", or in {limit:g}s with them (policy.regrow_max_wait)")
         pods = "an unknown number of" if new.gpu_pods is None else new.gpu_pods
-        journal.record("regrow", f"{self.host.lendee} could take {self.gpu_names(freed)} too, "
+        journal.record("regrow", f"{self.lendee} could take {self.topo.gpu_names(freed)} too, "
                        f"but {pods} pod(s) on its node request a GPU: it restarts "
                        f"once none does (policy.regrow = when-idle){bound}",
-                       vm=self.host.lendee, result="waiting")
+                       vm=self.lendee, result="waiting")
 
     def intent(self, intent: Intent) -> None:
-        shared = self.host.topo.claims(intent.owner) & self.host.state.lent
+        shared = self.topo.claims(intent.owner) & self.view.state.lent
         how = {IntentSource.HOOK: "through libvirt", IntentSource.CONTROL: "by hostagent play",
                IntentSource.RESUME: "before the agent restarted"}[intent.source]
         if not shared:
             journal.record("intent", f"{intent.owner} asked to start {how}: its GPUs are "
                            f"free, starting it", vm=intent.owner, to="pending", result="ok",
                            intent=intent.id)
-            self.host.verbs.progress("intent",
-                                     f"{intent.owner} asked to start ({intent.source.value})",
-                           {"vm": intent.owner, "intent": intent.id, "to": "pending"})
+            self.progress.publish("intent",
+                                  f"{intent.owner} asked to start ({intent.source.value})",
+                                  {"vm": intent.owner, "intent": intent.id, "to": "pending"})
             return
+        names = self.topo.gpu_names(shared)
         journal.record("intent", f"{intent.owner} asked to start {how}: "
-                       f"{self.gpu_names(shared)} {'are' if len(shared) > 1 else 'is'} lent to "
-                       f"{self.host.lendee}; {intent.owner} will start by itself once "
+                       f"{names} {'are' if len(shared) > 1 else 'is'} lent to "
+                       f"{self.lendee}; {intent.owner} will start by itself once "
                        f"{'they are' if len(shared) > 1 else 'it is'} free",
                        vm=intent.owner, to="pending", result="deferred", intent=intent.id)
-        self.host.verbs.progress("intent", f"{intent.owner} asked to start ({intent.source.value})",
-                       {"vm": intent.owner, "intent": intent.id, "to": "pending"})
+        self.progress.publish("intent", f"{intent.owner} asked to start ({intent.source.value})",
+                              {"vm": intent.owner, "intent": intent.id, "to": "pending"})
 
     def status_line(self) -> str:
-        pending = ", ".join(self.host.state.waiting_owners)
-        return f"{self.host.lendee} {self.host.state.phase.value}" + (f"; waiting: {pending}"
+        pending = ", ".join(self.view.state.waiting_owners)
+        return f"{self.lendee} {self.view.state.phase.value}" + (f"; waiting: {pending}"
                                                             if pending else "")

@@ -1,8 +1,8 @@
 """The control verbs (status, play, release, hold, resume/lend, reclaim), shared by
-the control socket and the SSH endpoint.
+the control socket, the SSH endpoint and the MQTT device.
 
 Those that wait (play, release, reclaim) follow the transitions the agent journals
-(`progress`) and stream them, with the time elapsed and what they wait for. A client
+(`hostagent.parts.Progress`) and stream them, with the time elapsed and what they wait for. A client
 that goes away stops its own waiting, never what it started: an intent lives in the
 machine. Verbs change the state only through the agent's `apply`.
 """
@@ -15,24 +15,26 @@ import logging
 import time
 import uuid
 import xml.etree.ElementTree as ElementTree
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from hostagent import clock, machine
+from hostagent.config import Config
 from hostagent.control import Reply, VerbHandler, current_caller
-from hostagent.libvirt_host import HostError, Lifecycle
+from hostagent.health import Health
+from hostagent.libvirt_host import HostError, Libvirt, Lifecycle
 from hostagent.model import (
     CancelIntent,
     Hold,
     IntentSource,
     OwnerWants,
     Phase,
+    Policy,
     Reclaim,
     Resume,
+    Topology,
 )
-
-if TYPE_CHECKING:
-    from hostagent.agent import Agent
+from hostagent.parts import Apply, Cluster, Facts, Progress, View
 
 log = logging.getLogger("hostagent")
 
@@ -44,12 +46,22 @@ def _stopwatch() -> Callable[[], float]:
 
 
 class Verbs:
-    """The verbs of `host`'s control socket and SSH endpoint."""
+    """The verbs of the control socket, the SSH endpoint and the MQTT device.
 
-    def __init__(self, host: Agent) -> None:
-        self.host = host
-        # Control clients following progress (play, release, reclaim): see progress.
-        self._followers: set[asyncio.Queue[Reply]] = set()
+    They read `view` and the executor's `facts`, follow `progress`, and change the state
+    through `apply` and `request` (the agent's: an owner's start request, taken once it
+    is on disk). `lifecycle` is the agent's reading of a libvirt event (a stop's that
+    was lost)."""
+
+    def __init__(self, cfg: Config, topo: Topology, policy: Policy, view: View, apply: Apply,
+                 *, request: Callable[[OwnerWants], Awaitable[bool]],
+                 libvirt: Libvirt, cluster: Cluster, health: Health, facts: Facts,
+                 progress: Progress, lifecycle: Callable[[str, Lifecycle], None]) -> None:
+        self.cfg, self.topo, self.policy, self.view = cfg, topo, policy, view
+        self.apply, self.request, self.lifecycle = apply, request, lifecycle
+        self.libvirt, self.cluster, self.health = libvirt, cluster, health
+        self.facts, self.progress = facts, progress
+        self.lendee = topo.lendee
 
     def handlers(self) -> dict[str, VerbHandler]:
         return {"status": self._status, "play": self._play,
@@ -57,87 +69,72 @@ class Verbs:
                 "resume": self._resume, "lend": self._resume,
                 "reclaim": self._reclaim}
 
-    def progress(self, event: str, message: str, fields: dict[str, Any]) -> None:
-        """Hand one transition to every client following progress. No I/O: a queue each."""
-        update = {"event": event, "message": message, **fields}
-        for queue in self._followers:
-            queue.put_nowait(update)
-
-    @contextlib.contextmanager
-    def following(self) -> Iterator[asyncio.Queue[Reply]]:
-        queue: asyncio.Queue[Reply] = asyncio.Queue()
-        self._followers.add(queue)
-        try:
-            yield queue
-        finally:
-            self._followers.discard(queue)
-
     def status(self) -> dict[str, Any]:
-        now, state, topo = clock.now(), self.host.state, self.host.topo
+        now, state, topo = clock.now(), self.view.state, self.topo
         holders = machine.holders(state, topo)
         gpus = []
         for label in sorted(topo.gpus):
-            gpu = self.host.cfg.gpus.get(label)
+            gpu = self.cfg.gpus.get(label)
             gpus.append({"gpu": label, "name": gpu.name if gpu else None,
                          "pci": gpu.pci if gpu else label,
                          # Every function that moves with it, and the GPUs that share
                          # an IOMMU group with it (they move together).
                          "functions": list(gpu.functions) if gpu else [],
                          "moves_with": sorted(topo.whole({label}) - {label}),
-                         "owners": list(self.host.cfg.owners_of(label)),
+                         "owners": list(self.cfg.owners_of(label)),
                          "holder": holders.get(label)})
         return {
-            "lendee": {"domain": self.host.lendee, "phase": state.phase.value,
-                       "reason": state.reason, "since": self.host.phase_since,
+            "lendee": {"domain": self.lendee, "phase": state.phase.value,
+                       "reason": state.reason, "since": self.view.phase_since,
                        "hold": state.hold, "lent": sorted(state.lent),
-                       "free": sorted(machine.free_gpus(state, topo, self.host.policy)),
+                       "free": sorted(machine.free_gpus(state, topo, self.policy)),
                        "regrow_waiting": state.regrow_waiting},
             "gpus": gpus,
-            "verified": self.host.executor.verified,
+            "verified": self.facts.verified,
             "owners": {o: o in state.running_owners for o in sorted(topo.owners)},
             "intents": [{"id": i.id, "owner": i.owner, "source": i.source.value,
                          "age_s": round(now - i.created_at, 1)} for i in state.intents],
             "relend_in_s": round(state.relend_at - now, 1) if state.relend_at else None,
-            "libvirt_connected": self.host.libvirt.connected,
-            "cluster": self.host.cluster.status(),
-            "health": [r.as_dict() for r in self.host.health.last],
+            "libvirt_connected": self.libvirt.connected,
+            "cluster": self.cluster.status(),
+            "health": [r.as_dict() for r in self.health.last],
         }
 
     async def _status(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
-        await self.host.health.check()
+        await self.health.check()
         yield {"ok": True, "data": self.status()}
 
     async def _hold(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
-        self.host.apply(Hold(at=clock.now()))
-        message = f"lending is on hold: {self.host.lendee} is not lent again until `hostagent lend`"
-        if self.host.state.phase is not Phase.OFF:
+        self.apply(Hold(at=clock.now()))
+        message = f"lending is on hold: {self.lendee} is not lent again until `hostagent lend`"
+        if self.view.state.phase is not Phase.OFF:
             message += ("; it keeps running for now (`hostagent reclaim` takes its GPUs "
                         "back)")
         yield {"ok": True, "data": {**self.status(), "message": message}}
 
     async def _resume(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
         """`resume` and `lend`: lend again now, and retry a step that failed."""
-        self.host.apply(Resume(at=clock.now()))
+        self.apply(Resume(at=clock.now()))
         yield {"ok": True, "data": {**self.status(), "message": self.lend_note()}}
 
     def _owner_arg(self, args: dict[str, Any], verb: str) -> tuple[str | None, str]:
         """(the owner VM named in args, "") or (None, why not, naming the owners)."""
         vm = args.get("vm")
-        owners = ", ".join(sorted(self.host.topo.owners)) or "none is configured"
+        owners = ", ".join(sorted(self.topo.owners)) or "none is configured"
         if not isinstance(vm, str) or not vm:
             return None, f"{verb} needs an owner VM: {owners}"
-        if vm == self.host.lendee:
+        if vm == self.lendee:
             return None, (f"{vm} is the lendee, not an owner VM: {verb} takes one of "
                           f"{owners} (`hostagent reclaim` takes the GPUs back from {vm})")
-        if not self.host.topo.is_owner(vm):
+        if not self.topo.is_owner(vm):
             return None, (f"unknown VM {vm[:64]!r}: hostagent manages {owners} "
-                          f"(owners.* in {self.host.cfg.source})")
+                          f"(owners.* in {self.cfg.source})")
         return vm, ""
 
     def _waiting_for(self, vm: str | None = None) -> str:
         """What a client waits for now, in a few words."""
-        state, lendee = self.host.state, self.host.lendee
-        if vm is not None and not self.host.topo.needs_lendee_gpus(vm):
+        state, lendee = self.view.state, self.lendee
+        if vm is not None and not self.topo.needs_lendee_gpus(vm):
             return f"{vm} to start"
         match state.phase:
             case Phase.DRAINING:
@@ -157,11 +154,11 @@ class Verbs:
 
     def lend_note(self) -> str:
         """When the lendee gets its GPUs back, as things stand."""
-        state, lendee = self.host.state, self.host.lendee
+        state, lendee = self.view.state, self.lendee
         if state.relend_at is not None:
-            free = machine.free_gpus(state, self.host.topo, self.host.policy)
-            what = ("its GPUs" if free == self.host.topo.lendee_gpus and not state.lent
-                    else self.host.recorder.gpu_names(free))
+            free = machine.free_gpus(state, self.topo, self.policy)
+            what = ("its GPUs" if free == self.topo.lendee_gpus and not state.lent
+                    else self.topo.gpu_names(free))
             return (f"{lendee} gets {what} back in {max(0.0, state.relend_at - clock.now()):.0f}s"
                     " (policy.relend_delay) unless an owner VM starts meanwhile")
         if state.phase is not Phase.OFF:
@@ -171,7 +168,7 @@ class Verbs:
         if state.hold:
             return f"lending is on hold: `hostagent lend` gives {lendee} its GPUs back"
         claimants = [o for o in (*sorted(state.running_owners), *state.waiting_owners)
-                     if self.host.topo.needs_lendee_gpus(o)]
+                     if self.topo.needs_lendee_gpus(o)]
         if claimants:
             return (f"{', '.join(dict.fromkeys(claimants))} still needs {lendee}'s GPUs; "
                     f"{lendee} gets them back after")
@@ -187,24 +184,24 @@ class Verbs:
             return
         took = _stopwatch()
 
-        if vm in self.host.state.running_owners:
+        if vm in self.view.state.running_owners:
             yield {"ok": True, "data": {"vm": vm, "elapsed_s": 0.0,
                                         "message": f"{vm} is already running"}}
             return
-        rival = machine.conflict(self.host.state, vm, self.host.topo)
+        rival = machine.conflict(self.view.state, vm, self.topo)
         if rival is not None:
             yield {"ok": False, "error": f"{vm} cannot start now: {rival}"}
             return
         intent = f"play-{uuid.uuid4().hex[:12]}"
-        with self.following() as updates:
+        with self.progress.following() as updates:
             # On disk before the client hears anything: invariant 4.
-            if not await self.host.request(OwnerWants(at=clock.now(), owner=vm, intent_id=intent,
+            if not await self.request(OwnerWants(at=clock.now(), owner=vm, intent_id=intent,
                                                       source=IntentSource.CONTROL)):
-                why = (f"its request could not be recorded ({self.host.save_failed})"
-                       if self.host.save_failed else "see journalctl -u hostagent")
+                why = (f"its request could not be recorded ({self.view.save_failed})"
+                       if self.view.save_failed else "see journalctl -u hostagent")
                 yield {"ok": False, "error": f"the agent refused to start {vm} now: {why}"}
                 return
-            pending = self.host.state.intents_of(vm)
+            pending = self.view.state.intents_of(vm)
             if pending and all(i.id != intent for i in pending):
                 # Asked for already (by anyone): this request joined that one; follow it.
                 intent = pending[0].id
@@ -233,19 +230,19 @@ class Verbs:
                 if update.get("event") == "phase" and to == Phase.FAILED.value:
                     yield {"ok": False, "intent": intent, "pending": True, "elapsed_s": took(),
                            "error": f"{update['message']}; the request stands: {vm} starts "
-                                    f"by itself once {self.host.lendee} has stopped"}
+                                    f"by itself once {self.lendee} has stopped"}
                     return
 
     def _play_plan(self, vm: str) -> str:
-        state, lendee = self.host.state, self.host.lendee
-        if not self.host.topo.needs_lendee_gpus(vm):
+        state, lendee = self.view.state, self.lendee
+        if not self.topo.needs_lendee_gpus(vm):
             return f"starting {vm}: it shares no GPU with {lendee}"
         if state.phase is Phase.OFF and not state.lendee_starting:
             return f"starting {vm}: {lendee} is off"
-        shared = self.host.topo.claims(vm) & state.lent
+        shared = self.topo.claims(vm) & state.lent
         if not shared:
             return f"starting {vm}: {lendee} runs without its GPUs"
-        names = self.host.recorder.gpu_names(shared)
+        names = self.topo.gpu_names(shared)
         return (f"{vm} needs {names}: {lendee} ({state.phase.value}) gives "
                 f"{'them' if len(shared) > 1 else 'it'} back first")
 
@@ -257,62 +254,62 @@ class Verbs:
             return
         took = _stopwatch()
 
-        if vm in self.host.executor.starting and vm not in self.host.state.running_owners:
+        if vm in self.facts.starting and vm not in self.view.state.running_owners:
             # libvirt is starting it now: that cannot be withdrawn, and saying so is true.
             yield {"ok": False, "elapsed_s": took(), "error":
                    f"{vm} is being started right now (its GPUs are free) and a start under "
                    f"way cannot be withdrawn: it runs in a moment, and `hostagent release "
                    f"{vm}` then shuts it down"}
             return
-        if self.host.state.intents_of(vm) and vm not in self.host.state.running_owners:
+        if self.view.state.intents_of(vm) and vm not in self.view.state.running_owners:
             # Still waiting for its GPUs: releasing it withdraws the request (the
             # executor asks whether it is still wanted just before it starts it).
             caller = current_caller()
             by = f"hostagent release ({caller})" if caller else "hostagent release"
-            self.host.apply(CancelIntent(at=clock.now(), owner=vm, by=by))
+            self.apply(CancelIntent(at=clock.now(), owner=vm, by=by))
             yield {"ok": True, "data": {"vm": vm, "elapsed_s": took(), "cancelled": True,
                                         "message": f"the pending start of {vm} is cancelled; "
                                                    f"{self.lend_note()}"}}
             return
-        if not await self.host.libvirt.is_running(vm):
+        if not await self.libvirt.is_running(vm):
             yield {"ok": True, "data": {"vm": vm, "elapsed_s": took(), "relend_in_s":
                                         self.status()["relend_in_s"],
                                         "message": f"{vm} is not running; {self.lend_note()}"}}
             return
-        stopped = self.host.executor.stopped.setdefault(vm, asyncio.Event())
+        stopped = self.facts.stopped.setdefault(vm, asyncio.Event())
         stopped.clear()
         how = await self._shut_down_owner(vm)
         yield {"event": "release", "vm": vm, "message": f"shutting {vm} down through {how}",
                "elapsed_s": took(), "waiting": f"{vm} to power off"}
-        limit = self.host.cfg.timeouts.shutdown
+        limit = self.cfg.timeouts.shutdown
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stopped.wait(), limit)
-        if await self.host.libvirt.is_running(vm):
+        if await self.libvirt.is_running(vm):
             yield {"ok": False, "elapsed_s": took(), "error":
                    f"{vm} did not power off within {limit:g}s (timeouts.shutdown) after a "
                    f"shutdown through {how}; it keeps running: close what holds it up inside, "
                    f"or stop it by hand (virsh shutdown {vm})"}
             return
-        if vm in self.host.state.running_owners:
-            self.host.lifecycle(vm, Lifecycle.STOPPED)  # the event was lost; reality says off
+        if vm in self.view.state.running_owners:
+            self.lifecycle(vm, Lifecycle.STOPPED)  # the event was lost; reality says off
         yield {"ok": True, "data": {"vm": vm, "elapsed_s": took(),
                                     "relend_in_s": self.status()["relend_in_s"],
                                     "message": f"{vm} is off ({took():g}s); {self.lend_note()}"}}
 
     async def _shut_down_owner(self, vm: str) -> str:
         """Through its guest agent if it has one that answers, else ACPI; says which."""
-        channels = ElementTree.fromstring(await self.host.libvirt.xml(vm)).findall(
+        channels = ElementTree.fromstring(await self.libvirt.xml(vm)).findall(
             "./devices/channel/target[@name='org.qemu.guest_agent.0']")
         if not channels:
-            await self.host.libvirt.shutdown_via_acpi(vm)
+            await self.libvirt.shutdown_via_acpi(vm)
             return "ACPI (it has no guest agent channel)"
-        if await self.host.libvirt.ping_agent(vm, timeout=3):
+        if await self.libvirt.ping_agent(vm, timeout=3):
             try:
-                await self.host.libvirt.shutdown_via_agent(vm)
+                await self.libvirt.shutdown_via_agent(vm)
                 return "its guest agent"
             except HostError as e:
                 log.warning("guest-agent shutdown of %s failed (%s); using ACPI", vm, e)
-        await self.host.libvirt.shutdown_via_acpi(vm)
+        await self.libvirt.shutdown_via_acpi(vm)
         return "ACPI (its guest agent did not answer)"
 
     async def _reclaim(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
@@ -322,15 +319,15 @@ class Verbs:
         that was in flight is reclaimed once it lands (see machine._reclaim_by_hand).
         """
         took = _stopwatch()
-        lendee, gpus = self.host.lendee, self.host.recorder.gpu_names(self.host.topo.lendee_gpus)
-        with self.following() as updates:
-            self.host.apply(Reclaim(at=clock.now()))
+        lendee, gpus = self.lendee, self.topo.gpu_names(self.topo.lendee_gpus)
+        with self.progress.following() as updates:
+            self.apply(Reclaim(at=clock.now()))
             update: Reply | None = {"event": "reclaim", "message": f"reclaiming {gpus} from "
-                                    f"{lendee} ({self.host.state.phase.value})"}
+                                    f"{lendee} ({self.view.state.phase.value})"}
             while True:
-                state = self.host.state
+                state = self.view.state
                 if state.phase in (Phase.BOOTING, Phase.JOINING, Phase.LENT):
-                    self.host.apply(Reclaim(at=clock.now()))  # a start that was in flight landed
+                    self.apply(Reclaim(at=clock.now()))  # a start that was in flight landed
                     continue
                 done = state.phase is Phase.OFF and not state.lendee_starting
                 if update is not None and update.get("event") != "intent" and not (
@@ -351,7 +348,3 @@ class Verbs:
                 with contextlib.suppress(TimeoutError):
                     # A tick as well: a failed lendee start changes no phase.
                     update = await asyncio.wait_for(updates.get(), 1.0)
-
-    def answer(self, intent_id: str, ok: bool, message: str) -> None:
-        """An intent ended: tell whoever follows it (a `play` waiting on it, if any)."""
-        self.progress("intent", message, {"intent": intent_id, "to": "done" if ok else "failed"})

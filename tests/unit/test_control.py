@@ -354,7 +354,7 @@ async def test_a_client_gone_mid_play_does_not_cancel_the_intent(tmp_path: Path)
     first = await stream.__anext__()
     assert first["to"] == "pending"
     await stream.aclose()  # what the control socket does when the client hangs up
-    assert not agent.verbs._followers
+    assert not agent.progress._followers
     await until(lambda: "gaming1" in agent.state.running_owners)
     assert agent.state.intents == ()
     healthy(agent)

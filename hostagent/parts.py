@@ -1,0 +1,147 @@
+"""What the agent gives its parts (`hostagent.executor`, `hostagent.verbs`,
+`hostagent.recorder`) besides the configuration, the topology and the adapters.
+
+- `View`: the agent's state, read-only. Only the agent writes it (`Agent.apply`).
+- `Progress`: each transition, for callers waiting on one. The recorder and the executor
+  publish; the verbs subscribe (the control socket, the SSH endpoint and the MQTT device
+  all run them), a queue each.
+- `Facts`: what the executor learns beyond the state (the last check in the guest, the
+  stops libvirt reported, the starts under way), for the verbs and `status`.
+- `Cluster`: the Kubernetes steps of a cycle, or `NoCluster`.
+
+The parts change the state only through the `apply` they are given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from hostagent import clock
+from hostagent.control import Reply
+from hostagent.model import Event, State
+
+Apply = Callable[[Event], bool]  # the agent's: step the machine; False if stale
+
+
+class View(Protocol):
+    """The agent's state as its parts read it."""
+
+    @property
+    def state(self) -> State:
+        """The machine's state now."""
+
+    @property
+    def phase_since(self) -> float:
+        """When the lendee's phase began (`hostagent.clock` time)."""
+
+    @property
+    def save_failed(self) -> str | None:
+        """Why the last state save failed, or None: saved."""
+
+
+@dataclass
+class Kept:
+    """The agent's `View`, which only the agent writes."""
+
+    state: State = field(default_factory=State)
+    phase_since: float = field(default_factory=clock.now)
+    save_failed: str | None = None
+
+
+class Progress:
+    """Transitions handed to every caller following them. No I/O: a queue each."""
+
+    def __init__(self) -> None:
+        self._followers: set[asyncio.Queue[Reply]] = set()
+
+    def publish(self, event: str, message: str, fields: dict[str, Any]) -> None:
+        update = {"event": event, "message": message, **fields}
+        for queue in self._followers:
+            queue.put_nowait(update)
+
+    def answer(self, intent_id: str, ok: bool, message: str) -> None:
+        """An intent ended: tell whoever follows it (a `play` waiting on it, if any)."""
+        self.publish("intent", message, {"intent": intent_id, "to": "done" if ok else "failed"})
+
+    @contextlib.contextmanager
+    def following(self) -> Iterator[asyncio.Queue[Reply]]:
+        queue: asyncio.Queue[Reply] = asyncio.Queue()
+        self._followers.add(queue)
+        try:
+            yield queue
+        finally:
+            self._followers.discard(queue)
+
+
+@dataclass
+class Facts:
+    """What the executor learns beyond the state."""
+
+    # The last in-guest check, for `status`: at (unix time), ok, summary.
+    verified: dict[str, Any] | None = None
+    # Set when libvirt reports a VM stopped: a shutdown waits on its VM's.
+    stopped: dict[str, asyncio.Event] = field(default_factory=dict)
+    # VMs libvirt is being asked to start now: a start that can no longer be withdrawn.
+    starting: set[str] = field(default_factory=set)
+
+
+class Cluster(Protocol):
+    """The Kubernetes steps of a cycle. Without a [kubernetes] section: `NoCluster`."""
+
+    async def reclaim(self, owners: list[str], *, regrow: bool = False) -> str | None:
+        """Cordon and drain; None when done, or why the reclaim must be aborted. A
+        `regrow`'s is aborted whenever its drain cannot finish: nobody waits for it."""
+
+    async def give_back(self, lent: Collection[str]) -> str | None:
+        """Wait Ready and the `lent` GPUs, uncordon; None when done, or why the node
+        stays cordoned."""
+
+    async def grow(self, lent: Collection[str]) -> str | None:
+        """A hot-add: wait until the node, lent all along, advertises the `lent` GPUs;
+        None when it does, or why not."""
+
+    async def lendee_down(self, *, why: str) -> None:
+        """Cordon (as ours) the node of a lendee that went down, whatever stopped it."""
+
+    async def watch_lent(self, on_view: Callable[[Any], None] | None = None) -> None:
+        """Follow the lent node until cancelled; `on_view` gets each change."""
+
+    async def watch_cordon(self) -> None:
+        """Follow the node of a lendee off or stuck until cancelled: our cordon's marker
+        is dropped once someone is seen lifting it."""
+
+    def status(self) -> dict[str, object] | None:
+        """What `hostagent status` shows of the cluster."""
+
+    async def flush_events(self) -> None:
+        """Post the Kubernetes Events still queued (at exit)."""
+
+
+class NoCluster:
+    async def reclaim(self, owners: list[str], *, regrow: bool = False) -> str | None:
+        return None
+
+    async def give_back(self, lent: Collection[str]) -> str | None:
+        return None
+
+    async def grow(self, lent: Collection[str]) -> str | None:
+        return None
+
+    async def lendee_down(self, *, why: str) -> None:
+        return None
+
+    async def watch_lent(self, on_view: Callable[[Any], None] | None = None) -> None:
+        return None
+
+    async def watch_cordon(self) -> None:
+        return None
+
+    def status(self) -> dict[str, object] | None:
+        return None
+
+    async def flush_events(self) -> None:
+        return None

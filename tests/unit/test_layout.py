@@ -1,0 +1,100 @@
+"""The package's shape, read from its source with `ast`: who may import whom, and how
+long a module may grow. Imports under `TYPE_CHECKING` and inside functions count: an
+import for typing alone still ties two modules together for a reader."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "hostagent"
+LONGEST = 800
+# The machine is the whole policy, read in one sitting (its opening says how). The
+# others are to be split by concern; meanwhile they do not grow.
+LONGER = {"hostagent.machine": 1200, "hostagent.config": 1211, "hostagent.ssh": 895,
+          "hostagent.kube": 1821}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package's modules that `name` imports, however and wherever it does."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[:len(package.split(".")) - node.level + 1],
+                                 *([base] if base else [])])
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {m for m in found if m in known and m != name}
+
+
+def graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports(name, path, set(found)) for name, path in found.items()}
+
+
+@functools.cache
+def read_graph() -> dict[str, set[str]]:
+    """`graph()` in a fresh interpreter: once other tests ran, CPython 3.11's ast.parse
+    may fail with "AST constructor recursion depth mismatch" (its count goes stale)."""
+    code = ("import json, runpy, sys; graph = runpy.run_path(sys.argv[1])['graph']; "
+            "print(json.dumps({k: sorted(v) for k, v in graph().items()}))")
+    done = subprocess.run([sys.executable, "-c", code, __file__], capture_output=True,
+                          text=True, check=True)
+    return {k: set(v) for k, v in json.loads(done.stdout).items()}
+
+
+def test_the_graph_is_read() -> None:
+    edges = read_graph()
+    assert "hostagent.agent" in edges["hostagent.cli"]
+    assert "hostagent.machine" in edges["hostagent.agent"]
+
+
+def test_no_import_circle() -> None:
+    edges = read_graph()
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            circle = path[path.index(name):] + [name]
+            raise AssertionError("import circle: " + " -> ".join(circle))
+        if name in done:
+            return
+        for other in sorted(edges[name]):
+            visit(other, [*path, name])
+        done.add(name)
+
+    for name in sorted(edges):
+        visit(name, [])
+
+
+def test_only_the_cli_imports_the_agent() -> None:
+    importers = sorted(name for name, used in read_graph().items() if "hostagent.agent" in used)
+    assert importers == ["hostagent.cli"]
+
+
+def test_no_module_grows_past_its_length() -> None:
+    long = {}
+    for name, path in modules().items():
+        lines = len(path.read_text().splitlines())
+        if lines > LONGER.get(name, LONGEST):
+            long[name] = lines
+    assert not long, f"split these by concern (at most {LONGEST} lines each): {long}"
