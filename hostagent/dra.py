@@ -2,11 +2,11 @@
 
 On a DRA cluster the node has no ``nvidia.com/gpu`` in allocatable. NVIDIA's DRA driver
 (``gpu.nvidia.com``) publishes each GPU the node sees as a device in the node's
-ResourceSlices, its UUID among the device's attributes; a pod gets GPUs through a
-ResourceClaim, which the scheduler allocates (driver, pool, device) and reserves for
-the pod. So here a lend is verified by UUID (the slices list exactly the lent GPUs), a
-GPU lost is a lent UUID gone from the slices, and which pod holds which lent GPU is
-read from the claims.
+ResourceSlices, its UUID among the device's attributes (a MIG device names its GPU as
+``parentUUID``); a pod gets GPUs through a ResourceClaim, which the scheduler allocates
+(driver, pool, device) and reserves for the pod. So here a lend is verified by UUID
+(the slices list exactly the lent GPUs), a GPU lost is a lent UUID gone from the
+slices, and which pod holds which lent GPU is read from the claims.
 
 `Slices` and `Claims` keep what a list and watch of the API show (objects of the
 kubernetes-asyncio models, read defensively: the text is the cluster's), and the rest
@@ -36,11 +36,16 @@ def _uid(obj: Any) -> str | None:
 
 
 def device_uuid(device: Any) -> str | None:
-    """The ``uuid`` attribute of a slice's device (a string attribute), if it has one."""
+    """The UUID of the GPU a slice's device is, or is part of: a MIG device's
+    ``parentUUID`` attribute (its own ``uuid`` is the MIG instance's), else its ``uuid``."""
     attributes = getattr(device, "attributes", None)
     if not isinstance(attributes, Mapping):
         return None
-    return _text(getattr(attributes.get("uuid"), "string", None))
+    for name in ("parentUUID", "uuid"):
+        uuid = _text(getattr(attributes.get(name), "string", None))
+        if uuid is not None:
+            return uuid
+    return None
 
 
 class Slices:

@@ -1096,6 +1096,23 @@ def gpu_device(index: int, uuid_: str, *, product: str = "NVIDIA A100-SXM4-80GB"
     }
 
 
+def mig_device(gpu: int, slot: int, parent_uuid: str, *, profile: str = "1g.10gb") -> Obj:
+    """One MIG instance of GPU `gpu` as NVIDIA's DRA driver publishes it: its own UUID,
+    its GPU's as ``parentUUID``."""
+    return {
+        "name": f"gpu-{gpu}-mig-{profile.replace('.', '')}-{slot}",
+        "attributes": {
+            "type": {"string": "mig"},
+            "uuid": {"string": f"MIG-{uuid.uuid5(uuid.NAMESPACE_URL, f'{parent_uuid}/{slot}')}"},
+            "parentUUID": {"string": parent_uuid},
+            "profile": {"string": profile},
+            "productName": {"string": "NVIDIA A100-SXM4-80GB"},
+            "index": {"int": gpu},
+        },
+        "capacity": {"memory": {"value": "9728Mi"}},
+    }
+
+
 def _claim(name: str, pod: Obj, devices: list[str], driver: str) -> Obj:
     """A ResourceClaim made from a pod's template, allocated `devices` and reserved for it."""
     meta = pod["metadata"]

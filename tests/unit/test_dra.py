@@ -19,7 +19,7 @@ from hostagent.follow import format_status
 from hostagent.health import CheckFailed
 from hostagent.kube import Kube, Timing
 from tests.kubeapi import StandIn, write_kubeconfig
-from tests.kubeapi.cluster import gpu_device
+from tests.kubeapi.cluster import gpu_device, mig_device
 from tests.kubeapi.rules import EVENTS, PODS
 
 PREFIX = "hostagent.io/"
@@ -106,7 +106,7 @@ def later(seconds: float, fn: Callable[..., object], *args: object) -> None:
     asyncio.get_running_loop().call_later(seconds, lambda: fn(*args))
 
 
-async def until(condition: Callable[[], object], timeout: float = 3.0) -> None:
+async def until(condition: Callable[[], object], timeout: float = 15.0) -> None:
     # Polled: the condition reads state that has no event to wait on.
     async with asyncio.timeout(timeout):
         while True:
@@ -188,6 +188,26 @@ async def test_auto_tells_dra_from_the_cluster(api: StandIn, kube: Kube) -> None
     api.cluster.publish_devices("gpu-node", [], driver="gpu.example.com")
     assert await kube.dra_in_use("gpu.example.com")
 
+
+async def test_a_mig_partitioned_gpu_is_matched_by_its_parent_uuid(
+        api: StandIn, kube: Kube) -> None:
+    """The driver publishes a partitioned GPU as its MIG instances, each naming the GPU
+    in ``parentUUID``: the lend is verified, and a pod on an instance holds that GPU."""
+    api.cluster.publish_devices("gpu-node", [mig_device(0, 0, UUID_A), mig_device(0, 1, UUID_A),
+                                             gpu_device(1, UUID_B)])
+    cluster = cluster_for(kube)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    api.cluster.add_pod("infer", node="gpu-node", owner="ReplicaSet/i",
+                        devices=["gpu-0-mig-1g10gb-1"])
+    watch = asyncio.create_task(cluster.watch_lent())
+    try:
+        await until(lambda: cluster.status()["holders"] == {"gpu-a": "default/infer"})
+        assert cluster.trouble is None
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
 
 # --- while lent -----------------------------------------------------------------------------
 
