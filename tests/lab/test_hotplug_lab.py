@@ -1,7 +1,8 @@
 """Hot-add in the lab (``policy.hotplug = "add"``): the real agent attaches the lab GPU
 a game freed to the running lendee (its disk, into the root port its live definition
 left empty), the stand-in nvidia-smi lists it, the lab kubelet follows the live set,
-and the GPU is lent with no drain and no restart while a GPU job runs on the node."""
+and the GPU is lent with no drain and no restart while a GPU job runs on the node; a
+hot-add whose GPU the guest does not see is journaled and leaves it to the next restart."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def test_a_regrow_by_hot_add_lends_the_freed_gpu_without_a_restart(lab: Lab) -> 
 
     with lab_cluster(lab, workloads=False) as kc:
         lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig).replace(
-            "[policy]\n", '[policy]\nhotplug = "add"\n'))
+            "[policy]\n", '[policy]\nhotplug = "add"\n') + '\n[verify]\ntimeout = "10s"\n')
         lab.start_agent()
         lends(lab, 1)
         lab.virsh("start", "gaming1", check=False)
@@ -51,9 +52,24 @@ def test_a_regrow_by_hot_add_lends_the_freed_gpu_without_a_restart(lab: Lab) -> 
         assert kc.pods_on(LENDEE) == ["train-1"]  # the job ran on through it
         status = json.loads(lab.hostagent("status", "--json").stdout)
         assert status["lendee"]["lent"] == ["gpu-a", "gpu-b", "gpu-c"]
-        # The next game's reclaim is the usual one: gaming1 runs once gpu-node has
-        # stopped and let go of gpu-a's disk.
+        # The next game's reclaim is the usual one (drain, stop, a start without gpu-a).
         kc.api.call(cluster.delete, PODS, "default", "train-1")
         lab.virsh("start", "gaming1", check=False)
         lab.wait_state("gaming1", "running", timeout=120)
         assert lab.phases()[len(phases):len(phases) + 1] == ["lent>draining"]
+        lends(lab, 3)
+        # A hot-add whose GPU the guest's driver does not find fails within its bound,
+        # journaled: gpu-a stays in the live definition, held by gpu-node until it
+        # restarts, and is not lent; gpu-node is neither drained nor restarted for it.
+        lab.write_gpu("gpu-a", "no driver")
+        phases = lab.phases()
+        lab.wait_agent("gaming1")
+        lab.virsh("shutdown", "--mode", "agent", "gaming1")
+        failed = lab.wait_record(120, event="hotplug", result="failed")
+        assert failed["MESSAGE"].startswith("could not add gpu-a to gpu-node live: ")
+        assert failed["MESSAGE"].endswith("; gpu-node keeps gpu-a until it restarts")
+        assert lab.phases() == phases
+        assert str(lab.gpu_image("gpu-a")) in lab.virsh("dumpxml", LENDEE).stdout
+        status = json.loads(lab.hostagent("status", "--json").stdout)
+        assert status["lendee"]["lent"] == ["gpu-a", "gpu-b", "gpu-c"]
+        assert annotations(kc.node())["hostagent.io/lent-gpus"] == "gpu-b,gpu-c"
