@@ -4,12 +4,17 @@ hot-add that fails leaves them to the regrow by restart."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from hostagent import lint
-from hostagent.config import ConfigError, parse
+from hostagent import hotplug, lint
+from hostagent.cluster import KubeCluster
+from hostagent.config import Config, ConfigError, parse
+from hostagent.kube import Kube, Timing
 from hostagent.machine import IllegalTransition, still_wanted, verdict
 from hostagent.model import (
     AttachFailed,
@@ -25,6 +30,8 @@ from hostagent.model import (
     ScheduleRelend,
     State,
 )
+from tests.kubeapi import StandIn, write_kubeconfig
+from tests.kubeapi.cluster import gpu_device
 from tests.unit.test_partial import AT, LENDEE, POLICY, TOPO, B, C, S, T, gpus, go, run, vms, wants
 
 ADD = replace(POLICY, hotplug=Hotplug.ADD)
@@ -189,3 +196,103 @@ def test_lint_says_what_keeps_a_lendee_from_hot_add() -> None:
         "hotplug='off'" for bus, f in ((1, 0), (2, 1))]
     assert hot_add_findings(lendee_xml(pref64=False)) == [
         "warning: policy.hotplug: no 64-bit prefetchable window is reserved on the root ports"]
+
+
+# --- the node: the GPU plugins restarted, the new GPU advertised ---------------------------
+
+UUID_A = "GPU-5f2ab1c4-0000-4000-8000-00000000000a"
+UUID_B = "GPU-5f2ab1c4-0000-4000-8000-00000000000b"
+FAST = Timing(request_timeout=2.0, api_timeout=3.0, backoff_min=0.02, backoff_max=0.1,
+              evict_retry=0.05, delete_poll=0.02, watch_timeout=5.0)
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[StandIn]:
+    async with StandIn(termination_scale=0.005) as standin:
+        standin.cluster.add_node("gpu-node")
+        standin.cluster.add_node("other-node")
+        standin.cluster.add_device_class()
+        yield standin
+
+
+@pytest.fixture
+async def kube(api: StandIn, tmp_path: Path) -> AsyncIterator[Kube]:
+    async with await Kube.connect(write_kubeconfig(tmp_path / "kc", api.url),
+                                  timing=FAST) as k:
+        yield k
+
+
+def dra_config() -> Config:
+    return parse(f"""
+[lendee]
+domain = "gpu-node"
+gpus = ["gpu-a", "gpu-b"]
+[gpus.gpu-a]
+pci = "0000:01:00.0"
+uuid = "{UUID_A}"
+[gpus.gpu-b]
+pci = "0000:02:00.0"
+uuid = "{UUID_B}"
+[timeouts]
+ready = "3s"
+[policy]
+hotplug = "add"
+[kubernetes]
+gpu_api = "dra"
+""", "test.toml")
+
+
+def gone(api: StandIn, namespace: str, name: str) -> bool:
+    pod = api.cluster.pod(namespace, name)
+    return pod is None or bool(pod["metadata"].get("deletionTimestamp"))
+
+
+async def test_only_the_gpu_plugins_pods_on_the_node_are_restarted(
+        api: StandIn, kube: Kube) -> None:
+    add = api.cluster.add_pod
+    add("nvidia-device-plugin-daemonset-x1", node="gpu-node", namespace="gpu-operator",
+        owner="DaemonSet/nvidia-device-plugin-daemonset",
+        labels={"app": "nvidia-device-plugin-daemonset"})
+    add("nvidia-dra-driver-gpu-kubelet-plugin-k2", node="gpu-node", namespace="nvidia-dra",
+        owner="DaemonSet/nvidia-dra-driver-gpu-kubelet-plugin",
+        labels={"app.kubernetes.io/name": "nvidia-dra-driver-gpu"})
+    add("nvidia-device-plugin-daemonset-y7", node="other-node", namespace="gpu-operator",
+        owner="DaemonSet/nvidia-device-plugin-daemonset",
+        labels={"app": "nvidia-device-plugin-daemonset"})
+    add("train-1", node="gpu-node", owner="Job/train", labels={"app": "train"},
+        gpus={"nvidia.com/gpu": 1})
+    deleted = await hotplug.restart_plugins(kube, "gpu-node", timeout=5)
+    assert deleted == ["gpu-operator/nvidia-device-plugin-daemonset-x1",
+                       "nvidia-dra/nvidia-dra-driver-gpu-kubelet-plugin-k2"]
+    assert gone(api, "gpu-operator", "nvidia-device-plugin-daemonset-x1")
+    assert not gone(api, "gpu-operator", "nvidia-device-plugin-daemonset-y7")
+    assert not gone(api, "default", "train-1")
+
+
+async def test_the_node_is_told_of_the_gpu_once_its_slices_list_it(
+        api: StandIn, kube: Kube) -> None:
+    publish = api.cluster.publish_devices
+    publish("gpu-node", [gpu_device(0, UUID_B)])
+    cluster = KubeCluster(kube, dra_config(), remember_cordon=lambda _: None)
+    assert await cluster.give_back({"gpu-b"}) is None
+    # The plugin enumerates gpu-a once restarted.
+    asyncio.get_running_loop().call_later(
+        0.3, publish, "gpu-node", [gpu_device(0, UUID_B), gpu_device(1, UUID_A)])
+    assert await cluster.grow({"gpu-a", "gpu-b"}) is None
+    node = api.cluster.node("gpu-node")
+    assert node["metadata"]["annotations"]["hostagent.io/lent-gpus"] == "gpu-a,gpu-b"
+    assert not node["spec"].get("unschedulable")
+
+
+async def test_a_gpu_the_node_never_lists_leaves_it_as_it_was(
+        api: StandIn, kube: Kube) -> None:
+    api.cluster.publish_devices("gpu-node", [gpu_device(0, UUID_B)])
+    cluster = KubeCluster(kube, dra_config(), remember_cordon=lambda _: None)
+    assert await cluster.give_back({"gpu-b"}) is None
+    before = cluster.expected
+    problem = await cluster.grow({"gpu-a", "gpu-b"})
+    assert problem is not None and f"gpu-a ({UUID_A})" in problem
+    assert cluster.expected == before
+    node = api.cluster.node("gpu-node")
+    assert node["metadata"]["annotations"]["hostagent.io/lent-gpus"] == "gpu-b"
+    assert not node["spec"].get("unschedulable")
