@@ -57,6 +57,7 @@ from hostagent.health import CheckFailed, CheckResult, Health
 from hostagent.ratelimit import Summarised
 from hostagent.model import (
     AgentTimeout,
+    AttachFailed,
     DrainFailed,
     Event,
     Observed,
@@ -78,6 +79,7 @@ FAILURE_KINDS: dict[type[Event], str] = {
     ShutdownTimeout: "shutdown_timeout",  # the lendee ignored its guest-agent shutdown
     ReturnFailed: "return",  # the node did not come back whole (Ready, GPUs, verification)
     StartFailed: "start",  # a VM (owner or lendee) could not be started
+    AttachFailed: "hotplug",  # a hot-add did not end with the GPU lent
 }
 
 # The classic text format, which every Prometheus reads; every name here fits it.

@@ -15,6 +15,7 @@ from hostagent import hotplug, lint
 from hostagent.cluster import KubeCluster
 from hostagent.config import Config, ConfigError, parse
 from hostagent.kube import Kube, Timing
+from hostagent.metrics import Metrics
 from hostagent.machine import IllegalTransition, still_wanted, verdict
 from hostagent.model import (
     AttachFailed,
@@ -296,3 +297,11 @@ async def test_a_gpu_the_node_never_lists_leaves_it_as_it_was(
     node = api.cluster.node("gpu-node")
     assert node["metadata"]["annotations"]["hostagent.io/lent-gpus"] == "gpu-b"
     assert not node["spec"].get("unschedulable")
+
+
+def test_a_failed_hot_add_is_counted_as_a_failure() -> None:
+    m = Metrics(TOPO)
+    state = attaching()
+    event = AttachFailed(at=AT, ticket=T + 1, gpus=gpus(A), held=frozenset(), reason="no")
+    m.transition(state, go(state, event, ADD)[0], event)
+    assert m.registry.get_sample_value("hostagent_failures_total", {"kind": "hotplug"}) == 1
