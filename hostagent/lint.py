@@ -548,6 +548,8 @@ def _hot_add(dom: Domain, config: Config) -> list[Finding]:
             f"machine {dom.machine or '(unset)'} has no PCIe root ports",
             "a GPU is hot-added into a pcie-root-port, which only q35 has.",
             "move the lendee to q35 (a new definition), or set policy.hotplug = \"none\"")]
+    if not dom.xml:
+        return []  # built by hand, not read: nothing to tell the ports from
     root = ET.fromstring(dom.xml)
     ports = {c.get("index"): c for c in root.findall("devices/controller[@type='pci']")
              if c.get("model") == "pcie-root-port"}
