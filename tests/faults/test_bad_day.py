@@ -92,9 +92,9 @@ def test_disk_full_mid_reclaim(lab: Lab, fault: Scenario) -> None:
     lab.write_config(relend_delay="1s")
     lab.start_agent()
     wait_for(lambda: status(lab)["lendee"]["phase"] == "lent", 90, "the first lend")
-    # The lendee's stop is held a few seconds after it powered off: the agent is still
-    # stopping when gaming2 asks.
-    with fault.slow_hook(LENDEE, "stopped", "end", seconds=4) as held:
+    # The lendee's stop is held some seconds after it powered off: the agent is still
+    # stopping when gaming2 asks (long enough for a busy machine's status call).
+    with fault.slow_hook(LENDEE, "stopped", "end", seconds=12) as held:
         assert DEFERRED in fault.start_owner("gaming1").stderr  # on disk before the answer
         with full_disk(lab) as fill:
             fault.fault()

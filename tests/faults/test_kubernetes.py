@@ -145,13 +145,14 @@ def test_agent_killed(lab: Lab, fault: Scenario, step: str) -> None:
     """agent SIGKILLed in a Kubernetes step: {step}"""
     reclaim = step in ("cordoning", "draining")
     with lab_cluster(lab, workloads=False,
-                     ready_delay=6 if step == "waiting Ready" else 1) as kc:
+                     ready_delay=15 if step == "waiting Ready" else 1) as kc:
         if step == "draining":
             hold_the_drain(kc)
         kube_config(lab, kc, drain="5s")
         lab.start_agent()
         if step == "waiting Ready":
-            # The first return: the GPUs are verified, the node is not Ready yet.
+            # The first return: the GPUs are verified, the node is not Ready yet (for
+            # 15 s after the boot, so that a busy machine still sees it so).
             lab.wait_record(60, event="verify", result="ok")
             assert count(lab, event="phase", to="lent") == 0
         else:
