@@ -77,8 +77,18 @@ from hostagent.model import (
     Topology,
     WaitAgent,
 )
+from tests.unit.machine_scaffold import (
+    AT,
+    FAILED_WHY,
+    HOOK,
+    LENDEE,
+    T,
+    Stepper,
+    built,
+    intent,
+    wants,
+)
 
-LENDEE = "gpu-node"
 # gaming1 and gaming2 each own a GPU the lendee borrows; gaming3 owns one it never does;
 # gpu-c is the lendee's own (nobody owns it).
 TOPO = Topology(
@@ -95,42 +105,19 @@ SHARING = ("gaming1", "gaming2")
 POLICY = Policy(relend_delay=30.0, force_off=False, partial=False)
 FORCE = Policy(relend_delay=30.0, force_off=True, partial=False)
 ALL = TOPO.lendee_gpus
-T = 7  # the ticket of every state built below; the next phase gets T + 1
-AT = 100.0
-HOOK = IntentSource.HOOK
+
+
+STEPPER = Stepper(TOPO, POLICY)
+go, run = STEPPER.go, STEPPER.run
 
 
 def S(phase: Phase = Phase.OFF, **changes: object) -> State:  # a state, built like one
     """A state in `phase` at ticket T, as the machine would have it."""
-    agent_up = phase in (Phase.JOINING, Phase.LENT)
     # A lendee that runs or is being started holds every GPU (all or nothing here).
     lent = ALL if phase is not Phase.OFF or changes.get("lendee_starting") else frozenset()
-    base = State(phase=phase, ticket=T, agent_up=agent_up, lent=lent)
-    return replace(base, **changes)  # type: ignore[arg-type]
+    return built(phase, **{"lent": lent} | changes)
 
 
-def intent(owner: str, id: str | None = None, at: float = 50.0) -> Intent:
-    return Intent(id=id or f"i-{owner}", owner=owner, created_at=at, source=HOOK)
-
-
-def wants(owner: str, id: str | None = None, at: float = AT) -> OwnerWants:
-    return OwnerWants(at=at, owner=owner, intent_id=id or f"i-{owner}", source=HOOK)
-
-
-def go(state: State, event: Event, policy: Policy = POLICY) -> tuple[State, list[Action]]:
-    return step(state, event, topo=TOPO, policy=policy)
-
-
-def run(state: State, *events: Event, policy: Policy = POLICY) -> tuple[State, list[Action]]:
-    """Feed events in order; every action emitted along the way, in order."""
-    out: list[Action] = []
-    for event in events:
-        state, actions = go(state, event, policy)
-        out += actions
-    return state, out
-
-
-FAILED_WHY = "something went wrong"
 G1 = (intent("gaming1"),)
 G1G2 = (intent("gaming1"), intent("gaming2"))
 ABORTED = "gpu-node could not be drained (PDB), and the policy keeps it lent"

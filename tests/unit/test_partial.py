@@ -53,7 +53,6 @@ from hostagent.model import (
     ForceOff,
     GpuPods,
     Hold,
-    Intent,
     IntentSource,
     KubeReturn,
     LendeeStarted,
@@ -81,8 +80,17 @@ from hostagent.model import (
     Topology,
     WaitAgent,
 )
+from tests.unit.machine_scaffold import (
+    AT,
+    FAILED_WHY,
+    LENDEE,
+    T,
+    Stepper,
+    built,
+    intent,
+    wants,
+)
 
-LENDEE = "gpu-node"
 A, B, C, Z = "gpu-a", "gpu-b", "gpu-c", "gpu-z"
 # The seeds' machine, plus a second owner of one card: gaming1 and gaming-win share
 # gpu-a (a Linux and a Windows game on one card), gaming2 owns gpu-b, gaming3 owns a GPU
@@ -105,9 +113,6 @@ ALWAYS = replace(POLICY, regrow=Regrow.ALWAYS)
 NEVER = replace(POLICY, regrow=Regrow.NEVER)
 MIN2 = replace(POLICY, min_gpus=2)
 ALL_OR_NOTHING = replace(POLICY, partial=False)
-T = 7  # the ticket of every state built below; the next phase gets T + 1
-AT = 100.0
-HOOK = IntentSource.HOOK
 
 
 def gpus(*labels: str) -> frozenset[str]:
@@ -118,20 +123,15 @@ def vms(*names: str) -> frozenset[str]:
     return frozenset(names)
 
 
+STEPPER = Stepper(TOPO, POLICY)
+go, run = STEPPER.go, STEPPER.run
+
+
 def S(phase: Phase = Phase.OFF, **changes: object) -> State:  # a state, built like one
     """A state in `phase` at ticket T. A running (or starting) lendee holds every GPU
     unless ``lent`` says which; an off one holds none."""
     lent = ALL if phase.lendee_running or changes.get("lendee_starting") else frozenset()
-    base = State(phase=phase, ticket=T, agent_up=phase in (Phase.JOINING, Phase.LENT), lent=lent)
-    return replace(base, **changes)  # type: ignore[arg-type]
-
-
-def intent(owner: str, id: str | None = None, at: float = 50.0) -> Intent:
-    return Intent(id=id or f"i-{owner}", owner=owner, created_at=at, source=HOOK)
-
-
-def wants(owner: str, id: str | None = None, at: float = AT) -> OwnerWants:
-    return OwnerWants(at=at, owner=owner, intent_id=id or f"i-{owner}", source=HOOK)
+    return built(phase, **{"lent": lent} | changes)
 
 
 def done(owner: str) -> CompleteIntent:
@@ -142,20 +142,6 @@ def cancelled(owner: str, by: str = "alice") -> FailIntent:
     return FailIntent(intent_id=f"i-{owner}", owner=owner, reason=f"cancelled by {by}")
 
 
-def go(state: State, event: Event, policy: Policy = POLICY) -> tuple[State, list[Action]]:
-    return step(state, event, topo=TOPO, policy=policy)
-
-
-def run(state: State, *events: Event, policy: Policy = POLICY) -> tuple[State, list[Action]]:
-    """Feed events in order; every action emitted along the way, in order."""
-    out: list[Action] = []
-    for event in events:
-        state, actions = go(state, event, policy)
-        out += actions
-    return state, out
-
-
-FAILED_WHY = "something went wrong"
 G1 = (intent("gaming1"),)
 G2 = (intent("gaming2"),)
 
