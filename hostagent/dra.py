@@ -16,7 +16,7 @@ is pure: no I/O here; `hostagent.kube` does the requests.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from hostagent.text import clean
 
@@ -24,6 +24,7 @@ DRIVER = "gpu.nvidia.com"
 _MAX_TEXT = 200  # a UUID or a name longer than this is nobody's
 
 DeviceKey = tuple[str, str]  # (pool, device name), as a claim's allocation names it
+V = TypeVar("V")
 
 
 def _text(value: object) -> str | None:
@@ -48,19 +49,16 @@ def device_uuid(device: Any) -> str | None:
     return None
 
 
-class Slices:
-    """The devices of `driver` in one node's ResourceSlices, as listed and watched.
-
-    A pool may be spread over several slices and is republished under a higher
-    generation when it changes; as the scheduler does, only the newest generation of
-    each pool counts."""
+class _Watched(Generic[V]):
+    """Objects of one kind by UID, as listed (`reset`) and watched (`apply` each event),
+    each kept as what `_read` makes of it; one it makes nothing of is dropped."""
 
     def __init__(self, driver: str = DRIVER) -> None:
         self.driver = driver
-        self._slices: dict[str, tuple[str, int, dict[str, str]]] = {}  # uid -> pool, gen, devices
+        self._by_uid: dict[str, V] = {}
 
     def reset(self, items: Iterable[Any]) -> None:
-        self._slices = {}
+        self._by_uid = {}
         for item in items:
             self.apply("ADDED", item)
 
@@ -68,10 +66,27 @@ class Slices:
         uid = _uid(obj)
         if uid is None:
             return
+        value = None if kind == "DELETED" else self._read(obj)
+        if value is None:
+            self._by_uid.pop(uid, None)
+        else:
+            self._by_uid[uid] = value
+
+    def _read(self, obj: Any) -> V | None:
+        raise NotImplementedError
+
+
+class Slices(_Watched[tuple[str, int, dict[str, str]]]):  # pool, generation, devices
+    """The devices of `driver` in one node's ResourceSlices, as listed and watched.
+
+    A pool may be spread over several slices and is republished under a higher
+    generation when it changes; as the scheduler does, only the newest generation of
+    each pool counts."""
+
+    def _read(self, obj: Any) -> tuple[str, int, dict[str, str]] | None:
         spec = getattr(obj, "spec", None)
-        if kind == "DELETED" or spec is None or getattr(spec, "driver", None) != self.driver:
-            self._slices.pop(uid, None)
-            return
+        if spec is None or getattr(spec, "driver", None) != self.driver:
+            return None
         pool = getattr(spec, "pool", None)
         name = _text(getattr(pool, "name", None)) or ""
         generation = getattr(pool, "generation", 0)
@@ -80,37 +95,25 @@ class Slices:
             device_name, uuid = _text(getattr(device, "name", None)), device_uuid(device)
             if device_name is not None and uuid is not None:
                 devices[device_name] = uuid
-        self._slices[uid] = (name, generation if isinstance(generation, int) else 0, devices)
+        return name, generation if isinstance(generation, int) else 0, devices
 
     def devices(self) -> dict[DeviceKey, str]:
         """(pool, device name) -> UUID, for the newest generation of each pool."""
         newest: dict[str, int] = {}
-        for pool, generation, _ in self._slices.values():
+        for pool, generation, _ in self._by_uid.values():
             newest[pool] = max(generation, newest.get(pool, generation))
-        return {(pool, name): uuid for pool, generation, devices in self._slices.values()
+        return {(pool, name): uuid for pool, generation, devices in self._by_uid.values()
                 if generation == newest[pool] for name, uuid in devices.items()}
 
     def uuids(self) -> frozenset[str]:
         return frozenset(self.devices().values())
 
 
-class Claims:
+class Claims(_Watched[tuple[tuple[DeviceKey, ...], tuple[str, ...]]]):
     """The ResourceClaims of the cluster, as listed and watched: for each, the devices
     of `driver` it was allocated and the pods (by UID) it is reserved for."""
 
-    def __init__(self, driver: str = DRIVER) -> None:
-        self.driver = driver
-        self._claims: dict[str, tuple[tuple[DeviceKey, ...], tuple[str, ...]]] = {}
-
-    def reset(self, items: Iterable[Any]) -> None:
-        self._claims = {}
-        for item in items:
-            self.apply("ADDED", item)
-
-    def apply(self, kind: str, obj: Any) -> None:
-        uid = _uid(obj)
-        if uid is None:
-            return
+    def _read(self, obj: Any) -> tuple[tuple[DeviceKey, ...], tuple[str, ...]] | None:
         status = getattr(obj, "status", None)
         allocation = getattr(status, "allocation", None)
         results = getattr(getattr(allocation, "devices", None), "results", None) or []
@@ -121,17 +124,14 @@ class Claims:
         pods = tuple(pod for ref in getattr(status, "reserved_for", None) or []
                      if getattr(ref, "resource", None) == "pods"
                      and (pod := _text(getattr(ref, "uid", None))) is not None)
-        if kind == "DELETED" or not devices or not pods:
-            self._claims.pop(uid, None)
-        else:
-            self._claims[uid] = (devices, pods)
+        return (devices, pods) if devices and pods else None
 
     def holders(self, devices: Mapping[DeviceKey, str],
                 pods: Mapping[str, str]) -> dict[str, str]:
         """UUID -> the pods ("namespace/name", comma-separated) holding that device, for
         the `devices` of the node's slices and the `pods` (UID -> name) running on it."""
         held: dict[str, set[str]] = {}
-        for keys, uids in self._claims.values():
+        for keys, uids in self._by_uid.values():
             names = {pods[u] for u in uids if u in pods}
             for key in keys:
                 if key in devices and names:
