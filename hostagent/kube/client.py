@@ -273,7 +273,6 @@ def _default_kubeconfig() -> Path:
 class Client:
     """A connection to the cluster: its credentials and its requests, with retries."""
 
-
     def __init__(
         self,
         api_client: Any,

@@ -72,6 +72,7 @@ class Taint:
 
 
 class Cordons(Watches):
+    """The node's cordon and our marker on it."""
 
     async def cordon(
         self, node: str, *, marker_prefix: str, timeout: float | None = None

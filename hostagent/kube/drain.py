@@ -242,8 +242,9 @@ def plan_drain(pods: Iterable[PodInfo], *, emptydir_ok: bool, unmanaged_ok: bool
 
 
 class Drains(Client):
-    last_drain: DrainReport | None = None  # what the last drain did, for status
+    """The drain of a node, as kubectl's."""
 
+    last_drain: DrainReport | None = None  # what the last drain did, for status
 
     # --- the drain -----------------------------------------------------------------------
 

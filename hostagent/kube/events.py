@@ -20,6 +20,7 @@ _HOSTNAME = socket.gethostname()
 
 
 class Events(Client):
+    """Events on the node."""
 
     async def post_event(self, node: str, *, reason: str, message: str,
                          warning: bool = False, timeout: float | None = None) -> None:

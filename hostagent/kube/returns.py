@@ -157,6 +157,7 @@ def expected_gpus(
 
 
 class Returns(Watches):
+    """What a return waits for before the uncordon."""
 
     async def wait_ready(self, node: str, *, timeout: float) -> None:
         """Return once `node` is Ready; raise NodeNotReady after `timeout` seconds."""

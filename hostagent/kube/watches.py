@@ -79,6 +79,7 @@ def requests_gpu(pod: Any, resources: Collection[str] = ("nvidia.com/gpu",)) -> 
 
 
 class Watches(Client):
+    """A node, and the pods on it, followed."""
 
     async def _watch_node(
         self, node: str, done: Callable[[Any], bool], deadline: float
