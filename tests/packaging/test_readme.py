@@ -249,6 +249,111 @@ def test_the_lab_by_hand_uses_the_venv_and_says_how_to_take_it_down() -> None:
     assert ".venv/bin/python -m tests.lab.lab" in text and "Ctrl-C" in text
 
 
+# --- figures: README quotes bench/RESULTS.md, the last complete `make bench` -------------
+
+RESULTS = README.parent / "bench" / "RESULTS.md"
+
+
+def results() -> dict[str, dict[str, list[str]]]:
+    """RESULTS.md's tables: the first header cell → {each row's first cell → its cells}."""
+    tables: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] | None = None
+    for line in RESULTS.read_text().splitlines():
+        if not line.startswith("|"):
+            current = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if current is None:
+            current = tables.setdefault(cells[0], {"": cells})
+        elif not set(line) <= set("|-"):
+            current[cells[0]] = cells
+    return tables
+
+
+def median_max(text: str) -> tuple[str, str]:
+    m = re.fullmatch(r"median ([\d.]+) (?:s|ms), max ([\d.]+) (?:s|ms)", text)
+    assert m, text
+    return m[1], m[2]
+
+
+def latest_table() -> list[list[str]]:
+    """README's "Latest" table of the benchmarks, as RESULTS.md has it."""
+    t = results()
+    hook = {name: dict(zip(t["hook"][""], cells, strict=True)) for name, cells in t["hook"].items()}
+    swap, agent_ = t["the partial swap"], t["the agent"]
+    rows = [
+        ["hook p99 with the agent up, over a bare `python3 -I -S`",
+         f"{hook['agent up']['Δp99 ms']} ms",
+         f"{hook['agent up']['budget']} ms: {hook['agent up']['verdict']}"],
+        ["hook p99, agent absent / hung",
+         f"{hook['agent absent']['Δp99 ms']} / {hook['agent hung']['Δp99 ms']} ms",
+         f"{hook['agent hung']['budget']} ms: {hook['agent absent']['verdict']} / "
+         f"{hook['agent hung']['verdict']}"],
+    ]
+    for leg, what in (("reclaim", "reclaim: `virsh start gaming1` → gaming1 running"),
+                      ("partial lend", "partial lend: gaming1 running → gpu-node uncordoned "
+                                       "with gpu-b and gpu-c"),
+                      ("regrow", "regrow: gaming1 off → gpu-node uncordoned with all three")):
+        total, _ = median_max(swap[f"{leg}: total"][1])
+        over, worst = median_max(swap[f"{leg}: overhead"][1])
+        rows.append([what, f"{total} s, of which hostagent {over} ms (max {worst})",
+                     swap[f"{leg}: overhead"][2].removeprefix("budget ")])
+    storm = next(k for k in agent_ if k.startswith("reconnect storm"))
+    answered = agent_["answered within the hook's budget"]
+    spooled, lost = agent_["spooled (budget ran out first), lost"][1].split(", ")
+    idle = next(k for k in agent_ if k.startswith("agent idle"))
+    rows += [
+        ["hook events absorbed", agent_["hook events absorbed"][1], ""],
+        [storm.replace("reconnect storm: ", ""),
+         f"{answered[1]} hooks answered within the budget, {spooled} spooled, {lost} lost",
+         "within budget: " + answered[2].split(";")[0]],
+        [f"{idle} (Kubernetes on)", agent_[idle][1], agent_[idle][2].removeprefix("budget ")],
+        ["import of `hostagent run`", agent_["import of `hostagent run`"][1], ""],
+    ]
+    return rows
+
+
+def test_the_latest_benchmarks_are_bench_results() -> None:
+    text = section("Benchmarks")
+    table = text[text.index("| | figure | budget |"):].split("\n\n", 1)[0].splitlines()[2:]
+    readme = [[c.strip() for c in line.strip().strip("|").split("|")] for line in table]
+    expected = latest_table()
+    assert readme == expected, "README's table, from bench/RESULTS.md:\n" + "\n".join(
+        f"| {' | '.join(r)} |" for r in expected)
+    measured = re.search(r"^Measured (.*?) at commit (\w+)", RESULTS.read_text(), re.M)
+    assert measured, "bench/RESULTS.md names the commit it measured"
+    assert f"commit {measured[2]}" in text
+
+
+def test_the_capacity_paragraph_is_bench_results() -> None:
+    t = results()["capacity: per week"]
+    columns = t[""][1:]
+
+    def cell(row: str, column: str) -> str:
+        return t[row][1 + columns.index(column)]
+
+    named = re.search(r"budget: the default \((.*?)\) lends", RESULTS.read_text())
+    assert named, "bench/RESULTS.md says which column is the default"
+    default = named[1]
+    share = "lent share (GPU-s lent ÷ GPU-s no owner holds)"
+    killed = "GPU jobs killed in all (each starts over)"
+    restarts = "restarts that killed a running GPU job"
+    paragraph = section("Partial lending: the lendee keeps every GPU no game needs")
+    paragraph = paragraph[paragraph.index("What it is worth"):]
+    said = " ".join(paragraph.split())
+    for column in ("all or nothing", "partial, always", "when-idle, no limit", default):
+        assert f"{cell(share, column)}" in said, (column, cell(share, column))
+        assert f"kills {cell(killed, column)} " in said, (column, cell(killed, column))
+    by_regrow = re.fullmatch(r"(\d+) \((\d+) by a regrow\)", cell(restarts, "partial, always"))
+    assert by_regrow and f"{by_regrow[2]} of its {by_regrow[1]} restarts that killed" in said
+    assert f"waits {cell('a regrow waiting for the node to be idle', 'when-idle, no limit')}" \
+        in said
+    weeks = next(r for r in t if r.endswith("budget met"))
+    assert f"{cell(weeks, default)} weeks" in said
+    assert cell("budget: lent share ≥ 99 %", default) == "met" and "meets the budget" in said
+    assert cell("budget: lent share ≥ 99 %", "when-idle, no limit") == "MISSED"
+
+
 def test_the_timeline_is_a_partial_swap() -> None:
     """README's docs/timeline.svg: gpu-node keeps gpu-b and gpu-c while gaming1 plays on
     gpu-a, and holds all three before and after."""
