@@ -231,6 +231,8 @@ class Agent:
 
     @save_failed.setter
     def save_failed(self, why: str | None) -> None:
+        if why != self.kept.save_failed:
+            self.health.forget()  # the "state file" check reads it
         self.kept.save_failed = why
 
     # ---- the one place where state changes -----------------------------------------

@@ -15,7 +15,9 @@ Anyone who may ask for the status (a key allowed `status` over SSH, anyone who r
 ``/healthz``) can ask thousands of times a second, and each run opens a connection to
 the hook socket, makes a libvirt call and a Kubernetes request. So a run is shared: a
 caller joins the run in flight rather than starting another, and takes the last
-results while they are younger than `Health.max_age`.
+results while they are younger than `Health.max_age`. When the agent itself changes what
+a check reads (the state file saved again), it says so (`Health.forget`): no caller is
+then given a run that began before.
 
 Who adds which check: the agent adds "libvirt", "hook socket" and "last lend verified";
 the Kubernetes wiring adds "kubernetes" with
@@ -66,6 +68,8 @@ class Health:
         self.last: list[CheckResult] = []  # the results of the latest run
         self._taken: float | None = None  # when the latest run began
         self._running: asyncio.Task[list[CheckResult]] | None = None
+        self._changes = 0  # counts `forget` calls; a run is current if none came after it began
+        self._run_of = 0  # the count when the run in flight (or the latest) began
 
     def add(self, name: str, probe: Probe) -> None:
         """Add (or replace) the check called `name`."""
@@ -73,6 +77,12 @@ class Health:
 
     def remove(self, name: str) -> None:
         self._probes.pop(name, None)
+
+    def forget(self) -> None:
+        """What a check reads has changed: the results so far, and the run in flight,
+        are not given to any later caller."""
+        self._changes += 1
+        self._taken = None
 
     @property
     def names(self) -> list[str]:
@@ -86,9 +96,14 @@ class Health:
         if (self._running is None and self._taken is not None
                 and self._clock() - self._taken < age):
             return self.last
-        if self._running is None:
-            self._running = asyncio.get_running_loop().create_task(self._run_all())
-        return await asyncio.shield(self._running)
+        while True:
+            if self._running is None:
+                self._run_of = self._changes
+                self._running = asyncio.get_running_loop().create_task(self._run_all())
+            run, began = self._running, self._run_of
+            results = await asyncio.shield(run)
+            if began == self._changes:
+                return results
 
     async def _run_all(self) -> list[CheckResult]:
         """Every check, concurrently; each gets `timeout` seconds."""
@@ -96,7 +111,8 @@ class Health:
         try:
             self.last = list(await asyncio.gather(
                 *(self._run(name, probe) for name, probe in self._probes.items())))
-            self._taken = began
+            if self._run_of == self._changes:
+                self._taken = began
             return self.last
         finally:
             self._running = None

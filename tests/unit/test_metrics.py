@@ -209,6 +209,37 @@ async def test_health_is_one_run_shared_by_every_caller_and_briefly_kept() -> No
     assert gone.cancelled()
 
 
+async def test_health_forgets_results_older_than_a_change_it_is_told_of() -> None:
+    """The state file is saved again: a status asked just after shows it, neither the
+    kept results nor a run begun before the save."""
+    now = 100.0
+    saved = False
+    gate = asyncio.Event()
+    gate.set()
+
+    async def probe() -> str:
+        seen = saved  # read at the start of a run, as the agent's check does
+        await gate.wait()
+        return "saved" if seen else "refused"
+
+    h = Health(clock=lambda: now)
+    h.add("state file", probe)
+    assert (await h.check())[0].detail == "refused"
+    saved = True
+    h.forget()
+    assert (await h.check())[0].detail == "saved"  # within max_age, yet run again
+    # A run in flight when told: its callers get the run after it.
+    saved = False
+    gate.clear()
+    caller = asyncio.create_task(h.check(max_age=0))
+    await asyncio.sleep(0)
+    saved = True
+    h.forget()
+    gate.set()
+    assert (await caller)[0].detail == "saved"
+    assert (await h.check())[0].detail == "saved"  # and that later run is kept
+
+
 async def test_socket_check_connects(tmp_path: Path) -> None:
     path = tmp_path / "hook.sock"
     probe = health.socket_answers(path, "hook socket")
