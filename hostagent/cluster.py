@@ -41,7 +41,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Collection
 from typing import Protocol
 
-from hostagent import dra, hotplug, journal
+from hostagent import dra, journal
 from hostagent.config import Config, DrainTimeoutAction, GpuApi
 from hostagent.health import CheckFailed
 from hostagent.kube import (
@@ -357,8 +357,7 @@ class KubeCluster:
         before = (self.expected, self.dra)
         try:
             expected = await self.expect(lent)
-            deleted = await hotplug.restart_plugins(self.kube, self.node,
-                                                    timeout=self.timeouts.ready)
+            deleted = await self.kube.restart_plugins(self.node, timeout=self.timeouts.ready)
             journal.record("hotplug", f"restarted {', '.join(deleted) or 'no plugin pod'} on "
                            f"node {self.node} to advertise {', '.join(sorted(lent))}",
                            vm=self.node, result="ok")

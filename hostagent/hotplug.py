@@ -10,7 +10,7 @@ executor's step, in four bounded parts, each of which must hold before the next:
    nvidia-smi through the guest agent, the same check as a return's);
 3. the node must advertise them: the device plugin's pods (or the DRA kubelet
    plugin's) on the node are deleted so that their DaemonSet starts them again, and
-   they enumerate the GPUs anew (`Cluster.grow`);
+   they enumerate the GPUs anew (`Cluster.grow`, `Kube.restart_plugins`);
 4. only then is the GPU lent (`GpusAttached`).
 
 A part that fails within its bound reports `AttachFailed` with the reason journaled;
@@ -21,17 +21,13 @@ them), the others wait for a regrow by restart. Nothing is ever detached.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from hostagent import clock, journal
 from hostagent.libvirt_host import HostError, Libvirt
 from hostagent.model import AttachFailed, GpusAttached
 from hostagent.parts import Apply, Cluster, View
-
-if TYPE_CHECKING:
-    from hostagent.kube import Kube
 
 
 class Step(Protocol):
@@ -47,16 +43,9 @@ class Step(Protocol):
 
     async def _verify_gpus(self, ticket: int, lent: frozenset[str]) -> str | None: ...
 
+
 # How long libvirt may take to attach, and the live XML to list, every function.
 ATTACH_BOUND = 60.0
-
-# The pods that advertise GPUs to the kubelet, as the common installs label them: the
-# GPU Operator's device plugin, NVIDIA's Helm chart of it, and NVIDIA's DRA driver.
-PLUGIN_SELECTORS = (
-    "app=nvidia-device-plugin-daemonset",
-    "app.kubernetes.io/name=nvidia-device-plugin",
-    "app.kubernetes.io/name=nvidia-dra-driver-gpu",
-)
 
 
 async def hot_add(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
@@ -108,26 +97,3 @@ async def _attach(ex: Step, gpus: frozenset[str]) -> str | None:
         return f"libvirt did not attach them within {ATTACH_BOUND:g}s"
     except HostError as e:
         return str(e)
-
-
-async def restart_plugins(kube: Kube, node: str, *, timeout: float) -> list[str]:
-    """Delete the GPU-advertising plugin pods on `node` (`PLUGIN_SELECTORS`), whose
-    DaemonSets start them again: a device plugin enumerates GPUs when it starts, so a
-    GPU added later is advertised only then. The names of the pods deleted."""
-    # The adapter's retrying call and client: a delete by label is this module's alone.
-    core: Any = kube._core
-    deadline = time.monotonic() + timeout
-    deleted: list[str] = []
-    for selector in PLUGIN_SELECTORS:
-        pods = await kube._call(
-            f"list pods {selector} on node {node}",
-            functools.partial(core.list_pod_for_all_namespaces,
-                              field_selector=f"spec.nodeName={node}", label_selector=selector),
-            kube._now() + max(0.0, deadline - time.monotonic()))
-        for pod in pods.items or []:
-            namespace, name = pod.metadata.namespace, pod.metadata.name
-            await kube._call(f"delete pod {namespace}/{name}",
-                             functools.partial(core.delete_namespaced_pod, name, namespace),
-                             kube._now() + max(0.0, deadline - time.monotonic()))
-            deleted.append(f"{namespace}/{name}")
-    return deleted

@@ -8,6 +8,7 @@ listed by UUID in a DRA driver's ResourceSlices (`wait_devices`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 from collections.abc import (
     Callable,
@@ -28,6 +29,7 @@ from hostagent.kube.client import (
     _gpus,
     _is_ready,
     _listed,
+    _pods,
     _ready,
 )
 from hostagent.kube.watches import Watches
@@ -49,6 +51,14 @@ GFD_MIG_STRATEGY = "nvidia.com/mig.strategy"
 
 
 _GFD_MIG_COUNT = re.compile(r"nvidia\.com/(mig-[^/]+)\.count")
+
+# The pods that advertise GPUs to the kubelet, as the common installs label them: the
+# GPU Operator's device plugin, NVIDIA's Helm chart of it, and NVIDIA's DRA driver.
+PLUGIN_SELECTORS = (
+    "app=nvidia-device-plugin-daemonset",
+    "app.kubernetes.io/name=nvidia-device-plugin",
+    "app.kubernetes.io/name=nvidia-dra-driver-gpu",
+)
 
 
 @dataclass(frozen=True)
@@ -199,6 +209,27 @@ class Returns(Watches):
         capacity = (current.status.capacity if current.status is not None else None) or {}
         return (dict(current.metadata.labels or {}), _annotations(current),
                 {k: str(v) for k, v in capacity.items()})
+
+    async def restart_plugins(self, node: str, *, timeout: float) -> list[str]:
+        """Delete the GPU-advertising plugin pods on `node` (`PLUGIN_SELECTORS`), whose
+        DaemonSets start them again: a device plugin enumerates GPUs when it starts, so a
+        GPU added or removed later is advertised as such only then. The names of the pods
+        deleted."""
+        deadline = self._deadline(timeout)
+        deleted: list[str] = []
+        for selector in PLUGIN_SELECTORS:
+            pods = await self._call(
+                f"list pods {selector} on node {node}",
+                functools.partial(self._core.list_pod_for_all_namespaces,
+                                  field_selector=f"spec.nodeName={node}",
+                                  label_selector=selector), deadline, readable=_pods)
+            for pod in pods.items or []:
+                namespace, name = pod.metadata.namespace, pod.metadata.name
+                await self._call(f"delete pod {namespace}/{name}",
+                                 functools.partial(self._core.delete_namespaced_pod, name,
+                                                   namespace), deadline)
+                deleted.append(f"{clean(namespace, 253)}/{clean(name, 253)}")
+        return deleted
 
     # --- DRA: the node's devices ----------------------------------------------------------
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hostagent import hotplug, lint
+from hostagent import lint
 from hostagent.cluster import KubeCluster
 from hostagent.config import Config, ConfigError, parse
 from hostagent.kube import Kube, Timing
@@ -262,7 +262,7 @@ async def test_only_the_gpu_plugins_pods_on_the_node_are_restarted(
         labels={"app": "nvidia-device-plugin-daemonset"})
     add("train-1", node="gpu-node", owner="Job/train", labels={"app": "train"},
         gpus={"nvidia.com/gpu": 1})
-    deleted = await hotplug.restart_plugins(kube, "gpu-node", timeout=5)
+    deleted = await kube.restart_plugins("gpu-node", timeout=5)
     assert deleted == ["gpu-operator/nvidia-device-plugin-daemonset-x1",
                        "nvidia-dra/nvidia-dra-driver-gpu-kubelet-plugin-k2"]
     assert gone(api, "gpu-operator", "nvidia-device-plugin-daemonset-x1")
