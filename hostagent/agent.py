@@ -259,9 +259,10 @@ class Agent:
             self._save()
         if old.ticket != new.ticket:
             self.executor.supervise(new.ticket)
-        if new.phase is Phase.LENT and old.ticket != new.ticket and not new.attaching:
-            # A step of LENT: it ends with the phase (see _supervise), and a hot-add,
-            # which enters LENT anew, ends it too: the node's count changes.
+        if (new.phase is Phase.LENT and old.ticket != new.ticket and not new.attaching
+                and not new.detaching):
+            # A step of LENT: it ends with the phase (see _supervise), and a hot-add or
+            # a hot-unplug, which enter LENT anew, end it too: the node's count changes.
             self.executor.spawn(self.cluster.watch_lent(on_view=self._node_view), ticket=new.ticket)
         if new.phase in (Phase.OFF, Phase.FAILED) and old.ticket != new.ticket:
             # Its node cordoned by us for long (a game, a human asked to look): a step

@@ -64,7 +64,9 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     regrow = "when-idle"                    # add GPUs a game freed (a restart): "when-idle"
                                             # (no GPU pod on the node), "always" or "never"
     regrow_max_wait = "2m"                  # when-idle restarts anyway after this; "": no limit
-    hotplug = "none"                        # "add": attach freed GPUs live, no restart
+    hotplug = "none"                        # "add": attach freed GPUs live, no restart;
+                                            # "both" (experimental): also detach a game's
+                                            # GPU live, evicting only the pods using it
 
     [verify]                                # after a lend: does the guest see its GPUs?
     method = "guest-agent"                  # "guest-agent" (guest-exec), "ssh" or "none"
@@ -145,6 +147,11 @@ Rules beyond the types:
 - ``policy.hotplug = "add"`` attaches the GPUs a game freed to the running lendee
   (its live definition only) instead of that restart; a hot-add that fails leaves
   them to the regrow. ``"none"`` (the default): every change is a restart.
+  ``"both"`` (experimental) also takes a game's GPU from the running lendee live when
+  it keeps ``min_gpus`` without it: only the pods using it are evicted, and a detach
+  that fails or is in doubt falls back to the reclaim by restart. NVIDIA does not
+  support hot-unplug of its GPUs, and some drivers hang an unbind begun while a
+  client holds the GPU: read `hostagent lint` and the driver's release notes first.
 - An owner may keep a GPU the lendee does not borrow: hostagent leaves it alone.
 - A ``[gpus]`` entry nobody references is allowed and ignored.
 - Timeouts must be longer than zero; ``relend_delay``, ``force_off_after`` and
@@ -385,7 +392,8 @@ class Policy:
     # A when-idle regrow restarts the lendee anyway after this long; None: waits as long
     # as GPU pods run. Waiting leaves the freed GPUs idle: bench/capacity.py weighs it.
     regrow_max_wait: float | None = field(default=120.0, metadata=_key(_optional_duration))
-    # "add": GPUs a game freed are attached to the running lendee, no drain, no restart.
+    # "add": GPUs a game freed are attached to the running lendee, no drain, no restart;
+    # "both" (experimental): an owner's GPUs are detached live too, the restart its fallback.
     hotplug: Hotplug = field(default=Hotplug.NONE, metadata=_key(_choice(Hotplug)))
 
 

@@ -31,7 +31,10 @@ free up while it runs are taken by restarting it (a regrow, per ``policy.regrow`
 
 In LENT, GPUs a game freed are added by a restart (a regrow: the reclaim's road, then
 a start with more), or with ``policy.hotplug`` attached live (`AttachGpus`; LENT is
-entered anew until `GpusAttached` or `AttachFailed`).
+entered anew until `GpusAttached` or `AttachFailed`). With ``policy.hotplug = "both"``
+an owner's GPUs are taken back live too when the lendee keeps enough without them
+(`DetachGpus`; LENT entered anew until `GpusDetached`, which starts the owner and
+returns the node through JOINING, or `DetachFailed`, which takes the reclaim's road).
 
 FAILED is where the lendee stays, running, when a step cannot finish without a human:
 its guest agent never answered, it ignored a shutdown, or the node came back without
@@ -96,6 +99,8 @@ from hostagent.model import (
     CancelIntent,
     CancelRelend,
     CompleteIntent,
+    DetachFailed,
+    DetachGpus,
     Drain,
     Drained,
     DrainFailed,
@@ -104,6 +109,7 @@ from hostagent.model import (
     ForceOff,
     GpuPods,
     GpusAttached,
+    GpusDetached,
     Hold,
     Hotplug,
     Intent,
@@ -176,10 +182,11 @@ class _Ctx:
 def _enter(state: State, phase: Phase, **changes: Any) -> State:
     """`state` in `phase`, with a new ticket: actions and reports of the previous phase
     go stale. No phase begins with a shutdown already sent (STOPPING sends its own), and
-    a regrow goes on only from its drain to its shutdown, a hot-add only within its own
-    entry of LENT."""
+    a regrow goes on only from its drain to its shutdown, a hot-add or a hot-unplug only
+    within its own entry of LENT."""
     changes.setdefault("regrowing", state.regrowing and phase is Phase.STOPPING)
     changes.setdefault("attaching", frozenset())
+    changes.setdefault("detaching", frozenset())
     return replace(state, phase=phase, ticket=state.ticket + 1, shutdown_sent=False, **changes)
 
 
@@ -189,7 +196,7 @@ def _stale(state: State, event: Event, why: str) -> IllegalTransition:
 
 _Report = (
     AgentUp | AgentTimeout | Drained | DrainFailed | ShutdownTimeout | ReturnDone | ReturnFailed
-    | GpusAttached | AttachFailed
+    | GpusAttached | AttachFailed | GpusDetached | DetachFailed
 )
 
 
@@ -280,6 +287,7 @@ def _regrow_gains(state: State, ctx: _Ctx) -> bool:
     as allowed."""
     return (
         not state.hold
+        and not state.detaching
         and ctx.policy.partial
         and (ctx.policy.regrow is not Regrow.NEVER or _hot_add(state, ctx))
         and not _pending_claimants(state, ctx.topo)
@@ -291,6 +299,21 @@ def _hot_add(state: State, ctx: _Ctx) -> bool:
     """Whether GPUs freed while the lendee runs are attached live rather than by a
     restart: the policy says so, and no hot-add failed since it started."""
     return ctx.policy.hotplug is not Hotplug.NONE and not state.hotadd_failed
+
+
+def _unplug(state: State, owner: str, ctx: _Ctx) -> frozenset[str] | None:
+    """The GPUs to detach live so that `owner` can start, or None when the reclaim must
+    restart the lendee: the policy says "both", the lendee is lent and steady (no
+    hot-add, hot-unplug or reclaim under way, none failed since it started), partial
+    lending is on, and it keeps at least ``min_gpus`` without them. Whole IOMMU groups:
+    `Topology.claims` counts every GPU that shares one with the owner's."""
+    take = ctx.topo.claims(owner) & state.lent
+    steady = (state.phase is Phase.LENT and not state.attaching and not state.detaching
+              and not state.reclaiming and not state.unplug_failed)
+    if (ctx.policy.hotplug is not Hotplug.BOTH or not steady or not ctx.policy.partial
+            or len(state.lent - take) < max(1, ctx.policy.min_gpus)):
+        return None
+    return take
 
 
 def _schedule_relend(state: State, ctx: _Ctx, due: float) -> _Outcome:
@@ -387,6 +410,10 @@ def _owner_wants(state: State, event: OwnerWants, ctx: _Ctx) -> _Outcome:
     - With the lendee running with its GPUs, a reclaim begins (or the one under way is
       joined: one drain and one shutdown serve two owners that asked 100 ms apart). From
       FAILED this is the retry: the player asking again is the signal to try again.
+    - Unless, lent and steady, it can give them up live (`_unplug`): LENT is entered
+      anew with them being detached (still ``lent`` until libvirt has removed them, so
+      the owner waits); another owner wanting another lent GPU meanwhile takes the
+      reclaim's road, which frees everything.
     """
     _check_owner(state, event, event.owner, ctx)
     if any(i.id == event.intent_id for i in state.intents):
@@ -405,7 +432,13 @@ def _owner_wants(state: State, event: OwnerWants, ctx: _Ctx) -> _Outcome:
         return new, []
     if state.phase in (Phase.DRAINING, Phase.STOPPING):
         return _join_reclaim(new)
-    return _reclaim(new)
+    if state.detaching and ctx.topo.claims(event.owner) & state.lent <= state.detaching:
+        return new, []  # its GPUs are on their way out already: it waits for them
+    take = _unplug(new, event.owner, ctx)
+    if take is None:
+        return _reclaim(new)
+    new = _enter(new, Phase.LENT, detaching=take)
+    return new, [DetachGpus(ticket=new.ticket, gpus=take)]
 
 
 def _owner_started(state: State, event: OwnerStarted, ctx: _Ctx) -> _Outcome:
@@ -770,6 +803,31 @@ def _attach_failed(state: State, event: AttachFailed, ctx: _Ctx) -> _Outcome:
     return _schedule_relend(new, ctx, event.at + ctx.policy.relend_delay)
 
 
+def _gpus_detached(state: State, event: GpusDetached, ctx: _Ctx) -> _Outcome:
+    """LENT, detaching → JOINING without them: the owners that waited for them start
+    now, and the node, cordoned for the evictions, is returned the usual way (its GPU
+    plugins restarted first, to advertise the rest), verified before its uncordon."""
+    _check_ticket(state, event)
+    if event.gpus != state.detaching:
+        raise _stale(state, event, "not the GPUs being detached")
+    new = _enter(state, Phase.JOINING, lent=state.lent - state.detaching)
+    starts: list[Action] = [StartOwner(owner=o) for o in new.waiting_owners
+                            if ctx.topo.claims(o) & state.detaching]
+    return new, [*starts, KubeReturn(ticket=new.ticket, restart_plugins=True)]
+
+
+def _detach_failed(state: State, event: DetachFailed, ctx: _Ctx) -> _Outcome:
+    """LENT, detaching → DRAINING: a step failed, something was in doubt or the bound
+    ran out (the executor journaled which). The reclaim by restart frees the GPUs for
+    sure, whatever the guest did with them (they stay in ``lent`` until it stops), and
+    no hot-unplug is tried again until the lendee restarts. Nothing is lost: the
+    intents wait as for any reclaim, and the node is cordoned already."""
+    _check_ticket(state, event)
+    if event.gpus != state.detaching:
+        raise _stale(state, event, "not the GPUs being detached")
+    return _reclaim(replace(state, unplug_failed=True))
+
+
 def _agent_up_booting(state: State, event: AgentUp, ctx: _Ctx) -> _Outcome:
     """BOOTING → JOINING: the guest answers; now the node must rejoin, whole.
 
@@ -921,7 +979,7 @@ def _lendee_stopped(state: State, event: LendeeStopped, ctx: _Ctx) -> _Outcome:
     that stopped during a reclaim may be rebooting)."""
     new = _enter(
         state, Phase.OFF, agent_up=False, reason=None, lent=frozenset(), reclaiming=False,
-        regrow_waiting=False, hotadd_failed=False,
+        regrow_waiting=False, hotadd_failed=False, unplug_failed=False,
     )
     starts = _start_waiting(new, ctx.topo)
     new, relend = _schedule_relend(new, ctx, event.at + ctx.policy.relend_delay)
@@ -993,6 +1051,8 @@ _BY_PHASE: dict[Phase, dict[type[Event], _Rule]] = {
             _on(RelendDue, _regrow_due),
             _on(GpusAttached, _gpus_attached),
             _on(AttachFailed, _attach_failed),
+            _on(GpusDetached, _gpus_detached),
+            _on(DetachFailed, _detach_failed),
             *_STOPS.items(),
         ]
     ),
@@ -1113,6 +1173,11 @@ def verdict(
                 f"{lendee} is starting and would take {held}; hostagent frees them first "
                 f"(shutting {lendee} down cleanly if it got them), and {later} then"
             )
+        case Phase.LENT if topo.claims(domain) & state.lent <= state.detaching:
+            what = (
+                f"hostagent is taking {held} from {lendee} while it runs (or, failing "
+                f"that, shutting it down), and {later} then"
+            )
         case Phase.BOOTING | Phase.JOINING | Phase.LENT:
             what = (
                 f"{lendee} holds {held}; hostagent is draining it and shutting it "
@@ -1149,6 +1214,8 @@ def still_wanted(state: State, action: Action, *, topo: Topology) -> bool:
             return action.ticket == state.ticket
         case AttachGpus(ticket=ticket, gpus=gpus):
             return ticket == state.ticket and gpus == state.attaching
+        case DetachGpus(ticket=ticket, gpus=gpus):
+            return ticket == state.ticket and gpus == state.detaching
         case StartOwner(owner=owner):
             if not state.intents_of(owner) or owner in state.running_owners:
                 return False

@@ -58,6 +58,7 @@ from hostagent.ratelimit import Summarised
 from hostagent.model import (
     AgentTimeout,
     AttachFailed,
+    DetachFailed,
     DrainFailed,
     Event,
     Observed,
@@ -80,6 +81,7 @@ FAILURE_KINDS: dict[type[Event], str] = {
     ReturnFailed: "return",  # the node did not come back whole (Ready, GPUs, verification)
     StartFailed: "start",  # a VM (owner or lendee) could not be started
     AttachFailed: "hotplug",  # a hot-add did not end with the GPU lent
+    DetachFailed: "hotplug",  # a hot-unplug gave way to the reclaim by restart
 }
 
 # The classic text format, which every Prometheus reads; every name here fits it.

@@ -21,9 +21,9 @@ The executor runs actions concurrently with everything else, so an action can ou
 the situation that asked for it, and so can its report (the node was drained while the
 boot-time `WaitAgent` was still waiting, and its timeout now lands in the middle of the
 shutdown). The lendee's actions (`Drain`, `WaitAgent`, `ShutdownLendee`, `ForceOff`,
-`KubeReturn`, `AttachGpus`) carry the ``ticket`` of the phase that issued them; the
-machine bumps the ticket whenever it enters a phase (a hot-add enters LENT anew, and
-its end once more). Both directions use it:
+`KubeReturn`, `AttachGpus`, `DetachGpus`) carry the ``ticket`` of the phase that issued
+them; the machine bumps the ticket whenever it enters a phase (a hot-add or a
+hot-unplug enters LENT anew, and its end once more). Both directions use it:
 
 - a report (`AgentUp`, `Drained`, ...) carries its action's ticket back, and the machine
   refuses one whose ticket is not current;
@@ -52,12 +52,15 @@ __all__ = [
     "Drain",
     "DrainFailed",
     "Drained",
+    "DetachFailed",
+    "DetachGpus",
     "Event",
     "CancelIntent",
     "FailIntent",
     "ForceOff",
     "GpuPods",
     "GpusAttached",
+    "GpusDetached",
     "Hold",
     "Hotplug",
     "Intent",
@@ -187,6 +190,11 @@ class Hotplug(enum.StrEnum):
 
     NONE = "none"  # every change is a restart (drain, shutdown, start)
     ADD = "add"  # GPUs a game freed are attached live; a reclaim still restarts
+    # Experimental: a game's GPU is also detached live from the running lendee (only
+    # the pods using it evicted), the restart its fallback. NVIDIA does not support
+    # hot-unplug of its GPUs, and some drivers hang an unbind begun while a client
+    # holds the GPU: the agent checks that none does first, and bounds the wait.
+    BOTH = "both"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -206,7 +214,7 @@ class Policy:
     to end before it restarts the lendee anyway (None: as long as they run). Every
     second of it leaves the freed GPUs idle while the pods use the others.
     ``hotplug``: see `Hotplug`; a hot-add that fails leaves its GPUs to a regrow by
-    restart, as ``regrow`` says.
+    restart, as ``regrow`` says, and a hot-unplug that fails to the reclaim by restart.
     """
 
     relend_delay: float = 30.0
@@ -281,6 +289,9 @@ class State:
     ``attaching``: in LENT, GPUs being attached live (already in ``lent``: the lendee
     may hold them from the first call on). ``hotadd_failed``: a hot-add failed since the
     lendee started, so the GPUs it left wait for a restart.
+    ``detaching``: in LENT, GPUs an owner waits for being detached live (still in
+    ``lent`` until libvirt says they are gone). ``unplug_failed``: a hot-unplug failed
+    since the lendee started, so every reclaim until it restarts is a restart.
     """
 
     phase: Phase = Phase.OFF
@@ -301,6 +312,8 @@ class State:
     regrowing: bool = False
     attaching: frozenset[str] = frozenset()
     hotadd_failed: bool = False
+    detaching: frozenset[str] = frozenset()
+    unplug_failed: bool = False
 
     def intents_of(self, owner: str) -> tuple[Intent, ...]:
         return tuple(i for i in self.intents if i.owner == owner)
@@ -449,6 +462,25 @@ class AttachFailed(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class GpusDetached(Event):
+    """Report of `DetachGpus`: the pods using the GPUs were evicted, nothing in the guest
+    used them, and the live definition no longer lists any of their functions."""
+
+    ticket: int
+    gpus: frozenset[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DetachFailed(Event):
+    """Report of `DetachGpus`: a step failed, found something in doubt or ran out of its
+    bound; the lendee may hold the GPUs still (only its stop frees them for sure)."""
+
+    ticket: int
+    gpus: frozenset[str]
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class RelendDue(Event):
     """The relend timer set by `ScheduleRelend` fired."""
 
@@ -544,15 +576,27 @@ class StartLendee(Action):
 @dataclass(frozen=True, kw_only=True)
 class KubeReturn(Action):
     """Wait Ready and the GPUs, then uncordon (if we cordoned). Reports `ReturnDone`
-    or `ReturnFailed`."""
+    or `ReturnFailed`. ``restart_plugins``: the lendee lost GPUs while it ran (a
+    hot-unplug); the GPU plugins' pods on the node restart first, to advertise the rest."""
 
     ticket: int
+    restart_plugins: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
 class AttachGpus(Action):
     """Attach `gpus` to the running lendee (its live definition only), wait for them in
     the guest, have the node advertise them. Reports `GpusAttached` or `AttachFailed`."""
+
+    ticket: int
+    gpus: frozenset[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DetachGpus(Action):
+    """Take `gpus` from the running lendee live: cordon its node, evict the pods using
+    them, check that nothing in the guest does, detach every function and wait until
+    libvirt has removed them, within a bound. Reports `GpusDetached` or `DetachFailed`."""
 
     ticket: int
     gpus: frozenset[str]

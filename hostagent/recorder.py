@@ -12,6 +12,7 @@ from hostagent.model import (
     DrainFailed,
     Event,
     GpuPods,
+    GpusDetached,
     Intent,
     IntentSource,
     Phase,
@@ -56,6 +57,12 @@ class Recorder:
         held = self.topo.lendee_gpus - new.lent
         others = f" ({self.topo.gpu_names(held)} not lent)" if held and new.lent else ""
         returning = f"{lendee}'s guest agent answered: returning it to the cluster"
+        if isinstance(event, GpusDetached):
+            starting = ", ".join(o for o in new.waiting_owners
+                                 if self.topo.claims(o) & event.gpus) or "nobody now"
+            returning = (f"{self.topo.gpu_names(event.gpus)} detached from {lendee} while it "
+                         f"runs, for {starting}: its node is verified with {gpus} and "
+                         "uncordoned")
         if old.regrowing and new.phase in (Phase.BOOTING, Phase.JOINING):
             why, then = "it would gain no GPU now", ""
             if isinstance(event, DrainFailed):

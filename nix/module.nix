@@ -219,10 +219,11 @@ in
                 types.enum [
                   "none"
                   "add"
+                  "both"
                 ]
               );
               default = null;
-              description = "Whether GPUs a game freed are attached to the running lendee (`add`: its live definition only, no drain, no restart; one that fails waits for a regrow) or every change is a restart (`none`) (the agent's default: `\"none\"`).";
+              description = "Whether GPUs a game freed are attached to the running lendee (`add`: its live definition only, no drain, no restart; one that fails waits for a regrow), also detached live when a game takes one back (`both`, experimental: only the pods using it are evicted, the restart its fallback; NVIDIA does not support hot-unplug of its GPUs) or every change is a restart (`none`) (the agent's default: `\"none\"`).";
             };
           };
         };

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "hostagent"
 LONGEST = 800
 # The machine is the whole policy, read in one sitting (its opening says how). Any
 # other module that grows past LONGEST is split by concern (as hostagent.kube is).
-LONGER = {"hostagent.machine": 1200}
+LONGER = {"hostagent.machine": 1250}
 
 
 def modules() -> dict[str, Path]:

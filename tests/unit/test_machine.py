@@ -38,6 +38,7 @@ from hostagent.model import (
     AgentTimeout,
     AgentUp,
     AttachFailed,
+    DetachFailed,
     CancelIntent,
     CancelRelend,
     CompleteIntent,
@@ -49,6 +50,7 @@ from hostagent.model import (
     ForceOff,
     GpuPods,
     GpusAttached,
+    GpusDetached,
     Hold,
     Intent,
     IntentSource,
@@ -700,7 +702,8 @@ def test_every_legal_pair_has_a_row_or_a_scenario() -> None:
         Phase.OFF: every | {RelendDue, LendeeStarted},
         Phase.BOOTING: every | running_stop | {AgentUp, AgentTimeout},
         Phase.JOINING: every | running_stop | {ReturnDone, ReturnFailed},
-        Phase.LENT: every | running_stop | {RelendDue, GpusAttached, AttachFailed},
+        Phase.LENT: every | running_stop | {RelendDue, GpusAttached, AttachFailed,
+                                            GpusDetached, DetachFailed},
         Phase.DRAINING: every | running_stop | {Drained, DrainFailed},
         Phase.STOPPING: every | running_stop | {AgentUp, AgentTimeout, ShutdownTimeout},
         Phase.FAILED: every | running_stop,
@@ -712,9 +715,10 @@ def test_every_legal_pair_has_a_row_or_a_scenario() -> None:
     assert isinstance(TRANSITIONS, MappingProxyType)
     covered = {(row[1].phase, type(row[2])) for row in ROWS}
     # Observed is covered by its own tests below, the events of partial lending (and a
-    # regrow due in LENT) in test_partial.py, those of a hot-add in test_hotplug.py; the
-    # rest must each have a row.
-    partial = {Observed, OwnerStarting, CancelIntent, GpuPods, GpusAttached, AttachFailed}
+    # regrow due in LENT) in test_partial.py, those of a hot-add in test_hotplug.py and
+    # of a hot-unplug in test_unplug.py; the rest must each have a row.
+    partial = {Observed, OwnerStarting, CancelIntent, GpuPods, GpusAttached, AttachFailed,
+               GpusDetached, DetachFailed}
     rest = {k for k in TRANSITIONS if k[1] not in partial and k != (Phase.LENT, RelendDue)}
     assert rest <= covered
 
@@ -745,6 +749,8 @@ EXAMPLES: list[Event] = [
     GpuPods(at=AT, count=0),
     GpusAttached(at=AT, ticket=T, gpus=frozenset({"gpu-a"})),
     AttachFailed(at=AT, ticket=T, gpus=frozenset({"gpu-a"}), held=frozenset(), reason="x"),
+    GpusDetached(at=AT, ticket=T, gpus=frozenset({"gpu-a"})),
+    DetachFailed(at=AT, ticket=T, gpus=frozenset({"gpu-a"}), reason="x"),
 ]
 
 

@@ -42,9 +42,13 @@ from hostagent.model import (
     Action,
     AgentTimeout,
     AgentUp,
+    AttachFailed,
+    AttachGpus,
     CancelIntent,
     CancelRelend,
     CompleteIntent,
+    DetachFailed,
+    DetachGpus,
     Drain,
     Drained,
     DrainFailed,
@@ -52,7 +56,10 @@ from hostagent.model import (
     FailIntent,
     ForceOff,
     GpuPods,
+    GpusAttached,
+    GpusDetached,
     Hold,
+    Hotplug,
     IntentSource,
     KubeReturn,
     LendeeStarted,
@@ -874,6 +881,7 @@ class World(RuleBasedStateMachine):
         self.state = State()
         self.now = 0.0
         self.live: frozenset[str] | None = None  # the lendee's GPUs while it runs
+        self.attached: frozenset[str] = frozenset()  # asked to attach since it started
         self.guest_ready = False
         self.answered = False
         self.owners_up: set[str] = set()
@@ -918,6 +926,9 @@ class World(RuleBasedStateMachine):
                 assert self.open.pop(i) == o, f"intent {i} failed twice or never opened"
             case ForceOff():
                 assert self.policy.force_off, "ForceOff without force_off_after"
+                self.queue.append(action)
+            case AttachGpus(gpus=g):
+                self.attached |= g
                 self.queue.append(action)
             case ShutdownLendee():
                 assert before.phase is Phase.STOPPING
@@ -976,6 +987,7 @@ class World(RuleBasedStateMachine):
 
     def start_lendee(self, gpus: frozenset[str]) -> None:
         self.live, self.guest_ready, self.answered = gpus, False, False
+        self.attached = frozenset()
         self.deliver(LendeeStarted(at=self.now))
 
     def stop_lendee(self) -> None:
@@ -1029,6 +1041,24 @@ class World(RuleBasedStateMachine):
                 event = (ReturnDone(at=self.now, ticket=t) if ok
                          else ReturnFailed(at=self.now, ticket=t, reason="short"))
                 self.deliver(event, may_be_stale=stale)
+            case AttachGpus(ticket=t, gpus=g):
+                assert self.live is not None
+                assert not g & self.owned(self.owners_up | self.owners_starting)
+                if ok:
+                    self.live |= g
+                    self.deliver(GpusAttached(at=self.now, ticket=t, gpus=g))
+                else:
+                    self.deliver(AttachFailed(at=self.now, ticket=t, gpus=g,
+                                              held=frozenset(), reason="x"))
+            case DetachGpus(ticket=t, gpus=g):
+                assert self.policy.hotplug is Hotplug.BOTH
+                assert self.live is not None and g <= self.live
+                assert len(self.live - g) >= self.policy.min_gpus
+                if ok:  # else it never left: the guest held on to it
+                    self.live -= g
+                    self.deliver(GpusDetached(at=self.now, ticket=t, gpus=g))
+                else:
+                    self.deliver(DetachFailed(at=self.now, ticket=t, gpus=g, reason="x"))
             case _:
                 raise AssertionError(f"unexpected queued action {action}")
 
@@ -1042,11 +1072,13 @@ class World(RuleBasedStateMachine):
         delay=st.sampled_from([30.0, 0.0]),
         lendee=st.sampled_from([None, ALL, gpus(B, C), gpus(C)]),
         owners=st.sets(st.sampled_from(OWNERS)),
+        hotplug=st.sampled_from(list(Hotplug)),
     )
     def boot(self, partial: bool, regrow: Regrow, min_gpus: int, force_off: bool,
-             delay: float, lendee: frozenset[str] | None, owners: set[str]) -> None:
+             delay: float, lendee: frozenset[str] | None, owners: set[str],
+             hotplug: Hotplug) -> None:
         self.policy = Policy(relend_delay=delay, force_off=force_off, partial=partial,
-                             min_gpus=min_gpus, regrow=regrow)
+                             min_gpus=min_gpus, regrow=regrow, hotplug=hotplug)
         # A host that comes up with a consistent set of VMs running (all or nothing
         # never ran the lendee with a subset).
         if lendee is not None and (not partial or len(lendee) < min_gpus):
@@ -1195,11 +1227,16 @@ class World(RuleBasedStateMachine):
 
     @invariant()
     def the_live_set_never_meets_a_claim(self) -> None:
+        """Lent, nothing an owner claims is the lendee's; but for the GPUs being detached
+        for the owners that wait for them."""
         s = self.state
         if s.phase in (Phase.BOOTING, Phase.JOINING, Phase.LENT):
-            assert not s.lent & self.claimed(s), f"{s.phase} with {sorted(s.lent)}: {s}"
+            kept = s.lent - s.detaching
+            assert not kept & self.claimed(s), f"{s.phase} with {sorted(s.lent)}: {s}"
+            assert not s.lent & self.owned(s.running_owners | s.starting_owners)
             world = self.owned(self.owners_up | self.owners_starting | set(s.waiting_owners))
-            assert self.live is not None and not self.live & world
+            assert self.live is not None and not (self.live - s.detaching) & world
+            assert not self.live & self.owned(self.owners_up | self.owners_starting)
 
     @invariant()
     def no_intent_is_lost(self) -> None:
@@ -1215,10 +1252,12 @@ class World(RuleBasedStateMachine):
         assert s.running_owners == running
         assert s.starting_owners <= self.owners_starting
         if self.live is not None:
-            assert s.lent == self.live
+            # A hot-add counts its GPUs from its first call on; one asked that never
+            # ran (a reclaim came first) leaves them counted until the lendee stops.
+            assert self.live <= s.lent and s.lent - self.live <= self.attached, s
         expected = {
             gpu: next((o for o in sorted(running) if gpu in self.topo.owners[o]), None)
-            or (LENDEE if self.live is not None and gpu in self.live else None)
+            or (LENDEE if self.live is not None and gpu in s.lent else None)
             for gpu in sorted(self.topo.gpus)
         }
         assert holders(s, self.topo) == expected
