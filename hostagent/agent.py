@@ -661,6 +661,10 @@ class Agent:
         if kind is Lifecycle.AGENT_CONNECTED:
             self.executor.agent_connected.set()
             return
+        if kind is Lifecycle.DEVICE_REMOVED:
+            if domain == self.lendee:
+                self.executor.device_removed.set()
+            return
         if domain == self.lendee:
             running = self.state.phase is not Phase.OFF
             if kind is Lifecycle.STARTED and not running:

@@ -218,6 +218,57 @@ class KubeCluster:
                 self._event("PodsNotEvicted", message, warning=True)
         return None
 
+    # --- hot-unplug -----------------------------------------------------------------------
+
+    async def vacate(self, owners: list[str], gpus: Collection[str],
+                     pods: Collection[str] | None) -> str | None:
+        """A hot-unplug's part: cordon the node (ours), then evict only the pods that use
+        the GPUs `gpus`, those their ResourceClaims name (DRA) or else `pods`, the UIDs
+        the kubelet's device checkpoint in the guest names (None: it could not be read),
+        as the drain evicts them but always of the "abort" kind. None once they are
+        gone; or why the hot-unplug must give way to the reclaim by restart, which
+        drains the node, cordoned already, under the policy players wait for."""
+        deadline = time.monotonic() + self.timeouts.drain
+        names = ", ".join(sorted(gpus))
+        self.trouble = None
+
+        def left() -> float:
+            return max(0.1, deadline - time.monotonic())
+        try:
+            cordon = await self.kube.cordon(self.node, marker_prefix=self.prefix,
+                                            timeout=left())
+            if cordon.cordoned_by_us:
+                self._remember_cordon(True)
+            await self.kube.annotate(self.node, {
+                f"{self.prefix}state": "reclaiming",
+                f"{self.prefix}holder": ",".join(owners) or None}, timeout=left())
+            if self.dra is not None:
+                uuids = {self.uuids.get(g) for g in gpus}
+                if None in uuids:
+                    return f"which pods hold {names} is unknown: set the uuid of each GPU"
+                pods = await self.kube.dra_holders(
+                    self.node, driver=self.settings.dra_driver,
+                    uuids=[u for u in uuids if u], timeout=left())
+            elif pods is None:
+                return (f"which pods use {names} is unknown: the kubelet's device checkpoint "
+                        "could not be read in the guest")
+            self._event("Reclaimed", f"GPUs reclaimed for {', '.join(owners) or 'an owner'} "
+                        f"live: {names} leave the node, {len(pods)} pod(s) using them are "
+                        "evicted, the others stay")
+            if pods:
+                await self.kube.drain(
+                    self.node, timeout=left(), emptydir_ok=self.settings.drain_emptydir,
+                    unmanaged_ok=self.settings.drain_unmanaged,
+                    on_timeout=DrainTimeoutAction.ABORT,
+                    grace_period=self.settings.grace_period,
+                    skip_wait_for_delete_timeout=self.settings.skip_wait_for_delete_timeout,
+                    only=pods)
+        except DrainAborted as e:
+            return f"the pods using {names} were not all evicted: {e.report.summary()}"
+        except KubeError as e:
+            return f"could not evict the pods using {names} from node {self.node}: {e}"
+        return None
+
     # --- the lendee went down -------------------------------------------------------------
 
     async def lendee_down(self, *, why: str = "the lendee stopped") -> None:
@@ -297,18 +348,27 @@ class KubeCluster:
             return False
 
     async def give_back(self, lent: Collection[str] | int,
-                        expected: ExpectedGpus | None = None) -> str | None:
+                        expected: ExpectedGpus | None = None, *,
+                        restart_plugins: bool = False) -> str | None:
         """Wait Ready and the expected allocatable; then taints, label and annotations;
         uncordon last. None when done, or why the node stays cordoned.
 
         `lent`: the labels of the GPUs this lend gave the lendee (an int, the count, is
         understood as every configured lendee GPU). `expected`: as `expect` decided it
-        earlier for this lend; decided here if not given."""
+        earlier for this lend; decided here if not given. `restart_plugins`: the lendee
+        lost GPUs while it ran (a hot-unplug), and the GPU plugins, which enumerate GPUs
+        when they start, are restarted first to advertise the rest."""
         self.trouble = None
         try:
             if expected is None or expected.gpus != self._labels(lent):
                 expected = await self.expect(lent)
             self.expected = expected
+            if restart_plugins:
+                deleted = await self.kube.restart_plugins(self.node,
+                                                          timeout=self.timeouts.ready)
+                journal.record("hotplug", f"restarted {', '.join(deleted) or 'no plugin pod'} "
+                               f"on node {self.node} to advertise {', '.join(expected.gpus)}",
+                               vm=self.node, result="ok")
             await self.kube.wait_ready(self.node, timeout=self.timeouts.ready)
             if self.dra is not None:
                 problem = await self._wait_devices(self.dra)

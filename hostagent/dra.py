@@ -126,6 +126,12 @@ class Claims(_Watched[tuple[tuple[DeviceKey, ...], tuple[str, ...]]]):
                      and (pod := _text(getattr(ref, "uid", None))) is not None)
         return (devices, pods) if devices and pods else None
 
+    def pods_of(self, devices: Collection[DeviceKey]) -> frozenset[str]:
+        """The UIDs of the pods a claim allocated one of `devices` is reserved for."""
+        wanted = set(devices)
+        return frozenset(uid for keys, uids in self._by_uid.values()
+                         if wanted.intersection(keys) for uid in uids)
+
     def holders(self, devices: Mapping[DeviceKey, str],
                 pods: Mapping[str, str]) -> dict[str, str]:
         """UUID -> the pods ("namespace/name", comma-separated) holding that device, for

@@ -30,6 +30,7 @@ from hostagent.model import (
     AttachGpus,
     CancelRelend,
     CompleteIntent,
+    DetachGpus,
     Drain,
     Drained,
     DrainFailed,
@@ -77,6 +78,8 @@ class Executor:
         self._relend: asyncio.TimerHandle | None = None
         # Set when libvirt sees the lendee's qemu-ga connect: wakes the guest-ping wait.
         self.agent_connected = asyncio.Event()
+        # Set when libvirt says the lendee let a device go: wakes a hot-unplug's wait.
+        self.device_removed = asyncio.Event()
 
     def execute(self, action: Action) -> None:
         match action:
@@ -92,10 +95,12 @@ class Executor:
                 self.spawn(self._start(owner, action), action)
             case StartLendee(gpus=gpus):
                 self.spawn(self._start(self.lendee, action, gpus), action)
-            case KubeReturn(ticket=t):
-                self.spawn(self._give_back(t), action)
+            case KubeReturn(ticket=t, restart_plugins=restart):
+                self.spawn(self._give_back(t, restart), action)
             case AttachGpus(ticket=t, gpus=gpus):
                 self.spawn(hotplug.hot_add(self, t, gpus), action)
+            case DetachGpus(ticket=t, gpus=gpus):
+                self.spawn(hotplug.hot_unplug(self, t, gpus), action)
             case ScheduleRelend(at=at):
                 self._cancel_relend()
                 self._relend = asyncio.get_running_loop().call_later(
@@ -321,14 +326,14 @@ class Executor:
         return {label: self.cfg.gpus[label] for label in self.topo.lendee_gpus
                 if label in self.cfg.gpus}
 
-    async def _give_back(self, ticket: int) -> None:
+    async def _give_back(self, ticket: int, restart_plugins: bool = False) -> None:
         # What the driver in the guest sees comes first: the cluster's return uncordons.
         lent = self.view.state.lent
         problem = await self._verify_gpus(ticket, lent)
         if not self._current(ticket):
             return
         if problem is None:
-            problem = await self.cluster.give_back(lent)
+            problem = await self.cluster.give_back(lent, restart_plugins=restart_plugins)
         if problem is None:
             self.apply(ReturnDone(at=clock.now(), ticket=ticket))
         else:

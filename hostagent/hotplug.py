@@ -1,4 +1,6 @@
-"""Hot-add: the GPUs a game freed join the running lendee, no drain, no restart.
+"""Hot-add and hot-unplug: the lendee's GPUs change while it runs, no restart.
+
+Hot-add: the GPUs a game freed join the running lendee, no drain, no restart.
 
 The machine decides (`AttachGpus`, with ``policy.hotplug = "add"``); this is the
 executor's step, in four bounded parts, each of which must hold before the next:
@@ -15,29 +17,56 @@ executor's step, in four bounded parts, each of which must hold before the next:
 
 A part that fails within its bound reports `AttachFailed` with the reason journaled;
 the GPUs the live definition holds anyway stay with the lendee (only its stop frees
-them), the others wait for a regrow by restart. Nothing is ever detached.
+them), the others wait for a regrow by restart. Nothing is detached by a hot-add.
+
+Hot-unplug (``policy.hotplug = "both"``, experimental): an owner's GPU leaves the
+running lendee (`DetachGpus`), in four bounded parts, each of which must hold:
+
+1. the node is cordoned and only the pods using the GPU are evicted (`Cluster.vacate`):
+   those their ResourceClaims name (DRA), else those the kubelet's device checkpoint
+   in the guest gives it (`checkpoint_pods`);
+2. no process in the guest uses it (nvidia-smi's compute apps, through the guest
+   agent): NVIDIA does not support hot-unplug of its GPUs, and some drivers hang an
+   unbind begun while a client holds the GPU;
+3. libvirt detaches every function live and the live XML must lose them within
+   `DETACH_BOUND` (libvirt's device-removed event wakes the wait);
+4. only then does the owner start (`GpusDetached`); the node, verified with the rest
+   (its GPU plugins restarted to advertise them), is uncordoned by the return.
+
+Anything in doubt (a checkpoint unread, an unknown device ID, a process, a device
+still listed at the bound) reports `DetachFailed`: the reclaim by restart runs
+instead, and its shutdown frees whatever the guest kept.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import time
+from collections.abc import Collection
 from typing import Any, Protocol
 
 from hostagent import clock, journal
+from hostagent import verify as in_guest
+from hostagent.config import Config
 from hostagent.libvirt_host import HostError, Libvirt
-from hostagent.model import AttachFailed, GpusAttached
+from hostagent.model import AttachFailed, DetachFailed, GpusAttached, GpusDetached, Topology
 from hostagent.parts import Apply, Cluster, View
+from hostagent.text import clean
 
 
 class Step(Protocol):
     """What of the executor a hot-add uses (`hostagent.executor.Executor`)."""
 
     lendee: str
+    cfg: Config
+    topo: Topology
     view: View
     apply: Apply
     libvirt: Libvirt
     cluster: Cluster
+    device_removed: asyncio.Event
 
     def lendee_gpu_config(self) -> dict[str, Any]: ...
 
@@ -95,5 +124,165 @@ async def _attach(ex: Step, gpus: frozenset[str]) -> str | None:
             await asyncio.sleep(0.2)
     except TimeoutError:
         return f"libvirt did not attach them within {ATTACH_BOUND:g}s"
+    except HostError as e:
+        return str(e)
+
+
+# --- hot-unplug --------------------------------------------------------------------------
+
+# How long the guest may take to let every function go once libvirt asked (an ACPI or
+# pciehp unplug takes about a second a device; pciehp's attention button waits 5 s).
+# Past it the device is in doubt, the restart's shutdown frees it for sure, and the
+# player has waited this much longer than by a restart at most.
+DETACH_BOUND = 30.0
+# How long processes of the pods just evicted may take to let go of the GPU.
+APPS_BOUND = 10.0
+
+CHECKPOINT = "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"
+APPS = ("--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader")
+
+
+async def hot_unplug(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
+    """The step of `DetachGpus`: see the module docstring."""
+    lendee, names = ex.lendee, ", ".join(sorted(gpus))
+    owners = [o for o in ex.view.state.waiting_owners if ex.topo.claims(o) & gpus]
+    journal.record("hotplug", f"taking {names} from {lendee} while it runs, for "
+                   f"{', '.join(owners) or 'an owner'}: evicting the pods that use them",
+                   vm=lendee, result="started", gpus=",".join(sorted(gpus)))
+    began = time.monotonic()
+    uuids = {label: gpu.uuid for label in gpus for gpu in [ex.cfg.gpus.get(label)]
+             if gpu is not None and gpu.uuid}
+    problem = None if len(uuids) == len(gpus) else (
+        f"{', '.join(sorted(gpus - set(uuids)))} has no uuid configured: which pods and "
+        "processes use it cannot be told")
+    if problem is None:
+        pods, why = await _checkpoint(ex, frozenset(uuids.values()))
+        problem = await ex.cluster.vacate(owners, gpus, pods)
+        if problem is not None and why:
+            problem += f" ({why})"
+    for part in (_unused, _detach):
+        if problem is None and ex.view.state.ticket == ticket:
+            problem = await part(ex, gpus, frozenset(uuids.values()))
+    if ex.view.state.ticket != ticket:
+        return  # the machine moved on (a reclaim, a stop): nobody waits for this report
+    took = time.monotonic() - began
+    if problem is None:
+        journal.record("hotplug", f"{names} detached from {lendee} in {took:.1f}s, with no "
+                       "restart", vm=lendee, result="ok", gpus=",".join(sorted(gpus)),
+                       duration_ms=took * 1000)
+        ex.apply(GpusDetached(at=clock.now(), ticket=ticket, gpus=gpus))
+        return
+    journal.record("hotplug", f"could not take {names} from {lendee} live: {problem}; "
+                   "reclaiming it by restart instead (drain, shutdown, start)", vm=lendee,
+                   result="failed", gpus=",".join(sorted(gpus)), duration_ms=took * 1000,
+                   priority=journal.Priority.ERR)
+    ex.apply(DetachFailed(at=clock.now(), ticket=ticket, gpus=gpus, reason=problem))
+
+
+def checkpoint_pods(text: str, uuids: Collection[str], known: Collection[str]) -> frozenset[str]:
+    """The UIDs of the pods the kubelet's device checkpoint gives one of `uuids`. The
+    NVIDIA device plugin's device IDs are GPU UUIDs, or ``UUID::n`` for a time-sliced
+    replica. Raises ValueError when it cannot tell for sure: not the checkpoint's JSON,
+    or an ID of an ``nvidia.com/`` resource that is none of `known` (the lendee's GPU
+    UUIDs): index IDs, MIG devices. No side effects; the text is the guest's."""
+    try:
+        entries = json.loads(text)["Data"]["PodDeviceEntries"] or []
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
+        raise ValueError(f"not the kubelet's device checkpoint ({clean(e, 80)})") from e
+    pods: set[str] = set()
+    for entry in entries if isinstance(entries, list) else [None]:
+        if not isinstance(entry, dict):
+            raise ValueError("an entry of the checkpoint is not an object")
+        resource, ids = entry.get("ResourceName"), entry.get("DeviceIDs")
+        if not isinstance(resource, str) or not resource.startswith("nvidia.com/"):
+            continue
+        # Older kubelets keep a list; newer ones the IDs by NUMA node.
+        lists = list(ids.values()) if isinstance(ids, dict) else [ids]
+        for device in (d for group in lists for d in (group or [])):
+            uuid = str(device).split("::")[0]
+            if uuid in uuids:
+                pods.add(str(entry.get("PodUID")))
+            elif uuid not in known:
+                raise ValueError(f"device {clean(device, 80)} of {clean(resource, 60)} is no "
+                                 "GPU UUID of the lendee's")
+    return frozenset(pods)
+
+
+async def _checkpoint(ex: Step, uuids: frozenset[str]) -> tuple[frozenset[str] | None, str]:
+    """Part 1's reading in the guest: the pods using `uuids`, or None and why not."""
+    known = {gpu.uuid for label in ex.view.state.lent for gpu in [ex.cfg.gpus.get(label)]
+             if gpu is not None and gpu.uuid}
+    try:
+        done = await ex.libvirt.guest_exec(ex.lendee, "cat", [CHECKPOINT], timeout=10)
+        if done.exitcode != 0:
+            return None, f"cat {CHECKPOINT}: {clean(done.stderr, 200) or done.exitcode}"
+        return checkpoint_pods(done.stdout, uuids, known), ""
+    except (HostError, ValueError) as e:
+        return None, f"{CHECKPOINT}: {clean(e, 200)}"
+
+
+async def _unused(ex: Step, gpus: frozenset[str], uuids: frozenset[str]) -> str | None:
+    """Part 2: None once no process in the guest uses `uuids`, or why in doubt."""
+    deadline = time.monotonic() + APPS_BOUND
+    while True:
+        users, problem = await _compute_apps(ex, uuids)
+        if problem is not None:
+            return problem
+        if not users:
+            return None
+        if time.monotonic() >= deadline:
+            return (f"process(es) {', '.join(users)} in {ex.lendee} still use "
+                    f"{', '.join(sorted(gpus))} {APPS_BOUND:g}s after the evictions")
+        await asyncio.sleep(1.0)
+
+
+async def _compute_apps(ex: Step, uuids: frozenset[str]) -> tuple[list[str], str | None]:
+    """The PIDs of the guest's processes on `uuids`, by nvidia-smi where it is found."""
+    for command in in_guest.candidates(ex.cfg.verify.command):
+        try:
+            done = await ex.libvirt.guest_exec(ex.lendee, command, list(APPS), timeout=15)
+        except HostError as e:
+            if any(w in str(e).lower() for w in ("no such file", "not found",
+                                                  "failed to execute child process")):
+                continue
+            return [], f"could not ask {command} which processes use the GPU: {clean(e, 200)}"
+        if done.exitcode in (126, 127):
+            continue
+        if done.exitcode != 0:
+            return [], (f"{command} {APPS[0]} exited {done.exitcode}: "
+                        f"{clean(done.stderr or done.stdout, 200)}")
+        users = []
+        for line in done.stdout.splitlines():
+            fields = [f.strip() for f in line.split(",")]
+            if not line.strip() or "no running processes" in line.lower():
+                continue
+            if len(fields) != 2 or not fields[1].isdigit():
+                return [], f"{command} answered what cannot be read: {clean(line, 120)}"
+            if fields[0] in uuids:
+                users.append(fields[1])
+        return users, None
+    return [], "nvidia-smi not found in the guest: whether a process uses the GPU is unknown"
+
+
+async def _detach(ex: Step, gpus: frozenset[str], _uuids: frozenset[str]) -> str | None:
+    """Part 3: detach, then wait for the live XML to lose every function. None, or why
+    not (a device still listed is in doubt: only the lendee's stop frees it for sure)."""
+    libvirt, lendee, config = ex.libvirt, ex.lendee, ex.lendee_gpu_config()
+    deadline = time.monotonic() + DETACH_BOUND
+    try:
+        await asyncio.wait_for(libvirt.detach_live(lendee, gpus, config), DETACH_BOUND)
+        while True:
+            ex.device_removed.clear()  # before the read: a removal after it wakes the wait
+            left = gpus & await libvirt.live_gpus(lendee, config)
+            if not left:
+                return None
+            if time.monotonic() >= deadline:
+                return (f"{', '.join(sorted(left))} still in {lendee}'s live definition "
+                        f"{DETACH_BOUND:g}s after the detach: the guest did not let it go")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ex.device_removed.wait(),
+                                       max(0.05, min(1.0, deadline - time.monotonic())))
+    except TimeoutError:
+        return f"libvirt did not detach them within {DETACH_BOUND:g}s"
     except HostError as e:
         return str(e)

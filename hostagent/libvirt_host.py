@@ -88,6 +88,7 @@ class Lifecycle(enum.StrEnum):
     STARTED = "started"
     STOPPED = "stopped"
     AGENT_CONNECTED = "agent-connected"  # qemu-ga opened its port: worth a ping now
+    DEVICE_REMOVED = "device-removed"  # the guest let a device go: worth a look at its XML
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,8 @@ class Libvirt:
                                     self._lifecycle, None)
         conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_AGENT_LIFECYCLE,
                                     self._agent_lifecycle, None)
+        conn.domainEventRegisterAny(None, libvirt.VIR_DOMAIN_EVENT_ID_DEVICE_REMOVED,
+                                    self._device_removed, None)
         conn.registerCloseCallback(self._closed, None)
         # Keepalive lets us notice a hung or killed libvirtd without a failing call.
         conn.setKeepAlive(5, 3)
@@ -165,6 +168,9 @@ class Libvirt:
                          _opaque: Any) -> None:
         if state == libvirt.VIR_CONNECT_DOMAIN_EVENT_AGENT_LIFECYCLE_STATE_CONNECTED:
             self._on_lifecycle(dom.name(), Lifecycle.AGENT_CONNECTED)
+
+    def _device_removed(self, _conn: Any, dom: Any, _alias: str, _opaque: Any) -> None:
+        self._on_lifecycle(dom.name(), Lifecycle.DEVICE_REMOVED)
 
     def _closed(self, _conn: Any, reason: int, _opaque: Any) -> None:
         log.warning("lost the connection to libvirtd (reason %d); reconnecting", reason)
@@ -312,6 +318,27 @@ class Libvirt:
             for part in parts:
                 dom.attachDeviceFlags(part, libvirt.VIR_DOMAIN_AFFECT_LIVE)
         await self._call(what, attach)
+
+    async def detach_live(self, name: str, labels: Collection[str],
+                          gpus: Mapping[str, Gpu]) -> None:
+        """Ask for the devices of the GPUs `labels` to leave the running `name`, live
+        only, each as its live definition has it. The guest must let each go: libvirt
+        waits a few seconds for that, then returns with the removal still pending
+        (`Lifecycle.DEVICE_REMOVED` and the live XML say when it is done). The
+        persistent definition is not touched. Raises HostError."""
+        what = f"detach {', '.join(sorted(labels))} from {name} live"
+
+        def detach(c: Any) -> None:
+            dom = c.lookupByName(name)
+            if not dom.isActive():
+                raise libvirt.libvirtError(f"{name} is not running")
+            try:
+                parts = devices.elements_of(str(dom.XMLDesc()), labels, gpus)
+            except (devices.XmlError, devices.GpuNotInXml, KeyError) as e:
+                raise HostError(f"{what}: {e}") from e
+            for part in parts:
+                dom.detachDeviceFlags(part, libvirt.VIR_DOMAIN_AFFECT_LIVE)
+        await self._call(what, detach)
 
     async def shutdown_via_agent(self, name: str) -> None:
         """Ask the guest to power off through its agent (never ACPI, never destroy)."""

@@ -522,6 +522,22 @@ def _against_config(domains: Sequence[Domain], config: Config) -> list[Finding]:
     lendee = by_name.get(config.lendee.domain)
     if lendee is not None and config.policy.hotplug is not Hotplug.NONE:
         found += _hot_add(lendee, config)
+    if lendee is not None and config.policy.hotplug is Hotplug.BOTH:
+        found.append(Finding(
+            domain=lendee.name, check=Check.HOTPLUG, severity=Severity.WARNING,
+            what="policy.hotplug = \"both\" is experimental: NVIDIA does not support "
+                 "hot-unplug of its GPUs",
+            why="the driver in the lendee unbinds a GPU as it leaves, and NVIDIA's open "
+                "kernel modules from 595.58.03 to at least 610.57.04 hang an unbind begun "
+                "while a client holds the GPU, even once it lets go "
+                "(github.com/NVIDIA/open-gpu-kernel-modules/issues/1119). hostagent evicts "
+                "the GPU's pods and checks that nvidia-smi lists no process on it first, "
+                "and restarts the lendee when the guest keeps it past a bound, but a "
+                "client nvidia-smi does not list "
+                "(nvidia-persistenced, a display server) still holds it.",
+            fix="run a driver outside that range in the lendee (or one whose release notes "
+                "say the unbind is fixed), without nvidia-persistenced, or set "
+                "policy.hotplug = \"add\""))
     return found
 
 

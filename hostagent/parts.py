@@ -96,9 +96,17 @@ class Cluster(Protocol):
         """Cordon and drain; None when done, or why the reclaim must be aborted. A
         `regrow`'s is aborted whenever its drain cannot finish: nobody waits for it."""
 
-    async def give_back(self, lent: Collection[str]) -> str | None:
+    async def give_back(self, lent: Collection[str], *,
+                        restart_plugins: bool = False) -> str | None:
         """Wait Ready and the `lent` GPUs, uncordon; None when done, or why the node
-        stays cordoned."""
+        stays cordoned. `restart_plugins`: after a hot-unplug, the GPU plugins' pods
+        restart first (they enumerate GPUs when they start)."""
+
+    async def vacate(self, owners: list[str], gpus: Collection[str],
+                     pods: Collection[str] | None) -> str | None:
+        """A hot-unplug: cordon, evict only the pods using `gpus` (by DRA claim, else
+        `pods`, UIDs from the kubelet's checkpoint; None: unknown); None once they are
+        gone, or why the reclaim by restart must run instead."""
 
     async def grow(self, lent: Collection[str]) -> str | None:
         """A hot-add: wait until the node, lent all along, advertises the `lent` GPUs;
@@ -125,7 +133,12 @@ class NoCluster:
     async def reclaim(self, owners: list[str], *, regrow: bool = False) -> str | None:
         return None
 
-    async def give_back(self, lent: Collection[str]) -> str | None:
+    async def give_back(self, lent: Collection[str], *,
+                        restart_plugins: bool = False) -> str | None:
+        return None
+
+    async def vacate(self, owners: list[str], gpus: Collection[str],
+                     pods: Collection[str] | None) -> str | None:
         return None
 
     async def grow(self, lent: Collection[str]) -> str | None:

@@ -25,7 +25,7 @@ import contextlib
 import enum
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -258,6 +258,7 @@ class Drains(Client):
         on_timeout: DrainTimeoutAction,
         grace_period: float | None = None,
         skip_wait_for_delete_timeout: float = 0.0,
+        only: Collection[str] | None = None,
     ) -> DrainReport:
         """Evict the node's pods like ``kubectl drain`` (see the module docstring).
 
@@ -265,8 +266,10 @@ class Drains(Client):
         `skip_wait_for_delete_timeout` > 0: a pod whose deletion is that many seconds in
         the past counts as gone (``--skip-wait-for-delete-timeout``): on a node whose
         kubelet is unreachable, a Terminating pod never goes, and must not hold a
-        reclaim for the whole timeout. Raises KubeAuthError on 401/403 whatever
-        `on_timeout` says: a drain that is not allowed is not an incomplete one."""
+        reclaim for the whole timeout. `only`: the UIDs of the pods to evict (a
+        hot-unplug's, those using its GPU), the node's others left alone. Raises
+        KubeAuthError on 401/403 whatever `on_timeout` says: a drain that is not allowed
+        is not an incomplete one."""
         start = self._now()
         deadline = start + timeout
         try:
@@ -283,7 +286,8 @@ class Drains(Client):
                 DrainReport(node=node, error=str(e), duration=self._now() - start), on_timeout
             )
         plan = plan_drain(
-            (PodInfo.from_api(p) for p in pods.items),
+            (PodInfo.from_api(p) for p in pods.items
+             if only is None or p.metadata.uid in only),
             emptydir_ok=emptydir_ok,
             unmanaged_ok=unmanaged_ok,
             skip_after=skip_wait_for_delete_timeout,

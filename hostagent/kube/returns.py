@@ -12,6 +12,7 @@ import functools
 import re
 from collections.abc import (
     Callable,
+    Collection,
     Iterable,
     Mapping,
 )
@@ -253,6 +254,24 @@ class Returns(Watches):
                 return False  # resource.k8s.io/v1 not served: a cluster older than 1.34
             raise
         return bool(slices.items)
+
+    async def dra_holders(self, node: str, *, driver: str, uuids: Collection[str],
+                          timeout: float | None = None) -> frozenset[str]:
+        """The UIDs of the pods holding a device of `driver` on `node` whose UUID is one
+        of `uuids` (a MIG instance's is its parent's), from the ResourceClaims allocated
+        it. Raises KubeUnavailable, KubeRequestError, KubeAuthError."""
+        deadline = self._deadline(timeout)
+        slices, claims = dra.Slices(driver), dra.Claims(driver)
+        listed = await self._call(
+            f"list the ResourceSlices of {node}", lambda: self._resource.list_resource_slice(
+                field_selector=f"spec.nodeName={node},spec.driver={driver}"),
+            deadline, readable=_listed)
+        slices.reset(listed.items or [])
+        claimed = await self._call(
+            "list ResourceClaims", lambda: self._resource.list_resource_claim_for_all_namespaces(),
+            deadline, readable=_listed)
+        claims.reset(claimed.items or [])
+        return claims.pods_of([key for key, uuid in slices.devices().items() if uuid in uuids])
 
     async def wait_devices(self, node: str, *, driver: str,
                            done: Callable[[frozenset[str]], bool],

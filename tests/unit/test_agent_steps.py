@@ -67,7 +67,7 @@ class HeldCluster:
         self.node.append("drained")
         return None
 
-    async def give_back(self, lent: object) -> str | None:
+    async def give_back(self, lent: object, **_: object) -> str | None:
         self.returns += 1
         await self.return_go.wait()
         self.node.append("uncordon")

@@ -4,11 +4,20 @@ once libvirt has removed it, and anything else takes the reclaim's road."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from hostagent.config import parse
+from hostagent import hotplug, journal, lint
+from hostagent.cluster import KubeCluster
+from hostagent.config import Config, parse
+from hostagent.kube import Kube
+from hostagent.libvirt_host import ExecResult, HostError
 from hostagent.machine import IllegalTransition, still_wanted, verdict
 from hostagent.metrics import Metrics
 from hostagent.model import (
@@ -17,6 +26,7 @@ from hostagent.model import (
     DetachFailed,
     DetachGpus,
     Drain,
+    Event,
     GpusDetached,
     Hold,
     Hotplug,
@@ -30,8 +40,12 @@ from hostagent.model import (
     ScheduleRelend,
     StartOwner,
     State,
+    Topology,
 )
+from tests.kubeapi import StandIn, write_kubeconfig
+from tests.kubeapi.cluster import gpu_device
 from tests.unit.machine_scaffold import Stepper
+from tests.unit.test_hotplug import FAST, LINT_CONFIG, gone, hot_add_findings, lendee_xml
 from tests.unit.test_partial import AT, LENDEE, POLICY, TOPO, B, C, S, T, gpus, wants
 
 A = "gpu-a"
@@ -180,3 +194,269 @@ def test_a_failed_hot_unplug_is_counted_as_a_failure() -> None:
     event = DetachFailed(at=AT, ticket=T + 1, gpus=gpus(A), reason="no")
     m.transition(state, go(state, event)[0], event)
     assert m.registry.get_sample_value("hostagent_failures_total", {"kind": "hotplug"}) == 1
+
+
+# --- the executor's step, with fakes at its seams ------------------------------------------
+
+UUID_A = "GPU-5f2ab1c4-0000-4000-8000-00000000000a"
+UUID_B = "GPU-5f2ab1c4-0000-4000-8000-00000000000b"
+UUID_C = "GPU-5f2ab1c4-0000-4000-8000-00000000000c"
+
+
+def checkpoint(*entries: tuple[str, str, object]) -> str:
+    """The kubelet's device checkpoint: (pod UID, resource, device IDs) each."""
+    return json.dumps({"Data": {"PodDeviceEntries": [
+        {"PodUID": uid, "ContainerName": "main", "ResourceName": resource,
+         "DeviceIDs": ids, "AllocResp": "e30="} for uid, resource, ids in entries],
+        "RegisteredDevices": {"nvidia.com/gpu": [UUID_A, UUID_B]}}, "Checksum": 1})
+
+
+def test_the_checkpoint_names_the_pods_on_a_gpu_by_uuid_or_replica() -> None:
+    text = checkpoint(("p1", "nvidia.com/gpu", {"0": [UUID_A]}),
+                      ("p2", "nvidia.com/gpu", [f"{UUID_B}::1"]),  # an older kubelet's list
+                      ("p3", "nvidia.com/gpu", {"0": [f"{UUID_A}::3", UUID_B]}),
+                      ("p4", "example.com/nic", {"0": ["eth1"]}))
+    assert hotplug.checkpoint_pods(text, {UUID_A}, {UUID_A, UUID_B}) == {"p1", "p3"}
+    assert hotplug.checkpoint_pods(checkpoint(), {UUID_A}, {UUID_A}) == frozenset()
+
+
+@pytest.mark.parametrize("text", [
+    "", "{", "[]", '{"Data": {}}', '{"Data": {"PodDeviceEntries": [1]}}',
+    checkpoint(("p1", "nvidia.com/gpu", {"0": ["0"]})),  # index IDs: which GPU is "0"?
+    checkpoint(("p1", "nvidia.com/mig-1g.10gb", {"0": ["MIG-1234"]})),
+], ids=["empty", "not json", "a list", "no entries", "an entry not an object", "index IDs",
+        "MIG"])
+def test_a_checkpoint_that_cannot_tell_for_sure_is_doubt(text: str) -> None:
+    with pytest.raises(ValueError):
+        hotplug.checkpoint_pods(text, {UUID_A}, {UUID_A, UUID_B})
+
+
+UNPLUG_CONFIG = f"""
+[lendee]
+domain = "gpu-node"
+gpus = ["gpu-a", "gpu-b", "gpu-c"]
+[gpus.gpu-a]
+pci = "0000:01:00.0"
+uuid = "{UUID_A}"
+[gpus.gpu-b]
+pci = "0000:02:00.0"
+uuid = "{UUID_B}"
+[gpus.gpu-c]
+pci = "0000:03:00.0"
+uuid = "{UUID_C}"
+[owners.gaming1]
+gpus = ["gpu-a"]
+[policy]
+hotplug = "both"
+"""
+
+
+class Guest:
+    """The lendee as libvirt and its guest agent show it: its live GPUs, the files and
+    commands the step reads in it, and whether it lets a device go when asked."""
+
+    def __init__(self, step: FakeStep) -> None:
+        self.step = step
+        self.live = {A, B, C}
+        self.checkpoint: tuple[int, str] = (0, checkpoint(
+            ("pod-a", "nvidia.com/gpu", {"0": [UUID_A]}),
+            ("pod-b", "nvidia.com/gpu", {"0": [UUID_B]})))
+        self.apps: list[str] = []  # "uuid, pid" lines
+        self.lets_go = True
+        self.detached: list[frozenset[str]] = []
+
+    async def guest_exec(self, name: str, path: str, args: list[str], *,
+                         timeout: float = 30) -> ExecResult:
+        if path == "cat":
+            code, text = self.checkpoint
+            return ExecResult(code, text if code == 0 else "", "" if code == 0 else "No such file")
+        if path == "nvidia-smi" and args == list(hotplug.APPS):
+            return ExecResult(0, "".join(f"{line}\n" for line in self.apps), "")
+        raise HostError(f"guest agent of {name}: {path}: Failed to execute child process")
+
+    async def detach_live(self, name: str, labels: frozenset[str], gpus: object) -> None:
+        self.detached.append(frozenset(labels))
+        if self.lets_go:
+            def removed() -> None:
+                self.live -= labels
+                self.step.device_removed.set()
+            asyncio.get_running_loop().call_later(0.05, removed)
+
+    async def live_gpus(self, name: str, gpus: object) -> frozenset[str]:
+        return frozenset(self.live)
+
+
+class Vacating:
+    """`Cluster.vacate` as the step calls it: what it was given, and its answer."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[str], frozenset[str], frozenset[str] | None]] = []
+
+    async def vacate(self, owners: list[str], gpus: frozenset[str],
+                     pods: frozenset[str] | None) -> str | None:
+        self.calls.append((owners, frozenset(gpus), None if pods is None else frozenset(pods)))
+        return "which pods use gpu-a is unknown" if pods is None else None
+
+
+@dataclass
+class FakeStep:
+    """What of the executor `hotplug.hot_unplug` uses."""
+
+    cfg: Config = field(default_factory=lambda: parse(UNPLUG_CONFIG, "test.toml"))
+    lendee: str = LENDEE
+    topo: Topology = TOPO
+    applied: list[Event] = field(default_factory=list)
+    device_removed: asyncio.Event = field(default_factory=asyncio.Event)
+    cluster: Vacating = field(default_factory=Vacating)
+
+    def __post_init__(self) -> None:
+        self.libvirt = Guest(self)
+        self.view = self
+        self.state = detaching()
+
+    def apply(self, event: Event) -> bool:
+        self.applied.append(event)
+        return True
+
+    def lendee_gpu_config(self) -> dict[str, Any]:
+        return dict(self.cfg.gpus)
+
+
+async def unplug(step: FakeStep) -> None:
+    await hotplug.hot_unplug(step, T + 1, gpus(A))  # type: ignore[arg-type]
+
+
+def hotplug_records(sink: journal.ListSink) -> list[tuple[str, str]]:
+    return [(e.fields["HOSTAGENT_RESULT"], e.message) for e in sink.entries
+            if e.fields.get("HOSTAGENT_EVENT") == "hotplug"]
+
+
+async def test_the_pods_on_the_gpu_are_evicted_and_it_is_detached(
+        sink: journal.ListSink) -> None:
+    step = FakeStep()
+    await unplug(step)
+    assert step.cluster.calls == [(["gaming1"], gpus(A), frozenset({"pod-a"}))]
+    assert step.libvirt.detached == [gpus(A)] and step.libvirt.live == {B, C}
+    assert [type(e) for e in step.applied] == [GpusDetached]
+    results = [r for r, _ in hotplug_records(sink)]
+    assert results == ["started", "ok"]
+
+
+@pytest.mark.parametrize("broken", ["unreadable", "garbage"])
+async def test_a_checkpoint_in_doubt_gives_way_to_the_restart(
+        broken: str, sink: journal.ListSink) -> None:
+    step = FakeStep()
+    step.libvirt.checkpoint = (1, "") if broken == "unreadable" else (0, "{")
+    await unplug(step)
+    assert step.cluster.calls[0][2] is None and step.libvirt.detached == []
+    [event] = step.applied
+    assert isinstance(event, DetachFailed) and hotplug.CHECKPOINT in event.reason
+    result, message = hotplug_records(sink)[-1]
+    assert result == "failed" and "reclaiming it by restart instead" in message
+
+
+async def test_a_process_on_the_gpu_gives_way_to_the_restart(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hotplug, "APPS_BOUND", 0.2)
+    step = FakeStep()
+    step.libvirt.apps = [f"{UUID_B}, 41", f"{UUID_A}, 4242"]
+    await unplug(step)
+    [event] = step.applied
+    assert isinstance(event, DetachFailed) and "4242" in event.reason and "41," not in event.reason
+    assert step.libvirt.detached == []  # never asked while a process holds it
+
+
+async def test_a_guest_that_never_lets_go_gives_way_to_the_restart(
+        monkeypatch: pytest.MonkeyPatch, sink: journal.ListSink) -> None:
+    monkeypatch.setattr(hotplug, "DETACH_BOUND", 0.3)
+    step = FakeStep()
+    step.libvirt.lets_go = False
+    await unplug(step)
+    [event] = step.applied
+    assert isinstance(event, DetachFailed)
+    assert "gpu-a still in gpu-node's live definition 0.3s after the detach" in event.reason
+    assert "did not let it go" in hotplug_records(sink)[-1][1]
+
+
+async def test_a_step_whose_phase_ended_reports_nothing() -> None:
+    step = FakeStep()
+    step.state = replace(step.state, ticket=T + 5)
+    await unplug(step)
+    assert step.applied == []
+
+
+# --- the cluster: only the pods on the GPU are evicted ---------------------------------------
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[StandIn]:
+    async with StandIn(termination_scale=0.005) as standin:
+        standin.cluster.add_node("gpu-node")
+        standin.cluster.add_device_class()
+        yield standin
+
+
+@pytest.fixture
+async def kube(api: StandIn, tmp_path: Path) -> AsyncIterator[Kube]:
+    async with await Kube.connect(write_kubeconfig(tmp_path / "kc", api.url),
+                                  timing=FAST) as k:
+        yield k
+
+
+async def test_vacate_evicts_only_the_pods_named_and_cordons_as_ours(
+        api: StandIn, kube: Kube) -> None:
+    add = api.cluster.add_pod
+    on_a = add("train-a", node="gpu-node", owner="Job/a", gpus={"nvidia.com/gpu": 1})
+    add("train-b", node="gpu-node", owner="Job/b", gpus={"nvidia.com/gpu": 1})
+    add("web", node="gpu-node", owner="ReplicaSet/web")
+    cordons: list[bool] = []
+    cfg = parse(UNPLUG_CONFIG + "[kubernetes]\ngpu_api = \"device-plugin\"\n", "t.toml")
+    cluster = KubeCluster(kube, cfg, remember_cordon=cordons.append)
+    assert await cluster.vacate(["gaming1"], {A}, {on_a["metadata"]["uid"], "gone-pod"}) is None
+    assert gone(api, "default", "train-a")
+    assert not gone(api, "default", "train-b") and not gone(api, "default", "web")
+    assert api.cluster.node("gpu-node")["spec"].get("unschedulable") and cordons == [True]
+    problem = await cluster.vacate(["gaming1"], {A}, None)
+    assert problem is not None and "checkpoint could not be read" in problem
+
+
+async def test_vacate_finds_the_pods_on_the_gpu_by_their_claims_with_dra(
+        api: StandIn, kube: Kube) -> None:
+    api.cluster.publish_devices("gpu-node", [gpu_device(0, UUID_A), gpu_device(1, UUID_B)])
+    api.cluster.add_pod("train-a", node="gpu-node", owner="Job/a", devices=["gpu-0"])
+    api.cluster.add_pod("train-b", node="gpu-node", owner="Job/b", devices=["gpu-1"])
+    cfg = parse(UNPLUG_CONFIG + "[kubernetes]\ngpu_api = \"dra\"\n", "t.toml")
+    cluster = KubeCluster(kube, cfg, remember_cordon=lambda _: None)
+    await cluster.expect([A, B, C])
+    assert await cluster.vacate(["gaming1"], {A}, None) is None
+    assert gone(api, "default", "train-a") and not gone(api, "default", "train-b")
+
+
+async def test_the_return_after_a_hot_unplug_restarts_the_gpu_plugins_first(
+        api: StandIn, kube: Kube) -> None:
+    api.cluster.add_pod("nvidia-dra-driver-gpu-kubelet-plugin-k2", node="gpu-node",
+                        namespace="nvidia-dra",
+                        owner="DaemonSet/nvidia-dra-driver-gpu-kubelet-plugin",
+                        labels={"app.kubernetes.io/name": "nvidia-dra-driver-gpu"})
+    api.cluster.publish_devices("gpu-node", [gpu_device(1, UUID_B), gpu_device(2, UUID_C)])
+    cfg = parse(UNPLUG_CONFIG + "[kubernetes]\ngpu_api = \"dra\"\n[timeouts]\nready = \"3s\"\n",
+                "t.toml")
+    cluster = KubeCluster(kube, cfg, remember_cordon=lambda _: None)
+    await kube.cordon("gpu-node", marker_prefix=cfg.kubernetes.annotation_prefix
+                      if cfg.kubernetes else "")
+    assert await cluster.give_back({B, C}, restart_plugins=True) is None
+    assert gone(api, "nvidia-dra", "nvidia-dra-driver-gpu-kubelet-plugin-k2")
+    assert not api.cluster.node("gpu-node")["spec"].get("unschedulable")
+
+
+def test_lint_says_hot_unplug_is_experimental_and_names_the_drivers_that_hang() -> None:
+    assert hot_add_findings(lendee_xml()) == []
+    both = LINT_CONFIG.replace('hotplug = "add"', 'hotplug = "both"')
+    [finding] = [f for f in lint.lint([lint.parse_domain(lendee_xml())], config=parse(both))
+                 if f.check is lint.Check.HOTPLUG]
+    assert finding.severity is lint.Severity.WARNING
+    assert "experimental: NVIDIA does not support hot-unplug" in finding.what
+    assert "595.58.03 to at least 610.57.04" in finding.why and "issues/1119" in finding.why
+    # What keeps a lendee from hot-add keeps it from hot-unplug too.
+    assert hot_add_findings(lendee_xml(machine="pc-i440fx-7.2"), both)[0] == (
+        "error: policy.hotplug: machine pc-i440fx-7.2 has no PCIe root ports")
