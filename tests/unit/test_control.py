@@ -26,7 +26,7 @@ from hostagent.agent import Agent, StartupError
 from hostagent.config import parse
 from hostagent.control import ControlError, ControlTimeout, Reply, request, serve_control
 from hostagent.follow import follow, format_reply
-from hostagent.libvirt_host import Lifecycle
+from hostagent.libvirt_host import HostError, Lifecycle
 from hostagent.model import Observed, Phase
 
 log = logging.getLogger("test")
@@ -172,6 +172,8 @@ class FakeLibvirt:
         self.guest_agent = True  # the lendee's agent answers
         self.no_agent_channel: set[str] = set()
         self.ignores_shutdown: set[str] = set()
+        # Powers off before its guest agent answers the shutdown: libvirt reports an error.
+        self.agent_dies_answering: set[str] = set()
         self.connected = True
 
     def _event(self, vm: str, kind: Lifecycle, delay: float = 0.01) -> None:
@@ -198,8 +200,14 @@ class FakeLibvirt:
 
     async def shutdown_via_agent(self, name: str) -> None:
         await self._stop(name, "agent shutdown")
+        if name in self.agent_dies_answering:
+            raise HostError(f"shut down {name} through its guest agent: Guest agent is not "
+                            "responding: QEMU guest agent is not connected")
 
     async def shutdown_via_acpi(self, name: str) -> None:
+        if name not in self.running:  # as libvirt answers for a domain that is off
+            raise HostError(f"shut down {name} through ACPI: Requested operation is not "
+                            "valid: domain is not running")
         await self._stop(name, "acpi shutdown")
 
     async def destroy(self, name: str) -> None:
@@ -445,6 +453,24 @@ async def test_release_through_the_guest_agent_or_acpi_then_says_when_it_lends(
         "gaming1 did not power off within 1s (timeouts.shutdown) after a shutdown through its "
         "guest agent; it keeps running: close what holds it up inside, or stop it by hand "
         "(virsh shutdown gaming1)")}
+    healthy(agent)
+
+
+async def test_release_of_a_vm_that_powers_off_before_its_agent_answers(
+        tmp_path: Path) -> None:
+    """The guest powers off before its agent's reply reaches libvirt, which reports an
+    error: the VM is off all the same, so the release says so (no "domain is not running"
+    from an ACPI press on a VM already off)."""
+    agent, fake = make_agent(tmp_path, relend="60s")
+    fake.running.add("gaming1")
+    fake.agent_dies_answering.add("gaming1")
+    agent.apply(Observed(at=time.time(), lendee_running=False,
+                         owners_running=frozenset({"gaming1"})))
+    step, result = await collect(agent, "release", vm="gaming1")
+    assert step["message"] == "shutting gaming1 down through its guest agent"
+    assert result["ok"] is True, result
+    assert result["data"]["message"].startswith("gaming1 is off")
+    assert [c for c in fake.calls if c[1] == "gaming1"] == [("agent shutdown", "gaming1")]
     healthy(agent)
 
 
