@@ -627,7 +627,8 @@ class Agent:
             # The definition being started says whether it is the agent's own start.
             with contextlib.suppress(ValueError):
                 gpus = devices.gpus_in(event.xml, self.executor.lendee_gpu_config())
-        decision, message = machine.verdict(self.state, vm, topo=self.topo, gpus=gpus)
+        decision, message = machine.verdict(self.state, vm, topo=self.topo, gpus=gpus,
+                                            policy=self.policy)
         if decision == "refuse":
             journal.record("refuse", f"refused the start of {vm}: {message}", vm=vm,
                            result="refused")

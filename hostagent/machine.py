@@ -1109,7 +1109,8 @@ def step(
 
 
 def verdict(
-    state: State, domain: str, *, topo: Topology, gpus: frozenset[str] | None = None
+    state: State, domain: str, *, topo: Topology, gpus: frozenset[str] | None = None,
+    policy: Policy | None = None,
 ) -> tuple[Decision, str]:
     """The hook's answer to libvirt's ``prepare begin`` for `domain`, from memory.
 
@@ -1124,7 +1125,7 @@ def verdict(
     the start; QEMU's lock on the device settles that race (one start fails, and the
     owner's hook then defers). `gpus`, for the lendee: the GPUs of the definition being
     started (read by the hook from libvirt's XML), which tells the agent's own start
-    from one by hand.
+    from one by hand. `policy`: to say whether the lendee gives the GPUs up live.
     """
     lendee = topo.lendee
     if domain == lendee:
@@ -1173,7 +1174,8 @@ def verdict(
                 f"{lendee} is starting and would take {held}; hostagent frees them first "
                 f"(shutting {lendee} down cleanly if it got them), and {later} then"
             )
-        case Phase.LENT if topo.claims(domain) & state.lent <= state.detaching:
+        case Phase.LENT if (topo.claims(domain) & state.lent <= state.detaching or (
+                policy is not None and _unplug(state, domain, _Ctx(topo, policy)))):
             what = (
                 f"hostagent is taking {held} from {lendee} while it runs (or, failing "
                 f"that, shutting it down), and {later} then"

@@ -64,6 +64,10 @@ def detaching() -> State:
 
 
 def test_a_game_takes_its_gpu_from_the_running_lendee_by_hot_unplug() -> None:
+    # The hook's sentence says what will happen, as the policy has it.
+    assert "draining it" in verdict(lent(), "gaming1", topo=TOPO, policy=POLICY)[1]
+    decision, why = verdict(lent(), "gaming1", topo=TOPO, policy=BOTH)
+    assert decision == "defer" and f"taking gpu-a from {LENDEE} while it runs" in why
     new, actions = go(lent(), wants("gaming1"))
     assert actions == [DetachGpus(ticket=T + 1, gpus=gpus(A))]
     assert (new.phase, new.detaching, new.lent) == (Phase.LENT, gpus(A), gpus(A, B, C))
