@@ -17,7 +17,7 @@ from hostagent import hotplug, journal, lint
 from hostagent.cluster import KubeCluster
 from hostagent.config import Config, parse
 from hostagent.kube import Kube
-from hostagent.libvirt_host import ExecResult, HostError
+from hostagent.libvirt_host import ExecResult, HostError, Lifecycle
 from hostagent.machine import IllegalTransition, still_wanted, verdict
 from hostagent.metrics import Metrics
 from hostagent.model import (
@@ -45,6 +45,7 @@ from hostagent.model import (
 from tests.kubeapi import StandIn, write_kubeconfig
 from tests.kubeapi.cluster import gpu_device
 from tests.unit.machine_scaffold import Stepper
+from tests.unit.test_control import make_agent
 from tests.unit.test_hotplug import FAST, LINT_CONFIG, gone, hot_add_findings, lendee_xml
 from tests.unit.test_partial import AT, LENDEE, POLICY, TOPO, B, C, S, T, gpus, wants
 
@@ -464,3 +465,12 @@ def test_lint_says_hot_unplug_is_experimental_and_names_the_drivers_that_hang() 
     # What keeps a lendee from hot-add keeps it from hot-unplug too.
     assert hot_add_findings(lendee_xml(machine="pc-i440fx-7.2"), both)[0] == (
         "error: policy.hotplug: machine pc-i440fx-7.2 has no PCIe root ports")
+
+
+async def test_libvirt_saying_the_lendee_let_a_device_go_wakes_the_wait(tmp_path: Path) -> None:
+    agent, _ = make_agent(tmp_path)
+    before = agent.state
+    agent.lifecycle("gaming1", Lifecycle.DEVICE_REMOVED)
+    assert not agent.executor.device_removed.is_set()
+    agent.lifecycle("gpu-node", Lifecycle.DEVICE_REMOVED)
+    assert agent.executor.device_removed.is_set() and agent.state == before
