@@ -10,6 +10,9 @@ import pytest
 
 from tests.lab.lab import Lab, need_lab
 
+# The fault suite's table, printed by whichever process prints the summary.
+pytest_plugins = ["tests.faults.table"]
+
 
 @pytest.fixture(scope="session")
 def lab_session() -> Iterator[Lab]:
@@ -33,3 +36,14 @@ def lab(lab_session: Lab) -> Iterator[Lab]:
     lab_session.partial = True
     yield lab_session
     lab_session.reset()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with the most lab tests first (`make test` spreads whole files over
+    processes, in this order): each of those tests boots guests, where a unit test takes
+    milliseconds, so the longest files start first and the short ones fill in after."""
+    labs: dict[str, int] = {}
+    for item in items:
+        labs[str(item.path)] = labs.get(str(item.path), 0) + ("lab" in item.fixturenames)
+    order = {path: rank for rank, path in enumerate(sorted(labs, key=lambda p: -labs[p]))}
+    items.sort(key=lambda item: order[str(item.path)])
