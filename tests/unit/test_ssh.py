@@ -117,7 +117,7 @@ def test_authorized_keys_syntax() -> None:
     assert d.may("play", "gaming1") == "this key (d) may not touch gaming1; it may name: no VM"
 
 
-@pytest.mark.parametrize(("line", "error"), [
+MISTAKES = [
     (pub(KEY_A, "bare"), 'keys:1: this key has no verbs="...": say what it may do, e.g. '
                          'verbs="play,release,status",vms="gaming1"'),
     (f'command="/bin/sh",verbs="play" {pub(KEY_A)}',
@@ -135,7 +135,12 @@ def test_authorized_keys_syntax() -> None:
     (f'verbs="play" {pub(KEY_A)}\nverbs="status" {pub(KEY_A)}',
      "keys:2: this key is already listed; one line per key"),
     ('verbs="play" ssh-ed25519 AAAAnotakey', "keys:1: not a public key"),
-])
+]
+
+
+# Named by their errors: the keys are made afresh at each collection, and every process
+# of a parallel run must collect the same names.
+@pytest.mark.parametrize(("line", "error"), MISTAKES, ids=[e[:70] for _, e in MISTAKES])
 def test_authorized_keys_mistakes_refuse_the_whole_file(line: str, error: str) -> None:
     with pytest.raises(KeysError) as info:
         parse_authorized_keys(line, "keys", verbs=VERBS)
