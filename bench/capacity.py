@@ -42,13 +42,21 @@ Step durations (seconds), and where each comes from:
   driver's probe of the new card a few seconds, then the device plugin's pod deleted,
   started again by its DaemonSet and registering after NVML has initialised every
   card, and the kubelet's next status (every 10 s); an estimate on the slow side. The
-  GPU counts as lent, and takes jobs, only at its end.
+  GPU counts as lent, and takes jobs, only at its end;
+- hot-unplug (``policy.hotplug = "both"``), 25: the node cordoned, the pods on the
+  game's GPU evicted (as a drain's, 20), nothing left on it in the guest, then libvirt's
+  detach: the NVIDIA driver's unbind and the slot's power-off take seconds (the lab's
+  1.5 s has no driver to unbind). The return that follows (the plugins restarted, the
+  node verified, uncordoned) takes a return's 60 s, during which the node takes no new
+  job; the jobs on its other GPUs run on. Every detach is taken to succeed here: one that
+  fails adds its bound (30 s) and a reclaim by restart.
 
 The cluster's GPU work: single-GPU jobs of 1 to 3 hours arriving every 2 to 6 hours
-(uniformly random, --seed), run first come first served on the node while it is lent
-and has a GPU free. A drain evicts the running ones: each restart of the lendee that
-begins while a job runs is one that "killed a running GPU job" (the job starts over
-later). The node watch reports the count of running GPU jobs to the machine (`GpuPods`).
+(uniformly random, --seed), run first come first served on the node while it is lent,
+uncordoned and has a GPU free, each on one GPU. A drain evicts the running ones: each
+restart of the lendee that begins while a job runs is one that "killed a running GPU
+job" (the job starts over later); a hot-unplug evicts only the jobs on the GPU it
+takes. The node watch reports the count of running GPU jobs to the machine (`GpuPods`).
 
 Figures, per policy, over the measured week:
 
@@ -67,9 +75,11 @@ The candidates for the default, side by side: ``always``; ``when-idle`` with no 
 on its wait, or restarting anyway after ``regrow_max_wait`` (30 or 2 minutes); each
 bounded one also with no new GPU job starting on the node while the regrow waits (as
 if the node were cordoned for them meanwhile: a job started then is one the restart
-kills); and the default with hot-add (``policy.hotplug = "add"``), which attaches the
+kills); the default with hot-add (``policy.hotplug = "add"``), which attaches the
 GPUs a game freed to the running lendee instead of restarting it: no regrow kills a job
-and none waits for the node to be idle, only a game's reclaim restarts the lendee. Each
+and none waits for the node to be idle, only a game's reclaim restarts the lendee; and
+with hot-unplug too (``"both"``), where a game's reclaim takes its GPU from the running
+lendee and stops only the jobs on it. Each
 is also replayed over 30 weeks of other GPU work (seeds 0-29): in how many the budget is
 met, the worst share, the jobs killed per week.
 
@@ -99,11 +109,13 @@ from hostagent.model import (
     CancelRelend,
     CompleteIntent,
     Drain,
+    DetachGpus,
     Drained,
     Event,
     FailIntent,
     GpuPods,
     GpusAttached,
+    GpusDetached,
     Hotplug,
     IntentSource,
     KubeReturn,
@@ -154,6 +166,7 @@ class Durations:
     shutdown: float = 15.0
     owner_start: float = 5.0
     hot_add: float = 40.0
+    hot_unplug: float = 25.0
 
 
 def sessions() -> list[tuple[float, float, str]]:
@@ -192,6 +205,7 @@ class Figures:
     jobs_killed: int = 0
     jobs_killed_by_regrow: int = 0
     hot_adds: int = 0
+    hot_unplugs: int = 0
     job_hours_done: float = 0.0
     player_waits: list[float] = field(default_factory=list)
     regrow_waiting_s: float = 0.0
@@ -219,8 +233,9 @@ class Replay:
         self.lendee_started_at = 0.0
         self.owners_up: set[str] = set()
         self.asked_at: dict[str, float] = {}
-        self.running: dict[int, tuple[float, float]] = {}  # job id → (end, duration)
+        self.running: dict[int, tuple[float, float, str]] = {}  # job → (end, duration, GPU)
         self.pending: deque[tuple[int, float]] = deque()
+        self.rng = random.Random(0)  # which free GPU a job gets: the same for every policy
         self.f = Figures()
         for start, end, owner in sessions():
             self.at(start, self.player_starts, owner)
@@ -253,8 +268,9 @@ class Replay:
             return
         s = self.state
         held = TOPO.gpus_of(self.owners_up)
-        # A GPU being hot-added is the lendee's, but not lent until the node has it.
-        lent = s.lent - s.attaching if s.phase is Phase.LENT else frozenset()
+        # A GPU being hot-added is the lendee's, but not lent until the node has it; one
+        # being detached is lent no more (the node is cordoned for it).
+        lent = s.lent - s.attaching - s.detaching if s.phase is Phase.LENT else frozenset()
         for gpu in TOPO.lendee_gpus:
             if gpu not in held:
                 self.f.free_gs += dt
@@ -302,6 +318,12 @@ class Replay:
                     self.f.hot_adds += 1
                 self.at(now + d.hot_add, self.deliver,
                         GpusAttached(at=now + d.hot_add, ticket=t, gpus=gpus))
+            case DetachGpus(ticket=t, gpus=gpus):
+                if self.measured():
+                    self.f.hot_unplugs += 1
+                self.evict(gpus)
+                self.at(now + d.hot_unplug, self.deliver,
+                        GpusDetached(at=now + d.hot_unplug, ticket=t, gpus=gpus))
             case KubeReturn(ticket=t):
                 self.at(now + d.kube_return, self.deliver,
                         ReturnDone(at=now + d.kube_return, ticket=t))
@@ -369,12 +391,14 @@ class Replay:
 
     def start_jobs(self) -> None:
         s, before = self.state, len(self.running)
-        if self.hold_new_jobs and s.regrow_waiting:
-            return
-        while (self.pending and s.phase is Phase.LENT
-               and len(self.running) < len(s.lent - s.attaching)):
+        if (self.hold_new_jobs and s.regrow_waiting) or s.phase is not Phase.LENT or s.detaching:
+            return  # (while a GPU is detached, the node is cordoned)
+        # The kubelet gives a job any free GPU (its device manager's set has no order).
+        free = sorted(s.lent - s.attaching - {gpu for _, _, gpu in self.running.values()})
+        while self.pending and free:
             job, duration = self.pending.popleft()
-            self.running[job] = (self.now + duration, duration)
+            gpu = free.pop(self.rng.randrange(len(free)))
+            self.running[job] = (self.now + duration, duration, gpu)
             self.at(self.now + duration, self.job_ends, job, self.now + duration)
         # The node watch reports the count when it changes, and first at each lend (the
         # machine knows nothing of this lend's GPU pods until then).
@@ -384,25 +408,29 @@ class Replay:
     def job_ends(self, job: int, end: float) -> None:
         if self.running.get(job, (None,))[0] != end:
             return  # evicted since
-        _, duration = self.running.pop(job)
+        _, duration, _ = self.running.pop(job)
         if self.measured():
             self.f.job_hours_done += duration / HOUR
         self.deliver(GpuPods(at=self.now, count=len(self.running)))
 
-    def evict(self) -> None:
-        """A drain: every running job is evicted, and will start over."""
-        if not self.running:
+    def evict(self, gpus: frozenset[str] | None = None) -> None:
+        """A drain (`gpus` None): every running job is evicted, and will start over; a
+        hot-unplug: the jobs on `gpus`."""
+        evicted = {job: run for job, run in self.running.items()
+                   if gpus is None or run[2] in gpus}
+        if not evicted:
             return
         if self.measured():
-            self.f.killing_restarts += 1
-            self.f.jobs_killed += len(self.running)
+            self.f.killing_restarts += gpus is None
+            self.f.jobs_killed += len(evicted)
             if not self.state.intents:
                 self.f.regrow_kills += 1
-                self.f.jobs_killed_by_regrow += len(self.running)
-        for job, (_, duration) in sorted(self.running.items(), reverse=True):
+                self.f.jobs_killed_by_regrow += len(evicted)
+        for job, (_, duration, _) in sorted(evicted.items(), reverse=True):
             self.pending.appendleft((job, duration))
-        self.running.clear()
-        self.at(self.now, self.deliver, GpuPods(at=self.now, count=0))  # the node watch
+            del self.running[job]
+        left = len(self.running)
+        self.at(self.now, self.deliver, GpuPods(at=self.now, count=left))  # the node watch
 
 
 @dataclass(frozen=True)
@@ -431,6 +459,7 @@ CANDIDATES = [
               hold_new_jobs=True),
     Candidate("partial, never", Policy(regrow=Regrow.NEVER)),
     Candidate("default, hot-add", Policy(hotplug=Hotplug.ADD)),
+    Candidate("default, hot-add + hot-unplug", Policy(hotplug=Hotplug.BOTH)),
     Candidate("default, no GPU jobs", Policy(), busy=False),
 ]
 # The agent's default policy, whichever column it is.
@@ -482,6 +511,7 @@ def table(results: dict[str, Figures], weeks: dict[str, Weeks],
         row("  of those, by a game's reclaim / by a regrow",
             lambda f: f"{f.jobs_killed - f.jobs_killed_by_regrow} / {f.jobs_killed_by_regrow}"),
         row("regrows by hot-add (no drain, no restart)", lambda f: str(f.hot_adds)),
+        row("reclaims by hot-unplug (no drain, no restart)", lambda f: str(f.hot_unplugs)),
         row("GPU-job hours completed", lambda f: f"{f.job_hours_done:.1f} h"),
         row("a regrow waiting for the node to be idle",
             lambda f: f"{f.regrow_waiting_s / HOUR:.1f} h"),
