@@ -352,6 +352,18 @@ def test_the_capacity_paragraph_is_bench_results() -> None:
     assert f"{cell(weeks, default)} weeks" in said
     assert cell("budget: lent share ≥ 99 %", default) == "met" and "meets the budget" in said
     assert cell("budget: lent share ≥ 99 %", "when-idle, no limit") == "MISSED"
+    # Hot-unplug's sentence, against hot-add alone.
+    both, add = "default, hot-add + hot-unplug", "default, hot-add"
+    unplug = section("Partial lending: the lendee keeps every GPU no game needs")
+    unplug = " ".join(unplug[unplug.index("### Hot-unplug on reclaim"):].split())
+    mean = next(r for r in t if r.endswith("GPU jobs killed, mean per week"))
+    wait = "longest wait of a player"
+    assert (f"lends {cell(share, both)} of the GPU time no game uses with no restart of the "
+            f"lendee, and kills {cell(killed, both)} GPU jobs") in unplug
+    assert cell("lendee restarts", both) == "0"
+    assert f"({cell(mean, both)} a week over 30 weeks" in unplug
+    assert f"against {cell(mean, add)} with hot-add alone" in unplug
+    assert f"is {cell(wait, both)} against {cell(wait, add)}" in unplug
 
 
 def test_the_timeline_is_a_partial_swap() -> None:
