@@ -187,6 +187,7 @@ def _enter(state: State, phase: Phase, **changes: Any) -> State:
     changes.setdefault("regrowing", state.regrowing and phase is Phase.STOPPING)
     changes.setdefault("attaching", frozenset())
     changes.setdefault("detaching", frozenset())
+    changes.setdefault("replug", state.replug and phase not in (Phase.LENT, Phase.OFF))
     return replace(state, phase=phase, ticket=state.ticket + 1, shutdown_sent=False, **changes)
 
 
@@ -366,7 +367,7 @@ def _back_to_lending(state: State) -> _Outcome:
     if not state.agent_up:
         return _boot(state)
     new = _enter(state, Phase.JOINING, reason=None)
-    return new, [KubeReturn(ticket=new.ticket)]
+    return new, [KubeReturn(ticket=new.ticket, restart_plugins=new.replug)]
 
 
 def _boot(state: State) -> _Outcome:
@@ -670,7 +671,9 @@ def _observed(state: State, event: Observed, ctx: _Ctx) -> _Outcome:
     if event.lendee_running:
         # Same instance or not, nobody knows: its agent must answer again.
         lent = ctx.topo.lendee_gpus if event.lendee_gpus is None else event.lendee_gpus
-        new, more = _rebuild_running(replace(new, agent_up=False, lent=lent), ctx)
+        # With hotplug, a live change may have been under way: the plugins re-enumerate.
+        replug = ctx.policy.hotplug is not Hotplug.NONE
+        new, more = _rebuild_running(replace(new, agent_up=False, lent=lent, replug=replug), ctx)
         # Owners whose GPUs it does not hold were started when they asked; that start
         # may have been lost with the previous agent.
         others = [
@@ -810,7 +813,7 @@ def _gpus_detached(state: State, event: GpusDetached, ctx: _Ctx) -> _Outcome:
     _check_ticket(state, event)
     if event.gpus != state.detaching:
         raise _stale(state, event, "not the GPUs being detached")
-    new = _enter(state, Phase.JOINING, lent=state.lent - state.detaching)
+    new = _enter(state, Phase.JOINING, lent=state.lent - state.detaching, replug=True)
     starts: list[Action] = [StartOwner(owner=o) for o in new.waiting_owners
                             if ctx.topo.claims(o) & state.detaching]
     return new, [*starts, KubeReturn(ticket=new.ticket, restart_plugins=True)]
@@ -836,7 +839,7 @@ def _agent_up_booting(state: State, event: AgentUp, ctx: _Ctx) -> _Outcome:
     """
     _check_ticket(state, event)
     new = _enter(state, Phase.JOINING, agent_up=True)
-    return new, [KubeReturn(ticket=new.ticket)]
+    return new, [KubeReturn(ticket=new.ticket, restart_plugins=new.replug)]
 
 
 def _agent_timeout_booting(state: State, event: AgentTimeout, ctx: _Ctx) -> _Outcome:

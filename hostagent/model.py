@@ -292,6 +292,9 @@ class State:
     ``detaching``: in LENT, GPUs an owner waits for being detached live (still in
     ``lent`` until libvirt says they are gone). ``unplug_failed``: a hot-unplug failed
     since the lendee started, so every reclaim until it restarts is a restart.
+    ``replug``: the running lendee's GPUs changed live, or may have while the agent was
+    away, since its node last returned: the next return restarts its GPU plugins first
+    (they enumerate GPUs when they start). Cleared once it is lent again, or off.
     """
 
     phase: Phase = Phase.OFF
@@ -314,6 +317,7 @@ class State:
     hotadd_failed: bool = False
     detaching: frozenset[str] = frozenset()
     unplug_failed: bool = False
+    replug: bool = False
 
     def intents_of(self, owner: str) -> tuple[Intent, ...]:
         return tuple(i for i in self.intents if i.owner == owner)

@@ -21,12 +21,14 @@ from hostagent.libvirt_host import ExecResult, HostError, Lifecycle
 from hostagent.machine import IllegalTransition, still_wanted, verdict
 from hostagent.metrics import Metrics
 from hostagent.model import (
+    AgentUp,
     CancelIntent,
     CompleteIntent,
     DetachFailed,
     DetachGpus,
     Drain,
     Event,
+    GpuPods,
     GpusDetached,
     Hold,
     Hotplug,
@@ -168,6 +170,29 @@ def test_a_reread_mid_detach_takes_the_reclaim_road() -> None:
                                             owners_running=frozenset(),
                                             lendee_gpus=gpus(B, C)))
     assert StartOwner(owner="gaming1") in actions and new.lent == gpus(B, C)
+
+
+@pytest.mark.parametrize("policy", [POLICY, replace(POLICY, hotplug=Hotplug.ADD), BOTH],
+                         ids=lambda p: f"hotplug={p.hotplug}")
+def test_after_a_reread_the_return_restarts_the_plugins_if_gpus_can_change_live(
+        policy: Any) -> None:
+    """An agent that restarts between a live change and the node's return (a detach
+    done, the plugins not yet restarted; a hot-add attached, not yet advertised) cannot
+    tell: with hotplug on, the return it begins again restarts the GPU plugins first,
+    and with the rest of the lend's road, a return done clears it."""
+    after = S(Phase.JOINING, lent=gpus(B, C), running_owners=frozenset({"gaming1"}))
+    new, actions = run(after, Observed(at=AT, lendee_running=True,
+                                       owners_running=frozenset({"gaming1"}),
+                                       lendee_gpus=gpus(B, C)), policy=policy)
+    new, actions = go(new, AgentUp(at=AT, ticket=new.ticket), policy)
+    live = policy.hotplug is not Hotplug.NONE
+    assert actions == [KubeReturn(ticket=new.ticket, restart_plugins=live)]
+    new, _ = go(new, ReturnDone(at=AT, ticket=new.ticket), policy)
+    assert new.phase is Phase.LENT
+    # A later return of the same lendee (a reclaim given up) restarts nothing.
+    new, actions = run(new, GpuPods(at=AT, count=0), policy=policy)
+    assert not any(isinstance(a, KubeReturn) and a.restart_plugins for a in actions)
+    assert not new.replug
 
 
 def test_a_start_withdrawn_mid_detach_leaves_the_gpu_free_for_a_hot_add() -> None:
