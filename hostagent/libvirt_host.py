@@ -305,19 +305,7 @@ class Libvirt:
         its persistent definition has them (`devices.elements_of`), each into the
         root port that definition gives it, which the live definition left empty. The
         persistent definition is not touched. Raises HostError."""
-        what = f"attach {', '.join(sorted(labels))} to {name} live"
-
-        def attach(c: Any) -> None:
-            dom = c.lookupByName(name)
-            if not dom.isActive():
-                raise libvirt.libvirtError(f"{name} is not running")
-            try:
-                parts = devices.elements_of(str(dom.XMLDesc(_INACTIVE_SECURE)), labels, gpus)
-            except (devices.XmlError, devices.GpuNotInXml, KeyError) as e:
-                raise HostError(f"{what}: {e}") from e
-            for part in parts:
-                dom.attachDeviceFlags(part, libvirt.VIR_DOMAIN_AFFECT_LIVE)
-        await self._call(what, attach)
+        await self._change_live(name, labels, gpus, attach=True)
 
     async def detach_live(self, name: str, labels: Collection[str],
                           gpus: Mapping[str, Gpu]) -> None:
@@ -326,19 +314,29 @@ class Libvirt:
         waits a few seconds for that, then returns with the removal still pending
         (`Lifecycle.DEVICE_REMOVED` and the live XML say when it is done). The
         persistent definition is not touched. Raises HostError."""
-        what = f"detach {', '.join(sorted(labels))} from {name} live"
+        await self._change_live(name, labels, gpus, attach=False)
 
-        def detach(c: Any) -> None:
+    async def _change_live(self, name: str, labels: Collection[str],
+                           gpus: Mapping[str, Gpu], *, attach: bool) -> None:
+        what = (f"{'attach' if attach else 'detach'} {', '.join(sorted(labels))} "
+                f"{'to' if attach else 'from'} {name} live")
+
+        def change(c: Any) -> None:
             dom = c.lookupByName(name)
             if not dom.isActive():
                 raise libvirt.libvirtError(f"{name} is not running")
+            # What to attach is in the persistent definition; what to detach, the live one.
+            xml = dom.XMLDesc(_INACTIVE_SECURE) if attach else dom.XMLDesc()
             try:
-                parts = devices.elements_of(str(dom.XMLDesc()), labels, gpus)
+                parts = devices.elements_of(str(xml), labels, gpus)
             except (devices.XmlError, devices.GpuNotInXml, KeyError) as e:
                 raise HostError(f"{what}: {e}") from e
             for part in parts:
-                dom.detachDeviceFlags(part, libvirt.VIR_DOMAIN_AFFECT_LIVE)
-        await self._call(what, detach)
+                if attach:
+                    dom.attachDeviceFlags(part, libvirt.VIR_DOMAIN_AFFECT_LIVE)
+                else:
+                    dom.detachDeviceFlags(part, libvirt.VIR_DOMAIN_AFFECT_LIVE)
+        await self._call(what, change)
 
     async def shutdown_via_agent(self, name: str) -> None:
         """Ask the guest to power off through its agent (never ACPI, never destroy)."""

@@ -1,15 +1,19 @@
 """Fixtures for the unit tests: a fake sysfs tree, built per test; journal records kept
-in memory (`sink`, for the tests that read what the agent journals)."""
+in memory (`sink`, for the tests that read what the agent journals); a `Kube` connected
+to the test module's own `api` fixture (the API stand-in, seeded as that module needs)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
 from hostagent import journal
+from hostagent.kube import Kube
+from tests.kubeapi import StandIn, write_kubeconfig
 from tests.sysfs import FakeSysfs
+from tests.unit.kube_scaffold import FAST
 
 
 @pytest.fixture
@@ -23,3 +27,10 @@ def sink() -> Iterator[journal.ListSink]:
     previous = journal.use_sink(listed)
     yield listed
     journal.use_sink(previous)
+
+
+@pytest.fixture
+async def kube(api: StandIn, tmp_path: Path) -> AsyncIterator[Kube]:
+    async with await Kube.connect(write_kubeconfig(tmp_path / "kc", api.url),
+                                  timing=FAST) as k:
+        yield k

@@ -23,10 +23,9 @@ from hostagent.inbox import HookEvent
 from hostagent.kube import Kube, cordon_marker
 from hostagent.libvirt_host import Lifecycle
 from hostagent.model import IntentSource, Observed, OwnerWants, Phase
-from tests.kubeapi import StandIn, write_kubeconfig
+from tests.kubeapi import StandIn
 from tests.kubeapi.cluster import ready_condition
 from tests.kubeapi.rules import NODES
-from tests.unit.test_cluster import FAST
 from tests.unit.test_control import (  # noqa: F401 (a fixture)
     CONFIG,
     FakeLibvirt,
@@ -46,13 +45,6 @@ async def api() -> AsyncIterator[StandIn]:
     async with StandIn(termination_scale=0.005) as standin:
         standin.cluster.add_node("gpu-node", gpus=2, ready=False)
         yield standin
-
-
-@pytest.fixture
-async def kube(api: StandIn, tmp_path: Path) -> AsyncIterator[Kube]:
-    async with await Kube.connect(write_kubeconfig(tmp_path / "kc", api.url),
-                                  timing=FAST) as k:
-        yield k
 
 
 def ready(api: StandIn) -> None:

@@ -20,11 +20,10 @@ from hostagent.kube import Kube, KubeAuthError, Timing, cordon_marker, expected_
 from tests.kubeapi import StandIn, write_kubeconfig
 from tests.kubeapi.cluster import gpu_status
 from tests.kubeapi.rules import EVENTS, NODES
+from tests.unit.kube_scaffold import FAST
 
 PREFIX = "hostagent.io/"
 MARKER = cordon_marker(PREFIX)
-FAST = Timing(request_timeout=2.0, api_timeout=3.0, backoff_min=0.02, backoff_max=0.1,
-              evict_retry=0.05, delete_poll=0.02, watch_timeout=5.0)
 TAINT = "hostagent.io/borrowed=true:NoSchedule"
 
 
@@ -84,13 +83,6 @@ async def api() -> AsyncIterator[StandIn]:
         standin.cluster.add_node("gpu-node", gpus=2)
         standin.cluster.add_node("cpu-node")
         yield standin
-
-
-@pytest.fixture
-async def kube(api: StandIn, tmp_path: Path) -> AsyncIterator[Kube]:
-    async with await Kube.connect(write_kubeconfig(tmp_path / "kc", api.url),
-                                  timing=FAST) as k:
-        yield k
 
 
 def cluster_for(kube: Kube, cfg: Config | None = None,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
-from pathlib import Path
 
 import pytest
 
@@ -17,14 +16,12 @@ from hostagent.cluster import KubeCluster
 from hostagent.config import Config, parse
 from hostagent.follow import format_status
 from hostagent.health import CheckFailed
-from hostagent.kube import Kube, Timing
-from tests.kubeapi import StandIn, write_kubeconfig
+from hostagent.kube import Kube
+from tests.kubeapi import StandIn
 from tests.kubeapi.cluster import gpu_device, mig_device
 from tests.kubeapi.rules import EVENTS, PODS
 
 PREFIX = "hostagent.io/"
-FAST = Timing(request_timeout=2.0, api_timeout=3.0, backoff_min=0.02, backoff_max=0.1,
-              evict_retry=0.05, delete_poll=0.02, watch_timeout=5.0)
 UUID_A = "GPU-5f2ab1c4-0000-4000-8000-00000000000a"
 UUID_B = "GPU-5f2ab1c4-0000-4000-8000-00000000000b"
 UUID_C = "GPU-5f2ab1c4-0000-4000-8000-00000000000c"  # the host's, never lent
@@ -84,13 +81,6 @@ async def api() -> AsyncIterator[StandIn]:
         standin.cluster.add_node("gpu-node")
         standin.cluster.add_device_class()
         yield standin
-
-
-@pytest.fixture
-async def kube(api: StandIn, tmp_path: Path) -> AsyncIterator[Kube]:
-    async with await Kube.connect(write_kubeconfig(tmp_path / "kc", api.url),
-                                  timing=FAST) as k:
-        yield k
 
 
 def cluster_for(kube: Kube, cfg: Config | None = None,

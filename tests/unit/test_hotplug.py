@@ -7,14 +7,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
 from hostagent import lint
 from hostagent.cluster import KubeCluster
 from hostagent.config import Config, ConfigError, parse
-from hostagent.kube import Kube, Timing
+from hostagent.kube import Kube
 from hostagent.metrics import Metrics
 from hostagent.machine import IllegalTransition, still_wanted, verdict
 from hostagent.model import (
@@ -31,7 +30,7 @@ from hostagent.model import (
     ScheduleRelend,
     State,
 )
-from tests.kubeapi import StandIn, write_kubeconfig
+from tests.kubeapi import StandIn
 from tests.kubeapi.cluster import gpu_device
 from tests.unit.test_partial import AT, LENDEE, POLICY, TOPO, B, C, S, T, gpus, go, run, vms, wants
 
@@ -203,8 +202,6 @@ def test_lint_says_what_keeps_a_lendee_from_hot_add() -> None:
 
 UUID_A = "GPU-5f2ab1c4-0000-4000-8000-00000000000a"
 UUID_B = "GPU-5f2ab1c4-0000-4000-8000-00000000000b"
-FAST = Timing(request_timeout=2.0, api_timeout=3.0, backoff_min=0.02, backoff_max=0.1,
-              evict_retry=0.05, delete_poll=0.02, watch_timeout=5.0)
 
 
 @pytest.fixture
@@ -214,13 +211,6 @@ async def api() -> AsyncIterator[StandIn]:
         standin.cluster.add_node("other-node")
         standin.cluster.add_device_class()
         yield standin
-
-
-@pytest.fixture
-async def kube(api: StandIn, tmp_path: Path) -> AsyncIterator[Kube]:
-    async with await Kube.connect(write_kubeconfig(tmp_path / "kc", api.url),
-                                  timing=FAST) as k:
-        yield k
 
 
 def dra_config() -> Config:

@@ -44,11 +44,11 @@ from hostagent.model import (
     State,
     Topology,
 )
-from tests.kubeapi import StandIn, write_kubeconfig
+from tests.kubeapi import StandIn
 from tests.kubeapi.cluster import gpu_device
 from tests.unit.machine_scaffold import Stepper
 from tests.unit.test_control import make_agent
-from tests.unit.test_hotplug import FAST, LINT_CONFIG, gone, hot_add_findings, lendee_xml
+from tests.unit.test_hotplug import LINT_CONFIG, gone, hot_add_findings, lendee_xml
 from tests.unit.test_partial import AT, LENDEE, POLICY, TOPO, B, C, S, T, gpus, wants
 
 A = "gpu-a"
@@ -424,13 +424,6 @@ async def api() -> AsyncIterator[StandIn]:
         standin.cluster.add_node("gpu-node")
         standin.cluster.add_device_class()
         yield standin
-
-
-@pytest.fixture
-async def kube(api: StandIn, tmp_path: Path) -> AsyncIterator[Kube]:
-    async with await Kube.connect(write_kubeconfig(tmp_path / "kc", api.url),
-                                  timing=FAST) as k:
-        yield k
 
 
 async def test_vacate_evicts_only_the_pods_named_and_cordons_as_ours(
