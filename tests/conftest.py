@@ -10,8 +10,9 @@ import pytest
 
 from tests.lab.lab import Lab, need_lab
 
-# The fault suite's table, printed by whichever process prints the summary.
-pytest_plugins = ["tests.faults.table"]
+# The fault suite's table and the figures tests measure, printed by whichever process
+# prints the summary.
+pytest_plugins = ["tests.faults.table", "tests.figures"]
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -63,7 +64,8 @@ def at(record: dict[str, Any]) -> float:
     return int(record["__REALTIME_TIMESTAMP"]) / 1e6
 
 
-def test_a_game_takes_its_gpu_live_and_a_guest_that_keeps_it_falls_back(lab: Lab) -> None:
+def test_a_game_takes_its_gpu_live_and_a_guest_that_keeps_it_falls_back(
+        lab: Lab, record_property: Callable[[str, object], None]) -> None:
     with lab_cluster(lab, workloads=False) as kc:
         lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig).replace(
             "[policy]\n", '[policy]\nhotplug = "both"\n') + '\n[verify]\ntimeout = "10s"\n')
@@ -117,7 +119,8 @@ def test_a_game_takes_its_gpu_live_and_a_guest_that_keeps_it_falls_back(lab: Lab
         assert not node["spec"].get("unschedulable")
         assert node["status"]["allocatable"]["nvidia.com/gpu"] == "1"
         assert annotations(node)["hostagent.io/lent-gpus"] == "gpu-c"
-        print(f"\nreclaim of one GPU from the running lendee: by hot-unplug {by_unplug:.1f}s, "
-              f"by restart {by_restart:.1f}s (drain, shutdown, the game's start); a guest "
-              f"that keeps the GPU: {fallback:.1f}s in all, the {DETACH_BOUND:g}s bound "
-              "included")
+        record_property("figure", (
+            f"reclaim of one GPU from the running lendee, the game's start to it running: "
+            f"by hot-unplug {by_unplug:.1f}s, by restart {by_restart:.1f}s (drain, shutdown, "
+            f"the game's start); a guest that keeps the GPU: {fallback:.1f}s in all, the "
+            f"{DETACH_BOUND:g}s bound included"))
