@@ -65,7 +65,6 @@ def test_owner_started_and_stopped_20_times(lab: Lab, fault: Scenario) -> None:
     lab.write_config(relend_delay="1s")
     lab.start_agent()
     wait_lent(lab)
-    began = time.monotonic()
     deferred = 0
     for i in range(20):
         out = fault.start_owner("gaming1")
@@ -74,7 +73,6 @@ def test_owner_started_and_stopped_20_times(lab: Lab, fault: Scenario) -> None:
             lab.wait_state("gaming1", "running", timeout=30)
         lab.virsh("destroy", "gaming1")  # the player pulls the plug
         time.sleep(PAUSES[i])
-    assert time.monotonic() - began < 120
     fault.fault()  # the storm is over: from its end to the lendee lent again
     wait_lent(lab, timeout=60)
     fault.recovered()
