@@ -40,10 +40,11 @@ demo: setup
 
 # mypy and ruff first: they take seconds and fail fast. Then every test, whole files
 # spread over TEST_PROCESSES processes (pytest-xdist): a lab test mostly waits on its TCG
-# guests, so on 2 cores four labs at once (each process's lab is private: its own
-# libvirtd, journald and sockets) take about a third of the time of one. The fault
-# suite's table is printed at the end whatever process ran its rows.
-TEST_PROCESSES ?= 4
+# guests, so on 2 cores three labs at once (each process's lab is private: its own
+# libvirtd, journald and sockets) take about half the time of one, with CPU to spare
+# for a guest that boots while the others do. The fault suite's table, and the figures
+# tests measure, are printed at the end whatever process ran them.
+TEST_PROCESSES ?= 3
 test: setup
 	$(VENV)/bin/mypy
 	$(VENV)/bin/ruff check hostagent hooks/qemu tests bench

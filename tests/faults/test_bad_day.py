@@ -108,7 +108,9 @@ def test_disk_full_mid_reclaim(lab: Lab, fault: Scenario) -> None:
             # The facts are taken: the lendee's stop, gaming1's start, its intent done.
             lab.wait_state("gaming1", "running", timeout=90)
             wait_count(lab, 1, event="intent", to="done", vm="gaming1")
-            assert count(lab, event="state", result="failed") == 1  # journaled once
+            # Journaled once (a busy machine may have missed the save's time bound first).
+            assert len([r for r in lab.records(event="state", result="failed")
+                        if "No space left on device" in r["MESSAGE"]]) == 1
             text = lab.hostagent("status")
             assert text.returncode == 0, text.stderr
             assert re.search(r"failed checks:\n  state file: cannot write \S+state.toml: "

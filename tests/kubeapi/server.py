@@ -172,6 +172,9 @@ class StandIn:
             return
         listener, self._listener = self._listener, None
         listener.close()
+        # A connection accepted just before is made a moment later: cut it too, or its
+        # transport is left to the garbage collector.
+        await asyncio.sleep(0.05)
         self.cluster.close_watches()
         assert self._web is not None
         for handler in self._web.connections:
