@@ -242,11 +242,10 @@ async def _compute_apps(ex: Step, uuids: frozenset[str]) -> tuple[list[str], str
         try:
             done = await ex.libvirt.guest_exec(ex.lendee, command, list(APPS), timeout=15)
         except HostError as e:
-            if any(w in str(e).lower() for w in ("no such file", "not found",
-                                                  "failed to execute child process")):
+            if in_guest.not_there(e):
                 continue
             return [], f"could not ask {command} which processes use the GPU: {clean(e, 200)}"
-        if done.exitcode in (126, 127):
+        if in_guest.not_there((done.exitcode, done.stdout, done.stderr)):
             continue
         if done.exitcode != 0:
             return [], (f"{command} {APPS[0]} exited {done.exitcode}: "

@@ -194,6 +194,15 @@ def _missing(text: str) -> bool:
 Run = tuple[int, str, str]
 
 
+def not_there(result: Run | Exception) -> bool:
+    """Whether a try of a command in the guest found no such command there (try the
+    next place), rather than one that ran, or failed for another reason."""
+    if isinstance(result, Exception):
+        return _missing(str(result))
+    code, out, err = result
+    return code in (126, 127) or (code != 0 and not out.strip() and _missing(err))
+
+
 def combine(expected: Sequence[Expected], attempts: Sequence[tuple[str, Run | Exception]]
             ) -> Outcome | None:
     """The verdict from the tries so far, in order: (command, its run or the error that
@@ -201,14 +210,11 @@ def combine(expected: Sequence[Expected], attempts: Sequence[tuple[str, Run | Ex
     far was missing (try the next); when the last one was missing too, call
     `none_found`. No side effects."""
     for _command, result in attempts:
-        if isinstance(result, Exception):
-            if _missing(str(result)):
-                continue
-            return Outcome(seen=(), missing=tuple(expected), problem=clean(result))
-        code, out, err = result
-        if code in (126, 127) or (code != 0 and not out.strip() and _missing(err)):
+        if not_there(result):
             continue
-        return outcome_of_run(expected, code, out, err)
+        if isinstance(result, Exception):
+            return Outcome(seen=(), missing=tuple(expected), problem=clean(result))
+        return outcome_of_run(expected, *result)
     return None
 
 
