@@ -331,11 +331,9 @@ class Libvirt:
                 parts = devices.elements_of(str(xml), labels, gpus)
             except (devices.XmlError, devices.GpuNotInXml, KeyError) as e:
                 raise HostError(f"{what}: {e}") from e
+            move = dom.attachDeviceFlags if attach else dom.detachDeviceFlags
             for part in parts:
-                if attach:
-                    dom.attachDeviceFlags(part, libvirt.VIR_DOMAIN_AFFECT_LIVE)
-                else:
-                    dom.detachDeviceFlags(part, libvirt.VIR_DOMAIN_AFFECT_LIVE)
+                move(part, libvirt.VIR_DOMAIN_AFFECT_LIVE)
         await self._call(what, change)
 
     async def shutdown_via_agent(self, name: str) -> None:
