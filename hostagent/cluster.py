@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from typing import Protocol
 
 from hostagent import dra, journal
@@ -347,6 +347,13 @@ class KubeCluster:
                         "plugin; set kubernetes.gpu_api to say which", e)
             return False
 
+    async def _restart_plugins(self, gpus: Iterable[str]) -> None:
+        """The node's GPU plugins started again, to advertise `gpus` (a live change)."""
+        deleted = await self.kube.restart_plugins(self.node, timeout=self.timeouts.ready)
+        journal.record("hotplug", f"restarted {', '.join(deleted) or 'no plugin pod'} on "
+                       f"node {self.node} to advertise {', '.join(gpus)}",
+                       vm=self.node, result="ok")
+
     async def give_back(self, lent: Collection[str] | int,
                         expected: ExpectedGpus | None = None, *,
                         restart_plugins: bool = False) -> str | None:
@@ -364,11 +371,7 @@ class KubeCluster:
                 expected = await self.expect(lent)
             self.expected = expected
             if restart_plugins:
-                deleted = await self.kube.restart_plugins(self.node,
-                                                          timeout=self.timeouts.ready)
-                journal.record("hotplug", f"restarted {', '.join(deleted) or 'no plugin pod'} "
-                               f"on node {self.node} to advertise {', '.join(expected.gpus)}",
-                               vm=self.node, result="ok")
+                await self._restart_plugins(expected.gpus)
             await self.kube.wait_ready(self.node, timeout=self.timeouts.ready)
             if self.dra is not None:
                 problem = await self._wait_devices(self.dra)
@@ -417,10 +420,7 @@ class KubeCluster:
         before = (self.expected, self.dra)
         try:
             expected = await self.expect(lent)
-            deleted = await self.kube.restart_plugins(self.node, timeout=self.timeouts.ready)
-            journal.record("hotplug", f"restarted {', '.join(deleted) or 'no plugin pod'} on "
-                           f"node {self.node} to advertise {', '.join(sorted(lent))}",
-                           vm=self.node, result="ok")
+            await self._restart_plugins(sorted(lent))
             if self.dra is not None:
                 lent_dra, driver = self.dra, self.settings.dra_driver
                 seen = await self.kube.wait_devices(
