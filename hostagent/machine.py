@@ -816,7 +816,7 @@ def _gpus_detached(state: State, event: GpusDetached, ctx: _Ctx) -> _Outcome:
     new = _enter(state, Phase.JOINING, lent=state.lent - state.detaching, replug=True)
     starts: list[Action] = [StartOwner(owner=o) for o in new.waiting_owners
                             if ctx.topo.claims(o) & state.detaching]
-    return new, [*starts, KubeReturn(ticket=new.ticket, restart_plugins=True)]
+    return new, [*starts, KubeReturn(ticket=new.ticket, restart_plugins=new.replug)]
 
 
 def _detach_failed(state: State, event: DetachFailed, ctx: _Ctx) -> _Outcome:
