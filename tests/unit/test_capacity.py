@@ -1,0 +1,51 @@
+"""The capacity model's varied weeks really vary, and leave the reference week alone."""
+
+from __future__ import annotations
+
+import random
+
+from bench.capacity import (
+    CANDIDATES,
+    SCHEDULES,
+    VARIED,
+    Durations,
+    Replay,
+    _Jittered,
+    jobs,
+    over_varied,
+    varied_week,
+)
+from hostagent.model import Policy
+
+
+def test_each_reading_of_a_jittered_duration_strays_within_its_spread() -> None:
+    d = _Jittered(Durations(), 0.5, random.Random(1))
+    boots = [d.boot for _ in range(200)]
+    assert all(15.0 <= b <= 45.0 for b in boots)
+    assert len(set(boots)) == 200 and min(boots) < 20 and max(boots) > 40
+
+
+def test_the_varied_weeks_cover_every_schedule_with_games_that_never_overlap() -> None:
+    kinds = {varied_week(seed)[0] for seed in VARIED}
+    assert kinds == set(SCHEDULES)
+    for seed in VARIED:
+        _, games, work = varied_week(seed)
+        assert work
+        for owner in {o for _, _, o in games}:
+            mine = sorted((s, e) for s, e, o in games if o == owner)
+            assert all(e1 <= s2 for (_, e1), (s2, _) in zip(mine, mine[1:], strict=False))
+    assert len({tuple(varied_week(seed)[1]) for seed in VARIED}) == len(VARIED)
+
+
+def test_the_reference_week_is_the_same_without_a_spread() -> None:
+    plain = Replay(Policy(), Durations(), jobs(14)).run()
+    again = Replay(Policy(), Durations(), jobs(14), spread=0.0, seed=99).run()
+    assert (plain.share, plain.jobs_killed, plain.player_waits) == \
+        (again.share, again.jobs_killed, again.player_waits)
+
+
+def test_a_killed_job_destroys_the_work_it_had_done() -> None:
+    always = next(c for c in CANDIDATES if c.name == "partial, always")
+    s = over_varied(always, Durations())
+    assert sum(s.killed) > 0 and sum(s.destroyed) > 0
+    assert len(s.shares) == len(VARIED) and all(0 < x <= 1 for x in s.shares)
