@@ -20,34 +20,83 @@ if TYPE_CHECKING:
     from hostagent import lint
 
 
+# The exit statuses of every command, in `hostagent --help` and README.
+EXIT_STATUSES = (
+    (0, "done"),
+    (1, "failed: the agent refused or a step failed, lint found errors, no GPU found, the "
+        "agent is not running"),
+    (2, "a problem with the command line, the configuration or an input file; nothing done"),
+    (3, "stopped waiting (--timeout): the agent goes on"),
+    (130, "interrupted (Ctrl-C): the agent goes on"),
+)
+
+# What each command does, and an example: the first line is its summary in `--help`.
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("run the agent (what the systemd unit starts)",
+            "hostagent run                    # as systemd/hostagent.service does"),
+    "status": ("each GPU, its owner and holder; the lendee; intents",
+               "hostagent status --json | jq .phase"),
+    "hold": ("lend no more: a running lendee keeps running, a stopped one stays off until "
+             "`resume`", "hostagent hold                   # before maintenance"),
+    "resume": ("lend again (and retry a step that failed)", "hostagent resume"),
+    "play": ("start an owner VM (its GPUs are taken back first) and wait until it runs",
+             "hostagent play gaming1 --timeout 300"),
+    "release": ("shut an owner VM down (guest agent, else ACPI) and wait until it is off; "
+                "the lend follows by itself", "hostagent release gaming1"),
+    "lend": ("the same as resume: lend the GPUs again now", "hostagent lend"),
+    "reclaim": ("take the GPUs back from the lendee with no VM starting; it stays off until "
+                "`lend`", "hostagent reclaim && virsh list"),
+    "check-config": ("read the configuration and report every problem",
+                     "hostagent --config /etc/hostagent/config.toml check-config"),
+    "history": ("the transitions in the journal, and how long each GPU was lent, gaming or "
+                "idle", 'hostagent history --since "7 days ago" --svg week.svg'),
+    "gpus": ("this host's GPUs: NVML (index, UUID, PCI) and sysfs", "hostagent gpus --json"),
+    "lint": ("check domain XML against this host and the configuration",
+             "hostagent lint gaming1 gpu-node"),
+    "config": ("configuration helpers: `config init` writes a first configuration",
+               "hostagent config init --output -"),
+    "init": ("write a starter configuration from the domains' `<hostdev>` entries",
+             "hostagent config init --lendee gpu-node"),
+}
+
+
+def _command(sub: Any, name: str) -> argparse.ArgumentParser:
+    what, example = _COMMANDS[name]
+    p: argparse.ArgumentParser = sub.add_parser(
+        name, help=what, description=what[0].upper() + what[1:] + ".",
+        epilog=f"example:\n  {example}", formatter_class=argparse.RawDescriptionHelpFormatter)
+    # --config after the command too ("hostagent status --config FILE"); SUPPRESS keeps
+    # the one given before the command when none is given after it.
+    p.add_argument("--config", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    return p
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hostagent", description=(
-        "Lend idle passthrough GPUs to a Kubernetes worker VM; give each back when its "
-        "gaming VM starts."))
+    statuses = "\n".join(f"  {code:<4} {what}" for code, what in EXIT_STATUSES)
+    p = argparse.ArgumentParser(
+        prog="hostagent", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=("Lend idle passthrough GPUs to a Kubernetes worker VM; give each back "
+                     "when its gaming VM starts."),
+        epilog=f"exit status:\n{statuses}\n\n`hostagent COMMAND --help` says more of each.")
     p.add_argument("--config", type=Path, default=configuration.DEFAULT_PATH,
-                   help=f"configuration file (default {configuration.DEFAULT_PATH})")
+                   help=f"configuration file (default {configuration.DEFAULT_PATH}); also "
+                        "accepted after the command")
     # Where the host's PCI devices are read (tests and the lab point it at a fake tree).
     p.add_argument("--sysfs", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
-    sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("run", help="run the agent (what the systemd unit starts)")
-    st = sub.add_parser("status", help="each GPU, its owner and holder; the lendee; intents")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _command(sub, "run")
+    st = _command(sub, "status")
     st.add_argument("--json", action="store_true", help="machine-readable output")
-    sub.add_parser("hold", help=(
-        "lend no more: a running lendee keeps running, a stopped one stays off until `resume`"))
-    sub.add_parser("resume", help="lend again (and retry a step that failed)")
-    for verb, what in (("play", "start an owner VM (its GPUs are taken back first) and wait "
-                                "until it runs"),
-                       ("release", "shut an owner VM down (guest agent, else ACPI) and wait "
-                                   "until it is off; the lend follows by itself")):
-        pl = sub.add_parser(verb, help=what)
+    _command(sub, "hold")
+    _command(sub, "resume")
+    for verb in ("play", "release"):
+        pl = _command(sub, verb)
         pl.add_argument("vm", metavar="VM", help="an owner VM (owners.* in the configuration)")
         _following(pl)
-    sub.add_parser("lend", help="the same as resume: lend the GPUs again now")
-    _following(sub.add_parser("reclaim", help=(
-        "take the GPUs back from the lendee with no VM starting; it stays off until `lend`")))
-    sub.add_parser("check-config", help="read the configuration and report every problem")
-    hi = sub.add_parser("history", help=(
-        "the transitions in the journal, and how long each GPU was lent, gaming or idle"))
+    _command(sub, "lend")
+    _following(_command(sub, "reclaim"))
+    _command(sub, "check-config")
+    hi = _command(sub, "history")
     hi.add_argument("--since", metavar="WHEN", help=(
         'as journalctl takes it: "1h ago", "today", "2025-01-31 20:00", "@UNIXTIME"'))
     hi.add_argument("--until", metavar="WHEN", help="as journalctl takes it (default: now)")
@@ -59,20 +108,19 @@ def _parser() -> argparse.ArgumentParser:
     hi.add_argument("--unit", metavar="UNIT", help=(
         "the service's systemd unit: only root's records from it count "
         "(default hostagent.service)"))
-    gp = sub.add_parser("gpus", help="this host's GPUs: NVML (index, UUID, PCI) and sysfs")
+    gp = _command(sub, "gpus")
     gp.add_argument("--json", action="store_true", help="machine-readable output")
     gp.add_argument("--sysfs", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    li = sub.add_parser("lint", help="check domain XML against this host and the configuration")
+    li = _command(sub, "lint")
     li.add_argument("domains", nargs="*", metavar="DOMAIN",
                     help="libvirt domains to check (default: every defined one)")
     li.add_argument("--xml", type=Path, action="append", default=[], metavar="FILE",
                     help="check this domain XML file instead of asking libvirt (repeatable)")
     li.add_argument("--connect", metavar="URI", help="libvirt URI (default: the config's)")
     li.add_argument("--sysfs", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    cf = sub.add_parser("config", help="configuration helpers")
-    cf_sub = cf.add_subparsers(dest="config_command", required=True)
-    ini = cf_sub.add_parser("init", help=(
-        "write a starter configuration from the domains' `<hostdev>` entries"))
+    cf = _command(sub, "config")
+    cf_sub = cf.add_subparsers(dest="config_command", required=True, metavar="COMMAND")
+    ini = _command(cf_sub, "init")
     ini.add_argument("--output", metavar="PATH",
                      help="where to write it (default: the --config path; - for stdout)")
     ini.add_argument("--force", action="store_true", help="overwrite an existing file")
