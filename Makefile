@@ -24,10 +24,23 @@ APT_PACKAGES := libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients \
 setup: $(STAMPS)/venv
 	$(VENV)/bin/python -m tests.lab.image
 
+# Packages among them whose install enables and starts the machine's own service: the lab
+# runs private instances, so when the install is what brought one, its service is
+# stopped and disabled again (one the machine had before is left as it was).
+APT_SERVICES := mosquitto
+
 $(STAMPS)/apt: Makefile
 	@mkdir -p $(STAMPS)
 	apt-get update -q
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(APT_PACKAGES)
+	@new=$$(for p in $(APT_SERVICES); do \
+	  dpkg-query -W -f='$${db:Status-Status}' $$p 2>/dev/null | grep -qx installed || echo $$p; \
+	done); \
+	set -x; DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	  $(APT_PACKAGES) || exit 1; set +x; \
+	for p in $$new; do \
+	  echo "make: stopping and disabling $$p.service, which its install started (the lab runs its own)"; \
+	  systemctl disable --now $$p.service >/dev/null 2>&1 || systemctl disable $$p.service || true; \
+	done
 	@touch $@
 
 $(STAMPS)/venv: pyproject.toml $(STAMPS)/apt
