@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg = _placed(cfg, args.sysfs)
     except configuration.ConfigError as e:
         _config_problems(e)
+        if args.command == "check-config" and e.salvaged is not None:
+            for warning in path_warnings(e.salvaged):  # one run names every problem
+                print(f"hostagent: warning: {warning}", file=sys.stderr)
         return 2
     if args.command == "check-config":
         print(f"{args.config}: OK ({len(cfg.gpus)} GPUs, {len(cfg.owners)} owners, "

@@ -287,6 +287,9 @@ class ConfigError(Exception):
         # Every problem found in one reading, this one first: a file is checked whole,
         # so that one run of check-config names them all.
         self.problems: tuple[ConfigError, ...] = (self,)
+        # The configuration as it reads with its bad keys at their defaults, when every
+        # section read far enough: check-config still checks it against the host.
+        self.salvaged: Config | None = None
 
     @classmethod
     def several(cls, errors: Sequence[ConfigError]) -> ConfigError:
@@ -742,12 +745,23 @@ def parse(text: str, source: str = "<config>") -> Config:
     except tomllib.TOMLDecodeError as e:
         raise _syntax_error(e, text, source) from None
     try:
-        # Problems that span sections are looked for once every section reads.
         return _link(_build(Config, document, "", source=source))
     except _Problem as p:
-        raise ConfigError.several([
+        problems = p.each
+        if p.salvaged is not None:
+            # The sections read, bad keys at their defaults: what spans sections is
+            # checked too, so one run names every problem (a key already named once
+            # is not named again).
+            try:
+                _link(p.salvaged)
+            except _Problem as q:
+                named = {one.key for one in problems}
+                problems = problems + [one for one in q.each if one.key not in named]
+        error = ConfigError.several([
             ConfigError(source=source, key=one.key, problem=one.problem, fix=one.fix)
-            for one in p.each]) from None
+            for one in problems])
+        error.salvaged = p.salvaged
+        raise error from None
 
 
 def _syntax_error(error: tomllib.TOMLDecodeError, text: str, source: str) -> ConfigError:

@@ -57,6 +57,10 @@ class _Problem(Exception):
         self.key = key
         self.problem = problem
         self.fix = fix
+        # What the table reads as with its bad keys left at their defaults (None when a
+        # required one is bad): the checks that span sections still run on it, so that
+        # one reading names every problem.
+        self.salvaged: Any = None
 
     @property
     def each(self) -> list[_Problem]:
@@ -85,9 +89,11 @@ def _gather(problems: list[_Problem]) -> Iterator[None]:
         problems.extend(p.each)
 
 
-def _raise_any(problems: list[_Problem]) -> None:
+def _raise_any(problems: list[_Problem], salvaged: Any = None) -> None:
     if problems:
-        raise _Problems(problems) if len(problems) > 1 else problems[0]
+        error = _Problems(problems) if len(problems) > 1 else problems[0]
+        error.salvaged = salvaged
+        raise error
 
 
 _Reader = Callable[[object, str], Any]
@@ -137,15 +143,24 @@ def _build(cls: type[_T], table: object, where: str, **given: Any) -> _T:
     problems = [_unknown_key(_join(where, name), name, list(fields))
                 for name in table if name not in fields]
     values: dict[str, Any] = dict(given)
+    required = []
     for name, f in fields.items():
         key = _join(where, name)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            required.append(name)
         if name in table:
-            with _gather(problems):
+            try:
                 values[name] = f.metadata[_READ](table[name], key)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            except _Problem as p:
+                problems.extend(p.each)
+                if p.salvaged is not None:
+                    values[name] = p.salvaged
+        elif name in required:
             problems.append(
                 _Problem(key, "missing", "add " + _example(name, f.metadata[_EXAMPLE], where)))
-    _raise_any(problems)
+    if problems:
+        whole = all(name in values for name in required)
+        _raise_any(problems, cls(**values) if whole else None)
     return cls(**values)
 
 
@@ -185,9 +200,13 @@ def _table_of(cls: type[_T], name_field: str) -> _Reader:
         problems: list[_Problem] = []
         entries = {}
         for name, entry in value.items():
-            with _gather(problems):
+            try:
                 entries[name] = _build(cls, entry, _join(key, name), **{name_field: name})
-        _raise_any(problems)
+            except _Problem as p:
+                problems.extend(p.each)
+                if p.salvaged is not None:
+                    entries[name] = p.salvaged
+        _raise_any(problems, entries)
         return entries
 
     return read

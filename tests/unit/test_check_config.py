@@ -127,3 +127,23 @@ def test_references_across_sections_are_all_reported(
     assert f'{path}: owners.gaming1.gpus[0]: unknown GPU "gpu-y"; define it' in err
     assert f"{path}: owners.gpu-node: gpu-node is the lendee" in err
     assert err.splitlines()[-1] == "hostagent: 3 problems in the configuration"
+
+
+def test_one_run_names_problems_of_every_kind(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A key of the wrong type, a reference to no GPU, and a path the unit cannot write:
+    the first run of check-config names all three, not one kind per run."""
+    path = tmp_path / "config.toml"
+    path.write_text('state_dir = "/srv/hostagent"\n'
+                    '[lendee]\ndomain = "gpu-node"\ngpus = ["gpu-a", "gpu-x"]\n'
+                    'min_gpus = "two"\n'
+                    '[gpus.gpu-a]\npci = "0000:01:00.0"\n'
+                    '[owners.gaming1]\ngpus = ["gpu-y"]\nstart_at_boot = "yes"\n')
+    assert cli.main(["--config", str(path), "check-config"]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: lendee.min_gpus: expected an integer, got a string" in err
+    assert f"{path}: owners.gaming1.start_at_boot: expected true or false" in err
+    assert f'{path}: lendee.gpus[1]: unknown GPU "gpu-x"' in err
+    assert f'{path}: owners.gaming1.gpus[0]: unknown GPU "gpu-y"' in err
+    assert "hostagent: 4 problems in the configuration" in err
+    assert 'hostagent: warning: state_dir = "/srv/hostagent": ' in err
