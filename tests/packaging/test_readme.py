@@ -385,3 +385,20 @@ def test_the_timeline_is_a_partial_swap() -> None:
         assert any(a <= middle <= b and who == "gpu-node" for a, b, who in rows[gpu]), gpu
     lent_a = [(a, b) for a, b, who in rows["gpu-a"] if who == "gpu-node"]
     assert lent_a[0][1] <= games[0][0] and lent_a[-1][0] >= games[0][1]
+
+
+def test_every_python_command_names_the_interpreter_that_has_the_project() -> None:
+    """A Debian 12 machine has no `python` on PATH, and the system `python3` lacks the
+    project's packages: README's commands run the venv's interpreter."""
+    text = " ".join(README.read_text().split())
+    bare = re.findall(r"(?<![\w/.])python3? -m [\w.]+", text)
+    assert not bare, f"README runs {bare} with an interpreter that lacks the project"
+
+
+def test_the_shutdown_timeout_is_said_to_be_per_guest_unless_parallel() -> None:
+    shutdown = section("Host boot and shutdown")
+    nix = block("Host boot and shutdown", "nix", "shutdownTimeout")
+    assert "parallelShutdown" in nix and "for all guests" not in nix
+    said = " ".join(shutdown.split())
+    assert "applies the timeout to each guest in turn" in said
+    assert "PARALLEL_SHUTDOWN=" in said
