@@ -366,9 +366,13 @@ in
       message = "services.hostagent.settings.${key} must stay ${path}: libvirtd runs the hook with a scrubbed environment, so the hook knows only that path.";
     }) hookPaths;
 
-    # Linked into /var/lib/libvirt/hooks/qemu.d/ by the libvirtd module; the hook has
-    # a store-path interpreter (see nix/package.nix).
-    virtualisation.libvirtd.hooks.qemu.hostagent = "${cfg.package}/libexec/hostagent/qemu-hook";
+    # Linked into /var/lib/libvirt/hooks/qemu.d/ by the libvirtd module's libvirtd-config,
+    # which runs when libvirtd starts, not at a switch (libvirtd is not restarted then):
+    # a store path there would keep an upgraded host running the old hook, and a garbage
+    # collection would take it away. /etc/hostagent/qemu-hook is pointed at the current
+    # package by every activation. The hook has a store-path interpreter (nix/package.nix).
+    virtualisation.libvirtd.hooks.qemu.hostagent = "/etc/hostagent/qemu-hook";
+    environment.etc."hostagent/qemu-hook".source = "${cfg.package}/libexec/hostagent/qemu-hook";
 
     environment.etc."hostagent/config.toml".source = configFile;
     environment.systemPackages = [ cfg.package ];

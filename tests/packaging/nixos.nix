@@ -72,6 +72,7 @@ let
       settings = c.services.hostagent.settings;
       unit = c.systemd.units."hostagent.service".text;
       hook = c.virtualisation.libvirtd.hooks.qemu.hostagent;
+      hookTarget = c.environment.etc."hostagent/qemu-hook".source;
       # The libvirtd module links each hook into qemu.d/ from this script.
       libvirtdConfig = c.systemd.services.libvirtd-config.script;
       # The checked file: the script that runs the agent on it, and the TOML as JSON.

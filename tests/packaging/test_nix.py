@@ -344,11 +344,15 @@ def test_the_unit_is_systemd_hostagent_service(evaluated: dict[str, Any]) -> Non
 
 @needs_nixos
 def test_the_hook_is_wired_in_qemu_d(evaluated: dict[str, Any]) -> None:
+    """Through /etc, which every activation points at the current package: libvirtd's
+    link is made only when libvirtd starts, so after an upgrade a store path there would
+    still be the old hook (and a garbage collection would take it away)."""
     readme = evaluated["readme"]
-    hook = readme["hook"]
-    assert re.fullmatch(r"/nix/store/\w{32}-hostagent-[\d.]+/libexec/hostagent/qemu-hook", hook)
-    assert f"ln -s --force {hook} /var/lib/libvirt/hooks/qemu.d/hostagent\n" in (
-        readme["libvirtdConfig"])
+    assert readme["hook"] == "/etc/hostagent/qemu-hook"
+    assert re.fullmatch(r"/nix/store/\w{32}-hostagent-[\d.]+/libexec/hostagent/qemu-hook",
+                        readme["hookTarget"])
+    assert "ln -s --force /etc/hostagent/qemu-hook /var/lib/libvirt/hooks/qemu.d/hostagent\n" \
+        in readme["libvirtdConfig"]
 
 
 # --- the typed options against hostagent/config.py -------------------------------------
