@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import socket
 import sys
 import time
 from pathlib import Path
@@ -53,6 +54,9 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "gpus": ("this host's GPUs: NVML (index, UUID, PCI) and sysfs", "hostagent gpus --json"),
     "lint": ("check domain XML against this host and the configuration",
              "hostagent lint gaming1 gpu-node"),
+    "unmark-node": ("take off the lendee's node exactly what hostagent put there (its "
+                    "annotations, the borrowed label, the lent taints, its own cordon); the "
+                    "agent must be stopped", "hostagent unmark-node --dry-run"),
     "config": ("configuration helpers: `config init` writes a first configuration",
                "hostagent config init --output -"),
     "init": ("write a starter configuration from the domains' `<hostdev>` entries",
@@ -118,6 +122,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="check this domain XML file instead of asking libvirt (repeatable)")
     li.add_argument("--connect", metavar="URI", help="libvirt URI (default: the config's)")
     li.add_argument("--sysfs", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    un = _command(sub, "unmark-node")
+    un.add_argument("--dry-run", action="store_true", help="say what it would take off")
     cf = _command(sub, "config")
     cf_sub = cf.add_subparsers(dest="config_command", required=True, metavar="COMMAND")
     ini = _command(cf_sub, "init")
@@ -162,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             for warning in path_warnings(e.salvaged):  # one run names every problem
                 print(f"hostagent: warning: {warning}", file=sys.stderr)
         return 2
+    if args.command == "unmark-node":
+        return _unmark_node(cfg, dry_run=args.dry_run)
     if args.command == "check-config":
         print(f"{args.config}: OK ({len(cfg.gpus)} GPUs, {len(cfg.owners)} owners, "
               f"lendee {cfg.lendee.domain})")
@@ -386,6 +394,49 @@ def _history(args: argparse.Namespace) -> int:
         print()
     else:
         print(history.format_table(h))
+    return 0
+
+
+def _unmark_node(cfg: configuration.Config, *, dry_run: bool) -> int:
+    """`hostagent unmark-node`: for an uninstall, or a node that leaves hostagent's care."""
+    if cfg.kubernetes is None:
+        print("hostagent: the configuration has no [kubernetes] section: hostagent put "
+              "nothing on any node", file=sys.stderr)
+        return 2
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(cfg.control_socket))
+            running = True
+        except (FileNotFoundError, ConnectionRefusedError):
+            running = False  # no socket, or nobody behind it: the agent is stopped
+        except OSError:
+            running = True  # there, but not ours to use: take it as running
+    if running:
+        print("hostagent: the agent is running and would mark the node again: stop it "
+              "first (systemctl stop hostagent)", file=sys.stderr)
+        return 1
+    import asyncio
+
+    from hostagent.cluster import parse_taint
+    from hostagent.kube import Kube, KubeError
+    k = cfg.kubernetes
+
+    async def unmark() -> list[str]:
+        async with await Kube.from_config(k) as kube:
+            return await kube.unmark(
+                cfg.lendee.node, marker_prefix=k.annotation_prefix, label=k.borrowed_label,
+                taints=[parse_taint(t) for t in k.lent_taints], dry_run=dry_run)
+
+    try:
+        removed = asyncio.run(unmark())
+    except KubeError as e:
+        print(f"hostagent: {clean(str(e), None)}", file=sys.stderr)
+        return 1
+    verb = "would take off" if dry_run else "took off"
+    if not removed:
+        print(f"{cfg.lendee.node}: nothing of hostagent's is on it")
+    for what in removed:
+        print(f"{cfg.lendee.node}: {verb} {clean(what, None)}")
     return 0
 
 

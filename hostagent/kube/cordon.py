@@ -210,6 +210,45 @@ class Cordons(Watches):
             follower.cancel()
             await asyncio.gather(follower, return_exceptions=True)
 
+    async def unmark(
+        self, node: str, *, marker_prefix: str, label: str | None, taints: Sequence[Taint],
+        dry_run: bool = False, timeout: float | None = None,
+    ) -> list[str]:
+        """Take off `node` exactly what hostagent puts on it, in one write: every
+        annotation under `marker_prefix`, the borrowed `label` where it says "true",
+        `taints`, and the cordon if our marker says we set it (an administrator's stays).
+        What was (or, with `dry_run`, would be) removed, one line each."""
+        marker = cordon_marker(marker_prefix)
+        removed: list[str] = []
+
+        def change(current: Any) -> dict[str, Any] | None:
+            annotations = _annotations(current)
+            labels = dict(current.metadata.labels or {})
+            present = [
+                self._api_client.sanitize_for_serialization(t)
+                for t in (current.spec.taints if current.spec else None) or []]
+            ours = {(t.key, t.effect) for t in taints}
+            kept = [t for t in present if (t.get("key"), t.get("effect")) not in ours]
+            mine = sorted(k for k in annotations if k.startswith(marker_prefix))
+            removed[:] = [f"annotation {k}={annotations[k]}" for k in mine]
+            body: dict[str, Any] = {"metadata": {"annotations": dict.fromkeys(mine)}}
+            if label and labels.get(label) == "true":
+                removed.append(f"label {label}=true")
+                body["metadata"]["labels"] = {label: None}
+            removed.extend(f"taint {t['key']}:{t['effect']}" for t in present if t not in kept)
+            if len(kept) != len(present):
+                body.setdefault("spec", {})["taints"] = kept or None
+            if annotations.get(marker) == MARKER_VALUE and _unschedulable(current):
+                removed.append("its cordon (set by hostagent)")
+                body.setdefault("spec", {})["unschedulable"] = None
+            return None if dry_run or not removed else body
+
+        await self._update_node(node, change, self._deadline(timeout))
+        if removed and not dry_run:
+            journal.record("unmark", f"took hostagent's marks off {node}: " + ", ".join(removed),
+                           result="ok", node=node)
+        return removed
+
     async def annotate(
         self,
         node: str,

@@ -13,7 +13,7 @@ from hostagent import cli
 REPO = Path(__file__).resolve().parents[2]
 GOOD = '[lendee]\ndomain = "gpu-node"\ngpus = ["0000:01:00.0"]\n'
 COMMANDS = ["run", "status", "hold", "resume", "play", "release", "lend", "reclaim",
-            "check-config", "history", "gpus", "lint", "config", "config init"]
+            "check-config", "history", "gpus", "lint", "unmark-node", "config", "config init"]
 
 
 def help_of(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
