@@ -18,8 +18,11 @@ from pathlib import Path
 
 MOSQUITTO = shutil.which("mosquitto") or shutil.which("mosquitto", path="/usr/sbin")
 PASSWD = shutil.which("mosquitto_passwd")
-MISSING = (None if MOSQUITTO and PASSWD else
-           "mosquitto is not installed (Debian package mosquitto; `make setup` installs it)")
+SUB, PUB = shutil.which("mosquitto_sub"), shutil.which("mosquitto_pub")
+MISSING = ("mosquitto is not installed (Debian package mosquitto; `make setup` installs it)"
+           if not (MOSQUITTO and PASSWD) else
+           "mosquitto_sub and mosquitto_pub are not installed (Debian package "
+           "mosquitto-clients; `make setup` installs it)" if not (SUB and PUB) else None)
 
 USERS = {"hostagent": "agent-secret", "ha": "ha-secret", "intruder": "intruder-secret"}
 ACL = """\
