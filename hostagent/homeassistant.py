@@ -187,13 +187,11 @@ def entity_configs(s: Surface) -> dict[str, str]:
     return out
 
 
-def removals(s: Surface, retained: bytes) -> dict[str, str]:
-    """Entities of a retained device message (an earlier configuration's) that this one
-    lacks: entity id -> platform. Ones already sent as removals are not repeated."""
-    try:
-        cmps = json.loads(retained).get("cmps")
-    except (ValueError, AttributeError):
-        return {}
+def removals(s: Surface, retained: object) -> dict[str, str]:
+    """Entities of a retained device message (an earlier configuration's, parsed) that
+    this one lacks: entity id -> platform. Ones already sent as removals are not
+    repeated."""
+    cmps = retained.get("cmps") if isinstance(retained, dict) else None
     if not isinstance(cmps, dict):
         return {}
     current = components(s)

@@ -13,9 +13,18 @@ back).
 Commands are the control verbs (`hostagent.verbs`), run as the caller ``mqtt``: each
 is journaled (``HOSTAGENT_EVENT=control``, ``HOSTAGENT_VIA=mqtt``), and a payload that
 is not one of the expected words, a retained command (it would replay at every
-connection), or one past `COMMANDS_PER_S` is refused with a journal warning and
-changes nothing. Who may publish a command at all is the broker's business (its ACL);
-which verbs and VMs MQTT may command is ``mqtt.verbs`` and ``mqtt.vms``.
+connection), or one past `COMMANDS_PER_S` on its topic is refused with a journal
+warning and changes nothing. Junk spends no command's budget: each command topic (a
+VM's switch, a button) has a budget of its own, taken only by valid commands, so a
+flood of garbage or of one VM's presses never costs another its turn. Who may publish
+a command at all is the broker's business (its ACL); which verbs and VMs MQTT may
+command is ``mqtt.verbs`` and ``mqtt.vms``.
+
+Nothing a broker sends can stop the agent: the client speaks MQTT 5 and tells the
+broker its maximum packet size (`MAX_PACKET`), so a larger message is never sent to it
+(MQTT 5, 3.1.2.11.4: the server discards it); a retained discovery message is parsed
+only within `MAX_PACKET` and `MAX_DEPTH`; and a message that still cannot be handled is
+dropped with a rate-limited journal record, its text escaped, the connection kept.
 
 Availability is the client's last will: ``<base>/availability`` is ``offline`` when the
 agent stops or its connection dies, ``online`` while it is connected. When Home
@@ -37,18 +46,25 @@ from typing import Any
 
 import aiomqtt
 
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
 from hostagent import homeassistant as ha
 from hostagent import journal
 from hostagent.config import Config
 from hostagent.control import Caller, Reply, VerbHandler, serving
 from hostagent.ratelimit import Summarised
+from hostagent.text import bounded_json, clean
 
 __all__ = ["COMMANDS_PER_S", "Device"]
 
 log = logging.getLogger("hostagent")
 
-COMMANDS_PER_S = 2.0  # commands taken per second, on average
-COMMANDS_BURST = 10  # at once, before the rate applies
+COMMANDS_PER_S = 2.0  # commands taken per second on one topic, on average
+COMMANDS_BURST = 10  # at once on one topic, before the rate applies
+MAX_PACKET = 256 * 1024  # bytes: the largest packet the broker may send (our own
+# device discovery, which comes back retained, is a few kilobytes)
+MAX_DEPTH = 16  # arrays and objects in a discovery message (Home Assistant's use 3)
 MAX_RUNNING = 8  # commands under way at once (a play waits for its VM)
 MAX_INCOMING = 64  # messages queued in the client before it reads them
 CREDENTIAL = "mqtt-password"  # the systemd credential read when password_file is unset
@@ -97,11 +113,14 @@ class Device:
         self._pending: dict[str, str] = {}  # what is still to publish, oldest first
         self._wake = asyncio.Event()
         self._removed: dict[str, str] = {}  # entities of an earlier configuration
-        self._tokens = float(COMMANDS_BURST)
-        self._refill = clock()
+        self._budgets: dict[str, tuple[float, float]] = {}  # topic -> (tokens, when)
         self._running: set[asyncio.Task[None]] = set()
+        self._sleep: Callable[[float], Any] = asyncio.sleep
         self.connected = False
         self.refusals = Summarised(self._refused_record, interval=10.0, burst=3)
+        self.junk = 0  # messages refused as malformed or unexpected
+        self.drops = Summarised(self._dropped_record, interval=10.0, burst=3,
+                                what="messages dropped")
 
     @property
     def pending(self) -> Mapping[str, str]:
@@ -153,8 +172,9 @@ class Device:
             while not _cancelled():
                 try:
                     await self._connection()
-                    delay, failures = 1.0, 0
                 except (aiomqtt.MqttError, OSError, ssl.SSLError) as e:
+                    if self.connected:  # a good connection ended: start the backoff anew
+                        delay, failures = 1.0, 0
                     failures += 1
                     if failures == 1:
                         journal.record("mqtt", f"the broker {self.settings.broker} is not "
@@ -166,7 +186,7 @@ class Device:
                 self.connected = False
                 if _cancelled():
                     break
-                await asyncio.sleep(delay * (0.5 + random.random() / 2))
+                await self._sleep(delay * (0.5 + random.random() / 2))
                 delay = min(delay * 2, 60.0)
         finally:
             await _stop(waker)
@@ -183,11 +203,14 @@ class Device:
         password = await self._password()
         tls = await asyncio.to_thread(self._tls) if self.settings.tls else None
         host, port = self.settings.address
+        connect = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+        connect.MaximumPacketSize = MAX_PACKET
         async with aiomqtt.Client(
                 host, port, username=self.settings.username, password=password,
                 identifier=f"hostagent-{s.node}", keepalive=KEEPALIVE, timeout=10,
                 will=aiomqtt.Will(s.availability, ha.OFFLINE, qos=1, retain=True),
                 tls_context=tls, max_queued_incoming_messages=MAX_INCOMING,
+                protocol=aiomqtt.ProtocolVersion.V5, properties=connect,
                 logger=logging.getLogger("hostagent.mqtt")) as client:
             self.connected = True
             journal.record("mqtt", f"connected to {self.settings.broker}: publishing "
@@ -199,7 +222,12 @@ class Device:
                     *ha.command_topics(s), s.birth_topic, s.device_topic,
                     ha.entity_topics(s))])
                 async for message in client.messages:
-                    await self._on_message(client, message)
+                    try:
+                        await self._on_message(client, message)
+                    except aiomqtt.MqttError:
+                        raise  # the link, not the message
+                    except Exception as e:  # no message may end the task
+                        self._drop(message.topic.value, f"could not be handled: {e!r}")
                     if _cancelled():
                         raise asyncio.CancelledError
             finally:
@@ -255,7 +283,14 @@ class Device:
         if topic == s.device_topic:
             if payload and s.per_entity:
                 await client.publish(topic, b"", qos=1, retain=True)
-            elif payload and (removed := ha.removals(s, payload)):
+                return
+            try:
+                retained = bounded_json(payload, max_bytes=MAX_PACKET, max_depth=MAX_DEPTH) \
+                    if payload else None
+            except ValueError as e:
+                self._drop(topic, f"not a discovery message: {e}")
+                return
+            if retained is not None and (removed := ha.removals(s, retained)):
                 self._removed.update(removed)
                 journal.record("mqtt", "Home Assistant forgets what the configuration no "
                                f"longer has: {', '.join(sorted(removed))}", result="removed")
@@ -269,23 +304,26 @@ class Device:
         self._command(topic, payload, retained=message.retain)
 
     def _command(self, topic: str, payload: bytes, *, retained: bool) -> None:
-        now = self._clock()
-        self._tokens = min(COMMANDS_BURST, self._tokens + (now - self._refill) * COMMANDS_PER_S)
-        self._refill = now
-        if self._tokens < 1:
-            self._refuse(f"a command on {topic[:ha.MAX_TOPIC]}: more than {COMMANDS_PER_S:g} "
-                         "per second", "rate")
-            return
-        self._tokens -= 1
         if retained:
             # Retained, it would run again at every connection.
-            self._refuse(f"a retained command on {topic[:ha.MAX_TOPIC]}: publish commands "
-                         "without retain (and clear it: an empty retained message)", "retained")
+            self.junk += 1
+            self._refuse(f"a retained command on {topic}: publish commands without retain "
+                         "(and clear it: an empty retained message)", "retained")
             return
         asked = ha.command(self.surface, topic, payload)
         if isinstance(asked, ha.Refused):
+            self.junk += 1  # costs no command its budget: only valid ones spend it
             self._refuse(asked.why, "payload")
             return
+        # Only a valid command's topic gets a budget: their number is the configuration's.
+        now = self._clock()
+        tokens, since = self._budgets.get(topic, (float(COMMANDS_BURST), now))
+        tokens = min(COMMANDS_BURST, tokens + (now - since) * COMMANDS_PER_S)
+        if tokens < 1:
+            self._budgets[topic] = (tokens, now)
+            self._refuse(f"{asked} on {topic}: more than {COMMANDS_PER_S:g} per second", "rate")
+            return
+        self._budgets[topic] = (tokens - 1, now)
         if len(self._running) >= MAX_RUNNING:
             self._refuse(f"{asked}: {MAX_RUNNING} commands are already under way", "busy")
             return
@@ -314,7 +352,16 @@ class Device:
                            priority=journal.Priority.WARNING)
 
     def _refuse(self, why: str, reason: str) -> None:
-        self.refusals(f"refused from MQTT: {why}", reason)
+        self.refusals(clean(f"refused from MQTT: {why}", 600), reason)
+
+    def _drop(self, topic: str, why: str) -> None:
+        self.junk += 1
+        self.drops(clean(f"dropped a message from the broker on {topic}: {why}", 600), "drop")
+
+    @staticmethod
+    def _dropped_record(message: str, count: int, reasons: dict[str, int]) -> None:
+        journal.record("mqtt", message, result="dropped", count=count,
+                       priority=journal.Priority.WARNING)
 
     @staticmethod
     def _refused_record(message: str, count: int, reasons: dict[str, int]) -> None:

@@ -17,7 +17,10 @@ the result is one line. No side effects.
 
 from __future__ import annotations
 
-__all__ = ["LIMIT", "clean"]
+import json
+from typing import Any
+
+__all__ = ["LIMIT", "bounded_json", "clean"]
 
 LIMIT = 1000  # characters: a sentence, a message, a GPU name; never a whole reply
 
@@ -36,3 +39,30 @@ def clean(text: object, limit: int | None = LIMIT) -> str:
         if limit is not None and len(s) > limit:
             s, cut = s[:limit], True
     return s + "…" if cut else s
+
+
+def bounded_json(data: bytes, *, max_bytes: int, max_depth: int) -> Any:
+    """`data` parsed as JSON, if it is at most `max_bytes` long and nests arrays and
+    objects at most `max_depth` deep; ValueError (with why) otherwise. Checked before
+    parsing: `json.loads` recurses once per level, and a message nested a few thousand
+    deep raises RecursionError out of whatever called it."""
+    if len(data) > max_bytes:
+        raise ValueError(f"{len(data)} bytes (at most {max_bytes})")
+    depth, in_string, escaped = 0, False, False
+    for byte in data:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > max_depth:
+                raise ValueError(f"nested deeper than {max_depth}")
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return json.loads(data)

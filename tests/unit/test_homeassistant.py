@@ -178,15 +178,15 @@ def test_a_removed_owner_loses_its_entity() -> None:
     s = surface()
     _, before = ha.device_config(s)
     fewer = surface(CONFIG.replace('[owners."gaming/2"]\ngpus = ["gpu-b"]\n', ""))
-    removed = ha.removals(fewer, before.encode())
+    removed = ha.removals(fewer, json.loads(before))
     assert removed == {"owner_gaming_2": "switch"}
     topic, after = ha.device_config(fewer, removed)
     message = check_device_message(topic, after)
     assert message["cmps"]["owner_gaming_2"] == {"p": "switch"}
     # Once sent, a removal is not sent again; nor is anything for a payload that is not ours.
-    assert ha.removals(fewer, after.encode()) == {}
-    assert ha.removals(fewer, b"") == {} and ha.removals(fewer, b"[1]") == {}
-    assert ha.removals(fewer, b'{"cmps": {"x": 3}}') == {}
+    assert ha.removals(fewer, json.loads(after)) == {}
+    assert ha.removals(fewer, None) == {} and ha.removals(fewer, [1]) == {}
+    assert ha.removals(fewer, {"cmps": {"x": 3}}) == {}
 
 
 def test_states() -> None:

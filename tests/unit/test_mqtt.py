@@ -222,6 +222,8 @@ async def test_bad_payloads_forbidden_clients_and_retained_commands_change_nothi
 
 async def test_commands_past_the_rate_are_refused(broker: Mosquitto,
                                                   sink: journal.ListSink) -> None:
+    """Each command topic has its budget: a flood of presses on one spends its own, and
+    the switch of gaming1 still gets its turn."""
     host = Host()
     # A clock that stands still: no token comes back.
     async with running(device_config(broker), host, clock=lambda: 0.0) as device, \
@@ -231,12 +233,112 @@ async def test_commands_past_the_rate_are_refused(broker: Mosquitto,
             await ha.client.publish("hostagent/hold/set", "ON", qos=1)
         await ha.client.publish("hostagent/owner/gaming1/set", "ON", qos=1)
         async with asyncio.timeout(WAIT):
-            # 3 records, then counted for the summary.
-            while device.refusals.held < 3:  # noqa: ASYNC110
+            # 3 records, then counted for the summary; and gaming1's press served.
+            while device.refusals.held < 2 or ("play", {"vm": "gaming1"}) not in host.calls:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
-    assert host.calls == [("hold", {})] * COMMANDS_BURST
+    assert host.calls == [("hold", {})] * COMMANDS_BURST + [("play", {"vm": "gaming1"})]
     refused = [e.message for e in sink.entries if e.fields.get("HOSTAGENT_RESULT") == "refused"]
-    assert refused == ["refused from MQTT: a command on hostagent/hold/set: more than 2 per second"] * 3
+    assert refused == ["refused from MQTT: hold on hostagent/hold/set: more than 2 per second"] * 3
+
+
+async def test_junk_costs_no_valid_command_its_turn(broker: Mosquitto,
+                                                    sink: journal.ListSink) -> None:
+    """Garbage on the command topics (words that command nothing, topics of no VM) is
+    refused and counted apart: the switch of gaming1 pressed after it is served."""
+    host = Host()
+    async with running(device_config(broker), host, clock=lambda: 0.0) as device, \
+            watching(broker) as ha:
+        await ha.until("hostagent/availability", b"online")
+        for i in range(3 * COMMANDS_BURST):
+            await ha.client.publish("hostagent/owner/gaming1/set", f"junk{i}", qos=1)
+            await ha.client.publish("hostagent/owner/nobody/set", "ON", qos=1)
+        await ha.client.publish("hostagent/owner/gaming1/set", "ON", qos=1)
+        async with asyncio.timeout(WAIT):
+            while ("play", {"vm": "gaming1"}) not in host.calls:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+    assert host.calls == [("play", {"vm": "gaming1"})]
+    assert device.junk == 6 * COMMANDS_BURST
+
+
+async def test_a_deeply_nested_retained_discovery_message_is_dropped(
+        broker: Mosquitto, sink: journal.ListSink) -> None:
+    """Retained on the agent's own discovery topic, read at every connection: nested
+    deep enough to make json.loads raise RecursionError, it ended the MQTT task (and the
+    agent, in a crash loop). It is dropped, journaled once, and commands still work."""
+    host = Host()
+    nested = b"[" * 100_000 + b"]" * 100_000
+    async with watching(broker) as ha:
+        await ha.client.publish("homeassistant/device/hostagent/config", nested, qos=1,
+                                retain=True)
+    async with running(device_config(broker), host) as device, watching(broker) as ha:
+        await recorded(sink, "dropped")
+        await ha.until("hostagent/availability", b"online")
+        await ha.client.publish("hostagent/owner/gaming1/set", "ON", qos=1)
+        async with asyncio.timeout(WAIT):
+            while ("play", {"vm": "gaming1"}) not in host.calls:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        assert device.connected
+    dropped = [e.message for e in sink.entries if e.fields.get("HOSTAGENT_RESULT") == "dropped"]
+    assert dropped == ["dropped a message from the broker on "
+                       "homeassistant/device/hostagent/config: not a discovery message: "
+                       "nested deeper than 16"]
+
+
+async def test_a_message_past_the_maximum_packet_size_never_reaches_the_agent(
+        broker: Mosquitto, sink: journal.ListSink) -> None:
+    """The client tells the broker its maximum packet size (MQTT 5): a 2 MB message with
+    control characters on the discovery topic is not sent to it at all, so nothing of
+    it is read, kept or journaled; the connection and commands go on."""
+    host = Host()
+    seen: list[int] = []
+    big = b"\x1b[2J" + b"x" * (2 * 1024 * 1024)
+    async with running(device_config(broker), host) as device, watching(broker) as ha:
+        await ha.until("hostagent/availability", b"online")
+        original = device._on_message
+
+        async def counted(client: Any, message: Any) -> None:
+            seen.append(len(message.payload))
+            await original(client, message)
+
+        device._on_message = counted  # type: ignore[method-assign]
+        await ha.client.publish("homeassistant/device/hostagent/config", big, qos=1)
+        await ha.client.publish("hostagent/owner/gaming1/set", "ON", qos=1)
+        async with asyncio.timeout(WAIT):
+            while ("play", {"vm": "gaming1"}) not in host.calls:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        assert device.connected
+    assert seen and max(seen) < 1024
+    assert not any("\x1b" in e.message for e in sink.entries)
+
+
+async def test_the_backoff_starts_anew_after_a_good_connection(
+        broker: Mosquitto) -> None:
+    """After a connection that worked, the next wait is the first step again, not the
+    cap: a broker restarted a few times left the agent waiting 60 s each time."""
+    host = Host()
+    device = Device(device_config(broker), status=lambda: copy.deepcopy(host.status),
+                    handlers=host.handlers(), follow=host.following)
+    waits: list[float] = []
+    attempts = 0
+
+    async def connection() -> None:
+        nonlocal attempts
+        attempts += 1
+        device.connected = attempts % 4 == 0  # every fourth attempt gets through
+        raise aiomqtt.MqttError("the broker closed the connection")
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 12:
+            raise asyncio.CancelledError
+
+    device._connection = connection  # type: ignore[method-assign]
+    device._sleep = sleep
+    with host.following() as updates, contextlib.suppress(asyncio.CancelledError):
+        await device._connections(updates)
+    # Attempts 4 and 8 connected: the waits after them are back at the first step.
+    assert waits[3] <= 1.0 and waits[7] <= 1.0
+    assert waits[2] > 2.0 and waits[6] > 2.0
 
 
 async def test_a_broker_down_at_start_and_restarted_loses_nothing(
