@@ -24,8 +24,13 @@ APT_PACKAGES := libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients \
 .DEFAULT_GOAL := test
 
 # The lab guest image is cached in .lab/image/ and rebuilt only when its inputs change.
+# The lab's Kubernetes (etcd, kube-apiserver, kube-controller-manager, kube-scheduler and
+# kubectl, tests/controlplane) is built from source with Go once per release, and cached
+# outside the clone (~/.cache/hostagent-lab): a later clone on this machine builds nothing.
+GO ?= $(shell command -v go || echo /usr/local/go/bin/go)
 setup: $(STAMPS)/venv
 	$(VENV)/bin/python -m tests.lab.image
+	GO=$(GO) tests/controlplane/build.sh >/dev/null
 
 # Packages among them whose install enables and starts the machine's own service: the lab
 # runs private instances, so when the install is what brought one, its service is
