@@ -5,7 +5,6 @@ namespaces and nodes)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
