@@ -98,6 +98,7 @@ import asyncio
 import enum
 import ipaddress
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -244,7 +245,10 @@ class Endpoint:
         self.max_running = max_running
         self.idle_timeout = idle_timeout
         self.live: set[_Connection] = set()
-        self.waiting: dict[_Connection, None] = {}  # not authenticated yet, oldest first
+        # Strangers: not authenticated and no listed key offered yet, oldest first. Only
+        # these make room for a newcomer: a connection that offered a listed key is a
+        # key holder's until its signature is checked (the login timeout bounds it).
+        self.waiting: dict[_Connection, None] = {}
         self.per_key: dict[str, int] = {}  # fingerprint → authenticated connections
         self.running = 0  # commands running
         self.preauth = Summarised(self._preauth_record, interval=PREAUTH_INTERVAL,
@@ -262,20 +266,22 @@ class Endpoint:
                            count=count, priority=journal.Priority.WARNING)
 
     def admit(self, conn: _Connection) -> str | None:
-        """Count a new connection; None, or why it is refused. Over a limit on those
-        waiting to authenticate, the oldest of them is closed to make room."""
+        """Count a new connection; None, or why it is refused. Over a limit on
+        strangers, one of them is closed to make room: the oldest of whoever holds the
+        most (by network, then by address), so that one host that keeps reconnecting
+        closes its own connections, never those of another address."""
         if len(self.live) >= self.max_connections and not self.waiting:
             return f"{len(self.live)} authenticated connections already (the limit)"
         same = [c for c in self.waiting if c.prefix == conn.prefix]
         if len(same) >= self.max_per_prefix:
-            self._evict(same[0], f"{len(same)} connections from {conn.prefix} were waiting "
-                        "to authenticate (the limit)")
+            self._evict(_victim(same, conn), f"{len(same)} connections from {conn.prefix} "
+                        "were waiting to authenticate (the limit)")
         elif len(self.waiting) >= self.max_unauthenticated:
-            self._evict(next(iter(self.waiting)), f"{len(self.waiting)} connections were "
-                        "waiting to authenticate (the limit)")
+            self._evict(_victim(list(self.waiting), conn), f"{len(self.waiting)} connections "
+                        "were waiting to authenticate (the limit)")
         elif len(self.live) >= self.max_connections:
-            self._evict(next(iter(self.waiting)), f"{len(self.live)} connections were open "
-                        "(the limit)")
+            self._evict(_victim(list(self.waiting), conn), f"{len(self.live)} connections "
+                        "were open (the limit)")
         self.live.add(conn)
         self.waiting[conn] = None
         return None
@@ -285,6 +291,10 @@ class Endpoint:
         self.preauth(f"closed the connection from {old.peer}, the oldest waiting to "
                      f"authenticate, for a newer one: {why}", "evicted")
         old.close()
+
+    def vouched(self, conn: _Connection) -> None:
+        """`conn` offered a listed key: no stranger may take its place any more."""
+        self.waiting.pop(conn, None)
 
     def authenticated(self, conn: _Connection, fingerprint: str) -> str | None:
         """Count `conn` as its key's; None, or why it must be closed."""
@@ -373,6 +383,22 @@ class Endpoint:
         return status
 
 
+def _victim(strangers: list[_Connection], newcomer: _Connection) -> _Connection:
+    """The stranger to close for `newcomer`: the oldest of the network that holds the
+    most of `strangers`, and within it of the address that holds the most; the
+    newcomer's own network and address count one more (its own connection is coming)."""
+    def most(conns: list[_Connection], key: Callable[[_Connection], str]) -> list[_Connection]:
+        counts = Counter(key(c) for c in conns)
+        counts[key(newcomer)] += 1
+        top = max(counts.values())
+        # Ties go to the newcomer's own group, else to the one whose oldest is oldest.
+        chosen = key(newcomer) if counts[key(newcomer)] == top else next(
+            key(c) for c in conns if counts[key(c)] == top)
+        return [c for c in conns if key(c) == chosen] or conns
+
+    return most(most(strangers, lambda c: c.prefix), lambda c: c.address)[0]
+
+
 class _Session(asyncssh.SSHServerSession[str]):
     """One channel: one exec, nothing else."""
 
@@ -451,6 +477,7 @@ class _Connection(asyncssh.SSHServer):
         self.endpoint = endpoint
         self.peer = "?"
         self.prefix = "?"  # the network the peer's address counts in
+        self.address = "?"
         self.grant: Grant | None = None
         self.admitted = False
         self.counted: str | None = None  # the fingerprint this connection counts against
@@ -516,6 +543,7 @@ class _Connection(asyncssh.SSHServer):
         peer = conn.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         self.prefix = prefix(str(peer[0])) if peer else "?"
+        self.address = str(peer[0]) if peer else "?"
         full = self.endpoint.admit(self)
         if full is not None:
             self._preauth(f"refused a connection from {self.peer}: {full}", "refused")
@@ -570,6 +598,7 @@ class _Connection(asyncssh.SSHServer):
             else:
                 self._record(f"key {grant.comment} offered from {self.peer}", "known",
                              key=grant.comment, fingerprint=fingerprint)
+                self.endpoint.vouched(self)
         self._candidate = grant
         return grant is not None
 

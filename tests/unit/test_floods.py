@@ -327,3 +327,50 @@ def test_prefixes() -> None:
     assert ssh.prefix("::ffff:192.0.2.17") == "192.0.2.0/24"
     assert ssh.prefix("2001:db8:1:2:3:4:5:6") == "2001:db8:1:2::/64"
     assert ssh.prefix("?") == "?"
+
+
+async def test_strangers_that_reconnect_at_once_never_evict_a_key_holder(
+        tmp_path: Path) -> None:
+    """Five connections from the button's /24 that never authenticate and come back the
+    moment they are closed: each newcomer made the oldest waiting one of that /24 make
+    room, and the button, waiting too until its signature was checked, was the one
+    closed. A connection that has offered a listed key is no longer a stranger's slot:
+    only those that have not are closed to make room, and the button gets in each time."""
+    verbs = Blocking()
+    stop = asyncio.Event()
+
+    async def stranger() -> None:
+        while not stop.is_set():
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port,
+                                                               local_addr=("127.0.0.3", 0))
+            except OSError:
+                await asyncio.sleep(0.01)
+                continue
+            try:
+                writer.write(b"SSH-2.0-OpenSSH_9.2\r\n")  # then nothing: a slot held
+                await reader.read()  # until it is closed
+            except OSError:
+                pass
+            finally:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+
+    async with ssh_endpoint(tmp_path, verbs, max_per_prefix=4, max_unauthenticated=16) as port:
+        strangers = [asyncio.get_running_loop().create_task(stranger()) for _ in range(5)]
+        try:
+            await asyncio.sleep(0.5)
+            results = []
+            for _ in range(5):
+                try:
+                    async with client(port, BUTTON, tmp_path, local="127.0.0.1") as conn:
+                        results.append((await conn.run("status")).exit_status)
+                except (OSError, asyncssh.Error) as e:
+                    results.append(repr(e))
+        finally:
+            stop.set()
+            for task in strangers:
+                task.cancel()
+            await asyncio.gather(*strangers, return_exceptions=True)
+    assert results == [0] * 5
