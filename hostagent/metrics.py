@@ -33,8 +33,12 @@ paths) because it runs on the loop that answers libvirt's hook: it must never bl
 and must not drag in a web framework (prometheus-client serves only from threads of
 its own, or through an ASGI/WSGI server). It shares the agent's descriptors with the
 hook socket, so it is bounded: at most `MAX_CONNECTIONS` connections at once
-(`MAX_PER_SOURCE` per address), each with `REQUEST_TIMEOUT` seconds to send its
-request; more are closed as they arrive, and counted in one log line per minute.
+(`MAX_PER_SOURCE` per address), each with `REQUEST_TIMEOUT` seconds to send its whole
+request, headers included. Over a cap, a connection still sending its request makes
+room for the newcomer: the oldest of the address that holds the most (its own, if it
+is at its cap), so a handful of addresses sending requests slowly (a slowloris) close
+their own connections and a scrape is always answered; with none to close, the
+newcomer is closed. Either is counted in one log line per minute.
 
     /metrics   the metrics, text exposition format (health checks run first)
     /healthz   200 if every health check passes, else 503; the checks as JSON
@@ -280,7 +284,7 @@ def _clock(at: float) -> str:
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
             408: "Request Timeout", 503: "Service Unavailable"}
 _INDEX = b"hostagent: /metrics (Prometheus), /healthz (200 when every check passes)\n"
-REQUEST_TIMEOUT = 5.0
+REQUEST_TIMEOUT = 2.0  # to send the request line and headers: a scraper sends them at once
 MAX_CONNECTIONS = 16  # a Prometheus scrapes with one; a few people may curl /healthz
 MAX_PER_SOURCE = 4
 ACCEPT_BACKLOG = 8  # the listen queue, and asyncio's batch of accepts
@@ -298,6 +302,7 @@ async def serve(address: tuple[str, int], metrics: Metrics, health: Health, *,
     worth retrying later, the configuration may well be right.
     """
     sources: dict[str, int] = {}  # address → connections being served
+    reading: dict[asyncio.StreamWriter, str] = {}  # still sending their request, oldest first
 
     def refused_record(message: str, count: int, reasons: dict[str, int]) -> None:
         log.warning("metrics: %s", message)
@@ -307,14 +312,24 @@ async def serve(address: tuple[str, int], metrics: Metrics, health: Health, *,
     async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         source = str(peer[0]) if peer else "?"
-        if sum(sources.values()) >= max_connections or sources.get(source, 0) >= max_per_source:
-            refusals(f"refused a connection from {source}: too many at once", "too many")
-            writer.transport.abort()  # its descriptor is back at once
-            return
+        full = sources.get(source, 0) >= max_per_source
+        if full or sum(sources.values()) >= max_connections:
+            victim = _victim(reading, source, own=full)
+            if victim is None:
+                refusals(f"refused a connection from {source}: too many at once", "too many")
+                writer.transport.abort()  # its descriptor is back at once
+                return
+            refusals(f"closed a connection from {reading[victim]} still sending its request, "
+                     f"for one from {source}", "slow")
+            gone(victim)
+            victim.transport.abort()
         sources[source] = sources.get(source, 0) + 1
+        counted.add(writer)
+        reading[writer] = source
         try:
             try:
                 request = await asyncio.wait_for(_read_request(reader), request_timeout)
+                reading.pop(writer, None)  # asked: answered, not closed to make room
             except TimeoutError:
                 status, ctype, body, head = 408, "text/plain", b"request timeout\n", False
             except ValueError as e:
@@ -335,15 +350,42 @@ async def serve(address: tuple[str, int], metrics: Metrics, health: Health, *,
         except Exception:
             log.exception("metrics: failed to answer a request")
         finally:
-            sources[source] -= 1
-            if not sources[source]:
-                del sources[source]
+            gone(writer)
             writer.close()
+
+    def gone(writer: asyncio.StreamWriter) -> None:
+        """Forget a connection's slot, once (closed to make room, or finished)."""
+        if writer not in counted:
+            return
+        counted.discard(writer)
+        reading.pop(writer, None)
+        source = str((writer.get_extra_info("peername") or ("?",))[0])
+        sources[source] -= 1
+        if not sources[source]:
+            del sources[source]
+
+    counted: set[asyncio.StreamWriter] = set()
 
     host, port = address
     # asyncio accepts up to `backlog` connections in one go before any of them is looked
     # at: a small batch keeps the cap a bound on descriptors.
     return await asyncio.start_server(connection, host or None, port, backlog=ACCEPT_BACKLOG)
+
+
+def _victim(reading: dict[asyncio.StreamWriter, str], source: str, *,
+            own: bool) -> asyncio.StreamWriter | None:
+    """The connection still sending its request to close for a newcomer from `source`:
+    the oldest of `source`'s own if `own` (it is at its cap), else the oldest of the
+    address with the most of them; None if there is none."""
+    if own:
+        return next((w for w, s in reading.items() if s == source), None)
+    if not reading:
+        return None
+    counts: dict[str, int] = {}
+    for s in reading.values():
+        counts[s] = counts.get(s, 0) + 1
+    most = max(counts, key=lambda s: counts[s])
+    return next(w for w, s in reading.items() if s == most)
 
 
 async def _read_request(reader: asyncio.StreamReader) -> tuple[str, str] | None:

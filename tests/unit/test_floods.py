@@ -374,3 +374,63 @@ async def test_strangers_that_reconnect_at_once_never_evict_a_key_holder(
                 task.cancel()
             await asyncio.gather(*strangers, return_exceptions=True)
     assert results == [0] * 5
+
+
+async def test_a_slowloris_from_a_handful_of_addresses_never_keeps_a_scrape_out(
+        tmp_path: Path) -> None:
+    """Four addresses each holding their share of connections that send a request line
+    and never finish their headers, reconnecting the moment one is closed, filled every
+    slot: a scrape was refused. A connection still sending its request now makes room,
+    the oldest of whoever holds the most, and every scrape is answered."""
+    topo = Topology(lendee="gpu-node", lendee_gpus=frozenset({"gpu-a"}), owners={})
+    exporter = await metrics.serve(("127.0.0.1", 0), metrics.Metrics(topo), Health(), log=log)
+    port = exporter.sockets[0].getsockname()[1]
+    stop = asyncio.Event()
+
+    async def slow(source: str) -> None:
+        while not stop.is_set():
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port,
+                                                               local_addr=(source, 0))
+            except OSError:
+                await asyncio.sleep(0.01)
+                continue
+            try:
+                writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never the blank line
+                await reader.read()
+            except OSError:
+                pass
+            finally:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+
+    async def scrape() -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            return await asyncio.wait_for(reader.read(), 10)
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    sources = [f"127.0.0.{n}" for n in range(2, 6) for _ in range(metrics.MAX_PER_SOURCE)]
+    attackers = [asyncio.get_running_loop().create_task(slow(s)) for s in sources]
+    try:
+        # All of them in: those past the listen queue (8) get in when TCP sends their
+        # SYN again, a second later.
+        await asyncio.sleep(3)
+        answers = []
+        for _ in range(5):
+            try:
+                answers.append((await scrape()).split(b"\r\n", 1)[0])
+            except OSError as e:
+                answers.append(repr(e).encode())
+    finally:
+        stop.set()
+        for task in attackers:
+            task.cancel()
+        await asyncio.gather(*attackers, return_exceptions=True)
+        exporter.close()
+    assert answers == [b"HTTP/1.1 200 OK"] * 5
