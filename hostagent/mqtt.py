@@ -50,7 +50,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from hostagent import homeassistant as ha
-from hostagent import journal
+from hostagent import journal, trusted
 from hostagent.config import Config
 from hostagent.control import Caller, Reply, VerbHandler, serving
 from hostagent.ratelimit import Summarised
@@ -261,7 +261,11 @@ class Device:
         if path is None:
             return None
         try:
-            text = await asyncio.to_thread(path.read_text, encoding="utf-8")
+            data = await asyncio.to_thread(trusted.read_private, path, limit=4096,
+                                           what="the broker's password", noun="password")
+            text = data.decode("utf-8")
+        except trusted.UnsafeFile as e:
+            raise aiomqtt.MqttError(f"refusing the password: {e}") from e
         except (OSError, UnicodeDecodeError) as e:
             raise aiomqtt.MqttError(f"cannot read the password in {path}: "
                                     f"{getattr(e, 'strerror', None) or e}") from e

@@ -84,13 +84,14 @@ def read_trusted(path: Path, *, limit: int = 1 << 20) -> tuple[os.stat_result, b
     return st, b"".join(chunks)
 
 
-def read_private(path: Path, *, limit: int = 1 << 16) -> bytes:
-    """A private key: `read_trusted`, and readable by its owner alone (as OpenSSH
-    refuses a key file others may read)."""
+def read_private(path: Path, *, limit: int = 1 << 16, what: str = "a private key",
+                 noun: str = "key") -> bytes:
+    """A secret (a private key, a password): `read_trusted`, and readable by its owner
+    alone (as OpenSSH refuses a key file others may read)."""
     st, data = read_trusted(path, limit=limit)
     if st.st_mode & 0o077:
-        raise UnsafeFile(f"{path}: a private key readable by group or others (mode "
+        raise UnsafeFile(f"{path}: {what} readable by group or others (mode "
                          f"{stat.S_IMODE(st.st_mode):04o}), so anyone who can read it can use "
-                         f"it: chmod 600 {path}, and replace the key if others may have "
+                         f"it: chmod 600 {path}, and replace the {noun} if others may have "
                          "copied it")
     return data

@@ -348,18 +348,41 @@ in
       assertion = gpu ? pci || gpu ? uuid; # settings drops the nulls
       message = ''services.hostagent.settings.gpus.${label} has neither pci nor uuid: give its PCI address as `lspci -D` shows it, e.g. pci = "0000:01:00.0"; (a GPU bound to vfio-pci needs it), or its uuid if NVML on the host sees it.'';
     }) cfg.settings.gpus
-    # A Nix path literal (host_key = ./key) is copied into the store, where anyone on
-    # the machine can read it: a private key must stay a path outside it, as a string.
-    ++ lib.mapAttrsToList (key: example: {
+    # A Nix path literal (host_key = ./key) or one interpolated ("${./key}") is copied
+    # into the store, where anyone on the machine can read it: a secret must stay a path
+    # outside it, as a string.
+    ++ lib.mapAttrsToList (key: secret: {
       assertion =
         let
           value = lib.attrByPath (lib.splitString "." key) null cfg.settings;
         in
         value == null || !(builtins.isPath value || lib.hasPrefix "${builtins.storeDir}/" "${toString value}");
-      message = ''services.hostagent.settings.${key} is a private key in the Nix store, which anyone on the machine can read: give the path of a file outside it as a string, e.g. ${key} = "${example}"; (a path literal such as ./key is copied into the store), and replace the key, which others may have copied.'';
+      message = ''services.hostagent.settings.${key} is ${secret.what} in the Nix store, which anyone on the machine can read: give the path of a file outside it as a string, e.g. ${key} = "${secret.example}";${secret.instead} (a path literal such as ./file is copied into the store), and replace the ${secret.noun}, which others may have copied.'';
     }) {
-      "ssh.host_key" = "/var/lib/hostagent/ssh_host_ed25519_key";
-      "verify.ssh.key" = "/var/lib/hostagent/id_ed25519";
+      "ssh.host_key" = {
+        what = "a private key";
+        noun = "key";
+        example = "/var/lib/hostagent/ssh_host_ed25519_key";
+        instead = "";
+      };
+      "verify.ssh.key" = {
+        what = "a private key";
+        noun = "key";
+        example = "/var/lib/hostagent/id_ed25519";
+        instead = "";
+      };
+      "mqtt.password_file" = {
+        what = "the broker's password";
+        noun = "password";
+        example = "/run/secrets/mqtt-password";
+        instead = " or better, mqttPasswordFile (systemd hands it to the service as a credential)";
+      };
+      "kubernetes.kubeconfig" = {
+        what = "a kubeconfig, a credential to the cluster,";
+        noun = "credential";
+        example = "/run/secrets/hostagent-kubeconfig";
+        instead = " or better, kubeconfigFile (systemd hands it to the service as a credential)";
+      };
     }
     ++ lib.mapAttrsToList (key: path: {
       assertion = (cfg.settings.${key} or path) == path;

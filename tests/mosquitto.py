@@ -75,6 +75,7 @@ class Mosquitto:
             "log_dest stderr\n"
             "log_type error\nlog_type warning\nlog_type notice\n")
         (root / "agent-password").write_text(USERS["hostagent"] + "\n")
+        (root / "agent-password").chmod(0o600)  # the agent refuses one others may read
 
     def start(self) -> None:
         assert MOSQUITTO is not None

@@ -161,6 +161,8 @@ let
             gpus = { inherit gpu-a; };
             ssh.host_key = ./ssh_host_ed25519_key;
             verify.ssh.key = "/nix/store/00000000000000000000000000000000-id_ed25519";
+            mqtt.password_file = ./mqtt-password;
+            kubernetes.kubeconfig = "/nix/store/00000000000000000000000000000000-kubeconfig";
           };
         };
       }

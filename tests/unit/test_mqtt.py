@@ -494,3 +494,19 @@ async def test_the_agent_tells_the_device_each_change_and_runs_its_commands(
     assert agent._fatal is not None and not agent._fatal.done()
     assert [e.message for e in sink.entries if e.fields.get("HOSTAGENT_VIA") == "mqtt"
             and e.fields.get("HOSTAGENT_RESULT") == "allowed"] == ["mqtt asked for play gaming1"]
+
+
+async def test_a_password_file_others_may_read_is_refused_with_the_fix(
+        broker: Mosquitto, sink: journal.ListSink) -> None:
+    """As an SSH key file: a password others may read is one they may have used."""
+    password = broker.root / "agent-password"
+    password.chmod(0o644)
+    host = Host()
+    async with running(device_config(broker), host) as device:
+        await recorded(sink, "retrying")
+        assert not device.connected
+    retrying = next(e.message for e in sink.entries
+                    if e.fields.get("HOSTAGENT_RESULT") == "retrying")
+    assert (f"refusing the password: {password}: the broker's password readable by group or "
+            f"others (mode 0644), so anyone who can read it can use it: chmod 600 {password}, "
+            "and replace the password if others may have copied it") in retrying
