@@ -24,7 +24,8 @@ MISSING = ("mosquitto is not installed (Debian package mosquitto; `make setup` i
            "mosquitto_sub and mosquitto_pub are not installed (Debian package "
            "mosquitto-clients; `make setup` installs it)" if not (SUB and PUB) else None)
 
-USERS = {"hostagent": "agent-secret", "ha": "ha-secret", "intruder": "intruder-secret"}
+USERS = {"hostagent": "agent-secret", "ha": "ha-secret", "intruder": "intruder-secret",
+         "homeassistant": "homeassistant-secret"}  # the last: deploy/mosquitto.acl's
 ACL = """\
 user hostagent
 topic readwrite hostagent/#
@@ -50,7 +51,7 @@ def free_port() -> int:
 class Mosquitto:
     """One broker; `start` and `stop` may be called again (same port, same files)."""
 
-    def __init__(self, root: Path, port: int | None = None) -> None:
+    def __init__(self, root: Path, port: int | None = None, *, acl: str = ACL) -> None:
         assert MOSQUITTO and PASSWD, MISSING
         self.root = root
         self.port = port or free_port()
@@ -61,7 +62,7 @@ class Mosquitto:
         for user, password in USERS.items():
             subprocess.run([PASSWD, "-b", str(passwords), user, password], check=True,
                            capture_output=True, timeout=30)
-        (root / "acl").write_text(ACL)
+        (root / "acl").write_text(acl)
         for name in ("passwords", "acl"):
             (root / name).chmod(0o600)
         (root / "mosquitto.conf").write_text(

@@ -510,3 +510,36 @@ async def test_a_password_file_others_may_read_is_refused_with_the_fix(
     assert (f"refusing the password: {password}: the broker's password readable by group or "
             f"others (mode 0644), so anyone who can read it can use it: chmod 600 {password}, "
             "and replace the password if others may have copied it") in retrying
+
+
+SHIPPED_ACL = Path(__file__).resolve().parents[2] / "deploy" / "mosquitto.acl"
+
+
+async def test_the_shipped_acl_lets_each_do_its_part_and_no_more(
+        tmp_path: Path, sink: journal.ListSink) -> None:
+    """Under deploy/mosquitto.acl the agent publishes its discovery and states and takes
+    Home Assistant's commands; Home Assistant's user cannot forge the agent's state or
+    availability (mosquitto drops the publish), nor publish discovery in its name."""
+    broker = Mosquitto(tmp_path / "mosquitto", acl=SHIPPED_ACL.read_text())
+    broker.start()
+    try:
+        host = Host()
+        async with running(device_config(broker), host), \
+                watching(broker, user="homeassistant") as ha:
+            await ha.until("hostagent/availability", b"online")
+            phase = await ha.until("hostagent/phase/state")
+            assert await ha.until("homeassistant/device/hostagent/config")
+            for topic, forged in (("hostagent/phase/state", b"reclaiming"),
+                                  ("hostagent/availability", b"offline"),
+                                  ("homeassistant/device/hostagent/config", b"{}")):
+                await ha.client.publish(topic, forged, qos=1, retain=True)
+            await ha.client.publish("hostagent/owner/gaming1/set", "ON", qos=1)
+            async with asyncio.timeout(WAIT):
+                while ("play", {"vm": "gaming1"}) not in host.calls:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+        # A fresh reader sees what the broker kept: the agent's, not the forgeries.
+        async with watching(broker, user="homeassistant") as again:
+            assert await again.until("hostagent/phase/state") == phase
+            assert await again.until("homeassistant/device/hostagent/config") != b"{}"
+    finally:
+        broker.stop()
