@@ -27,7 +27,11 @@ Security model
   ``HOSTAGENT_PEER`` and ``HOSTAGENT_RESULT``). What happens before a key is accepted
   (a connection, an unknown key, a connection that ends without one) is recorded
   `PREAUTH_BURST` times per `PREAUTH_INTERVAL` seconds, then summarised in one record:
-  anyone can connect, and a flood must not flood the journal.
+  anyone can connect, and a flood must not flood the journal. What each address's
+  connections do after that (a key offered, authenticated, a command, its end) is
+  recorded `PEER_BURST` times per `PEER_INTERVAL` seconds per address, the rest counted
+  in one "suppressed" record: past journald's own rate limit, the agent's transitions
+  would be dropped with the flood.
 
 Floods
 ------
@@ -37,8 +41,10 @@ hook socket: no flood may starve it, from strangers or from a listed key.
 - At most `MAX_CONNECTIONS` connections are served at once. Of those, at most
   `MAX_UNAUTHENTICATED` have not authenticated yet, and at most `MAX_PER_PREFIX` of
   them come from one /24 (IPv4) or /64 (IPv6), where one host has many addresses.
-  Over a limit, the oldest connection waiting to authenticate is closed for the new
-  one: whoever holds connections open without authenticating cannot lock a button out.
+  Over a limit, a stranger (a connection that has neither authenticated nor offered a
+  listed key) is closed for the new one: the oldest of the network, then the address,
+  that holds the most, so whoever holds connections open without authenticating, and
+  reconnects at once, closes its own and cannot lock a button out.
   A connection has `LOGIN_TIMEOUT` seconds to authenticate.
 - One key holds at most `MAX_PER_KEY` authenticated connections; one more is
   disconnected. An authenticated connection that runs no command for `IDLE_TIMEOUT`
@@ -160,6 +166,9 @@ IDLE_TIMEOUT = 30.0  # seconds an authenticated connection may run no command
 ACCEPT_BACKLOG = 8  # the listen queue, and asyncio's batch of accepts
 PREAUTH_BURST = 20  # records before authentication, per interval, then a summary
 PREAUTH_INTERVAL = 60.0
+PEER_BURST = 60  # records of one address's connections, per interval, then a summary
+PEER_INTERVAL = 10.0
+MAX_PEERS = 256  # addresses whose records are counted (the oldest forgotten first)
 VM_VERBS = frozenset({"play", "release"})  # the verbs that name a VM
 
 
@@ -253,6 +262,21 @@ class Endpoint:
         self.running = 0  # commands running
         self.preauth = Summarised(self._preauth_record, interval=PREAUTH_INTERVAL,
                                   burst=PREAUTH_BURST)
+        self.per_peer: dict[str, Summarised] = {}
+
+    def say(self, address: str, message: str, **fields: Any) -> None:
+        """One record of what `address`'s connections did, within its rate."""
+        limit = self.per_peer.get(address)
+        if limit is None:
+            if len(self.per_peer) >= MAX_PEERS:
+                self.per_peer.pop(next(iter(self.per_peer))).flush()
+            limit = self.per_peer[address] = Summarised(
+                lambda text, count, reasons: journal.record(
+                    "ssh", f"{address}: {text}", result="suppressed", count=count,
+                    peer=address, priority=journal.Priority.NOTICE),
+                interval=PEER_INTERVAL, burst=PEER_BURST, what="records suppressed")
+        if limit.allow(str(fields.get("result", ""))):
+            journal.record("ssh", message, **fields)
 
     @staticmethod
     def _preauth_record(message: str, count: int, reasons: dict[str, int]) -> None:
@@ -322,31 +346,32 @@ class Endpoint:
                   out: Callable[[str], None], err: Callable[[str], None]) -> ExitStatus:
         """Check and run one command line; the exit status for the client."""
         shown = repr(command[:MAX_COMMAND + 16]) if command is not None else "(a shell)"
+        address = peer.rsplit(":", 1)[0]
         fields: dict[str, Any] = {"key": grant.comment, "fingerprint": grant.fingerprint,
                                   "peer": peer}
         try:
             verb, vm = parse_command(command, self.names)
         except BadCommand as e:
-            journal.record("ssh", f"refused command {shown} from {grant.comment} at {peer}: "
+            self.say(address, f"refused command {shown} from {grant.comment} at {peer}: "
                            f"{e}", result="refused", command=shown, **fields,
                            priority=journal.Priority.WARNING)
             err(f"hostagent: refused: {e}\n")
             return ExitStatus.USAGE
         denied = grant.may(verb, vm)
         if denied is not None:
-            journal.record("ssh", f"denied {shown} to {grant.comment} at {peer}: {denied}",
+            self.say(address, f"denied {shown} to {grant.comment} at {peer}: {denied}",
                            vm=vm, result="denied", command=shown, **fields,
                            priority=journal.Priority.WARNING)
             err(f"hostagent: denied: {denied}\n")
             return ExitStatus.NOPERM
         if self.running >= self.max_running:
             busy = f"{self.running} commands are running over SSH already (the limit)"
-            journal.record("ssh", f"refused {shown} to {grant.comment} at {peer}: {busy}",
+            self.say(address, f"refused {shown} to {grant.comment} at {peer}: {busy}",
                            vm=vm, result="busy", command=shown, **fields,
                            priority=journal.Priority.WARNING)
             err(f"hostagent: busy: {busy}; try again shortly\n")
             return ExitStatus.TEMPFAIL
-        journal.record("ssh", f"{grant.comment} at {peer} runs {shown}", vm=vm,
+        self.say(address, f"{grant.comment} at {peer} runs {shown}", vm=vm,
                        result="allowed", command=shown, **fields)
         status = ExitStatus.SOFTWARE
         caller = Caller(user=grant.comment, via="ssh", peer=peer)
@@ -367,7 +392,7 @@ class Endpoint:
                         status = ExitStatus.FAILED
                     break
         except asyncio.CancelledError:
-            journal.record("ssh", f"{grant.comment} at {peer} hung up during {shown}; what "
+            self.say(address, f"{grant.comment} at {peer} hung up during {shown}; what "
                            "it started goes on", vm=vm, result="hung-up", command=shown,
                            **fields)
             raise
@@ -377,7 +402,7 @@ class Endpoint:
             status = ExitStatus.SOFTWARE
         finally:
             self.running -= 1
-        journal.record("ssh", f"{shown} for {grant.comment} at {peer} ended with exit "
+        self.say(address, f"{shown} for {grant.comment} at {peer} ended with exit "
                        f"status {int(status)}", vm=vm, result="ok" if status == 0 else "failed",
                        command=shown, exit_status=int(status), **fields)
         return status
@@ -493,7 +518,7 @@ class _Connection(asyncssh.SSHServer):
         if self.grant is not None:
             fields.setdefault("key", self.grant.comment)
             fields.setdefault("fingerprint", self.grant.fingerprint)
-        journal.record("ssh", message, result=result, peer=self.peer, **fields)
+        self.endpoint.say(self.address, message, result=result, peer=self.peer, **fields)
 
     def _preauth(self, message: str, result: str) -> None:
         """A record before authentication: anyone can cause it, so it is rate-limited."""

@@ -256,7 +256,9 @@ async def test_an_allowed_key_plays_and_gets_the_progress_and_exit_0(
 
 
 async def test_refusals_happen_before_anything_runs(
-        endpoint: tuple[int, Verbs, Path], tmp_path: Path, sink: journal.ListSink) -> None:
+        endpoint: tuple[int, Verbs, Path], tmp_path: Path, sink: journal.ListSink,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ssh, "PEER_BURST", 1000)  # every record of this burst is read
     port, verbs, _ = endpoint
     with pytest.raises(asyncssh.PermissionDenied):
         async with connect(port, KEY_C, tmp_path):
@@ -482,3 +484,28 @@ def test_a_link_flipped_after_it_was_resolved_is_not_followed(
     granted, problem = grants_of(keys)
     assert granted == [] and problem is not None
     assert "cannot read the SSH authorized keys (Too many levels of symbolic links)" in problem
+
+
+async def test_a_key_holder_in_a_loop_cannot_flood_the_journal(
+        endpoint: tuple[int, Verbs, Path], tmp_path: Path, sink: journal.ListSink,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each command over SSH is several records (the key, the authentication, the
+    command, its end, the connection's end): a key holder in a loop wrote hundreds a
+    second, past journald's rate limit, which then drops the agent's transitions too.
+    One address's records are let through `PEER_BURST` per interval; the rest are
+    counted in one "suppressed" record, written with the first record after it."""
+    monkeypatch.setattr(ssh, "PEER_INTERVAL", 2.0)
+    port, verbs, _ = endpoint
+    for _ in range(40):
+        assert (await run(port, KEY_A, tmp_path, "status")).exit_status == 0
+    records = [e for e in sink.entries if e.fields.get("HOSTAGENT_EVENT") == "ssh"]
+    per_connection = [e for e in records if e.fields.get("HOSTAGENT_RESULT") in (
+        "known", "authenticated", "allowed", "ok", "closed")]
+    assert len(per_connection) == ssh.PEER_BURST
+    await asyncio.sleep(2.1)
+    assert (await run(port, KEY_A, tmp_path, "status")).exit_status == 0
+    suppressed = [e for e in sink.entries if e.fields.get("HOSTAGENT_RESULT") == "suppressed"]
+    assert len(suppressed) == 1
+    assert suppressed[0].message.startswith("127.0.0.1: ")
+    assert 40 * 5 - ssh.PEER_BURST - 5 <= int(suppressed[0].fields["HOSTAGENT_COUNT"]) \
+        <= 40 * 5 - ssh.PEER_BURST
