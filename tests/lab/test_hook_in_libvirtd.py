@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -97,22 +99,33 @@ async def test_agent_absent_the_events_are_spooled_then_replayed_once(lab: Lab) 
 
 
 async def test_agent_hung_the_start_goes_on_and_the_events_are_spooled(lab: Lab) -> None:
-    hung: list[asyncio.StreamWriter] = []
+    """An agent that accepts and never answers: `prepare begin`, the one event whose
+    answer the hook waits for, is spooled once the budget runs out, and the start goes
+    on; the events that only inform are handed over in the socket (the agent reads them
+    when it comes back), not spooled twice."""
+    hung: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
-    async def never_answer(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        hung.append(w)
+    async def never_answer(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        hung.append((r, w))
 
     server = await asyncio.start_unix_server(never_answer, path=str(lab.hook_socket))
+    handed: list[str] = []
     try:
         await virsh(lab, "start", "gaming1")
+        for reader, _ in hung:
+            with contextlib.suppress(TimeoutError):
+                line = await asyncio.wait_for(reader.readline(), 1)
+                event = json.loads(line)
+                handed.append(f"{event['op']} {event['sub']}")
     finally:
         server.close()
-        for w in hung:
+        for _, w in hung:
             w.close()
         lab.hook_socket.unlink(missing_ok=True)
     assert lab.state("gaming1") == "running"
-    ops = sorted(p.read_text() for p in lab.spool.glob("*.json"))
-    assert len(ops) == 3  # prepare, start, started
+    ops = [json.loads(p.read_text()) for p in lab.spool.glob("*.json")]
+    assert [(o["op"], o["sub"]) for o in ops] == [("prepare", "begin")]
+    assert sorted(handed) == ["prepare begin", "start begin", "started begin"]
 
 
 async def test_reconnect_begin_never_fails_even_when_everything_is_deferred(lab: Lab) -> None:

@@ -340,8 +340,8 @@ async def test_missing_arguments_are_dashes(place: Place, agent: Recorder) -> No
 
 
 async def test_a_hook_frozen_past_its_budget_still_spools_its_event(place: Place) -> None:
-    # What CPU starvation does to a hook (libvirtd restarting with many domains runs all
-    # their hooks at once): its threads get no time until the budget has long run out.
+    # What CPU starvation does to a hook that waits for its answer (`prepare begin`, the
+    # one that does): its threads get no time until the budget has long run out.
     # Whichever thread runs first then, the event must end up in the spool, once.
     connected = asyncio.Event()
     release = asyncio.Event()
@@ -354,7 +354,7 @@ async def test_a_hook_frozen_past_its_budget_still_spools_its_event(place: Place
 
     server = await asyncio.start_unix_server(connection, path=str(place.socket))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-I", "-S", str(HOOK), "vm1", "reconnect", "begin", "-",
+        sys.executable, "-I", "-S", str(HOOK), "vm1", "prepare", "begin", "-",
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env={"HOSTAGENT_SOCKET": str(place.socket), "HOSTAGENT_SPOOL": str(place.spool)},
@@ -376,7 +376,7 @@ async def test_a_hook_frozen_past_its_budget_still_spools_its_event(place: Place
     assert "event spooled to" in err.decode(), err
     [file] = place.spooled()
     event = parse_hook_line(file.read_bytes())
-    assert (event.domain, event.op, event.xml) == ("vm1", "reconnect", XML)
+    assert (event.domain, event.op, event.xml) == ("vm1", "prepare", XML)
     assert not [f for f in place.spool.iterdir() if f.name.startswith(".tmp-")]
 
 
@@ -546,3 +546,30 @@ def test_the_watchdog_keeps_the_exit_status_main_settled_on() -> None:
         assert not hook.settle(0)  # the watchdog has taken over
     finally:
         exits.release()
+
+
+async def test_an_informing_hook_hands_its_line_over_without_waiting(place: Place) -> None:
+    """Only `prepare begin` needs the agent's answer. An operation that only informs
+    (libvirtd restarting runs every running domain's `reconnect begin` at once) writes
+    its line into the agent's socket and exits: it neither waits on an agent that is
+    slow to answer nor spools an event the agent already has."""
+    received: list[bytes] = []
+    release = asyncio.Event()
+
+    async def connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.append(await reader.readline())
+        await release.wait()  # answers nothing while the hook runs
+        writer.close()
+
+    server = await asyncio.start_unix_server(connection, path=str(place.socket))
+    try:
+        run = await run_hook(place, "gaming1", "reconnect", "begin", "-")
+    finally:
+        release.set()
+        server.close()
+        await server.wait_closed()
+    assert (run.rc, run.stderr) == (0, "")
+    assert place.spooled() == []
+    [line] = received
+    event = parse_hook_line(line)
+    assert (event.domain, event.op, event.sub) == ("gaming1", "reconnect", "begin")
