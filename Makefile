@@ -20,7 +20,7 @@ APT_PACKAGES := libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients \
 	mosquitto-clients \
 	$(if $(wildcard /usr/bin/kubectl),,kubernetes-client)
 
-.PHONY: setup demo test check unit lab faults bench clean
+.PHONY: setup demo test check unit lab faults fuzz bench clean
 .DEFAULT_GOAL := test
 
 # The lab guest image is cached in .lab/image/ and rebuilt only when its inputs change.
@@ -74,6 +74,16 @@ test: setup
 
 unit: setup
 	$(VENV)/bin/pytest -q -p no:cacheprovider tests/unit
+
+# Every parser fuzzed longer than make test does (HOSTAGENT_FUZZ_EXAMPLES each, 50,000 by
+# default), with how many inputs each test tried: the hook and control sockets, the
+# spool, SSH command lines, MQTT messages, guest-agent replies, API server bodies and
+# watch events, the configuration.
+FUZZ_EXAMPLES ?= 50000
+fuzz: setup
+	HOSTAGENT_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(VENV)/bin/pytest -q -p no:cacheprovider \
+	  --hypothesis-show-statistics tests/unit/test_fuzz_*.py tests/unit/test_libvirt_host.py \
+	  | grep -E '^(tests/|  - during generate|    - [0-9]+ passing|[0-9]+ passed)'
 
 # The fault-injection suite alone, in the lab; it ends with its table of figures.
 faults: setup
