@@ -329,6 +329,27 @@ def test_prefixes() -> None:
     assert ssh.prefix("?") == "?"
 
 
+async def holding(port: int, source: str, first: bytes, stop: asyncio.Event) -> None:
+    """A client from `source` that sends `first` and then nothing, holding its slot until
+    it is closed, and connects again at once, until `stop`."""
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port,
+                                                           local_addr=(source, 0))
+        except OSError:
+            await asyncio.sleep(0.01)
+            continue
+        try:
+            writer.write(first)
+            await reader.read()  # until it is closed
+        except OSError:
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
 async def test_strangers_that_reconnect_at_once_never_evict_a_key_holder(
         tmp_path: Path) -> None:
     """Five connections from the button's /24 that never authenticate and come back the
@@ -338,27 +359,11 @@ async def test_strangers_that_reconnect_at_once_never_evict_a_key_holder(
     only those that have not are closed to make room, and the button gets in each time."""
     verbs = Blocking()
     stop = asyncio.Event()
-
-    async def stranger() -> None:
-        while not stop.is_set():
-            try:
-                reader, writer = await asyncio.open_connection("127.0.0.1", port,
-                                                               local_addr=("127.0.0.3", 0))
-            except OSError:
-                await asyncio.sleep(0.01)
-                continue
-            try:
-                writer.write(b"SSH-2.0-OpenSSH_9.2\r\n")  # then nothing: a slot held
-                await reader.read()  # until it is closed
-            except OSError:
-                pass
-            finally:
-                writer.close()
-                with contextlib.suppress(OSError):
-                    await writer.wait_closed()
+    greeting = b"SSH-2.0-OpenSSH_9.2\r\n"  # then nothing: a slot held
 
     async with ssh_endpoint(tmp_path, verbs, max_per_prefix=4, max_unauthenticated=16) as port:
-        strangers = [asyncio.get_running_loop().create_task(stranger()) for _ in range(5)]
+        strangers = [asyncio.get_running_loop().create_task(
+            holding(port, "127.0.0.3", greeting, stop)) for _ in range(5)]
         try:
             await asyncio.sleep(0.5)
             results = []
@@ -387,24 +392,6 @@ async def test_a_slowloris_from_a_handful_of_addresses_never_keeps_a_scrape_out(
     port = exporter.sockets[0].getsockname()[1]
     stop = asyncio.Event()
 
-    async def slow(source: str) -> None:
-        while not stop.is_set():
-            try:
-                reader, writer = await asyncio.open_connection("127.0.0.1", port,
-                                                               local_addr=(source, 0))
-            except OSError:
-                await asyncio.sleep(0.01)
-                continue
-            try:
-                writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never the blank line
-                await reader.read()
-            except OSError:
-                pass
-            finally:
-                writer.close()
-                with contextlib.suppress(OSError):
-                    await writer.wait_closed()
-
     async def scrape() -> bytes:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
@@ -416,7 +403,9 @@ async def test_a_slowloris_from_a_handful_of_addresses_never_keeps_a_scrape_out(
                 await writer.wait_closed()
 
     sources = [f"127.0.0.{n}" for n in range(2, 6) for _ in range(metrics.MAX_PER_SOURCE)]
-    attackers = [asyncio.get_running_loop().create_task(slow(s)) for s in sources]
+    request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n"  # never the blank line
+    attackers = [asyncio.get_running_loop().create_task(holding(port, s, request, stop))
+                 for s in sources]
     try:
         # All of them in: those past the listen queue (8) get in when TCP sends their
         # SYN again, a second later.
