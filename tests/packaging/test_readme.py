@@ -402,3 +402,36 @@ def test_the_shutdown_timeout_is_said_to_be_per_guest_unless_parallel() -> None:
     said = " ".join(shutdown.split())
     assert "applies the timeout to each guest in turn" in said
     assert "PARALLEL_SHUTDOWN=" in said
+
+
+def test_the_switches_are_said_to_be_those_of_mqtt_vms() -> None:
+    """A switch exists only for an owner MQTT may command (homeassistant.components):
+    README said one per owner."""
+    said = " ".join(section("Home Assistant over MQTT").split())
+    assert "a switch per owner VM that `vms` lists" in said
+    assert "binary sensor \"running\" instead" in said
+    from hostagent import homeassistant
+    cfg = config.parse(textwrap.dedent('''
+        [lendee]
+        domain = "gpu-node"
+        gpus = ["0000:01:00.0", "0000:02:00.0"]
+        [owners.gaming1]
+        gpus = ["0000:01:00.0"]
+        [owners.gaming2]
+        gpus = ["0000:02:00.0"]
+        [mqtt]
+        broker = "mqtt://127.0.0.1"
+        vms = ["gaming1"]
+        '''))
+    platforms = {c["name"]: c["p"] for c in homeassistant.components(
+        homeassistant.surface(cfg, version="0")).values()}
+    assert (platforms["gaming1"], platforms["gaming2"]) == ("switch", "binary_sensor")
+
+
+def test_the_permissions_are_the_shipped_rbac() -> None:
+    """README named a kubeconfig of "a user that may cordon the node and evict its pods"
+    and listed no manifest; the shipped one is applied as written."""
+    said = " ".join(README.read_text().split())
+    assert "kubectl apply -f deploy/rbac.yaml" in said
+    assert "may cordon the node and evict its pods" not in said
+    assert (README.parent / "deploy" / "rbac.yaml").exists()
