@@ -42,9 +42,13 @@ hook socket: no flood may starve it, from strangers or from a listed key.
   `MAX_UNAUTHENTICATED` have not authenticated yet, and at most `MAX_PER_PREFIX` of
   them come from one /24 (IPv4) or /64 (IPv6), where one host has many addresses.
   Over a limit, a stranger (a connection that has neither authenticated nor offered a
-  listed key) is closed for the new one: the oldest of the network, then the address,
-  that holds the most, so whoever holds connections open without authenticating, and
-  reconnects at once, closes its own and cannot lock a button out.
+  listed key) is closed for the new one: of the network that holds the most, from the
+  addresses that had spent the most of their eviction budget when they came, of the
+  address that holds the most, the oldest. An address may have `EVICT_BURST`
+  connections closed for its own, then one per `EVICT_EVERY` seconds (over that, its
+  newcomer is refused), and gets one back each time a key holder of it authenticates:
+  whoever holds connections open without authenticating, and reconnects at once, from
+  one address or from many of a /24, closes its own and cannot lock a button out.
   A connection has `LOGIN_TIMEOUT` seconds to authenticate.
 - One key holds at most `MAX_PER_KEY` authenticated connections; one more is
   disconnected. An authenticated connection that runs no command for `IDLE_TIMEOUT`
@@ -104,6 +108,7 @@ import asyncio
 import enum
 import ipaddress
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -130,6 +135,8 @@ __all__ = [
     "LOGIN_TIMEOUT",
     "MAX_COMMAND",
     "IDLE_TIMEOUT",
+    "EVICT_BURST",
+    "EVICT_EVERY",
     "MAX_CONNECTIONS",
     "MAX_PER_KEY",
     "MAX_PER_PREFIX",
@@ -169,6 +176,8 @@ PREAUTH_INTERVAL = 60.0
 PEER_BURST = 60  # records of one address's connections, per interval, then a summary
 PEER_INTERVAL = 10.0
 MAX_PEERS = 256  # addresses whose records are counted (the oldest forgotten first)
+EVICT_BURST = 2  # strangers one address may have closed to make room for its own,
+EVICT_EVERY = 5.0  # then one more each this many seconds
 VM_VERBS = frozenset({"play", "release"})  # the verbs that name a VM
 
 
@@ -263,6 +272,27 @@ class Endpoint:
         self.preauth = Summarised(self._preauth_record, interval=PREAUTH_INTERVAL,
                                   burst=PREAUTH_BURST)
         self.per_peer: dict[str, Summarised] = {}
+        self.evictions: dict[str, tuple[float, float]] = {}  # address → (budget, when)
+
+    def budget(self, address: str) -> float:
+        """The evictions `address` may still cause now (a token bucket)."""
+        budget, then = self.evictions.get(address, (EVICT_BURST, 0.0))
+        return min(EVICT_BURST, budget + (time.monotonic() - then) / EVICT_EVERY)
+
+    def _may_evict(self, address: str) -> bool:
+        """Spend one of `address`'s evictions, if it has one left."""
+        budget = self.budget(address)
+        self.evictions.pop(address, None)
+        self.evictions[address] = (budget - 1 if budget >= 1 else budget, time.monotonic())
+        if len(self.evictions) > MAX_PEERS:
+            del self.evictions[next(iter(self.evictions))]
+        return budget >= 1
+
+    def refund(self, address: str) -> None:
+        """A key holder of `address` got in: what it spent to make room is given back."""
+        if address in self.evictions:
+            self.evictions[address] = (min(EVICT_BURST, self.budget(address) + 1),
+                                       time.monotonic())
 
     def say(self, address: str, message: str, **fields: Any) -> None:
         """One record of what `address`'s connections did, within its rate."""
@@ -297,6 +327,16 @@ class Endpoint:
         if len(self.live) >= self.max_connections and not self.waiting:
             return f"{len(self.live)} authenticated connections already (the limit)"
         same = [c for c in self.waiting if c.prefix == conn.prefix]
+        full = len(same) >= self.max_per_prefix or len(self.waiting) >= self.max_unauthenticated \
+            or len(self.live) >= self.max_connections
+        conn.standing = int(self.budget(conn.address))
+        if full and not self._may_evict(conn.address):
+            # Each eviction lets its victim reconnect and evict in turn: unbudgeted,
+            # strangers from many addresses of a /24 closed one another faster than a
+            # button could offer its key, and it was closed too, the oldest waiting.
+            return (f"{conn.address} has had {EVICT_BURST} connections closed for its own "
+                    f"lately; {len(self.waiting)} waiting to authenticate, "
+                    f"{len(same)} of them from {conn.prefix}")
         if len(same) >= self.max_per_prefix:
             self._evict(_victim(same, conn), f"{len(same)} connections from {conn.prefix} "
                         "were waiting to authenticate (the limit)")
@@ -409,8 +449,10 @@ class Endpoint:
 
 
 def _victim(strangers: list[_Connection], newcomer: _Connection) -> _Connection:
-    """The stranger to close for `newcomer`: the oldest of the network that holds the
-    most of `strangers`, and within it of the address that holds the most; the
+    """The stranger to close for `newcomer`: of the network that holds the most of
+    `strangers`, from the addresses that had spent the most of their budget making room
+    when they came (a host that keeps reconnecting; a button's address gets its own back
+    each time it authenticates), of the address that holds the most, the oldest. The
     newcomer's own network and address count one more (its own connection is coming)."""
     def most(conns: list[_Connection], key: Callable[[_Connection], str]) -> list[_Connection]:
         counts = Counter(key(c) for c in conns)
@@ -421,7 +463,9 @@ def _victim(strangers: list[_Connection], newcomer: _Connection) -> _Connection:
             key(c) for c in conns if counts[key(c)] == top)
         return [c for c in conns if key(c) == chosen] or conns
 
-    return most(most(strangers, lambda c: c.prefix), lambda c: c.address)[0]
+    network = most(strangers, lambda c: c.prefix)
+    least = min(c.standing for c in network)
+    return most([c for c in network if c.standing == least], lambda c: c.address)[0]
 
 
 class _Session(asyncssh.SSHServerSession[str]):
@@ -505,6 +549,7 @@ class _Connection(asyncssh.SSHServer):
         self.address = "?"
         self.grant: Grant | None = None
         self.admitted = False
+        self.standing = EVICT_BURST  # its address's eviction budget when it came
         self.counted: str | None = None  # the fingerprint this connection counts against
         self._conn: Any = None  # asyncssh's connection
         self._candidate: Grant | None = None
@@ -636,6 +681,7 @@ class _Connection(asyncssh.SSHServer):
             self.disconnect(over)
             return
         self.counted = self.grant.fingerprint
+        self.endpoint.refund(self.address)
         self.busy(False)
 
     def session_requested(self) -> _Session:

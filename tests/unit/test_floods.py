@@ -423,3 +423,54 @@ async def test_a_slowloris_from_a_handful_of_addresses_never_keeps_a_scrape_out(
         await asyncio.gather(*attackers, return_exceptions=True)
         exporter.close()
     assert answers == [b"HTTP/1.1 200 OK"] * 5
+
+
+@pytest.mark.parametrize("strangers,addresses", [(5, 5), (50, 50)])
+async def test_strangers_from_many_addresses_of_its_24_never_evict_a_key_holder(
+        tmp_path: Path, strangers: int, addresses: int) -> None:
+    """The same from many addresses of the button's /24, one connection each: each
+    address held no more than the others, so each newcomer closed the oldest waiting,
+    whose address came back at once and closed the next; the button, the oldest within
+    milliseconds, was closed before it could offer its key (6 of 10 presses with five
+    addresses, 10 of 10 with fifty). Now an address may close only a few connections
+    for its own before it must wait, and those it closes come first from addresses that
+    had spent their budget when they came; a key holder's address gets its back."""
+    verbs = Blocking()
+    stop = asyncio.Event()
+
+    async def stranger(source: str) -> None:
+        while not stop.is_set():
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port,
+                                                               local_addr=(source, 0))
+            except OSError:
+                await asyncio.sleep(0.01)
+                continue
+            try:
+                writer.write(b"SSH-2.0-OpenSSH_9.2\r\n")
+                await reader.read()
+            except OSError:
+                pass
+            finally:
+                writer.close()
+                with contextlib.suppress(OSError):
+                    await writer.wait_closed()
+
+    async with ssh_endpoint(tmp_path, verbs) as port:
+        tasks = [asyncio.get_running_loop().create_task(stranger(f"127.0.0.{10 + i % addresses}"))
+                 for i in range(strangers)]
+        try:
+            await asyncio.sleep(1)
+            results = []
+            for _ in range(10):
+                try:
+                    async with client(port, BUTTON, tmp_path, local="127.0.0.1") as conn:
+                        results.append((await conn.run("status")).exit_status)
+                except (OSError, asyncssh.Error) as e:
+                    results.append(repr(e))
+        finally:
+            stop.set()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    assert results == [0] * 10
