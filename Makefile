@@ -67,6 +67,7 @@ demo: setup
 # tests measure, are printed at the end whatever process ran them.
 TEST_PROCESSES ?= 3
 test: setup
+	@echo "the lab's Kubernetes: kube-apiserver $$($$(GO=$(GO) tests/controlplane/build.sh) kube-apiserver --version | cut -d' ' -f2)"
 	$(VENV)/bin/mypy
 	$(VENV)/bin/ruff check hostagent hooks/qemu tests bench
 	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_PROCESSES) --dist loadfile \
