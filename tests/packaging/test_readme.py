@@ -435,3 +435,14 @@ def test_the_permissions_are_the_shipped_rbac() -> None:
     assert "kubectl apply -f deploy/rbac.yaml" in said
     assert "may cordon the node and evict its pods" not in said
     assert (README.parent / "deploy" / "rbac.yaml").exists()
+
+
+def test_the_opening_says_what_the_default_regrow_does() -> None:
+    """README's first paragraph said the lendee takes a freed GPU back "once no pod on the
+    node uses a GPU, by default"; the default also stops waiting after regrow_max_wait."""
+    opening = " ".join(README.read_text().split("\n\n")[1].split())
+    policy = config.parse('[lendee]\ndomain = "d"\ngpus = ["0000:01:00.0"]\n').policy
+    assert policy.regrow.value == "when-idle" and policy.regrow_max_wait is not None
+    minutes = policy.regrow_max_wait / 60
+    assert f"by default once no pod on the node uses a GPU, or after {minutes:g} minutes " \
+        "whatever runs" in opening
