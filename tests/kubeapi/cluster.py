@@ -972,25 +972,43 @@ class Cluster:
             self._insert(RESOURCECLAIMS, _claim(claim, pod, devices or [], driver))
         return pod
 
-    def publish_devices(self, node: str, devices: list[Obj], *, driver: str = DRA_DRIVER) -> Obj:
-        """What a DRA driver's kubelet plugin does: the node's pool of `driver` devices
-        in one ResourceSlice, its pool generation raised each time it changes."""
+    def publish_devices(self, node: str, devices: list[Obj], *, driver: str = DRA_DRIVER,
+                        per_gpu: bool = False) -> list[Obj]:
+        """What NVIDIA's DRA driver's kubelet plugin publishes through the resourceslice
+        controller (k8s.io/dynamic-resource-allocation; driver main at 22407113, May
+        2026): one pool named after the node, in one slice, or with `per_gpu` (its
+        DynamicMIG layout on 1.34) one slice per device, each carrying the pool's
+        resourceSliceCount. When the devices change the pool's generation is raised and
+        the slices are rewritten one write at a time, as the controller does, so a
+        watcher sees old and new generations side by side in between."""
         selector = f"spec.nodeName={node},spec.driver={driver}"
-        existing = list(self._select(RESOURCESLICES, None, selector, ""))
-        if existing:
-            def change(slice_: Obj) -> Obj:
-                if slice_["spec"].get("devices") != devices:
-                    slice_["spec"]["devices"] = copy.deepcopy(devices)
-                    slice_["spec"]["pool"]["generation"] += 1
-                return slice_
+        existing = sorted(self._select(RESOURCESLICES, None, selector, ""),
+                          key=lambda s: s["metadata"]["name"])
+        chunks = [[d] for d in devices] if per_gpu else [devices]
+        if existing and [d for s in existing for d in s["spec"].get("devices") or []] == devices \
+                and len(existing) == len(chunks):
+            return existing
+        generation = max((s["spec"]["pool"]["generation"] for s in existing), default=0) + 1
+        pool = {"name": node, "generation": generation, "resourceSliceCount": len(chunks)}
+        written = []
+        for i, chunk in enumerate(chunks):
+            if i < len(existing):
+                def change(slice_: Obj, chunk: list[Obj] = chunk) -> Obj:
+                    slice_["spec"]["devices"] = copy.deepcopy(chunk)
+                    slice_["spec"]["pool"] = dict(pool)
+                    return slice_
 
-            return self.update(RESOURCESLICES, None, existing[0]["metadata"]["name"], change)
-        return self.create(RESOURCESLICES, None, {
-            "metadata": {"generateName": f"{node}-{driver}-"},
-            "spec": {"driver": driver, "nodeName": node,
-                     "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
-                     "devices": copy.deepcopy(devices)},
-        })  # fmt: skip
+                written.append(self.update(RESOURCESLICES, None,
+                                           existing[i]["metadata"]["name"], change))
+            else:
+                written.append(self.create(RESOURCESLICES, None, {
+                    "metadata": {"generateName": f"{node}-{driver}-"},
+                    "spec": {"driver": driver, "nodeName": node, "pool": dict(pool),
+                             "devices": copy.deepcopy(chunk)},
+                }))  # fmt: skip
+        for stale in existing[len(chunks):]:
+            self.delete(RESOURCESLICES, None, stale["metadata"]["name"])
+        return written
 
     def withdraw_devices(self, node: str, *, driver: str = DRA_DRIVER) -> None:
         """The node's slices of `driver` deleted (a kubelet wipes them as it starts)."""
@@ -1075,10 +1093,14 @@ def gpu_status(gpus: int, *, resource: str = "nvidia.com/gpu", replicas: int = 1
 
 
 def gpu_device(index: int, uuid_: str, *, product: str = "NVIDIA A100-SXM4-80GB",
-               memory: str = "81920Mi") -> Obj:
-    """One GPU as NVIDIA's DRA driver (gpu.nvidia.com) publishes it in a ResourceSlice
-    (resource.k8s.io/v1 Device: typed attributes, capacity quantities)."""
-    return {
+               memory: str = "81920Mi", taints: list[Obj] | None = None) -> Obj:
+    """One GPU as NVIDIA's DRA driver (gpu.nvidia.com, main at 22407113, May 2026:
+    cmd/gpu-kubelet-plugin/deviceinfo.go GpuInfo.GetDevice) publishes it in a
+    resource.k8s.io/v1 ResourceSlice: named gpu-<minor>, typed attributes in short form
+    but the PCI ones fully qualified, memory capacity. With its NVMLDeviceHealthCheck
+    gate on, an unhealthy GPU stays in the slice with device `taints` (see
+    `health_taint`); release v25.12.0 removed it from the slice instead."""
+    device: Obj = {
         "name": f"gpu-{index}",
         "attributes": {
             "type": {"string": "gpu"},
@@ -1089,11 +1111,28 @@ def gpu_device(index: int, uuid_: str, *, product: str = "NVIDIA A100-SXM4-80GB"
             "cudaComputeCapability": {"version": "8.0.0"},
             "driverVersion": {"version": "570.172.8"},
             "cudaDriverVersion": {"version": "12.8.0"},
-            "index": {"int": index},
-            "minor": {"int": index},
+            "resource.kubernetes.io/pciBusID": {"string": f"0000:{index + 1:02x}:00.0"},
+            "resource.kubernetes.io/pcieRoot": {"string": f"pci0000:{index:02x}"},
         },
         "capacity": {"memory": {"value": memory}},
     }
+    if taints:
+        device["taints"] = copy.deepcopy(taints)
+    return device
+
+
+def health_taint(kind: str = "gpu-lost", value: str | None = None) -> Obj:
+    """The device taint NVIDIA's driver (main at 22407113, device_health.go
+    healthEventToTaint) puts on a GPU its NVML health check finds unhealthy:
+    gpu.nvidia.com/gpu-lost (NoSchedule), gpu.nvidia.com/xid=<n> (NoSchedule, None for
+    an XID it deems non-fatal), gpu.nvidia.com/unmonitored (None)."""
+    effect = "None" if kind == "unmonitored" or (kind == "xid" and value == "43") \
+        else "NoSchedule"
+    taint: Obj = {"key": f"{DRA_DRIVER}/{kind}", "effect": effect,
+                  "timeAdded": "2026-01-01T00:00:00Z"}
+    if value is not None:
+        taint["value"] = value
+    return taint
 
 
 def mig_device(gpu: int, slot: int, parent_uuid: str, *, profile: str = "1g.10gb") -> Obj:
