@@ -58,6 +58,7 @@ from hostagent.kube import (
     Taint,
     expected_gpus,
 )
+from hostagent.parts import PodsReader
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,9 @@ class KubeCluster:
         self.dra: dict[str, str | None] | None = None
         self.holders: dict[str, str] = {}  # DRA: lent GPU -> the pods holding it, last seen
         self.trouble: str | None = None  # why the lent node is not whole (health fails)
+        # The deadline of a hot-unplug's evictions that gave way: the reclaim by restart
+        # after it drains within what is left of it, not a timeouts.drain of its own.
+        self._vacate_deadline: float | None = None
         self._events: set[asyncio.Task[None]] = set()
         self.auth_retry = 30.0  # seconds between watches refused with 401/403
 
@@ -154,8 +158,12 @@ class KubeCluster:
         on_timeout = DrainTimeoutAction.ABORT if regrow else self.policy.on_drain_timeout
         abort = on_timeout is DrainTimeoutAction.ABORT
         # One budget for the whole reclaim: a player never waits longer than
-        # timeouts.drain for the cluster, however the API server behaves.
+        # timeouts.drain for the cluster, however the API server behaves, a hot-unplug's
+        # evictions before it included (a budget blocked them: it blocks this drain too).
         deadline = time.monotonic() + self.timeouts.drain
+        if self._vacate_deadline is not None and not regrow:
+            deadline = min(deadline, self._vacate_deadline)
+        self._vacate_deadline = None
         self.trouble = None
 
         def left() -> float:
@@ -221,16 +229,18 @@ class KubeCluster:
     # --- hot-unplug -----------------------------------------------------------------------
 
     async def vacate(self, owners: list[str], gpus: Collection[str],
-                     pods: Collection[str] | None) -> str | None:
+                     pods: PodsReader) -> str | None:
         """A hot-unplug's part: cordon the node (ours), then evict only the pods that use
-        the GPUs `gpus`, those their ResourceClaims name (DRA) or else `pods`, the UIDs
-        the kubelet's device checkpoint in the guest names (None: it could not be read),
+        the GPUs `gpus`, those their ResourceClaims name (DRA) or else those `pods()`
+        reads, once the node is cordoned (a pod placed before the cordon is seen): the
+        UIDs the kubelet's device checkpoint in the guest names, or None and why not,
         as the drain evicts them but always of the "abort" kind. None once they are
         gone; or why the hot-unplug must give way to the reclaim by restart, which
         drains the node, cordoned already, under the policy players wait for."""
         deadline = time.monotonic() + self.timeouts.drain
         names = ", ".join(sorted(gpus))
         self.trouble = None
+        self._vacate_deadline = deadline
 
         def left() -> float:
             return max(0.1, deadline - time.monotonic())
@@ -246,23 +256,26 @@ class KubeCluster:
                 uuids = {self.uuids.get(g) for g in gpus}
                 if None in uuids:
                     return f"which pods hold {names} is unknown: set the uuid of each GPU"
-                pods = await self.kube.dra_holders(
+                using: Collection[str] = await self.kube.dra_holders(
                     self.node, driver=self.settings.dra_driver,
                     uuids=[u for u in uuids if u], timeout=left())
-            elif pods is None:
-                return (f"which pods use {names} is unknown: the kubelet's device checkpoint "
-                        "could not be read in the guest")
+            else:
+                read, why = await pods()
+                if read is None:
+                    return (f"which pods use {names} is unknown: the kubelet's device "
+                            f"checkpoint could not be read in the guest ({why})")
+                using = read
             self._event("Reclaimed", f"GPUs reclaimed for {', '.join(owners) or 'an owner'} "
-                        f"live: {names} leave the node, {len(pods)} pod(s) using them are "
+                        f"live: {names} leave the node, {len(using)} pod(s) using them are "
                         "evicted, the others stay")
-            if pods:
+            if using:
                 await self.kube.drain(
                     self.node, timeout=left(), emptydir_ok=self.settings.drain_emptydir,
                     unmanaged_ok=self.settings.drain_unmanaged,
                     on_timeout=DrainTimeoutAction.ABORT,
                     grace_period=self.settings.grace_period,
                     skip_wait_for_delete_timeout=self.settings.skip_wait_for_delete_timeout,
-                    only=pods)
+                    only=using)
         except DrainAborted as e:
             return f"the pods using {names} were not all evicted: {e.report.summary()}"
         except KubeError as e:
@@ -366,6 +379,7 @@ class KubeCluster:
         lost GPUs while it ran (a hot-unplug), and the GPU plugins, which enumerate GPUs
         when they start, are restarted first to advertise the rest."""
         self.trouble = None
+        self._vacate_deadline = None  # the hot-unplug before, if any, is over
         try:
             if expected is None or expected.gpus != self._labels(lent):
                 expected = await self.expect(lent)

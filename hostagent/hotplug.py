@@ -24,7 +24,8 @@ running lendee (`DetachGpus`), in four bounded parts, each of which must hold:
 
 1. the node is cordoned and only the pods using the GPU are evicted (`Cluster.vacate`):
    those their ResourceClaims name (DRA), else those the kubelet's device checkpoint
-   in the guest gives it (`checkpoint_pods`);
+   in the guest gives it (`checkpoint_pods`), read after the cordon so that no pod
+   placed in between is missed;
 2. no process in the guest uses it (nvidia-smi's compute apps, through the guest
    agent): NVIDIA does not support hot-unplug of its GPUs, and some drivers hang an
    unbind begun while a client holds the GPU;
@@ -156,10 +157,9 @@ async def hot_unplug(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
         f"{', '.join(sorted(gpus - set(uuids)))} has no uuid configured: which pods and "
         "processes use it cannot be told")
     if problem is None:
-        pods, why = await _checkpoint(ex, frozenset(uuids.values()))
-        problem = await ex.cluster.vacate(owners, gpus, pods)
-        if problem is not None and why:
-            problem += f" ({why})"
+        # Read once the node is cordoned: a pod placed before the cordon is among them.
+        problem = await ex.cluster.vacate(
+            owners, gpus, lambda: _checkpoint(ex, frozenset(uuids.values())))
     for part in (_unused, _detach):
         if problem is None and ex.view.state.ticket == ticket:
             problem = await part(ex, gpus, frozenset(uuids.values()))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -25,6 +25,8 @@ from hostagent.control import Reply
 from hostagent.model import Event, State
 
 Apply = Callable[[Event], bool]  # the agent's: step the machine; False if stale
+# A hot-unplug's reading of which pods use its GPUs: their UIDs, or None and why not.
+PodsReader = Callable[[], Awaitable[tuple[Collection[str] | None, str]]]
 
 
 class View(Protocol):
@@ -103,10 +105,11 @@ class Cluster(Protocol):
         restart first (they enumerate GPUs when they start)."""
 
     async def vacate(self, owners: list[str], gpus: Collection[str],
-                     pods: Collection[str] | None) -> str | None:
-        """A hot-unplug: cordon, evict only the pods using `gpus` (by DRA claim, else
-        `pods`, UIDs from the kubelet's checkpoint; None: unknown); None once they are
-        gone, or why the reclaim by restart must run instead."""
+                     pods: PodsReader) -> str | None:
+        """A hot-unplug: cordon, then evict only the pods using `gpus` (by DRA claim, else
+        those `pods()` reads once the node is cordoned: UIDs from the kubelet's
+        checkpoint, or None and why not); None once they are gone, or why the reclaim by
+        restart must run instead."""
 
     async def grow(self, lent: Collection[str]) -> str | None:
         """A hot-add: wait until the node, lent all along, advertises the `lent` GPUs;
@@ -138,7 +141,7 @@ class NoCluster:
         return None
 
     async def vacate(self, owners: list[str], gpus: Collection[str],
-                     pods: Collection[str] | None) -> str | None:
+                     pods: PodsReader) -> str | None:
         return None
 
     async def grow(self, lent: Collection[str]) -> str | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -298,6 +298,7 @@ class Guest:
     async def guest_exec(self, name: str, path: str, args: list[str], *,
                          timeout: float = 30) -> ExecResult:
         if path == "cat":
+            self.step.cluster.order.append("checkpoint")
             code, text = self.checkpoint
             return ExecResult(code, text if code == 0 else "", "" if code == 0 else "No such file")
         if path == "nvidia-smi" and args == list(hotplug.APPS):
@@ -317,15 +318,20 @@ class Guest:
 
 
 class Vacating:
-    """`Cluster.vacate` as the step calls it: what it was given, and its answer."""
+    """`Cluster.vacate` as the step calls it: what it was given, and its answer; it
+    cordons (``order``) before it reads which pods use the GPUs, as the real one does."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[list[str], frozenset[str], frozenset[str] | None]] = []
+        self.order: list[str] = []
 
     async def vacate(self, owners: list[str], gpus: frozenset[str],
-                     pods: frozenset[str] | None) -> str | None:
-        self.calls.append((owners, frozenset(gpus), None if pods is None else frozenset(pods)))
-        return "which pods use gpu-a is unknown" if pods is None else None
+                     pods: Callable[[], Awaitable[tuple[frozenset[str] | None, str]]]
+                     ) -> str | None:
+        self.order.append("cordon")
+        read, why = await pods()
+        self.calls.append((owners, frozenset(gpus), None if read is None else frozenset(read)))
+        return f"which pods use gpu-a is unknown ({why})" if read is None else None
 
 
 @dataclass
@@ -370,6 +376,14 @@ async def test_the_pods_on_the_gpu_are_evicted_and_it_is_detached(
     assert [type(e) for e in step.applied] == [GpusDetached]
     results = [r for r, _ in hotplug_records(sink)]
     assert results == ["started", "ok"]
+
+
+async def test_the_node_is_cordoned_before_the_checkpoint_is_read() -> None:
+    # A pod the scheduler placed between the reading and the cordon would stay unseen.
+    step = FakeStep()
+    await unplug(step)
+    assert step.cluster.order == ["cordon", "checkpoint"]
+    assert [type(e) for e in step.applied] == [GpusDetached]
 
 
 @pytest.mark.parametrize("broken", ["unreadable", "garbage"])
@@ -435,12 +449,51 @@ async def test_vacate_evicts_only_the_pods_named_and_cordons_as_ours(
     cordons: list[bool] = []
     cfg = parse(UNPLUG_CONFIG + "[kubernetes]\ngpu_api = \"device-plugin\"\n", "t.toml")
     cluster = KubeCluster(kube, cfg, remember_cordon=cordons.append)
-    assert await cluster.vacate(["gaming1"], {A}, {on_a["metadata"]["uid"], "gone-pod"}) is None
+    cordoned_when_read: list[bool] = []
+
+    def reading(pods: set[str] | None, why: str = "") -> Callable[
+            [], Awaitable[tuple[frozenset[str] | None, str]]]:
+        async def read() -> tuple[frozenset[str] | None, str]:
+            node = api.cluster.node("gpu-node")
+            cordoned_when_read.append(bool(node["spec"].get("unschedulable")))
+            return (None if pods is None else frozenset(pods)), why
+        return read
+    assert await cluster.vacate(["gaming1"], {A},
+                                reading({on_a["metadata"]["uid"], "gone-pod"})) is None
     assert gone(api, "default", "train-a")
     assert not gone(api, "default", "train-b") and not gone(api, "default", "web")
     assert api.cluster.node("gpu-node")["spec"].get("unschedulable") and cordons == [True]
-    problem = await cluster.vacate(["gaming1"], {A}, None)
+    problem = await cluster.vacate(["gaming1"], {A}, reading(None, "cat: No such file"))
     assert problem is not None and "checkpoint could not be read" in problem
+    assert "No such file" in problem
+    assert cordoned_when_read == [True, True]
+
+
+async def test_a_budget_that_blocks_the_vacate_leaves_its_fallback_drain_only_what_is_left(
+        api: StandIn, kube: Kube) -> None:
+    # The hot-unplug's eviction and the restart's drain after it are one drain for the
+    # player: one timeouts.drain for both, not one each (twice the wait).
+    on_a = api.cluster.add_pod("train-a", node="gpu-node", owner="Job/a",
+                               labels={"app": "train"}, gpus={"nvidia.com/gpu": 1})
+    api.cluster.add_pdb("train", match_labels={"app": "train"}, max_unavailable=0)
+    cfg = parse(UNPLUG_CONFIG + "[kubernetes]\ngpu_api = \"device-plugin\"\n"
+                "[timeouts]\ndrain = \"2s\"\n", "t.toml")
+    cluster = KubeCluster(kube, cfg, remember_cordon=lambda _: None)
+    given: list[float] = []
+    drain = kube.drain
+
+    async def recorded(node: str, **kw: Any) -> Any:
+        given.append(kw["timeout"])
+        return await drain(node, **kw)
+    kube.drain = recorded  # type: ignore[method-assign]
+
+    async def read() -> tuple[frozenset[str] | None, str]:
+        return frozenset({on_a["metadata"]["uid"]}), ""
+    problem = await cluster.vacate(["gaming1"], {A}, read)
+    assert problem is not None and "PodDisruptionBudget" in problem
+    assert await cluster.reclaim(["gaming1"]) is None  # on_drain_timeout = "proceed"
+    vacate_drain, reclaim_drain = given
+    assert vacate_drain <= 2.0 and reclaim_drain < 0.5
 
 
 async def test_vacate_finds_the_pods_on_the_gpu_by_their_claims_with_dra(
@@ -451,7 +504,9 @@ async def test_vacate_finds_the_pods_on_the_gpu_by_their_claims_with_dra(
     cfg = parse(UNPLUG_CONFIG + "[kubernetes]\ngpu_api = \"dra\"\n", "t.toml")
     cluster = KubeCluster(kube, cfg, remember_cordon=lambda _: None)
     await cluster.expect([A, B, C])
-    assert await cluster.vacate(["gaming1"], {A}, None) is None
+    async def unread() -> tuple[frozenset[str] | None, str]:
+        raise AssertionError("with DRA the claims say which pods hold the GPU")
+    assert await cluster.vacate(["gaming1"], {A}, unread) is None
     assert gone(api, "default", "train-a") and not gone(api, "default", "train-b")
 
 
