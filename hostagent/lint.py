@@ -372,6 +372,24 @@ def _shared_groups(domains: Sequence[Domain], sysfs: Path,
                         "cannot run together even though their XML says they share nothing.",
                     fix=_ACS_FIX))
             continue
+        others = sorted(slot for slot in users if slot not in labels)
+        if others and len(others) < len(users):
+            # hostagent moves GPUs only: a device of another kind in their group stays
+            # where it is, and holds the whole group for its VM.
+            held = sorted(set().union(*users.values()))
+            cards_in = sorted(labels[slot] for slot in users if slot in labels)
+            listing = "; ".join(f"{labels.get(slot, slot)} in {', '.join(sorted(u)) or 'no VM'}"
+                                for slot, u in sorted(users.items()))
+            found.append(Finding(
+                domain=", ".join(held), check=Check.SHARED_GROUP, severity=Severity.ERROR,
+                what=f"IOMMU group {group} holds {', '.join(others)}, no GPU, with "
+                     f"{', '.join(cards_in)}: {listing}",
+                why="VFIO gives a whole IOMMU group to one VM at a time and hostagent moves "
+                    "GPUs only: while a VM holds one member of the group no other can start "
+                    "with another, and the lendee may be given the GPU while another VM "
+                    "holds the rest of its group.",
+                fix=_ACS_FIX + "; or pass the other device through to no VM"))
+            continue
         gpus = sorted({labels.get(slot, slot) for slot in users})
         if len(gpus) < 2:
             continue

@@ -228,3 +228,23 @@ def test_config_example_needs_no_functions(host: Any) -> None:
     cfg = parse(textwrap.dedent(CONFIG).replace('functions = ["0000:01:00.1"]\n', ""))
     assert gpus.on_host(cfg, host.root).gpus["gpu-a"].functions == tuple(
         f"0000:01:00.{f}" for f in range(1, 4))
+
+
+def test_lint_a_group_shared_with_a_device_that_is_no_gpu_names_the_vms_as_an_error(
+        host: Any) -> None:
+    # A USB controller in gpu-a's group, passed through to gaming2: VFIO gives the group to
+    # one VM at a time, and hostagent moves GPUs only, so gaming2 and whoever holds gpu-a
+    # (gaming1, or the lendee) cannot run together.
+    host.add("0000:05:00.0", cls=0x0c0330, vendor="1b21", device="2142", group="1")
+    cfg = gpus.on_host(parse(CONFIG), host.root)
+    domains = [lint.parse_domain(LENDEE_XML),
+               lint.parse_domain(xml("gaming1", [f"0000:01:00.{f}" for f in range(4)])),
+               lint.parse_domain(xml("gaming2", ["0000:02:00.0", "0000:02:00.1",
+                                                 "0000:05:00.0"]))]
+    shared = [f for f in lint.lint(domains, sysfs=host.root, config=cfg)
+              if f.check is Check.SHARED_GROUP and "group 1" in f.what]
+    assert [(f.domain, f.severity) for f in shared] == [
+        ("gaming1, gaming2, gpu-node", Severity.ERROR)]
+    assert shared[0].what == ("IOMMU group 1 holds 0000:05:00, no GPU, with gpu-a: gpu-a in "
+                              "gaming1, gpu-node; 0000:05:00 in gaming2")
+    assert "one VM at a time" in shared[0].why and "moves GPUs only" in shared[0].why
