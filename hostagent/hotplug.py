@@ -15,9 +15,11 @@ executor's step, in four bounded parts, each of which must hold before the next:
    they enumerate the GPUs anew (`Cluster.grow`, `Kube.restart_plugins`);
 4. only then is the GPU lent (`GpusAttached`).
 
-A part that fails within its bound reports `AttachFailed` with the reason journaled;
-the GPUs the live definition holds anyway stay with the lendee (only its stop frees
-them), the others wait for a regrow by restart. Nothing is detached by a hot-add.
+A part that fails within its bound reports `AttachFailed` with the reason journaled,
+once the live definition is read again and what it holds of the GPUs detached (a GPU
+attached but not lent fails every later return's check in the guest); those the guest
+keeps, or all when libvirt's attach has not ended, stay with the lendee (only its stop
+frees them), the others wait for a regrow by restart.
 
 Hot-unplug (``policy.hotplug = "both"``, experimental): an owner's GPU leaves the
 running lendee (`DetachGpus`), in four bounded parts, each of which must hold:
@@ -84,7 +86,7 @@ async def hot_add(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
     names = ", ".join(sorted(gpus))
     journal.record("hotplug", f"attaching {names} to {lendee} while it runs", vm=lendee,
                    result="started", gpus=",".join(sorted(gpus)))
-    problem = await _attach(ex, gpus)
+    problem, settled = await _attach(ex, gpus)
     if problem is None and ex.view.state.ticket == ticket:
         problem = await ex._verify_gpus(ticket, ex.view.state.lent)
     if problem is None and ex.view.state.ticket == ticket:
@@ -96,10 +98,7 @@ async def hot_add(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
                        vm=lendee, result="ok", gpus=",".join(sorted(gpus)))
         ex.apply(GpusAttached(at=clock.now(), ticket=ticket, gpus=gpus))
         return
-    try:
-        held = await ex.libvirt.live_gpus(lendee, ex.lendee_gpu_config()) & gpus
-    except HostError:
-        held = gpus  # in doubt, the lendee holds them: only its stop frees them for sure
+    held = await _undo(ex, gpus) if settled else gpus
     kept = (f"; {lendee} keeps {', '.join(sorted(held))} until it restarts" if held else
             f"; {names} wait for {lendee}'s next restart")
     journal.record("hotplug", f"could not add {names} to {lendee} live: {problem}{kept}",
@@ -108,25 +107,49 @@ async def hot_add(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
     ex.apply(AttachFailed(at=clock.now(), ticket=ticket, gpus=gpus, held=held, reason=problem))
 
 
-async def _attach(ex: Step, gpus: frozenset[str]) -> str | None:
-    """Part 1: attach, then wait for the live XML to list every GPU. None, or why not."""
+async def _attach(ex: Step, gpus: frozenset[str]) -> tuple[str | None, bool]:
+    """Part 1: attach, then wait for the live XML to list every GPU. None, or why not;
+    and whether libvirt's call has ended (one past the bound goes on in its thread and
+    may still attach: what the live definition holds is then unknown)."""
     libvirt, lendee = ex.libvirt, ex.lendee
     config = ex.lendee_gpu_config()
     deadline = time.monotonic() + ATTACH_BOUND
+    call = asyncio.ensure_future(libvirt.attach_live(lendee, gpus, config))
     try:
-        await asyncio.wait_for(libvirt.attach_live(lendee, gpus, config), ATTACH_BOUND)
+        await asyncio.wait_for(asyncio.shield(call), ATTACH_BOUND)
         while True:
             missing = gpus - await libvirt.live_gpus(lendee, config)
             if not missing:
-                return None
+                return None, True
             if time.monotonic() >= deadline:
                 return (f"{', '.join(sorted(missing))} not in {lendee}'s live definition "
-                        f"{ATTACH_BOUND:g}s after the attach")
+                        f"{ATTACH_BOUND:g}s after the attach"), True
             await asyncio.sleep(0.2)
     except TimeoutError:
-        return f"libvirt did not attach them within {ATTACH_BOUND:g}s"
+        call.add_done_callback(lambda c: c.cancelled() or c.exception())
+        return f"libvirt did not attach them within {ATTACH_BOUND:g}s", False
     except HostError as e:
-        return str(e)
+        return str(e), True
+
+
+async def _undo(ex: Step, gpus: frozenset[str]) -> frozenset[str]:
+    """After a failed hot-add, the live definition is read and what it holds of `gpus`
+    detached again, so that what the lendee has is what is lent: a GPU left attached but
+    not lent shows in the guest at every later return, whose check then fails. Returns
+    what it still holds (only the lendee's stop frees those), all of `gpus` in doubt."""
+    try:
+        attached = await ex.libvirt.live_gpus(ex.lendee, ex.lendee_gpu_config()) & gpus
+        if attached:
+            problem = await _detach(ex, attached, frozenset())
+            if problem is not None:
+                journal.record("hotplug", f"could not detach {', '.join(sorted(attached))} "
+                               f"from {ex.lendee} after the failed hot-add: {problem}",
+                               vm=ex.lendee, result="failed", gpus=",".join(sorted(attached)),
+                               priority=journal.Priority.WARNING)
+            attached = await ex.libvirt.live_gpus(ex.lendee, ex.lendee_gpu_config()) & gpus
+        return attached
+    except HostError:
+        return gpus  # in doubt, the lendee holds them: only its stop frees them for sure
 
 
 # --- hot-unplug --------------------------------------------------------------------------

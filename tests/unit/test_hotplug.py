@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from hostagent import lint
+from hostagent import hotplug, lint
 from hostagent.cluster import KubeCluster
 from hostagent.config import Config, ConfigError, parse
 from hostagent.kube import Kube
@@ -24,6 +24,7 @@ from hostagent.model import (
     GpusAttached,
     Hotplug,
     LendeeStopped,
+    Observed,
     OwnerStopped,
     Phase,
     RelendDue,
@@ -295,3 +296,91 @@ def test_a_failed_hot_add_is_counted_as_a_failure() -> None:
     event = AttachFailed(at=AT, ticket=T + 1, gpus=gpus(A), held=frozenset(), reason="no")
     m.transition(state, go(state, event, ADD)[0], event)
     assert m.registry.get_sample_value("hostagent_failures_total", {"kind": "hotplug"}) == 1
+
+
+# --- the step: a failed hot-add leaves the live definition as the lend has it ----------------
+
+
+class AddStep:
+    """What of the executor `hotplug.hot_add` uses: libvirt with the lendee's live GPUs,
+    a guest whose driver does not see gpu-a, a node that advertises what it is told."""
+
+    lendee = LENDEE
+    topo = TOPO
+
+    def __init__(self) -> None:
+        self.cfg = parse('[lendee]\ndomain = "gpu-node"\ngpus = ["gpu-a", "gpu-b", "gpu-c"]\n'
+                         + "".join(f'[gpus.gpu-{x}]\npci = "0000:0{i}:00.0"\n'
+                                   for i, x in enumerate("abc", 1))
+                         + '[owners.gaming1]\ngpus = ["gpu-a"]\n[policy]\nhotplug = "add"\n',
+                         "t.toml")
+        self.view, self.libvirt, self.cluster = self, self, self
+        self.state = attaching()
+        self.applied: list[object] = []
+        self.live = {B, C}
+        self.attach_after = 0.0  # seconds before libvirt's attach lands (its thread goes on)
+        self.detached: list[frozenset[str]] = []
+        self.device_removed = asyncio.Event()
+
+    async def attach_live(self, name: str, labels: frozenset[str], gpus: object) -> None:
+        done = asyncio.get_running_loop().create_future()
+
+        def land() -> None:
+            self.live |= labels
+            if not done.done():
+                done.set_result(None)
+        asyncio.get_running_loop().call_later(self.attach_after, land)
+        await done
+
+    async def detach_live(self, name: str, labels: frozenset[str], gpus: object) -> None:
+        self.detached.append(frozenset(labels))
+        self.live -= labels
+        self.device_removed.set()
+
+    async def live_gpus(self, name: str, gpus: object) -> frozenset[str]:
+        return frozenset(self.live)
+
+    async def _verify_gpus(self, ticket: int, lent: frozenset[str]) -> str | None:
+        return None if A not in lent else "nvidia-smi in gpu-node lists 2 GPUs of 3"
+
+    async def grow(self, lent: object) -> str | None:
+        return None
+
+    def lendee_gpu_config(self) -> dict[str, object]:
+        return dict(self.cfg.gpus)
+
+    def apply(self, event: object) -> bool:
+        self.applied.append(event)
+        return True
+
+
+async def test_a_hot_add_that_fails_in_the_guest_detaches_what_it_attached() -> None:
+    # Left attached and lent, gpu-a would fail the guest's check at every later return.
+    step = AddStep()
+    await hotplug.hot_add(step, T + 1, gpus(A))  # type: ignore[arg-type]
+    [event] = step.applied
+    assert isinstance(event, AttachFailed) and event.held == frozenset()
+    assert step.detached == [gpus(A)] and step.live == {B, C}
+    assert go(step.state, event, ADD)[0].lent == gpus(B, C)
+
+
+async def test_an_attach_past_its_bound_counts_its_gpus_as_held(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # libvirt's call goes on in its thread: the GPU may land in the lendee after the bound.
+    monkeypatch.setattr(hotplug, "ATTACH_BOUND", 0.1)
+    step = AddStep()
+    step.attach_after = 0.3
+    await hotplug.hot_add(step, T + 1, gpus(A))  # type: ignore[arg-type]
+    [event] = step.applied
+    assert isinstance(event, AttachFailed) and event.held == gpus(A)
+    await asyncio.sleep(0.3)
+    assert step.live == {A, B, C}
+    assert go(step.state, event, ADD)[0].lent == gpus(A, B, C)
+
+
+@pytest.mark.parametrize("live", [gpus(B, C), gpus(A, B, C)], ids=["not yet", "attached"])
+def test_an_agent_restarted_mid_attach_lends_what_libvirt_says_is_attached(
+        live: frozenset[str]) -> None:
+    new, _ = go(attaching(), Observed(at=AT, lendee_running=True, owners_running=frozenset(),
+                                      lendee_gpus=live), ADD)
+    assert (new.lent, new.attaching) == (live, frozenset())
