@@ -42,9 +42,10 @@ hook socket: no flood may starve it, from strangers or from a listed key.
   `MAX_UNAUTHENTICATED` have not authenticated yet, and at most `MAX_PER_PREFIX` of
   them come from one /24 (IPv4) or /64 (IPv6), where one host has many addresses.
   Over a limit, a stranger (a connection that has neither authenticated nor offered a
-  listed key) is closed for the new one: of the network that holds the most, from the
-  addresses that had spent the most of their eviction budget when they came, of the
-  address that holds the most, the oldest. An address may have `EVICT_BURST`
+  listed key) is closed for the new one: of the network that holds the most, from an
+  address no key holder has authenticated from if any, then from the addresses that
+  had spent the most of their eviction budget when they came, of the address that
+  holds the most, the oldest. An address may have `EVICT_BURST`
   connections closed for its own, then one per `EVICT_EVERY` seconds (over that, its
   newcomer is refused), and gets one back each time a key holder of it authenticates:
   whoever holds connections open without authenticating, and reconnects at once, from
@@ -176,7 +177,7 @@ PREAUTH_INTERVAL = 60.0
 PEER_BURST = 60  # records of one address's connections, per interval, then a summary
 PEER_INTERVAL = 10.0
 MAX_PEERS = 256  # addresses whose records are counted (the oldest forgotten first)
-EVICT_BURST = 2  # strangers one address may have closed to make room for its own,
+EVICT_BURST = 1  # strangers one address may have closed to make room for its own,
 EVICT_EVERY = 5.0  # then one more each this many seconds
 VM_VERBS = frozenset({"play", "release"})  # the verbs that name a VM
 
@@ -273,6 +274,7 @@ class Endpoint:
                                   burst=PREAUTH_BURST)
         self.per_peer: dict[str, Summarised] = {}
         self.evictions: dict[str, tuple[float, float]] = {}  # address → (budget, when)
+        self.known: dict[str, None] = {}  # addresses key holders authenticated from
 
     def budget(self, address: str) -> float:
         """The evictions `address` may still cause now (a token bucket)."""
@@ -289,7 +291,12 @@ class Endpoint:
         return budget >= 1
 
     def refund(self, address: str) -> None:
-        """A key holder of `address` got in: what it spent to make room is given back."""
+        """A key holder of `address` got in: what it spent to make room is given back,
+        and its address's strangers are closed for others' after everyone else's."""
+        self.known.pop(address, None)
+        self.known[address] = None
+        if len(self.known) > MAX_PEERS:
+            del self.known[next(iter(self.known))]
         if address in self.evictions:
             self.evictions[address] = (min(EVICT_BURST, self.budget(address) + 1),
                                        time.monotonic())
@@ -330,6 +337,7 @@ class Endpoint:
         full = len(same) >= self.max_per_prefix or len(self.waiting) >= self.max_unauthenticated \
             or len(self.live) >= self.max_connections
         conn.standing = int(self.budget(conn.address))
+        conn.known = conn.address in self.known
         if full and not self._may_evict(conn.address):
             # Each eviction lets its victim reconnect and evict in turn: unbudgeted,
             # strangers from many addresses of a /24 closed one another faster than a
@@ -450,9 +458,9 @@ class Endpoint:
 
 def _victim(strangers: list[_Connection], newcomer: _Connection) -> _Connection:
     """The stranger to close for `newcomer`: of the network that holds the most of
-    `strangers`, from the addresses that had spent the most of their budget making room
-    when they came (a host that keeps reconnecting; a button's address gets its own back
-    each time it authenticates), of the address that holds the most, the oldest. The
+    `strangers`, one from an address no key holder has authenticated from if any, from
+    the addresses that had spent the most of their budget making room when they came (a
+    host that keeps reconnecting), of the address that holds the most, the oldest. The
     newcomer's own network and address count one more (its own connection is coming)."""
     def most(conns: list[_Connection], key: Callable[[_Connection], str]) -> list[_Connection]:
         counts = Counter(key(c) for c in conns)
@@ -464,6 +472,8 @@ def _victim(strangers: list[_Connection], newcomer: _Connection) -> _Connection:
         return [c for c in conns if key(c) == chosen] or conns
 
     network = most(strangers, lambda c: c.prefix)
+    # Not one from an address a key holder authenticated from, while there are others.
+    network = [c for c in network if not c.known] or network
     least = min(c.standing for c in network)
     return most([c for c in network if c.standing == least], lambda c: c.address)[0]
 
@@ -550,6 +560,7 @@ class _Connection(asyncssh.SSHServer):
         self.grant: Grant | None = None
         self.admitted = False
         self.standing = EVICT_BURST  # its address's eviction budget when it came
+        self.known = False  # from an address a key holder authenticated from
         self.counted: str | None = None  # the fingerprint this connection counts against
         self._conn: Any = None  # asyncssh's connection
         self._candidate: Grant | None = None
