@@ -439,8 +439,8 @@ class KubeCluster:
                 lent_dra, driver = self.dra, self.settings.dra_driver
                 seen = await self.kube.wait_devices(
                     self.node, driver=driver, timeout=self.timeouts.ready,
-                    done=lambda uuids: dra.mismatch(lent_dra, uuids) is None)
-                problem = dra.mismatch(lent_dra, seen or frozenset(), driver=driver,
+                    done=lambda slices: dra.verdict(lent_dra, slices) is None)
+                problem = dra.verdict(lent_dra, seen, driver=driver,
                                        node=f"node {self.node}")
             else:
                 found = await self.kube.wait_gpus(self.node, expected=expected,
@@ -467,8 +467,8 @@ class KubeCluster:
         driver = self.settings.dra_driver
         seen = await self.kube.wait_devices(
             self.node, driver=driver, timeout=self.timeouts.ready,
-            done=lambda uuids: dra.mismatch(lent, uuids) is None)
-        wrong = dra.mismatch(lent, seen or frozenset(), driver=driver, node=f"node {self.node}")
+            done=lambda slices: dra.verdict(lent, slices) is None)
+        wrong = dra.verdict(lent, seen, driver=driver, node=f"node {self.node}")
         if wrong is None:
             return None
         await self.kube.annotate(self.node, {f"{self.prefix}state": "short-of-gpus"})

@@ -16,6 +16,7 @@ is pure: no I/O here; `hostagent.kube` does the requests.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from hostagent.text import clean
@@ -36,17 +37,62 @@ def _uid(obj: Any) -> str | None:
     return _text(getattr(meta, "uid", None))
 
 
-def device_uuid(device: Any) -> str | None:
+def attribute(attributes: Mapping[str, Any], name: str, driver: str = DRIVER) -> Any:
+    """An attribute by its short name or fully qualified by the driver's domain
+    (``uuid`` or ``gpu.nvidia.com/uuid``: the API takes both as the same name)."""
+    found = attributes.get(name)
+    return found if found is not None else attributes.get(f"{driver}/{name}")
+
+
+def device_uuid(device: Any, driver: str = DRIVER) -> str | None:
     """The UUID of the GPU a slice's device is, or is part of: a MIG device's
     ``parentUUID`` attribute (its own ``uuid`` is the MIG instance's), else its ``uuid``."""
     attributes = getattr(device, "attributes", None)
     if not isinstance(attributes, Mapping):
         return None
     for name in ("parentUUID", "uuid"):
-        uuid = _text(getattr(attributes.get(name), "string", None))
+        uuid = _text(getattr(attribute(attributes, name, driver), "string", None))
         if uuid is not None:
             return uuid
     return None
+
+
+# A device taint of these effects keeps new pods off the device (NoExecute evicts those
+# on it too): NVIDIA's driver marks a GPU its NVML health check finds lost or failing so
+# (gpu.nvidia.com/gpu-lost, /xid), and an administrator's DeviceTaintRule the same way.
+# Effect "None" is only informational (unmonitored, a non-fatal XID).
+_UNUSABLE = frozenset({"NoSchedule", "NoExecute"})
+
+
+def usable(device: Any) -> bool:
+    """Whether the scheduler may still give the device out: no taint that forbids it."""
+    return not any(getattr(t, "effect", None) in _UNUSABLE
+                   for t in getattr(device, "taints", None) or [])
+
+
+def _term_matches(term: Any, node: str, labels: Mapping[str, str]) -> bool:
+    """One NodeSelectorTerm: every expression on the labels and field on the name."""
+    for requirement, value_of in ((getattr(term, "match_expressions", None), labels.get),
+                                  (getattr(term, "match_fields", None),
+                                   {"metadata.name": node}.get)):
+        for r in requirement or []:
+            value, values = value_of(getattr(r, "key", "")), getattr(r, "values", None) or []
+            operator = str(getattr(r, "operator", ""))
+            if not {"In": value is not None and value in values,
+                    "NotIn": value is None or value not in values,
+                    "Exists": value is not None,
+                    "DoesNotExist": value is None}.get(operator, False):
+                return False
+    return True
+
+
+def selects(obj: Any, node: str, labels: Mapping[str, str]) -> bool:
+    """Whether a slice or a device (``nodeName`` or ``nodeSelector``) is `node`'s; a
+    device of ``allNodes`` (network-attached) is nobody's GPU in particular."""
+    if getattr(obj, "node_name", None) == node:
+        return True
+    terms = getattr(getattr(obj, "node_selector", None), "node_selector_terms", None) or []
+    return any(_term_matches(term, node, labels) for term in terms)
 
 
 class _Watched(Generic[V]):
@@ -76,37 +122,89 @@ class _Watched(Generic[V]):
         raise NotImplementedError
 
 
-class Slices(_Watched[tuple[str, int, dict[str, str]]]):  # pool, generation, devices
-    """The devices of `driver` in one node's ResourceSlices, as listed and watched.
+@dataclass(frozen=True)
+class _Slice:
+    pool: str
+    generation: int
+    count: int  # resourceSliceCount: the slices the pool has at this generation
+    devices: dict[str, str]  # the node's devices here: name -> UUID
+    tainted: frozenset[str]  # those a taint keeps pods off (see `usable`)
+    ours: bool  # the slice, or one of its devices, is the node's
+
+
+class Slices(_Watched[_Slice]):
+    """The devices of `driver` that are `node`'s, in the ResourceSlices listed and
+    watched: slices of the node (``nodeName``, or a ``nodeSelector`` that selects it)
+    and devices of it in slices of ``perDeviceNodeSelection``.
 
     A pool may be spread over several slices and is republished under a higher
-    generation when it changes; as the scheduler does, only the newest generation of
-    each pool counts."""
+    generation when it changes, one slice at a time; as the scheduler does, only the
+    newest generation of each pool counts, and only once all its slices are in
+    (`incomplete` names the pools that are not). A device tainted so that nothing may
+    be scheduled on it (the driver's health check) is not counted."""
 
-    def _read(self, obj: Any) -> tuple[str, int, dict[str, str]] | None:
+    def __init__(self, driver: str = DRIVER, node: str = "",
+                 labels: Mapping[str, str] | None = None) -> None:
+        super().__init__(driver)
+        self.node = node
+        self.labels = dict(labels) if labels is not None else {"kubernetes.io/hostname": node}
+
+    def _read(self, obj: Any) -> _Slice | None:
         spec = getattr(obj, "spec", None)
         if spec is None or getattr(spec, "driver", None) != self.driver:
             return None
         pool = getattr(spec, "pool", None)
-        name = _text(getattr(pool, "name", None)) or ""
-        generation = getattr(pool, "generation", 0)
-        devices = {}
+        generation, count = getattr(pool, "generation", 0), getattr(pool, "resource_slice_count", 1)
+        per_device = getattr(spec, "per_device_node_selection", None) is True
+        ours = not per_device and (not self.node or selects(spec, self.node, self.labels))
+        devices, tainted = {}, set()
         for device in getattr(spec, "devices", None) or []:
-            device_name, uuid = _text(getattr(device, "name", None)), device_uuid(device)
+            if per_device and not selects(device, self.node, self.labels):
+                continue
+            device_name = _text(getattr(device, "name", None))
+            uuid = device_uuid(device, self.driver)
             if device_name is not None and uuid is not None:
+                ours = True
                 devices[device_name] = uuid
-        return name, generation if isinstance(generation, int) else 0, devices
+                if not usable(device):
+                    tainted.add(device_name)
+        if not ours:
+            return None
+        return _Slice(_text(getattr(pool, "name", None)) or "",
+                      generation if isinstance(generation, int) else 0,
+                      count if isinstance(count, int) and count > 0 else 1, devices,
+                      frozenset(tainted), ours)
+
+    def _newest(self) -> dict[str, list[_Slice]]:
+        newest: dict[str, list[_Slice]] = {}
+        for s in self._by_uid.values():
+            kept = newest.setdefault(s.pool, [s])
+            if s.generation > kept[0].generation:
+                newest[s.pool] = [s]
+            elif s.generation == kept[0].generation and s is not kept[0]:
+                kept.append(s)
+        return newest
+
+    def every(self) -> dict[DeviceKey, str]:
+        """(pool, device name) -> UUID of every device of the node's, tainted or of a
+        pool being rewritten included: a pod may hold one all the same."""
+        return {(s.pool, name): uuid for s in self._by_uid.values()
+                for name, uuid in s.devices.items()}
+
+    def incomplete(self) -> list[str]:
+        """The pools whose newest generation lacks some of its slices: not yet known."""
+        return sorted(f"{pool} (generation {s[0].generation}: {len(s)} of {s[0].count} "
+                      "slices)" for pool, s in self._newest().items() if len(s) < s[0].count)
 
     def devices(self) -> dict[DeviceKey, str]:
-        """(pool, device name) -> UUID, for the newest generation of each pool."""
-        newest: dict[str, int] = {}
-        for pool, generation, _ in self._by_uid.values():
-            newest[pool] = max(generation, newest.get(pool, generation))
-        return {(pool, name): uuid for pool, generation, devices in self._by_uid.values()
-                if generation == newest[pool] for name, uuid in devices.items()}
+        """(pool, device name) -> UUID of the usable devices of the complete pools."""
+        return {(pool, name): uuid for pool, kept in self._newest().items()
+                if len(kept) >= kept[0].count for s in kept
+                for name, uuid in s.devices.items() if name not in s.tainted}
 
-    def uuids(self) -> frozenset[str]:
-        return frozenset(self.devices().values())
+    def uuids(self) -> frozenset[str] | None:
+        """The UUIDs of the node's usable GPUs; None while a pool is incomplete."""
+        return None if self.incomplete() else frozenset(self.devices().values())
 
 
 class Claims(_Watched[tuple[tuple[DeviceKey, ...], tuple[str, ...]]]):
@@ -117,8 +215,11 @@ class Claims(_Watched[tuple[tuple[DeviceKey, ...], tuple[str, ...]]]):
         status = getattr(obj, "status", None)
         allocation = getattr(status, "allocation", None)
         results = getattr(getattr(allocation, "devices", None), "results", None) or []
+        # A claim with admin access (monitoring, diagnostics) shares the device with
+        # whoever holds it and holds nothing itself.
         devices = tuple((pool, device) for r in results
                         if getattr(r, "driver", None) == self.driver
+                        and getattr(r, "admin_access", None) is not True
                         and (pool := _text(getattr(r, "pool", None))) is not None
                         and (device := _text(getattr(r, "device", None))) is not None)
         pods = tuple(pod for ref in getattr(status, "reserved_for", None) or []
@@ -146,9 +247,13 @@ class Claims(_Watched[tuple[tuple[DeviceKey, ...], tuple[str, ...]]]):
 
 
 def mismatch(lent: Mapping[str, str | None], seen: Collection[str], *, driver: str = DRIVER,
-             node: str = "the node") -> str | None:
+             node: str = "the node", incomplete: Collection[str] = ()) -> str | None:
     """None when the node's slices list exactly the lent GPUs, else what differs, each
-    GPU named. `lent`: label -> UUID (None: no UUID configured, matched by count)."""
+    GPU named. `lent`: label -> UUID (None: no UUID configured, matched by count).
+    `incomplete`: pools not all in, which leave the answer unknown."""
+    if incomplete:
+        return (f"the {driver} ResourceSlices of {node} are incomplete: "
+                f"{', '.join(incomplete)}; what they list is not known yet")
     known = {uuid: label for label, uuid in lent.items() if uuid}
     unknown = sorted(label for label, uuid in lent.items() if not uuid)
     missing = [f"{label} ({uuid})" for uuid, label in sorted(known.items(), key=lambda x: x[1])
@@ -165,3 +270,12 @@ def mismatch(lent: Mapping[str, str | None], seen: Collection[str], *, driver: s
     if not problems:
         return None
     return f"the {driver} ResourceSlices of {node} " + "; ".join(problems)
+
+
+def verdict(lent: Mapping[str, str | None], slices: Slices | None, *, driver: str = DRIVER,
+            node: str = "the node") -> str | None:
+    """`mismatch` for what `slices` show (None: never listed, nothing shown)."""
+    if slices is None:
+        return mismatch(lent, frozenset(), driver=driver, node=node)
+    return mismatch(lent, frozenset(slices.devices().values()), driver=driver, node=node,
+                    incomplete=slices.incomplete())

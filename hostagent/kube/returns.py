@@ -261,30 +261,29 @@ class Returns(Watches):
         of `uuids` (a MIG instance's is its parent's), from the ResourceClaims allocated
         it. Raises KubeUnavailable, KubeRequestError, KubeAuthError."""
         deadline = self._deadline(timeout)
-        slices, claims = dra.Slices(driver), dra.Claims(driver)
+        slices, claims = dra.Slices(driver, node), dra.Claims(driver)
         listed = await self._call(
             f"list the ResourceSlices of {node}", lambda: self._resource.list_resource_slice(
-                field_selector=f"spec.nodeName={node},spec.driver={driver}"),
-            deadline, readable=_listed)
+                field_selector=f"spec.driver={driver}"), deadline, readable=_listed)
         slices.reset(listed.items or [])
         claimed = await self._call(
             "list ResourceClaims", lambda: self._resource.list_resource_claim_for_all_namespaces(),
             deadline, readable=_listed)
         claims.reset(claimed.items or [])
-        return claims.pods_of([key for key, uuid in slices.devices().items() if uuid in uuids])
+        return claims.pods_of([key for key, uuid in slices.every().items() if uuid in uuids])
 
     async def wait_devices(self, node: str, *, driver: str,
-                           done: Callable[[frozenset[str]], bool],
-                           timeout: float) -> frozenset[str] | None:
-        """Follow the node's ResourceSlices of `driver` until `done(uuids)` or `timeout`;
-        the UUIDs last seen (None: never listed). Raises KubeAuthError."""
-        slices = dra.Slices(driver)
-        seen: list[frozenset[str]] = []
+                           done: Callable[[dra.Slices], bool],
+                           timeout: float) -> dra.Slices | None:
+        """Follow the ResourceSlices of `driver` that are `node`'s until `done(slices)`
+        or `timeout`; the slices as last seen (None: never listed). Raises KubeAuthError."""
+        slices = dra.Slices(driver, node)
+        seen: list[dra.Slices] = []
         met = asyncio.Event()
 
         def changed() -> None:
-            seen[:] = [slices.uuids()]
-            if done(seen[0]):
+            seen[:] = [slices]
+            if done(slices):
                 met.set()
 
         def reset(items: list[Any]) -> None:
@@ -296,8 +295,7 @@ class Returns(Watches):
             changed()
 
         follower = asyncio.create_task(self._follow(
-            "list_resource_slice", f"spec.nodeName={node},spec.driver={driver}", reset, apply,
-            api="_resource"))
+            "list_resource_slice", f"spec.driver={driver}", reset, apply, api="_resource"))
         waiter = asyncio.create_task(met.wait())
         try:
             await asyncio.wait({follower, waiter}, timeout=timeout,

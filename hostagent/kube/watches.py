@@ -214,7 +214,8 @@ class Watches(Client):
         state: dict[str, Any] = {"node": None, "pods": None, "listed": False,
                                  "names": {}, "slices": False, "claims": False}
         last: list[NodeView] = []
-        slices, claims = dra.Slices(dra_driver or dra.DRIVER), dra.Claims(dra_driver or dra.DRIVER)
+        slices = dra.Slices(dra_driver or dra.DRIVER, node)
+        claims = dra.Claims(dra_driver or dra.DRIVER)
 
         def publish() -> None:
             if not state["listed"] or state["pods"] is None:
@@ -225,7 +226,7 @@ class Watches(Client):
             holding: set[str] = set()
             if dra_driver is not None:
                 names = state["names"]
-                holders = claims.holders(slices.devices(), names)
+                holders = claims.holders(slices.every(), names)
                 holding = {uid for uid, name in names.items()
                            if any(name in pods.split(",") for pods in holders.values())}
             current = state["node"]
@@ -302,7 +303,7 @@ class Watches(Client):
                                                f"spec.nodeName={node}", pods_reset, pods_apply))
                 if dra_driver is not None:
                     group.create_task(self._follow(
-                        "list_resource_slice", f"spec.nodeName={node},spec.driver={dra_driver}",
+                        "list_resource_slice", f"spec.driver={dra_driver}",
                         *followed("slices", slices), api="_resource"))
                     # The library guesses "V1ResourceClaim" from the list's type, a
                     # name its models lack: the watch is told the class.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -18,8 +19,8 @@ from hostagent.follow import format_status
 from hostagent.health import CheckFailed
 from hostagent.kube import Kube
 from tests.kubeapi import StandIn
-from tests.kubeapi.cluster import gpu_device, mig_device
-from tests.kubeapi.rules import EVENTS, PODS
+from tests.kubeapi.cluster import gpu_device, health_taint, mig_device
+from tests.kubeapi.rules import EVENTS, PODS, RESOURCECLAIMS, RESOURCESLICES
 
 PREFIX = "hostagent.io/"
 UUID_A = "GPU-5f2ab1c4-0000-4000-8000-00000000000a"
@@ -298,3 +299,170 @@ def test_status_says_which_pod_holds_which_lent_gpu() -> None:
             "cluster": {"holders": {"gpu-b": "default/train-1", "gpu-a": "ml/a,ml/b"}}}
     assert "its node's pods hold gpu-a (ml/a,ml/b), gpu-b (default/train-1)" in \
         format_status(data)
+
+
+# --- as NVIDIA's driver publishes (health taints, pools of several slices, names) -----------
+
+
+def raw_slice(name: str, devices: list[dict[str, object]], *, generation: int, count: int,
+              **spec: object) -> dict[str, object]:
+    """A ResourceSlice of the node's pool, written as the resourceslice controller does."""
+    return {"metadata": {"name": name},
+            "spec": {"driver": "gpu.nvidia.com", "nodeName": "gpu-node",
+                     "pool": {"name": "gpu-node", "generation": generation,
+                              "resourceSliceCount": count},
+                     "devices": devices, **spec}}
+
+
+async def test_a_gpu_the_driver_taints_unhealthy_is_missing_from_a_return(
+        api: StandIn, kube: Kube) -> None:
+    """With NVMLDeviceHealthCheck on, the driver keeps a lost GPU in its slice, tainted
+    gpu.nvidia.com/gpu-lost (NoSchedule): the return must not verify it."""
+    api.cluster.publish_devices("gpu-node", [
+        gpu_device(0, UUID_A, taints=[health_taint("gpu-lost")]), gpu_device(1, UUID_B)])
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    problem = await cluster_for(kube).give_back(["gpu-a", "gpu-b"])
+    assert problem is not None and f"lack gpu-a ({UUID_A})" in problem
+    assert unschedulable(api)
+
+
+async def test_a_lent_gpu_tainted_unhealthy_is_a_gpu_lost_and_a_none_taint_is_not(
+        api: StandIn, kube: Kube) -> None:
+    metrics = FakeMetrics()
+    publish(api, UUID_A, UUID_B)
+    cluster = cluster_for(kube, metrics=metrics)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    watch = asyncio.create_task(cluster.watch_lent())
+    try:
+        await until(lambda: cluster.view is not None and cluster.view.devices is not None)
+        # An informational taint (effect None: unmonitored, a non-fatal XID) is no loss.
+        api.cluster.publish_devices("gpu-node", [
+            gpu_device(0, UUID_A), gpu_device(1, UUID_B, taints=[health_taint("unmonitored")])])
+        await asyncio.sleep(0.3)
+        assert cluster.trouble is None
+        api.cluster.publish_devices("gpu-node", [
+            gpu_device(0, UUID_A), gpu_device(1, UUID_B, taints=[health_taint("xid", "79")])])
+        await until(lambda: cluster.trouble is not None)
+        assert f"gpu-b ({UUID_B})" in (cluster.trouble or "") and metrics.lost == 1
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+
+
+async def test_a_pool_half_rewritten_is_not_yet_never_a_gpu_lost(
+        api: StandIn, kube: Kube) -> None:
+    """A pool of one slice per GPU at generation 1; the driver rewrites it as generation
+    2 one slice at a time: in between, gpu-b's slice is of the old generation only."""
+    c = api.cluster
+    c.create(RESOURCESLICES, None, raw_slice("s-a", [gpu_device(0, UUID_A)],
+                                             generation=1, count=2))
+    c.create(RESOURCESLICES, None, raw_slice("s-b", [gpu_device(1, UUID_B)],
+                                             generation=1, count=2))
+    cluster = cluster_for(kube)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    watch = asyncio.create_task(cluster.watch_lent())
+    try:
+        await until(lambda: cluster.view is not None and cluster.view.devices is not None)
+        c.update(RESOURCESLICES, None, "s-a", lambda s: {**s, "spec": {
+            **s["spec"], "pool": {"name": "gpu-node", "generation": 2, "resourceSliceCount": 2}}})
+        await asyncio.sleep(0.3)
+        assert cluster.trouble is None  # gpu-b's slice of generation 2 is yet to come
+        c.update(RESOURCESLICES, None, "s-b", lambda s: {**s, "spec": {
+            **s["spec"], "devices": [],
+            "pool": {"name": "gpu-node", "generation": 2, "resourceSliceCount": 2}}})
+        await until(lambda: cluster.trouble is not None)
+        assert f"gpu-b ({UUID_B})" in (cluster.trouble or "")
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+
+
+async def test_an_incomplete_pool_never_verifies_a_return(api: StandIn, kube: Kube) -> None:
+    """One slice of a pool of two is in: what the other lists is unknown, so the lend of
+    gpu-a alone is not verified (the other lists gpu-b, which is not lent)."""
+    api.cluster.create(RESOURCESLICES, None, raw_slice("s-a", [gpu_device(0, UUID_A)],
+                                                       generation=1, count=2))
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    problem = await cluster_for(kube).give_back(["gpu-a"])
+    assert problem is not None and "incomplete" in problem
+    assert unschedulable(api)
+
+
+async def test_an_admin_access_claim_holds_no_lent_gpu(api: StandIn, kube: Kube) -> None:
+    """A monitoring pod's claim with adminAccess (exactly.adminAccess in its request,
+    adminAccess in its allocation) blocks neither a reclaim nor a when-idle regrow."""
+    publish(api, UUID_A, UUID_B)
+    cluster = cluster_for(kube)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    api.cluster.add_pod("dcgm", node="gpu-node", owner="DaemonSet/dcgm", devices=["gpu-0"])
+    claim = api.cluster.claims()[0]
+
+    def admin(obj: dict[str, Any]) -> dict[str, Any]:
+        obj["spec"]["devices"]["requests"][0]["exactly"]["adminAccess"] = True
+        for result in obj["status"]["allocation"]["devices"]["results"]:
+            result["adminAccess"] = True
+        return obj
+
+    # As the scheduler allocates it: the claim made so, its status written through /status.
+    where = (RESOURCECLAIMS, claim["metadata"]["namespace"], claim["metadata"]["name"])
+    api.cluster.update(*where, admin)
+    api.cluster.update(*where, admin, subresource="status")
+    assert await kube.dra_holders("gpu-node", driver="gpu.nvidia.com",
+                                  uuids=[UUID_A]) == frozenset()
+    seen: list[int] = []
+
+    async def follow() -> None:
+        async for count in cluster.watch_gpu_pods():
+            seen.append(count)
+            return
+
+    await asyncio.wait_for(follow(), 5)
+    assert seen == [0]
+
+
+async def test_attributes_fully_qualified_are_read_as_the_short_ones(
+        api: StandIn, kube: Kube) -> None:
+    device = gpu_device(0, UUID_A)
+    device["attributes"] = {"gpu.nvidia.com/uuid": device["attributes"]["uuid"],
+                            "gpu.nvidia.com/type": {"string": "gpu"}}
+    api.cluster.publish_devices("gpu-node", [device, gpu_device(1, UUID_B)])
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster_for(kube).give_back(["gpu-a", "gpu-b"]) is None
+
+
+async def test_slices_that_select_the_node_by_selector_or_per_device_count(
+        api: StandIn, kube: Kube) -> None:
+    by_name = {"nodeSelectorTerms": [{"matchFields": [
+        {"key": "metadata.name", "operator": "In", "values": ["gpu-node"]}]}]}
+    per_device = {**gpu_device(1, UUID_B), "nodeName": "gpu-node"}
+    other = {**gpu_device(2, UUID_C), "nodeName": "other-node"}
+    for name, spec in (("sel", {"nodeSelector": by_name, "devices": [gpu_device(0, UUID_A)]}),
+                       ("per", {"perDeviceNodeSelection": True,
+                                "devices": [per_device, other]})):
+        body = raw_slice(name, [], generation=1, count=1)
+        spec_ = body["spec"]
+        assert isinstance(spec_, dict)
+        del spec_["nodeName"]
+        spec_.update(spec)
+        spec_["pool"] = {"name": f"pool-{name}", "generation": 1, "resourceSliceCount": 1}
+        api.cluster.create(RESOURCESLICES, None, body)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster_for(kube).give_back(["gpu-a", "gpu-b"]) is None
+
+
+def test_a_node_selector_on_the_hostname_label_selects_the_node() -> None:
+    from kubernetes_asyncio.client import (V1NodeSelector, V1NodeSelectorRequirement,
+                                           V1NodeSelectorTerm, V1ResourcePool,
+                                           V1ResourceSliceSpec)
+    term = V1NodeSelectorTerm(match_expressions=[V1NodeSelectorRequirement(
+        key="kubernetes.io/hostname", operator="In", values=["gpu-node"])])
+    spec = V1ResourceSliceSpec(driver="gpu.nvidia.com", pool=V1ResourcePool(
+        name="p", generation=1, resource_slice_count=1),
+                               node_selector=V1NodeSelector(node_selector_terms=[term]))
+    assert dra.selects(spec, "gpu-node", {"kubernetes.io/hostname": "gpu-node"})
+    assert not dra.selects(spec, "other", {"kubernetes.io/hostname": "other"})
