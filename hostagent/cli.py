@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check-config":
         print(f"{args.config}: OK ({len(cfg.gpus)} GPUs, {len(cfg.owners)} owners, "
               f"lendee {cfg.lendee.domain})")
-        for warning in path_warnings(cfg):
+        from hostagent.homeassistant import collisions
+        for warning in path_warnings(cfg) + collisions(cfg, host=socket.gethostname()):
             print(f"hostagent: warning: {warning}", file=sys.stderr)
         return 0
     if args.command == "run":

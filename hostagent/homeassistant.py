@@ -37,9 +37,9 @@ from typing import Any
 from hostagent.config import Config
 from hostagent.model import Phase
 
-__all__ = ["Command", "Refused", "Surface", "command", "command_topics", "components",
-           "device_config", "entity_configs", "entity_topics", "removals", "sentence",
-           "stale_entity", "states", "surface"]
+__all__ = ["Command", "Refused", "Surface", "collisions", "command", "command_topics",
+           "components", "device_config", "entity_configs", "entity_topics", "removals",
+           "sentence", "stale_entity", "states", "surface"]
 
 ON, OFF, PRESS = "ON", "OFF", "PRESS"
 ONLINE, OFFLINE = "online", "offline"
@@ -312,3 +312,26 @@ def command(s: Surface, topic: str, payload: bytes) -> Command | Refused:
     if vm is not None and vm not in s.vms:
         return Refused(f"{verb} {vm} on {topic}: mqtt.vms does not list {vm}")
     return Command(verb, vm)
+
+
+def collisions(cfg: Config, *, host: str) -> list[str]:
+    """What in [mqtt] would make this host collide with another on the broker, or with
+    Home Assistant's own topics (`hostagent check-config` warns)."""
+    mqtt = cfg.mqtt
+    if mqtt is None:
+        return []
+    out = []
+    base, prefix = mqtt.base_topic, mqtt.discovery_prefix
+    host_slug = re.sub(r"[^A-Za-z0-9_-]", "_", host.split(".")[0]) or "_"
+    node = re.sub(r"[^A-Za-z0-9_-]", "_", base)
+    if host_slug not in base.split("/"):
+        out.append(f'mqtt.base_topic = "{base}" does not name this host ({host_slug}): a second '
+                   "host on the same broker with the same base_topic has the same device id "
+                   f'({node}) and client id (hostagent-{node}), so each connection closes '
+                   "the other's and Home Assistant merges their entities. Fix: "
+                   f'base_topic = "hostagent/{host_slug}".')
+    if base == prefix or base.startswith(prefix + "/") or prefix.startswith(base + "/"):
+        out.append(f'mqtt.base_topic = "{base}" and mqtt.discovery_prefix = "{prefix}" '
+                   "overlap: the agent's states and commands would be read as discovery "
+                   "messages. Fix: a base_topic outside the discovery prefix.")
+    return out

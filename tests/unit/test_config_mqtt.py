@@ -56,3 +56,24 @@ def test_mistakes(section: str, expected: str) -> None:
     with pytest.raises(ConfigError) as e:
         parse(MINIMAL + "[mqtt]\n" + section + "\n", "test.toml")
     assert str(e.value) == expected
+
+
+def test_check_config_warns_of_a_base_topic_two_hosts_would_share(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hostagent import cli
+    monkeypatch.setattr("socket.gethostname", lambda: "tower.lan")
+    path = tmp_path / "config.toml"
+
+    def warnings(mqtt: str) -> list[str]:
+        path.write_text(MINIMAL + '[mqtt]\nbroker = "mqtt://broker.lan"\n' + mqtt)
+        assert cli.main(["--config", str(path), "check-config"]) == 0
+        return [line for line in capsys.readouterr().err.splitlines() if "mqtt." in line]
+
+    shared = warnings("")
+    assert len(shared) == 1 and 'mqtt.base_topic = "hostagent" does not name this host' in \
+        shared[0] and "client id (hostagent-hostagent)" in shared[0] and \
+        'Fix: base_topic = "hostagent/tower".' in shared[0], shared
+    assert warnings('base_topic = "hostagent/tower"\n') == []
+    overlap = warnings('base_topic = "homeassistant/tower"\n')
+    assert len(overlap) == 1 and "overlap" in overlap[0], overlap
