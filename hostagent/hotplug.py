@@ -163,6 +163,11 @@ DETACH_BOUND = 30.0
 APPS_BOUND = 10.0
 
 CHECKPOINT = "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"
+
+
+class Stuck(str):
+    """Why a hot-unplug gave way, when the guest ran past a deadline in its part (a
+    driver that hangs an unbind hangs nvidia-smi, and the guest's shutdown, with it)."""
 APPS = ("--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader")
 
 
@@ -199,7 +204,8 @@ async def hot_unplug(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
                    "reclaiming it by restart instead (drain, shutdown, start)", vm=lendee,
                    result="failed", gpus=",".join(sorted(gpus)), duration_ms=took * 1000,
                    priority=journal.Priority.ERR)
-    ex.apply(DetachFailed(at=clock.now(), ticket=ticket, gpus=gpus, reason=problem))
+    ex.apply(DetachFailed(at=clock.now(), ticket=ticket, gpus=gpus, reason=problem,
+                          stuck=isinstance(problem, Stuck)))
 
 
 def checkpoint_pods(text: str, uuids: Collection[str], known: Collection[str]) -> frozenset[str]:
@@ -245,29 +251,35 @@ async def _checkpoint(ex: Step, uuids: frozenset[str]) -> tuple[frozenset[str] |
 
 
 async def _unused(ex: Step, gpus: frozenset[str], uuids: frozenset[str]) -> str | None:
-    """Part 2: None once no process in the guest uses `uuids`, or why in doubt."""
+    """Part 2: None once no process in the guest uses `uuids`, or why in doubt; every
+    question to the guest within the part's one deadline."""
     deadline = time.monotonic() + APPS_BOUND
     while True:
-        users, problem = await _compute_apps(ex, uuids)
+        users, problem = await _compute_apps(ex, uuids, deadline)
         if problem is not None:
             return problem
         if not users:
             return None
-        if time.monotonic() >= deadline:
+        if time.monotonic() + 1.0 >= deadline:  # no time left to ask again
             return (f"process(es) {', '.join(users)} in {ex.lendee} still use "
                     f"{', '.join(sorted(gpus))} {APPS_BOUND:g}s after the evictions")
         await asyncio.sleep(1.0)
 
 
-async def _compute_apps(ex: Step, uuids: frozenset[str]) -> tuple[list[str], str | None]:
+async def _compute_apps(ex: Step, uuids: frozenset[str],
+                        deadline: float) -> tuple[list[str], str | None]:
     """The PIDs of the guest's processes on `uuids`, by nvidia-smi where it is found."""
     for command in in_guest.candidates(ex.cfg.verify.command):
+        left = deadline - time.monotonic()
         try:
-            done = await ex.libvirt.guest_exec(ex.lendee, command, list(APPS), timeout=15)
+            if left <= 0:
+                raise HostError(f"{command} in {ex.lendee} did not finish within the bound")
+            done = await ex.libvirt.guest_exec(ex.lendee, command, list(APPS), timeout=left)
         except HostError as e:
             if in_guest.not_there(e):
                 continue
-            return [], f"could not ask {command} which processes use the GPU: {clean(e, 200)}"
+            why = f"could not ask {command} which processes use the GPU: {clean(e, 200)}"
+            return [], Stuck(why) if time.monotonic() >= deadline else why
         if in_guest.not_there((done.exitcode, done.stdout, done.stderr)):
             continue
         if done.exitcode != 0:
@@ -299,12 +311,12 @@ async def _detach(ex: Step, gpus: frozenset[str], _uuids: frozenset[str]) -> str
             if not left:
                 return None
             if time.monotonic() >= deadline:
-                return (f"{', '.join(sorted(left))} still in {lendee}'s live definition "
-                        f"{DETACH_BOUND:g}s after the detach: the guest did not let it go")
+                return Stuck(f"{', '.join(sorted(left))} still in {lendee}'s live definition "
+                             f"{DETACH_BOUND:g}s after the detach: the guest did not let it go")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ex.device_removed.wait(),
                                        max(0.05, min(1.0, deadline - time.monotonic())))
     except TimeoutError:
-        return f"libvirt did not detach them within {DETACH_BOUND:g}s"
+        return Stuck(f"libvirt did not detach them within {DETACH_BOUND:g}s")
     except HostError as e:
         return str(e)

@@ -828,7 +828,7 @@ def _detach_failed(state: State, event: DetachFailed, ctx: _Ctx) -> _Outcome:
     _check_ticket(state, event)
     if event.gpus != state.detaching:
         raise _stale(state, event, "not the GPUs being detached")
-    return _reclaim(replace(state, unplug_failed=True))
+    return _reclaim(replace(state, unplug_failed=True, unplug_stuck=event.stuck))
 
 
 def _agent_up_booting(state: State, event: AgentUp, ctx: _Ctx) -> _Outcome:
@@ -961,7 +961,9 @@ def _shutdown_timeout(state: State, event: ShutdownTimeout, ctx: _Ctx) -> _Outco
 
 
 def _give_up_stopping(state: State, ctx: _Ctx, what: str) -> _Outcome:
-    if ctx.policy.force_off:
+    # A guest stuck letting a GPU go cannot shut down either: the drain ran, the player
+    # waits, and only the power-off frees the GPU.
+    if ctx.policy.force_off or state.unplug_stuck:
         return state, [ForceOff(ticket=state.ticket)]
     lendee = ctx.topo.lendee
     return _enter(
@@ -982,7 +984,7 @@ def _lendee_stopped(state: State, event: LendeeStopped, ctx: _Ctx) -> _Outcome:
     that stopped during a reclaim may be rebooting)."""
     new = _enter(
         state, Phase.OFF, agent_up=False, reason=None, lent=frozenset(), reclaiming=False,
-        regrow_waiting=False, hotadd_failed=False, unplug_failed=False,
+        regrow_waiting=False, hotadd_failed=False, unplug_failed=False, unplug_stuck=False,
     )
     starts = _start_waiting(new, ctx.topo)
     new, relend = _schedule_relend(new, ctx, event.at + ctx.policy.relend_delay)

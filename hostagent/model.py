@@ -291,7 +291,9 @@ class State:
     lendee started, so the GPUs it left wait for a restart.
     ``detaching``: in LENT, GPUs an owner waits for being detached live (still in
     ``lent`` until libvirt says they are gone). ``unplug_failed``: a hot-unplug failed
-    since the lendee started, so every reclaim until it restarts is a restart.
+    since the lendee started, so every reclaim until it restarts is a restart;
+    ``unplug_stuck``: the guest did not let the GPUs go when asked, and may be stuck
+    there, so a shutdown that hangs is followed by a power-off whatever the policy.
     ``replug``: the running lendee's GPUs changed live, or may have while the agent was
     away, since its node last returned: the next return restarts its GPU plugins first
     (they enumerate GPUs when they start). Cleared once it is lent again, or off.
@@ -317,6 +319,7 @@ class State:
     hotadd_failed: bool = False
     detaching: frozenset[str] = frozenset()
     unplug_failed: bool = False
+    unplug_stuck: bool = False
     replug: bool = False
 
     def intents_of(self, owner: str) -> tuple[Intent, ...]:
@@ -482,6 +485,9 @@ class DetachFailed(Event):
     ticket: int
     gpus: frozenset[str]
     reason: str
+    # The guest was asked to let them go and did not within the bound: its driver may
+    # hang there (an unbind while a handle stays open), and its shutdown behind it.
+    stuck: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

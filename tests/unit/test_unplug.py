@@ -27,6 +27,8 @@ from hostagent.model import (
     DetachFailed,
     DetachGpus,
     Drain,
+    Drained,
+    ForceOff,
     Event,
     GpuPods,
     GpusDetached,
@@ -40,6 +42,8 @@ from hostagent.model import (
     Reclaim,
     ReturnDone,
     ScheduleRelend,
+    ShutdownLendee,
+    ShutdownTimeout,
     StartOwner,
     State,
     Topology,
@@ -104,6 +108,24 @@ def test_a_failed_hot_unplug_takes_the_reclaim_road_and_is_not_tried_again() -> 
     assert go(replace(lent(), unplug_failed=True), wants("gaming1"))[1] == [Drain(ticket=T + 1)]
     off, actions = go(new, LendeeStopped(at=AT))
     assert actions == [StartOwner(owner="gaming1")] and not off.unplug_failed
+
+
+def test_a_guest_stuck_letting_go_is_powered_off_when_its_shutdown_hangs() -> None:
+    # NVIDIA's open modules 595.58.03-610.57.04 hang an unbind while a handle stays open,
+    # and the guest's shutdown behind it: the player must not wait on FAILED for that.
+    new, actions = go(detaching(), DetachFailed(at=AT, ticket=T + 1, gpus=gpus(A), stuck=True,
+                                                reason="gpu-a still in the live XML after 30s"))
+    assert actions == [Drain(ticket=T + 2)] and new.unplug_stuck
+    new, actions = run(new, Drained(at=AT, ticket=T + 2), AgentUp(at=AT, ticket=T + 3))
+    assert actions[-1] == ShutdownLendee(ticket=T + 3)
+    new, actions = go(new, ShutdownTimeout(at=AT, ticket=T + 3))
+    assert new.phase is Phase.STOPPING and actions == [ForceOff(ticket=T + 3)]
+    off, actions = go(new, LendeeStopped(at=AT))
+    assert actions == [StartOwner(owner="gaming1")] and not off.unplug_stuck
+    # A guest that never got that far shuts down as usual: force_off_after decides.
+    new, _ = go(detaching(), DetachFailed(at=AT, ticket=T + 1, gpus=gpus(A), reason="a pod"))
+    new, _ = run(new, Drained(at=AT, ticket=T + 2), AgentUp(at=AT, ticket=T + 3))
+    assert go(new, ShutdownTimeout(at=AT, ticket=T + 3))[0].phase is Phase.FAILED
 
 
 @pytest.mark.parametrize(("state", "policy"), [
@@ -293,6 +315,8 @@ class Guest:
             ("pod-b", "nvidia.com/gpu", {"0": [UUID_B]})))
         self.apps: list[str] = []  # "uuid, pid" lines
         self.lets_go = True
+        self.hangs = False  # nvidia-smi never ends: the driver is stuck
+        self.timeouts: list[float] = []
         self.detached: list[frozenset[str]] = []
 
     async def guest_exec(self, name: str, path: str, args: list[str], *,
@@ -302,6 +326,10 @@ class Guest:
             code, text = self.checkpoint
             return ExecResult(code, text if code == 0 else "", "" if code == 0 else "No such file")
         if path == "nvidia-smi" and args == list(hotplug.APPS):
+            self.timeouts.append(timeout)
+            if self.hangs:  # as libvirt_host.guest_exec answers a command that never ends
+                await asyncio.sleep(timeout)
+                raise HostError(f"{path} in {name} did not finish within {timeout:g}s")
             return ExecResult(0, "".join(f"{line}\n" for line in self.apps), "")
         raise HostError(f"guest agent of {name}: {path}: Failed to execute child process")
 
@@ -419,7 +447,21 @@ async def test_a_guest_that_never_lets_go_gives_way_to_the_restart(
     [event] = step.applied
     assert isinstance(event, DetachFailed)
     assert "gpu-a still in gpu-node's live definition 0.3s after the detach" in event.reason
-    assert "did not let it go" in hotplug_records(sink)[-1][1]
+    assert "did not let it go" in hotplug_records(sink)[-1][1] and event.stuck
+
+
+async def test_a_guest_stuck_in_nvidia_smi_gives_way_within_the_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A driver stuck in an unbind hangs nvidia-smi: the question has the part's deadline,
+    # not one of its own past it, and the restart that follows may power the guest off.
+    monkeypatch.setattr(hotplug, "APPS_BOUND", 0.3)
+    step = FakeStep()
+    step.libvirt.hangs = True
+    await unplug(step)
+    [event] = step.applied
+    assert isinstance(event, DetachFailed) and event.stuck
+    assert step.libvirt.timeouts and max(step.libvirt.timeouts) <= 0.3
+    assert step.libvirt.detached == []
 
 
 async def test_a_step_whose_phase_ended_reports_nothing() -> None:
