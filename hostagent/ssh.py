@@ -29,7 +29,8 @@ Security model
   `PREAUTH_BURST` times per `PREAUTH_INTERVAL` seconds, then summarised in one record:
   anyone can connect, and a flood must not flood the journal. What each address's
   connections do after that (a key offered, authenticated, a command, its end) is
-  recorded `PEER_BURST` times per `PEER_INTERVAL` seconds per address, the rest counted
+  recorded `PEER_BURST` times per `PEER_INTERVAL` seconds per network (its /24 or /64,
+  as for the connections below: one host may have a whole /64), the rest counted
   in one "suppressed" record: past journald's own rate limit, the agent's transitions
   would be dropped with the flood.
 
@@ -176,7 +177,7 @@ PREAUTH_BURST = 20  # records before authentication, per interval, then a summar
 PREAUTH_INTERVAL = 60.0
 PEER_BURST = 60  # records of one address's connections, per interval, then a summary
 PEER_INTERVAL = 10.0
-MAX_PEERS = 256  # addresses whose records are counted (the oldest forgotten first)
+MAX_PEERS = 256  # networks (or addresses) counted apart (the oldest forgotten first)
 EVICT_BURST = 1  # strangers one address may have closed to make room for its own,
 EVICT_EVERY = 5.0  # then one more each this many seconds
 VM_VERBS = frozenset({"play", "release"})  # the verbs that name a VM
@@ -302,15 +303,17 @@ class Endpoint:
                                        time.monotonic())
 
     def say(self, address: str, message: str, **fields: Any) -> None:
-        """One record of what `address`'s connections did, within its rate."""
-        limit = self.per_peer.get(address)
+        """One record of what `address`'s connections did, within its network's rate
+        (one host may have a whole /64)."""
+        network = prefix(address)
+        limit = self.per_peer.get(network)
         if limit is None:
             if len(self.per_peer) >= MAX_PEERS:
                 self.per_peer.pop(next(iter(self.per_peer))).flush()
-            limit = self.per_peer[address] = Summarised(
+            limit = self.per_peer[network] = Summarised(
                 lambda text, count, reasons: journal.record(
-                    "ssh", f"{address}: {text}", result="suppressed", count=count,
-                    peer=address, priority=journal.Priority.NOTICE),
+                    "ssh", f"{network}: {text}", result="suppressed", count=count,
+                    peer=network, priority=journal.Priority.NOTICE),
                 interval=PEER_INTERVAL, burst=PEER_BURST, what="records suppressed")
         if limit.allow(str(fields.get("result", ""))):
             journal.record("ssh", message, **fields)
