@@ -101,6 +101,7 @@ class KubeCluster:
         self.view: NodeView | None = None  # what the watch of the lent node last saw
         # DRA lends (decided by `expect`): the lent GPUs' label -> UUID; None: device plugin.
         self.dra: dict[str, str | None] | None = None
+        self.gpu_api_from = ""  # why the last lend's GPUs were told by that API
         self.holders: dict[str, str] = {}  # DRA: lent GPU -> the pods holding it, last seen
         self.trouble: str | None = None  # why the lent node is not whole (health fails)
         # The deadline of a hot-unplug's evictions that gave way: the reclaim by restart
@@ -142,6 +143,7 @@ class KubeCluster:
             "allocatable": None if view is None else dict(view.allocatable),
             "gpu_pods": None if view is None else view.gpu_pods,
             "gpu_api": "device-plugin" if self.dra is None else f"dra ({self.settings.dra_driver})",
+            "gpu_api_from": self.gpu_api_from,
             "holders": None if view is None or self.dra is None else self._holders(view),
             "trouble": self.trouble,
         }
@@ -282,6 +284,23 @@ class KubeCluster:
             return f"could not evict the pods using {names} from node {self.node}: {e}"
         return None
 
+    async def withdraw(self, gpus: Collection[str]) -> str | None:
+        """A hot-unplug's part, once the GPUs' pods are gone: the node's GPU plugins are
+        stopped (their pods deleted). NVIDIA's device plugin enumerates GPUs only when it
+        starts (and on SIGHUP, or when the kubelet's socket is made anew) and its health
+        check keeps NVML events registered on every GPU it serves for as long as it
+        runs, so it holds the GPU open and would still offer it; the DaemonSet starts it
+        again, and the return after the detach restarts it once more to advertise the
+        rest. None, or why the reclaim by restart must run instead."""
+        try:
+            deleted = await self.kube.restart_plugins(self.node, timeout=self.timeouts.ready)
+        except KubeError as e:
+            return f"could not stop the GPU plugins on node {self.node}: {e}"
+        journal.record("hotplug", f"stopped {', '.join(deleted) or 'no plugin pod'} on node "
+                       f"{self.node}, which hold {', '.join(sorted(gpus))} open",
+                       vm=self.node, result="ok")
+        return None
+
     # --- the lendee went down -------------------------------------------------------------
 
     async def lendee_down(self, *, why: str = "the lendee stopped") -> None:
@@ -326,7 +345,7 @@ class KubeCluster:
                                          "ResourceSlices (DRA)")
             listed = ", ".join(f"{g} ({u or 'no uuid'})" for g, u in self.dra.items())
             journal.record("expect", f"node {self.node} must list {listed} in its {driver} "
-                           "ResourceSlices (DRA)", vm=self.node,
+                           f"ResourceSlices (DRA: {self.gpu_api_from})", vm=self.node,
                            result="decided", gpus=",".join(gpus))
             return self.expected
         labels: dict[str, str] = {}
@@ -345,20 +364,37 @@ class KubeCluster:
                                       override=self.settings.expected, labelled_gpus=labelled,
                                       capacity=capacity)
         journal.record("expect", f"node {self.node} must report {self.expected} for "
-                       f"{', '.join(gpus)}", vm=self.node, result="decided",
+                       f"{', '.join(gpus)} (device plugin: {self.gpu_api_from})", vm=self.node,
+                       result="decided",
                        gpus=",".join(gpus))
         return self.expected
 
     async def _uses_dra(self) -> bool:
-        """gpu_api, or for "auto" what the cluster serves (unreadable: the device plugin)."""
+        """gpu_api, or for "auto" what the node publishes: its ResourceSlices of the DRA
+        driver or its GPU capacity, awaited up to timeouts.ready while it publishes
+        neither (a lendee just booted). Kept with why in `gpu_api_from`. Raises
+        KubeError where the DRA API is refused (the message names what is missing)."""
         if self.settings.gpu_api is not GpuApi.AUTO:
+            self.gpu_api_from = "kubernetes.gpu_api says so"
             return self.settings.gpu_api is GpuApi.DRA
-        try:
-            return await self.kube.dra_in_use(self.settings.dra_driver, timeout=10)
-        except KubeError as e:
-            log.warning("could not tell whether the cluster uses DRA (%s): expecting the device "
-                        "plugin; set kubernetes.gpu_api to say which", e)
-            return False
+        deadline = time.monotonic() + self.timeouts.ready
+        while True:
+            try:
+                found = await self.kube.gpu_api_of(
+                    self.node, driver=self.settings.dra_driver,
+                    resource=self.settings.gpu_resource, timeout=10)
+            except (NodeNotFound, KubeUnavailable) as e:
+                found, self.gpu_api_from = None, f"node {self.node} unread ({e})"
+            if found is not None:
+                dra_, self.gpu_api_from = found
+                return dra_
+            if time.monotonic() >= deadline:
+                driver = self.settings.dra_driver
+                self.gpu_api_from = (f"node {self.node} published neither {driver}"
+                                     f" ResourceSlices nor {self.settings.gpu_resource} in "
+                                     f"{self.timeouts.ready:g} s: the device plugin expected")
+                return False
+            await asyncio.sleep(1.0)
 
     async def _restart_plugins(self, gpus: Iterable[str]) -> None:
         """The node's GPU plugins started again, to advertise `gpus` (a live change)."""

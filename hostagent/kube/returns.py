@@ -23,6 +23,7 @@ from typing import Any
 from hostagent import dra
 from hostagent.text import clean
 from hostagent.kube.client import (
+    KubeAuthError,
     KubeRequestError,
     NodeNotReady,
     _annotations,
@@ -234,26 +235,43 @@ class Returns(Watches):
 
     # --- DRA: the node's devices ----------------------------------------------------------
 
-    async def dra_in_use(self, driver: str, *, timeout: float | None = None) -> bool:
-        """Whether the cluster hands out GPUs through DRA with `driver`: resource.k8s.io/v1
-        is served and there is a DeviceClass of that name (the driver installs it) or a
-        ResourceSlice of that driver. Raises KubeUnavailable, KubeAuthError."""
+    async def gpu_api_of(self, node: str, *, driver: str, resource: str,
+                         timeout: float | None = None) -> tuple[bool, str] | None:
+        """Which API serves `node`'s GPUs, from what the node publishes: (True, why) for
+        DRA, its ResourceSlices of `driver`; (False, why) for the device plugin, its
+        `resource` capacity; None while it publishes neither. Raises NodeNotFound,
+        KubeUnavailable, and KubeAuthError or KubeRequestError naming the right or the
+        API version that is missing when the DRA API is refused."""
         deadline = self._deadline(timeout)
+        current = await self._read_node(node, deadline)
+        capacity = (current.status.capacity if current.status is not None else None) or {}
+        if _gpus(current, resource) > 0 or str(capacity.get(resource, "0")) not in ("0", ""):
+            return False, f"node {node} advertises {resource} capacity (a device plugin)"
         try:
-            classes = await self._call(
-                "list DeviceClasses", lambda: self._resource.list_device_class(
-                    field_selector=f"metadata.name={driver}"), deadline, readable=_listed)
-            if classes.items:
-                return True
-            slices = await self._call(
-                "list ResourceSlices", lambda: self._resource.list_resource_slice(
-                    field_selector=f"spec.driver={driver}", limit=1), deadline,
-                readable=_listed)
+            listed = await self._call(
+                f"list the ResourceSlices of {driver}",
+                lambda: self._resource.list_resource_slice(field_selector=f"spec.driver={driver}"),
+                deadline, readable=_listed)
+        except KubeAuthError as e:
+            raise KubeAuthError(
+                f"node {node} advertises no {resource}, and hostagent may not read the DRA "
+                f"API: its ServiceAccount needs list and watch on "
+                f"resourceslices.resource.k8s.io and resourceclaims.resource.k8s.io "
+                f"(deploy/rbac.yaml grants them) ({e})", status=e.status) from e
         except KubeRequestError as e:
-            if e.status == 404:
-                return False  # resource.k8s.io/v1 not served: a cluster older than 1.34
-            raise
-        return bool(slices.items)
+            if e.status != 404:
+                raise
+            raise KubeRequestError(
+                f"node {node} advertises no {resource}, and the API server does not serve "
+                "resource.k8s.io/v1 (DRA's API: Kubernetes 1.34 or later); set "
+                "kubernetes.gpu_api to say which API serves the GPUs", status=404,
+                reason=e.reason) from e
+        slices = dra.Slices(driver, node, dict(current.metadata.labels or {}))
+        slices.reset(listed.items or [])
+        if devices := slices.every():
+            return True, (f"node {node} publishes {len(devices)} {driver} device(s) in "
+                          "ResourceSlices")
+        return None
 
     async def dra_holders(self, node: str, *, driver: str, uuids: Collection[str],
                           timeout: float | None = None) -> frozenset[str]:

@@ -141,7 +141,9 @@ async def test_the_agent_does_its_work_with_the_shipped_rbac_alone(
                                 labels={"hostagent.io/borrowed": "true"},
                                 add_taints=[Taint(key="hostagent.io/borrowed")], timeout=10)
             await kube.post_event(NODE, reason="Lent", message="lent by hostagent", timeout=10)
-            assert not await kube.dra_in_use("gpu.nvidia.com", timeout=10)
+            found = await kube.gpu_api_of(NODE, driver="gpu.nvidia.com",
+                                          resource="nvidia.com/gpu", timeout=10)
+            assert found is None or found[0] is False
             assert await kube.dra_holders(NODE, driver="gpu.nvidia.com", uuids=["GPU-1"],
                                           timeout=10) == frozenset()
             assert await kube.uncordon(NODE, marker_prefix=PREFIX, timeout=10)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ from hostagent.health import CheckFailed
 from hostagent.kube import Kube
 from tests.kubeapi import StandIn
 from tests.kubeapi.cluster import gpu_device, health_taint, mig_device
-from tests.kubeapi.rules import EVENTS, PODS, RESOURCECLAIMS, RESOURCESLICES
+from tests.kubeapi.rules import DEVICECLASSES, EVENTS, PODS, RESOURCECLAIMS, RESOURCESLICES
 
 PREFIX = "hostagent.io/"
 UUID_A = "GPU-5f2ab1c4-0000-4000-8000-00000000000a"
@@ -28,10 +29,10 @@ UUID_B = "GPU-5f2ab1c4-0000-4000-8000-00000000000b"
 UUID_C = "GPU-5f2ab1c4-0000-4000-8000-00000000000c"  # the host's, never lent
 
 
-def config(gpu_api: str = "auto") -> Config:
+def config(gpu_api: str = "auto", domain: str = "gpu-node") -> Config:
     return parse(f"""
 [lendee]
-domain = "gpu-node"
+domain = "{domain}"
 gpus = ["gpu-a", "gpu-b"]
 
 [gpus.gpu-a]
@@ -172,12 +173,12 @@ async def test_without_dra_the_device_plugin_count_is_awaited(api: StandIn, kube
     assert problem is not None and "reports 0 allocatable nvidia.com/gpu where 2" in problem
 
 
-async def test_auto_tells_dra_from_the_cluster(api: StandIn, kube: Kube) -> None:
-    assert await kube.dra_in_use("gpu.nvidia.com")
-    assert not await kube.dra_in_use("gpu.example.com")
+async def test_auto_tells_dra_from_the_node(api: StandIn, kube: Kube) -> None:
+    of = functools.partial(kube.gpu_api_of, "gpu-node", resource="nvidia.com/gpu")
+    assert await of(driver="gpu.nvidia.com") is None  # nothing published yet
     publish(api, UUID_A)
-    api.cluster.publish_devices("gpu-node", [], driver="gpu.example.com")
-    assert await kube.dra_in_use("gpu.example.com")
+    assert (await of(driver="gpu.nvidia.com") or (False,))[0] is True
+    assert await of(driver="gpu.example.com") is None
 
 
 async def test_a_mig_partitioned_gpu_is_matched_by_its_parent_uuid(
@@ -466,3 +467,50 @@ def test_a_node_selector_on_the_hostname_label_selects_the_node() -> None:
                                node_selector=V1NodeSelector(node_selector_terms=[term]))
     assert dra.selects(spec, "gpu-node", {"kubernetes.io/hostname": "gpu-node"})
     assert not dra.selects(spec, "other", {"kubernetes.io/hostname": "other"})
+
+
+# --- which API serves the node's GPUs -----------------------------------------------------
+
+
+async def test_the_gpu_api_is_told_from_what_the_node_publishes_not_a_device_class(
+        api: StandIn, kube: Kube, records: journal.ListSink) -> None:
+    """The cluster has the driver's DeviceClass and another node's slices, but this node
+    advertises nvidia.com/gpu: the device plugin serves it, and status says why."""
+    api.cluster.add_node("plugin-node", gpus=2)
+    api.cluster.publish_devices("gpu-node", [gpu_device(0, UUID_C)])
+    cluster = cluster_for(kube, config(domain="plugin-node"))
+    await kube.cordon("plugin-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    assert cluster.dra is None
+    assert cluster.status()["gpu_api"] == "device-plugin"
+    assert "advertises nvidia.com/gpu" in cluster.status()["gpu_api_from"]
+    decided = [e.message for e in records.entries if e.fields.get("HOSTAGENT_RESULT") == "decided"]
+    assert "advertises nvidia.com/gpu" in decided[0]
+
+
+async def test_a_node_with_slices_is_dra_without_a_device_class(
+        api: StandIn, kube: Kube) -> None:
+    api.cluster.delete(DEVICECLASSES, None, "gpu.nvidia.com")
+    publish(api, UUID_A, UUID_B)
+    cluster = cluster_for(kube)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    assert cluster.status()["gpu_api"] == "dra (gpu.nvidia.com)"
+    assert "publishes 2 gpu.nvidia.com device(s)" in cluster.status()["gpu_api_from"]
+
+
+@pytest.mark.parametrize(("code", "named"), [
+    (403, "list and watch on resourceslices.resource.k8s.io"),
+    (404, "does not serve resource.k8s.io/v1"),
+])
+async def test_a_dra_api_refused_is_an_error_that_names_what_is_missing(
+        api: StandIn, kube: Kube, code: int, named: str) -> None:
+    """The node advertises no nvidia.com/gpu and the DRA API answers 403 or 404: the
+    return fails at once naming the right or the version, instead of expecting the
+    device plugin and failing after timeouts.ready."""
+    api.fail("/apis/resource.k8s.io/", code=code, times=None)
+    cluster = cluster_for(kube)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    problem = await cluster.give_back(["gpu-a", "gpu-b"])
+    assert problem is not None and named in problem
+    assert unschedulable(api)

@@ -121,7 +121,7 @@ def call(live: Live, op: str, replies: list[Reply]) -> object:
         "event": lambda: kube.post_event("n", reason="Test", message="fuzz"),
         "drain": lambda: kube.drain("n", timeout=5, emptydir_ok=True, unmanaged_ok=True,
                                     on_timeout=DrainTimeoutAction.PROCEED),
-        "dra": lambda: kube.dra_in_use("gpu.nvidia.com"),
+        "dra": lambda: kube.gpu_api_of("n", driver="gpu.nvidia.com", resource="nvidia.com/gpu"),
         "slices": lambda: kube.wait_devices("n", driver="gpu.nvidia.com",
                                             done=lambda uuids: False, timeout=0.1),
     }
