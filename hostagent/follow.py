@@ -150,7 +150,11 @@ def format_status(data: dict[str, Any]) -> str:
         lines.append(f"  reason: {lendee['reason']}")
     if lendee.get("lent"):
         lines.append(f"  runs with {', '.join(lendee['lent'])}")
-    holders = (data.get("cluster") or {}).get("holders")
+    cluster = data.get("cluster") or {}
+    if cluster.get("gpu_api_from"):
+        lines.append(f"  its node's GPUs are served by {cluster.get('gpu_api')}: "
+                     f"{cluster['gpu_api_from']}")
+    holders = cluster.get("holders")
     if holders:
         lines.append("  its node's pods hold " + ", ".join(
             f"{gpu} ({pods})" for gpu, pods in sorted(holders.items())))

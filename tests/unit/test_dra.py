@@ -514,3 +514,13 @@ async def test_a_dra_api_refused_is_an_error_that_names_what_is_missing(
     problem = await cluster.give_back(["gpu-a", "gpu-b"])
     assert problem is not None and named in problem
     assert unschedulable(api)
+
+
+def test_status_says_which_api_serves_the_nodes_gpus_and_why() -> None:
+    data = {"lendee": {"domain": "gpu-node", "since": 0, "phase": "lent", "hold": False,
+                       "reason": "", "lent": ["gpu-a"]},
+            "gpus": [], "intents": [],
+            "cluster": {"gpu_api": "dra (gpu.nvidia.com)", "gpu_api_from":
+                        "node gpu-node publishes 1 gpu.nvidia.com device(s) in ResourceSlices"}}
+    assert ("its node's GPUs are served by dra (gpu.nvidia.com): node gpu-node publishes 1 "
+            "gpu.nvidia.com device(s) in ResourceSlices") in format_status(data)
