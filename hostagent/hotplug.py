@@ -22,23 +22,29 @@ keeps, or all when libvirt's attach has not ended, stay with the lendee (only it
 frees them), the others wait for a regrow by restart.
 
 Hot-unplug (``policy.hotplug = "both"``, experimental): an owner's GPU leaves the
-running lendee (`DetachGpus`), in four bounded parts, each of which must hold:
+running lendee (`DetachGpus`), in bounded parts, each of which must hold:
 
 1. the node is cordoned and only the pods using the GPU are evicted (`Cluster.vacate`):
    those their ResourceClaims name (DRA), else those the kubelet's device checkpoint
    in the guest gives it (`checkpoint_pods`), read after the cordon so that no pod
    placed in between is missed;
-2. no process in the guest uses it (nvidia-smi's compute apps, through the guest
-   agent): NVIDIA does not support hot-unplug of its GPUs, and some drivers hang an
-   unbind begun while a client holds the GPU;
-3. libvirt detaches every function live and the live XML must lose them within
+2. the node offers it no more: its GPU plugins are stopped (`Cluster.withdraw`), for
+   NVIDIA's device plugin holds every GPU it serves open for as long as it runs;
+3. in the guest, within `RELEASE_BOUND` all in all: each GPU's PCI address and device
+   node (nvidia-smi's ``pci.bus_id`` and ``minor_number``), no process holding the node
+   (any holder, through /proc/*/fd: a DCGM exporter or persistenced as much as a job),
+   and the unbind from its driver: NVIDIA does not support hot-unplug of its GPUs, and
+   some drivers hang an unbind begun while a client holds the GPU;
+4. libvirt detaches every function live and the live XML must lose them within
    `DETACH_BOUND` (libvirt's device-removed event wakes the wait);
-4. only then does the owner start (`GpusDetached`); the node, verified with the rest
+5. only then does the owner start (`GpusDetached`); the node, verified with the rest
    (its GPU plugins restarted to advertise them), is uncordoned by the return.
 
-Anything in doubt (a checkpoint unread, an unknown device ID, a process, a device
+Anything in doubt (a checkpoint unread, an unknown device ID, a holder, a device
 still listed at the bound) reports `DetachFailed`: the reclaim by restart runs
-instead, and its shutdown frees whatever the guest kept.
+instead, and its shutdown frees whatever the guest kept. A guest past a deadline
+(`Stuck`: a driver hung in an unbind hangs nvidia-smi and the shutdown too) reports
+it so, and the restart powers it off if its shutdown hangs.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ from typing import Any, Protocol
 from hostagent import clock, journal
 from hostagent import verify as in_guest
 from hostagent.config import Config
-from hostagent.libvirt_host import HostError, Libvirt
+from hostagent.libvirt_host import ExecResult, HostError, Libvirt
 from hostagent.model import AttachFailed, DetachFailed, GpusAttached, GpusDetached, Topology
 from hostagent.parts import Apply, Cluster, View
 from hostagent.text import clean
@@ -159,8 +165,9 @@ async def _undo(ex: Step, gpus: frozenset[str]) -> frozenset[str]:
 # Past it the device is in doubt, the restart's shutdown frees it for sure, and the
 # player has waited this much longer than by a restart at most.
 DETACH_BOUND = 30.0
-# How long processes of the pods just evicted may take to let go of the GPU.
-APPS_BOUND = 10.0
+# How long the guest may take, all in all, to let go of the GPU once its pods are
+# evicted and its plugins stopped: every holder of its device node gone, and the unbind.
+RELEASE_BOUND = 10.0
 
 CHECKPOINT = "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"
 
@@ -168,7 +175,11 @@ CHECKPOINT = "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"
 class Stuck(str):
     """Why a hot-unplug gave way, when the guest ran past a deadline in its part (a
     driver that hangs an unbind hangs nvidia-smi, and the guest's shutdown, with it)."""
-APPS = ("--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader")
+QUERY = ("--query-gpu=uuid,pci.bus_id,minor_number", "--format=csv,noheader")
+# Each "PID/fd/N" of the guest whose link is one of the device nodes given.
+HOLDERS = ('for f in /proc/[0-9]*/fd/*; do l=$(readlink "$f") || continue; '
+           'for n; do [ "$l" = "$n" ] && echo "${f#/proc/}"; done; done; true')
+UNBIND = 'for a; do echo "$a" > "/sys/bus/pci/devices/$a/driver/unbind" || exit 1; done'
 
 
 async def hot_unplug(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
@@ -188,7 +199,7 @@ async def hot_unplug(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
         # Read once the node is cordoned: a pod placed before the cordon is among them.
         problem = await ex.cluster.vacate(
             owners, gpus, lambda: _checkpoint(ex, frozenset(uuids.values())))
-    for part in (_unused, _detach):
+    for part in (_withdraw, _release, _detach):
         if problem is None and ex.view.state.ticket == ticket:
             problem = await part(ex, gpus, frozenset(uuids.values()))
     if ex.view.state.ticket != ticket:
@@ -250,52 +261,88 @@ async def _checkpoint(ex: Step, uuids: frozenset[str]) -> tuple[frozenset[str] |
         return None, f"{CHECKPOINT}: {clean(e, 200)}"
 
 
-async def _unused(ex: Step, gpus: frozenset[str], uuids: frozenset[str]) -> str | None:
-    """Part 2: None once no process in the guest uses `uuids`, or why in doubt; every
-    question to the guest within the part's one deadline."""
-    deadline = time.monotonic() + APPS_BOUND
+async def _withdraw(ex: Step, gpus: frozenset[str], _uuids: frozenset[str]) -> str | None:
+    """Part 2: the node offers the GPUs no more: its GPU plugins are stopped."""
+    return await ex.cluster.withdraw(gpus)
+
+
+async def _release(ex: Step, gpus: frozenset[str], uuids: frozenset[str]) -> str | None:
+    """Part 3, in the guest and within one deadline: find each GPU's PCI address and
+    device node, wait until no process holds a node open (any holder: a pod's process,
+    a plugin, an exporter, persistenced), then unbind each from its driver. None, or
+    why in doubt; `Stuck` when the guest ran past the deadline."""
+    deadline = time.monotonic() + RELEASE_BOUND
+    found, problem = await _locate(ex, uuids, deadline)
+    if found is None:
+        return problem
+    nodes = [node for _, node in found]
     while True:
-        users, problem = await _compute_apps(ex, uuids, deadline)
-        if problem is not None:
+        done, problem = await _run(ex, "/bin/sh", ["-c", HOLDERS, "sh", *nodes], deadline)
+        if done is None:
             return problem
-        if not users:
-            return None
-        if time.monotonic() + 1.0 >= deadline:  # no time left to ask again
-            return (f"process(es) {', '.join(users)} in {ex.lendee} still use "
-                    f"{', '.join(sorted(gpus))} {APPS_BOUND:g}s after the evictions")
-        await asyncio.sleep(1.0)
+        holders = sorted({line.split("/")[0] for line in done.stdout.splitlines()
+                          if line.split("/")[0].isdigit()})
+        if not holders:
+            break
+        if time.monotonic() + 0.5 >= deadline:  # no time left to look again
+            return (f"process(es) {', '.join(holders[:10])} in {ex.lendee} still hold "
+                    f"{', '.join(nodes)} ({', '.join(sorted(gpus))}) {RELEASE_BOUND:g}s "
+                    "after the evictions")
+        await asyncio.sleep(0.5)
+    addresses = [address for address, _ in found]
+    done, problem = await _run(ex, "/bin/sh", ["-c", UNBIND, "sh", *addresses], deadline)
+    if done is None:
+        return problem
+    if done.exitcode != 0:
+        return (f"could not unbind {', '.join(addresses)} in {ex.lendee}: "
+                f"{clean(done.stderr or done.stdout, 200) or done.exitcode}")
+    return None
 
 
-async def _compute_apps(ex: Step, uuids: frozenset[str],
-                        deadline: float) -> tuple[list[str], str | None]:
-    """The PIDs of the guest's processes on `uuids`, by nvidia-smi where it is found."""
+async def _locate(ex: Step, uuids: frozenset[str],
+                  deadline: float) -> tuple[list[tuple[str, str]] | None, str | None]:
+    """The guest's PCI address and device node of each of `uuids`, by nvidia-smi."""
     for command in in_guest.candidates(ex.cfg.verify.command):
-        left = deadline - time.monotonic()
-        try:
-            if left <= 0:
-                raise HostError(f"{command} in {ex.lendee} did not finish within the bound")
-            done = await ex.libvirt.guest_exec(ex.lendee, command, list(APPS), timeout=left)
-        except HostError as e:
-            if in_guest.not_there(e):
-                continue
-            why = f"could not ask {command} which processes use the GPU: {clean(e, 200)}"
-            return [], Stuck(why) if time.monotonic() >= deadline else why
-        if in_guest.not_there((done.exitcode, done.stdout, done.stderr)):
-            continue
+        done, problem = await _run(ex, command, list(QUERY), deadline)
+        if done is None:
+            if problem is None:
+                continue  # not there: the next place
+            return None, problem
         if done.exitcode != 0:
-            return [], (f"{command} {APPS[0]} exited {done.exitcode}: "
-                        f"{clean(done.stderr or done.stdout, 200)}")
-        users = []
+            return None, (f"{command} {QUERY[0]} exited {done.exitcode}: "
+                          f"{clean(done.stderr or done.stdout, 200)}")
+        found: dict[str, tuple[str, str]] = {}
         for line in done.stdout.splitlines():
             fields = [f.strip() for f in line.split(",")]
-            if not line.strip() or "no running processes" in line.lower():
-                continue
-            if len(fields) != 2 or not fields[1].isdigit():
-                return [], f"{command} answered what cannot be read: {clean(line, 120)}"
-            if fields[0] in uuids:
-                users.append(fields[1])
-        return users, None
-    return [], "nvidia-smi not found in the guest: whether a process uses the GPU is unknown"
+            if len(fields) != 3 or not fields[2].isdigit() or ":" not in fields[1]:
+                return None, f"{command} answered what cannot be read: {clean(line, 120)}"
+            domain, _, rest = fields[1].partition(":")
+            if fields[0] in uuids:  # nvidia-smi writes an 8-digit domain, sysfs 4
+                found[fields[0]] = (f"{domain[-4:]}:{rest}".lower(), f"/dev/nvidia{fields[2]}")
+        if set(found) != uuids:
+            return None, (f"{command} in {ex.lendee} does not list "
+                          f"{', '.join(sorted(uuids - set(found)))}")
+        return [found[u] for u in sorted(found)], None
+    return None, "nvidia-smi not found in the guest: which device the GPU is is unknown"
+
+
+async def _run(ex: Step, path: str, args: list[str],
+               deadline: float) -> tuple[ExecResult | None, str | None]:
+    """`path` run in the guest within `deadline`: its result, or None and why not (None
+    and None: no such command there). Past the deadline, why is `Stuck`."""
+    left = deadline - time.monotonic()
+    try:
+        if left <= 0:
+            raise HostError(f"{path} in {ex.lendee}: no time left within the bound")
+        done = await ex.libvirt.guest_exec(ex.lendee, path, args, timeout=left)
+    except HostError as e:
+        if in_guest.not_there(e):
+            return None, None
+        why = f"{path} in {ex.lendee}: {clean(e, 200)}"
+        return None, Stuck(why) if time.monotonic() >= deadline else why
+    if in_guest.not_there((done.exitcode, done.stdout, done.stderr)):
+        return None, None
+    return done, None
 
 
 async def _detach(ex: Step, gpus: frozenset[str], _uuids: frozenset[str]) -> str | None:

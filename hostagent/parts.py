@@ -111,6 +111,10 @@ class Cluster(Protocol):
         checkpoint, or None and why not); None once they are gone, or why the reclaim by
         restart must run instead."""
 
+    async def withdraw(self, gpus: Collection[str]) -> str | None:
+        """A hot-unplug, before the guest lets `gpus` go: the node's GPU plugins stopped
+        (they hold every GPU open while they run); None, or why not."""
+
     async def grow(self, lent: Collection[str]) -> str | None:
         """A hot-add: wait until the node, lent all along, advertises the `lent` GPUs;
         None when it does, or why not."""
@@ -142,6 +146,9 @@ class NoCluster:
 
     async def vacate(self, owners: list[str], gpus: Collection[str],
                      pods: PodsReader) -> str | None:
+        return None
+
+    async def withdraw(self, gpus: Collection[str]) -> str | None:
         return None
 
     async def grow(self, lent: Collection[str]) -> str | None:

@@ -305,7 +305,10 @@ hotplug = "both"
 
 class Guest:
     """The lendee as libvirt and its guest agent show it: its live GPUs, the files and
-    commands the step reads in it, and whether it lets a device go when asked."""
+    commands the step reads and runs in it (nvidia-smi, the holders of a device node
+    through /proc/*/fd, the unbind), and whether it lets a device go when asked. gpu-a
+    is /dev/nvidia0 at 0000:05:00.0 in the guest; NVIDIA's device plugin (pid 812)
+    holds it open until the plugin is stopped."""
 
     def __init__(self, step: FakeStep) -> None:
         self.step = step
@@ -313,7 +316,8 @@ class Guest:
         self.checkpoint: tuple[int, str] = (0, checkpoint(
             ("pod-a", "nvidia.com/gpu", {"0": [UUID_A]}),
             ("pod-b", "nvidia.com/gpu", {"0": [UUID_B]})))
-        self.apps: list[str] = []  # "uuid, pid" lines
+        self.holders = {"812/fd/7"}  # "PID/fd/N" of /dev/nvidia0
+        self.bound = True
         self.lets_go = True
         self.hangs = False  # nvidia-smi never ends: the driver is stuck
         self.timeouts: list[float] = []
@@ -321,21 +325,34 @@ class Guest:
 
     async def guest_exec(self, name: str, path: str, args: list[str], *,
                          timeout: float = 30) -> ExecResult:
+        order = self.step.cluster.order
         if path == "cat":
-            self.step.cluster.order.append("checkpoint")
+            order.append("checkpoint")
             code, text = self.checkpoint
             return ExecResult(code, text if code == 0 else "", "" if code == 0 else "No such file")
-        if path == "nvidia-smi" and args == list(hotplug.APPS):
-            self.timeouts.append(timeout)
+        self.timeouts.append(timeout)  # those of the release, under RELEASE_BOUND
+        if path == "nvidia-smi" and args == list(hotplug.QUERY):
+            order.append("query")
             if self.hangs:  # as libvirt_host.guest_exec answers a command that never ends
                 await asyncio.sleep(timeout)
                 raise HostError(f"{path} in {name} did not finish within {timeout:g}s")
-            return ExecResult(0, "".join(f"{line}\n" for line in self.apps), "")
+            return ExecResult(0, f"{UUID_A}, 00000000:05:00.0, 0\n"
+                                 f"{UUID_B}, 00000000:06:00.0, 1\n", "")
+        if path == "/bin/sh" and args[:2] == ["-c", hotplug.HOLDERS]:
+            order.append("holders")
+            assert args[3:] == ["/dev/nvidia0"]
+            return ExecResult(0, "".join(f"{h}\n" for h in sorted(self.holders)), "")
+        if path == "/bin/sh" and args[:2] == ["-c", hotplug.UNBIND]:
+            order.append("unbind")
+            assert args[3:] == ["0000:05:00.0"] and not self.holders
+            self.bound = False
+            return ExecResult(0, "", "")
         raise HostError(f"guest agent of {name}: {path}: Failed to execute child process")
 
     async def detach_live(self, name: str, labels: frozenset[str], gpus: object) -> None:
+        self.step.cluster.order.append("detach")
         self.detached.append(frozenset(labels))
-        if self.lets_go:
+        if self.lets_go and not self.bound:  # the driver lets go of an unbound device only
             def removed() -> None:
                 self.live -= labels
                 self.step.device_removed.set()
@@ -352,6 +369,7 @@ class Vacating:
     def __init__(self) -> None:
         self.calls: list[tuple[list[str], frozenset[str], frozenset[str] | None]] = []
         self.order: list[str] = []
+        self.guest: Guest
 
     async def vacate(self, owners: list[str], gpus: frozenset[str],
                      pods: Callable[[], Awaitable[tuple[frozenset[str] | None, str]]]
@@ -360,6 +378,11 @@ class Vacating:
         read, why = await pods()
         self.calls.append((owners, frozenset(gpus), None if read is None else frozenset(read)))
         return f"which pods use gpu-a is unknown ({why})" if read is None else None
+
+    async def withdraw(self, gpus: frozenset[str]) -> str | None:
+        self.order.append("withdraw")
+        self.guest.holders.discard("812/fd/7")  # the plugin's process is gone
+        return None
 
 
 @dataclass
@@ -375,6 +398,7 @@ class FakeStep:
 
     def __post_init__(self) -> None:
         self.libvirt = Guest(self)
+        self.cluster.guest = self.libvirt
         self.view = self
         self.state = detaching()
 
@@ -410,7 +434,7 @@ async def test_the_node_is_cordoned_before_the_checkpoint_is_read() -> None:
     # A pod the scheduler placed between the reading and the cordon would stay unseen.
     step = FakeStep()
     await unplug(step)
-    assert step.cluster.order == ["cordon", "checkpoint"]
+    assert step.cluster.order[:2] == ["cordon", "checkpoint"]
     assert [type(e) for e in step.applied] == [GpusDetached]
 
 
@@ -429,13 +453,27 @@ async def test_a_checkpoint_in_doubt_gives_way_to_the_restart(
 
 async def test_a_process_on_the_gpu_gives_way_to_the_restart(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hotplug, "APPS_BOUND", 0.2)
+    # nvidia-persistenced, a DCGM exporter, a display server: any holder of the device
+    # node counts, not only the compute processes nvidia-smi lists.
+    monkeypatch.setattr(hotplug, "RELEASE_BOUND", 0.2)
     step = FakeStep()
-    step.libvirt.apps = [f"{UUID_B}, 41", f"{UUID_A}, 4242"]
+    step.libvirt.holders.add("4242/fd/3")
     await unplug(step)
     [event] = step.applied
-    assert isinstance(event, DetachFailed) and "4242" in event.reason and "41," not in event.reason
+    assert isinstance(event, DetachFailed) and "4242" in event.reason and "812" not in event.reason
+    assert "unbind" not in step.cluster.order
     assert step.libvirt.detached == []  # never asked while a process holds it
+
+
+async def test_the_plugin_is_stopped_and_the_gpu_unbound_in_the_guest_before_the_detach(
+        sink: journal.ListSink) -> None:
+    # NVIDIA's device plugin holds every GPU it serves open while it runs, and the
+    # guest's driver lets a device go only once unbound: in this order, or not at all.
+    step = FakeStep()
+    await unplug(step)
+    assert step.cluster.order == ["cordon", "checkpoint", "withdraw", "query", "holders",
+                                  "unbind", "detach"]
+    assert [type(e) for e in step.applied] == [GpusDetached]
 
 
 async def test_a_guest_that_never_lets_go_gives_way_to_the_restart(
@@ -454,7 +492,7 @@ async def test_a_guest_stuck_in_nvidia_smi_gives_way_within_the_bound(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # A driver stuck in an unbind hangs nvidia-smi: the question has the part's deadline,
     # not one of its own past it, and the restart that follows may power the guest off.
-    monkeypatch.setattr(hotplug, "APPS_BOUND", 0.3)
+    monkeypatch.setattr(hotplug, "RELEASE_BOUND", 0.3)
     step = FakeStep()
     step.libvirt.hangs = True
     await unplug(step)
