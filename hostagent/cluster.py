@@ -293,7 +293,8 @@ class KubeCluster:
         again, and the return after the detach restarts it once more to advertise the
         rest. None, or why the reclaim by restart must run instead."""
         try:
-            deleted = await self.kube.restart_plugins(self.node, timeout=self.timeouts.ready)
+            deleted = await self.kube.restart_plugins(
+                self.node, timeout=self.timeouts.ready, selectors=self.settings.plugin_selectors)
         except KubeError as e:
             return f"could not stop the GPU plugins on node {self.node}: {e}"
         journal.record("hotplug", f"stopped {', '.join(deleted) or 'no plugin pod'} on node "
@@ -398,7 +399,8 @@ class KubeCluster:
 
     async def _restart_plugins(self, gpus: Iterable[str]) -> None:
         """The node's GPU plugins started again, to advertise `gpus` (a live change)."""
-        deleted = await self.kube.restart_plugins(self.node, timeout=self.timeouts.ready)
+        deleted = await self.kube.restart_plugins(
+            self.node, timeout=self.timeouts.ready, selectors=self.settings.plugin_selectors)
         journal.record("hotplug", f"restarted {', '.join(deleted) or 'no plugin pod'} on "
                        f"node {self.node} to advertise {', '.join(gpus)}",
                        vm=self.node, result="ok")

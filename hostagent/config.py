@@ -97,6 +97,8 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
                                             # GPU Feature Discovery labels (time-slicing, MIG)
     grace_period = "30s"                    # evicted pods' grace; default: each pod's own
     skip_wait_for_delete_timeout = "10s"    # a pod this long past its deletion counts as gone
+    plugin_selectors = ["app=my-gpu-plugin"]  # the GPU plugins' pods, restarted after a live
+                                            # GPU change; default: NVIDIA's charts' labels
 
     [metrics]                               # Prometheus /metrics and /healthz; off without it
     listen = "127.0.0.1:9477"               # host:port ("[::1]:9477"; ":9477" = every address)
@@ -209,6 +211,7 @@ from hostagent.config_read import (
     _join,
     _key,
     _label_key_or_off,
+    _label_selector,
     _list,
     _listen,
     _listen_or_port,
@@ -444,6 +447,16 @@ class GpuApi(enum.StrEnum):
     DRA = "dra"
 
 
+# The pods that advertise GPUs to the kubelet, as the common installs label them: the
+# GPU Operator's device plugin, NVIDIA's Helm chart of it, and the kubelet plugin of
+# NVIDIA's DRA driver (its chart's selector label, v25.12.0 to main at 22407113).
+PLUGIN_SELECTORS = (
+    "app=nvidia-device-plugin-daemonset",
+    "app.kubernetes.io/name=nvidia-device-plugin",
+    "nvidia-dra-driver-gpu-component=kubelet-plugin",
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Kubernetes:
     """How to reach the cluster and how to drain the lendee's node."""
@@ -474,6 +487,10 @@ class Kubernetes:
     # kubelet is unreachable it would stay Terminating forever (kubectl drain
     # --skip-wait-for-delete-timeout). "0s": wait for every pod.
     skip_wait_for_delete_timeout: float = field(default=10.0, metadata=_key(_duration))
+    # The pods that advertise the node's GPUs, restarted after a live GPU change (they
+    # enumerate GPUs when they start): label selectors, each listed on the node.
+    plugin_selectors: tuple[str, ...] = field(default=PLUGIN_SELECTORS,
+                                              metadata=_key(_list(_label_selector)))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -460,6 +460,22 @@ def _label_key_or_off(value: object, key: str) -> str | None:
     return label
 
 
+_LABEL_KEY = (r"(?:[a-z0-9](?:[-a-z0-9.]*[a-z0-9])?/)?"
+              r"[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_LABEL_VALUE = r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?"
+_REQUIREMENT = re.compile(rf"!?{_LABEL_KEY}|{_LABEL_KEY}(?:==?|!=){_LABEL_VALUE}")
+
+
+def _label_selector(value: object, key: str) -> str:
+    """An equality-based label selector, as ``kubectl get pods -l`` takes it."""
+    selector = _text(value, key)
+    if not selector or not all(_REQUIREMENT.fullmatch(r) for r in selector.split(",")):
+        raise _Problem(key, f'"{selector}" is not a label selector',
+                       'write it as kubectl -l does: "key=value", "key!=value", "key" or '
+                       '"!key", comma-separated')
+    return selector
+
+
 # What MQTT may command: the control verbs that change something (status is published).
 MQTT_VERBS = ("play", "release", "hold", "lend", "reclaim")
 _MQTT_TOPIC = re.compile(r"[^\s+#/\x00]+(/[^\s+#/\x00]+)*")

@@ -21,6 +21,7 @@ from typing import Any
 
 
 from hostagent import dra
+from hostagent.config import PLUGIN_SELECTORS
 from hostagent.text import clean
 from hostagent.kube.client import (
     KubeAuthError,
@@ -53,15 +54,6 @@ GFD_MIG_STRATEGY = "nvidia.com/mig.strategy"
 
 
 _GFD_MIG_COUNT = re.compile(r"nvidia\.com/(mig-[^/]+)\.count")
-
-# The pods that advertise GPUs to the kubelet, as the common installs label them: the
-# GPU Operator's device plugin, NVIDIA's Helm chart of it, and NVIDIA's DRA driver.
-PLUGIN_SELECTORS = (
-    "app=nvidia-device-plugin-daemonset",
-    "app.kubernetes.io/name=nvidia-device-plugin",
-    "app.kubernetes.io/name=nvidia-dra-driver-gpu",
-)
-
 
 @dataclass(frozen=True)
 class ExpectedGpus:
@@ -212,14 +204,15 @@ class Returns(Watches):
         return (dict(current.metadata.labels or {}), _annotations(current),
                 {k: str(v) for k, v in capacity.items()})
 
-    async def restart_plugins(self, node: str, *, timeout: float) -> list[str]:
-        """Delete the GPU-advertising plugin pods on `node` (`PLUGIN_SELECTORS`), whose
+    async def restart_plugins(self, node: str, *, timeout: float,
+                              selectors: Iterable[str] = PLUGIN_SELECTORS) -> list[str]:
+        """Delete the GPU-advertising plugin pods on `node` (found by `selectors`), whose
         DaemonSets start them again: a device plugin enumerates GPUs when it starts, so a
         GPU added or removed later is advertised as such only then. The names of the pods
         deleted."""
         deadline = self._deadline(timeout)
         deleted: list[str] = []
-        for selector in PLUGIN_SELECTORS:
+        for selector in selectors:
             pods = await self._call(
                 f"list pods {selector} on node {node}",
                 functools.partial(self._core.list_pod_for_all_namespaces,

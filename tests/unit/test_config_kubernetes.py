@@ -60,3 +60,20 @@ def test_every_key() -> None:
 def test_errors_name_the_key_and_the_fix(text: str, says: str) -> None:
     message = error(text)
     assert says in message, message
+
+
+def test_the_gpu_plugins_are_found_by_the_current_charts_labels_or_the_setting() -> None:
+    """NVIDIA's DRA driver chart (v25.12.0 and its main since) labels its kubelet plugin's
+    pods nvidia-dra-driver-gpu-component=kubelet-plugin (main names the chart
+    dra-driver-nvidia-gpu, so app.kubernetes.io/name no longer finds them)."""
+    default = kubernetes("").plugin_selectors  # type: ignore[attr-defined]
+    assert "nvidia-dra-driver-gpu-component=kubelet-plugin" in default
+    assert "app=nvidia-device-plugin-daemonset" in default
+    k = kubernetes('plugin_selectors = ["app=my-plugin,tier!=control", "gpu-plugin"]\n')
+    assert k.plugin_selectors == ("app=my-plugin,tier!=control", "gpu-plugin")  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("bad", ['"app in (a, b)"', '"=x"', '"a=b c"', '"a=b,"'])
+def test_a_plugin_selector_that_is_not_one_is_refused(bad: str) -> None:
+    message = error(f"plugin_selectors = [{bad}]\n")
+    assert "kubernetes.plugin_selectors" in message and "label selector" in message, message

@@ -524,3 +524,18 @@ def test_status_says_which_api_serves_the_nodes_gpus_and_why() -> None:
                         "node gpu-node publishes 1 gpu.nvidia.com device(s) in ResourceSlices"}}
     assert ("its node's GPUs are served by dra (gpu.nvidia.com): node gpu-node publishes 1 "
             "gpu.nvidia.com device(s) in ResourceSlices") in format_status(data)
+
+
+async def test_the_dra_kubelet_plugin_is_restarted_by_the_current_charts_labels(
+        api: StandIn, kube: Kube) -> None:
+    """The pod labels NVIDIA's chart (main at 22407113) gives the kubelet plugin."""
+    labels = {"app.kubernetes.io/name": "dra-driver-nvidia-gpu",
+              "app.kubernetes.io/instance": "nvidia-dra-driver-gpu",
+              "dra-driver-nvidia-gpu-component": "kubelet-plugin",
+              "nvidia-dra-driver-gpu-component": "kubelet-plugin"}
+    api.cluster.add_pod("plugin-x", node="gpu-node", namespace="nvidia-dra-driver-gpu",
+                        owner="DaemonSet/nvidia-dra-driver-gpu-kubelet-plugin", labels=labels)
+    api.cluster.add_pod("train", node="gpu-node", owner="Job/train")
+    deleted = await cluster_for(kube).kube.restart_plugins(
+        "gpu-node", timeout=5, selectors=config().kubernetes.plugin_selectors)  # type: ignore[union-attr]
+    assert deleted == ["nvidia-dra-driver-gpu/plugin-x"]

@@ -247,7 +247,12 @@ async def test_only_the_gpu_plugins_pods_on_the_node_are_restarted(
         labels={"app": "nvidia-device-plugin-daemonset"})
     add("nvidia-dra-driver-gpu-kubelet-plugin-k2", node="gpu-node", namespace="nvidia-dra",
         owner="DaemonSet/nvidia-dra-driver-gpu-kubelet-plugin",
-        labels={"app.kubernetes.io/name": "nvidia-dra-driver-gpu"})
+        labels={"app.kubernetes.io/name": "nvidia-dra-driver-gpu",
+                "nvidia-dra-driver-gpu-component": "kubelet-plugin"})  # its chart's, v25.12.0
+    add("nvidia-dra-driver-gpu-controller-c3", node="gpu-node", namespace="nvidia-dra",
+        owner="ReplicaSet/nvidia-dra-driver-gpu-controller-5d8f",
+        labels={"app.kubernetes.io/name": "nvidia-dra-driver-gpu",
+                "nvidia-dra-driver-gpu-component": "controller"})  # no GPU of the node's
     add("nvidia-device-plugin-daemonset-y7", node="other-node", namespace="gpu-operator",
         owner="DaemonSet/nvidia-device-plugin-daemonset",
         labels={"app": "nvidia-device-plugin-daemonset"})
@@ -259,6 +264,7 @@ async def test_only_the_gpu_plugins_pods_on_the_node_are_restarted(
     assert gone(api, "gpu-operator", "nvidia-device-plugin-daemonset-x1")
     assert not gone(api, "gpu-operator", "nvidia-device-plugin-daemonset-y7")
     assert not gone(api, "default", "train-1")
+    assert not gone(api, "nvidia-dra", "nvidia-dra-driver-gpu-controller-c3")
 
 
 async def test_the_node_is_told_of_the_gpu_once_its_slices_list_it(
