@@ -85,8 +85,8 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     annotation_prefix = "hostagent.io/"
     gpu_resource = "nvidia.com/gpu"
     gpu_api = "auto"                        # "device-plugin", "dra" (resource.k8s.io/v1),
-                                            # or "auto": dra where the driver's DeviceClass
-                                            # or ResourceSlices exist
+                                            # or "auto": what the node publishes (the
+                                            # driver's ResourceSlices or GPU capacity)
     dra_driver = "gpu.nvidia.com"           # the DRA driver whose slices list the GPUs
     drain_emptydir = true                   # evict pods that use emptyDir volumes
     drain_unmanaged = false                 # evict pods no controller will recreate

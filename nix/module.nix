@@ -249,7 +249,7 @@ in
                 ]
               );
               default = null;
-              description = "How the cluster hands out GPUs: allocatable counts (`device-plugin`), devices in ResourceSlices verified by UUID (`dra`, Dynamic Resource Allocation), or decided at each lend from what the cluster serves (`auto`) (the agent's default: `\"auto\"`).";
+              description = "How the cluster hands out GPUs: allocatable counts (`device-plugin`), devices in ResourceSlices verified by UUID (`dra`, Dynamic Resource Allocation), or decided at each lend from what the node publishes, its ResourceSlices or its GPU capacity (`auto`) (the agent's default: `\"auto\"`).";
             };
             dra_driver = optionalStr "The DRA driver whose ResourceSlices list the GPUs (the agent's default: `\"gpu.nvidia.com\"`).";
           });
