@@ -37,15 +37,16 @@ from typing import Any
 from hostagent.config import Config
 from hostagent.model import Phase
 
-__all__ = ["Command", "Refused", "Surface", "collisions", "command", "command_topics",
-           "components", "device_config", "entity_configs", "entity_topics", "removals",
-           "sentence", "stale_entity", "states", "surface"]
+__all__ = ["MIGRATE", "Command", "Refused", "Surface", "collisions", "command",
+           "command_topics", "components", "device_config", "entity_configs", "entity_topics",
+           "migrating", "removals", "sentence", "stale_entity", "states", "surface"]
 
 ON, OFF, PRESS = "ON", "OFF", "PRESS"
 ONLINE, OFFLINE = "online", "offline"
 MAX_STATE = 255  # Home Assistant drops a sensor state longer than this
 MAX_PAYLOAD = 64  # a command is a word: anything longer is refused unread
 MAX_TOPIC = 512
+MIGRATE = b'{"migrate_discovery": true}'  # Home Assistant's hand-over of an entity
 
 
 def _slugs(names: Iterable[str]) -> dict[str, str]:
@@ -211,6 +212,12 @@ def stale_entity(s: Surface, topic: str) -> bool:
     ours = (topic.startswith(f"{s.prefix}/") and len(levels) == len(s.prefix.split("/")) + 4
             and levels[-3] == s.node and levels[-1] == "config")
     return ours and topic not in (entity_configs(s) if s.per_entity else {})
+
+
+def migrating(s: Surface, topic: str) -> bool:
+    """A per-entity config of an entity that device discovery has too: handed over with
+    `MIGRATE` before it is cleared (Home Assistant's migration to device discovery)."""
+    return not s.per_entity and topic.split("/")[-2] in components(s)
 
 
 # --- states -----------------------------------------------------------------------------

@@ -303,6 +303,13 @@ class Device:
             return
         if topic.startswith(s.prefix + "/"):
             if payload and ha.stale_entity(s, topic):
+                if ha.migrating(s, topic) and payload != ha.MIGRATE:
+                    # Home Assistant's migration to device discovery: the old config
+                    # hands its entity over, the device config takes it, and only then
+                    # is the old one cleared (cleared first, the entity is deleted).
+                    await client.publish(topic, ha.MIGRATE, qos=1, retain=True)
+                    device, config = ha.device_config(s, self._removed)
+                    await client.publish(device, config, qos=1, retain=True)
                 await client.publish(topic, b"", qos=1, retain=True)
             return
         self._command(topic, payload, retained=message.retain)

@@ -106,12 +106,14 @@ class Watcher:
     def __init__(self, client: aiomqtt.Client) -> None:
         self.client = client
         self.last: dict[str, bytes] = {}
+        self.seen: list[tuple[str, bytes]] = []  # every message, in order
         self.changed = asyncio.Event()
 
     async def read(self) -> None:
         async for message in self.client.messages:
             assert isinstance(message.payload, bytes | bytearray)
             self.last[message.topic.value] = bytes(message.payload)
+            self.seen.append((message.topic.value, bytes(message.payload)))
             self.changed.set()
 
     async def until(self, topic: str, payload: bytes | None = None) -> bytes:
@@ -421,6 +423,27 @@ async def test_per_entity_discovery_clears_what_is_no_longer_there(
             await ha.until("homeassistant/switch/hostagent/owner_gaming1/config")
             await ha.until(stale, b"")
             await ha.until(device_topic, b"")
+
+
+async def test_per_entity_to_device_discovery_migrates_every_entity(
+        broker: Mosquitto, sink: journal.ListSink) -> None:
+    """Home Assistant's migration: each old config gets {"migrate_discovery": true}, then
+    the device config comes, then the old config is cleared; cleared first, Home
+    Assistant deleted the entity (11 of 12 were lost)."""
+    device_topic = "homeassistant/device/hostagent/config"
+    old = "homeassistant/switch/hostagent/owner_gaming1/config"
+    async with running(device_config(broker, per_entity=True), Host()), watching(broker) as ha:
+        await ha.until(old)
+    async with watching(broker) as ha:
+        async with running(device_config(broker), Host()):
+            await ha.until(old, b"")
+            await ha.until(device_topic)
+        on_old = [p for t, p in ha.seen if t == old]
+        assert on_old[-2:] == [b'{"migrate_discovery": true}', b""], on_old
+        migrated = ha.seen.index((old, b'{"migrate_discovery": true}'))
+        cleared = len(ha.seen) - 1 - ha.seen[::-1].index((old, b""))
+        assert any(t == device_topic and p for t, p in ha.seen[migrated:cleared]), \
+            "the device config came between the hand-over and the clearing"
 
 
 async def test_a_wrong_password_is_retried_not_fatal(broker: Mosquitto,
