@@ -235,8 +235,10 @@ def states(s: Surface, status: Mapping[str, Any], transition: str) -> dict[str, 
     """Topic -> retained payload, from `hostagent status`'s data and the last sentence."""
     lendee = status["lendee"]
     running = status.get("owners", {})
+    # A start that waits (for a reclaim) is ON already: the switch pressed on stays on.
+    waiting = {i.get("owner") for i in status.get("intents", ())}
     holders = {g["gpu"]: g for g in status.get("gpus", ())}
-    out = {s.topic("owner", slug, "state"): _onoff(running.get(vm))
+    out = {s.topic("owner", slug, "state"): _onoff(running.get(vm) or vm in waiting)
            for slug, vm in s.owners.items()}
     for slug, label in s.gpus.items():
         gpu = holders.get(label, {})

@@ -270,3 +270,16 @@ def test_names_that_are_not_topic_levels_get_distinct_slugs() -> None:
     text = CONFIG.replace('[owners.gaming1]', '[owners."gaming_2"]')
     s = surface(text)
     assert dict(s.owners) == {"gaming_2": "gaming_2", "gaming_2_2": "gaming/2"}
+
+
+def test_a_switch_stays_on_while_its_start_waits_for_a_reclaim() -> None:
+    """Pressed ON, gaming/2 waits for its GPU while gpu-node is reclaimed: its switch says
+    ON from the press on (it said OFF until the VM ran, so Home Assistant's switch went
+    back OFF and came ON again), and OFF again if the start fails (the intent is gone)."""
+    s = surface()
+    topic = "hostagent/owner/gaming_2/state"
+    waiting = {**status(phase="reclaiming"), "intents": [
+        {"owner": "gaming/2", "source": "hook", "age_s": 3}]}
+    assert ha.states(s, waiting, "")[topic] == "ON"
+    assert ha.states(s, {**waiting, "intents": []}, "")[topic] == "OFF"
+    assert ha.states(s, status(), "")[topic] == "OFF"  # a status without intents
