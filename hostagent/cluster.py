@@ -104,9 +104,10 @@ class KubeCluster:
         self.gpu_api_from = ""  # why the last lend's GPUs were told by that API
         self.holders: dict[str, str] = {}  # DRA: lent GPU -> the pods holding it, last seen
         self.trouble: str | None = None  # why the lent node is not whole (health fails)
-        # The deadline of a hot-unplug's evictions that gave way: the reclaim by restart
-        # after it drains within what is left of it, not a timeouts.drain of its own.
-        self._vacate_deadline: float | None = None
+        # Seconds a hot-unplug's evictions took: the reclaim by restart after it, if it
+        # gives way, drains within what they left of timeouts.drain, not one of its own
+        # (the time the guest took to let go is no drain's).
+        self._vacate_spent = 0.0
         self._events: set[asyncio.Task[None]] = set()
         self.auth_retry = 30.0  # seconds between watches refused with 401/403
 
@@ -162,10 +163,8 @@ class KubeCluster:
         # One budget for the whole reclaim: a player never waits longer than
         # timeouts.drain for the cluster, however the API server behaves, a hot-unplug's
         # evictions before it included (a budget blocked them: it blocks this drain too).
-        deadline = time.monotonic() + self.timeouts.drain
-        if self._vacate_deadline is not None and not regrow:
-            deadline = min(deadline, self._vacate_deadline)
-        self._vacate_deadline = None
+        deadline = time.monotonic() + self.timeouts.drain - (0 if regrow else self._vacate_spent)
+        self._vacate_spent = 0.0
         self.trouble = None
 
         def left() -> float:
@@ -239,10 +238,10 @@ class KubeCluster:
         as the drain evicts them but always of the "abort" kind. None once they are
         gone; or why the hot-unplug must give way to the reclaim by restart, which
         drains the node, cordoned already, under the policy players wait for."""
-        deadline = time.monotonic() + self.timeouts.drain
+        began = time.monotonic()
+        deadline = began + self.timeouts.drain
         names = ", ".join(sorted(gpus))
         self.trouble = None
-        self._vacate_deadline = deadline
 
         def left() -> float:
             return max(0.1, deadline - time.monotonic())
@@ -282,6 +281,8 @@ class KubeCluster:
             return f"the pods using {names} were not all evicted: {e.report.summary()}"
         except KubeError as e:
             return f"could not evict the pods using {names} from node {self.node}: {e}"
+        finally:
+            self._vacate_spent = time.monotonic() - began
         return None
 
     async def withdraw(self, gpus: Collection[str]) -> str | None:
@@ -417,7 +418,7 @@ class KubeCluster:
         lost GPUs while it ran (a hot-unplug), and the GPU plugins, which enumerate GPUs
         when they start, are restarted first to advertise the rest."""
         self.trouble = None
-        self._vacate_deadline = None  # the hot-unplug before, if any, is over
+        self._vacate_spent = 0.0  # the hot-unplug before, if any, is over
         try:
             if expected is None or expected.gpus != self._labels(lent):
                 expected = await self.expect(lent)

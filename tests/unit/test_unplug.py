@@ -574,6 +574,17 @@ async def test_a_budget_that_blocks_the_vacate_leaves_its_fallback_drain_only_wh
     assert await cluster.reclaim(["gaming1"]) is None  # on_drain_timeout = "proceed"
     vacate_drain, reclaim_drain = given
     assert vacate_drain <= 2.0 and reclaim_drain < 0.5
+    # Evictions that went through spend little: the time the guest then took to let go
+    # (here 1 s) is no drain's, and the restart's drain has the rest of its budget.
+    api.cluster.add_pod("train-b", node="gpu-node", owner="Job/b", gpus={"nvidia.com/gpu": 1})
+    given.clear()
+
+    async def none() -> tuple[frozenset[str] | None, str]:
+        return frozenset(), ""
+    assert await cluster.vacate(["gaming1"], {A}, none) is None
+    await asyncio.sleep(1.0)
+    assert await cluster.reclaim(["gaming1"]) is None
+    assert given[-1] > 1.5 and gone(api, "default", "train-b")
 
 
 async def test_vacate_finds_the_pods_on_the_gpu_by_their_claims_with_dra(
