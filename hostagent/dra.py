@@ -95,6 +95,16 @@ def selects(obj: Any, node: str, labels: Mapping[str, str]) -> bool:
     return any(_term_matches(term, node, labels) for term in terms)
 
 
+def claim_names(pod: Any) -> list[str]:
+    """The ResourceClaims a pod uses, by name: those made for it from a template, as its
+    status names them, and those it names itself."""
+    names = [getattr(s, "resource_claim_name", None)
+             for s in getattr(getattr(pod, "status", None), "resource_claim_statuses", None) or []]
+    names += [getattr(c, "resource_claim_name", None)
+              for c in getattr(getattr(pod, "spec", None), "resource_claims", None) or []]
+    return sorted({n for name in names if (n := _text(name)) is not None})
+
+
 class _Watched(Generic[V]):
     """Objects of one kind by UID, as listed (`reset`) and watched (`apply` each event),
     each kept as what `_read` makes of it; one it makes nothing of is dropped."""

@@ -277,10 +277,25 @@ class Returns(Watches):
             f"list the ResourceSlices of {node}", lambda: self._resource.list_resource_slice(
                 field_selector=f"spec.driver={driver}"), deadline, readable=_listed)
         slices.reset(listed.items or [])
-        claimed = await self._call(
-            "list ResourceClaims", lambda: self._resource.list_resource_claim_for_all_namespaces(),
-            deadline, readable=_listed)
-        claims.reset(claimed.items or [])
+        # Only the claims the node's pods name, each read by name: a cluster's claims
+        # are many, a node's few.
+        pods = await self._call(
+            f"list the pods of node {node}", functools.partial(
+                self._core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}"),
+            deadline, readable=_pods)
+        found = []
+        for pod in pods.items or []:
+            namespace = pod.metadata.namespace
+            for name in dra.claim_names(pod):
+                try:
+                    found.append(await self._call(
+                        f"read ResourceClaim {clean(namespace, 253)}/{name}", functools.partial(
+                            self._resource.read_namespaced_resource_claim, name, namespace),
+                        deadline))
+                except KubeRequestError as e:
+                    if e.status != 404:  # a claim gone with its pod holds nothing
+                        raise
+        claims.reset(found)
         return claims.pods_of([key for key, uuid in slices.every().items() if uuid in uuids])
 
     async def wait_devices(self, node: str, *, driver: str,

@@ -50,6 +50,7 @@ CALLS = {
     "list_device_class": ("resource.k8s.io", "deviceclasses", "list"),
     "list_resource_slice": ("resource.k8s.io", "resourceslices", "list"),
     "list_resource_claim_for_all_namespaces": ("resource.k8s.io", "resourceclaims", "list"),
+    "read_namespaced_resource_claim": ("resource.k8s.io", "resourceclaims", "get"),
 }
 WATCHED = {"list_node", "list_pod_for_all_namespaces", "list_resource_slice",
            "list_resource_claim_for_all_namespaces"}

@@ -539,3 +539,16 @@ async def test_the_dra_kubelet_plugin_is_restarted_by_the_current_charts_labels(
     deleted = await cluster_for(kube).kube.restart_plugins(
         "gpu-node", timeout=5, selectors=config().kubernetes.plugin_selectors)  # type: ignore[union-attr]
     assert deleted == ["nvidia-dra-driver-gpu/plugin-x"]
+
+
+async def test_the_holders_are_read_from_the_claims_of_the_nodes_pods_alone(
+        api: StandIn, kube: Kube) -> None:
+    """A reclaim reads the claims its node's pods name (status.resourceClaimStatuses),
+    not every claim of the cluster."""
+    publish(api, UUID_A, UUID_B)
+    api.cluster.add_pod("train-1", node="gpu-node", owner="Job/train", devices=["gpu-0"])
+    api.cluster.add_pod("far", node="other-node", owner="Job/far", devices=["gpu-9"])
+    holders = await kube.dra_holders("gpu-node", driver="gpu.nvidia.com", uuids=[UUID_A])
+    assert holders == {api.cluster.pods("gpu-node")[0]["metadata"]["uid"]}
+    assert api.requests_to("GET", "/apis/resource.k8s.io/v1/resourceclaims") == []
+    assert len(api.requests_to("GET", "/namespaces/default/resourceclaims/train-1-gpu-")) == 1
