@@ -65,6 +65,7 @@ COMMANDS_BURST = 10  # at once on one topic, before the rate applies
 MAX_PACKET = 256 * 1024  # bytes: the largest packet the broker may send (our own
 # device discovery, which comes back retained, is a few kilobytes)
 MAX_DEPTH = 16  # arrays and objects in a discovery message (Home Assistant's use 3)
+MAX_HISTORY = 32  # values of one phase or transition topic waiting for the broker
 MAX_RUNNING = 8  # commands under way at once (a play waits for its VM)
 MAX_INCOMING = 64  # messages queued in the client before it reads them
 CREDENTIAL = "mqtt-password"  # the systemd credential read when password_file is unset
@@ -110,7 +111,12 @@ class Device:
         self._sentence = "hostagent started"  # an empty retained message would delete it
         self._last: dict[str, Any] | None = None
         self._states: dict[str, str] = {}  # topic -> payload: what the broker should hold
-        self._pending: dict[str, str] = {}  # what is still to publish, oldest first
+        # What is still to publish, oldest first: topic -> payload, but each value of a
+        # topic in HISTORY keyed "<topic>#<n>" (no topic has a '#'), so none is merged away.
+        self._pending: dict[str, str] = {}
+        self._history = {self.surface.topic("phase", "state"),
+                         self.surface.topic("transition", "state")}
+        self._sequence = 0
         self._wake = asyncio.Event()
         self._removed: dict[str, str] = {}  # entities of an earlier configuration
         self._budgets: dict[str, tuple[float, float]] = {}  # topic -> (tokens, when)
@@ -125,7 +131,7 @@ class Device:
     @property
     def pending(self) -> Mapping[str, str]:
         """What waits for the broker: the newest payload of each topic not yet sent."""
-        return self._pending
+        return {key.partition("#")[0]: payload for key, payload in self._pending.items()}
 
     # ---- states (on the agent's loop, no I/O) ---------------------------------------
     def changed(self, sentence: str | None = None) -> None:
@@ -138,8 +144,18 @@ class Device:
         states = ha.states(self.surface, status, self._sentence)
         for topic, payload in states.items():
             if self._states.get(topic) != payload:
-                self._pending.pop(topic, None)  # the newest goes last, in order
-                self._pending[topic] = payload
+                key = topic
+                if topic in self._history and self.connected:
+                    # Each phase is shown, however short: an automation may wait for it.
+                    # Bounded: a connection that does not take them ends, and the next
+                    # starts from the current states (`_everything`).
+                    self._sequence += 1
+                    key = f"{topic}#{self._sequence}"
+                    mine = [k for k in self._pending if k.partition("#")[0] == topic]
+                    for old in mine[:max(0, len(mine) - MAX_HISTORY + 1)]:
+                        del self._pending[old]
+                self._pending.pop(key, None)  # the newest goes last, in order
+                self._pending[key] = payload
         self._states = states
         self._wake.set()
 
@@ -244,8 +260,9 @@ class Device:
             await self._wake.wait()
             self._wake.clear()
             while self._pending and not _cancelled():
-                topic = next(iter(self._pending))
-                payload = self._pending.pop(topic)
+                key = next(iter(self._pending))
+                payload = self._pending.pop(key)
+                topic = key.partition("#")[0]
                 try:
                     await client.publish(topic, payload, qos=1, retain=True, timeout=10)
                 except aiomqtt.MqttError:

@@ -165,6 +165,23 @@ async def test_discovery_and_states_are_published_and_follow_changes(
         assert await ha.until("hostagent/availability") == b"offline"
 
 
+async def test_every_phase_is_shown_however_short(broker: Mosquitto,
+                                                  sink: journal.ListSink) -> None:
+    """A reclaim that goes through draining and stopping within one turn of the loop
+    still shows each phase, in order: an automation waiting for "draining" sees it (the
+    newest value replaced one not yet sent, and Home Assistant saw lent, then off)."""
+    host = Host()
+    async with running(device_config(broker), host) as device, watching(broker) as ha:
+        await ha.until("hostagent/phase/state", b"off")
+        for phase in ("booting", "lent", "draining", "stopping", "off"):
+            host.status["lendee"]["phase"] = phase
+            device.changed()
+        await ha.until("hostagent/phase/state", b"off")
+        await asyncio.sleep(0.5)  # anything sent late would come now
+        shown = [p for t, p in ha.seen if t == "hostagent/phase/state"]
+        assert shown[-5:] == [b"booting", b"lent", b"draining", b"stopping", b"off"], shown
+
+
 async def test_commands_run_the_verbs_as_mqtt(broker: Mosquitto,
                                                sink: journal.ListSink) -> None:
     host = Host()
