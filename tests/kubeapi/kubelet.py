@@ -16,9 +16,10 @@ stale count is why the agent also checks inside the guest. After the VM stops:
 Ready=Unknown (NodeStatusUnknown) once `heartbeat_grace` has passed.
 
 With `devices_seen` (a DRA node: "which GPUs, by UUID and name, does the guest see?")
-it plays NVIDIA's DRA driver instead of the device plugin: no allocatable, and the
-node's ResourceSlice of ``gpu.nvidia.com`` lists the GPUs seen, republished when they
-change. As a real kubelet does, it deletes the node's slices when it starts (the VM
+it plays NVIDIA's DRA driver's kubelet plugin (k8s-dra-driver-gpu, main at 22407113,
+without DynamicMIG) instead of the device plugin: no allocatable, and the node's pool of
+``gpu.nvidia.com`` in one ResourceSlice lists the GPUs seen, each as `gpu_device` writes
+it, republished under the next generation when they change. As a real kubelet does, it deletes the node's slices when it starts (the VM
 booted); until then they are the ones the last boot left.
 """
 
