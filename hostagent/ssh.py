@@ -42,13 +42,14 @@ hook socket: no flood may starve it, from strangers or from a listed key.
 - At most `MAX_CONNECTIONS` connections are served at once. Of those, at most
   `MAX_UNAUTHENTICATED` have not authenticated yet, and at most `MAX_PER_PREFIX` of
   them come from one /24 (IPv4) or /64 (IPv6), where one host has many addresses.
-  Over a limit, a stranger (a connection that has neither authenticated nor offered a
-  listed key) is closed for the new one: of the network that holds the most, from an
-  address no key holder has authenticated from if any, then from the addresses that
-  had spent the most of their eviction budget when they came, of the address that
-  holds the most, the oldest. An address may have `EVICT_BURST`
-  connections closed for its own, then one per `EVICT_EVERY` seconds (over that, its
-  newcomer is refused), and gets one back each time a key holder of it authenticates:
+  Over a limit, a connection that has not authenticated is closed for the new one: of
+  the network that holds the most, a stranger's (no listed key offered) before one
+  that offered a listed key (public keys are no secret), both before those from an
+  address a key holder has authenticated from; then from the addresses that had spent
+  the most of their eviction budget when they came, of the address that holds the
+  most, the oldest. An address may have `EVICT_BURST` connections closed for its own,
+  then one per `EVICT_EVERY` seconds (over that, its newcomer is refused), and gets
+  one back each time a key holder of it authenticates:
   whoever holds connections open without authenticating, and reconnects at once, from
   one address or from many of a /24, closes its own and cannot lock a button out.
   A connection has `LOGIN_TIMEOUT` seconds to authenticate.
@@ -265,9 +266,8 @@ class Endpoint:
         self.max_running = max_running
         self.idle_timeout = idle_timeout
         self.live: set[_Connection] = set()
-        # Strangers: not authenticated and no listed key offered yet, oldest first. Only
-        # these make room for a newcomer: a connection that offered a listed key is a
-        # key holder's until its signature is checked (the login timeout bounds it).
+        # Not authenticated yet, oldest first: one of them makes room for a newcomer
+        # over a limit (see _victim; the login timeout bounds how long each waits).
         self.waiting: dict[_Connection, None] = {}
         self.per_key: dict[str, int] = {}  # fingerprint → authenticated connections
         self.running = 0  # commands running
@@ -368,8 +368,9 @@ class Endpoint:
         old.close()
 
     def vouched(self, conn: _Connection) -> None:
-        """`conn` offered a listed key: no stranger may take its place any more."""
-        self.waiting.pop(conn, None)
+        """`conn` offered a listed key: it is closed for a newcomer after the strangers
+        (a listed public key is no secret: it still waits to sign, and counts)."""
+        conn.vouched = True
 
     def authenticated(self, conn: _Connection, fingerprint: str) -> str | None:
         """Count `conn` as its key's; None, or why it must be closed."""
@@ -460,11 +461,12 @@ class Endpoint:
 
 
 def _victim(strangers: list[_Connection], newcomer: _Connection) -> _Connection:
-    """The stranger to close for `newcomer`: of the network that holds the most of
-    `strangers`, one from an address no key holder has authenticated from if any, from
-    the addresses that had spent the most of their budget making room when they came (a
-    host that keeps reconnecting), of the address that holds the most, the oldest. The
-    newcomer's own network and address count one more (its own connection is coming)."""
+    """The connection to close for `newcomer`: of the network that holds the most of
+    `strangers`, a stranger's before one that offered a listed key, both before those
+    from an address a key holder has authenticated from; of those, from the addresses
+    that had spent the most of their budget making room when they came (a host that
+    keeps reconnecting), of the address that holds the most, the oldest. The newcomer's
+    own network and address count one more (its own connection is coming)."""
     def most(conns: list[_Connection], key: Callable[[_Connection], str]) -> list[_Connection]:
         counts = Counter(key(c) for c in conns)
         counts[key(newcomer)] += 1
@@ -475,8 +477,10 @@ def _victim(strangers: list[_Connection], newcomer: _Connection) -> _Connection:
         return [c for c in conns if key(c) == chosen] or conns
 
     network = most(strangers, lambda c: c.prefix)
-    # Not one from an address a key holder authenticated from, while there are others.
-    network = [c for c in network if not c.known] or network
+    # A stranger before one that offered a listed key, and both before those from an
+    # address a key holder has authenticated from.
+    first = min((c.known, c.vouched) for c in network)
+    network = [c for c in network if (c.known, c.vouched) == first]
     least = min(c.standing for c in network)
     return most([c for c in network if c.standing == least], lambda c: c.address)[0]
 
@@ -564,6 +568,7 @@ class _Connection(asyncssh.SSHServer):
         self.admitted = False
         self.standing = EVICT_BURST  # its address's eviction budget when it came
         self.known = False  # from an address a key holder authenticated from
+        self.vouched = False  # offered a listed key (not yet signed)
         self.counted: str | None = None  # the fingerprint this connection counts against
         self._conn: Any = None  # asyncssh's connection
         self._candidate: Grant | None = None

@@ -476,3 +476,53 @@ async def test_strangers_from_many_addresses_of_its_24_never_evict_a_key_holder(
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
     assert results == [0] * 10, results
+
+
+async def test_idle_offers_of_a_listed_key_never_lock_a_key_holder_out(tmp_path: Path) -> None:
+    """A listed public key is no secret: forty connections that offer it and never sign
+    (each back the moment it is closed) held every slot, none of them a stranger's any
+    more, and every newcomer was refused, the button's too. A connection that offered
+    a listed key is closed for a newcomer after every stranger, and after those from an
+    address a key holder has authenticated from."""
+    verbs = Blocking()
+    stop = asyncio.Event()
+    pair = asyncssh.load_keypairs([ADMIN])[0]
+    pair.public_data = BUTTON.public_data  # the button's key offered, never signed
+
+    async def never(data: bytes) -> bytes:
+        await asyncio.Event().wait()
+        return b""
+
+    pair.sign_async = never  # type: ignore[method-assign]
+
+    async def offerer(source: str) -> None:
+        while not stop.is_set():
+            try:
+                async with asyncssh.connect(
+                        "127.0.0.1", port, username="hostagent", client_keys=[pair],
+                        known_hosts=None, agent_path=None, config=None, password_auth=False,
+                        kbdint_auth=False, local_addr=(source, 0)):
+                    pass
+            except (OSError, asyncssh.Error):
+                await asyncio.sleep(0.01)
+
+    async with ssh_endpoint(tmp_path, verbs) as port:
+        async with client(port, BUTTON, tmp_path, local="127.0.0.1") as conn:  # pressed before
+            assert (await conn.run("status")).exit_status == 0
+        tasks = [asyncio.get_running_loop().create_task(offerer(f"127.0.0.{10 + i}"))
+                 for i in range(40)]
+        try:
+            await asyncio.sleep(2)
+            results = []
+            for _ in range(5):
+                try:
+                    async with client(port, BUTTON, tmp_path, local="127.0.0.1") as conn:
+                        results.append((await conn.run("status")).exit_status)
+                except (OSError, asyncssh.Error) as e:
+                    results.append(repr(e))
+        finally:
+            stop.set()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    assert results == [0] * 5, results
