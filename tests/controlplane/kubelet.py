@@ -1,0 +1,142 @@
+"""The pod side of a lab kubelet, against the real API server, as the node's own user
+(system:node:<name>, so the Node authorizer checks it as it checks a kubelet).
+
+A real kubelet (Kubernetes v1.35, pkg/kubelet) registers its node with its capacity,
+renews its Lease in kube-node-lease every 10 s (nodelease), runs the pods the scheduler
+bound to it and posts their status (Running, Ready), and when a pod is deleted stops its
+containers within the grace period and then deletes it for good (grace period 0,
+status_manager). The lab has no container runtime: a pod's containers "stop" when its
+grace period, times `grace_scale`, has passed. The node's Ready condition and its GPUs
+are tests/kubeapi/kubelet.py's Kubelet's part, which runs beside this one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from kubernetes_asyncio import client, config
+from kubernetes_asyncio.client.exceptions import ApiException
+
+log = logging.getLogger(__name__)
+LEASE_NAMESPACE = "kube-node-lease"
+CAPACITY = {"cpu": "8", "memory": "32Gi", "pods": "110"}
+
+
+def _stamp() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class Pods:
+    def __init__(self, kubeconfig: Path, node: str, *, grace_scale: float = 0.05,
+                 interval: float = 0.2, lease_every: float = 10.0) -> None:
+        self.kubeconfig = kubeconfig
+        self.node = node
+        self.grace_scale = grace_scale
+        self.interval = interval
+        self.lease_every = lease_every
+        self._task: asyncio.Task[None] | None = None
+        self._registered = asyncio.Event()
+
+    async def __aenter__(self) -> Pods:
+        self._task = asyncio.get_running_loop().create_task(self.run(), name=f"pods {self.node}")
+        waiter = asyncio.ensure_future(self._registered.wait())
+        await asyncio.wait([waiter, self._task], return_when=asyncio.FIRST_COMPLETED)
+        if self._task.done():
+            waiter.cancel()
+            self._task.result()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            if self._task.done():
+                self._task.result()  # what ended it, if not a cancellation
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def run(self) -> None:
+        configuration = client.Configuration()
+        await config.load_kube_config(config_file=str(self.kubeconfig),
+                                      client_configuration=configuration, persist_config=False)
+        async with client.ApiClient(configuration) as api_client:
+            core = client.CoreV1Api(api_client)
+            leases = client.CoordinationV1Api(api_client)
+            await self._register(core)
+            self._registered.set()
+            renewed = -self.lease_every
+            loop = asyncio.get_running_loop()
+            while True:
+                try:
+                    if loop.time() - renewed >= self.lease_every:
+                        await self._renew(leases)
+                        renewed = loop.time()
+                    await self._sync(core)
+                except (ApiException, aiohttp.ClientError, OSError, TimeoutError) as e:
+                    log.debug("kubelet for %s: %r", self.node, e)
+                await asyncio.sleep(self.interval)
+
+    async def _register(self, core: Any) -> None:
+        with contextlib.suppress(ApiException):  # 409: registered before, as after a reboot
+            await core.create_node({
+                "metadata": {"name": self.node, "labels": {"kubernetes.io/hostname": self.node,
+                                                           "kubernetes.io/os": "linux"}},
+                "status": {"capacity": CAPACITY, "allocatable": CAPACITY,
+                           "addresses": [{"type": "InternalIP", "address": "127.0.0.1"},
+                                         {"type": "Hostname", "address": self.node}],
+                           "nodeInfo": {"kubeletVersion": "v1.35.4",
+                                        "containerRuntimeVersion": "lab://0",
+                                        "operatingSystem": "linux", "architecture": "amd64"}},
+            }, _request_timeout=5)
+
+    async def _renew(self, leases: Any) -> None:
+        spec = {"holderIdentity": self.node, "leaseDurationSeconds": 40,
+                "renewTime": _stamp()}
+        try:
+            await leases.patch_namespaced_lease(self.node, LEASE_NAMESPACE, {"spec": spec},
+                                                _request_timeout=5)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+            await leases.create_namespaced_lease(LEASE_NAMESPACE, {
+                "metadata": {"name": self.node}, "spec": spec}, _request_timeout=5)
+
+    async def _sync(self, core: Any) -> None:
+        listed = await core.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={self.node}", _request_timeout=5)
+        now = datetime.now(UTC)
+        for pod in listed.items:
+            meta = pod.metadata
+            if meta.deletion_timestamp is not None:
+                grace = meta.deletion_grace_period_seconds or 0
+                started = meta.deletion_timestamp.timestamp() - grace
+                if now.timestamp() >= started + grace * self.grace_scale:
+                    # In the body: the API server reads no query parameter when there is one.
+                    with contextlib.suppress(ApiException):  # 404: gone already
+                        await core.delete_namespaced_pod(meta.name, meta.namespace, body={
+                            "gracePeriodSeconds": 0, "preconditions": {"uid": meta.uid}},
+                            _request_timeout=5)
+            elif pod.status.phase == "Pending":
+                await core.patch_namespaced_pod_status(meta.name, meta.namespace,
+                                                       {"status": self._running(pod)},
+                                                       _request_timeout=5)
+
+    def _running(self, pod: Any) -> dict[str, Any]:
+        stamp = _stamp()
+        return {
+            "phase": "Running", "hostIP": "127.0.0.1", "podIP": "10.244.0.2",
+            "startTime": stamp,
+            "conditions": [{"type": kind, "status": "True", "lastTransitionTime": stamp}
+                           for kind in ("PodReadyToStartContainers", "Initialized",
+                                        "ContainersReady", "Ready")],
+            "containerStatuses": [
+                {"name": c.name, "image": c.image, "imageID": "", "ready": True,
+                 "restartCount": 0, "started": True,
+                 "state": {"running": {"startedAt": stamp}}}
+                for c in pod.spec.containers],
+        }
