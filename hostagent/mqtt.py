@@ -38,6 +38,8 @@ import contextlib
 import logging
 import os
 import random
+import re
+import socket
 import ssl
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -100,10 +102,15 @@ class Device:
     def __init__(self, cfg: Config, *, status: Callable[[], dict[str, Any]],
                  handlers: Mapping[str, VerbHandler],
                  follow: Callable[[], contextlib.AbstractContextManager[asyncio.Queue[Reply]]],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 hostname: str | None = None) -> None:
         assert cfg.mqtt is not None
         self.settings = cfg.mqtt
         self.surface = ha.surface(cfg, version=_version())
+        # The client id names the host: two hosts on one broker must not share it (the
+        # broker closes the older connection of a client id that connects again).
+        host = (hostname or socket.gethostname()).split(".")[0]
+        self.client_id = f"hostagent-{re.sub(r'[^A-Za-z0-9_-]', '_', host)}-{self.surface.node}"
         self._status = status
         self._handlers = handlers
         self._follow = follow
@@ -223,7 +230,7 @@ class Device:
         connect.MaximumPacketSize = MAX_PACKET
         async with aiomqtt.Client(
                 host, port, username=self.settings.username, password=password,
-                identifier=f"hostagent-{s.node}", keepalive=KEEPALIVE, timeout=10,
+                identifier=self.client_id, keepalive=KEEPALIVE, timeout=10,
                 will=aiomqtt.Will(s.availability, ha.OFFLINE, qos=1, retain=True),
                 tls_context=tls, max_queued_incoming_messages=MAX_INCOMING,
                 protocol=aiomqtt.ProtocolVersion.V5, properties=connect,

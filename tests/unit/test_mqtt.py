@@ -182,6 +182,27 @@ async def test_every_phase_is_shown_however_short(broker: Mosquitto,
         assert shown[-5:] == [b"booting", b"lent", b"draining", b"stopping", b"off"], shown
 
 
+async def test_two_hosts_on_one_broker_keep_their_connections(
+        broker: Mosquitto, sink: journal.ListSink) -> None:
+    """Two hosts with the same [mqtt] section: each has a client id of its own, and each
+    takes the command both are subscribed to (they shared hostagent-<base_topic>, and
+    the broker closed the first one's connection when the second came)."""
+    cfg = device_config(broker)
+    tower, den = Host(), Host()
+    async with running(cfg, tower, hostname="tower"), running(cfg, den, hostname="den"):
+        async with asyncio.timeout(WAIT):
+            while sum(e.fields.get("HOSTAGENT_RESULT") == "connected"  # noqa: ASYNC110
+                      for e in sink.entries) < 2:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(1)  # the broker has taken both (or closed one)
+        async with watching(broker) as ha:
+            await ha.client.publish("hostagent/lend/press", "PRESS", qos=1)
+            async with asyncio.timeout(WAIT):
+                await tower.called.wait()
+                await den.called.wait()
+    assert tower.calls == den.calls == [("lend", {})]
+
+
 async def test_commands_run_the_verbs_as_mqtt(broker: Mosquitto,
                                                sink: journal.ListSink) -> None:
     host = Host()
