@@ -48,7 +48,9 @@ def test_a_dra_node_through_reclaim_partial_lend_and_regrow(lab: Lab) -> None:
         lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig))  # gpu_api "auto"
         lab.start_agent()
         lends(lab, 1)
-        assert "ResourceSlices (DRA)" in lab.records(event="expect")[-1]["MESSAGE"]
+        # Told from what the node publishes, and said so.
+        assert "ResourceSlices (DRA: node gpu-node publishes" in \
+            lab.records(event="expect")[-1]["MESSAGE"]
         assert kubectl_uuids(kc) == sorted(UUID.values())
         node = kc.node()
         assert not node["spec"].get("unschedulable")

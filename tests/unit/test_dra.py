@@ -552,3 +552,13 @@ async def test_the_holders_are_read_from_the_claims_of_the_nodes_pods_alone(
     assert holders == {api.cluster.pods("gpu-node")[0]["metadata"]["uid"]}
     assert api.requests_to("GET", "/apis/resource.k8s.io/v1/resourceclaims") == []
     assert len(api.requests_to("GET", "/namespaces/default/resourceclaims/train-1-gpu-")) == 1
+
+
+async def test_a_pool_of_one_slice_per_gpu_is_verified_once_whole(
+        api: StandIn, kube: Kube) -> None:
+    """The driver's DynamicMIG layout: the node's pool in one slice per GPU."""
+    api.cluster.publish_devices("gpu-node", [gpu_device(0, UUID_A), gpu_device(1, UUID_B)],
+                                per_gpu=True)
+    assert len(api.cluster.slices("gpu-node")) == 2
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster_for(kube).give_back(["gpu-a", "gpu-b"]) is None
