@@ -148,8 +148,8 @@ def _payload(rng: random.Random) -> bytes:
         depth = rng.choice([1, 3, 20, 5000])
         return b"[" * depth + b'{"cmps":{"a":{"p":"switch"}}}' + b"]" * depth
     if kind < 0.5:
-        return b'{"cmps": {"' + os.urandom(rng.randint(0, 40)).hex().encode() + b'": {"p": 1}}}'
-    return os.urandom(rng.randint(0, 300))
+        return b'{"cmps": {"' + rng.randbytes(rng.randint(0, 40)).hex().encode() + b'": {"p": 1}}}'
+    return rng.randbytes(rng.randint(0, 300))
 
 
 @fuzz
