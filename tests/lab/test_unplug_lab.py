@@ -1,6 +1,8 @@
 """Hot-unplug in the lab (``policy.hotplug = "both"``): a game takes its lab GPU from the
 running lendee (its disk, detached live from its root port) while a job on another GPU
-runs on; only the pod the kubelet's device checkpoint gives that GPU is evicted, and the
+runs on; only the pod the kubelet's device checkpoint gives that GPU is evicted, the
+device plugin's stand-in in the guest holds every GPU open until its pod is deleted
+(hostagent stops it, sees no holder left, unbinds the GPU, then detaches it), and the
 lab kubelet follows the live set. A guest booted to ignore unplug requests keeps the
 device: the detach times out, the journal says so, and the reclaim by restart runs
 instead. The two reclaims' times are printed side by side (figures, not assertions)."""
@@ -8,13 +10,14 @@ instead. The two reclaims' times are printed side by side (figures, not assertio
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from hostagent.hotplug import CHECKPOINT, DETACH_BOUND
+from hostagent.hotplug import CHECKPOINT, DETACH_BOUND, HOLDERS
 from tests.lab.cluster import LabCluster, lab_cluster
 from tests.lab.lab import GPUS, LENDEE, Lab, domain_xml
 from tests.lab.test_kube_lab import annotations, lends
@@ -54,6 +57,52 @@ def gpu_pods(lab: Lab, kc: LabCluster, pods: dict[str, str]) -> None:
     done = lab.guest_exec(LENDEE, "/bin/sh", "-c", 'mkdir -p "${1%/*}" && printf %s "$2" > "$1"',
                           "sh", CHECKPOINT, text)
     assert done.exitcode == 0, done
+
+
+# The lab's stand-in for NVIDIA's device plugin inside the guest: a process that holds
+# the device node of every lab GPU open (/dev/nvidiaN, N as the stand-in nvidia-smi's
+# minor_number) for as long as the plugin's pod runs, as the real plugin's NVML health
+# check does (k8s-device-plugin v0.17: internal/rm/health.go registers events on every
+# device it serves and keeps them until the plugin stops).
+PLUGIN_HOLDS = r"""
+i=0
+for b in /sys/block/vd*; do
+    set -- $(head -c 200 /dev/${b##*/} 2>/dev/null | head -n 1)
+    [ "$1" = LABGPU ] || continue
+    [ -e /dev/nvidia$i ] || mknod /dev/nvidia$i b $(tr : ' ' < $b/dev)
+    i=$((i+1))
+done
+setsid sh -c 'for n in /dev/nvidia[0-9]*; do exec 3<"$n"; eval "exec $((${n#/dev/nvidia}+4))<&3"; done
+    echo $$ > /run/labplugin.pid; while :; do sleep 1; done' </dev/null >/dev/null 2>&1 &
+sleep 0.5; cat /run/labplugin.pid
+"""
+
+
+def plugin_in_guest(lab: Lab, kc: LabCluster) -> Callable[[], bool]:
+    """The device plugin's pod on gpu-node and its process in the guest holding every lab
+    GPU open; the process ends when the pod is deleted. Returns whether it has ended."""
+    cluster = kc.api.standin.cluster
+    kc.api.call(cluster.add_pod, "nvidia-device-plugin-daemonset-q4", node=LENDEE,
+                owner="DaemonSet/nvidia-device-plugin-daemonset",
+                labels={"app": "nvidia-device-plugin-daemonset"})
+    pid = guest(lab, "/bin/sh", "-c", PLUGIN_HOLDS)
+    assert pid.isdigit(), pid
+    # hostagent's own look at the holders finds it: until the plugin stops, no detach.
+    holders = guest(lab, "/bin/sh", "-c", HOLDERS, "sh", "/dev/nvidia1").split()
+    assert [h for h in holders if h.startswith(f"{pid}/fd/")], holders
+    ended = threading.Event()
+
+    def follow() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            pod = kc.api.call(cluster.pod, "default", "nvidia-device-plugin-daemonset-q4")
+            if pod is None or pod["metadata"].get("deletionTimestamp"):
+                guest(lab, "kill", pid)
+                ended.set()
+                return
+            time.sleep(0.2)
+    threading.Thread(target=follow, daemon=True).start()
+    return ended.is_set
 
 
 def guest(lab: Lab, *argv: str) -> str:
@@ -98,6 +147,7 @@ def test_a_game_takes_its_gpu_live_and_a_guest_that_keeps_it_falls_back(
         domid = lab.virsh("domid", LENDEE).stdout.strip()
         boot = guest(lab, "cat", "/proc/sys/kernel/random/boot_id")
         gpu_pods(lab, kc, {"train-b2": "gpu-b", "train-c": "gpu-c"})
+        plugin_ended = plugin_in_guest(lab, kc)
         phases = len(lab.phases())
         asked = time.time()
         lab.virsh("start", "gaming2", check=False)
@@ -105,6 +155,10 @@ def test_a_game_takes_its_gpu_live_and_a_guest_that_keeps_it_falls_back(
         by_unplug = at(done) - asked
         assert [r["MESSAGE"] for r in lab.records(event="hotplug", result="ok")
                 if r["MESSAGE"].startswith(f"gpu-b detached from {LENDEE} in ")]
+        # The plugin held gpu-b open until hostagent stopped it; gpu-b left only after.
+        assert plugin_ended()
+        assert [r["MESSAGE"] for r in lab.records(event="hotplug", result="ok")
+                if r["MESSAGE"].startswith("stopped default/nvidia-device-plugin-daemonset-q4")]
         assert lab.state("gaming2") == "running"
         # Same instance, same boot; only gpu-b's pod was evicted.
         assert lab.virsh("domid", LENDEE).stdout.strip() == domid
