@@ -122,21 +122,39 @@ class Pods:
                             "gracePeriodSeconds": 0, "preconditions": {"uid": meta.uid}},
                             _request_timeout=5)
             elif pod.status.phase == "Pending":
-                await core.patch_namespaced_pod_status(meta.name, meta.namespace,
-                                                       {"status": self._running(pod)},
-                                                       _request_timeout=5)
+                await self._post(core, pod, ready=_probe_delay(pod) == 0)
+            elif (pod.status.phase == "Running" and not _ready(pod) and now.timestamp()
+                  >= pod.status.start_time.timestamp() + _probe_delay(pod)):
+                await self._post(core, pod, ready=True)
 
-    def _running(self, pod: Any) -> dict[str, Any]:
+    async def _post(self, core: Any, pod: Any, *, ready: bool) -> None:
         stamp = _stamp()
-        return {
+        started = (pod.status.start_time.strftime("%Y-%m-%dT%H:%M:%SZ")
+                   if pod.status.start_time else stamp)
+        status = {
             "phase": "Running", "hostIP": "127.0.0.1", "podIP": "10.244.0.2",
-            "startTime": stamp,
-            "conditions": [{"type": kind, "status": "True", "lastTransitionTime": stamp}
+            "startTime": started,
+            "conditions": [{"type": kind, "status": "True" if ready or kind in (
+                "PodReadyToStartContainers", "Initialized") else "False",
+                            "lastTransitionTime": stamp}
                            for kind in ("PodReadyToStartContainers", "Initialized",
                                         "ContainersReady", "Ready")],
             "containerStatuses": [
-                {"name": c.name, "image": c.image, "imageID": "", "ready": True,
+                {"name": c.name, "image": c.image, "imageID": "", "ready": ready,
                  "restartCount": 0, "started": True,
-                 "state": {"running": {"startedAt": stamp}}}
+                 "state": {"running": {"startedAt": started}}}
                 for c in pod.spec.containers],
         }
+        await core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace,
+                                               {"status": status}, _request_timeout=5)
+
+
+def _probe_delay(pod: Any) -> float:
+    """How long after it starts the pod turns Ready: its readiness probes' longest
+    initialDelaySeconds, as though each probe then passed at once."""
+    return max((c.readiness_probe.initial_delay_seconds or 0 for c in pod.spec.containers
+                if c.readiness_probe is not None), default=0)
+
+
+def _ready(pod: Any) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])

@@ -120,9 +120,11 @@ async def lab(plane: ControlPlane, tmp_path: Path) -> AsyncIterator[Lab]:
             await lab.add_node(GPU_NODE, gpus=2)
             yield lab
         finally:
-            # The kubelets finish what the namespace's deletion terminates, then the
-            # nodes go: the next test starts from none of this.
+            # The namespace goes (its pods at once: the namespace controller would wait
+            # their grace period out before it looks again), then the nodes: the next
+            # test starts from none of this.
             await kubectl("delete", "namespace", NS, "--wait=false")
+            await kubectl("delete", "pods", "-n", NS, "--all", "--grace-period=0", "--force")
             await until(lambda: _gone(kubectl), "the test's namespace deleted")
             await kubectl("delete", "deviceclass", "gpu.nvidia.com", "--ignore-not-found")
             await kubectl("delete", "resourceslices", "--all")
@@ -197,7 +199,12 @@ async def test_describe_node_shows_what_is_on_it(lab: Lab) -> None:
 
 
 async def test_drain_waits_for_a_budget_then_evicts(lab: Lab) -> None:
-    await lab.kubectl.create(replicaset("web", 2), daemonset("logs"),
+    # A replacement web pod is Ready 3 s after it starts: kubectl's second eviction,
+    # at once, is refused.
+    probe = {"exec": {"command": ["true"]}, "initialDelaySeconds": 3}
+    web = replicaset("web", 2)
+    web["spec"]["template"]["spec"]["containers"][0]["readinessProbe"] = probe
+    await lab.kubectl.create(web, daemonset("logs"),
                              replicaset("scratch", 1, volumes=[{"name": "s", "emptyDir": {}}]),
                              pdb("web", minAvailable=1))
     await lab.running(4)
