@@ -606,7 +606,7 @@ async def test_the_return_after_a_hot_unplug_restarts_the_gpu_plugins_first(
     api.cluster.add_pod("nvidia-dra-driver-gpu-kubelet-plugin-k2", node="gpu-node",
                         namespace="nvidia-dra",
                         owner="DaemonSet/nvidia-dra-driver-gpu-kubelet-plugin",
-                        labels={"app.kubernetes.io/name": "nvidia-dra-driver-gpu"})
+                        labels={"nvidia-dra-driver-gpu-component": "kubelet-plugin"})
     api.cluster.publish_devices("gpu-node", [gpu_device(1, UUID_B), gpu_device(2, UUID_C)])
     cfg = parse(UNPLUG_CONFIG + "[kubernetes]\ngpu_api = \"dra\"\n[timeouts]\nready = \"3s\"\n",
                 "t.toml")
