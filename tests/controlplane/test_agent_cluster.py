@@ -1,0 +1,157 @@
+"""The agent's steps against the real control plane: a return to the cluster still
+waiting for the node when an owner asks must never uncordon it in the middle of the new
+drain, and a cordon of ours lifted by hand is ours no more.
+
+A real `Agent` (the control tests' fake libvirt), the real `KubeCluster` and `Kube`, and
+the real kube-apiserver; the node's status is written as the admin, the kubelet's part:
+kept NotReady so that the return waits, then made Ready once the drain has cordoned it
+(the moment a stale return would have uncordoned).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hostagent import journal
+from hostagent.agent import Agent
+from hostagent.cluster import KubeCluster
+from hostagent.config import parse
+from hostagent.inbox import HookEvent
+from hostagent.kube import Kube, cordon_marker
+from hostagent.libvirt_host import Lifecycle
+from hostagent.model import IntentSource, Observed, OwnerWants, Phase
+from tests.controlplane import ControlPlane
+from tests.unit.kube_scaffold import FAST
+from tests.unit.test_control import (  # noqa: F401 (a fixture)
+    CONFIG,
+    FakeLibvirt,
+    no_step_outlives_its_test,
+    until,
+)
+
+pytestmark = pytest.mark.usefixtures("sink")
+
+KUBE_CONFIG = (CONFIG.replace('"{relend}"', '"60s"')
+               .replace("[timeouts]", "[timeouts]\nready = \"30s\"\ndrain = \"10s\"")
+               .replace("[policy]", "[policy]\npartial = false") + "\n[kubernetes]\n")
+
+
+NODE = "gpu-node"
+
+
+class Node:
+    """The node, as the admin reads and writes it with kubectl."""
+
+    def __init__(self, plane: ControlPlane) -> None:
+        self.plane = plane
+
+    async def get(self) -> dict[str, Any]:
+        out = await asyncio.to_thread(self.plane.kubectl, "get", "node", NODE, "-o", "json")
+        node: dict[str, Any] = json.loads(out.stdout)
+        return node
+
+    async def until(self, cond: Callable[[dict[str, Any]], bool], timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond(await self.get()):
+            assert time.monotonic() < deadline, "timed out"
+            await asyncio.sleep(0.1)
+
+    async def ready(self) -> None:
+        """The kubelet's Ready, as it posts it."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        await asyncio.to_thread(self.plane.kubectl, "patch", "node", NODE,
+                                "--subresource=status", "--type=merge", "-p", json.dumps(
+            {"status": {"conditions": [{"type": "Ready", "status": "True",
+                                        "reason": "KubeletReady", "lastHeartbeatTime": stamp,
+                                        "lastTransitionTime": stamp}]}}))
+
+    async def cordon(self, unschedulable: bool) -> None:
+        """What `kubectl cordon` and `kubectl uncordon` do."""
+        await asyncio.to_thread(self.plane.kubectl, "cordon" if unschedulable else "uncordon",
+                                NODE)
+
+
+@pytest.fixture
+async def node(plane: ControlPlane) -> AsyncIterator[Node]:
+    """gpu-node with 2 GPUs, not Ready, until the test ends."""
+    plane.kubectl("create", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE},
+        "status": {"capacity": {"nvidia.com/gpu": "2", "pods": "110"},
+                   "allocatable": {"nvidia.com/gpu": "2", "pods": "110"}}}))
+    try:
+        yield Node(plane)
+    finally:
+        plane.kubectl("delete", "node", NODE, check=False)
+
+
+@pytest.fixture
+def sink() -> Iterator[journal.ListSink]:
+    listed = journal.ListSink()
+    previous = journal.use_sink(listed)
+    yield listed
+    journal.use_sink(previous)
+
+
+@pytest.fixture
+async def kube(plane: ControlPlane) -> AsyncIterator[Kube]:
+    async with await Kube.connect(plane.admin, timing=FAST) as k:
+        yield k
+
+
+async def test_a_stale_return_never_uncordons_the_node_a_new_drain_cordoned(
+        node: Node, kube: Kube, tmp_path: Path) -> None:
+    agent = Agent(parse(KUBE_CONFIG.format(root=tmp_path), "test.toml"))
+    fake = FakeLibvirt(agent)
+    agent.libvirt = fake  # type: ignore[assignment]
+    agent._fatal = asyncio.get_running_loop().create_future()
+    agent.cluster = KubeCluster(kube, agent.cfg, remember_cordon=agent._remember_cordon)
+    fake.running.add("gpu-node")
+    agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
+    await until(lambda: agent.state.phase is Phase.JOINING)
+    await asyncio.sleep(0.3)  # the return is waiting for the node to be Ready
+    await agent._on_hook(HookEvent(id="h1", time=time.time(), domain="gaming1", op="prepare",
+                                   sub="begin", extra="-", xml="<domain/>"))
+    await node.until(lambda n: n["spec"].get("unschedulable") is True)
+    await node.ready()  # a return still alive would uncordon now
+    await until(lambda: "gaming1" in fake.running, timeout=15)
+    await asyncio.sleep(0.5)
+    now = await node.get()
+    spec, notes = now["spec"], now["metadata"].get("annotations", {})
+    assert spec.get("unschedulable") is True
+    assert notes.get(cordon_marker("hostagent.io/")) == "hostagent"
+    assert agent.state.phase is Phase.OFF  # all or nothing: off while gaming1 plays
+
+
+async def test_a_cordon_of_ours_lifted_by_hand_is_ours_no_more(
+        node: Node, kube: Kube, tmp_path: Path) -> None:
+    """Our cordon while a game runs is lifted by hand (kubectl uncordon), and later an
+    administrator cordons the node: the next return leaves their cordon in place."""
+    text = KUBE_CONFIG.replace('"60s"', '"0.2s"').format(root=tmp_path)
+    agent = Agent(parse(text, "test.toml"))
+    fake = FakeLibvirt(agent)
+    agent.libvirt = fake  # type: ignore[assignment]
+    agent._fatal = asyncio.get_running_loop().create_future()
+    agent.cluster = KubeCluster(kube, agent.cfg, remember_cordon=agent._remember_cordon)
+    await node.ready()
+    fake.running.add("gpu-node")
+    agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
+    await until(lambda: agent.state.phase is Phase.LENT, timeout=15)
+    assert agent.apply(OwnerWants(at=time.time(), owner="gaming1", intent_id="p1",
+                                  source=IntentSource.CONTROL))
+    await until(lambda: "gaming1" in fake.running, timeout=15)
+    marker = cordon_marker("hostagent.io/")
+    assert (await node.get())["metadata"]["annotations"].get(marker) == "hostagent"
+    await node.cordon(False)  # kubectl uncordon, mid-game
+    await node.until(lambda n: marker not in n["metadata"].get("annotations", {}))
+    await node.cordon(True)  # kubectl cordon, an administrator's, later
+    fake.running.discard("gaming1")
+    agent.lifecycle("gaming1", Lifecycle.STOPPED)
+    await until(lambda: agent.state.phase is Phase.LENT, timeout=15)
+    assert (await node.get())["spec"].get("unschedulable") is True
