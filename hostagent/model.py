@@ -293,7 +293,8 @@ class State:
     ``lent`` until libvirt says they are gone). ``unplug_failed``: a hot-unplug failed
     since the lendee started, so every reclaim until it restarts is a restart;
     ``unplug_stuck``: the guest did not let the GPUs go when asked, and may be stuck
-    there, so a shutdown that hangs is followed by a power-off whatever the policy.
+    there: a shutdown that hangs says so in FAILED's reason (a power-off stays the
+    policy's, ``force_off``).
     ``replug``: the running lendee's GPUs changed live, or may have while the agent was
     away, since its node last returned: the next return restarts its GPU plugins first
     (they enumerate GPUs when they start). Cleared once it is lent again, or off.
