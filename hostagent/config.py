@@ -187,75 +187,23 @@ import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from hostagent.config_read import (
-    TOP_LEVEL_KEYS,
-    MQTT_VERBS,
-    _GPU_REFS,
-    _Problem,
-    _READ,
-    _absolute_path,
-    _annotation_prefix,
-    _bool,
-    _broker,
-    _build,
-    _canonical_pci,
-    _choice,
-    _control_verbs,
-    _count,
-    _duration,
-    _expected,
-    _gather,
-    _group,
-    _join,
-    _key,
-    _label_key_or_off,
-    _label_selector,
-    _list,
-    _listen,
-    _listen_or_port,
-    _mqtt_verb,
-    _optional_duration,
-    _optional_path,
-    _pci,
-    _port,
-    _positive_duration,
-    _raise_any,
-    _section,
-    _split_listen,
-    _table_of,
-    _taint,
-    _text,
-    _topic,
-    parse_duration,
+
+from hostagent.config_read import (  # the readers of each key
+    TOP_LEVEL_KEYS, MQTT_VERBS, _GPU_REFS, _Problem, _READ, _absolute_path,
+    _annotation_prefix, _bool, _broker, _build, _canonical_pci, _choice, _control_verbs,
+    _count, _duration, _expected, _gather, _group, _join, _key, _label_key_or_off,
+    _label_selector, _list, _listen, _listen_or_port, _mqtt_verb, _optional_duration,
+    _optional_path, _pci, _port, _positive_duration, _raise_any, _section,
+    _split_listen, _table_of, _taint, _text, _topic, parse_duration,
 )
 from hostagent.model import Hotplug, Regrow  # the machine's own policy values
 
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
-    "DEFAULT_PATH",
-    "Config",
-    "ConfigError",
-    "DrainTimeoutAction",
-    "Gpu",
-    "Kubernetes",
-    "Lendee",
-    "Metrics",
-    "Mqtt",
-    "Owner",
-    "Policy",
-    "Hotplug",
-    "Regrow",
-    "Ssh",
-    "SshEndpoint",
-    "Timeouts",
-    "Verify",
-    "VerifyMethod",
-    "load",
-    "parse",
+    "DEFAULT_PATH", "Config", "ConfigError", "DrainTimeoutAction", "Gpu", "Kubernetes",
+    "Lendee", "Metrics", "Mqtt", "Owner", "Policy", "Hotplug", "Regrow", "Ssh",
+    "SshEndpoint", "Timeouts", "Verify", "VerifyMethod", "load", "parse",
     "parse_duration",
 ]
 

@@ -961,22 +961,17 @@ def _shutdown_timeout(state: State, event: ShutdownTimeout, ctx: _Ctx) -> _Outco
 
 
 def _give_up_stopping(state: State, ctx: _Ctx, what: str) -> _Outcome:
-    # Never destroyed by default (I3), not even a guest stuck letting a GPU go: its
-    # driver may be mid-unbind, and a power-off then can leave the card in a state only a
-    # host reboot clears. The reason says so, and what to do.
+    # Never destroyed by default (I3), a guest stuck letting a GPU go included.
     if ctx.policy.force_off:
         return state, [ForceOff(ticket=state.ticket)]
     lendee = ctx.topo.lendee
-    stuck = (" (it did not let a GPU go when asked: its driver may hang in an unbind, "
-             "see hostagent lint)") if state.unplug_stuck else ""
+    stuck = " (it did not let a GPU go when asked)" if state.unplug_stuck else ""
     return _enter(
         state,
         Phase.FAILED,
-        reason=(
-            f"{lendee} cannot be shut down cleanly: {what}{stuck}; hostagent never "
-            f"destroys it unless force_off_after is set: stop it by hand (virsh shutdown "
-            f"{lendee}, or virsh destroy {lendee}) and the waiting VMs start"
-        ),
+        reason=(f"{lendee} cannot be shut down cleanly: {what}{stuck}; hostagent never destroys "
+                f"it unless force_off_after is set: stop it by hand (virsh shutdown {lendee}) "
+                "and the waiting VMs start"),
     ), []
 
 
