@@ -350,6 +350,27 @@ async def holding(port: int, source: str, first: bytes, stop: asyncio.Event) -> 
                 await writer.wait_closed()
 
 
+async def presses(port: int, tmp_path: Path, attackers: list[Any], *, settle: float,
+                  n: int) -> list[object]:
+    """The button pressed `n` times (`status` from 127.0.0.1) while `attackers` run, after
+    `settle` seconds of them: each press's exit status, or what stopped it."""
+    tasks = [asyncio.get_running_loop().create_task(a) for a in attackers]
+    results: list[object] = []
+    try:
+        await asyncio.sleep(settle)
+        for _ in range(n):
+            try:
+                async with client(port, BUTTON, tmp_path, local="127.0.0.1") as conn:
+                    results.append((await conn.run("status")).exit_status)
+            except (OSError, asyncssh.Error) as e:
+                results.append(repr(e))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return results
+
+
 async def test_strangers_that_reconnect_at_once_never_evict_a_key_holder(
         tmp_path: Path) -> None:
     """Five connections from the button's /24 that never authenticate and come back the
@@ -362,22 +383,8 @@ async def test_strangers_that_reconnect_at_once_never_evict_a_key_holder(
     greeting = b"SSH-2.0-OpenSSH_9.2\r\n"  # then nothing: a slot held
 
     async with ssh_endpoint(tmp_path, verbs, max_per_prefix=4, max_unauthenticated=16) as port:
-        strangers = [asyncio.get_running_loop().create_task(
-            holding(port, "127.0.0.3", greeting, stop)) for _ in range(5)]
-        try:
-            await asyncio.sleep(0.5)
-            results = []
-            for _ in range(5):
-                try:
-                    async with client(port, BUTTON, tmp_path, local="127.0.0.1") as conn:
-                        results.append((await conn.run("status")).exit_status)
-                except (OSError, asyncssh.Error) as e:
-                    results.append(repr(e))
-        finally:
-            stop.set()
-            for task in strangers:
-                task.cancel()
-            await asyncio.gather(*strangers, return_exceptions=True)
+        results = await presses(port, tmp_path, [holding(port, "127.0.0.3", greeting, stop)
+                                                 for _ in range(5)], settle=0.5, n=5)
     assert results == [0] * 5
 
 
@@ -438,43 +445,13 @@ async def test_strangers_from_many_addresses_of_its_24_never_evict_a_key_holder(
     verbs = Blocking()
     stop = asyncio.Event()
 
-    async def stranger(source: str) -> None:
-        while not stop.is_set():
-            try:
-                reader, writer = await asyncio.open_connection("127.0.0.1", port,
-                                                               local_addr=(source, 0))
-            except OSError:
-                await asyncio.sleep(0.01)
-                continue
-            try:
-                writer.write(b"SSH-2.0-OpenSSH_9.2\r\n")
-                await reader.read()
-            except OSError:
-                pass
-            finally:
-                writer.close()
-                with contextlib.suppress(OSError):
-                    await writer.wait_closed()
-
     async with ssh_endpoint(tmp_path, verbs) as port:
         async with client(port, BUTTON, tmp_path, local="127.0.0.1") as conn:  # pressed before
             assert (await conn.run("status")).exit_status == 0
-        tasks = [asyncio.get_running_loop().create_task(stranger(f"127.0.0.{10 + i % addresses}"))
-                 for i in range(strangers)]
-        try:
-            await asyncio.sleep(1)
-            results = []
-            for _ in range(10):
-                try:
-                    async with client(port, BUTTON, tmp_path, local="127.0.0.1") as conn:
-                        results.append((await conn.run("status")).exit_status)
-                except (OSError, asyncssh.Error) as e:
-                    results.append(repr(e))
-        finally:
-            stop.set()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        greeting = b"SSH-2.0-OpenSSH_9.2\r\n"
+        results = await presses(port, tmp_path, [
+            holding(port, f"127.0.0.{10 + i % addresses}", greeting, stop)
+            for i in range(strangers)], settle=1, n=10)
     assert results == [0] * 10, results
 
 
@@ -509,20 +486,7 @@ async def test_idle_offers_of_a_listed_key_never_lock_a_key_holder_out(tmp_path:
     async with ssh_endpoint(tmp_path, verbs) as port:
         async with client(port, BUTTON, tmp_path, local="127.0.0.1") as conn:  # pressed before
             assert (await conn.run("status")).exit_status == 0
-        tasks = [asyncio.get_running_loop().create_task(offerer(f"127.0.0.{10 + i}"))
-                 for i in range(40)]
-        try:
-            await asyncio.sleep(2)
-            results = []
-            for _ in range(5):
-                try:
-                    async with client(port, BUTTON, tmp_path, local="127.0.0.1") as conn:
-                        results.append((await conn.run("status")).exit_status)
-                except (OSError, asyncssh.Error) as e:
-                    results.append(repr(e))
-        finally:
-            stop.set()
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        results = await presses(port, tmp_path, [offerer(f"127.0.0.{10 + i}")
+                                                 for i in range(40)], settle=2, n=5)
+        stop.set()
     assert results == [0] * 5, results
