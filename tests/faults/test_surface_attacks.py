@@ -26,13 +26,16 @@ from tests.lab.test_control_lab import free_port, keygen, public
 
 pytestmark = pytest.mark.lab
 
-# `n` connections from `n` addresses of 127.0.0.0/24 (not the button's own) that send
-# an SSH version line and nothing more, each back the moment it is closed.
-STRANGERS = r"""
+# `n` connections from each of the addresses given that send `first` (an SSH version
+# line, or a request line and one header) and nothing more, each back the moment it is
+# closed; "holding" once `settle` seconds have let them all in (those past a listen
+# queue get in on their SYN's second try).
+HOLDING = r"""
 import asyncio, sys
-port, n = int(sys.argv[1]), int(sys.argv[2])
+port, first, settle, n, sources = (int(sys.argv[1]), sys.argv[2].encode().decode(
+    "unicode_escape").encode(), float(sys.argv[3]), int(sys.argv[4]), sys.argv[5:])
 
-async def stranger(source):
+async def hold(source):
     while True:
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port,
@@ -41,20 +44,22 @@ async def stranger(source):
             await asyncio.sleep(0.01)
             continue
         try:
-            writer.write(b"SSH-2.0-OpenSSH_9.2\r\n")
+            writer.write(first)
             await reader.read()
         except OSError:
             pass
         writer.close()
 
 async def main():
-    tasks = [asyncio.create_task(stranger(f"127.0.0.{10 + i}")) for i in range(n)]
-    await asyncio.sleep(1)
+    tasks = [asyncio.create_task(hold(s)) for s in sources for _ in range(n)]
+    await asyncio.sleep(settle)
     print("holding", flush=True)
     await asyncio.gather(*tasks)
 
 asyncio.run(main())
 """
+SSH_VERSION = r"SSH-2.0-OpenSSH_9.2\r\n"
+HALF_REQUEST = r"GET /metrics HTTP/1.1\r\nHost: x\r\n"  # never the blank line
 
 # The button, from 127.0.0.1: `presses` connections each running `status`; prints one
 # JSON list of [exit status or error, seconds] per press.
@@ -111,36 +116,6 @@ async def main():
         except (OSError, asyncssh.Error):
             pass
     print(made)
-
-asyncio.run(main())
-"""
-
-# `n` connections from each of the addresses given that send a request line and one
-# header, never the blank line, each back the moment it is closed.
-SLOWLORIS = r"""
-import asyncio, sys
-port, n, sources = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
-
-async def slow(source):
-    while True:
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port,
-                                                           local_addr=(source, 0))
-        except OSError:
-            await asyncio.sleep(0.01)
-            continue
-        try:
-            writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")
-            await reader.read()
-        except OSError:
-            pass
-        writer.close()
-
-async def main():
-    tasks = [asyncio.create_task(slow(s)) for s in sources for _ in range(n)]
-    await asyncio.sleep(3)  # those past the listen queue get in on their SYN's second try
-    print("holding", flush=True)
-    await asyncio.gather(*tasks)
 
 asyncio.run(main())
 """
@@ -227,7 +202,8 @@ def test_idle_connections_from_the_buttons_network(
         record_property: Any) -> None:
     """{n} idle SSH connections from the button's /24 during a reclaim: every press served"""
     assert presses(button, 1)[0][0] == 0  # a button that has been pressed before
-    strangers = spawn(STRANGERS, button["port"], n)
+    strangers = spawn(HOLDING, button["port"], SSH_VERSION, 1, 1,
+                      *(f"127.0.0.{10 + i}" for i in range(n)))
     try:
         assert strangers.stdout is not None and strangers.stdout.readline() == "holding\n"
         reclaim(lab, fault)
@@ -287,7 +263,8 @@ def test_a_key_holder_and_a_key_offerer_in_a_loop(
 def test_a_slowloris_on_the_metrics_port(
         lab: Lab, fault: Scenario, button: dict[str, Any], record_property: Any) -> None:
     """slowloris on the metrics port from four addresses during a reclaim: every scrape answered"""
-    attack = spawn(SLOWLORIS, button["metrics"], 4, *(f"127.0.0.{n}" for n in range(2, 6)))
+    attack = spawn(HOLDING, button["metrics"], HALF_REQUEST, 3, 4,
+                   *(f"127.0.0.{n}" for n in range(2, 6)))
     try:
         assert attack.stdout is not None and attack.stdout.readline() == "holding\n"
         reclaim(lab, fault)
