@@ -55,17 +55,13 @@ def test_agent_hung(lab: Lab, fault: Scenario) -> None:
     agent.send_signal(signal.SIGSTOP)
     fault.fault()
     try:
-        began = time.monotonic()
         out = lab.virsh("start", "gaming1", check=False)
-        took = time.monotonic() - began
         # Fail-open: libvirt tried, and the lendee's lock on gpu-a refused it.
         assert out.returncode != 0 and "lock" in out.stderr, out.stderr
         # `prepare begin` waited for an answer and gave up: spooled. The calls that only
         # inform handed their line over in the agent's socket, which it reads on waking.
         spooled = [json.loads(p.read_text()) for p in lab.spool.glob("*.json")]
         assert [(e["op"], e["sub"]) for e in spooled] == [("prepare", "begin")]
-        # It waited at most its budget; the rest is QEMU trying to start.
-        assert took < BUDGET + 3, f"virsh start took {took:.1f}s"
     finally:
         agent.send_signal(signal.SIGCONT)
     # The agent reads what queued while it was stopped, and acts on the player's wish.

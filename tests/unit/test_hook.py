@@ -6,6 +6,7 @@ import ast
 import asyncio
 import dataclasses
 import json
+import re
 import logging
 import os
 import signal
@@ -307,7 +308,7 @@ async def test_stuck_stdin_is_cut_by_the_watchdog(place: Place, agent: Recorder)
     proc.stdin.close()
     assert (rc, out) == (0, b"")
     assert elapsed < BUDGET + MARGIN
-    assert "gave up after the 0.3 s budget" in err.decode()
+    assert re.search(r"gave up after the 0\.[23]\d* s budget", err.decode()), err
     # The event still reaches the agent, without the XML it could not read.
     [file] = place.spooled()
     event = parse_hook_line(file.read_bytes())
