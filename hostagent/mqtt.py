@@ -42,6 +42,7 @@ import re
 import socket
 import ssl
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,37 @@ async def _stop(task: asyncio.Task[Any]) -> None:
     while not task.done():
         task.cancel()
         await asyncio.wait({task}, timeout=1)
+
+
+_WORDS = (b"ON", b"OFF", b"PRESS", b"online")  # what a press or a birth message says
+
+
+class _Inbound(asyncio.Queue[Any]):
+    """The client's queue of messages not read yet. Bounded, but a message that is one
+    of the words a press or a birth says never waits behind junk: other messages fill at
+    most `maxsize` (more are dropped), those words have as much room again of their own.
+    A flood of garbage then costs no press its turn before the budgets see it."""
+
+    def _init(self, maxsize: int) -> None:
+        self._queue: deque[Any] = deque()
+        self._words = 0
+
+    def full(self) -> bool:
+        return False  # put_nowait never refuses: _put keeps or drops
+
+    def _put(self, item: Any) -> None:
+        word = isinstance(item.payload, bytes) and item.payload.strip() in _WORDS
+        if word and self._words < self.maxsize:
+            self._words += 1
+            self._queue.append(item)
+        elif not word and len(self._queue) - self._words < self.maxsize:
+            self._queue.append(item)
+
+    def _get(self) -> Any:
+        item = self._queue.popleft()
+        if isinstance(item.payload, bytes) and item.payload.strip() in _WORDS:
+            self._words -= 1
+        return item
 
 
 class Device:
@@ -232,7 +264,7 @@ class Device:
                 host, port, username=self.settings.username, password=password,
                 identifier=self.client_id, keepalive=KEEPALIVE, timeout=10,
                 will=aiomqtt.Will(s.availability, ha.OFFLINE, qos=1, retain=True),
-                tls_context=tls, max_queued_incoming_messages=MAX_INCOMING,
+                tls_context=tls, max_queued_incoming_messages=MAX_INCOMING, queue_type=_Inbound,
                 protocol=aiomqtt.ProtocolVersion.V5, properties=connect,
                 logger=logging.getLogger("hostagent.mqtt")) as client:
             self.connected = True
