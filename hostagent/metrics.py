@@ -47,6 +47,7 @@ newcomer is closed. Either is counted in one log line per minute.
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 import logging
 import time
@@ -324,7 +325,7 @@ async def serve(address: tuple[str, int], metrics: Metrics, health: Health, *,
             gone(victim)
             victim.transport.abort()
         sources[source] = sources.get(source, 0) + 1
-        counted.add(writer)
+        held[writer] = source
         reading[writer] = source
         try:
             try:
@@ -355,16 +356,15 @@ async def serve(address: tuple[str, int], metrics: Metrics, health: Health, *,
 
     def gone(writer: asyncio.StreamWriter) -> None:
         """Forget a connection's slot, once (closed to make room, or finished)."""
-        if writer not in counted:
+        source = held.pop(writer, None)
+        if source is None:
             return
-        counted.discard(writer)
         reading.pop(writer, None)
-        source = str((writer.get_extra_info("peername") or ("?",))[0])
         sources[source] -= 1
         if not sources[source]:
             del sources[source]
 
-    counted: set[asyncio.StreamWriter] = set()
+    held: dict[asyncio.StreamWriter, str] = {}  # every counted connection → its address
 
     host, port = address
     # asyncio accepts up to `backlog` connections in one go before any of them is looked
@@ -381,10 +381,7 @@ def _victim(reading: dict[asyncio.StreamWriter, str], source: str, *,
         return next((w for w, s in reading.items() if s == source), None)
     if not reading:
         return None
-    counts: dict[str, int] = {}
-    for s in reading.values():
-        counts[s] = counts.get(s, 0) + 1
-    most = max(counts, key=lambda s: counts[s])
+    most = collections.Counter(reading.values()).most_common(1)[0][0]
     return next(w for w, s in reading.items() if s == most)
 
 
