@@ -100,6 +100,10 @@ async def _stop(task: asyncio.Task[Any]) -> None:
 _WORDS = (b"ON", b"OFF", b"PRESS", b"online")  # what a press or a birth message says
 
 
+def _word(message: Any) -> bool:
+    return isinstance(message.payload, bytes) and message.payload.strip() in _WORDS
+
+
 class _Inbound(asyncio.Queue[Any]):
     """The client's queue of messages not read yet. Bounded, but a message that is one
     of the words a press or a birth says never waits behind junk: other messages fill at
@@ -114,7 +118,7 @@ class _Inbound(asyncio.Queue[Any]):
         return False  # put_nowait never refuses: _put keeps or drops
 
     def _put(self, item: Any) -> None:
-        word = isinstance(item.payload, bytes) and item.payload.strip() in _WORDS
+        word = _word(item)
         if word and self._words < self.maxsize:
             self._words += 1
             self._queue.append(item)
@@ -123,7 +127,7 @@ class _Inbound(asyncio.Queue[Any]):
 
     def _get(self) -> Any:
         item = self._queue.popleft()
-        if isinstance(item.payload, bytes) and item.payload.strip() in _WORDS:
+        if _word(item):
             self._words -= 1
         return item
 
