@@ -66,13 +66,13 @@ demo: setup
 # that flood the agent (SSH, metrics, MQTT) and the real control plane's tests load the
 # CPUs themselves, and beside two other labs they starved guests past their bounds. The
 # fault suite's table, and the figures tests measure, are printed at the end whatever
-# process ran them.
+# process ran them, and the 15 slowest tests, so that a slow run says where its time went.
 TEST_PROCESSES ?= 2
 test: setup
 	@echo "the lab's Kubernetes: kube-apiserver $$($$(GO=$(GO) tests/controlplane/build.sh) kube-apiserver --version | cut -d' ' -f2)"
 	$(VENV)/bin/mypy
 	$(VENV)/bin/ruff check hostagent hooks/qemu tests bench
-	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_PROCESSES) --dist loadfile \
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_PROCESSES) --dist loadfile --durations=15 \
 	  --no-loadscope-reorder
 
 unit: setup

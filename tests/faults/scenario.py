@@ -425,8 +425,14 @@ def wait_count(lab: Lab, n: int, timeout: float = 60, **match: str) -> None:
 
 
 def wait_lent(lab: Lab, timeout: float = 60) -> None:
-    """Until the lendee is lent again (one LENT record more than now)."""
-    wait_count(lab, count(lab, event="phase", to="lent") + 1, timeout, event="phase", to="lent")
+    """Until the lendee is lent again: one LENT record more than now or, the first time
+    for an agent just started, than before its start (on a busy machine its first lend
+    can be over before the caller looks, and would then be waited for twice)."""
+    agent = lab.procs.get("agent")
+    before = lab.lent_before.pop(agent.pid, None) if agent else None
+    if before is None:
+        before = count(lab, event="phase", to="lent")
+    wait_count(lab, before + 1, timeout, event="phase", to="lent")
 
 
 def config(lab: Lab, *, relend_delay: str = "1s", guest_agent: str = "60s") -> None:

@@ -161,6 +161,9 @@ class Lab:
     extra: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # The agent's control group, as systemd would give its unit (`unit_cgroup`).
     cgroup: Path | None = None
+    # How many LENT records there were when each agent (by pid) was started: its first
+    # lend may be over before a test looks (tests/faults/scenario.py's wait_lent).
+    lent_before: dict[int, int] = field(default_factory=dict)
 
     # ---- paths -----------------------------------------------------------------
     def path(self, inside: str) -> Path:
@@ -240,6 +243,7 @@ class Lab:
         self._revive()
         # The journal outlives a test: records() only shows what came after this.
         self.mark_us = time.time_ns() // 1000
+        self.lent_before.clear()
         for dom in self.running():
             self.virsh("destroy", dom, check=False)
         self.sysfs, self.extra = self.root / "sysfs", {}
@@ -446,7 +450,9 @@ class Lab:
         group = self.cgroup = unit_cgroup()
         if group is not None:  # joined before the agent's first record: sh execs it
             argv = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", *argv]
+        lent = len(self.records(event="phase", to="lent"))
         proc = self.spawn("agent", argv, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lent_before[proc.pid] = lent
         _wait_for(lambda: proc.poll() is not None or self.agent_ready(), 30, "the agent")
         return proc
 
