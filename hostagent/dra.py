@@ -6,7 +6,7 @@ ResourceSlices, its UUID among the device's attributes (a MIG device names its G
 ``parentUUID``); a pod gets GPUs through a ResourceClaim, which the scheduler allocates
 (driver, pool, device) and reserves for the pod. So here a lend is verified by UUID
 (the slices list exactly the lent GPUs), a GPU lost is a lent UUID gone from the
-slices, and which pod holds which lent GPU is read from the claims.
+slices, and which pod holds which lent GPU is read from the claims the node's pods name.
 
 `Slices` and `Claims` keep what a list and watch of the API show (objects of the
 kubernetes-asyncio models, read defensively: the text is the cluster's), and the rest
@@ -218,8 +218,8 @@ class Slices(_Watched[_Slice]):
 
 
 class Claims(_Watched[tuple[tuple[DeviceKey, ...], tuple[str, ...]]]):
-    """The ResourceClaims of the cluster, as listed and watched: for each, the devices
-    of `driver` it was allocated and the pods (by UID) it is reserved for."""
+    """ResourceClaims as read (those the node's pods name): for each, the devices of
+    `driver` it was allocated and the pods (by UID) it is reserved for."""
 
     def _read(self, obj: Any) -> tuple[tuple[DeviceKey, ...], tuple[str, ...]] | None:
         status = getattr(obj, "status", None)

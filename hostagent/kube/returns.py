@@ -35,7 +35,7 @@ from hostagent.kube.client import (
     _pods,
     _ready,
 )
-from hostagent.kube.watches import Watches
+from hostagent.kube.watches import Watches, claim_keys
 
 
 # --- what a lend must show (no side effects) ------------------------------------------
@@ -249,7 +249,7 @@ class Returns(Watches):
             raise KubeAuthError(
                 f"node {node} advertises no {resource}, and hostagent may not read the DRA "
                 f"API: its ServiceAccount needs list and watch on "
-                f"resourceslices.resource.k8s.io and resourceclaims.resource.k8s.io "
+                f"resourceslices.resource.k8s.io and get on resourceclaims.resource.k8s.io "
                 f"(deploy/rbac.yaml grants them) ({e})", status=e.status) from e
         except KubeRequestError as e:
             if e.status != 404:
@@ -277,25 +277,14 @@ class Returns(Watches):
             f"list the ResourceSlices of {node}", lambda: self._resource.list_resource_slice(
                 field_selector=f"spec.driver={driver}"), deadline, readable=_listed)
         slices.reset(listed.items or [])
-        # Only the claims the node's pods name, each read by name: a cluster's claims
-        # are many, a node's few.
+        # Only the claims the node's pods name, each read by name (see `_read_claims`).
         pods = await self._call(
             f"list the pods of node {node}", functools.partial(
                 self._core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}"),
             deadline, readable=_pods)
-        found = []
-        for pod in pods.items or []:
-            namespace = pod.metadata.namespace
-            for name in dra.claim_names(pod):
-                try:
-                    found.append(await self._call(
-                        f"read ResourceClaim {clean(namespace, 253)}/{name}", functools.partial(
-                            self._resource.read_namespaced_resource_claim, name, namespace),
-                        deadline))
-                except KubeRequestError as e:
-                    if e.status != 404:  # a claim gone with its pod holds nothing
-                        raise
-        claims.reset(found)
+        found = await self._read_claims((key for pod in pods.items or []
+                                         for key in claim_keys(pod)), deadline)
+        claims.reset(found.values())
         return claims.pods_of([key for key, uuid in slices.every().items() if uuid in uuids])
 
     async def wait_devices(self, node: str, *, driver: str,

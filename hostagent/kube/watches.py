@@ -8,12 +8,14 @@ one Node until a condition holds (Ready, GPUs) or a deadline passes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from collections.abc import (
     AsyncIterator,
     Callable,
     Collection,
+    Iterable,
     Mapping,
 )
 from dataclasses import dataclass, field
@@ -43,6 +45,14 @@ from hostagent.kube.client import (
 )
 
 log = logging.getLogger("hostagent.kube")
+
+ClaimKey = tuple[str, str]  # (namespace, name) of a ResourceClaim
+
+
+def claim_keys(pod: Any) -> frozenset[ClaimKey]:
+    """The ResourceClaims `pod` uses (see `dra.claim_names`), by namespace and name."""
+    namespace = clean(getattr(pod.metadata, "namespace", None) or "", 253)
+    return frozenset((namespace, name) for name in dra.claim_names(pod))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,6 +90,23 @@ def requests_gpu(pod: Any, resources: Collection[str] = ("nvidia.com/gpu",)) -> 
 
 class Watches(Client):
     """A node, and the pods on it, followed."""
+
+    async def _read_claims(self, keys: Iterable[ClaimKey],
+                           deadline: float | None = None) -> dict[ClaimKey, Any]:
+        """The ResourceClaims `keys` name, each read by name (one gone is left out): the
+        claims of a node's pods, never the cluster's, which are many where the node's are
+        few, and which hostagent may not list (deploy/rbac.yaml grants get alone)."""
+        found: dict[ClaimKey, Any] = {}
+        for namespace, name in sorted(set(keys)):
+            try:
+                found[(namespace, name)] = await self._call(
+                    f"read ResourceClaim {namespace}/{name}", functools.partial(
+                        self._resource.read_namespaced_resource_claim, name, namespace),
+                    deadline if deadline is not None else self._deadline(None))
+            except KubeRequestError as e:
+                if e.status != 404:  # a claim gone with its pod holds nothing
+                    raise
+        return found
 
     async def _watch_node(
         self, node: str, done: Callable[[Any], bool], deadline: float
@@ -207,12 +234,17 @@ class Watches(Client):
         Nothing is published before both lists are in: a node not listed yet is not a
         node deleted, and pods not listed yet are not none.
 
-        With `dra_driver` (a DRA cluster) the node's ResourceSlices of that driver and
-        the ResourceClaims are followed too: the view's `devices` are the UUIDs the
-        slices list (a GPU lost leaves them), `holders` which pod holds which, and a pod
-        holding one of them counts among the GPU pods."""
+        With `dra_driver` (a DRA cluster) the node's ResourceSlices of that driver are
+        followed too, and the ResourceClaims its pods name read: the view's `devices`
+        are the UUIDs the slices list (a GPU lost leaves them), `holders` which pod
+        holds which, and a pod holding one of them counts among the GPU pods."""
         state: dict[str, Any] = {"node": None, "pods": None, "listed": False,
                                  "names": {}, "slices": False, "claims": False}
+        # DRA: the claims each pod on the node names (pod UID -> keys), and those to
+        # read again (new, or their pod changed: a shared claim reserved for one more).
+        named: dict[str, frozenset[ClaimKey]] = {}
+        stale: set[ClaimKey] = set()
+        to_read = asyncio.Event()
         last: list[NodeView] = []
         slices = dra.Slices(dra_driver or dra.DRIVER, node)
         claims = dra.Claims(dra_driver or dra.DRIVER)
@@ -270,6 +302,11 @@ class Watches(Client):
         def pods_reset(items: list[Any]) -> None:
             state["pods"] = {p.metadata.uid: counts(p) for p in items}
             state["names"] = {p.metadata.uid: n for p in items if (n := name(p)) is not None}
+            if dra_driver is not None:  # listed again: every claim read again
+                named.clear()
+                named.update({p.metadata.uid: k for p in items if (k := claim_keys(p))})
+                stale.update(k for keys in named.values() for k in keys)
+                to_read.set()
             publish()
 
         def pods_apply(kind: str, obj: Any) -> None:
@@ -281,19 +318,52 @@ class Watches(Client):
                 if (n := name(obj)) is not None:
                     state["names"][obj.metadata.uid] = n
             state["pods"] = pods
+            if dra_driver is not None:
+                before = named.pop(obj.metadata.uid, frozenset())
+                keys = claim_keys(obj) if kind != "DELETED" else frozenset()
+                if keys:
+                    named[obj.metadata.uid] = keys
+                    stale.update(keys)
+                if keys or before:
+                    to_read.set()
             publish()
 
-        def followed(what: str, kept: dra.Slices | dra.Claims
-                     ) -> tuple[Callable[[list[Any]], None], Callable[[str, Any], None]]:
-            def reset(items: list[Any]) -> None:
-                kept.reset(items)
-                state[what] = True
+        async def read_claims() -> None:
+            """The claims the node's pods name, read by name whenever a pod naming one
+            comes, changes or goes (the scheduler reserves a claim before it binds a pod
+            to the node, so the claim read then names the pod)."""
+            read: dict[ClaimKey, Any] = {}
+            attempt = 0
+            while True:
+                await to_read.wait()
+                to_read.clear()
+                wanted = {k for keys in named.values() for k in keys}
+                again = stale & wanted
+                stale.clear()
+                try:
+                    fresh = await self._read_claims(again)
+                except (KubeUnavailable, KubeRequestError) as e:
+                    log.debug("reading the claims of %s's pods: %s", node, e)
+                    stale.update(again)
+                    to_read.set()
+                    await asyncio.sleep(self._backoff(attempt))
+                    attempt += 1
+                    continue
+                attempt = 0
+                read = {k: v for k, v in read.items() if k in wanted and k not in again}
+                read.update(fresh)
+                claims.reset(read.values())
+                state["claims"] = True
                 publish()
 
-            def apply(kind: str, obj: Any) -> None:
-                kept.apply(kind, obj)
-                publish()
-            return reset, apply
+        def slices_reset(items: list[Any]) -> None:
+            slices.reset(items)
+            state["slices"] = True
+            publish()
+
+        def slices_apply(kind: str, obj: Any) -> None:
+            slices.apply(kind, obj)
+            publish()
 
         try:
             async with asyncio.TaskGroup() as group:
@@ -304,13 +374,8 @@ class Watches(Client):
                 if dra_driver is not None:
                     group.create_task(self._follow(
                         "list_resource_slice", f"spec.driver={dra_driver}",
-                        *followed("slices", slices), api="_resource"))
-                    # The library guesses "V1ResourceClaim" from the list's type, a
-                    # name its models lack: the watch is told the class.
-                    group.create_task(self._follow(
-                        "list_resource_claim_for_all_namespaces", "",
-                        *followed("claims", claims), api="_resource",
-                        return_type="ResourceV1ResourceClaim"))
+                        slices_reset, slices_apply, api="_resource"))
+                    group.create_task(read_claims())
         except ExceptionGroup as group_error:
             _raise_auth_error(group_error)
             raise

@@ -7,7 +7,14 @@ bound to it and posts their status (Running, Ready), and when a pod is deleted s
 containers within the grace period and then deletes it for good (grace period 0,
 status_manager). The lab has no container runtime: a pod's containers "stop" when its
 grace period, times `grace_scale`, has passed. The node's Ready condition and its GPUs
-are tests/kubeapi/kubelet.py's Kubelet's part, which runs beside this one.
+are tests/kubeapi/kubelet.py's Kubelet's part, which runs beside this one; with `ready`
+this one posts Ready itself (a node whose GPUs are DRA devices, which the node's
+status does not carry).
+
+DRA: a real kubelet's DRA manager (pkg/kubelet/cm/dra) calls the driver's
+NodePrepareResources for a pod's claims before its containers start, and
+NodeUnprepareResources after they stop; the lab has no driver process to call, so
+this one skips both and starts a pod whose claims the scheduler reserved for it.
 """
 
 from __future__ import annotations
@@ -34,9 +41,12 @@ def _stamp() -> str:
 
 class Pods:
     def __init__(self, kubeconfig: Path, node: str, *, grace_scale: float = 0.05,
-                 interval: float = 0.2, lease_every: float = 10.0) -> None:
+                 interval: float = 0.2, lease_every: float = 10.0,
+                 ready: bool = False) -> None:
         self.kubeconfig = kubeconfig
         self.node = node
+        self.ready = ready
+        self._ready_since = ""
         self.grace_scale = grace_scale
         self.interval = interval
         self.lease_every = lease_every
@@ -75,6 +85,8 @@ class Pods:
                 try:
                     if loop.time() - renewed >= self.lease_every:
                         await self._renew(leases)
+                        if self.ready:
+                            await self._post_ready(core)
                         renewed = loop.time()
                     await self._sync(core)
                 except (ApiException, aiohttp.ClientError, OSError, TimeoutError) as e:
@@ -93,6 +105,14 @@ class Pods:
                                         "containerRuntimeVersion": "lab://0",
                                         "operatingSystem": "linux", "architecture": "amd64"}},
             }, _request_timeout=5)
+
+    async def _post_ready(self, core: Any) -> None:
+        stamp = _stamp()
+        self._ready_since = self._ready_since or stamp
+        await core.patch_node_status(self.node, {"status": {"conditions": [
+            {"type": "Ready", "status": "True", "reason": "KubeletReady",
+             "message": "kubelet is posting ready status", "lastHeartbeatTime": stamp,
+             "lastTransitionTime": self._ready_since}]}}, _request_timeout=5)
 
     async def _renew(self, leases: Any) -> None:
         spec = {"holderIdentity": self.node, "leaseDurationSeconds": 40,

@@ -19,7 +19,7 @@ import pytest
 import yaml  # type: ignore[import-untyped]
 
 from hostagent.kube import Kube, Taint
-from hostagent.kube.drain import DrainTimeoutAction
+from hostagent.config import DrainTimeoutAction
 from tests.controlplane import ControlPlane
 from tests.unit.kube_scaffold import FAST
 
@@ -37,7 +37,8 @@ def rules() -> set[tuple[str, str, str]]:
             for resource in rule["resources"] for verb in rule["verbs"]}
 
 
-# How each call of the kubernetes client in hostagent/kube maps onto a rule.
+# How each call of the kubernetes client in hostagent/kube maps onto a rule. None lists
+# ResourceClaims: the agent reads those its node's pods name, never the cluster's.
 CALLS = {
     "read_node": ("", "nodes", "get"),
     "list_node": ("", "nodes", "list"),
@@ -49,11 +50,9 @@ CALLS = {
     "create_namespaced_event": ("", "events", "create"),
     "list_device_class": ("resource.k8s.io", "deviceclasses", "list"),
     "list_resource_slice": ("resource.k8s.io", "resourceslices", "list"),
-    "list_resource_claim_for_all_namespaces": ("resource.k8s.io", "resourceclaims", "list"),
     "read_namespaced_resource_claim": ("resource.k8s.io", "resourceclaims", "get"),
 }
-WATCHED = {"list_node", "list_pod_for_all_namespaces", "list_resource_slice",
-           "list_resource_claim_for_all_namespaces"}
+WATCHED = {"list_node", "list_pod_for_all_namespaces", "list_resource_slice"}
 
 
 def calls_in_code() -> set[str]:

@@ -1,0 +1,308 @@
+"""DRA end to end through the real control plane: NVIDIA's driver publishes the node's
+GPUs (tests/controlplane/nvidia.py, as k8s-dra-driver-gpu main at 22407113 does), the
+real kube-controller-manager makes each pod's ResourceClaim from its template, the real
+kube-scheduler allocates it from those slices, reserves it for the pod and binds the
+pod to the node, whose kubelet stand-in (tests/controlplane/kubelet.py) starts it; and
+hostagent, as its ServiceAccount under deploy/rbac.yaml alone, tells which pod holds
+which lent GPU, drains only the pods of a GPU reclaimed live, and counts a GPU its
+driver taints unhealthy as lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hostagent import journal
+from hostagent.cluster import KubeCluster
+from hostagent.config import Config, parse
+from hostagent.health import CheckFailed
+from hostagent.kube import Kube
+from tests.controlplane import ControlPlane
+from tests.controlplane.kubelet import Pods
+from tests.controlplane.nvidia import DEVICE_CLASS, DRIVER, Driver, gpu, health_taint
+from tests.controlplane.test_rbac import agent_kubeconfig
+from tests.unit.kube_scaffold import FAST
+
+NODE = "gpu-node"
+PREFIX = "hostagent.io/"
+UUID_A = "GPU-5f2ab1c4-0000-4000-8000-00000000000a"
+UUID_B = "GPU-5f2ab1c4-0000-4000-8000-00000000000b"
+LABEL = {"gpu-0": "gpu-a", "gpu-1": "gpu-b"}  # the driver's device name -> hostagent's GPU
+DEVICE = {"gpu-a": gpu(0, UUID_A), "gpu-b": gpu(1, UUID_B)}
+NAMESPACES = itertools.count()
+
+
+def config() -> Config:
+    return parse(f"""
+[lendee]
+domain = "{NODE}"
+gpus = ["gpu-a", "gpu-b"]
+
+[gpus.gpu-a]
+pci = "0000:01:00.0"
+uuid = "{UUID_A}"
+
+[gpus.gpu-b]
+pci = "0000:02:00.0"
+uuid = "{UUID_B}"
+
+[timeouts]
+drain = "30s"
+ready = "15s"
+
+[kubernetes]
+drain_unmanaged = true
+""", "test.toml")
+
+
+@dataclass
+class Lab:
+    plane: ControlPlane
+    namespace: str
+    driver: Driver
+    kube: Kube  # the agent's, under deploy/rbac.yaml
+    cluster: KubeCluster
+
+    async def kubectl(self, *args: str, input: str | None = None) -> str:
+        return (await asyncio.to_thread(self.plane.kubectl, *args, input=input)).stdout
+
+    async def create(self, *objects: dict[str, Any]) -> None:
+        await self.kubectl("create", "-n", self.namespace, "-f", "-", input=json.dumps(
+            {"apiVersion": "v1", "kind": "List", "items": list(objects)}))
+
+    async def get(self, kind: str, name: str = "") -> Any:
+        return json.loads(await self.kubectl("get", kind, *([name] if name else []),
+                                             "-n", self.namespace, "-o", "json"))
+
+    async def pods(self) -> dict[str, dict[str, Any]]:
+        return {p["metadata"]["name"]: p for p in (await self.get("pods"))["items"]
+                if not p["metadata"].get("deletionTimestamp")}
+
+    async def running(self, *names: str) -> dict[str, dict[str, Any]]:
+        async def check() -> bool:
+            pods = await self.pods()
+            return all(pods.get(n, {}).get("status", {}).get("phase") == "Running"
+                       for n in names)
+        await until(check, f"{', '.join(names)} Running")
+        return await self.pods()
+
+    async def claim_of(self, pod: str) -> dict[str, Any]:
+        """The claim the pod uses, as its status names it."""
+        status = (await self.get("pod", pod))["status"]
+        name = next(s["resourceClaimName"] for s in status["resourceClaimStatuses"])
+        claim: dict[str, Any] = await self.get("resourceclaim", name)
+        return claim
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g}s: {what}")
+        await asyncio.sleep(0.2)
+
+
+async def settled(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    async def check() -> bool:
+        return condition()
+    await until(check, what, timeout)
+
+
+def devices(claim: dict[str, Any]) -> list[str]:
+    return [r["device"] for r in claim["status"]["allocation"]["devices"]["results"]]
+
+
+@pytest.fixture(autouse=True)
+def records() -> Iterator[journal.ListSink]:
+    sink = journal.ListSink()
+    previous = journal.use_sink(sink)
+    yield sink
+    journal.use_sink(previous)
+
+
+@pytest.fixture
+async def lab(plane: ControlPlane, tmp_path: Path) -> AsyncIterator[Lab]:
+    """gpu-node Ready, its two GPUs published by the driver, the driver's DeviceClass,
+    a namespace of the test's own, and the agent's Kube lent both GPUs (verified by
+    UUID, uncordoned); all of it gone when the test ends."""
+    namespace = f"dra-{next(NAMESPACES)}"
+    await asyncio.to_thread(plane.namespace, namespace)
+    await asyncio.to_thread(plane.kubectl, "apply", "-f", "-", input=json.dumps(DEVICE_CLASS))
+    node_user = plane.credential(f"kubelet-{NODE}", f"system:node:{NODE}", "system:nodes")
+    kubeconfig = agent_kubeconfig(plane, tmp_path / "agent.kubeconfig")
+    try:
+        async with Pods(node_user, NODE, ready=True), Driver(plane.admin, NODE) as driver, \
+                await Kube.connect(kubeconfig, timing=FAST) as kube:
+            await driver.publish([DEVICE["gpu-a"], DEVICE["gpu-b"]])
+
+            async def schedulable() -> bool:
+                node = json.loads((await asyncio.to_thread(
+                    plane.kubectl, "get", "node", NODE, "-o", "json")).stdout)
+                return not node["spec"].get("taints")
+            await until(schedulable, f"{NODE} schedulable")
+            cluster = KubeCluster(kube, config(), remember_cordon=lambda _: None)
+            await kube.cordon(NODE, marker_prefix=PREFIX)
+            assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+            try:
+                yield Lab(plane, namespace, driver, kube, cluster)
+            finally:
+                await cluster.flush_events()
+                await asyncio.to_thread(plane.kubectl, "delete", "namespace", namespace,
+                                        "--wait=false")
+                await asyncio.to_thread(plane.kubectl, "delete", "pods", "-n", namespace,
+                                        "--all", "--grace-period=0", "--force")
+                await driver.withdraw()
+    finally:
+        for args in (("delete", "node", NODE), ("delete", "lease", "-n", "kube-node-lease", NODE),
+                     ("delete", "deviceclass", DRIVER)):
+            await asyncio.to_thread(plane.kubectl, *args, "--ignore-not-found")
+
+
+def template(name: str = "gpu") -> dict[str, Any]:
+    """A ResourceClaimTemplate for one GPU of the driver's DeviceClass."""
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": name},
+            "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": DRIVER}}]}}}}
+
+
+def claim(name: str, **exactly: Any) -> dict[str, Any]:
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": name},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": DRIVER, **exactly}}]}}}
+
+
+def pod(name: str, *, template: str | None = None, claim: str | None = None) -> dict[str, Any]:
+    """A pod, using a claim made from `template` or the claim named `claim`, or none."""
+    spec: dict[str, Any] = {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}],
+                            "terminationGracePeriodSeconds": 1}
+    source = {"resourceClaimTemplateName": template} if template else \
+        {"resourceClaimName": claim} if claim else None
+    if source is not None:
+        spec["resourceClaims"] = [{"name": "gpu", **source}]
+        spec["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+@contextlib.asynccontextmanager
+async def watching(lab: Lab) -> AsyncIterator[None]:
+    watch = asyncio.create_task(lab.cluster.watch_lent())
+    try:
+        yield
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+
+
+async def no_checkpoint() -> tuple[None, str]:
+    raise AssertionError("a DRA lend reads which pods use a GPU from the claims")
+
+
+async def test_a_gpu_reclaimed_live_drains_its_claims_pod_and_the_other_stays_lent(
+        lab: Lab) -> None:
+    """train-1's claim, made from its template and allocated by the scheduler, holds one
+    GPU: the agent under the shipped RBAC (get on claims, no list) names it; the GPU's
+    reclaim evicts train-1 alone; the other GPU, lent still, takes train-2."""
+    await lab.create(template(), pod("train-1", template="gpu"), pod("web"))
+    await lab.running("train-1", "web")
+    held = LABEL[devices(await lab.claim_of("train-1"))[0]]
+    other = next(g for g in DEVICE if g != held)
+    cluster = lab.cluster
+    async with watching(lab):
+        await settled(lambda: cluster.status()["holders"] == {held: f"{lab.namespace}/train-1"},
+                      f"{held} held by train-1")
+        assert cluster.view is not None and cluster.view.gpu_pods == 1
+        assert cluster.trouble is None
+    assert await cluster.vacate(["gaming1"], {held}, no_checkpoint) is None
+    assert sorted(await lab.pods()) == ["web"]
+    await until(lambda: no_claims(lab), "train-1's claim deleted with it")
+    # The guest let the GPU go: the driver publishes the other alone; the return verifies it.
+    await lab.driver.publish([DEVICE[other]])
+    assert await cluster.give_back([other]) is None
+    await lab.create(pod("train-2", template="gpu"))
+    await lab.running("train-2")
+    assert devices(await lab.claim_of("train-2")) == [DEVICE[other]["name"]]
+
+
+async def no_claims(lab: Lab) -> bool:
+    return not (await lab.get("resourceclaims"))["items"]
+
+
+async def test_one_claim_shared_by_two_pods_is_held_by_both(lab: Lab) -> None:
+    await lab.create(claim("shared"), pod("a", claim="shared"), pod("b", claim="shared"))
+    pods = await lab.running("a", "b")
+    shared = await lab.get("resourceclaim", "shared")
+    assert sorted(r["name"] for r in shared["status"]["reservedFor"]) == ["a", "b"]
+    held = LABEL[devices(shared)[0]]
+    ns = lab.namespace
+    async with watching(lab):
+        await settled(lambda: lab.cluster.status()["holders"] == {held: f"{ns}/a,{ns}/b"},
+                      f"{held} held by a and b")
+        assert lab.cluster.view is not None and lab.cluster.view.gpu_pods == 2
+    uuid = DEVICE[held]["attributes"]["uuid"]["string"]
+    assert await lab.kube.dra_holders(NODE, driver=DRIVER, uuids=[uuid], timeout=10) == {
+        pods["a"]["metadata"]["uid"], pods["b"]["metadata"]["uid"]}
+
+
+async def test_an_admin_access_claim_blocks_nothing(lab: Lab) -> None:
+    """A monitoring pod's claim of every GPU with adminAccess (its namespace labelled so,
+    as DRAAdminAccess requires) is allocated beside train-1's and holds nothing."""
+    await lab.kubectl("label", "namespace", lab.namespace,
+                      "resource.kubernetes.io/admin-access=true")
+    await lab.create(claim("monitor", allocationMode="All", adminAccess=True),
+                     pod("dcgm", claim="monitor"), template(), pod("train-1", template="gpu"))
+    pods = await lab.running("dcgm", "train-1")
+    monitor = await lab.get("resourceclaim", "monitor")
+    results = monitor["status"]["allocation"]["devices"]["results"]
+    assert sorted(r["device"] for r in results) == ["gpu-0", "gpu-1"]
+    assert all(r.get("adminAccess") is True for r in results)
+    held = LABEL[devices(await lab.claim_of("train-1"))[0]]
+    async with watching(lab):
+        await settled(lambda: lab.cluster.status()["holders"] == {
+            held: f"{lab.namespace}/train-1"}, f"{held} held by train-1 alone")
+        assert lab.cluster.view is not None and lab.cluster.view.gpu_pods == 1
+    assert await lab.kube.dra_holders(NODE, driver=DRIVER, uuids=[UUID_A, UUID_B],
+                                      timeout=10) == {pods["train-1"]["metadata"]["uid"]}
+
+
+async def test_a_lent_gpu_the_driver_taints_unhealthy_is_lost_and_given_to_no_pod(
+        lab: Lab) -> None:
+    """The driver's health check taints gpu-b (XID 79, NoSchedule) while lent: the agent
+    counts it lost, and the scheduler gives the one GPU left to one pod of two."""
+    cluster = lab.cluster
+    async with watching(lab):
+        await settled(lambda: cluster.view is not None and cluster.view.devices is not None,
+                      "the slices seen")
+        await lab.driver.publish([DEVICE["gpu-a"],
+                                  gpu(1, UUID_B, taints=[health_taint("xid", "79")])])
+        await settled(lambda: cluster.trouble is not None, "gpu-b lost")
+        assert f"gpu-b ({UUID_B})" in (cluster.trouble or "")
+        with pytest.raises(CheckFailed, match="gpu-b"):
+            await cluster.health()
+        await lab.create(template(), pod("train-1", template="gpu"),
+                         pod("train-2", template="gpu"))
+
+        async def one_left_out() -> bool:
+            pods = await lab.pods()
+            phases = sorted(p["status"].get("phase", "") for p in pods.values())
+            events = (await lab.get("events"))["items"]
+            return phases == ["Pending", "Running"] and any(
+                e["reason"] == "FailedScheduling" for e in events)
+        await until(one_left_out, "one pod Running on gpu-a, the other left Pending")
+        running = next(n for n, p in (await lab.pods()).items()
+                       if p["status"]["phase"] == "Running")
+        assert devices(await lab.claim_of(running)) == ["gpu-0"]
+        await lab.driver.publish([DEVICE["gpu-a"], DEVICE["gpu-b"]])  # healthy again
+        await settled(lambda: cluster.trouble is None, "gpu-b back")
