@@ -1,4 +1,7 @@
-"""Fixtures shared by the test topics: the lab, started once per session."""
+"""Fixtures shared by the test topics: the lab, started once per session; the real
+Kubernetes control plane, one per test process (pytest-xdist runs several), started at
+its first use and stopped at the end (tests reset what they create: their own
+namespaces, objects and nodes)."""
 
 from __future__ import annotations
 
@@ -8,11 +11,25 @@ from pathlib import Path
 
 import pytest
 
+from tests.controlplane import ControlPlane, missing
 from tests.lab.lab import Lab, need_lab
 
 # The fault suite's table and the figures tests measure, printed by whichever process
 # prints the summary.
 pytest_plugins = ["tests.faults.table", "tests.figures"]
+
+
+@pytest.fixture(scope="session")
+def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
+    reason = missing()
+    if reason:
+        pytest.skip(reason)
+    control = ControlPlane(tmp_path_factory.mktemp("controlplane")).start()
+    print(f"\nkube-apiserver {control.version()} (tests/controlplane)")
+    try:
+        yield control
+    finally:
+        control.stop()
 
 
 @pytest.fixture(scope="session")
