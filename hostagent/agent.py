@@ -30,11 +30,12 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from hostagent import clock, devices, health, journal, machine, metrics
+from hostagent import clock, devices, health, journal, lint, machine, metrics
 from hostagent import state as persisted
 from hostagent.backoff import keep_trying
 from hostagent.config import Config
@@ -46,6 +47,7 @@ from hostagent.lock import AlreadyRunning, lock_agent
 from hostagent.model import (
     Event,
     GpuPods,
+    Hotplug,
     Intent,
     IntentSource,
     LendeeStarted,
@@ -153,11 +155,14 @@ class Agent:
         regrow = cfg.policy.regrow
         if cfg.kubernetes is None and regrow is Regrow.WHEN_IDLE:
             regrow = Regrow.ALWAYS  # nothing can tell whether a GPU job runs on the node
+        hotplug = cfg.policy.hotplug
+        # "auto" is decided from the lendee's XML once libvirt answers (`_decide_hotplug`).
         self.policy = Policy(relend_delay=cfg.policy.relend_delay,
                              force_off=cfg.policy.force_off_after is not None,
                              partial=cfg.policy.partial, min_gpus=cfg.lendee.min_gpus,
                              regrow=regrow, regrow_max_wait=cfg.policy.regrow_max_wait,
-                             hotplug=cfg.policy.hotplug)
+                             hotplug=Hotplug.NONE if hotplug is Hotplug.AUTO else hotplug,
+                             hotplug_why=f"policy.hotplug = \"{hotplug}\"")
         self.cluster_given = cluster is not None
         self.lendee = cfg.lendee.domain
         # The state the parts read (`View`): only `apply` and `_load` write it.
@@ -312,6 +317,7 @@ class Agent:
         self._load()
         await self.libvirt.connect()
         await self._check_domains()
+        await self._decide_hotplug()
         kube = await self._connect_cluster()
         if self.host_booted:
             # Asked before reality is read, so that the first lend leaves their GPUs
@@ -582,6 +588,23 @@ class Agent:
                     f"{self.cfg.source}: {key}: libvirt at {self.cfg.libvirt_uri} has no domain "
                     f"{dom!r} (it has: {', '.join(sorted(defined)) or 'none'}); fix the name, "
                     f"or define the VM first (virsh define)")
+
+    async def _decide_hotplug(self) -> None:
+        """policy.hotplug = "auto": "both" where lint finds the lendee's persistent
+        definition can hot-plug its GPUs, else "none" (a regrow by restart then waits
+        for idle); journaled once, and said by status."""
+        if self.cfg.policy.hotplug is not Hotplug.AUTO:
+            return
+        try:
+            dom = lint.parse_domain(await self.libvirt.inactive_xml(self.lendee))
+            how, why = lint.hotplug_capability(dom, self.cfg)
+        except (HostError, ValueError) as e:
+            how, why = Hotplug.NONE, f"{self.lendee}'s definition could not be read: {e}"
+        self.policy = replace(self.policy, hotplug=how, hotplug_why=f"policy.hotplug = "
+                              f"\"auto\": {why}")
+        changes = lint.changes(how, self.policy.regrow, self.policy.regrow_max_wait)
+        journal.record("policy", f"{self.lendee}'s GPUs change {changes} ({why})",
+                       vm=self.lendee, result=how.value)
 
     async def _observe(self) -> None:
         running = await self.libvirt.running_domains()

@@ -324,6 +324,9 @@ def _lint(args: argparse.Namespace) -> int:
     findings = lint.lint(domains, sysfs=args.sysfs, config=cfg)
     if findings:
         print(lint.format_findings(findings))
+    note = lint.regrow_note(domains, cfg) if cfg is not None else None
+    if note:
+        print(note)
     errors = len(lint.errors(findings))
     warnings = len(findings) - errors
     print(f"{len(domains)} domain(s) checked: {errors} error(s), {warnings} warning(s)")

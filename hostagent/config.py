@@ -63,8 +63,11 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
                                             # the lendee runs only with all of its GPUs
     regrow = "when-idle"                    # add GPUs a game freed (a restart): "when-idle"
                                             # (no GPU pod on the node), "always" or "never"
-    regrow_max_wait = "2m"                  # when-idle restarts anyway after this; "": no limit
-    hotplug = "none"                        # "add": attach freed GPUs live, no restart;
+    regrow_max_wait = ""                    # when-idle restarts anyway after this ("2h");
+                                            # "" (default): never, no GPU job is killed
+    hotplug = "auto"                        # "both" where lint finds the lendee can (spare
+                                            # root ports, no acpiphp.disable), else "none";
+                                            # "add": attach freed GPUs live, no restart;
                                             # "both" (experimental): also detach a game's
                                             # GPU live, evicting only the pods using it
 
@@ -145,10 +148,14 @@ Rules beyond the types:
   a GPU (without ``[kubernetes]``: as ``"always"``), ``"always"`` after
   ``relend_delay``, ``"never"`` only when it stops for another reason.
   ``policy.regrow_max_wait`` bounds the wait of ``"when-idle"``: after it, the lendee
-  restarts and the GPU pods still running start over (``""``: no bound).
-- ``policy.hotplug = "add"`` attaches the GPUs a game freed to the running lendee
+  restarts and the GPU pods still running start over (``""``, the default: no bound,
+  so a regrow never kills a running job).
+- ``policy.hotplug = "auto"`` (the default) is ``"both"`` where `hostagent lint` finds
+  the lendee can hot-add and hot-unplug its GPUs, else ``"none"``; the agent decides
+  when it starts, and ``hostagent status`` and ``lint`` say which and why.
+  ``"add"`` attaches the GPUs a game freed to the running lendee
   (its live definition only) instead of that restart; a hot-add that fails leaves
-  them to the regrow. ``"none"`` (the default): every change is a restart.
+  them to the regrow. ``"none"``: every change is a restart.
   ``"both"`` (experimental) also takes a game's GPU from the running lendee live when
   it keeps ``min_gpus`` without it: only the pods using it are evicted, and a detach
   that fails or is in doubt falls back to the reclaim by restart. NVIDIA does not
@@ -343,12 +350,13 @@ class Policy:
     # False: all or nothing, the lendee runs only when every GPU it borrows is free.
     partial: bool = field(default=True, metadata=_key(_bool))
     regrow: Regrow = field(default=Regrow.WHEN_IDLE, metadata=_key(_choice(Regrow)))
-    # A when-idle regrow restarts the lendee anyway after this long; None: waits as long
-    # as GPU pods run. Waiting leaves the freed GPUs idle: bench/capacity.py weighs it.
-    regrow_max_wait: float | None = field(default=120.0, metadata=_key(_optional_duration))
+    # A when-idle regrow restarts the lendee anyway after this long, killing the GPU jobs
+    # that run; None: never. Waiting leaves the freed GPUs idle: bench/capacity.py weighs it.
+    regrow_max_wait: float | None = field(default=None, metadata=_key(_optional_duration))
     # "add": GPUs a game freed are attached to the running lendee, no drain, no restart;
-    # "both" (experimental): an owner's GPUs are detached live too, the restart its fallback.
-    hotplug: Hotplug = field(default=Hotplug.NONE, metadata=_key(_choice(Hotplug)))
+    # "both": an owner's GPUs are detached live too, the restart its fallback; "auto":
+    # "both" where lint finds the lendee can, else "none" (every change a restart).
+    hotplug: Hotplug = field(default=Hotplug.AUTO, metadata=_key(_choice(Hotplug)))
 
 
 class VerifyMethod(enum.StrEnum):

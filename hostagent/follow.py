@@ -158,6 +158,9 @@ def format_status(data: dict[str, Any]) -> str:
     if holders:
         lines.append("  its node's pods hold " + ", ".join(
             f"{gpu} ({pods})" for gpu, pods in sorted(holders.items())))
+    if lendee.get("changes"):
+        why = f" ({lendee['changes_why']})" if lendee.get("changes_why") else ""
+        lines.append(f"  its GPUs change {lendee['changes']}{why}")
     if lendee.get("regrow_waiting"):
         lines.append("  would take the GPUs freed since, once no pod on its node uses a GPU")
     checked = data.get("verified")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from hostagent import devices as gpu_devices
 from hostagent import gpus as inventory
-from hostagent.config import Config, Hotplug
+from hostagent.config import Config, Hotplug, Regrow
 
 __all__ = [
     "AGENT_CHANNEL",
@@ -40,6 +40,7 @@ __all__ = [
     "check_domain",
     "errors",
     "format_findings",
+    "hotplug_capability",
     "lint",
     "parse_domain",
 ]
@@ -538,7 +539,7 @@ def _against_config(domains: Sequence[Domain], config: Config) -> list[Finding]:
                 fix=f"add {label} to {key}, or remove the hostdev from {name}"))
     found += _autostart(domains, roles)
     lendee = by_name.get(config.lendee.domain)
-    if lendee is not None and config.policy.hotplug is not Hotplug.NONE:
+    if lendee is not None and config.policy.hotplug not in (Hotplug.NONE, Hotplug.AUTO):
         found += _hot_add(lendee, config)
     if lendee is not None and config.policy.hotplug is Hotplug.BOTH:
         found.append(Finding(
@@ -638,6 +639,66 @@ def _hot_add(dom: Domain, config: Config) -> list[Finding]:
             "address in the guest and its driver fails.",
             _PREF64_FIX, Severity.WARNING))
     return found
+
+
+# Kernel arguments with which a Linux guest ignores a hot-plug request: no ACPI hot-plug
+# driver (acpiphp), or the PCIe ports without their native hot-plug service.
+_NO_HOTPLUG_ARGS = ("acpiphp.disable=1", "pcie_ports=compat", "pciehp.disable=1")
+
+
+def hotplug_capability(dom: Domain, config: Config) -> tuple[Hotplug, str]:
+    """What ``policy.hotplug = "auto"`` means for the lendee `dom`: "both" when the GPUs
+    an owner may free can be attached and detached live (`_hot_add` finds no error: each
+    function in a hot-pluggable pcie-root-port of its own) and the kernel command line
+    in its XML does not turn the guest's hot-plug off; else "none". With the reason, in
+    one sentence, for `hostagent status` and `hostagent lint`."""
+    if config.policy.hotplug is not Hotplug.AUTO:
+        return config.policy.hotplug, f"policy.hotplug = \"{config.policy.hotplug}\""
+    problems = [f.what.removeprefix("policy.hotplug: ") for f in _hot_add(dom, config)
+                if f.severity is Severity.ERROR]
+    if problems:
+        return Hotplug.NONE, f"{dom.name} cannot hot-plug its GPUs: {problems[0]}"
+    cmdline = ""
+    if dom.xml:
+        found = ET.fromstring(dom.xml).find("os/cmdline")
+        cmdline = (found.text or "") if found is not None else ""
+    off = [a for a in _NO_HOTPLUG_ARGS if a in cmdline.split()]
+    if off:
+        return Hotplug.NONE, f"{dom.name}'s kernel command line has {off[0]}: it ignores hot-plug"
+    return Hotplug.BOTH, (f"{dom.name} has a spare pcie-root-port for each function of its "
+                          "owners' GPUs and its guest's hot-plug is not turned off")
+
+
+def regrow_note(domains: Sequence[Domain], config: Config) -> str | None:
+    """How the lendee's GPUs change while it runs, and why: one line for `hostagent lint`
+    (None when the lendee is not among `domains`)."""
+    lendee = next((d for d in domains if d.name == config.lendee.domain), None)
+    if lendee is None:
+        return None
+    how, why = hotplug_capability(lendee, config)
+    policy = config.policy
+    return (f"{lendee.name}: GPUs change "
+            f"{changes(how, policy.regrow, policy.regrow_max_wait)} ({why})")
+
+
+def changes(how: Hotplug, regrow: Regrow, max_wait: float | None) -> str:
+    """The lendee's regrow and reclaim under `how`, in a few words."""
+    if regrow is Regrow.ALWAYS:
+        wait = "a regrow by restart kills the GPU jobs that run (policy.regrow = \"always\")"
+    elif regrow is Regrow.NEVER:
+        wait = "no regrow by restart (policy.regrow = \"never\")"
+    elif max_wait is None:
+        wait = "a regrow by restart waits until no GPU pod runs, however long"
+    else:
+        wait = (f"a regrow by restart waits up to {max_wait:g}s (policy.regrow_max_wait) "
+                "for the GPU pods to end, then kills them")
+    match how:
+        case Hotplug.BOTH:
+            return f"live (hot-add and hot-unplug), the restart as fallback; {wait}"
+        case Hotplug.ADD:
+            return f"live when added (hot-add), by restart when a game takes one; {wait}"
+        case _:
+            return f"by restart; {wait}"
 
 
 def _int(text: str | None) -> int:

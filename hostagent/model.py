@@ -195,6 +195,10 @@ class Hotplug(enum.StrEnum):
     # hot-unplug of its GPUs, and some drivers hang an unbind begun while a client
     # holds the GPU: the agent checks that none does first, and bounds the wait.
     BOTH = "both"
+    # The configuration's default: "both" where `hostagent lint` finds the lendee can
+    # hot-add and hot-unplug, else "none" (`hostagent.lint.hotplug_capability`). The
+    # agent decides it when it starts; the machine never sees it.
+    AUTO = "auto"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,8 +217,9 @@ class Policy:
     ``regrow_max_wait``: how long a ``when-idle`` regrow waits for the node's GPU pods
     to end before it restarts the lendee anyway (None: as long as they run). Every
     second of it leaves the freed GPUs idle while the pods use the others.
-    ``hotplug``: see `Hotplug`; a hot-add that fails leaves its GPUs to a regrow by
-    restart, as ``regrow`` says, and a hot-unplug that fails to the reclaim by restart.
+    ``hotplug``: see `Hotplug` (never AUTO here); a hot-add that fails leaves its GPUs
+    to a regrow by restart, as ``regrow`` says, and a hot-unplug that fails to the
+    reclaim by restart. ``hotplug_why``: why it is what it is, for status.
     """
 
     relend_delay: float = 30.0
@@ -222,8 +227,9 @@ class Policy:
     partial: bool = True
     min_gpus: int = 1
     regrow: Regrow = Regrow.WHEN_IDLE
-    regrow_max_wait: float | None = 120.0
+    regrow_max_wait: float | None = None
     hotplug: Hotplug = Hotplug.NONE
+    hotplug_why: str = ""
 
 
 # --- what the machine remembers --------------------------------------------------------

@@ -18,7 +18,7 @@ import xml.etree.ElementTree as ElementTree
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from hostagent import clock, machine
+from hostagent import clock, lint, machine
 from hostagent.config import Config
 from hostagent.control import Reply, VerbHandler, current_caller
 from hostagent.health import Health
@@ -88,7 +88,10 @@ class Verbs:
                        "reason": state.reason, "since": self.view.phase_since,
                        "hold": state.hold, "lent": sorted(state.lent),
                        "free": sorted(machine.free_gpus(state, topo, self.policy)),
-                       "regrow_waiting": state.regrow_waiting},
+                       "regrow_waiting": state.regrow_waiting,
+                       "changes": lint.changes(self.policy.hotplug, self.policy.regrow,
+                                               self.policy.regrow_max_wait),
+                       "changes_why": self.policy.hotplug_why},
             "gpus": gpus,
             "verified": self.facts.verified,
             "owners": {o: o in state.running_owners for o in sorted(topo.owners)},

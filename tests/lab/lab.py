@@ -435,8 +435,13 @@ class Lab:
     def write_config(self, text: str | None = None, *, relend_delay: str = "2s",
                      kubeconfig: Path | None = None) -> Path:
         self.config.parent.mkdir(exist_ok=True)
-        self.config.write_text(text if text is not None else self.config_text(
-            relend_delay=relend_delay, kubeconfig=kubeconfig))
+        text = text if text is not None else self.config_text(
+            relend_delay=relend_delay, kubeconfig=kubeconfig)
+        if "hotplug =" not in text:
+            # The lab's lendee can hot-plug (libvirt gives each disk a root port), and the
+            # default would take that road; the lab's tests of the restart pin it.
+            text = text.replace("[policy]\n", '[policy]\nhotplug = "none"\n', 1)
+        self.config.write_text(text)
         return self.config
 
     def start_agent(self, *args: str) -> subprocess.Popen[bytes]:

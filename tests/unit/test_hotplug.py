@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -122,7 +123,8 @@ def test_the_configuration_takes_hotplug() -> None:
     base = (f'[lendee]\ndomain = "{LENDEE}"\ngpus = ["gpu-a"]\n'
             '[gpus.gpu-a]\npci = "0000:01:00.0"\n[policy]\n')
     assert parse(base + 'hotplug = "add"\n').policy.hotplug is Hotplug.ADD
-    assert parse(base).policy.hotplug is Hotplug.NONE
+    assert parse(base).policy.hotplug is Hotplug.AUTO
+    assert parse(base + 'hotplug = "none"\n').policy.hotplug is Hotplug.NONE
     with pytest.raises(ConfigError, match="hotplug"):
         parse(base + 'hotplug = "sometimes"\n')
 
@@ -197,6 +199,65 @@ def test_lint_says_what_keeps_a_lendee_from_hot_add() -> None:
         "hotplug='off'" for bus, f in ((1, 0), (2, 1))]
     assert hot_add_findings(lendee_xml(pref64=False)) == [
         "warning: policy.hotplug: no 64-bit prefetchable window is reserved on the root ports"]
+
+
+def test_the_default_hotplug_is_what_lint_finds_the_lendee_can_do() -> None:
+    auto = parse(LINT_CONFIG.replace('hotplug = "add"', ""))
+
+    def capability(xml: str) -> tuple[Hotplug, str]:
+        return lint.hotplug_capability(lint.parse_domain(xml), auto)
+
+    assert capability(lendee_xml()) == (Hotplug.BOTH, (
+        "gpu-node has a spare pcie-root-port for each function of its owners' GPUs and its "
+        "guest's hot-plug is not turned off"))
+    assert capability(lendee_xml(machine="pc-i440fx-7.2")) == (Hotplug.NONE, (
+        "gpu-node cannot hot-plug its GPUs: machine pc-i440fx-7.2 has no PCIe root ports"))
+    booted = lendee_xml().replace(
+        "</os>", "<kernel>/vmlinuz</kernel><cmdline>quiet acpiphp.disable=1</cmdline></os>")
+    assert capability(booted) == (Hotplug.NONE, (
+        "gpu-node's kernel command line has acpiphp.disable=1: it ignores hot-plug"))
+    # A policy set by hand is what applies, whatever the XML.
+    assert lint.hotplug_capability(lint.parse_domain(booted), parse(LINT_CONFIG))[0] is Hotplug.ADD
+    # `hostagent lint` says which applies and why, in one line.
+    assert lint.regrow_note([lint.parse_domain(booted)], auto) == (
+        "gpu-node: GPUs change by restart; a regrow by restart waits until no GPU pod runs, "
+        "however long (gpu-node's kernel command line has acpiphp.disable=1: it ignores "
+        "hot-plug)")
+    assert lint.regrow_note([lint.parse_domain(lendee_xml())], auto) == (
+        "gpu-node: GPUs change live (hot-add and hot-unplug), the restart as fallback; a "
+        "regrow by restart waits until no GPU pod runs, however long (gpu-node has a spare "
+        "pcie-root-port for each function of its owners' GPUs and its guest's hot-plug is "
+        "not turned off)")
+
+
+@pytest.mark.parametrize("xml,how,changes", [
+    (lendee_xml(), Hotplug.BOTH, "live (hot-add and hot-unplug)"),
+    (lendee_xml(machine="pc-i440fx-7.2"), Hotplug.NONE, "by restart; a regrow by restart "
+     "waits until no GPU pod runs"),
+], ids=["q35 with spare root ports", "i440fx"])
+async def test_the_agent_takes_the_default_hotplug_from_lint_and_status_says_why(
+        tmp_path: Path, xml: str, how: Hotplug, changes: str) -> None:
+    from hostagent.agent import Agent
+
+    class Definitions:
+        connected = True
+
+        async def inactive_xml(self, name: str) -> str:
+            assert name == "gpu-node"
+            return xml
+
+    text = (f'state_dir = "{tmp_path}/state"\ncontrol_socket = "{tmp_path}/c.sock"\n'
+            f'hook_socket = "{tmp_path}/h.sock"\n' + LINT_CONFIG.replace('hotplug = "add"', "")
+            + "[kubernetes]\n")
+    agent = Agent(parse(text, "test.toml"))
+    assert agent.policy.hotplug is Hotplug.NONE  # until the lendee's XML is read
+    agent.libvirt = Definitions()  # type: ignore[assignment]
+    await agent._decide_hotplug()
+    assert agent.policy.hotplug is how
+    assert agent.verbs.policy.hotplug is how and agent.recorder.policy is agent.policy
+    lendee = agent.verbs.status()["lendee"]
+    assert lendee["changes"].startswith(changes)
+    assert lendee["changes_why"].startswith('policy.hotplug = "auto": gpu-node ')
 
 
 # --- the node: the GPU plugins restarted, the new GPU advertised ---------------------------

@@ -114,7 +114,8 @@ TOPO = Topology(
 )
 OWNERS = ("gaming1", "gaming2", "gaming-win", "gaming3")
 ALL = TOPO.lendee_gpus
-POLICY = Policy(relend_delay=30.0)  # the defaults: partial, regrow when idle (≤ 2 min), min_gpus 1
+# Partial, regrow when idle (here ≤ 2 min, which kills the jobs then), min_gpus 1.
+POLICY = Policy(relend_delay=30.0, regrow_max_wait=120.0)
 UNBOUNDED = replace(POLICY, regrow_max_wait=None)  # when idle, however long that takes
 ALWAYS = replace(POLICY, regrow=Regrow.ALWAYS)
 NEVER = replace(POLICY, regrow=Regrow.NEVER)
@@ -592,9 +593,25 @@ def test_a_regrow_waiting_for_gpu_pods_is_dropped_when_the_game_restarts(policy:
     assert Drain(ticket=state.ticket) not in actions
 
 
+def test_the_default_regrow_never_kills_a_running_job() -> None:
+    # Without hot-plug a regrow is a restart: by default it waits for the node's GPU
+    # jobs to end however long they run, and begins the moment none does.
+    state = S(Phase.LENT, lent=gpus(B, C), running_owners=vms("gaming1"), gpu_pods=1)
+    policy = Policy(relend_delay=30.0)
+    state, actions = run(state, OwnerStopped(at=AT, owner="gaming1"), RelendDue(at=AT + 30),
+                         policy=policy)
+    for hour in range(1, 25):
+        state, more = go(state, GpuPods(at=AT + 3600 * hour, count=hour % 3 + 1), policy)
+        actions += more
+    assert actions == [ScheduleRelend(at=AT + 30)]
+    assert (state.phase, state.regrow_waiting) == (Phase.LENT, True)
+    state, actions = go(state, GpuPods(at=AT + 90000, count=0), policy)
+    assert (state.phase, actions) == (Phase.DRAINING, [Drain(ticket=state.ticket, regrow=True)])
+
+
 def test_a_regrow_waits_at_most_regrow_max_wait_for_gpu_pods() -> None:
-    # The default: a GPU job that outlives the wait is killed by the restart, so the
-    # freed GPU is not left idle for the rest of it.
+    # A bounded wait: a GPU job that outlives it is killed by the restart, so the freed
+    # GPU is not left idle for the rest of it.
     state = S(Phase.LENT, lent=gpus(B, C), running_owners=vms("gaming1"), gpu_pods=1)
     state, actions = run(state, OwnerStopped(at=AT, owner="gaming1"), RelendDue(at=AT + 30),
                          GpuPods(at=AT + 60, count=2))
