@@ -26,9 +26,10 @@ from typing import Any
 
 import pytest
 
-from hostagent import journal
+from hostagent import config, journal
 from tests.mosquitto import MISSING, USERS, Mosquitto
-from tests.unit.test_mqtt import Host, device_config, running
+from tests.unit.test_homeassistant import CONFIG
+from tests.unit.test_mqtt import Host, running
 
 HASS = os.environ.get("HOSTAGENT_HASS") or shutil.which("hass")
 pytestmark = [
@@ -71,10 +72,12 @@ automation:
           entity_id: button.hostagent_lend_gpus
 """
 
-# The README's dashboard card names these.
+# What a real discovery creates, README's dashboard card among them
+# (tests/packaging/test_readme.py checks that the card names only these): the owner
+# "gaming/2" of the unit tests' configuration, and README's gaming2 beside it.
 ENTITIES = {
-    "switch.hostagent_gaming1", "switch.hostagent_gaming_2", "sensor.hostagent_gpu_gpu_a",
-    "sensor.hostagent_gpu_gpu_b", "sensor.hostagent_gpu_gpu_c",
+    "switch.hostagent_gaming1", "switch.hostagent_gaming_2", "switch.hostagent_gaming2",
+    "sensor.hostagent_gpu_gpu_a", "sensor.hostagent_gpu_gpu_b", "sensor.hostagent_gpu_gpu_c",
     "binary_sensor.hostagent_gpu_node_lent", "sensor.hostagent_gpu_node_phase",
     "sensor.hostagent_gpu_node_gpus", "sensor.hostagent_last_transition",
     "switch.hostagent_hold_lending", "button.hostagent_reclaim_gpus",
@@ -109,8 +112,18 @@ def sink() -> Iterator[journal.ListSink]:
     journal.use_sink(previous)
 
 
-def stored(config: Path, name: str) -> Any:
-    path = config / ".storage" / name
+def with_gaming2(broker: Mosquitto) -> config.Config:
+    """tests/unit/test_mqtt.py's device configuration with README's second owner,
+    gaming2, on gpu-c."""
+    return config.parse(
+        CONFIG.replace("[mqtt]", '[owners.gaming2]\ngpus = ["gpu-c"]\n\n[mqtt]')
+        .replace('broker = "mqtt://127.0.0.1"',
+                 f'broker = "mqtt://127.0.0.1:{broker.port}"\nusername = "hostagent"\n'
+                 f'password_file = "{broker.root / "agent-password"}"'))
+
+
+def stored(home: Path, name: str) -> Any:
+    path = home / ".storage" / name
     return json.loads(path.read_text())["data"] if path.exists() else None
 
 
@@ -119,13 +132,15 @@ async def test_home_assistant_shows_the_device_and_its_switch_plays(
     assert HASS is not None
     broker = Mosquitto(tmp_path / "mosquitto")
     broker.start()
-    config = home_assistant(tmp_path, broker)
+    home = home_assistant(tmp_path, broker)
     host = Host()
+    host.status["owners"]["gaming2"] = False
+    host.status["gpus"][2]["owners"] = ["gaming2"]
     log = (tmp_path / "home-assistant.log").open("wb")
-    hass = await asyncio.create_subprocess_exec(HASS, "-c", str(config), "--skip-pip",
+    hass = await asyncio.create_subprocess_exec(HASS, "-c", str(home), "--skip-pip",
                                                 stdout=log, stderr=subprocess.STDOUT)
     try:
-        async with running(device_config(broker), host) as device:
+        async with running(with_gaming2(broker), host) as device:
             async with asyncio.timeout(WAIT):
                 while not host.calls:
                     assert hass.returncode is None, (tmp_path / "home-assistant.log").read_text()
@@ -146,10 +161,10 @@ async def test_home_assistant_shows_the_device_and_its_switch_plays(
             await hass.wait()
         log.close()
         broker.stop()
-    registry = stored(config, "core.entity_registry")
+    registry = stored(home, "core.entity_registry")
     found = {e["entity_id"] for e in registry["entities"] if e["platform"] == "mqtt"}
     assert ENTITIES <= found, sorted(found)
-    devices = stored(config, "core.device_registry")["devices"]
+    devices = stored(home, "core.device_registry")["devices"]
     assert [d["name"] for d in devices if ["mqtt", "hostagent"] in d["identifiers"]] == [
         "hostagent"]
     assert [e.message for e in sink.entries if e.fields.get("HOSTAGENT_VIA") == "mqtt"

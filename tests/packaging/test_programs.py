@@ -46,8 +46,9 @@ PROGRAMS: dict[str, tuple[str, ...] | str] = {
     "go": ("Go, from go.dev, builds the lab's Kubernetes once per release "
            "(tests/controlplane skips saying so when neither Go nor the cached build is "
            "there)"),
-    "hass": ("Home Assistant, a venv of its own (HOSTAGENT_HASS): "
-             "tests/integration/test_home_assistant.py skips saying so"),
+    "hass": ("Home Assistant, in a venv of its own that make test installs once "
+             "(tests/integration/hass.sh, HOSTAGENT_HASS) with a Python 3.13 the machine "
+             "has: tests/integration/test_home_assistant.py skips saying so without one"),
 }
 # Packages the declared ones come with, as dependencies of APT_PACKAGES.
 DEPENDENCIES = {"python3-minimal": "python3-venv"}
