@@ -213,17 +213,18 @@ in
               default = null;
               description = "When a lendee running with fewer GPUs restarts to add those a game freed: once no pod on its node requests a GPU (`when-idle`), after `relend_delay` (`always`), or only when it stops for another reason (`never`) (the agent's default: `\"when-idle\"`).";
             };
-            regrow_max_wait = optionalStr "How long a `when-idle` regrow waits for the node's GPU pods before it restarts the lendee anyway; `\"\"`: as long as they run (the agent's default: `\"2m\"`).";
+            regrow_max_wait = optionalStr "How long a `when-idle` regrow waits for the node's GPU pods before it restarts the lendee anyway; `\"\"`: as long as they run, killing no job (the agent's default).";
             hotplug = mkOption {
               type = types.nullOr (
                 types.enum [
                   "none"
                   "add"
                   "both"
+                  "auto"
                 ]
               );
               default = null;
-              description = "Whether GPUs a game freed are attached to the running lendee (`add`: its live definition only, no drain, no restart; one that fails waits for a regrow), also detached live when a game takes one back (`both`, experimental: only the pods using it are evicted, the restart its fallback; NVIDIA does not support hot-unplug of its GPUs) or every change is a restart (`none`) (the agent's default: `\"none\"`).";
+              description = "Whether GPUs a game freed are attached to the running lendee (`add`: its live definition only, no drain, no restart; one that fails waits for a regrow), also detached live when a game takes one back (`both`, experimental: only the pods using it are evicted, the restart its fallback; NVIDIA does not support hot-unplug of its GPUs) or every change is a restart (`none`); `auto`: `both` where `hostagent lint` finds the lendee can hot-plug, else `none` (the agent's default: `\"auto\"`).";
             };
           };
         };
