@@ -18,7 +18,8 @@ user's RBAC, whatever it presents itself. Clients must present a certificate of 
 same CA (`write_kubeconfig` gives them the admin's: the proxy, not it, decides who
 they are upstream). Answers, watches included, are
 forwarded chunk by chunk as they come. Bounded: `max_connections` open at once, request
-bodies of at most 3 MiB (the API server's own limit), the last `max_log` requests kept.
+bodies of at most 1 MiB (aiohttp's bound on a request it reads), the last `max_log`
+requests kept.
 
 The fault interface is the one the earlier stand-in's tests used: `down`, `up`,
 `down_for`, `fail`, `slow`, `clear_faults`, `requests_to`, `requests_at`; and for
@@ -46,7 +47,6 @@ from aiohttp import web
 __all__ = ["FaultProxy", "ThreadedProxy", "serve_in_thread"]
 
 T = TypeVar("T")
-MAX_BODY = 3 * 1024 * 1024  # kube-apiserver's own limit on a request body
 # Hop-by-hop headers (RFC 9110 7.6.1) and what aiohttp sets itself.
 _HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
                   "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length"})
@@ -208,8 +208,7 @@ class FaultProxy:
         """Listen again, on the same port."""
         if self._listener is not None:
             return
-        self._web = web.Server(self._handle, handler_cancellation=True,
-                               client_max_size=MAX_BODY)
+        self._web = web.Server(self._handle, handler_cancellation=True)
         self._listener = await asyncio.get_running_loop().create_server(
             self._web, self.host, self.port, ssl=self._serving(), backlog=self.max_connections)
         self.port = self._listener.sockets[0].getsockname()[1]

@@ -1,8 +1,42 @@
-"""What the tests against the API stand-in share: timings short enough for a test."""
+"""What the tests of the Kubernetes adapter share: timings short enough for a test, and
+the real control plane behind a fault proxy (`real_api`)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
 from hostagent.kube import Timing
+from tests.controlplane import ControlPlane
+from tests.controlplane.proxy import FaultProxy
+from tests.controlplane.seed import Seed
 
 FAST = Timing(request_timeout=2.0, api_timeout=3.0, backoff_min=0.02, backoff_max=0.1,
               evict_retry=0.05, delete_poll=0.02, watch_timeout=5.0)
+
+
+@dataclass
+class Api:
+    """The real control plane as a test of the adapter sees it: `proxy` in front (what
+    the client under test connects to, and its faults), `seed` behind it (the admin's
+    hands, for what the cluster holds)."""
+
+    proxy: FaultProxy
+    seed: Seed
+
+    @property
+    def url(self) -> str:
+        return self.proxy.url
+
+    def write_kubeconfig(self, path: Path) -> Path:
+        return self.proxy.write_kubeconfig(path)
+
+
+@contextlib.asynccontextmanager
+async def real_api(plane: ControlPlane, **seed_knobs: Any) -> AsyncIterator[Api]:
+    """A fault proxy before the admin's credential and a Seed, reset when it ends."""
+    async with Seed(plane, **seed_knobs) as seed, FaultProxy(plane.admin) as proxy:
+        yield Api(proxy, seed)

@@ -1,11 +1,14 @@
-"""The Kubernetes adapter against the API stand-in: cordon, drain, wait, uncordon, faults."""
+"""The Kubernetes adapter against the real kube-apiserver (the process's control plane,
+behind the fault proxy): cordon, drain, wait, uncordon, faults. Pods are run and their
+deletions ended by the lab's kubelet (tests/controlplane/kubelet.py); their owners are
+the real controllers (tests/controlplane/seed.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +34,9 @@ from hostagent.kube import (
     cordon_marker,
     plan_drain,
 )
-from tests.kubeapi import StandIn, write_kubeconfig
-from tests.kubeapi.cluster import UNSCHEDULABLE_TAINT, ready_condition
-from tests.kubeapi.rules import NODES, PODS
+from tests.controlplane import ControlPlane
+from tests.controlplane.seed import ready_condition
+from tests.unit.kube_scaffold import Api, real_api
 
 PREFIX = "hostagent.io/"
 MARKER = cordon_marker(PREFIX)
@@ -47,7 +50,7 @@ FAST = Timing(
     delete_poll=0.02,
     watch_timeout=5.0,
 )
-SCALE = 0.005  # a 30 s grace period takes 0.15 s
+NODE_WATCH = r"^/api/v1/nodes\?.*watch="
 
 
 @pytest.fixture(autouse=True)
@@ -59,16 +62,19 @@ def records() -> Iterator[journal.ListSink]:
 
 
 @pytest.fixture
-async def api() -> AsyncIterator[StandIn]:
-    async with StandIn(termination_scale=SCALE) as standin:
-        standin.cluster.add_node("gpu-node", gpus=2)
-        standin.cluster.add_node("other")
-        yield standin
+async def api(plane: ControlPlane) -> AsyncIterator[Api]:
+    """gpu-node (2 GPUs, Ready, its kubelet running: a 30 s grace period takes 0.15 s)
+    and other (Ready, no kubelet)."""
+    async with real_api(plane) as api:
+        await api.seed.node("gpu-node", gpus=2)
+        await api.seed.node("other")
+        async with api.seed.kubelet("gpu-node"):
+            yield api
 
 
 @pytest.fixture
-def kubeconfig(api: StandIn, tmp_path: Path) -> Path:
-    return write_kubeconfig(tmp_path / "kubeconfig", api.url)
+def kubeconfig(api: Api, tmp_path: Path) -> Path:
+    return api.write_kubeconfig(tmp_path / "kubeconfig")
 
 
 @pytest.fixture
@@ -81,24 +87,44 @@ def names(pods: Any) -> list[str]:
     return sorted(str(p) for p in pods)
 
 
-def on_node(api: StandIn, node: str = "gpu-node") -> list[str]:
-    return sorted(p["metadata"]["name"] for p in api.cluster.pods(node))
+async def on_node(api: Api, node: str = "gpu-node") -> list[str]:
+    return sorted(p["metadata"]["name"] for p in await api.seed.pods(node))
 
 
-def set_node_status(api: StandIn, node: str, **status: Any) -> None:
-    def change(obj: dict[str, Any]) -> dict[str, Any]:
-        obj["status"].update(status)
-        return obj
+async def set_node_status(api: Api, node: str, **status: Any) -> None:
+    await api.seed.node_status(node, **status)
 
-    api.cluster.update(NODES, None, node, change, subresource="status")
+
+async def until(cond: Callable[[], bool | Awaitable[bool]], timeout: float = 10) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        got = cond()
+        if got if isinstance(got, bool) else await got:
+            return
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def ours(node: dict[str, Any]) -> tuple[dict[str, str], list[tuple[str, str | None]]]:
+    """The node's annotations and taints that hostagent's prefix names."""
+    notes = node["metadata"].get("annotations", {})
+    return ({k: v for k, v in notes.items() if k.startswith(PREFIX)},
+            [(t["key"], t.get("value")) for t in node["spec"].get("taints", [])
+             if t["key"].startswith(PREFIX)])
 
 
 def gpus(n: int) -> ExpectedGpus:
     return ExpectedGpus(tuple(f"gpu{i}" for i in range(n)), {"nvidia.com/gpu": n}, "test")
 
 
-def later(seconds: float, fn: Any, *args: Any) -> None:
-    asyncio.get_running_loop().call_later(seconds, fn, *args)
+def later(seconds: float, fn: Callable[[], Awaitable[Any]]) -> asyncio.Task[None]:
+    """`fn()` after `seconds`, beside the test (which awaits the task before it ends)."""
+
+    async def run() -> None:
+        await asyncio.sleep(seconds)
+        await fn()
+
+    return asyncio.get_running_loop().create_task(run())
 
 
 # --- the plan (no I/O) -------------------------------------------------------------------
@@ -175,9 +201,7 @@ async def test_an_unreadable_kubeconfig_says_so(kubeconfig: Path) -> None:
         await Kube.connect(kubeconfig)
 
 
-async def test_a_node_that_does_not_exist_is_reported_not_raised(
-    kube: Kube, api: StandIn
-) -> None:
+async def test_a_node_that_does_not_exist_is_reported_not_raised(kube: Kube, api: Api) -> None:
     found = await kube.check_node("gpu-node")
     assert found.exists and found.ready and str(found) == "node gpu-node is Ready"
     # Not fatal at start: the node registers again when the lendee's kubelet starts.
@@ -194,10 +218,8 @@ async def test_a_node_that_does_not_exist_is_reported_not_raised(
         await kube.cordon("gpu-nod", marker_prefix=PREFIX)
 
 
-async def test_an_unreachable_api_is_unavailable_after_the_timeout(
-    kube: Kube, api: StandIn
-) -> None:
-    await api.down()
+async def test_an_unreachable_api_is_unavailable_after_the_timeout(kube: Kube, api: Api) -> None:
+    await api.proxy.down()
     with pytest.raises(KubeUnavailable, match="could not read node gpu-node: the API server at"):
         await kube.check_node("gpu-node", timeout=0.3)
 
@@ -205,39 +227,39 @@ async def test_an_unreachable_api_is_unavailable_after_the_timeout(
 # --- cordon and uncordon ----------------------------------------------------------------------
 
 
-async def test_cordon_marks_the_node_and_uncordon_lifts_it(kube: Kube, api: StandIn) -> None:
+async def test_cordon_marks_the_node_and_uncordon_lifts_it(kube: Kube, api: Api) -> None:
     result = await kube.cordon("gpu-node", marker_prefix=PREFIX)
     assert (result.cordoned_by_us, result.was_cordoned, result.by_someone_else) == (
         True,
         False,
         False,
     )
-    node = api.cluster.node("gpu-node")
+    node = await api.seed.get_node("gpu-node")
     assert node["spec"]["unschedulable"] is True
-    assert node["metadata"]["annotations"][MARKER] == "hostagent"
-    assert f"{PREFIX}cordoned-at" in node["metadata"]["annotations"]
+    notes, taints = ours(node)
+    assert notes[MARKER] == "hostagent" and f"{PREFIX}cordoned-at" in notes
     again = await kube.cordon("gpu-node", marker_prefix=PREFIX)
     assert (again.cordoned_by_us, again.was_cordoned) == (True, True)
     assert await kube.uncordon("gpu-node", marker_prefix=PREFIX) is True
-    node = api.cluster.node("gpu-node")
-    assert "unschedulable" not in node["spec"]
-    assert "annotations" not in node["metadata"]
-    assert "taints" not in node["spec"]
+    node = await api.seed.get_node("gpu-node")
+    assert "unschedulable" not in node["spec"]  # false: the server omits it
+    assert ours(node) == ({}, [])
 
 
 async def test_an_administrators_cordon_survives_a_whole_cycle(
-    kube: Kube, api: StandIn, records: journal.ListSink
+    kube: Kube, api: Api, records: journal.ListSink
 ) -> None:
-    api.cluster.add_node("admin", unschedulable=True, annotations={"note": "disk check"})
+    await api.seed.node("admin", unschedulable=True, annotations={"note": "disk check"})
     result = await kube.cordon("admin", marker_prefix=PREFIX)
     assert result.by_someone_else and not result.cordoned_by_us
     assert await kube.drain(
         "admin", timeout=1, emptydir_ok=True, unmanaged_ok=False, on_timeout=PROCEED
     )
     assert await kube.uncordon("admin", marker_prefix=PREFIX) is False
-    node = api.cluster.node("admin")
+    node = await api.seed.get_node("admin")
     assert node["spec"]["unschedulable"] is True
-    assert node["metadata"]["annotations"] == {"note": "disk check"}
+    assert node["metadata"]["annotations"]["note"] == "disk check"
+    assert ours(node) == ({}, [])
     messages = [e.message for e in records.entries]
     assert (
         "admin was already cordoned by someone else; hostagent will leave it cordoned" in messages
@@ -245,62 +267,68 @@ async def test_an_administrators_cordon_survives_a_whole_cycle(
     assert "left admin as it is: hostagent did not cordon it" in messages
 
 
-async def test_the_marker_on_the_node_outlives_the_agent(api: StandIn, kubeconfig: Path) -> None:
+async def test_the_marker_on_the_node_outlives_the_agent(api: Api, kubeconfig: Path) -> None:
     async with await Kube.connect(kubeconfig, timing=FAST) as first:
         await first.cordon("gpu-node", marker_prefix=PREFIX)
     async with await Kube.connect(kubeconfig, timing=FAST) as restarted:
         again = await restarted.cordon("gpu-node", marker_prefix=PREFIX)
         assert again.cordoned_by_us
         assert await restarted.uncordon("gpu-node", marker_prefix=PREFIX) is True
-    assert "unschedulable" not in api.cluster.node("gpu-node")["spec"]
+    assert "unschedulable" not in (await api.seed.get_node("gpu-node"))["spec"]
 
 
-async def test_a_write_between_read_and_patch_is_retried(kube: Kube, api: StandIn) -> None:
-    # A label written while the cordon's patch is in flight makes that patch stale (409).
-    api.slow(r"/nodes/gpu-node$", delay=0.1, times=1, method="PATCH")
-    later(0.05, api.cluster.patch, NODES, None, "gpu-node", "application/merge-patch+json",
-          b'{"metadata": {"labels": {"zone": "b"}}}')  # fmt: skip
-    await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    node = api.cluster.node("gpu-node")
+async def test_a_write_between_read_and_patch_is_retried(kube: Kube, api: Api) -> None:
+    # A label written while the cordon's patch is held makes that patch stale: the real
+    # server answers 409 Conflict to the resourceVersion it carries.
+    api.proxy.slow(r"/nodes/gpu-node$", delay=0.3, times=1, method="PATCH")
+    cordon = asyncio.create_task(kube.cordon("gpu-node", marker_prefix=PREFIX))
+    await until(lambda: bool(api.proxy.requests_to("PATCH", r"/nodes/gpu-node$")))
+    await api.seed.patch_node("gpu-node", {"metadata": {"labels": {"zone": "b"}}})
+    await cordon
+    node = await api.seed.get_node("gpu-node")
     assert node["spec"]["unschedulable"] and node["metadata"]["labels"]["zone"] == "b"
-    assert len(api.requests_to("PATCH", r"/nodes/gpu-node$")) == 2
+    assert len(api.proxy.requests_to("PATCH", r"/nodes/gpu-node$")) == 2
 
 
-async def test_annotations_and_taints_keep_what_others_put_there(kube: Kube, api: StandIn) -> None:
+async def test_annotations_and_taints_keep_what_others_put_there(kube: Kube, api: Api) -> None:
+    await api.seed.patch_node("gpu-node", {"metadata": {"annotations": {"note": "kept"}},
+                                           "spec": {"taints": [{"key": "example.com/theirs",
+                                                                "effect": "NoSchedule"}]}})
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
     lent = Taint("hostagent.io/borrowed", "NoSchedule", "true")
     await kube.annotate(
         "gpu-node", {f"{PREFIX}state": "lent", f"{PREFIX}holder": None}, add_taints=[lent]
     )
-    node = api.cluster.node("gpu-node")
-    assert node["metadata"]["annotations"][f"{PREFIX}state"] == "lent"
-    assert [(t["key"], t.get("value")) for t in node["spec"]["taints"]] == [
-        (UNSCHEDULABLE_TAINT, None),
-        ("hostagent.io/borrowed", "true"),
-    ]
+    node = await api.seed.get_node("gpu-node")
+    notes, taints = ours(node)
+    assert notes[f"{PREFIX}state"] == "lent"
+    assert taints == [("hostagent.io/borrowed", "true")]
     await kube.annotate(
         "gpu-node",
         {f"{PREFIX}state": "reclaimed", f"{PREFIX}holder": "gaming1"},
         remove_taints=[Taint("hostagent.io/borrowed")],
     )
-    node = api.cluster.node("gpu-node")
-    assert [t["key"] for t in node["spec"]["taints"]] == [UNSCHEDULABLE_TAINT]
-    assert node["metadata"]["annotations"][f"{PREFIX}holder"] == "gaming1"
-    assert node["metadata"]["annotations"][MARKER] == "hostagent"
+    node = await api.seed.get_node("gpu-node")
+    notes, taints = ours(node)
+    assert taints == []
+    assert notes[f"{PREFIX}holder"] == "gaming1" and notes[MARKER] == "hostagent"
+    assert node["metadata"]["annotations"]["note"] == "kept"
+    assert "example.com/theirs" in [t["key"] for t in node["spec"]["taints"]]
 
 
 # --- drain ------------------------------------------------------------------------------------
 
 
 async def test_drain_evicts_what_kubectl_would_and_leaves_the_rest(
-    kube: Kube, api: StandIn, records: journal.ListSink
+    kube: Kube, api: Api, records: journal.ListSink
 ) -> None:
-    c = api.cluster
-    c.add_pod("logs-x1", node="gpu-node", owner="DaemonSet/logs", namespace="kube-system")
-    c.add_pod("kube-proxy-gpu-node", node="gpu-node", mirror=True, namespace="kube-system")
-    c.add_pod("web-1", node="gpu-node", owner="ReplicaSet/web", labels={"app": "web"})
-    c.add_pod("db-0", node="gpu-node", owner="StatefulSet/db", labels={"app": "db"})
-    c.add_pod("report-7", node="gpu-node", phase="Succeeded")  # a completed bare pod
+    seed = api.seed
+    await seed.pod("logs-x1", node="gpu-node", owner="DaemonSet/logs", namespace="kube-system")
+    await seed.pod("kube-proxy-gpu-node", node="gpu-node", mirror=True, namespace="kube-system")
+    await seed.pod("web-1", node="gpu-node", owner="ReplicaSet/web", labels={"app": "web"})
+    await seed.pod("db-0", node="gpu-node", owner="StatefulSet/db", labels={"app": "db"})
+    await seed.pod("report-7", node="gpu-node", phase="Succeeded")  # a completed bare pod
+    uids = {p["metadata"]["name"]: p["metadata"]["uid"] for p in await seed.pods("gpu-node")}
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
     report = await kube.drain(
         "gpu-node", timeout=3, emptydir_ok=True, unmanaged_ok=False, on_timeout=PROCEED
@@ -311,30 +339,39 @@ async def test_drain_evicts_what_kubectl_would_and_leaves_the_rest(
         ("kube-system/kube-proxy-gpu-node", Ignored.MIRROR),
         ("kube-system/logs-x1", Ignored.DAEMONSET),
     ]
-    assert on_node(api) == ["kube-proxy-gpu-node", "logs-x1"]
-    # Replacements exist, with new UIDs, and nobody waited for them.
-    assert c.pod("default", "db-0") is not None
-    assert len([p for p in c.pods() if p["metadata"]["name"].startswith("web-")]) == 1
+    assert await on_node(api) == ["kube-proxy-gpu-node", "logs-x1"]
+    # Their controllers make replacements, with new UIDs, and nobody waited for them.
+    db = await seed.get_pod("default", "db-0")
+    assert db is None or db["metadata"]["uid"] != uids["db-0"]
+
+    async def replaced() -> bool:
+        pods = await seed.pods(namespace="default")
+        db = [p for p in pods if p["metadata"]["name"] == "db-0"]
+        web = [p for p in pods if p["metadata"]["name"].startswith("web-")]
+        return (len(db) == 1 and db[0]["metadata"]["uid"] != uids["db-0"]
+                and len(web) == 1 and web[0]["metadata"]["name"] != "web-1")
+
+    await until(replaced)
     (entry,) = [e for e in records.entries if e.fields.get("HOSTAGENT_EVENT") == "drain"]
     assert entry.fields["HOSTAGENT_RESULT"] == "ok"
     assert entry.message.startswith("drained gpu-node in ")
     assert entry.message.endswith(": 3 pods evicted")
 
 
-async def test_a_pod_already_terminating_is_waited_for(kube: Kube, api: StandIn) -> None:
-    api.cluster.add_pod("going", node="gpu-node", owner="ReplicaSet/going", grace=40)
-    api.cluster.delete(PODS, "default", "going")
+async def test_a_pod_already_terminating_is_waited_for(kube: Kube, api: Api) -> None:
+    await api.seed.pod("going", node="gpu-node", owner="ReplicaSet/going", grace=40)
+    await api.seed.delete_pod("default", "going")
     report = await kube.drain(
         "gpu-node", timeout=3, emptydir_ok=True, unmanaged_ok=False, on_timeout=PROCEED
     )
     assert names(report.waited) == ["default/going"] and not report.evicted
-    assert on_node(api) == []
+    assert await on_node(api) == []
 
 
 async def test_a_watch_sees_an_evicted_pod_go_before_the_next_poll(
-    api: StandIn, kubeconfig: Path
+    api: Api, kubeconfig: Path
 ) -> None:
-    api.cluster.add_pod("web-1", node="gpu-node", owner="ReplicaSet/web", grace=100)
+    await api.seed.pod("web-1", node="gpu-node", owner="ReplicaSet/web", grace=100)
     # A poll this slow would outlast the drain's timeout: only the watch can end it.
     timing = dataclasses.replace(FAST, delete_poll=60.0)
     async with await Kube.connect(kubeconfig, timing=timing) as kube:
@@ -343,15 +380,15 @@ async def test_a_watch_sees_an_evicted_pod_go_before_the_next_poll(
         )
     assert report.complete and names(report.evicted) == ["default/web-1"]
     # Read once while it terminates, and once more when the watch saw it deleted.
-    assert len(api.requests_to("GET", r"/pods/web-1$")) == 2
-    (watch,) = api.requests_to("GET", r"^/api/v1/pods\?.*watch=")
+    assert len(api.proxy.requests_to("GET", r"/pods/web-1$")) == 2
+    (watch,) = api.proxy.requests_to("GET", r"^/api/v1/pods\?.*watch=")
     assert "fieldSelector=spec.nodeName%3Dgpu-node" in watch
 
 
-async def test_pods_without_consent_are_named_and_left_behind(kube: Kube, api: StandIn) -> None:
-    api.cluster.add_pod("bare", node="gpu-node")
-    api.cluster.add_pod("cache-1", node="gpu-node", owner="ReplicaSet/cache", emptydir=True)
-    api.cluster.add_pod("web-1", node="gpu-node", owner="ReplicaSet/web")
+async def test_pods_without_consent_are_named_and_left_behind(kube: Kube, api: Api) -> None:
+    await api.seed.pod("bare", node="gpu-node")
+    await api.seed.pod("cache-1", node="gpu-node", owner="ReplicaSet/cache", emptydir=True)
+    await api.seed.pod("web-1", node="gpu-node", owner="ReplicaSet/web")
     report = await kube.drain(
         "gpu-node", timeout=3, emptydir_ok=False, unmanaged_ok=False, on_timeout=PROCEED
     )
@@ -361,58 +398,60 @@ async def test_pods_without_consent_are_named_and_left_behind(kube: Kube, api: S
         "default/bare (no controller would re-create it; drain_unmanaged = false)",
         "default/cache-1 (uses an emptyDir volume; drain_emptydir = false)",
     ]
-    assert on_node(api) == ["bare", "cache-1"]
+    assert await on_node(api) == ["bare", "cache-1"]
 
 
-async def test_abort_refuses_before_evicting_anything(kube: Kube, api: StandIn) -> None:
-    api.cluster.add_pod("cache-1", node="gpu-node", owner="ReplicaSet/cache", emptydir=True)
-    api.cluster.add_pod("web-1", node="gpu-node", owner="ReplicaSet/web")
+async def test_abort_refuses_before_evicting_anything(kube: Kube, api: Api) -> None:
+    await api.seed.pod("cache-1", node="gpu-node", owner="ReplicaSet/cache", emptydir=True)
+    await api.seed.pod("web-1", node="gpu-node", owner="ReplicaSet/web")
     with pytest.raises(DrainAborted) as caught:
         await kube.drain(
             "gpu-node", timeout=3, emptydir_ok=False, unmanaged_ok=False, on_timeout=ABORT
         )
     assert [p.reason for p in caught.value.report.left] == [LeftReason.EMPTYDIR]
-    assert on_node(api) == ["cache-1", "web-1"]
-    assert not api.requests_to("POST", "/eviction$")
+    assert await on_node(api) == ["cache-1", "web-1"]
+    assert not api.proxy.requests_to("POST", "/eviction$")
 
 
-async def test_force_evicts_unmanaged_pods(kube: Kube, api: StandIn) -> None:
-    api.cluster.add_pod("bare", node="gpu-node")
+async def test_force_evicts_unmanaged_pods(kube: Kube, api: Api) -> None:
+    await api.seed.pod("bare", node="gpu-node")
     report = await kube.drain(
         "gpu-node", timeout=3, emptydir_ok=False, unmanaged_ok=True, on_timeout=ABORT
     )
     assert names(report.evicted) == ["default/bare"]
-    assert api.cluster.pods() == []  # nothing re-creates it
+    assert await api.seed.pods(namespace="default") == []  # nothing re-creates it
 
 
-async def test_a_budget_that_blocks_then_allows(api: StandIn, kubeconfig: Path) -> None:
+async def test_a_budget_that_blocks_then_allows(api: Api, kubeconfig: Path) -> None:
     # Three replicas, two on this node, at least two available: the second eviction
-    # waits until the first one's replacement is Ready on another node.
-    api.cluster.replacement_node = "other"
-    api.cluster.replacement_ready_after = 0.3
-    for name, node in (("web-1", "gpu-node"), ("web-2", "gpu-node"), ("web-3", "other")):
-        api.cluster.add_pod(name, node=node, owner="ReplicaSet/web", labels={"app": "web"})
-    api.cluster.add_pdb("web", match_labels={"app": "web"}, min_available=2)
-    async with await Kube.connect(kubeconfig, timing=FAST) as kube:
-        report = await kube.drain(
-            "gpu-node", timeout=5, emptydir_ok=True, unmanaged_ok=False, on_timeout=ABORT
-        )
+    # waits until the first one's replacement is Ready on the other node (its readiness
+    # probe's delay: 1 s).
+    api.seed.replacement_node = "other"
+    api.seed.replacement_ready_after = 1
+    async with api.seed.kubelet("other"):
+        for name, node in (("web-1", "gpu-node"), ("web-2", "gpu-node"), ("web-3", "other")):
+            await api.seed.pod(name, node=node, owner="ReplicaSet/web", labels={"app": "web"})
+        await api.seed.pdb("web", match_labels={"app": "web"}, min_available=2)
+        async with await Kube.connect(kubeconfig, timing=FAST) as kube:
+            report = await kube.drain(
+                "gpu-node", timeout=10, emptydir_ok=True, unmanaged_ok=False, on_timeout=ABORT
+            )
     assert report.complete
     assert names(report.evicted) == ["default/web-1", "default/web-2"]
-    assert len(api.requests_to("POST", "/eviction$")) > 2  # at least one 429, then retried
-    assert report.duration >= 0.3
+    assert len(api.proxy.requests_to("POST", "/eviction$")) > 2  # at least one 429, retried
 
 
 async def test_a_budget_that_never_allows_is_left_behind_with_proceed(
-    kube: Kube, api: StandIn, records: journal.ListSink
+    kube: Kube, api: Api, records: journal.ListSink
 ) -> None:
-    api.cluster.add_pod("db-0", node="gpu-node", owner="StatefulSet/db", labels={"app": "db"})
-    api.cluster.add_pod("web-1", node="gpu-node", owner="ReplicaSet/web")
-    api.cluster.add_pdb("db", match_labels={"app": "db"}, max_unavailable=0)
+    await api.seed.pod("db-0", node="gpu-node", owner="StatefulSet/db", labels={"app": "db"})
+    await api.seed.pod("web-1", node="gpu-node", owner="ReplicaSet/web")
+    await api.seed.pdb("db", match_labels={"app": "db"}, max_unavailable=0)
     report = await kube.drain(
         "gpu-node", timeout=0.5, emptydir_ok=True, unmanaged_ok=False, on_timeout=PROCEED
     )
     assert names(report.evicted) == ["default/web-1"]
+    # The real server's cause (registry/core/pod/storage/eviction.go).
     assert report.left == (
         LeftPod(
             PodRef("default", "db-0"),
@@ -428,9 +467,9 @@ async def test_a_budget_that_never_allows_is_left_behind_with_proceed(
     assert "1 left behind: default/db-0 (a PodDisruptionBudget blocks its eviction" in entry.message
 
 
-async def test_a_budget_that_never_allows_aborts_with_abort(kube: Kube, api: StandIn) -> None:
-    api.cluster.add_pod("db-0", node="gpu-node", owner="StatefulSet/db", labels={"app": "db"})
-    api.cluster.add_pdb("db", match_labels={"app": "db"}, min_available="100%")
+async def test_a_budget_that_never_allows_aborts_with_abort(kube: Kube, api: Api) -> None:
+    await api.seed.pod("db-0", node="gpu-node", owner="StatefulSet/db", labels={"app": "db"})
+    await api.seed.pdb("db", match_labels={"app": "db"}, min_available="100%")
     with pytest.raises(DrainAborted) as caught:
         await kube.drain(
             "gpu-node", timeout=0.3, emptydir_ok=True, unmanaged_ok=False, on_timeout=ABORT
@@ -441,15 +480,15 @@ async def test_a_budget_that_never_allows_aborts_with_abort(kube: Kube, api: Sta
     assert str(caught.value).startswith(
         "gpu-node not fully drained after 0.3 s: 0 pods evicted, 1 left behind"
     )
-    assert on_node(api) == ["db-0"]
+    assert await on_node(api) == ["db-0"]
 
 
 async def test_two_budgets_on_one_pod_are_reported_as_misconfigured_at_once(
-    kube: Kube, api: StandIn
+    kube: Kube, api: Api
 ) -> None:
-    api.cluster.add_pod("web-1", node="gpu-node", owner="ReplicaSet/web", labels={"app": "web"})
-    api.cluster.add_pdb("web-a", match_labels={"app": "web"}, max_unavailable=1)
-    api.cluster.add_pdb("web-b", match_labels={"app": "web"}, max_unavailable=1)
+    await api.seed.pod("web-1", node="gpu-node", owner="ReplicaSet/web", labels={"app": "web"})
+    await api.seed.pdb("web-a", match_labels={"app": "web"}, max_unavailable=1)
+    await api.seed.pdb("web-b", match_labels={"app": "web"}, max_unavailable=1)
     report = await kube.drain(
         "gpu-node", timeout=5, emptydir_ok=True, unmanaged_ok=False, on_timeout=PROCEED
     )
@@ -457,27 +496,28 @@ async def test_two_budgets_on_one_pod_are_reported_as_misconfigured_at_once(
         "default/web-1 (misconfigured PodDisruptionBudget: more than one PodDisruptionBudget selects pod default/web-1)"
     ]
     assert report.duration < 1  # no retry fixes it, so none is made
-    assert len(api.requests_to("POST", "/eviction$")) == 1
+    assert len(api.proxy.requests_to("POST", "/eviction$")) == 1
 
 
-async def test_a_drain_rides_out_an_api_outage(kube: Kube, api: StandIn) -> None:
+async def test_a_drain_rides_out_an_api_outage(kube: Kube, api: Api) -> None:
     for i in range(3):
-        api.cluster.add_pod(f"web-{i}", node="gpu-node", owner="ReplicaSet/web", grace=60)
-    api.fail("/eviction$", code=503, times=2)
-    later(0.1, api.down_for, 0.4)
+        await api.seed.pod(f"web-{i}", node="gpu-node", owner="ReplicaSet/web", grace=60)
+    api.proxy.fail("/eviction$", code=503, times=2)
+    outage = later(0.1, lambda: api.proxy.down_for(0.4))
     report = await kube.drain(
         "gpu-node", timeout=5, emptydir_ok=True, unmanaged_ok=False, on_timeout=ABORT
     )
+    await outage
     assert report.complete, report.summary()
     assert names(report.evicted) == ["default/web-0", "default/web-1", "default/web-2"]
-    assert on_node(api) == []
+    assert await on_node(api) == []
 
 
 async def test_an_api_down_for_the_whole_drain_is_bounded_by_its_timeout(
-    kube: Kube, api: StandIn
+    kube: Kube, api: Api
 ) -> None:
-    api.cluster.add_pod("web-1", node="gpu-node", owner="ReplicaSet/web")
-    await api.down()
+    await api.seed.pod("web-1", node="gpu-node", owner="ReplicaSet/web")
+    await api.proxy.down()
     report = await kube.drain(
         "gpu-node", timeout=0.4, emptydir_ok=True, unmanaged_ok=False, on_timeout=PROCEED
     )
@@ -490,9 +530,10 @@ async def test_an_api_down_for_the_whole_drain_is_bounded_by_its_timeout(
         )
 
 
-async def test_a_pod_whose_kubelet_is_gone_is_left_terminating(kube: Kube, api: StandIn) -> None:
-    api.cluster.add_pod("web-1", node="gpu-node", owner="ReplicaSet/web", grace=1)
-    set_node_status(api, "gpu-node", conditions=[ready_condition("Unknown")])
+async def test_a_pod_whose_kubelet_is_gone_is_left_terminating(kube: Kube, api: Api) -> None:
+    await api.seed.pod("web-1", node="gpu-node", owner="ReplicaSet/web", grace=1)
+    await api.seed.kubelet_gone("gpu-node")
+    await set_node_status(api, "gpu-node", conditions=[ready_condition("Unknown")])
     report = await kube.drain(
         "gpu-node", timeout=0.3, emptydir_ok=True, unmanaged_ok=False, on_timeout=PROCEED
     )
@@ -500,12 +541,13 @@ async def test_a_pod_whose_kubelet_is_gone_is_left_terminating(kube: Kube, api: 
 
 
 async def test_pods_stuck_terminating_on_an_unreachable_node_do_not_hold_the_drain(
-    kube: Kube, api: StandIn
+    kube: Kube, api: Api
 ) -> None:
-    api.cluster.add_pod("web-1", node="gpu-node", owner="ReplicaSet/web", grace=1)
-    api.cluster.add_pod("old", node="gpu-node", owner="ReplicaSet/old", grace=1)
-    set_node_status(api, "gpu-node", conditions=[ready_condition("Unknown")])
-    api.cluster.delete(PODS, "default", "old")  # Terminating before the drain starts
+    await api.seed.pod("web-1", node="gpu-node", owner="ReplicaSet/web", grace=1)
+    await api.seed.pod("old", node="gpu-node", owner="ReplicaSet/old", grace=1)
+    await api.seed.kubelet_gone("gpu-node")
+    await set_node_status(api, "gpu-node", conditions=[ready_condition("Unknown")])
+    await api.seed.delete_pod("default", "old")  # Terminating before the drain starts
     report = await kube.drain(
         "gpu-node", timeout=30, emptydir_ok=True, unmanaged_ok=False, on_timeout=ABORT,
         skip_wait_for_delete_timeout=1,
@@ -514,7 +556,7 @@ async def test_pods_stuck_terminating_on_an_unreachable_node_do_not_hold_the_dra
     assert report.complete and report.duration < 5, report.summary()
     assert names(report.abandoned) == ["default/old", "default/web-1"]
     assert "2 stuck Terminating counted as gone" in report.summary()
-    assert on_node(api) == ["old", "web-1"]  # still there: no kubelet confirmed
+    assert await on_node(api) == ["old", "web-1"]  # still there: no kubelet confirmed
 
 
 def test_a_pod_deleted_long_ago_is_left_alone_by_the_plan() -> None:
@@ -535,17 +577,23 @@ def test_a_pod_deleted_long_ago_is_left_alone_by_the_plan() -> None:
 # --- waiting for the node to come back --------------------------------------------------------
 
 
-async def test_wait_ready_watches_rather_than_polls(kube: Kube, api: StandIn) -> None:
-    set_node_status(api, "gpu-node", conditions=[ready_condition("False")])
-    later(0.3, lambda: set_node_status(api, "gpu-node", conditions=[ready_condition("True")]))
-    await kube.wait_ready("gpu-node", timeout=3)
-    assert len(api.requests_to("GET", r"/nodes/gpu-node$")) == 1
-    (watch,) = api.requests_to("GET", r"/api/v1/nodes\?")
+def watches(api: Api) -> int:
+    return len(api.proxy.requests_to("GET", NODE_WATCH))
+
+
+async def test_wait_ready_watches_rather_than_polls(kube: Kube, api: Api) -> None:
+    await set_node_status(api, "gpu-node", conditions=[ready_condition("False")])
+    waiting = asyncio.create_task(kube.wait_ready("gpu-node", timeout=5))
+    await until(lambda: watches(api) == 1)
+    await set_node_status(api, "gpu-node", conditions=[ready_condition("True")])
+    await waiting
+    assert len(api.proxy.requests_to("GET", r"/nodes/gpu-node$")) == 1
+    (watch,) = api.proxy.requests_to("GET", r"/api/v1/nodes\?")
     assert "watch=True" in watch and "fieldSelector=metadata.name%3Dgpu-node" in watch
 
 
-async def test_wait_ready_says_what_the_node_last_said(kube: Kube, api: StandIn) -> None:
-    set_node_status(api, "gpu-node", conditions=[ready_condition("Unknown")])
+async def test_wait_ready_says_what_the_node_last_said(kube: Kube, api: Api) -> None:
+    await set_node_status(api, "gpu-node", conditions=[ready_condition("Unknown")])
     with pytest.raises(NodeNotReady) as caught:
         await kube.wait_ready("gpu-node", timeout=0.3)
     assert str(caught.value) == (
@@ -554,84 +602,65 @@ async def test_wait_ready_says_what_the_node_last_said(kube: Kube, api: StandIn)
     )
 
 
-async def test_wait_ready_rides_out_an_api_outage(kube: Kube, api: StandIn) -> None:
-    set_node_status(api, "gpu-node", conditions=[ready_condition("False")])
+async def test_wait_ready_rides_out_an_api_outage(kube: Kube, api: Api) -> None:
+    await set_node_status(api, "gpu-node", conditions=[ready_condition("False")])
 
     async def outage() -> None:
         await asyncio.sleep(0.1)
-        await api.down()
-        set_node_status(api, "gpu-node", conditions=[ready_condition("True")])
+        await api.proxy.down()
+        await set_node_status(api, "gpu-node", conditions=[ready_condition("True")])
         await asyncio.sleep(0.4)
-        await api.up()
+        await api.proxy.up()
 
     task = asyncio.create_task(outage())
     await kube.wait_ready("gpu-node", timeout=3)
     await task
 
 
-def on_watch(api: StandIn, number: int, act: Any) -> None:
-    """Run `act()` just before the stand-in registers its `number`th watch (from 1)."""
-    register = api.cluster.watch
-    seen = 0
-
-    def watch(*args: Any, **kwargs: Any) -> Any:
-        nonlocal seen
-        seen += 1
-        if seen == number:
-            act()
-        return register(*args, **kwargs)
-
-    api.cluster.watch = watch  # type: ignore[method-assign]
-
-
-async def test_wait_ready_resumes_after_410_expired(kubeconfig: Path) -> None:
-    async with StandIn(history=2) as api:
-        api.cluster.add_node("gpu-node", ready=False)
-        api.cluster.add_node("noisy")
-        kubeconfig = write_kubeconfig(kubeconfig, api.url)
-
-        def noise_then_ready() -> None:
-            # By the time the watch starts, its resourceVersion has left the history.
-            for i in range(4):
-                body = f'{{"metadata": {{"labels": {{"i": "{i}"}}}}}}'.encode()
-                api.cluster.patch(NODES, None, "noisy", "application/merge-patch+json", body)
-            set_node_status(api, "gpu-node", conditions=[ready_condition("True")])
-
-        on_watch(api, 1, noise_then_ready)
-        async with await Kube.connect(kubeconfig, timing=FAST) as kube:
-            await kube.wait_ready("gpu-node", timeout=3)
-        assert len(api.requests_to("GET", r"/nodes/gpu-node$")) == 2
+async def test_wait_ready_resumes_after_410_expired(kube: Kube, api: Api) -> None:
+    # The first watch is answered as the watch cache answers a resourceVersion it no
+    # longer holds; Ready comes once the second has been asked for.
+    await set_node_status(api, "gpu-node", conditions=[ready_condition("False")])
+    api.proxy.expire(r"^/api/v1/nodes$", times=1)
+    waiting = asyncio.create_task(kube.wait_ready("gpu-node", timeout=5))
+    await until(lambda: watches(api) == 2)
+    await set_node_status(api, "gpu-node", conditions=[ready_condition("True")])
+    await waiting
+    assert len(api.proxy.requests_to("GET", r"/nodes/gpu-node$")) == 2
 
 
 async def test_wait_ready_resumes_when_the_server_ends_the_watch(
-    api: StandIn, kubeconfig: Path
+    api: Api, kubeconfig: Path
 ) -> None:
-    set_node_status(api, "gpu-node", conditions=[ready_condition("False")])
-    # Ready comes while the second watch starts: only a resumed watch can see it.
-    on_watch(api, 2, lambda: set_node_status(api, "gpu-node", conditions=[ready_condition("True")]))
+    await set_node_status(api, "gpu-node", conditions=[ready_condition("False")])
+    # The server ends each watch after 1 s; Ready comes once the second has been asked
+    # for: only a resumed watch can see it.
     timing = Timing(**{**FAST.__dict__, "watch_timeout": 1.0})
     async with await Kube.connect(kubeconfig, timing=timing) as kube:
-        await kube.wait_ready("gpu-node", timeout=3)
-    assert len(api.requests_to("GET", r"/api/v1/nodes\?")) == 2
-    assert len(api.requests_to("GET", r"/nodes/gpu-node$")) == 2
+        waiting = asyncio.create_task(kube.wait_ready("gpu-node", timeout=5))
+        await until(lambda: watches(api) == 2)
+        await set_node_status(api, "gpu-node", conditions=[ready_condition("True")])
+        await waiting
+    assert watches(api) == 2
+    assert len(api.proxy.requests_to("GET", r"/nodes/gpu-node$")) == 2
 
 
-async def test_wait_gpus_returns_when_the_count_is_there(kube: Kube, api: StandIn) -> None:
-    later(0.2, lambda: set_node_status(api, "gpu-node", allocatable={"nvidia.com/gpu": "3"}))
+async def test_wait_gpus_returns_when_the_count_is_there(kube: Kube, api: Api) -> None:
+    more = later(0.2, lambda: set_node_status(api, "gpu-node",
+                                              allocatable={"nvidia.com/gpu": "3"}))
     assert await kube.wait_gpus("gpu-node", expected=gpus(3), timeout=3) == {"nvidia.com/gpu": 3}
+    await more
 
 
-async def test_wait_gpus_reports_fewer_on_timeout(kube: Kube, api: StandIn) -> None:
-    later(0.1, lambda: set_node_status(api, "gpu-node", allocatable={"nvidia.com/gpu": "1"}))
+async def test_wait_gpus_reports_fewer_on_timeout(kube: Kube, api: Api) -> None:
+    await set_node_status(api, "gpu-node", allocatable={"nvidia.com/gpu": "1"})
     found = await kube.wait_gpus("gpu-node", expected=gpus(3), timeout=0.4)
     assert found == {"nvidia.com/gpu": 1}
     amd = ExpectedGpus(("a",), {"amd.com/gpu": 1}, "test")
     assert await kube.wait_gpus("gpu-node", expected=amd, timeout=0.1) == {"amd.com/gpu": 0}
 
 
-async def test_wait_gpus_with_the_api_down_reports_what_it_last_saw(
-    kube: Kube, api: StandIn
-) -> None:
-    await api.down()
+async def test_wait_gpus_with_the_api_down_reports_what_it_last_saw(kube: Kube, api: Api) -> None:
+    await api.proxy.down()
     found = await kube.wait_gpus("gpu-node", expected=gpus(2), timeout=0.3)
     assert found == {"nvidia.com/gpu": 0}
