@@ -1,35 +1,54 @@
-"""DRA (resource.k8s.io/v1) against the API stand-in: a lend verified by UUID in the
-node's ResourceSlices, a GPU lost from them while lent, the pods whose claims hold lent
-GPUs (when-idle's count, status, the metric, the node's annotation), and the mode told
-from the cluster."""
+"""DRA (resource.k8s.io/v1), what hostagent.dra decides and, against the real
+kube-apiserver (the session's `plane`), a lend verified by UUID in
+the node's ResourceSlices as NVIDIA's driver publishes them (tests/controlplane/nvidia.py),
+a GPU lost from them or tainted unhealthy while lent, the pods whose claims hold lent
+GPUs (when-idle's count, status, the metric, the node's annotation), and which API
+serves the node's GPUs. The agent connects as its ServiceAccount under deploy/rbac.yaml.
+
+Here a claim is written as the scheduler leaves one (allocated, reserved for its pod,
+the pod bound to the node), which is quick; tests/controlplane/test_dra_cluster.py has
+the real scheduler and controller-manager make and allocate them.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Callable, Iterator
+import itertools
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes_asyncio import client
+from kubernetes_asyncio import config as kubeconfigs
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from hostagent import dra, journal
 from hostagent.cluster import KubeCluster
-from hostagent.config import Config, parse
 from hostagent.follow import format_status
+from hostagent.config import Config, parse
 from hostagent.health import CheckFailed
 from hostagent.kube import Kube
-from tests.kubeapi import StandIn
-from tests.kubeapi.cluster import gpu_device, health_taint, mig_device
-from tests.kubeapi.rules import DEVICECLASSES, EVENTS, PODS, RESOURCECLAIMS, RESOURCESLICES
+from tests.controlplane import ControlPlane
+from tests.controlplane.kubelet import Pods
+from tests.controlplane.proxy import FaultProxy
+from tests.controlplane.nvidia import DEVICE_CLASS, DRIVER, Driver, gpu, health_taint, mig
+from tests.controlplane.test_rbac import agent_kubeconfig
+from tests.unit.kube_scaffold import FAST
 
+NODE = "gpu-node"
 PREFIX = "hostagent.io/"
 UUID_A = "GPU-5f2ab1c4-0000-4000-8000-00000000000a"
 UUID_B = "GPU-5f2ab1c4-0000-4000-8000-00000000000b"
 UUID_C = "GPU-5f2ab1c4-0000-4000-8000-00000000000c"  # the host's, never lent
+NAMESPACES = itertools.count()
 
 
-def config(gpu_api: str = "auto", domain: str = "gpu-node") -> Config:
+def config(gpu_api: str = "auto", domain: str = NODE) -> Config:
     return parse(f"""
 [lendee]
 domain = "{domain}"
@@ -44,11 +63,12 @@ pci = "0000:02:00.0"
 uuid = "{UUID_B}"
 
 [timeouts]
-drain = "5s"
+drain = "10s"
 ready = "2s"
 
 [kubernetes]
 gpu_api = "{gpu_api}"
+drain_unmanaged = true
 """, "test.toml")
 
 
@@ -68,6 +88,101 @@ class FakeMetrics:
         self.holders.append(holders)
 
 
+@dataclass
+class Lab:
+    plane: ControlPlane
+    namespace: str
+    driver: Driver
+    kube: Kube  # the agent's, under deploy/rbac.yaml
+    kubeconfig: Path
+
+    async def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> str:
+        done = await asyncio.to_thread(self.plane.kubectl, *args, input=input, check=check)
+        return done.stdout
+
+    async def json(self, *args: str) -> Any:
+        return json.loads(await self.kubectl(*args, "-o", "json"))
+
+    async def node(self, name: str = NODE) -> dict[str, Any]:
+        node: dict[str, Any] = await self.json("get", "node", name)
+        return node
+
+    async def annotations(self) -> dict[str, str]:
+        return dict((await self.node())["metadata"].get("annotations") or {})
+
+    async def unschedulable(self) -> bool:
+        return bool((await self.node())["spec"].get("unschedulable"))
+
+    async def events(self) -> list[dict[str, Any]]:
+        """hostagent's Events on the node (namespace default, as the kubelet's)."""
+        items: list[dict[str, Any]] = (await self.json("get", "events", "-n", "default"))["items"]
+        return [e for e in items if e.get("source", {}).get("component") == "hostagent"
+                or e.get("reportingComponent") == "hostagent"]
+
+    async def claims(self) -> list[str]:
+        items = (await self.json("get", "resourceclaims", "-n", self.namespace))["items"]
+        return sorted(c["metadata"]["name"] for c in items)
+
+    async def pods(self) -> list[str]:
+        items = (await self.json("get", "pods", "-n", self.namespace))["items"]
+        return sorted(p["metadata"]["name"] for p in items)
+
+    async def add_pod(self, name: str, *, node: str = NODE, namespace: str | None = None,
+                      labels: dict[str, str] | None = None, claim: str | None = None
+                      ) -> dict[str, Any]:
+        """A pod bound to `node` (its kubelet stand-in starts it), using `claim`."""
+        spec: dict[str, Any] = {
+            "nodeName": node, "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]}
+        if claim is not None:
+            spec["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim}]
+            spec["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
+        body = {"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": name, "labels": labels or {}}, "spec": spec}
+        created: dict[str, Any] = json.loads(await self.kubectl(
+            "create", "-n", namespace or self.namespace, "-o", "json", "-f", "-",
+            input=json.dumps(body)))
+        return created
+
+    async def hold(self, name: str, devices: list[str], *, node: str = NODE,
+                   admin: bool = False) -> dict[str, Any]:
+        """Pod `name` on `node` holding `devices` of the node's pool through claim
+        <name>-gpu, as the scheduler leaves it: allocated, reserved for the pod; the
+        claim owned by the pod, as one made from its template is (it goes with it)."""
+        claim = f"{name}-gpu"
+        exactly: dict[str, Any] = {"deviceClassName": DRIVER, "count": len(devices)}
+        if admin:
+            exactly["adminAccess"] = True
+        await self.kubectl("create", "-n", self.namespace, "-f", "-", input=json.dumps({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"name": claim},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}}))
+        pod = await self.add_pod(name, node=node, claim=claim)
+        meta = pod["metadata"]
+        await self.kubectl("patch", "resourceclaim", "-n", self.namespace, claim, "--type=merge",
+                           "-p", json.dumps({"metadata": {"ownerReferences": [{
+                               "apiVersion": "v1", "kind": "Pod", "name": name,
+                               "uid": meta["uid"], "controller": True,
+                               "blockOwnerDeletion": True}]}}))
+        results = [{"request": "gpu", "driver": DRIVER, "pool": node, "device": d,
+                    **({"adminAccess": True} if admin else {})} for d in devices]
+        await self.kubectl("patch", "resourceclaim", "-n", self.namespace, claim,
+                           "--subresource=status", "--type=merge", "-p", json.dumps({
+                               "status": {"allocation": {
+                                   "devices": {"results": results},
+                                   "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [{
+                                       "key": "metadata.name", "operator": "In",
+                                       "values": [node]}]}]}},
+                                   "reservedFor": [{"resource": "pods", "name": name,
+                                                    "uid": meta["uid"]}]}}))
+        return pod
+
+    def cluster(self, cfg: Config | None = None,
+                metrics: FakeMetrics | None = None) -> KubeCluster:
+        return KubeCluster(self.kube, cfg or config(), remember_cordon=lambda _: None,
+                           metrics=metrics)
+
+
 @pytest.fixture(autouse=True)
 def records() -> Iterator[journal.ListSink]:
     sink = journal.ListSink()
@@ -76,26 +191,68 @@ def records() -> Iterator[journal.ListSink]:
     journal.use_sink(previous)
 
 
+@dataclass(frozen=True)
+class Accounts:
+    node: Path  # the node's kubelet: system:node:gpu-node
+    agent: Path  # the agent's ServiceAccount token, under deploy/rbac.yaml
+
+
+@pytest.fixture(scope="module")
+def accounts(plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Accounts]:
+    """What every test here uses, made once: the credentials and the driver's DeviceClass."""
+    made = Accounts(plane.credential(f"kubelet-{NODE}", f"system:node:{NODE}", "system:nodes"),
+                    agent_kubeconfig(plane, tmp_path_factory.mktemp("dra") / "agent.kubeconfig"))
+    plane.kubectl("apply", "-f", "-", input=json.dumps(DEVICE_CLASS))
+    yield made
+    plane.kubectl("delete", "deviceclass", DRIVER, "--ignore-not-found")
+
+
+async def _gone(call: Awaitable[object]) -> None:
+    with contextlib.suppress(ApiException):  # 404: gone already
+        await call
+
+
+@contextlib.asynccontextmanager
+async def dra_lab(plane: ControlPlane, accounts: Accounts) -> AsyncIterator[Lab]:
+    """A DRA node: gpu-node Ready (its kubelet stand-in), no nvidia.com/gpu in its
+    status, the driver's plugin ready to publish; a namespace of the test's own; the
+    agent's Kube. All of it gone afterwards (through the admin's client: quick)."""
+    namespace = f"dra-{next(NAMESPACES)}"
+    configuration = client.Configuration()
+    await kubeconfigs.load_kube_config(config_file=str(plane.admin),
+                                  client_configuration=configuration, persist_config=False)
+    async with client.ApiClient(configuration) as admin:
+        core, resource = client.CoreV1Api(admin), client.ResourceV1Api(admin)
+        await core.create_namespace(client.V1Namespace(
+            metadata=client.V1ObjectMeta(name=namespace)))
+        async with asyncio.timeout(30):  # pods are refused until its ServiceAccount is in
+            while True:
+                if (await core.list_namespaced_service_account(namespace)).items:
+                    break
+                await asyncio.sleep(0.05)
+        try:
+            async with Pods(accounts.node, NODE, ready=True), \
+                    Driver(plane.admin, NODE) as driver, \
+                    await Kube.connect(accounts.agent, timing=FAST) as kube:
+                yield Lab(plane, namespace, driver, kube, accounts.agent)
+        finally:
+            await _gone(core.delete_namespace(namespace))
+            await _gone(core.delete_collection_namespaced_pod(namespace, grace_period_seconds=0))
+            await _gone(resource.delete_collection_resource_slice())
+            await _gone(core.delete_node(NODE))
+            await _gone(client.CoordinationV1Api(admin).delete_namespaced_lease(
+                NODE, "kube-node-lease"))
+            await _gone(core.delete_collection_namespaced_event("default"))
+
+
 @pytest.fixture
-async def api() -> AsyncIterator[StandIn]:
-    async with StandIn(termination_scale=0.005) as standin:
-        # A DRA node: no nvidia.com/gpu in allocatable, the driver's DeviceClass installed.
-        standin.cluster.add_node("gpu-node")
-        standin.cluster.add_device_class()
-        yield standin
+async def lab(plane: ControlPlane, accounts: Accounts) -> AsyncIterator[Lab]:
+    async with dra_lab(plane, accounts) as made:
+        yield made
 
 
-def cluster_for(kube: Kube, cfg: Config | None = None,
-                metrics: FakeMetrics | None = None) -> KubeCluster:
-    return KubeCluster(kube, cfg or config(), remember_cordon=lambda _: None, metrics=metrics)
-
-
-def publish(api: StandIn, *uuids: str) -> None:
-    api.cluster.publish_devices("gpu-node", [gpu_device(i, u) for i, u in enumerate(uuids)])
-
-
-def later(seconds: float, fn: Callable[..., object], *args: object) -> None:
-    asyncio.get_running_loop().call_later(seconds, lambda: fn(*args))
+async def publish(lab: Lab, *uuids: str) -> None:
+    await lab.driver.publish([gpu(i, u) for i, u in enumerate(uuids)])
 
 
 async def until(condition: Callable[[], object], timeout: float = 15.0) -> None:
@@ -107,15 +264,26 @@ async def until(condition: Callable[[], object], timeout: float = 15.0) -> None:
             await asyncio.sleep(0.02)
 
 
-def unschedulable(api: StandIn) -> bool:
-    return bool(api.cluster.node("gpu-node")["spec"].get("unschedulable"))
+async def until_async(condition: Callable[[], Awaitable[bool]], timeout: float = 15.0) -> None:
+    async with asyncio.timeout(timeout):
+        while True:
+            if await condition():
+                return
+            await asyncio.sleep(0.1)
 
 
-def annotations(api: StandIn) -> dict[str, str]:
-    return dict(api.cluster.node("gpu-node")["metadata"].get("annotations") or {})
+@contextlib.asynccontextmanager
+async def watching(cluster: KubeCluster) -> AsyncIterator[None]:
+    watch = asyncio.create_task(cluster.watch_lent())
+    try:
+        yield
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
 
 
-# --- pure --------------------------------------------------------------------------------
+# --- pure ----------------------------------------------------------------------------------
 
 
 def test_mismatch_names_each_gpu_missing_or_not_lent() -> None:
@@ -130,169 +298,6 @@ def test_mismatch_names_each_gpu_missing_or_not_lent() -> None:
     assert "lack 1 of gpu-x" in (dra.mismatch({"gpu-a": UUID_A, "gpu-x": None}, {UUID_A}) or "")
 
 
-# --- the return ---------------------------------------------------------------------------
-
-
-async def test_a_dra_lend_is_verified_by_uuid_before_the_uncordon(
-        api: StandIn, kube: Kube, records: journal.ListSink) -> None:
-    publish(api, UUID_A, UUID_B, UUID_C)  # what the last boot (with every GPU) left
-    await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    cluster = cluster_for(kube)
-    # Partial lend: gpu-b only; the driver's plugin republishes a little later.
-    later(0.3, publish, api, UUID_B)
-    assert await cluster.give_back({"gpu-b"}) is None
-    assert cluster.dra == {"gpu-b": UUID_B}
-    assert not unschedulable(api)
-    assert annotations(api)[f"{PREFIX}lent-gpus"] == "gpu-b"
-    assert cluster.status()["gpu_api"] == "dra (gpu.nvidia.com)"
-    decided = [e for e in records.entries if e.fields.get("HOSTAGENT_RESULT") == "decided"]
-    assert UUID_B in decided[0].message
-
-
-async def test_a_gpu_missing_from_the_slices_keeps_the_node_cordoned_and_named(
-        api: StandIn, kube: Kube) -> None:
-    publish(api, UUID_A, UUID_C)  # gpu-b did not come up; the host's gpu-c is there
-    await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    cluster = cluster_for(kube)
-    problem = await cluster.give_back(["gpu-a", "gpu-b"])
-    assert problem is not None
-    assert f"lack gpu-b ({UUID_B})" in problem and f"list {UUID_C}, not lent" in problem
-    assert unschedulable(api)
-    assert annotations(api)[f"{PREFIX}state"] == "short-of-gpus"
-    await cluster.flush_events()
-    warnings = [e for e in api.cluster.list(EVENTS, None)["items"] if e["type"] == "Warning"]
-    assert [e["reason"] for e in warnings] == ["ReturnFailed"] and UUID_B in warnings[0]["message"]
-
-
-async def test_without_dra_the_device_plugin_count_is_awaited(api: StandIn, kube: Kube) -> None:
-    publish(api, UUID_A, UUID_B)
-    cluster = cluster_for(kube, config("device-plugin"))
-    await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    problem = await cluster.give_back(["gpu-a", "gpu-b"])
-    assert cluster.dra is None
-    assert problem is not None and "reports 0 allocatable nvidia.com/gpu where 2" in problem
-
-
-async def test_auto_tells_dra_from_the_node(api: StandIn, kube: Kube) -> None:
-    of = functools.partial(kube.gpu_api_of, "gpu-node", resource="nvidia.com/gpu")
-    assert await of(driver="gpu.nvidia.com") is None  # nothing published yet
-    publish(api, UUID_A)
-    assert (await of(driver="gpu.nvidia.com") or (False,))[0] is True
-    assert await of(driver="gpu.example.com") is None
-
-
-async def test_a_mig_partitioned_gpu_is_matched_by_its_parent_uuid(
-        api: StandIn, kube: Kube) -> None:
-    """The driver publishes a partitioned GPU as its MIG instances, each naming the GPU
-    in ``parentUUID``: the lend is verified, and a pod on an instance holds that GPU."""
-    api.cluster.publish_devices("gpu-node", [mig_device(0, 0, UUID_A), mig_device(0, 1, UUID_A),
-                                             gpu_device(1, UUID_B)])
-    cluster = cluster_for(kube)
-    await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
-    api.cluster.add_pod("infer", node="gpu-node", owner="ReplicaSet/i",
-                        devices=["gpu-0-mig-1g10gb-1"])
-    watch = asyncio.create_task(cluster.watch_lent())
-    try:
-        await until(lambda: cluster.status()["holders"] == {"gpu-a": "default/infer"})
-        assert cluster.trouble is None
-    finally:
-        watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watch
-
-# --- while lent -----------------------------------------------------------------------------
-
-
-async def test_a_lent_gpu_leaving_the_slices_is_a_gpu_lost(
-        api: StandIn, kube: Kube, records: journal.ListSink) -> None:
-    metrics = FakeMetrics()
-    publish(api, UUID_A, UUID_B)
-    cluster = cluster_for(kube, metrics=metrics)
-    await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
-    watch = asyncio.create_task(cluster.watch_lent())
-    try:
-        await until(lambda: cluster.view is not None and cluster.view.devices is not None)
-        await cluster.health()
-        publish(api, UUID_A)  # gpu-b fell off the bus; the driver republished
-        await until(lambda: cluster.trouble is not None)
-        with pytest.raises(CheckFailed, match=f"gpu-b \\({UUID_B}\\) left its gpu.nvidia.com"):
-            await cluster.health()
-        assert metrics.lost == 1
-        assert [e for e in records.entries if e.fields.get("HOSTAGENT_RESULT") == "gpu-lost"]
-        publish(api, UUID_A, UUID_B)
-        await until(lambda: cluster.trouble is None)
-    finally:
-        watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watch
-    await cluster.flush_events()
-    assert "GPULost" in [e["reason"] for e in api.cluster.list(EVENTS, None)["items"]]
-
-
-async def test_pods_whose_claims_hold_lent_gpus_are_gpu_pods_and_named(
-        api: StandIn, kube: Kube) -> None:
-    metrics = FakeMetrics()
-    publish(api, UUID_A, UUID_B)
-    cluster = cluster_for(kube, metrics=metrics)
-    await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
-    seen: list[int] = []
-
-    async def follow() -> None:
-        async for count in cluster.watch_gpu_pods():
-            seen.append(count)
-            if count == 0 and len(seen) > 1:
-                return
-
-    counting = asyncio.create_task(follow())
-    watch = asyncio.create_task(cluster.watch_lent())
-    try:
-        await until(lambda: seen == [0])
-        api.cluster.add_pod("train-1", node="gpu-node", owner="Job/train", devices=["gpu-1"])
-        api.cluster.add_pod("web", node="gpu-node", owner="ReplicaSet/w")
-        await until(lambda: seen[-1] == 1)
-        await until(lambda: cluster.status()["holders"] == {"gpu-b": "default/train-1"})
-        assert metrics.holders[-1] == {"gpu-b": "default/train-1"}
-        await until(lambda: annotations(api).get(f"{PREFIX}gpu-holders")
-                    == "gpu-b=default/train-1")
-        api.cluster.delete(PODS, "default", "train-1", {"gracePeriodSeconds": 0})
-        await asyncio.wait_for(counting, 3)
-        await until(lambda: cluster.status()["holders"] == {})
-        await until(lambda: f"{PREFIX}gpu-holders" not in annotations(api))
-        assert api.cluster.claims() == []  # released with its pod
-    finally:
-        for task in (watch, counting):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    assert metrics.holders[-1] is None
-
-
-
-async def test_a_reclaim_names_the_pods_holding_lent_gpus_it_stops(
-        api: StandIn, kube: Kube, records: journal.ListSink) -> None:
-    publish(api, UUID_A, UUID_B)
-    cluster = cluster_for(kube)
-    await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
-    api.cluster.add_pod("train-1", node="gpu-node", owner="Job/train", devices=["gpu-0"])
-    watch = asyncio.create_task(cluster.watch_lent())
-    await until(lambda: cluster.holders == {"gpu-a": "default/train-1"})
-    watch.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await watch
-    assert await cluster.reclaim(["gaming1"]) is None
-    named = [e for e in records.entries if e.fields.get("HOSTAGENT_RESULT") == "holders"]
-    assert named and "default/train-1 (gpu-a)" in named[0].message
-    assert api.cluster.pods("gpu-node") == [] and api.cluster.claims() == []
-    await cluster.flush_events()
-    reclaimed = [e["message"] for e in api.cluster.list(EVENTS, None)["items"]
-                 if e["reason"] == "Reclaimed"]
-    assert reclaimed and "it stops default/train-1 (gpu-a)" in reclaimed[0]
-
-
 def test_status_says_which_pod_holds_which_lent_gpu() -> None:
     data = {"lendee": {"domain": "gpu-node", "since": 0, "phase": "lent", "hold": False,
                        "reason": "", "lent": ["gpu-a", "gpu-b"]},
@@ -300,160 +305,6 @@ def test_status_says_which_pod_holds_which_lent_gpu() -> None:
             "cluster": {"holders": {"gpu-b": "default/train-1", "gpu-a": "ml/a,ml/b"}}}
     assert "its node's pods hold gpu-a (ml/a,ml/b), gpu-b (default/train-1)" in \
         format_status(data)
-
-
-# --- as NVIDIA's driver publishes (health taints, pools of several slices, names) -----------
-
-
-def raw_slice(name: str, devices: list[dict[str, object]], *, generation: int, count: int,
-              **spec: object) -> dict[str, object]:
-    """A ResourceSlice of the node's pool, written as the resourceslice controller does."""
-    return {"metadata": {"name": name},
-            "spec": {"driver": "gpu.nvidia.com", "nodeName": "gpu-node",
-                     "pool": {"name": "gpu-node", "generation": generation,
-                              "resourceSliceCount": count},
-                     "devices": devices, **spec}}
-
-
-async def test_a_gpu_the_driver_taints_unhealthy_is_missing_from_a_return(
-        api: StandIn, kube: Kube) -> None:
-    """With NVMLDeviceHealthCheck on, the driver keeps a lost GPU in its slice, tainted
-    gpu.nvidia.com/gpu-lost (NoSchedule): the return must not verify it."""
-    api.cluster.publish_devices("gpu-node", [
-        gpu_device(0, UUID_A, taints=[health_taint("gpu-lost")]), gpu_device(1, UUID_B)])
-    await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    problem = await cluster_for(kube).give_back(["gpu-a", "gpu-b"])
-    assert problem is not None and f"lack gpu-a ({UUID_A})" in problem
-    assert unschedulable(api)
-
-
-async def test_a_lent_gpu_tainted_unhealthy_is_a_gpu_lost_and_a_none_taint_is_not(
-        api: StandIn, kube: Kube) -> None:
-    metrics = FakeMetrics()
-    publish(api, UUID_A, UUID_B)
-    cluster = cluster_for(kube, metrics=metrics)
-    await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
-    watch = asyncio.create_task(cluster.watch_lent())
-    try:
-        await until(lambda: cluster.view is not None and cluster.view.devices is not None)
-        # An informational taint (effect None: unmonitored, a non-fatal XID) is no loss.
-        api.cluster.publish_devices("gpu-node", [
-            gpu_device(0, UUID_A), gpu_device(1, UUID_B, taints=[health_taint("unmonitored")])])
-        await asyncio.sleep(0.3)
-        assert cluster.trouble is None
-        api.cluster.publish_devices("gpu-node", [
-            gpu_device(0, UUID_A), gpu_device(1, UUID_B, taints=[health_taint("xid", "79")])])
-        await until(lambda: cluster.trouble is not None)
-        assert f"gpu-b ({UUID_B})" in (cluster.trouble or "") and metrics.lost == 1
-    finally:
-        watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watch
-
-
-async def test_a_pool_half_rewritten_is_not_yet_never_a_gpu_lost(
-        api: StandIn, kube: Kube) -> None:
-    """A pool of one slice per GPU at generation 1; the driver rewrites it as generation
-    2 one slice at a time: in between, gpu-b's slice is of the old generation only."""
-    c = api.cluster
-    c.create(RESOURCESLICES, None, raw_slice("s-a", [gpu_device(0, UUID_A)],
-                                             generation=1, count=2))
-    c.create(RESOURCESLICES, None, raw_slice("s-b", [gpu_device(1, UUID_B)],
-                                             generation=1, count=2))
-    cluster = cluster_for(kube)
-    await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
-    watch = asyncio.create_task(cluster.watch_lent())
-    try:
-        await until(lambda: cluster.view is not None and cluster.view.devices is not None)
-        c.update(RESOURCESLICES, None, "s-a", lambda s: {**s, "spec": {
-            **s["spec"], "pool": {"name": "gpu-node", "generation": 2, "resourceSliceCount": 2}}})
-        await asyncio.sleep(0.3)
-        assert cluster.trouble is None  # gpu-b's slice of generation 2 is yet to come
-        c.update(RESOURCESLICES, None, "s-b", lambda s: {**s, "spec": {
-            **s["spec"], "devices": [],
-            "pool": {"name": "gpu-node", "generation": 2, "resourceSliceCount": 2}}})
-        await until(lambda: cluster.trouble is not None)
-        assert f"gpu-b ({UUID_B})" in (cluster.trouble or "")
-    finally:
-        watch.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watch
-
-
-async def test_an_incomplete_pool_never_verifies_a_return(api: StandIn, kube: Kube) -> None:
-    """One slice of a pool of two is in: what the other lists is unknown, so the lend of
-    gpu-a alone is not verified (the other lists gpu-b, which is not lent)."""
-    api.cluster.create(RESOURCESLICES, None, raw_slice("s-a", [gpu_device(0, UUID_A)],
-                                                       generation=1, count=2))
-    await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    problem = await cluster_for(kube).give_back(["gpu-a"])
-    assert problem is not None and "incomplete" in problem
-    assert unschedulable(api)
-
-
-async def test_an_admin_access_claim_holds_no_lent_gpu(api: StandIn, kube: Kube) -> None:
-    """A monitoring pod's claim with adminAccess (exactly.adminAccess in its request,
-    adminAccess in its allocation) blocks neither a reclaim nor a when-idle regrow."""
-    publish(api, UUID_A, UUID_B)
-    cluster = cluster_for(kube)
-    await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
-    api.cluster.add_pod("dcgm", node="gpu-node", owner="DaemonSet/dcgm", devices=["gpu-0"])
-    claim = api.cluster.claims()[0]
-
-    def admin(obj: dict[str, Any]) -> dict[str, Any]:
-        obj["spec"]["devices"]["requests"][0]["exactly"]["adminAccess"] = True
-        for result in obj["status"]["allocation"]["devices"]["results"]:
-            result["adminAccess"] = True
-        return obj
-
-    # As the scheduler allocates it: the claim made so, its status written through /status.
-    where = (RESOURCECLAIMS, claim["metadata"]["namespace"], claim["metadata"]["name"])
-    api.cluster.update(*where, admin)
-    api.cluster.update(*where, admin, subresource="status")
-    assert await kube.dra_holders("gpu-node", driver="gpu.nvidia.com",
-                                  uuids=[UUID_A]) == frozenset()
-    seen: list[int] = []
-
-    async def follow() -> None:
-        async for count in cluster.watch_gpu_pods():
-            seen.append(count)
-            return
-
-    await asyncio.wait_for(follow(), 5)
-    assert seen == [0]
-
-
-async def test_attributes_fully_qualified_are_read_as_the_short_ones(
-        api: StandIn, kube: Kube) -> None:
-    device = gpu_device(0, UUID_A)
-    device["attributes"] = {"gpu.nvidia.com/uuid": device["attributes"]["uuid"],
-                            "gpu.nvidia.com/type": {"string": "gpu"}}
-    api.cluster.publish_devices("gpu-node", [device, gpu_device(1, UUID_B)])
-    await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    assert await cluster_for(kube).give_back(["gpu-a", "gpu-b"]) is None
-
-
-async def test_slices_that_select_the_node_by_selector_or_per_device_count(
-        api: StandIn, kube: Kube) -> None:
-    by_name = {"nodeSelectorTerms": [{"matchFields": [
-        {"key": "metadata.name", "operator": "In", "values": ["gpu-node"]}]}]}
-    per_device = {**gpu_device(1, UUID_B), "nodeName": "gpu-node"}
-    other = {**gpu_device(2, UUID_C), "nodeName": "other-node"}
-    for name, spec in (("sel", {"nodeSelector": by_name, "devices": [gpu_device(0, UUID_A)]}),
-                       ("per", {"perDeviceNodeSelection": True,
-                                "devices": [per_device, other]})):
-        body = raw_slice(name, [], generation=1, count=1)
-        spec_ = body["spec"]
-        assert isinstance(spec_, dict)
-        del spec_["nodeName"]
-        spec_.update(spec)
-        spec_["pool"] = {"name": f"pool-{name}", "generation": 1, "resourceSliceCount": 1}
-        api.cluster.create(RESOURCESLICES, None, body)
-    await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    assert await cluster_for(kube).give_back(["gpu-a", "gpu-b"]) is None
 
 
 def test_a_node_selector_on_the_hostname_label_selects_the_node() -> None:
@@ -469,53 +320,6 @@ def test_a_node_selector_on_the_hostname_label_selects_the_node() -> None:
     assert not dra.selects(spec, "other", {"kubernetes.io/hostname": "other"})
 
 
-# --- which API serves the node's GPUs -----------------------------------------------------
-
-
-async def test_the_gpu_api_is_told_from_what_the_node_publishes_not_a_device_class(
-        api: StandIn, kube: Kube, records: journal.ListSink) -> None:
-    """The cluster has the driver's DeviceClass and another node's slices, but this node
-    advertises nvidia.com/gpu: the device plugin serves it, and status says why."""
-    api.cluster.add_node("plugin-node", gpus=2)
-    api.cluster.publish_devices("gpu-node", [gpu_device(0, UUID_C)])
-    cluster = cluster_for(kube, config(domain="plugin-node"))
-    await kube.cordon("plugin-node", marker_prefix=PREFIX)
-    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
-    assert cluster.dra is None
-    assert cluster.status()["gpu_api"] == "device-plugin"
-    assert "advertises nvidia.com/gpu" in cluster.status()["gpu_api_from"]
-    decided = [e.message for e in records.entries if e.fields.get("HOSTAGENT_RESULT") == "decided"]
-    assert "advertises nvidia.com/gpu" in decided[0]
-
-
-async def test_a_node_with_slices_is_dra_without_a_device_class(
-        api: StandIn, kube: Kube) -> None:
-    api.cluster.delete(DEVICECLASSES, None, "gpu.nvidia.com")
-    publish(api, UUID_A, UUID_B)
-    cluster = cluster_for(kube)
-    await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
-    assert cluster.status()["gpu_api"] == "dra (gpu.nvidia.com)"
-    assert "publishes 2 gpu.nvidia.com device(s)" in cluster.status()["gpu_api_from"]
-
-
-@pytest.mark.parametrize(("code", "named"), [
-    (403, "list and watch on resourceslices.resource.k8s.io"),
-    (404, "does not serve resource.k8s.io/v1"),
-])
-async def test_a_dra_api_refused_is_an_error_that_names_what_is_missing(
-        api: StandIn, kube: Kube, code: int, named: str) -> None:
-    """The node advertises no nvidia.com/gpu and the DRA API answers 403 or 404: the
-    return fails at once naming the right or the version, instead of expecting the
-    device plugin and failing after timeouts.ready."""
-    api.fail("/apis/resource.k8s.io/", code=code, times=None)
-    cluster = cluster_for(kube)
-    await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    problem = await cluster.give_back(["gpu-a", "gpu-b"])
-    assert problem is not None and named in problem
-    assert unschedulable(api)
-
-
 def test_status_says_which_api_serves_the_nodes_gpus_and_why() -> None:
     data = {"lendee": {"domain": "gpu-node", "since": 0, "phase": "lent", "hold": False,
                        "reason": "", "lent": ["gpu-a"]},
@@ -526,39 +330,433 @@ def test_status_says_which_api_serves_the_nodes_gpus_and_why() -> None:
             "gpu.nvidia.com device(s) in ResourceSlices") in format_status(data)
 
 
+def test_devices_of_a_slice_of_per_device_node_selection_count_by_their_node() -> None:
+    """perDeviceNodeSelection (the DRAPartitionableDevices gate, alpha in 1.35, which the
+    lab's API server leaves off): each device names its node; only the node's count."""
+    from kubernetes_asyncio.client import (V1Device, V1DeviceAttribute, V1ObjectMeta,
+                                           V1ResourcePool, V1ResourceSlice,
+                                           V1ResourceSliceSpec)
+
+    def device(name: str, uuid: str, node: str) -> V1Device:
+        return V1Device(name=name, node_name=node,
+                        attributes={"uuid": V1DeviceAttribute(string=uuid)})
+    slices = dra.Slices(DRIVER, NODE)
+    slices.reset([V1ResourceSlice(metadata=V1ObjectMeta(uid="u1"), spec=V1ResourceSliceSpec(
+        driver=DRIVER, per_device_node_selection=True,
+        pool=V1ResourcePool(name="p", generation=1, resource_slice_count=1),
+        devices=[device("gpu-1", UUID_B, NODE), device("gpu-2", UUID_C, "other-node")]))])
+    assert slices.uuids() == frozenset({UUID_B})
+
+
+# --- the return ---------------------------------------------------------------------------
+
+
+async def test_a_dra_lend_is_verified_by_uuid_before_the_uncordon(
+        lab: Lab, records: journal.ListSink) -> None:
+    await publish(lab, UUID_A, UUID_B, UUID_C)  # what the last boot (with every GPU) left
+    await lab.kube.cordon(NODE, marker_prefix=PREFIX)
+    cluster = lab.cluster()
+
+    async def republished() -> None:  # partial lend: gpu-b only, a little later
+        await asyncio.sleep(0.3)
+        await lab.driver.publish([gpu(1, UUID_B)])
+    later = asyncio.create_task(republished())
+    assert await cluster.give_back({"gpu-b"}) is None
+    await later
+    assert cluster.dra == {"gpu-b": UUID_B}
+    assert not await lab.unschedulable()
+    assert (await lab.annotations())[f"{PREFIX}lent-gpus"] == "gpu-b"
+    assert cluster.status()["gpu_api"] == "dra (gpu.nvidia.com)"
+    decided = [e for e in records.entries if e.fields.get("HOSTAGENT_RESULT") == "decided"]
+    assert UUID_B in decided[0].message
+
+
+async def test_a_gpu_missing_from_the_slices_keeps_the_node_cordoned_and_named(
+        lab: Lab) -> None:
+    await publish(lab, UUID_A, UUID_C)  # gpu-b did not come up; the host's gpu-c is there
+    await lab.kube.cordon(NODE, marker_prefix=PREFIX)
+    cluster = lab.cluster()
+    problem = await cluster.give_back(["gpu-a", "gpu-b"])
+    assert problem is not None
+    assert f"lack gpu-b ({UUID_B})" in problem and f"list {UUID_C}, not lent" in problem
+    assert await lab.unschedulable()
+    assert (await lab.annotations())[f"{PREFIX}state"] == "short-of-gpus"
+    await cluster.flush_events()
+    warnings = [e for e in await lab.events() if e["type"] == "Warning"]
+    assert [e["reason"] for e in warnings] == ["ReturnFailed"] and UUID_B in warnings[0]["message"]
+
+
+async def test_without_dra_the_device_plugin_count_is_awaited(lab: Lab) -> None:
+    await publish(lab, UUID_A, UUID_B)
+    cluster = lab.cluster(config("device-plugin"))
+    await lab.kube.cordon(NODE, marker_prefix=PREFIX)
+    problem = await cluster.give_back(["gpu-a", "gpu-b"])
+    assert cluster.dra is None
+    assert problem is not None and "reports 0 allocatable nvidia.com/gpu where 2" in problem
+
+
+async def test_auto_tells_dra_from_the_node(lab: Lab) -> None:
+    of = functools.partial(lab.kube.gpu_api_of, NODE, resource="nvidia.com/gpu", timeout=5)
+    assert await of(driver=DRIVER) is None  # nothing published yet
+    await publish(lab, UUID_A)
+    assert (await of(driver=DRIVER) or (False,))[0] is True
+    assert await of(driver="gpu.example.com") is None
+
+
+async def test_a_mig_partitioned_gpu_is_matched_by_its_parent_uuid(lab: Lab) -> None:
+    """The driver publishes a partitioned GPU as its MIG instances, each naming the GPU
+    in ``parentUUID``: the lend is verified, and a pod on an instance holds that GPU."""
+    await lab.driver.publish([mig(0, 0, UUID_A), mig(0, 1, UUID_A), gpu(1, UUID_B)])
+    cluster = lab.cluster()
+    await lab.kube.cordon(NODE, marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    await lab.hold("infer", ["gpu-0-mig-1g10gb-1"])
+    async with watching(cluster):
+        await until(lambda: cluster.status()["holders"] == {"gpu-a": f"{lab.namespace}/infer"})
+        assert cluster.trouble is None
+
+
+# --- while lent -----------------------------------------------------------------------------
+
+
+async def test_a_lent_gpu_leaving_the_slices_is_a_gpu_lost(
+        lab: Lab, records: journal.ListSink) -> None:
+    metrics = FakeMetrics()
+    await publish(lab, UUID_A, UUID_B)
+    cluster = lab.cluster(metrics=metrics)
+    await lab.kube.cordon(NODE, marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    async with watching(cluster):
+        await until(lambda: cluster.view is not None and cluster.view.devices is not None)
+        await cluster.health()
+        await publish(lab, UUID_A)  # gpu-b fell off the bus; the driver republished
+        await until(lambda: cluster.trouble is not None)
+        with pytest.raises(CheckFailed, match=f"gpu-b \\({UUID_B}\\) left its gpu.nvidia.com"):
+            await cluster.health()
+        assert metrics.lost == 1
+        assert [e for e in records.entries if e.fields.get("HOSTAGENT_RESULT") == "gpu-lost"]
+        await publish(lab, UUID_A, UUID_B)
+        await until(lambda: cluster.trouble is None)
+    await cluster.flush_events()
+    assert "GPULost" in [e["reason"] for e in await lab.events()]
+
+
+async def test_pods_whose_claims_hold_lent_gpus_are_gpu_pods_and_named(lab: Lab) -> None:
+    metrics = FakeMetrics()
+    await publish(lab, UUID_A, UUID_B)
+    cluster = lab.cluster(metrics=metrics)
+    await lab.kube.cordon(NODE, marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    seen: list[int] = []
+    ns = lab.namespace
+
+    async def follow() -> None:
+        async for count in cluster.watch_gpu_pods():
+            seen.append(count)
+            if count == 0 and len(seen) > 1:
+                return
+
+    counting = asyncio.create_task(follow())
+    try:
+        async with watching(cluster):
+            await until(lambda: seen == [0])
+            await lab.hold("train-1", ["gpu-1"])
+            await lab.add_pod("web")
+            await until(lambda: seen[-1] == 1)
+            await until(lambda: cluster.status()["holders"] == {"gpu-b": f"{ns}/train-1"})
+            assert metrics.holders[-1] == {"gpu-b": f"{ns}/train-1"}
+            await until_async(lambda: _annotated(lab, f"gpu-b={ns}/train-1"))
+            await lab.kubectl("delete", "pod", "-n", ns, "train-1", "--wait=false")
+            await asyncio.wait_for(counting, 10)
+            await until(lambda: cluster.status()["holders"] == {})
+            await until_async(lambda: _annotated(lab, None))
+            await until_async(lambda: _no_claims(lab))  # deleted with its pod
+    finally:
+        counting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await counting
+    assert metrics.holders[-1] is None
+
+
+async def _annotated(lab: Lab, holders: str | None) -> bool:
+    return (await lab.annotations()).get(f"{PREFIX}gpu-holders") == holders
+
+
+async def _no_claims(lab: Lab) -> bool:
+    return not await lab.claims()
+
+
+async def test_a_reclaim_names_the_pods_holding_lent_gpus_it_stops(
+        lab: Lab, records: journal.ListSink) -> None:
+    await publish(lab, UUID_A, UUID_B)
+    cluster = lab.cluster()
+    await lab.kube.cordon(NODE, marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    await lab.hold("train-1", ["gpu-0"])
+    async with watching(cluster):
+        await until(lambda: cluster.holders == {"gpu-a": f"{lab.namespace}/train-1"})
+    assert await cluster.reclaim(["gaming1"]) is None
+    named = [e for e in records.entries if e.fields.get("HOSTAGENT_RESULT") == "holders"]
+    assert named and f"{lab.namespace}/train-1 (gpu-a)" in named[0].message
+    assert await lab.pods() == []
+    await until_async(lambda: _no_claims(lab))
+    await cluster.flush_events()
+    reclaimed = [e["message"] for e in await lab.events() if e["reason"] == "Reclaimed"]
+    assert reclaimed and f"it stops {lab.namespace}/train-1 (gpu-a)" in reclaimed[0]
+
+
+# --- as NVIDIA's driver publishes (health taints, pools of several slices, names) -----------
+
+
+async def test_a_gpu_the_driver_taints_unhealthy_is_missing_from_a_return(lab: Lab) -> None:
+    """With NVMLDeviceHealthCheck on, the driver keeps a lost GPU in its slice, tainted
+    gpu.nvidia.com/gpu-lost (NoSchedule): the return must not verify it."""
+    await lab.driver.publish([gpu(0, UUID_A, taints=[health_taint("gpu-lost")]),
+                              gpu(1, UUID_B)])
+    await lab.kube.cordon(NODE, marker_prefix=PREFIX)
+    problem = await lab.cluster().give_back(["gpu-a", "gpu-b"])
+    assert problem is not None and f"lack gpu-a ({UUID_A})" in problem
+    assert await lab.unschedulable()
+
+
+async def test_a_lent_gpu_tainted_unhealthy_is_a_gpu_lost_and_a_none_taint_is_not(
+        lab: Lab) -> None:
+    metrics = FakeMetrics()
+    await publish(lab, UUID_A, UUID_B)
+    cluster = lab.cluster(metrics=metrics)
+    await lab.kube.cordon(NODE, marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    async with watching(cluster):
+        await until(lambda: cluster.view is not None and cluster.view.devices is not None)
+        # An informational taint (effect None: unmonitored, a non-fatal XID) is no loss.
+        await lab.driver.publish([gpu(0, UUID_A),
+                                  gpu(1, UUID_B, taints=[health_taint("unmonitored")])])
+        await asyncio.sleep(0.5)
+        assert cluster.trouble is None
+        await lab.driver.publish([gpu(0, UUID_A),
+                                  gpu(1, UUID_B, taints=[health_taint("xid", "79")])])
+        await until(lambda: cluster.trouble is not None)
+        assert f"gpu-b ({UUID_B})" in (cluster.trouble or "") and metrics.lost == 1
+
+
+def raw_slice(name: str, devices: list[dict[str, object]], *, generation: int, count: int,
+              **spec: object) -> dict[str, object]:
+    """A ResourceSlice of the node's pool, written as the resourceslice controller does."""
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"name": name},
+            "spec": {"driver": DRIVER, "nodeName": NODE,
+                     "pool": {"name": NODE, "generation": generation,
+                              "resourceSliceCount": count},
+                     "devices": devices, **spec}}
+
+
+async def write_slice(lab: Lab, body: dict[str, object], verb: str = "create") -> None:
+    await lab.kubectl(verb, "-f", "-", input=json.dumps(body))
+
+
+async def test_a_pool_half_rewritten_is_not_yet_never_a_gpu_lost(lab: Lab) -> None:
+    """A pool of one slice per GPU at generation 1; the driver rewrites it as generation
+    2 one slice at a time: in between, gpu-b's slice is of the old generation only."""
+    await write_slice(lab, raw_slice("s-a", [gpu(0, UUID_A)], generation=1, count=2))
+    await write_slice(lab, raw_slice("s-b", [gpu(1, UUID_B)], generation=1, count=2))
+    cluster = lab.cluster()
+    await lab.kube.cordon(NODE, marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    async with watching(cluster):
+        await until(lambda: cluster.view is not None and cluster.view.devices is not None)
+        await write_slice(lab, raw_slice("s-a", [gpu(0, UUID_A)], generation=2, count=2),
+                          "replace")
+        await asyncio.sleep(0.5)
+        assert cluster.trouble is None  # gpu-b's slice of generation 2 is yet to come
+        await write_slice(lab, raw_slice("s-b", [], generation=2, count=2), "replace")
+        await until(lambda: cluster.trouble is not None)
+        assert f"gpu-b ({UUID_B})" in (cluster.trouble or "")
+
+
+async def test_an_incomplete_pool_never_verifies_a_return(lab: Lab) -> None:
+    """One slice of a pool of two is in: what the other lists is unknown, so the lend of
+    gpu-a alone is not verified (the other lists gpu-b, which is not lent)."""
+    await write_slice(lab, raw_slice("s-a", [gpu(0, UUID_A)], generation=1, count=2))
+    await lab.kube.cordon(NODE, marker_prefix=PREFIX)
+    problem = await lab.cluster().give_back(["gpu-a"])
+    assert problem is not None and "incomplete" in problem
+    assert await lab.unschedulable()
+
+
+async def test_an_admin_access_claim_holds_no_lent_gpu(lab: Lab) -> None:
+    """A monitoring pod's claim with adminAccess (exactly.adminAccess in its request,
+    adminAccess in its allocation; its namespace labelled for it) blocks neither a
+    reclaim nor a when-idle regrow."""
+    await lab.kubectl("label", "namespace", lab.namespace,
+                      "resource.kubernetes.io/admin-access=true")
+    await publish(lab, UUID_A, UUID_B)
+    cluster = lab.cluster()
+    await lab.kube.cordon(NODE, marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    await lab.hold("dcgm", ["gpu-0"], admin=True)
+    assert await lab.kube.dra_holders(NODE, driver=DRIVER, uuids=[UUID_A],
+                                      timeout=5) == frozenset()
+    seen: list[int] = []
+
+    async def follow() -> None:
+        async for count in cluster.watch_gpu_pods():
+            seen.append(count)
+            return
+
+    await asyncio.wait_for(follow(), 5)
+    assert seen == [0]
+
+
+async def test_attributes_fully_qualified_are_read_as_the_short_ones(lab: Lab) -> None:
+    device = gpu(0, UUID_A)
+    device["attributes"] = {"gpu.nvidia.com/uuid": device["attributes"]["uuid"],
+                            "gpu.nvidia.com/type": {"string": "gpu"}}
+    await lab.driver.publish([device, gpu(1, UUID_B)])
+    await lab.kube.cordon(NODE, marker_prefix=PREFIX)
+    assert await lab.cluster().give_back(["gpu-a", "gpu-b"]) is None
+
+
+async def test_a_slice_that_selects_the_node_by_a_node_selector_counts(lab: Lab) -> None:
+    """A pool published with a nodeSelector instead of nodeName. (Devices each naming
+    their node, perDeviceNodeSelection, need the DRAPartitionableDevices gate, alpha in
+    1.35: tests/unit/test_dra.py reads them.)"""
+    by_name = {"nodeSelectorTerms": [{"matchFields": [
+        {"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}
+    body = raw_slice("sel", [gpu(0, UUID_A), gpu(1, UUID_B)], generation=1, count=1)
+    spec = body["spec"]
+    assert isinstance(spec, dict)
+    del spec["nodeName"]
+    spec.update(nodeSelector=by_name, pool={"name": "pool-sel", "generation": 1,
+                                            "resourceSliceCount": 1})
+    await write_slice(lab, body)
+    await lab.kube.cordon(NODE, marker_prefix=PREFIX)
+    assert await lab.cluster().give_back(["gpu-a", "gpu-b"]) is None
+
+
+# --- which API serves the node's GPUs -----------------------------------------------------
+
+
+async def test_the_gpu_api_is_told_from_what_the_node_publishes_not_a_device_class(
+        lab: Lab, records: journal.ListSink) -> None:
+    """The cluster has the driver's DeviceClass and another node's slices, but this node
+    advertises nvidia.com/gpu: the device plugin serves it, and status says why."""
+    plane = lab.plane
+    plugin_node = plane.credential("kubelet-plugin-node", "system:node:plugin-node",
+                                   "system:nodes")
+    try:
+        async with Pods(plugin_node, "plugin-node", ready=True):
+            gpus = {"nvidia.com/gpu": "2", "pods": "110"}
+            await lab.kubectl("patch", "node", "plugin-node", "--subresource=status",
+                              "--type=merge", "-p", json.dumps(
+                                  {"status": {"capacity": gpus, "allocatable": gpus}}))
+            await publish(lab, UUID_C)
+            cluster = lab.cluster(config(domain="plugin-node"))
+            await lab.kube.cordon("plugin-node", marker_prefix=PREFIX)
+            assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    finally:
+        await lab.kubectl("delete", "node", "plugin-node", "--ignore-not-found")
+        await lab.kubectl("delete", "lease", "-n", "kube-node-lease", "plugin-node",
+                          "--ignore-not-found")
+    assert cluster.dra is None
+    assert cluster.status()["gpu_api"] == "device-plugin"
+    assert "advertises nvidia.com/gpu" in str(cluster.status()["gpu_api_from"])
+    decided = [e.message for e in records.entries if e.fields.get("HOSTAGENT_RESULT") == "decided"]
+    assert "advertises nvidia.com/gpu" in decided[0]
+
+
+async def test_a_node_with_slices_is_dra_without_a_device_class(lab: Lab) -> None:
+    await lab.kubectl("delete", "deviceclass", DRIVER)
+    try:
+        await publish(lab, UUID_A, UUID_B)
+        cluster = lab.cluster()
+        await lab.kube.cordon(NODE, marker_prefix=PREFIX)
+        assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    finally:
+        await lab.kubectl("apply", "-f", "-", input=json.dumps(DEVICE_CLASS))
+    assert cluster.status()["gpu_api"] == "dra (gpu.nvidia.com)"
+    assert "publishes 2 gpu.nvidia.com device(s)" in str(cluster.status()["gpu_api_from"])
+
+
+async def test_a_dra_api_refused_is_an_error_that_names_the_right_missing(
+        lab: Lab, tmp_path: Path) -> None:
+    """The node advertises no nvidia.com/gpu and the agent's ServiceAccount has no right
+    on resource.k8s.io (an older manifest, bound to a ClusterRole without its rules):
+    the return fails at once naming the right, instead of expecting the device plugin
+    and failing after timeouts.ready."""
+    role = json.loads(await lab.kubectl("get", "clusterrole", "hostagent", "-o", "json"))
+    role["rules"] = [r for r in role["rules"] if "resource.k8s.io" not in r["apiGroups"]]
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+            "metadata": {"name": "hostagent-no-dra"}, "rules": role["rules"]}
+    await lab.kubectl("apply", "-f", "-", input=json.dumps(role))
+    await lab.kubectl("create", "serviceaccount", "-n", "hostagent", "no-dra")
+    await lab.kubectl("create", "clusterrolebinding", "hostagent-no-dra",
+                      "--clusterrole=hostagent-no-dra", "--serviceaccount=hostagent:no-dra")
+    try:
+        token = (await lab.kubectl("create", "token", "no-dra", "-n", "hostagent")).strip()
+        kubeconfig = json.loads(lab.kubeconfig.read_text())
+        kubeconfig["users"][0]["user"]["token"] = token
+        path = tmp_path / "no-dra.kubeconfig"
+        path.write_text(json.dumps(kubeconfig))
+        async with await Kube.connect(path, timing=FAST) as kube:
+            cluster = KubeCluster(kube, config(), remember_cordon=lambda _: None)
+            await kube.cordon(NODE, marker_prefix=PREFIX)
+            problem = await cluster.give_back(["gpu-a", "gpu-b"])
+        assert problem is not None
+        assert "list and watch on resourceslices.resource.k8s.io" in problem
+        assert await lab.unschedulable()
+    finally:
+        for args in (("delete", "clusterrolebinding", "hostagent-no-dra"),
+                     ("delete", "clusterrole", "hostagent-no-dra"),
+                     ("delete", "serviceaccount", "-n", "hostagent", "no-dra")):
+            await lab.kubectl(*args, "--ignore-not-found")
+
+
+async def test_a_dra_api_not_served_is_an_error_that_names_the_version(
+        lab: Lab, tmp_path: Path) -> None:
+    """An API server that does not serve resource.k8s.io/v1 (before 1.34) answers 404
+    there (the fault proxy answers for it, as the real one would, Status and all)."""
+    async with FaultProxy(lab.kubeconfig) as proxy:
+        proxy.fail("/apis/resource.k8s.io/", code=404, times=None)
+        path = proxy.write_kubeconfig(tmp_path / "proxied.kubeconfig")
+        async with await Kube.connect(path, timing=FAST) as kube:
+            cluster = KubeCluster(kube, config(), remember_cordon=lambda _: None)
+            await kube.cordon(NODE, marker_prefix=PREFIX)
+            problem = await cluster.give_back(["gpu-a", "gpu-b"])
+    assert problem is not None and "does not serve resource.k8s.io/v1" in problem
+    assert await lab.unschedulable()
+
+
 async def test_the_dra_kubelet_plugin_is_restarted_by_the_current_charts_labels(
-        api: StandIn, kube: Kube) -> None:
+        lab: Lab) -> None:
     """The pod labels NVIDIA's chart (main at 22407113) gives the kubelet plugin."""
     labels = {"app.kubernetes.io/name": "dra-driver-nvidia-gpu",
               "app.kubernetes.io/instance": "nvidia-dra-driver-gpu",
               "dra-driver-nvidia-gpu-component": "kubelet-plugin",
               "nvidia-dra-driver-gpu-component": "kubelet-plugin"}
-    api.cluster.add_pod("plugin-x", node="gpu-node", namespace="nvidia-dra-driver-gpu",
-                        owner="DaemonSet/nvidia-dra-driver-gpu-kubelet-plugin", labels=labels)
-    api.cluster.add_pod("train", node="gpu-node", owner="Job/train")
-    deleted = await cluster_for(kube).kube.restart_plugins(
-        "gpu-node", timeout=5, selectors=config().kubernetes.plugin_selectors)  # type: ignore[union-attr]
-    assert deleted == ["nvidia-dra-driver-gpu/plugin-x"]
+    await lab.add_pod("plugin-x", labels=labels)
+    await lab.add_pod("train")
+    selectors = config().kubernetes.plugin_selectors  # type: ignore[union-attr]
+    deleted = await lab.kube.restart_plugins(NODE, timeout=5, selectors=selectors)
+    assert deleted == [f"{lab.namespace}/plugin-x"]
 
 
 async def test_the_holders_are_read_from_the_claims_of_the_nodes_pods_alone(
-        api: StandIn, kube: Kube) -> None:
-    """A reclaim reads the claims its node's pods name (status.resourceClaimStatuses),
-    not every claim of the cluster."""
-    publish(api, UUID_A, UUID_B)
-    api.cluster.add_pod("train-1", node="gpu-node", owner="Job/train", devices=["gpu-0"])
-    api.cluster.add_pod("far", node="other-node", owner="Job/far", devices=["gpu-9"])
-    holders = await kube.dra_holders("gpu-node", driver="gpu.nvidia.com", uuids=[UUID_A])
-    assert holders == {api.cluster.pods("gpu-node")[0]["metadata"]["uid"]}
-    assert api.requests_to("GET", "/apis/resource.k8s.io/v1/resourceclaims") == []
-    assert len(api.requests_to("GET", "/namespaces/default/resourceclaims/train-1-gpu-")) == 1
+        lab: Lab) -> None:
+    """A reclaim reads the claims its node's pods name, each by name: the agent may not
+    list claims (deploy/rbac.yaml), and another node's claim is not its."""
+    await publish(lab, UUID_A, UUID_B)
+    train = await lab.hold("train-1", ["gpu-0"])
+    await lab.hold("far", ["gpu-0"], node="other-node")
+    holders = await lab.kube.dra_holders(NODE, driver=DRIVER, uuids=[UUID_A], timeout=5)
+    assert holders == {train["metadata"]["uid"]}
+    refused = await asyncio.to_thread(
+        lab.plane.kubectl, "get", "resourceclaims", "-A", kubeconfig=lab.kubeconfig, check=False)
+    assert refused.returncode != 0 and "forbidden" in refused.stderr
 
 
-async def test_a_pool_of_one_slice_per_gpu_is_verified_once_whole(
-        api: StandIn, kube: Kube) -> None:
+async def test_a_pool_of_one_slice_per_gpu_is_verified_once_whole(lab: Lab) -> None:
     """The driver's DynamicMIG layout: the node's pool in one slice per GPU."""
-    api.cluster.publish_devices("gpu-node", [gpu_device(0, UUID_A), gpu_device(1, UUID_B)],
-                                per_gpu=True)
-    assert len(api.cluster.slices("gpu-node")) == 2
-    await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    assert await cluster_for(kube).give_back(["gpu-a", "gpu-b"]) is None
+    await lab.driver.publish([gpu(0, UUID_A), gpu(1, UUID_B)], per_gpu=True)
+    assert len(await lab.driver.slices()) == 2
+    await lab.kube.cordon(NODE, marker_prefix=PREFIX)
+    assert await lab.cluster().give_back(["gpu-a", "gpu-b"]) is None
