@@ -257,6 +257,10 @@ class FaultProxy:
         resourceVersion older than it holds: 200, one ERROR event with 410 Expired, end."""
         self._faults.append(Fault(re.compile(path), "GET", 410, 0.0, times))
 
+    def watching(self, path: str = ".") -> int:
+        """How many watches whose path matches `path` are open."""
+        return sum(1 for w in self._watches if re.search(path, w.path))
+
     def drop_watches(self, path: str = ".", *, clean: bool = False) -> int:
         """Cut the open watches matching `path`: reset, as by a server or a network
         that dies (or `clean`: ended as the server ends a watch whose time is up).

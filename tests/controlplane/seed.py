@@ -41,6 +41,7 @@ SEEDED = "lab.hostagent.io/seeded"
 OWNER = "lab.hostagent.io/owner"
 MIRROR = "kubernetes.io/config.mirror"
 NOWHERE = {"lab.hostagent.io/nowhere": "true"}  # a node selector no node matches
+HOSTAGENT = "hostagent"  # the source.component of hostagent's Events
 _APIS = {"ReplicaSet": "apps/v1", "StatefulSet": "apps/v1", "DaemonSet": "apps/v1",
          "Job": "batch/v1"}
 
@@ -367,6 +368,12 @@ class Seed:
                 raise TimeoutError(f"no status for PodDisruptionBudget {name}")
             await asyncio.sleep(0.02)
 
+    async def events(self, namespace: str = "default") -> list[Obj]:
+        """The Events hostagent posted, oldest first."""
+        listed = await self.core.list_namespaced_event(namespace,
+                                                       field_selector=f"source={HOSTAGENT}")
+        return [self.plain(e) for e in listed.items]
+
     async def budget(self, namespace: str, name: str) -> Obj:
         return self.plain(await self.policy.read_namespaced_pod_disruption_budget(
             name, namespace))
@@ -393,6 +400,9 @@ class Seed:
                     with contextlib.suppress(ApiException):
                         await self.core.patch_namespaced_pod(
                             pod.metadata.name, namespace, {"metadata": {"finalizers": None}})
+        # The Events hostagent posted (the kubelet's way: on the node's name, in default).
+        await self.core.delete_collection_namespaced_event(
+            "default", field_selector=f"source={HOSTAGENT}", body={"gracePeriodSeconds": 0})
         for node in self.nodes:
             with contextlib.suppress(ApiException):
                 await self.core.delete_node(node)

@@ -1,12 +1,15 @@
-"""The cluster's half of a cycle against the API stand-in: what a lend must show
-(time-slicing, MIG), the order of a return, cordon when the lendee goes down, the node
-watched while lent, Events, and credentials the API server refuses."""
+"""The cluster's half of a cycle against the real kube-apiserver (behind the fault
+proxy): what a lend must show (time-slicing, MIG), the order of a return, cordon when
+the lendee goes down, the node watched while lent, Events, and credentials the API
+server refuses."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+import itertools
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +20,10 @@ from hostagent.cluster import KubeCluster
 from hostagent.config import Config, parse
 from hostagent.health import CheckFailed
 from hostagent.kube import Kube, KubeAuthError, Timing, cordon_marker, expected_gpus
-from tests.kubeapi import StandIn, write_kubeconfig
-from tests.kubeapi.cluster import gpu_status
-from tests.kubeapi.rules import EVENTS, NODES
-from tests.unit.kube_scaffold import FAST
+from kubernetes_asyncio import watch as k8s_watch
+from tests.controlplane import ControlPlane
+from tests.controlplane.seed import gpu_status
+from tests.unit.kube_scaffold import FAST, Api, real_api
 
 PREFIX = "hostagent.io/"
 MARKER = cordon_marker(PREFIX)
@@ -78,11 +81,13 @@ def records() -> Iterator[journal.ListSink]:
 
 
 @pytest.fixture
-async def api() -> AsyncIterator[StandIn]:
-    async with StandIn(termination_scale=0.005) as standin:
-        standin.cluster.add_node("gpu-node", gpus=2)
-        standin.cluster.add_node("cpu-node")
-        yield standin
+async def api(plane: ControlPlane) -> AsyncIterator[Api]:
+    """gpu-node (2 GPUs, its kubelet running) and cpu-node."""
+    async with real_api(plane) as api:
+        await api.seed.node("gpu-node", gpus=2)
+        await api.seed.node("cpu-node")
+        async with api.seed.kubelet("gpu-node"):
+            yield api
 
 
 def cluster_for(kube: Kube, cfg: Config | None = None,
@@ -90,48 +95,48 @@ def cluster_for(kube: Kube, cfg: Config | None = None,
     return KubeCluster(kube, cfg or config(), remember_cordon=lambda _: None, metrics=metrics)
 
 
-def set_status(api: StandIn, node: str = "gpu-node", **status: Any) -> None:
-    def change(obj: dict[str, Any]) -> dict[str, Any]:
-        obj["status"].update(status)
-        return obj
-
-    api.cluster.update(NODES, None, node, change, subresource="status")
+async def set_status(api: Api, node: str = "gpu-node", **status: Any) -> None:
+    await api.seed.node_status(node, **status)
 
 
-def relabel(api: StandIn, labels: dict[str, str], node: str = "gpu-node") -> None:
-    def change(obj: dict[str, Any]) -> dict[str, Any]:
-        obj["metadata"]["labels"] = {k: v for k, v in obj["metadata"]["labels"].items()
-                                     if not k.startswith("nvidia.com/")} | labels
-        return obj
-
-    api.cluster.update(NODES, None, node, change)
+async def relabel(api: Api, labels: dict[str, str], node: str = "gpu-node") -> None:
+    """The node's nvidia.com/ labels replaced by `labels`, as GFD writes them."""
+    old = (await api.seed.get_node(node))["metadata"]["labels"]
+    gone: dict[str, str | None] = {k: None for k in old if k.startswith("nvidia.com/")}
+    await api.seed.patch_node(node, {"metadata": {"labels": gone | labels}})
 
 
-def boot(api: StandIn, gpus: int, **knobs: Any) -> None:
+async def boot(api: Api, gpus: int, **knobs: Any) -> None:
     """The lendee booted with `gpus` GPUs: the device plugin and GFD publish them."""
     labels, allocatable = gpu_status(gpus, **knobs)
-    relabel(api, labels)
-    set_status(api, allocatable=allocatable, capacity=allocatable)
+    await relabel(api, labels)
+    await set_status(api, allocatable=allocatable, capacity=allocatable)
 
 
-def later(seconds: float, fn: Any, *args: Any, **kwargs: Any) -> None:
-    asyncio.get_running_loop().call_later(seconds, lambda: fn(*args, **kwargs))
+def later(seconds: float, fn: Callable[[], Awaitable[Any]]) -> asyncio.Task[None]:
+    """`fn()` after `seconds`, beside the test (which awaits the task before it ends)."""
+
+    async def run() -> None:
+        await asyncio.sleep(seconds)
+        await fn()
+
+    return asyncio.get_running_loop().create_task(run())
 
 
-def node(api: StandIn) -> dict[str, Any]:
-    return api.cluster.node("gpu-node")
+async def node(api: Api) -> dict[str, Any]:
+    return await api.seed.get_node("gpu-node")
 
 
-def events(api: StandIn) -> list[tuple[str, str, str]]:
-    listed = api.cluster.list(EVENTS, None)["items"]
-    return [(e["type"], e["reason"], e["message"]) for e in listed]
+async def events(api: Api) -> list[tuple[str, str, str]]:
+    return [(e["type"], e["reason"], e["message"]) for e in await api.seed.events()]
 
 
-async def until(condition: Any, timeout: float = 3.0) -> None:
+async def until(condition: Callable[[], Any], timeout: float = 3.0) -> None:
     # Polled: the condition reads state that has no event to wait on.
     async with asyncio.timeout(timeout):
         while True:
-            if condition():
+            got = condition()
+            if await got if asyncio.iscoroutine(got) else got:
                 return
             await asyncio.sleep(0.02)
 
@@ -179,132 +184,142 @@ def test_the_override_is_per_lent_gpu() -> None:
 # --- a return ----------------------------------------------------------------------------------
 
 
-async def test_a_time_sliced_lend_completes(api: StandIn, kube: Kube) -> None:
-    boot(api, 2, replicas=4)  # what the last lend left
+async def test_a_time_sliced_lend_completes(api: Api, kube: Kube) -> None:
+    await boot(api, 2, replicas=4)  # what the last lend left
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
     cluster = cluster_for(kube)
     # Partial lending: one GPU this time; the device plugin says so a little later.
-    later(0.3, boot, api, 1, replicas=4)
+    plugin = later(0.3, lambda: boot(api, 1, replicas=4))
     assert await cluster.give_back({"gpu-b"}) is None
+    await plugin
     assert cluster.expected is not None and dict(cluster.expected.resources) == {
         "nvidia.com/gpu": 4}
-    annotations = node(api)["metadata"]["annotations"]
+    annotations = (await node(api))["metadata"]["annotations"]
     assert annotations[f"{PREFIX}lent-gpus"] == "gpu-b"
     assert annotations[f"{PREFIX}expected"] == "4 nvidia.com/gpu"
-    assert not node(api)["spec"].get("unschedulable")
+    assert not (await node(api))["spec"].get("unschedulable")
 
 
-async def test_a_mig_lend_completes(api: StandIn, kube: Kube) -> None:
-    boot(api, 2, mig={"1g.10gb": 7})
+async def test_a_mig_lend_completes(api: Api, kube: Kube) -> None:
+    await boot(api, 2, mig={"1g.10gb": 7})
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
     cluster = cluster_for(kube)
-    later(0.3, boot, api, 2, mig={"1g.10gb": 7})
+    plugin = later(0.3, lambda: boot(api, 2, mig={"1g.10gb": 7}))
     assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    await plugin
     assert cluster.expected is not None
     assert dict(cluster.expected.resources) == {"nvidia.com/mig-1g.10gb": 14}
-    assert not node(api)["spec"].get("unschedulable")
+    assert not (await node(api))["spec"].get("unschedulable")
 
 
 async def test_a_node_short_of_its_expected_gpus_stays_cordoned(
-        api: StandIn, kube: Kube, records: journal.ListSink) -> None:
-    boot(api, 2, replicas=4)
-    set_status(api, allocatable={"nvidia.com/gpu": "0"})  # the kubelet restarted
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
+    await boot(api, 2, replicas=4)
+    await set_status(api, allocatable={"nvidia.com/gpu": "0"})  # the kubelet restarted
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
     cluster = cluster_for(kube)
-    later(0.2, boot, api, 1, replicas=4)  # one GPU of two came up
+    plugin = later(0.2, lambda: boot(api, 1, replicas=4))  # one GPU of two came up
     problem = await cluster.give_back(["gpu-a", "gpu-b"])
+    await plugin
     assert problem is not None
     assert "reports 4 allocatable nvidia.com/gpu where 8 were lent" in problem
-    assert node(api)["spec"]["unschedulable"] is True
+    assert (await node(api))["spec"]["unschedulable"] is True
     await cluster.flush_events()
-    assert [r for t, r, _ in events(api) if t == "Warning"] == ["ReturnFailed"]
+    assert [r for t, r, _ in await events(api) if t == "Warning"] == ["ReturnFailed"]
 
 
 async def test_the_taints_label_and_annotations_are_there_before_the_uncordon(
-        api: StandIn, kube: Kube) -> None:
+        api: Api, kube: Kube) -> None:
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    since = api.cluster.resource_version
-    assert await cluster_for(kube).give_back(["gpu-a", "gpu-b"]) is None
-    changes = [c for c in api.cluster.changes
-               if c.rv > since and c.resource is NODES and c.obj["metadata"]["name"] == "gpu-node"]
-    uncordon = next(i for i, c in enumerate(changes)
-                    if c.old and c.old["spec"].get("unschedulable")
-                    and not c.obj["spec"].get("unschedulable"))
-    before = changes[uncordon].old
-    assert before is not None
+    # Every version of the node from now on, as a watch from now sees them.
+    since = (await node(api))["metadata"]["resourceVersion"]
+    versions: list[dict[str, Any]] = []
+
+    async def follow() -> None:
+        async with k8s_watch.Watch() as stream:
+            async for event in stream.stream(api.seed.core.list_node, resource_version=since,
+                                             field_selector="metadata.name=gpu-node",
+                                             timeout_seconds=30):
+                versions.append(api.seed.plain(event["object"]))
+
+    watching = asyncio.create_task(follow())
+    try:
+        assert await cluster_for(kube).give_back(["gpu-a", "gpu-b"]) is None
+        final = (await node(api))["metadata"]["resourceVersion"]
+        await until(lambda: versions and versions[-1]["metadata"]["resourceVersion"] == final)
+    finally:
+        watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watching
+    uncordon = next(i for i, v in enumerate(versions) if not v["spec"].get("unschedulable"))
+    assert uncordon > 0
+    before = versions[uncordon - 1]
     assert {"key": "hostagent.io/borrowed", "value": "true", "effect": "NoSchedule"} in \
         before["spec"]["taints"]
     assert before["metadata"]["labels"]["hostagent.io/borrowed"] == "true"
     assert before["metadata"]["annotations"][f"{PREFIX}lent-gpus"] == "gpu-a,gpu-b"
     # After it, only the node lifecycle controller's own taint goes.
-    for later_change in changes[uncordon + 1:]:
-        assert later_change.old is not None
-        assert later_change.obj["metadata"]["labels"] == later_change.old["metadata"]["labels"]
-        assert {t["key"] for t in later_change.old["spec"]["taints"]} - \
-            {t["key"] for t in later_change.obj["spec"].get("taints", [])} <= \
+    for old, new in itertools.pairwise(versions[uncordon - 1:]):
+        assert new["metadata"]["labels"] == old["metadata"]["labels"]
+        assert {t["key"] for t in old["spec"].get("taints", [])} - \
+            {t["key"] for t in new["spec"].get("taints", [])} <= \
             {"node.kubernetes.io/unschedulable"}
 
 
 async def test_a_lendee_destroyed_by_hand_comes_back_cordoned_until_verified(
-        api: StandIn, kube: Kube) -> None:
+        api: Api, kube: Kube) -> None:
     cluster = cluster_for(kube)
-    assert not node(api)["spec"].get("unschedulable")  # lent, schedulable
+    assert not (await node(api))["spec"].get("unschedulable")  # lent, schedulable
     # virsh destroy: the agent sees the lendee stop, for no reclaim of its own.
     await cluster.lendee_down(why="gpu-node was destroyed")
-    assert node(api)["spec"]["unschedulable"] is True
-    assert node(api)["metadata"]["annotations"][MARKER] == "hostagent"
-    set_status(api, conditions=[{"type": "Ready", "status": "False", "reason": "KubeletNotReady"}],
-               allocatable={"nvidia.com/gpu": "0"})
+    assert (await node(api))["spec"]["unschedulable"] is True
+    assert (await node(api))["metadata"]["annotations"][MARKER] == "hostagent"
+    await set_status(api, conditions=[{"type": "Ready", "status": "False",
+                                       "reason": "KubeletNotReady"}],
+                     allocatable={"nvidia.com/gpu": "0"})
     # It boots again: Ready first, then the GPUs; cordoned until both are there.
     returned = asyncio.create_task(cluster.give_back(["gpu-a", "gpu-b"]))
-    later(0.2, set_status, api, conditions=[{"type": "Ready", "status": "True",
-                                             "reason": "KubeletReady"}])
-    await asyncio.sleep(0.4)
-    assert node(api)["spec"]["unschedulable"] is True
-    boot(api, 2)
+    await set_status(api, conditions=[{"type": "Ready", "status": "True",
+                                       "reason": "KubeletReady"}])
+    await until(lambda: len(api.proxy.requests_to("GET", r"^/api/v1/nodes\?.*watch=")) > 0)
+    await asyncio.sleep(0.2)  # what a return that did not wait for the GPUs would do
+    assert (await node(api))["spec"]["unschedulable"] is True
+    await boot(api, 2)
     assert await returned is None
-    assert not node(api)["spec"].get("unschedulable")
+    assert not (await node(api))["spec"].get("unschedulable")
 
 
 async def test_the_lendee_going_down_never_takes_an_administrators_cordon(
-        api: StandIn, kube: Kube) -> None:
-    def cordon_by_hand(obj: dict[str, Any]) -> dict[str, Any]:
-        obj["spec"]["unschedulable"] = True
-        return obj
-
-    api.cluster.update(NODES, None, "gpu-node", cordon_by_hand)
+        api: Api, kube: Kube) -> None:
+    await api.seed.patch_node("gpu-node", {"spec": {"unschedulable": True}})  # kubectl cordon
     cluster = cluster_for(kube)
     await cluster.lendee_down()
-    assert MARKER not in node(api)["metadata"].get("annotations", {})
+    assert MARKER not in (await node(api))["metadata"].get("annotations", {})
     assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
-    assert node(api)["spec"]["unschedulable"] is True
+    assert (await node(api))["spec"]["unschedulable"] is True
 
 
 # --- while lent ----------------------------------------------------------------------------------
 
 
 async def test_our_marker_on_a_node_uncordoned_by_hand_is_dropped_not_trusted(
-        api: StandIn, kube: Kube, records: journal.ListSink) -> None:
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
-
-    def uncordon(obj: dict[str, Any]) -> dict[str, Any]:  # kubectl uncordon
-        obj["spec"]["unschedulable"] = False
-        return obj
-    api.cluster.update(NODES, None, "gpu-node", uncordon)
+    await api.seed.patch_node("gpu-node", {"spec": {"unschedulable": False}})  # kubectl uncordon
     assert not await kube.uncordon("gpu-node", marker_prefix=PREFIX)
-    assert MARKER not in node(api)["metadata"].get("annotations", {})
+    assert MARKER not in (await node(api))["metadata"].get("annotations", {})
     assert "uncordoned by someone else" in result_of(records, "not-ours")[-1].message
 
 
 async def test_a_gpu_lost_while_lent_turns_health_red_and_is_recorded(
-        api: StandIn, kube: Kube, records: journal.ListSink) -> None:
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
     metrics = FakeMetrics()
     cluster = cluster_for(kube, metrics=metrics)
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
     assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
-    api.cluster.add_pod("train", node="gpu-node", owner="ReplicaSet/t",
-                        gpus={"nvidia.com/gpu": 1})
-    api.cluster.add_pod("web", node="gpu-node", owner="ReplicaSet/w")
+    await api.seed.pod("train", node="gpu-node", owner="ReplicaSet/t",
+                       gpus={"nvidia.com/gpu": 1})
+    await api.seed.pod("web", node="gpu-node", owner="ReplicaSet/w")
     watch = asyncio.create_task(cluster.watch_lent())
     try:
         await until(lambda: metrics.gpu_pods and metrics.gpu_pods[-1] == 1)
@@ -312,7 +327,7 @@ async def test_a_gpu_lost_while_lent_turns_health_red_and_is_recorded(
         shown = cluster.status()
         assert shown["gpu_pods"] == 1 and shown["allocatable"] == {"nvidia.com/gpu": 2}
         assert shown["expected"] == "2 nvidia.com/gpu (2 GPUs, one nvidia.com/gpu each)"
-        set_status(api, allocatable={"nvidia.com/gpu": "1"})  # one fell off the bus
+        await set_status(api, allocatable={"nvidia.com/gpu": "1"})  # one fell off the bus
         await until(lambda: cluster.trouble is not None)
         with pytest.raises(CheckFailed, match="lost GPUs while lent: it reports 1 "
                                               "allocatable nvidia.com/gpu where 2 were lent"):
@@ -320,11 +335,11 @@ async def test_a_gpu_lost_while_lent_turns_health_red_and_is_recorded(
         assert metrics.lost == 1
         lost = result_of(records, "gpu-lost")
         assert lost and lost[0].priority is journal.Priority.ERR
-        set_status(api, allocatable={"nvidia.com/gpu": "2"})
+        await set_status(api, allocatable={"nvidia.com/gpu": "2"})
         await until(lambda: cluster.trouble is None)
         await cluster.health()
-        set_status(api, conditions=[{"type": "Ready", "status": "Unknown",
-                                     "reason": "NodeStatusUnknown"}])
+        await set_status(api, conditions=[{"type": "Ready", "status": "Unknown",
+                                           "reason": "NodeStatusUnknown"}])
         await until(lambda: cluster.trouble is not None)
         assert "not Ready while lent" in (cluster.trouble or "")
     finally:
@@ -333,17 +348,17 @@ async def test_a_gpu_lost_while_lent_turns_health_red_and_is_recorded(
             await watch
     assert metrics.gpu_pods[-1] is None  # unknown once not watched
     await cluster.flush_events()
-    assert "GPULost" in [r for _, r, _ in events(api)]
+    assert "GPULost" in [r for _, r, _ in await events(api)]
 
 
 async def test_the_watch_judges_nothing_before_both_its_lists_are_in(
-        api: StandIn, kube: Kube, records: journal.ListSink) -> None:
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
     """The pods' list answers before the node's: no view of a node "deleted while lent"
     (an ERROR on every lend), the first view is of the node as it is, with its pods."""
     cluster = cluster_for(kube)
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
     assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
-    api.slow("^/api/v1/nodes$", delay=0.5, times=1, method="GET")
+    api.proxy.slow("^/api/v1/nodes$", delay=0.5, times=1, method="GET")
     views: list[Any] = []
     watch = asyncio.create_task(cluster.watch_lent(on_view=views.append))
     try:
@@ -357,61 +372,14 @@ async def test_the_watch_judges_nothing_before_both_its_lists_are_in(
     assert not [e for e in records.entries if "deleted while lent" in e.message]
 
 
-class BlackHole:
-    """A TCP relay to the API server whose connections can be cut without a word: after
-    `freeze`, what they carry is dropped both ways and they stay open (an API host that
-    rebooted, an address that moved, a NAT entry dropped). New connections go through."""
-
-    def __init__(self, target: str) -> None:
-        host, _, port = target.removeprefix("http://").partition(":")
-        self.target = (host, int(port))
-        self.frozen: set[asyncio.StreamWriter] = set()
-        self.live: set[asyncio.StreamWriter] = set()
-        self.closed = asyncio.Event()
-        self.url = ""
-
-    async def __aenter__(self) -> BlackHole:
-        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.server.close()
-        self.closed.set()
-        for writer in self.live:
-            writer.close()
-
-    def freeze(self) -> None:
-        self.frozen |= self.live
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection(*self.target)
-        except OSError:  # the API server is gone (the test is over)
-            writer.close()
-            return
-        self.live |= {writer, up_writer}
-
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-            with contextlib.suppress(OSError):
-                while data := await src.read(65536):
-                    if writer not in self.frozen:
-                        dst.write(data)
-            if writer in self.frozen:  # a dead peer never says goodbye
-                await self.closed.wait()
-            dst.close()
-
-        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
-
-
 async def test_a_half_open_watch_is_given_up_and_the_node_listed_again(
-        api: StandIn, tmp_path: Path) -> None:
-    """The connection under the lent node's watch goes silent without closing: the watch
-    does not wait on it for the rest of the lend; it lists again, and sees a GPU lost."""
+        api: Api, tmp_path: Path) -> None:
+    """The connections under the lent node's watches go silent without closing (an API
+    host that rebooted, an address that moved, a NAT entry dropped): the watch does not
+    wait on them for the rest of the lend; it lists again, and sees a GPU lost."""
     timing = Timing(request_timeout=1.0, api_timeout=3.0, backoff_min=0.02, backoff_max=0.1,
                     watch_timeout=1.0)
-    async with BlackHole(api.url) as hole, await Kube.connect(
-            write_kubeconfig(tmp_path / "kc", hole.url), timing=timing) as kube:
+    async with await Kube.connect(api.write_kubeconfig(tmp_path / "kc"), timing=timing) as kube:
         cluster = cluster_for(kube)
         await kube.cordon("gpu-node", marker_prefix=PREFIX)
         assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
@@ -419,8 +387,9 @@ async def test_a_half_open_watch_is_given_up_and_the_node_listed_again(
         watch = asyncio.create_task(cluster.watch_lent(on_view=views.append))
         try:
             await until(lambda: views)
-            hole.freeze()
-            set_status(api, allocatable={"nvidia.com/gpu": "1"})  # one fell off the bus
+            await until(lambda: api.proxy.watching("^/api/v1/nodes$") == 1)
+            api.proxy.hold_watches()  # the node's and its pods', and any new one
+            await set_status(api, allocatable={"nvidia.com/gpu": "1"})  # one fell off the bus
             await until(lambda: views[-1].allocatable == {"nvidia.com/gpu": 1}, timeout=10)
             assert cluster.trouble is not None and "lost GPUs" in cluster.trouble
         finally:
@@ -429,7 +398,7 @@ async def test_a_half_open_watch_is_given_up_and_the_node_listed_again(
                 await watch
 
 
-async def test_watch_gpu_pods_follows_the_count(api: StandIn, kube: Kube) -> None:
+async def test_watch_gpu_pods_follows_the_count(api: Api, kube: Kube) -> None:
     cluster = cluster_for(kube)
     seen: list[int] = []
 
@@ -441,16 +410,15 @@ async def test_watch_gpu_pods_follows_the_count(api: StandIn, kube: Kube) -> Non
 
     task = asyncio.create_task(follow())
     await until(lambda: seen == [0])
-    api.cluster.add_pod("train", node="gpu-node", owner="ReplicaSet/t",
-                        gpus={"nvidia.com/gpu": 2})
-    api.cluster.add_pod("mig", node="gpu-node", owner="ReplicaSet/m",
-                        gpus={"nvidia.com/mig-1g.10gb": 1})
-    api.cluster.add_pod("done", node="gpu-node", phase="Succeeded",
-                        gpus={"nvidia.com/gpu": 1})
+    await api.seed.pod("train", node="gpu-node", owner="ReplicaSet/t",
+                       gpus={"nvidia.com/gpu": 2})
+    await api.seed.pod("mig", node="gpu-node", owner="ReplicaSet/m",
+                       gpus={"nvidia.com/mig-1g.10gb": 1})
+    await api.seed.pod("done", node="gpu-node", phase="Succeeded",
+                       gpus={"nvidia.com/gpu": 1})
     await until(lambda: seen[-1] == 2)
-    from tests.kubeapi.rules import PODS
-    api.cluster.delete(PODS, "default", "train", {"gracePeriodSeconds": 0})
-    api.cluster.delete(PODS, "default", "mig", {"gracePeriodSeconds": 0})
+    await api.seed.delete_pod("default", "train", grace=0)
+    await api.seed.delete_pod("default", "mig", grace=0)
     await asyncio.wait_for(task, 3)
     assert seen[0] == 0 and seen[-1] == 0 and 2 in seen
 
@@ -458,28 +426,33 @@ async def test_watch_gpu_pods_follows_the_count(api: StandIn, kube: Kube) -> Non
 # --- telling the cluster -------------------------------------------------------------------------
 
 
-async def test_events_and_the_borrowed_label_tell_the_cluster(api: StandIn, kube: Kube) -> None:
+async def test_events_and_the_borrowed_label_tell_the_cluster(api: Api, kube: Kube) -> None:
     cluster = cluster_for(kube)
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
     assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
-    assert node(api)["metadata"]["labels"]["hostagent.io/borrowed"] == "true"
+    assert (await node(api))["metadata"]["labels"]["hostagent.io/borrowed"] == "true"
     assert await cluster.reclaim(["gaming1"]) is None
-    assert "hostagent.io/borrowed" not in node(api)["metadata"]["labels"]
+    assert "hostagent.io/borrowed" not in (await node(api))["metadata"]["labels"]
     await cluster.flush_events()
-    said = events(api)
+    said = await events(api)
     assert ("Normal", "Lent", "lent with 2 GPU(s) (gpu-a, gpu-b): 2 nvidia.com/gpu "
             "(2 GPUs, one nvidia.com/gpu each)") in said
     assert ("Normal", "Reclaimed", "GPUs reclaimed for gaming1: draining, then the node's "
             "VM shuts down") in said
-    involved = api.cluster.list(EVENTS, None)["items"][0]["involvedObject"]
+    involved = (await api.seed.events())[0]["involvedObject"]
     assert involved == {"kind": "Node", "name": "gpu-node", "uid": "gpu-node",
                         "apiVersion": "v1"}
+    # What `kubectl describe node` shows of them: the events of the node's name.
+    out = await asyncio.to_thread(api.seed.plane.kubectl, "get", "events", "-n", "default",
+                                  "--field-selector", "involvedObject.name=gpu-node",
+                                  "-o", "json")
+    assert {"Lent", "Reclaimed"} <= {e["reason"] for e in json.loads(out.stdout)["items"]}
 
 
 async def test_unmanaged_pods_left_with_proceed_are_named_before_the_power_off(
-        api: StandIn, kube: Kube, records: journal.ListSink) -> None:
-    api.cluster.add_pod("bare", node="gpu-node")
-    api.cluster.add_pod("web", node="gpu-node", owner="ReplicaSet/web")
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
+    await api.seed.pod("bare", node="gpu-node")
+    await api.seed.pod("web", node="gpu-node", owner="ReplicaSet/web")
     assert await cluster_for(kube).reclaim(["gaming1"]) is None
     loud = result_of(records, "killed-without-eviction")
     assert len(loud) == 1 and "default/bare" in loud[0].message
@@ -487,29 +460,32 @@ async def test_unmanaged_pods_left_with_proceed_are_named_before_the_power_off(
 
 
 async def test_a_regrows_drain_kills_nothing_whatever_the_policy_says(
-        api: StandIn, kube: Kube, records: journal.ListSink) -> None:
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
     """A restart for more GPUs has no player waiting: with on_drain_timeout = "proceed",
     a pod the drain cannot evict stops the regrow, and nothing is evicted for it."""
-    api.cluster.add_pod("bare", node="gpu-node")
-    api.cluster.add_pod("web", node="gpu-node", owner="ReplicaSet/web")
+    await api.seed.pod("bare", node="gpu-node")
+    await api.seed.pod("web", node="gpu-node", owner="ReplicaSet/web")
     problem = await cluster_for(kube, config(policy="proceed")).reclaim([], regrow=True)
     assert problem is not None and "default/bare" in problem
-    assert api.cluster.pod("default", "bare") and api.cluster.pod("default", "web")
+    for name in ("bare", "web"):
+        pod = await api.seed.get_pod("default", name)
+        assert pod is not None and "deletionTimestamp" not in pod["metadata"]
     assert not result_of(records, "killed-without-eviction")
 
 
-async def test_the_grace_period_override_goes_with_each_eviction(
-        api: StandIn, kube: Kube) -> None:
-    def stop_kubelet() -> None:  # keep the evicted pod Terminating, to read its grace
-        set_status(api, conditions=[{"type": "Ready", "status": "Unknown"}])
-
-    api.cluster.add_pod("web", node="gpu-node", owner="ReplicaSet/web", grace=300)
-    stop_kubelet()
+async def test_the_grace_period_override_goes_with_each_eviction(api: Api, kube: Kube) -> None:
+    await api.seed.pod("web", node="gpu-node", owner="ReplicaSet/web", grace=300)
+    await api.seed.kubelet_gone("gpu-node")  # the evicted pod stays Terminating: read its grace
     cluster = cluster_for(kube, config('grace_period = "7s"\nskip_wait_for_delete_timeout = "0s"'))
     task = asyncio.create_task(cluster.reclaim(["gaming1"]))
-    await until(lambda: (api.cluster.pod("default", "web") or {}).get("metadata", {})
-                .get("deletionGracePeriodSeconds") is not None)
-    assert api.cluster.pod("default", "web")["metadata"]["deletionGracePeriodSeconds"] == 7  # type: ignore[index]
+
+    async def deleting() -> bool:
+        pod = await api.seed.get_pod("default", "web")
+        return pod is not None and "deletionGracePeriodSeconds" in pod["metadata"]
+
+    await until(deleting)
+    pod = await api.seed.get_pod("default", "web")
+    assert pod is not None and pod["metadata"]["deletionGracePeriodSeconds"] == 7
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
@@ -519,46 +495,51 @@ async def test_the_grace_period_override_goes_with_each_eviction(
 
 
 async def test_a_403_stops_the_reclaim_even_with_proceed(
-        api: StandIn, kube: Kube, records: journal.ListSink) -> None:
-    api.fail(r"/api/v1/nodes/gpu-node$", code=403, method="PATCH", times=None)
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
+    api.proxy.fail(r"/api/v1/nodes/gpu-node$", code=403, method="PATCH", times=None)
     problem = await cluster_for(kube, config(policy="proceed")).reclaim(["gaming1"])
     assert problem is not None and "lack a right" in problem and "403" in problem
     assert [e.fields["HOSTAGENT_RESULT"] for e in records.entries
             if e.fields.get("HOSTAGENT_EVENT") == "drain"] == ["unauthorized"]
 
 
-async def test_a_403_on_an_eviction_is_not_an_incomplete_drain(api: StandIn, kube: Kube) -> None:
-    api.cluster.add_pod("web", node="gpu-node", owner="ReplicaSet/web")
-    api.fail(r"/eviction$", code=403, times=None)
+async def test_a_403_on_an_eviction_is_not_an_incomplete_drain(api: Api, kube: Kube) -> None:
+    await api.seed.pod("web", node="gpu-node", owner="ReplicaSet/web")
+    api.proxy.fail(r"/eviction$", code=403, times=None)
     problem = await cluster_for(kube, config(policy="proceed")).reclaim(["gaming1"])
     assert problem is not None and "403" in problem
 
 
-async def test_a_401_reads_the_kubeconfig_again(tmp_path: Path) -> None:
-    async with StandIn(token="rotated") as api:
-        api.cluster.add_node("gpu-node", gpus=1)
-        kubeconfig = write_kubeconfig(tmp_path / "kc", api.url, token="expired")
-        async with await Kube.connect(kubeconfig, timing=FAST) as kube:
-            with pytest.raises(KubeAuthError, match="does not accept hostagent's credentials"):
-                await kube.cordon("gpu-node", marker_prefix=PREFIX)
-            write_kubeconfig(kubeconfig, api.url, token="rotated")  # k3s rotated the cert
-            result = await kube.cordon("gpu-node", marker_prefix=PREFIX)
-            assert result.cordoned_by_us
+async def test_a_401_reads_the_kubeconfig_again(api: Api, plane: ControlPlane,
+                                                tmp_path: Path) -> None:
+    """The real API server's 401 for a token it does not know; then the kubeconfig is
+    rewritten (k3s rotated the credentials) and the next call reads it again."""
+    kubeconfig = tmp_path / "kc"
+    admin = json.loads(plane.admin.read_text())
+    expired = json.loads(plane.admin.read_text())
+    expired["users"][0]["user"] = {"token": "expired"}
+    kubeconfig.write_text(json.dumps(expired))
+    async with await Kube.connect(kubeconfig, timing=FAST) as kube:
+        with pytest.raises(KubeAuthError, match="does not accept hostagent's credentials"):
+            await kube.cordon("gpu-node", marker_prefix=PREFIX)
+        kubeconfig.write_text(json.dumps(admin))
+        result = await kube.cordon("gpu-node", marker_prefix=PREFIX)
+        assert result.cordoned_by_us
 
 
 async def test_a_watch_refused_with_403_keeps_health_red_until_fixed(
-        api: StandIn, kube: Kube) -> None:
+        api: Api, kube: Kube) -> None:
     cluster = cluster_for(kube)
     cluster.auth_retry = 0.05
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
     assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
-    api.fail(r"/api/v1/nodes$", code=403, method="GET", times=None)
+    api.proxy.fail(r"/api/v1/nodes$", code=403, method="GET", times=None)
     watch = asyncio.create_task(cluster.watch_lent())
     try:
         await until(lambda: cluster.trouble is not None)
         with pytest.raises(CheckFailed, match="cannot watch node gpu-node: .*403"):
             await cluster.health()
-        api.clear_faults()  # RBAC fixed
+        api.proxy.clear_faults()  # RBAC fixed
         await until(lambda: cluster.trouble is None)
         assert cluster.view is not None and cluster.view.ready
     finally:
