@@ -1,5 +1,6 @@
 """`hostagent unmark-node`: what hostagent put on the lendee's node comes off, exactly
-that, for an uninstall (README, "Uninstalling")."""
+that, for an uninstall (README, "Uninstalling"). Against the real kube-apiserver, whose
+node lifecycle controller keeps taints of its own (node.kubernetes.io/) beside them."""
 
 from __future__ import annotations
 
@@ -14,19 +15,18 @@ import pytest
 
 from hostagent import cli
 from hostagent.kube import Kube, Taint
-from tests.kubeapi import StandIn, write_kubeconfig
-from tests.kubeapi.rules import NODES
-from tests.unit.kube_scaffold import FAST
+from tests.controlplane import ControlPlane
+from tests.unit.kube_scaffold import FAST, Api, real_api
 
 PREFIX = "hostagent.io/"
 LENT_TAINT = Taint(key="hostagent.io/borrowed", value="true", effect="NoSchedule")
 
 
 @pytest.fixture
-async def api() -> AsyncIterator[StandIn]:
-    async with StandIn() as standin:
-        standin.cluster.add_node("gpu-node", gpus=2)
-        yield standin
+async def api(plane: ControlPlane) -> AsyncIterator[Api]:
+    async with real_api(plane) as api:
+        await api.seed.node("gpu-node", gpus=2)
+        yield api
 
 
 async def lend_marks(kube: Kube) -> None:
@@ -39,40 +39,43 @@ async def lend_marks(kube: Kube) -> None:
                         add_taints=[LENT_TAINT, Taint(key="dedicated", value="ml")])
 
 
-def node(api: StandIn) -> Any:
-    return api.cluster.node("gpu-node")
+async def node(api: Api) -> Any:
+    return await api.seed.get_node("gpu-node")
 
 
-async def test_only_what_hostagent_put_there_comes_off(api: StandIn, tmp_path: Path) -> None:
-    async with await Kube.connect(write_kubeconfig(tmp_path / "kc", api.url), timing=FAST) as k:
+def taints(n: Any) -> list[str]:
+    """The node's taints but the node lifecycle controller's."""
+    return [t["key"] for t in n["spec"].get("taints") or []
+            if not t["key"].startswith("node.kubernetes.io/")]
+
+
+async def test_only_what_hostagent_put_there_comes_off(api: Api, tmp_path: Path) -> None:
+    async with await Kube.connect(api.write_kubeconfig(tmp_path / "kc"), timing=FAST) as k:
         await lend_marks(k)
         dry = await k.unmark("gpu-node", marker_prefix=PREFIX, label="hostagent.io/borrowed",
                              taints=[LENT_TAINT], dry_run=True)
-        assert f"annotation {PREFIX}state=lent" in dry and node(api)["spec"]["unschedulable"]
+        assert f"annotation {PREFIX}state=lent" in dry
+        assert (await node(api))["spec"]["unschedulable"]
         removed = await k.unmark("gpu-node", marker_prefix=PREFIX,
                                  label="hostagent.io/borrowed", taints=[LENT_TAINT])
     assert removed == dry
     assert "its cordon (set by hostagent)" in removed
     assert "taint hostagent.io/borrowed:NoSchedule" in removed
-    n = node(api)
+    n = await node(api)
     assert not any(k.startswith(PREFIX) for k in n["metadata"].get("annotations", {}))
     assert n["metadata"]["annotations"]["example.com/owner"] == "ops"
     assert n["metadata"]["labels"].get("team") == "ml"
     assert "hostagent.io/borrowed" not in n["metadata"]["labels"]
-    assert [t["key"] for t in n["spec"].get("taints") or []] == ["dedicated"]
+    assert taints(n) == ["dedicated"]
     assert not n["spec"].get("unschedulable")
 
 
-async def test_an_administrators_cordon_stays(api: StandIn, tmp_path: Path) -> None:
-    def cordoned(n: dict[str, Any]) -> dict[str, Any]:
-        n["spec"]["unschedulable"] = True  # kubectl cordon: no marker of ours
-        return n
-
-    api.cluster.update(NODES, None, "gpu-node", cordoned)
-    async with await Kube.connect(write_kubeconfig(tmp_path / "kc", api.url), timing=FAST) as k:
+async def test_an_administrators_cordon_stays(api: Api, tmp_path: Path) -> None:
+    await api.seed.patch_node("gpu-node", {"spec": {"unschedulable": True}})  # kubectl cordon
+    async with await Kube.connect(api.write_kubeconfig(tmp_path / "kc"), timing=FAST) as k:
         await k.cordon("gpu-node", marker_prefix=PREFIX)  # someone else's: no marker
         assert await k.unmark("gpu-node", marker_prefix=PREFIX, label=None, taints=[]) == []
-    assert node(api)["spec"]["unschedulable"]
+    assert (await node(api))["spec"]["unschedulable"]
 
 
 def test_the_verb_refuses_while_the_agent_runs_and_without_kubernetes(
@@ -101,9 +104,9 @@ def test_the_verb_refuses_while_the_agent_runs_and_without_kubernetes(
     assert "the agent is running" in capsys.readouterr().err
 
 
-async def test_the_verb_takes_the_marks_off(api: StandIn, tmp_path: Path,
+async def test_the_verb_takes_the_marks_off(api: Api, tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    kc = write_kubeconfig(tmp_path / "kc", api.url)
+    kc = api.write_kubeconfig(tmp_path / "kc")
     async with await Kube.connect(kc, timing=FAST) as k:
         await lend_marks(k)
     path = tmp_path / "config.toml"
@@ -115,5 +118,6 @@ async def test_the_verb_takes_the_marks_off(api: StandIn, tmp_path: Path,
     out = capsys.readouterr().out
     assert code == 0, out
     assert "gpu-node: took off its cordon (set by hostagent)" in out
-    assert not node(api)["spec"].get("unschedulable")
-    assert [t["key"] for t in node(api)["spec"]["taints"]] == ["dedicated"]
+    n = await node(api)
+    assert not n["spec"].get("unschedulable")
+    assert taints(n) == ["dedicated"]
