@@ -127,13 +127,15 @@ class Lab:
         items = (await self.json("get", "pods", "-n", self.namespace))["items"]
         return sorted(p["metadata"]["name"] for p in items)
 
-    async def add_pod(self, name: str, *, node: str = NODE, namespace: str | None = None,
+    async def add_pod(self, name: str, *, node: str | None = NODE, namespace: str | None = None,
                       labels: dict[str, str] | None = None, claim: str | None = None
                       ) -> dict[str, Any]:
-        """A pod bound to `node` (its kubelet stand-in starts it), using `claim`."""
+        """A pod bound to `node` (its kubelet stand-in starts it), using `claim`; with
+        `node` None, one no scheduler takes (a scheduler name of its own), for `bind`."""
         spec: dict[str, Any] = {
-            "nodeName": node, "terminationGracePeriodSeconds": 1,
+            "terminationGracePeriodSeconds": 1,
             "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]}
+        spec.update({"nodeName": node} if node else {"schedulerName": "lab-by-hand"})
         if claim is not None:
             spec["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim}]
             spec["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
@@ -147,8 +149,9 @@ class Lab:
     async def hold(self, name: str, devices: list[str], *, node: str = NODE,
                    admin: bool = False) -> dict[str, Any]:
         """Pod `name` on `node` holding `devices` of the node's pool through claim
-        <name>-gpu, as the scheduler leaves it: allocated, reserved for the pod; the
-        claim owned by the pod, as one made from its template is (it goes with it)."""
+        <name>-gpu, in the scheduler's order: the claim allocated and reserved for the
+        pod, then the pod bound to the node (pods/binding). The claim is owned by the
+        pod, as one made from its template is (it goes with it)."""
         claim = f"{name}-gpu"
         exactly: dict[str, Any] = {"deviceClassName": DRIVER, "count": len(devices)}
         if admin:
@@ -157,7 +160,7 @@ class Lab:
             "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
             "metadata": {"name": claim},
             "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}}))
-        pod = await self.add_pod(name, node=node, claim=claim)
+        pod = await self.add_pod(name, node=None, claim=claim)
         meta = pod["metadata"]
         await self.kubectl("patch", "resourceclaim", "-n", self.namespace, claim, "--type=merge",
                            "-p", json.dumps({"metadata": {"ownerReferences": [{
@@ -175,6 +178,12 @@ class Lab:
                                        "values": [node]}]}]}},
                                    "reservedFor": [{"resource": "pods", "name": name,
                                                     "uid": meta["uid"]}]}}))
+        await self.kubectl("create", "--raw",
+                           f"/api/v1/namespaces/{self.namespace}/pods/{name}/binding",
+                           "-f", "-", input=json.dumps({
+                               "apiVersion": "v1", "kind": "Binding",
+                               "metadata": {"name": name},
+                               "target": {"apiVersion": "v1", "kind": "Node", "name": node}}))
         return pod
 
     def cluster(self, cfg: Config | None = None,
