@@ -763,6 +763,27 @@ async def test_the_holders_are_read_from_the_claims_of_the_nodes_pods_alone(
     assert refused.returncode != 0 and "forbidden" in refused.stderr
 
 
+async def test_while_lent_the_claims_are_read_by_name_and_again_after_a_failure(
+        lab: Lab, tmp_path: Path) -> None:
+    """The watch reads train-1's claim by name, never a list of claims; a read the API
+    server fails (500) is tried again, and the holder is named all the same."""
+    await publish(lab, UUID_A, UUID_B)
+    async with FaultProxy(lab.kubeconfig) as proxy:
+        path = proxy.write_kubeconfig(tmp_path / "proxied.kubeconfig")
+        async with await Kube.connect(path, timing=FAST) as kube:
+            cluster = KubeCluster(kube, config(), remember_cordon=lambda _: None)
+            await kube.cordon(NODE, marker_prefix=PREFIX)
+            assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+            proxy.fail("/resourceclaims/train-1-gpu$", code=500, times=2)
+            await lab.hold("train-1", ["gpu-1"])
+            async with watching(cluster):
+                await until(lambda: cluster.status()["holders"] == {
+                    "gpu-b": f"{lab.namespace}/train-1"})
+    reads = proxy.requests_to("GET", "/resourceclaims")
+    assert len([r for r in reads if r.endswith("/resourceclaims/train-1-gpu")]) >= 3
+    assert all("/namespaces/" in r and not r.endswith("/resourceclaims") for r in reads)
+
+
 async def test_a_pool_of_one_slice_per_gpu_is_verified_once_whole(lab: Lab) -> None:
     """The driver's DynamicMIG layout: the node's pool in one slice per GPU."""
     await lab.driver.publish([gpu(0, UUID_A), gpu(1, UUID_B)], per_gpu=True)
