@@ -98,6 +98,7 @@ class Seed:
         self.replacement_ready_after = replacement_ready_after
         self.grace_scale = grace_scale
         self.nodes: list[str] = []
+        self.namespaces = {"default", "kube-system"}
         self._kubelets: dict[str, Pods] = {}
         self._client: client.ApiClient | None = None
 
@@ -198,12 +199,14 @@ class Seed:
                   grace: int = 30, gpus: dict[str, int] | None = None,
                   annotations: dict[str, str] | None = None) -> Obj:
         """A pod bound to `node`; `owner` is "Kind/name", e.g. "ReplicaSet/web" (its
-        controller adopts it); `phase` "Succeeded" or "Failed": a pod that ended;
+        controller adopts it; a DaemonSet's on a further node is its own, named by it:
+        use the name returned); `phase` "Succeeded" or "Failed": a pod that ended;
         `gpus`: what its container requests and limits, e.g. {"nvidia.com/gpu": 1}."""
         own: dict[str, str] = {}
         if owner is not None:
             kind, _, owner_name = owner.partition("/")
             own = {OWNER: f"{kind.lower()}.{owner_name}"}
+        await self.namespace(namespace)
         meta: Obj = {"name": name, "namespace": namespace,
                      "labels": {SEEDED: "true", **own, **(labels or {})},
                      "annotations": dict(annotations or {})}
@@ -220,8 +223,12 @@ class Seed:
             spec["nodeName"] = node
         count = 0
         if owner is not None:
-            count = 1 + len((await self.core.list_namespaced_pod(
-                namespace, label_selector=f"{OWNER}={own[OWNER]}")).items)
+            mine = (await self.core.list_namespaced_pod(
+                namespace, label_selector=f"{OWNER}={own[OWNER]}")).items
+            count = 1 + len(mine)
+            if owner.startswith("DaemonSet/") and mine:
+                return await self._daemon(owner, namespace, own, labels or {}, node,
+                                          {p.spec.node_name for p in mine})
             if owner.startswith(("ReplicaSet/", "Job/")):
                 # Room first: one more pod than it wants is one it deletes. It may
                 # make one of its own meanwhile; the one it then deletes is that,
@@ -244,7 +251,8 @@ class Seed:
         return self.plain(created)
 
     async def _owner(self, owner: str, namespace: str, own: dict[str, str],
-                     labels: dict[str, str], count: int, *, create: bool = True) -> None:
+                     labels: dict[str, str], count: int, *, create: bool = True,
+                     nodes: set[str] | None = None) -> None:
         """Create `owner` ("Kind/name") of the `count` pods labelled `own`, or scale it
         to them (`create` False: only if it exists)."""
         kind, _, name = owner.partition("/")
@@ -262,7 +270,7 @@ class Seed:
         selector = {"matchLabels": dict(own)}
         if kind == "DaemonSet":
             # The DaemonSet's pods go to the nodes its selector picks: their own.
-            nodes = {p.spec.node_name for p in (await self.core.list_namespaced_pod(
+            nodes = nodes or {p.spec.node_name for p in (await self.core.list_namespaced_pod(
                 namespace, label_selector=f"{OWNER}={own[OWNER]}")).items}
             template_spec.pop("nodeName", None)
             template_spec["nodeSelector"] = {}
@@ -308,6 +316,43 @@ class Seed:
         except ApiException as e:
             if create or e.status != 404:
                 raise
+
+    async def _daemon(self, owner: str, namespace: str, own: dict[str, str],
+                      labels: dict[str, str], node: str | None, nodes: set[str]) -> Obj:
+        """The DaemonSet's own pod on one more node: a pod of ours there would race its
+        controller's (the older of two stays, and ours is newer)."""
+        assert node is not None
+        await self._owner(owner, namespace, own, labels, 0, nodes=nodes | {node})
+        deadline = time.monotonic() + 10
+        while True:
+            pods = (await self.core.list_namespaced_pod(
+                namespace, label_selector=f"{OWNER}={own[OWNER]}",
+                field_selector=f"spec.nodeName={node}")).items
+            if pods and (node not in self._kubelets or any(
+                    c.type == "Ready" and c.status == "True"
+                    for c in pods[0].status.conditions or [])):
+                return self.plain(pods[0])
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no pod of {owner} on {node}")
+            await asyncio.sleep(0.02)
+
+    async def namespace(self, name: str, timeout: float = 10.0) -> None:
+        """Namespace `name`, kept for the process's later tests (a deleted one takes a while
+        to go), once its default ServiceAccount is there (a pod before it is refused)."""
+        if name in self.namespaces:
+            return
+        with contextlib.suppress(ApiException):  # 409: an earlier test's
+            await self.core.create_namespace({"metadata": {"name": name}})
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                await self.core.read_namespaced_service_account("default", name)
+                break
+            except ApiException as e:
+                if e.status != 404 or time.monotonic() > deadline:
+                    raise
+            await asyncio.sleep(0.02)
+        self.namespaces.add(name)
 
     async def _until(self, namespace: str, name: str, what: str,
                      cond: Callable[[Any], bool], timeout: float = 10.0) -> Obj:
@@ -385,7 +430,7 @@ class Seed:
         wait out their grace period), budgets, pods at once, then the nodes."""
         label = f"{SEEDED}=true"
         orphan = {"propagationPolicy": "Orphan", "gracePeriodSeconds": 0}
-        for namespace in ("default", "kube-system"):
+        for namespace in sorted(self.namespaces):
             for delete in (self.apps.delete_collection_namespaced_replica_set,
                            self.apps.delete_collection_namespaced_stateful_set,
                            self.apps.delete_collection_namespaced_daemon_set,

@@ -4,6 +4,7 @@ the real control plane behind a fault proxy (`real_api`)."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,3 +41,14 @@ async def real_api(plane: ControlPlane, **seed_knobs: Any) -> AsyncIterator[Api]
     """A fault proxy before the admin's credential and a Seed, reset when it ends."""
     async with Seed(plane, **seed_knobs) as seed, FaultProxy(plane.admin) as proxy:
         yield Api(proxy, seed)
+
+
+def plain_kubeconfig(path: Path, url: str) -> Path:
+    """A kubeconfig for a server of a test's own on plain HTTP, with no credential (the
+    fuzzed replies of tests/unit/test_fuzz_kube.py, which no real server gives)."""
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "test",
+        "clusters": [{"name": "test", "cluster": {"server": url}}],
+        "users": [{"name": "test", "user": {}}],
+        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test"}}]}))
+    return path

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from hostagent import journal
 from hostagent.config import DrainTimeoutAction
 from hostagent.kube import Kube, KubeError, KubeRequestError, Taint, Timing
-from tests.kubeapi import write_kubeconfig
+from tests.unit.kube_scaffold import plain_kubeconfig
 from tests.unit.test_fuzz_protocols import _text, _value
 
 EXAMPLES = int(os.environ.get("HOSTAGENT_FUZZ_EXAMPLES", "3_000")) // 3  # HTTP round trips
@@ -78,7 +78,7 @@ class Live:
         self.thread.start()
         self.server = Server()
         self.run(self.server.start())
-        kubeconfig = write_kubeconfig(directory / "kubeconfig", self.server.url)
+        kubeconfig = plain_kubeconfig(directory / "kubeconfig", self.server.url)
         self.kube: Kube = self.run(Kube.connect(kubeconfig, timing=FAST))
 
     def run(self, coroutine: Coroutine[Any, Any, Any]) -> Any:
@@ -270,7 +270,7 @@ async def test_a_watch_event_of_any_shape_is_followed_by_a_fresh_list(
     watched = Watched(event)
     await watched.server.start()
     try:
-        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", watched.server.url)
+        kubeconfig = plain_kubeconfig(tmp_path / "kubeconfig", watched.server.url)
         async with await Kube.connect(kubeconfig, timing=FAST) as kube:
             views: list[Any] = []
             follow = asyncio.create_task(kube.watch_node("n", resources=["nvidia.com/gpu"],

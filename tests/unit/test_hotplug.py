@@ -5,11 +5,15 @@ hot-add that fails leaves them to the regrow by restart."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from hostagent import hotplug, lint
 from hostagent.cluster import KubeCluster
@@ -32,8 +36,10 @@ from hostagent.model import (
     ScheduleRelend,
     State,
 )
-from tests.kubeapi import StandIn
-from tests.kubeapi.cluster import gpu_device
+from tests.controlplane import ControlPlane
+from tests.controlplane.nvidia import DEVICE_CLASS, Driver
+from tests.controlplane.nvidia import gpu as gpu_device
+from tests.unit.kube_scaffold import Api, real_api
 from tests.unit.test_partial import AT, LENDEE, POLICY, TOPO, B, C, S, T, gpus, go, run, vms, wants
 
 ADD = replace(POLICY, hotplug=Hotplug.ADD)
@@ -267,12 +273,23 @@ UUID_B = "GPU-5f2ab1c4-0000-4000-8000-00000000000b"
 
 
 @pytest.fixture
-async def api() -> AsyncIterator[StandIn]:
-    async with StandIn(termination_scale=0.005) as standin:
-        standin.cluster.add_node("gpu-node")
-        standin.cluster.add_node("other-node")
-        standin.cluster.add_device_class()
-        yield standin
+async def api(plane: ControlPlane) -> AsyncIterator[Api]:
+    """gpu-node (its kubelet running) and other-node; NVIDIA's DeviceClass."""
+    async with real_api(plane) as api:
+        with contextlib.suppress(ApiException):  # 409: an earlier test's
+            resource: Any = client.ResourceV1Api(api.seed.core.api_client)
+            await resource.create_device_class(DEVICE_CLASS)
+        await api.seed.node("gpu-node")
+        await api.seed.node("other-node")
+        async with api.seed.kubelet("gpu-node"):
+            yield api
+
+
+@pytest.fixture
+async def driver(api: Api) -> AsyncIterator[Driver]:
+    """NVIDIA's DRA kubelet plugin on gpu-node, publishing its slices."""
+    async with Driver(api.seed.plane.admin, "gpu-node") as publisher:
+        yield publisher
 
 
 def dra_config() -> Config:
@@ -295,64 +312,67 @@ gpu_api = "dra"
 """, "test.toml")
 
 
-def gone(api: StandIn, namespace: str, name: str) -> bool:
-    pod = api.cluster.pod(namespace, name)
+async def gone(api: Api, namespace: str, name: str) -> bool:
+    pod = await api.seed.get_pod(namespace, name)
     return pod is None or bool(pod["metadata"].get("deletionTimestamp"))
 
 
 async def test_only_the_gpu_plugins_pods_on_the_node_are_restarted(
-        api: StandIn, kube: Kube) -> None:
-    add = api.cluster.add_pod
-    add("nvidia-device-plugin-daemonset-x1", node="gpu-node", namespace="gpu-operator",
+        api: Api, kube: Kube) -> None:
+    add = api.seed.pod
+    await add("nvidia-device-plugin-daemonset-x1", node="gpu-node", namespace="gpu-operator",
         owner="DaemonSet/nvidia-device-plugin-daemonset",
         labels={"app": "nvidia-device-plugin-daemonset"})
-    add("nvidia-dra-driver-gpu-kubelet-plugin-k2", node="gpu-node", namespace="nvidia-dra",
+    await add("nvidia-dra-driver-gpu-kubelet-plugin-k2", node="gpu-node", namespace="nvidia-dra",
         owner="DaemonSet/nvidia-dra-driver-gpu-kubelet-plugin",
         labels={"app.kubernetes.io/name": "nvidia-dra-driver-gpu",
                 "nvidia-dra-driver-gpu-component": "kubelet-plugin"})  # its chart's, v25.12.0
-    add("nvidia-dra-driver-gpu-controller-c3", node="gpu-node", namespace="nvidia-dra",
+    await add("nvidia-dra-driver-gpu-controller-c3", node="gpu-node", namespace="nvidia-dra",
         owner="ReplicaSet/nvidia-dra-driver-gpu-controller-5d8f",
         labels={"app.kubernetes.io/name": "nvidia-dra-driver-gpu",
                 "nvidia-dra-driver-gpu-component": "controller"})  # no GPU of the node's
-    add("nvidia-device-plugin-daemonset-y7", node="other-node", namespace="gpu-operator",
+    elsewhere = await add("nvidia-device-plugin-daemonset-y7", node="other-node", namespace="gpu-operator",
         owner="DaemonSet/nvidia-device-plugin-daemonset",
         labels={"app": "nvidia-device-plugin-daemonset"})
-    add("train-1", node="gpu-node", owner="Job/train", labels={"app": "train"},
+    await add("train-1", node="gpu-node", owner="Job/train", labels={"app": "train"},
         gpus={"nvidia.com/gpu": 1})
     deleted = await kube.restart_plugins("gpu-node", timeout=5)
     assert deleted == ["gpu-operator/nvidia-device-plugin-daemonset-x1",
                        "nvidia-dra/nvidia-dra-driver-gpu-kubelet-plugin-k2"]
-    assert gone(api, "gpu-operator", "nvidia-device-plugin-daemonset-x1")
-    assert not gone(api, "gpu-operator", "nvidia-device-plugin-daemonset-y7")
-    assert not gone(api, "default", "train-1")
-    assert not gone(api, "nvidia-dra", "nvidia-dra-driver-gpu-controller-c3")
+    assert await gone(api, "gpu-operator", "nvidia-device-plugin-daemonset-x1")
+    assert not await gone(api, "gpu-operator", elsewhere["metadata"]["name"])
+    assert not await gone(api, "default", "train-1")
+    assert not await gone(api, "nvidia-dra", "nvidia-dra-driver-gpu-controller-c3")
 
 
 async def test_the_node_is_told_of_the_gpu_once_its_slices_list_it(
-        api: StandIn, kube: Kube) -> None:
-    publish = api.cluster.publish_devices
-    publish("gpu-node", [gpu_device(0, UUID_B)])
+        api: Api, kube: Kube, driver: Driver) -> None:
+    await driver.publish([gpu_device(0, UUID_B)])
     cluster = KubeCluster(kube, dra_config(), remember_cordon=lambda _: None)
     assert await cluster.give_back({"gpu-b"}) is None
-    # The plugin enumerates gpu-a once restarted.
-    asyncio.get_running_loop().call_later(
-        0.3, publish, "gpu-node", [gpu_device(0, UUID_B), gpu_device(1, UUID_A)])
+
+    async def restarted() -> None:  # the plugin enumerates gpu-a once restarted
+        await asyncio.sleep(0.3)
+        await driver.publish([gpu_device(0, UUID_B), gpu_device(1, UUID_A)])
+
+    plugin = asyncio.create_task(restarted())
     assert await cluster.grow({"gpu-a", "gpu-b"}) is None
-    node = api.cluster.node("gpu-node")
+    await plugin
+    node = await api.seed.get_node("gpu-node")
     assert node["metadata"]["annotations"]["hostagent.io/lent-gpus"] == "gpu-a,gpu-b"
     assert not node["spec"].get("unschedulable")
 
 
 async def test_a_gpu_the_node_never_lists_leaves_it_as_it_was(
-        api: StandIn, kube: Kube) -> None:
-    api.cluster.publish_devices("gpu-node", [gpu_device(0, UUID_B)])
+        api: Api, kube: Kube, driver: Driver) -> None:
+    await driver.publish([gpu_device(0, UUID_B)])
     cluster = KubeCluster(kube, dra_config(), remember_cordon=lambda _: None)
     assert await cluster.give_back({"gpu-b"}) is None
     before = cluster.expected
     problem = await cluster.grow({"gpu-a", "gpu-b"})
     assert problem is not None and f"gpu-a ({UUID_A})" in problem
     assert cluster.expected == before
-    node = api.cluster.node("gpu-node")
+    node = await api.seed.get_node("gpu-node")
     assert node["metadata"]["annotations"]["hostagent.io/lent-gpus"] == "gpu-b"
     assert not node["spec"].get("unschedulable")
 
