@@ -11,10 +11,12 @@ are tests/kubeapi/kubelet.py's Kubelet's part, which runs beside this one; with 
 this one posts Ready itself (a node whose GPUs are DRA devices, which the node's
 status does not carry).
 
-DRA: a real kubelet's DRA manager (pkg/kubelet/cm/dra) calls the driver's
-NodePrepareResources for a pod's claims before its containers start, and
-NodeUnprepareResources after they stop; the lab has no driver process to call, so
-this one skips both and starts a pod whose claims the scheduler reserved for it.
+DRA: a real kubelet's DRA manager (pkg/kubelet/cm/dra, manager.go prepareResources)
+reads each of a pod's ResourceClaims before its containers start, refuses to start it
+while a claim is missing, not made for it (one from a template must be owned by the
+pod) or not reserved for it, and then calls the driver's NodePrepareResources (and
+NodeUnprepareResources after they stop). This one does the checks, leaving such a pod
+Pending to look again, and skips the calls: the lab has no driver process to call.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class Pods:
         self.lease_every = lease_every
         self._task: asyncio.Task[None] | None = None
         self._registered = asyncio.Event()
+        self._claims: Any = None
 
     async def __aenter__(self) -> Pods:
         self._task = asyncio.get_running_loop().create_task(self.run(), name=f"pods {self.node}")
@@ -76,6 +79,7 @@ class Pods:
                                       client_configuration=configuration, persist_config=False)
         async with client.ApiClient(configuration) as api_client:
             core = client.CoreV1Api(api_client)
+            self._claims = client.ResourceV1Api(api_client)
             leases = client.CoordinationV1Api(api_client)
             await self._register(core)
             self._registered.set()
@@ -141,11 +145,37 @@ class Pods:
                         await core.delete_namespaced_pod(meta.name, meta.namespace, body={
                             "gracePeriodSeconds": 0, "preconditions": {"uid": meta.uid}},
                             _request_timeout=5)
-            elif pod.status.phase == "Pending":
+            elif pod.status.phase == "Pending" and await self._claims_ready(pod):
                 await self._post(core, pod, ready=_probe_delay(pod) == 0)
             elif (pod.status.phase == "Running" and not _ready(pod) and now.timestamp()
                   >= pod.status.start_time.timestamp() + _probe_delay(pod)):
                 await self._post(core, pod, ready=True)
+
+    async def _claims_ready(self, pod: Any) -> bool:
+        """Whether each of the pod's ResourceClaims is there, made for it and reserved
+        for it, as the DRA manager checks before it prepares them."""
+        made = {s.name: s.resource_claim_name
+                for s in pod.status.resource_claim_statuses or []}
+        for claim in pod.spec.resource_claims or []:
+            from_template = claim.resource_claim_name is None
+            if from_template and claim.name not in made:
+                return False  # not made yet: the controller-manager's part
+            name = claim.resource_claim_name or made[claim.name]
+            if name is None:
+                continue  # none needed
+            try:
+                found = await self._claims.read_namespaced_resource_claim(
+                    name, pod.metadata.namespace, _request_timeout=5)
+            except ApiException:
+                return False
+            owners = found.metadata.owner_references or []
+            if from_template and not any(o.uid == pod.metadata.uid and o.controller
+                                         for o in owners):
+                return False
+            reserved = (found.status.reserved_for if found.status is not None else None) or []
+            if not any(r.uid == pod.metadata.uid for r in reserved):
+                return False
+        return True
 
     async def _post(self, core: Any, pod: Any, *, ready: bool) -> None:
         stamp = _stamp()

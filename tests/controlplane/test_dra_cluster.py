@@ -306,3 +306,15 @@ async def test_a_lent_gpu_the_driver_taints_unhealthy_is_lost_and_given_to_no_po
         assert devices(await lab.claim_of(running)) == ["gpu-0"]
         await lab.driver.publish([DEVICE["gpu-a"], DEVICE["gpu-b"]])  # healthy again
         await settled(lambda: cluster.trouble is None, "gpu-b back")
+
+
+async def test_a_pod_bound_by_hand_to_a_claim_not_reserved_for_it_is_not_started(
+        lab: Lab) -> None:
+    """The kubelet's DRA manager starts no pod whose claim is not reserved for it: one
+    bound by hand (spec.nodeName, no scheduler) to a claim nobody allocated stays
+    Pending, while a pod the scheduler placed runs."""
+    bound = pod("by-hand", claim="unallocated")
+    bound["spec"]["nodeName"] = NODE
+    await lab.create(claim("unallocated"), bound, template(), pod("train-1", template="gpu"))
+    pods = await lab.running("train-1")  # the stand-in has looked at both by now
+    assert pods["by-hand"]["status"].get("phase") == "Pending"
