@@ -164,6 +164,9 @@ class Lab:
     # How many LENT records there were when each agent (by pid) was started: its first
     # lend may be over before a test looks (tests/faults/scenario.py's wait_lent).
     lent_before: dict[int, int] = field(default_factory=dict)
+    # What journal() has read of this test's journal (it reads only what is new).
+    _journal: list[dict[str, Any]] = field(default_factory=list)
+    _journal_seen: set[str] = field(default_factory=set)
 
     # ---- paths -----------------------------------------------------------------
     def path(self, inside: str) -> Path:
@@ -244,6 +247,7 @@ class Lab:
         # The journal outlives a test: records() only shows what came after this.
         self.mark_us = time.time_ns() // 1000
         self.lent_before.clear()
+        self._journal, self._journal_seen = [], set()
         for dom in self.running():
             self.virsh("destroy", dom, check=False)
         self.sysfs, self.extra = self.root / "sysfs", {}
@@ -585,9 +589,32 @@ class Lab:
 
     # ---- journal ------------------------------------------------------------
     def journal(self, *match: str) -> list[dict[str, Any]]:
-        out = subprocess.run(["journalctl", "-D", str(self.root / "journal"), "-o", "json",
-                              "--no-pager", *match], capture_output=True, text=True, check=False)
-        return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+        """The lab journal's entries since the test began (`mark_us`) that match each
+        `FIELD=value` given (as journalctl's matches: several values of one field, any;
+        several fields, all). Read incrementally: each call asks journalctl only for the
+        entries journald wrote after the last one read (its cursor), where reading the
+        whole journal at every poll of every wait cost more CPU the longer a lab process
+        ran; from the mark again, repeats dropped, if the cursor is gone."""
+        command = ["journalctl", "-D", str(self.root / "journal"), "-o", "json", "--no-pager"]
+        out = subprocess.run(command + (
+            [f"--after-cursor={self._journal[-1]['__CURSOR']}"] if self._journal else
+            [f"--since=@{self.mark_us / 1e6:.6f}"]), capture_output=True, text=True, check=False)
+        if out.returncode != 0 and self._journal:
+            out = subprocess.run(command + [f"--since=@{self.mark_us / 1e6:.6f}"],
+                                 capture_output=True, text=True, check=False)
+        for line in out.stdout.splitlines():
+            if line.startswith("{"):
+                entry = json.loads(line)
+                if entry["__CURSOR"] not in self._journal_seen:
+                    self._journal_seen.add(entry["__CURSOR"])
+                    self._journal.append(entry)
+        wanted: dict[str, set[str]] = {}
+        for m in match:
+            field_, _, value = m.partition("=")
+            wanted.setdefault(field_, set()).add(value)
+        return [e for e in self._journal
+                if all(isinstance(e.get(f), str) and e[f] in values
+                       for f, values in wanted.items())]
 
 
 def unit_cgroup(unit: str = "hostagent.service") -> Path | None:
