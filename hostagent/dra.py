@@ -97,9 +97,16 @@ def selects(obj: Any, node: str, labels: Mapping[str, str]) -> bool:
 
 def claim_names(pod: Any) -> list[str]:
     """The ResourceClaims a pod uses, by name: those made for it from a template, as its
-    status names them, and those it names itself."""
+    status names them, those it names itself, and the one the scheduler made for its
+    extended resources (``nvidia.com/gpu`` in a container's requests, on a node whose
+    DeviceClass says ``extendedResourceName``, as NVIDIA's chart writes it: the
+    DRAExtendedResource gate, alpha in 1.35), as ``status.extendedResourceClaimStatus``
+    names it."""
+    status = getattr(pod, "status", None)
     names = [getattr(s, "resource_claim_name", None)
-             for s in getattr(getattr(pod, "status", None), "resource_claim_statuses", None) or []]
+             for s in getattr(status, "resource_claim_statuses", None) or []]
+    names.append(getattr(getattr(status, "extended_resource_claim_status", None),
+                         "resource_claim_name", None))
     names += [getattr(c, "resource_claim_name", None)
               for c in getattr(getattr(pod, "spec", None), "resource_claims", None) or []]
     return sorted({n for name in names if (n := _text(name)) is not None})

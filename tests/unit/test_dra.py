@@ -357,6 +357,20 @@ def test_devices_of_a_slice_of_per_device_node_selection_count_by_their_node() -
     assert slices.uuids() == frozenset({UUID_B})
 
 
+def test_the_claim_made_for_a_pods_extended_resources_is_one_of_its_claims() -> None:
+    """With DRAExtendedResource, a pod that requests nvidia.com/gpu on a DRA node gets a
+    claim the scheduler makes for it, named in status.extendedResourceClaimStatus: a
+    hot-unplug must evict that pod with the GPU, as it does a pod of a template."""
+    from kubernetes_asyncio.client import (V1ObjectMeta, V1Pod, V1PodExtendedResourceClaimStatus,
+                                           V1PodResourceClaimStatus, V1PodStatus)
+    pod = V1Pod(metadata=V1ObjectMeta(name="train", namespace="ml"), status=V1PodStatus(
+        resource_claim_statuses=[V1PodResourceClaimStatus(name="gpu",
+                                                          resource_claim_name="train-gpu-x")],
+        extended_resource_claim_status=V1PodExtendedResourceClaimStatus(
+            request_mappings=[], resource_claim_name="train-extended-resources-y")))
+    assert dra.claim_names(pod) == ["train-extended-resources-y", "train-gpu-x"]
+
+
 # --- the return ---------------------------------------------------------------------------
 
 
