@@ -8,9 +8,9 @@ ResourceSlices, its UUID among the device's attributes (a MIG device names its G
 (the slices list exactly the lent GPUs), a GPU lost is a lent UUID gone from the
 slices, and which pod holds which lent GPU is read from the claims the node's pods name.
 
-`Slices` and `Claims` keep what a list and watch of the API show (objects of the
-kubernetes-asyncio models, read defensively: the text is the cluster's), and the rest
-is pure: no I/O here; `hostagent.kube` does the requests.
+`Slices` and `Claims` keep what the API shows (slices listed and watched, claims read
+by name; objects of the kubernetes-asyncio models, read defensively: the text is the
+cluster's), and the rest is pure: no I/O here; `hostagent.kube` does the requests.
 """
 
 from __future__ import annotations
