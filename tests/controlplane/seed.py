@@ -41,6 +41,7 @@ SEEDED = "lab.hostagent.io/seeded"
 OWNER = "lab.hostagent.io/owner"
 MIRROR = "kubernetes.io/config.mirror"
 NOWHERE = {"lab.hostagent.io/nowhere": "true"}  # a node selector no node matches
+DRA_DRIVER = "gpu.nvidia.com"  # NVIDIA's DRA driver (tests/controlplane/nvidia.py)
 HOSTAGENT = "hostagent"  # the source.component of hostagent's Events
 _APIS = {"ReplicaSet": "apps/v1", "StatefulSet": "apps/v1", "DaemonSet": "apps/v1",
          "Job": "batch/v1"}
@@ -98,7 +99,7 @@ class Seed:
         self.replacement_ready_after = replacement_ready_after
         self.grace_scale = grace_scale
         self.nodes: list[str] = []
-        self.namespaces = {"default", "kube-system"}
+        self.namespaces: set[str] = set()  # those whose default ServiceAccount is there
         self._kubelets: dict[str, Pods] = {}
         self._client: client.ApiClient | None = None
 
@@ -164,6 +165,16 @@ class Seed:
     async def ready(self, name: str, status: str = "True") -> Obj:
         return await self.node_status(name, conditions=[ready_condition(status)])
 
+    async def schedulable(self, name: str, timeout: float = 10.0) -> None:
+        """Until the node lifecycle controller has taken its not-ready taint off (the
+        scheduler places nothing on the node before)."""
+        deadline = time.monotonic() + timeout
+        while any(t.key.startswith("node.kubernetes.io/")
+                  for t in (await self.core.read_node(name)).spec.taints or []):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {name} not schedulable within {timeout:g}s")
+            await asyncio.sleep(0.05)
+
     async def get_node(self, name: str) -> Obj:
         return self.plain(await self.core.read_node(name))
 
@@ -197,11 +208,15 @@ class Seed:
                   owner: str | None = None, labels: dict[str, str] | None = None,
                   phase: str | None = None, emptydir: bool = False, mirror: bool = False,
                   grace: int = 30, gpus: dict[str, int] | None = None,
+                  uuids: list[str] | None = None,
                   annotations: dict[str, str] | None = None) -> Obj:
         """A pod bound to `node`; `owner` is "Kind/name", e.g. "ReplicaSet/web" (its
         controller adopts it; a DaemonSet's on a further node is its own, named by it:
         use the name returned); `phase` "Succeeded" or "Failed": a pod that ended;
-        `gpus`: what its container requests and limits, e.g. {"nvidia.com/gpu": 1}."""
+        `gpus`: what its container requests and limits, e.g. {"nvidia.com/gpu": 1};
+        `uuids`: GPUs of NVIDIA's DRA driver it holds through a ResourceClaim of its own
+        (one request per GPU, selecting it by its uuid attribute), which the scheduler
+        allocates and reserves for it as it places it on `node`."""
         own: dict[str, str] = {}
         if owner is not None:
             kind, _, owner_name = owner.partition("/")
@@ -219,7 +234,20 @@ class Seed:
         spec = _pod_spec(grace, emptydir=emptydir, gpus=gpus,
                          restart="Never" if phase in ("Succeeded", "Failed") or (
                              owner or "").startswith("Job/") else "Always")
-        if node is not None:
+        if uuids:
+            resource = client.ResourceV1Api(self._client)
+            claim: Any = await resource.create_namespaced_resource_claim(namespace, {
+                "metadata": {"generateName": f"{name}-gpu-", "labels": {SEEDED: "true"}},
+                "spec": {"devices": {"requests": [{"name": f"gpu{i}", "exactly": {
+                    "deviceClassName": DRA_DRIVER, "selectors": [{"cel": {"expression": (
+                        f"device.attributes['{DRA_DRIVER}'].uuid == '{uuid}'")}}]}}
+                    for i, uuid in enumerate(uuids)]}}})  # type: ignore[arg-type]
+            spec["resourceClaims"] = [{"name": "gpu",
+                                       "resourceClaimName": claim.metadata.name}]
+            spec["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
+            if node is not None:  # the scheduler's to place: it allocates the claim
+                spec["nodeSelector"] = {"kubernetes.io/hostname": node}
+        elif node is not None:
             spec["nodeName"] = node
         count = 0
         if owner is not None:
@@ -245,6 +273,10 @@ class Seed:
             await self._owner(owner, namespace, own, labels or {}, count)
             await self._until(namespace, name, f"adopted by its {kind}", lambda pod: any(
                 r.controller and r.kind == kind for r in pod.metadata.owner_references or []))
+        if uuids:
+            return await self._until(namespace, name, "placed and Ready", lambda pod: bool(
+                pod.spec.node_name) and any(c.type == "Ready" and c.status == "True"
+                                            for c in pod.status.conditions or []))
         if node in self._kubelets and phase is None:
             return await self._until(namespace, name, "Ready", lambda pod: any(
                 c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []))
@@ -393,7 +425,9 @@ class Seed:
                   unhealthy_pod_eviction_policy: str | None = None,
                   timeout: float = 10.0) -> Obj:
         """A PodDisruptionBudget, once the disruption controller has computed its status
-        (the eviction API refuses to decide on a budget it has not: 429)."""
+        (the eviction API refuses to decide on a budget it has not: 429), or failed to:
+        with maxUnavailable or a percentage it needs the pods' controller's scale, which
+        a Job has not (its status then stays unobserved, and every eviction is refused)."""
         spec: Obj = {"selector": {"matchLabels": dict(match_labels)}}
         if min_available is not None:
             spec["minAvailable"] = min_available
@@ -406,8 +440,10 @@ class Seed:
         deadline = time.monotonic() + timeout
         while True:
             pdb = await self.policy.read_namespaced_pod_disruption_budget(name, namespace)
-            if (pdb.status is not None and pdb.status.observed_generation
-                    == pdb.metadata.generation):
+            status = pdb.status
+            if status is not None and (status.observed_generation == pdb.metadata.generation
+                                       or any(c.reason == "SyncFailed"
+                                              for c in status.conditions or [])):
                 return self.plain(pdb)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no status for PodDisruptionBudget {name}")
@@ -430,7 +466,7 @@ class Seed:
         wait out their grace period), budgets, pods at once, then the nodes."""
         label = f"{SEEDED}=true"
         orphan = {"propagationPolicy": "Orphan", "gracePeriodSeconds": 0}
-        for namespace in sorted(self.namespaces):
+        for namespace in sorted(self.namespaces | {"default", "kube-system"}):
             for delete in (self.apps.delete_collection_namespaced_replica_set,
                            self.apps.delete_collection_namespaced_stateful_set,
                            self.apps.delete_collection_namespaced_daemon_set,
@@ -439,6 +475,8 @@ class Seed:
                 await delete(namespace, label_selector=label, body=orphan)
             await self.core.delete_collection_namespaced_pod(
                 namespace, label_selector=label, body={"gracePeriodSeconds": 0})
+            await client.ResourceV1Api(self._client).delete_collection_namespaced_resource_claim(
+                namespace, label_selector=label)
             for pod in (await self.core.list_namespaced_pod(namespace,
                                                             label_selector=label)).items:
                 if pod.metadata.finalizers:  # a Job's tracking finalizer

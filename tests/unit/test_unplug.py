@@ -5,6 +5,7 @@ once libvirt has removed it, and anything else takes the reclaim's road."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
 
 from hostagent import hotplug, journal, lint
 from hostagent.cluster import KubeCluster
@@ -48,8 +51,10 @@ from hostagent.model import (
     State,
     Topology,
 )
-from tests.kubeapi import StandIn
-from tests.kubeapi.cluster import gpu_device
+from tests.controlplane import ControlPlane
+from tests.controlplane.nvidia import DEVICE_CLASS, Driver
+from tests.controlplane.nvidia import gpu as gpu_device
+from tests.unit.kube_scaffold import Api, real_api
 from tests.unit.machine_scaffold import Stepper
 from tests.unit.test_control import make_agent
 from tests.unit.test_hotplug import LINT_CONFIG, gone, hot_add_findings, lendee_xml
@@ -516,19 +521,30 @@ async def test_a_step_whose_phase_ended_reports_nothing() -> None:
 
 
 @pytest.fixture
-async def api() -> AsyncIterator[StandIn]:
-    async with StandIn(termination_scale=0.005) as standin:
-        standin.cluster.add_node("gpu-node")
-        standin.cluster.add_device_class()
-        yield standin
+async def api(plane: ControlPlane) -> AsyncIterator[Api]:
+    """gpu-node (its kubelet running, schedulable), NVIDIA's DeviceClass."""
+    async with real_api(plane) as api:
+        with contextlib.suppress(ApiException):  # 409: an earlier test's
+            resource: Any = client.ResourceV1Api(api.seed.core.api_client)
+            await resource.create_device_class(DEVICE_CLASS)
+        await api.seed.node("gpu-node")
+        async with api.seed.kubelet("gpu-node"):
+            yield api
+
+
+@pytest.fixture
+async def driver(api: Api) -> AsyncIterator[Driver]:
+    """NVIDIA's DRA kubelet plugin on gpu-node, publishing its slices."""
+    async with Driver(api.seed.plane.admin, "gpu-node") as publisher:
+        yield publisher
 
 
 async def test_vacate_evicts_only_the_pods_named_and_cordons_as_ours(
-        api: StandIn, kube: Kube) -> None:
-    add = api.cluster.add_pod
-    on_a = add("train-a", node="gpu-node", owner="Job/a", gpus={"nvidia.com/gpu": 1})
-    add("train-b", node="gpu-node", owner="Job/b", gpus={"nvidia.com/gpu": 1})
-    add("web", node="gpu-node", owner="ReplicaSet/web")
+        api: Api, kube: Kube) -> None:
+    add = api.seed.pod
+    on_a = await add("train-a", node="gpu-node", owner="Job/a", gpus={"nvidia.com/gpu": 1})
+    await add("train-b", node="gpu-node", owner="Job/b", gpus={"nvidia.com/gpu": 1})
+    await add("web", node="gpu-node", owner="ReplicaSet/web")
     cordons: list[bool] = []
     cfg = parse(UNPLUG_CONFIG + "[kubernetes]\ngpu_api = \"device-plugin\"\n", "t.toml")
     cluster = KubeCluster(kube, cfg, remember_cordon=cordons.append)
@@ -537,15 +553,16 @@ async def test_vacate_evicts_only_the_pods_named_and_cordons_as_ours(
     def reading(pods: set[str] | None, why: str = "") -> Callable[
             [], Awaitable[tuple[frozenset[str] | None, str]]]:
         async def read() -> tuple[frozenset[str] | None, str]:
-            node = api.cluster.node("gpu-node")
+            node = await api.seed.get_node("gpu-node")
             cordoned_when_read.append(bool(node["spec"].get("unschedulable")))
             return (None if pods is None else frozenset(pods)), why
         return read
     assert await cluster.vacate(["gaming1"], {A},
                                 reading({on_a["metadata"]["uid"], "gone-pod"})) is None
-    assert gone(api, "default", "train-a")
-    assert not gone(api, "default", "train-b") and not gone(api, "default", "web")
-    assert api.cluster.node("gpu-node")["spec"].get("unschedulable") and cordons == [True]
+    assert await gone(api, "default", "train-a")
+    assert not await gone(api, "default", "train-b") and not await gone(api, "default", "web")
+    assert (await api.seed.get_node("gpu-node"))["spec"].get("unschedulable")
+    assert cordons == [True]
     problem = await cluster.vacate(["gaming1"], {A}, reading(None, "cat: No such file"))
     assert problem is not None and "checkpoint could not be read" in problem
     assert "No such file" in problem
@@ -553,12 +570,12 @@ async def test_vacate_evicts_only_the_pods_named_and_cordons_as_ours(
 
 
 async def test_a_budget_that_blocks_the_vacate_leaves_its_fallback_drain_only_what_is_left(
-        api: StandIn, kube: Kube) -> None:
+        api: Api, kube: Kube) -> None:
     # The hot-unplug's eviction and the restart's drain after it are one drain for the
     # player: one timeouts.drain for both, not one each (twice the wait).
-    on_a = api.cluster.add_pod("train-a", node="gpu-node", owner="Job/a",
-                               labels={"app": "train"}, gpus={"nvidia.com/gpu": 1})
-    api.cluster.add_pdb("train", match_labels={"app": "train"}, max_unavailable=0)
+    on_a = await api.seed.pod("train-a", node="gpu-node", owner="Job/a",
+                              labels={"app": "train"}, gpus={"nvidia.com/gpu": 1})
+    await api.seed.pdb("train", match_labels={"app": "train"}, max_unavailable=0)
     cfg = parse(UNPLUG_CONFIG + "[kubernetes]\ngpu_api = \"device-plugin\"\n"
                 "[timeouts]\ndrain = \"2s\"\n", "t.toml")
     cluster = KubeCluster(kube, cfg, remember_cordon=lambda _: None)
@@ -579,7 +596,7 @@ async def test_a_budget_that_blocks_the_vacate_leaves_its_fallback_drain_only_wh
     assert vacate_drain <= 2.0 and reclaim_drain < 0.5
     # Evictions that went through spend little: the time the guest then took to let go
     # (here 1 s) is no drain's, and the restart's drain has the rest of its budget.
-    api.cluster.add_pod("train-b", node="gpu-node", owner="Job/b", gpus={"nvidia.com/gpu": 1})
+    await api.seed.pod("train-b", node="gpu-node", owner="Job/b", gpus={"nvidia.com/gpu": 1})
     given.clear()
 
     async def none() -> tuple[frozenset[str] | None, str]:
@@ -587,38 +604,40 @@ async def test_a_budget_that_blocks_the_vacate_leaves_its_fallback_drain_only_wh
     assert await cluster.vacate(["gaming1"], {A}, none) is None
     await asyncio.sleep(1.0)
     assert await cluster.reclaim(["gaming1"]) is None
-    assert given[-1] > 1.5 and gone(api, "default", "train-b")
+    assert given[-1] > 1.5 and await gone(api, "default", "train-b")
 
 
 async def test_vacate_finds_the_pods_on_the_gpu_by_their_claims_with_dra(
-        api: StandIn, kube: Kube) -> None:
-    api.cluster.publish_devices("gpu-node", [gpu_device(0, UUID_A), gpu_device(1, UUID_B)])
-    api.cluster.add_pod("train-a", node="gpu-node", owner="Job/a", devices=["gpu-0"])
-    api.cluster.add_pod("train-b", node="gpu-node", owner="Job/b", devices=["gpu-1"])
+        api: Api, kube: Kube, driver: Driver) -> None:
+    await driver.publish([gpu_device(0, UUID_A), gpu_device(1, UUID_B)])
+    await api.seed.schedulable("gpu-node")
+    # Each pod's claim allocated by the scheduler: train-a's gpu-a, train-b's gpu-b.
+    await api.seed.pod("train-a", node="gpu-node", owner="Job/a", uuids=[UUID_A])
+    await api.seed.pod("train-b", node="gpu-node", owner="Job/b", uuids=[UUID_B])
     cfg = parse(UNPLUG_CONFIG + "[kubernetes]\ngpu_api = \"dra\"\n", "t.toml")
     cluster = KubeCluster(kube, cfg, remember_cordon=lambda _: None)
     await cluster.expect([A, B, C])
     async def unread() -> tuple[frozenset[str] | None, str]:
         raise AssertionError("with DRA the claims say which pods hold the GPU")
     assert await cluster.vacate(["gaming1"], {A}, unread) is None
-    assert gone(api, "default", "train-a") and not gone(api, "default", "train-b")
+    assert await gone(api, "default", "train-a") and not await gone(api, "default", "train-b")
 
 
 async def test_the_return_after_a_hot_unplug_restarts_the_gpu_plugins_first(
-        api: StandIn, kube: Kube) -> None:
-    api.cluster.add_pod("nvidia-dra-driver-gpu-kubelet-plugin-k2", node="gpu-node",
-                        namespace="nvidia-dra",
-                        owner="DaemonSet/nvidia-dra-driver-gpu-kubelet-plugin",
-                        labels={"nvidia-dra-driver-gpu-component": "kubelet-plugin"})
-    api.cluster.publish_devices("gpu-node", [gpu_device(1, UUID_B), gpu_device(2, UUID_C)])
+        api: Api, kube: Kube, driver: Driver) -> None:
+    await api.seed.pod("nvidia-dra-driver-gpu-kubelet-plugin-k2", node="gpu-node",
+                       namespace="nvidia-dra",
+                       owner="DaemonSet/nvidia-dra-driver-gpu-kubelet-plugin",
+                       labels={"nvidia-dra-driver-gpu-component": "kubelet-plugin"})
+    await driver.publish([gpu_device(1, UUID_B), gpu_device(2, UUID_C)])
     cfg = parse(UNPLUG_CONFIG + "[kubernetes]\ngpu_api = \"dra\"\n[timeouts]\nready = \"3s\"\n",
                 "t.toml")
     cluster = KubeCluster(kube, cfg, remember_cordon=lambda _: None)
     await kube.cordon("gpu-node", marker_prefix=cfg.kubernetes.annotation_prefix
                       if cfg.kubernetes else "")
     assert await cluster.give_back({B, C}, restart_plugins=True) is None
-    assert gone(api, "nvidia-dra", "nvidia-dra-driver-gpu-kubelet-plugin-k2")
-    assert not api.cluster.node("gpu-node")["spec"].get("unschedulable")
+    assert await gone(api, "nvidia-dra", "nvidia-dra-driver-gpu-kubelet-plugin-k2")
+    assert not (await api.seed.get_node("gpu-node"))["spec"].get("unschedulable")
 
 
 def test_lint_says_hot_unplug_is_experimental_and_names_the_drivers_that_hang() -> None:
