@@ -1,7 +1,7 @@
 """Fixtures for the unit tests: a fake sysfs tree, built per test; journal records kept
 in memory (`sink`, for the tests that read what the agent journals); a `Kube` connected
 to the test module's own `api` fixture (the real control plane behind its fault proxy,
-or the API stand-in, seeded as that module needs)."""
+seeded as that module needs: tests/unit/kube_scaffold.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 
 from hostagent import journal
 from hostagent.kube import Kube
-from tests.kubeapi import StandIn, write_kubeconfig
 from tests.sysfs import FakeSysfs
 from tests.unit.kube_scaffold import FAST, Api
 
@@ -31,8 +30,6 @@ def sink() -> Iterator[journal.ListSink]:
 
 
 @pytest.fixture
-async def kube(api: StandIn | Api, tmp_path: Path) -> AsyncIterator[Kube]:
-    kubeconfig = (api.write_kubeconfig(tmp_path / "kc") if isinstance(api, Api)
-                  else write_kubeconfig(tmp_path / "kc", api.url))
-    async with await Kube.connect(kubeconfig, timing=FAST) as k:
+async def kube(api: Api, tmp_path: Path) -> AsyncIterator[Kube]:
+    async with await Kube.connect(api.write_kubeconfig(tmp_path / "kc"), timing=FAST) as k:
         yield k
