@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,20 +23,15 @@ from hostagent import journal
 from hostagent.cluster import KubeCluster
 from hostagent.config import Config, parse
 from hostagent.health import CheckFailed
-from hostagent.kube import Kube
-from tests.controlplane import ControlPlane
-from tests.controlplane.kubelet import Pods
-from tests.controlplane.nvidia import DEVICE_CLASS, DRIVER, Driver, gpu, health_taint
-from tests.controlplane.test_rbac import agent_kubeconfig
-from tests.unit.kube_scaffold import FAST
+from tests.controlplane import ControlPlane, dralab
+from tests.controlplane.dralab import NODE, Accounts, Lab, dra_lab
+from tests.controlplane.nvidia import DRIVER, gpu, health_taint
 
-NODE = "gpu-node"
 PREFIX = "hostagent.io/"
 UUID_A = "GPU-5f2ab1c4-0000-4000-8000-00000000000a"
 UUID_B = "GPU-5f2ab1c4-0000-4000-8000-00000000000b"
 LABEL = {"gpu-0": "gpu-a", "gpu-1": "gpu-b"}  # the driver's device name -> hostagent's GPU
 DEVICE = {"gpu-a": gpu(0, UUID_A), "gpu-b": gpu(1, UUID_B)}
-NAMESPACES = itertools.count()
 
 
 def config() -> Config:
@@ -63,45 +55,6 @@ ready = "15s"
 [kubernetes]
 drain_unmanaged = true
 """, "test.toml")
-
-
-@dataclass
-class Lab:
-    plane: ControlPlane
-    namespace: str
-    driver: Driver
-    kube: Kube  # the agent's, under deploy/rbac.yaml
-    cluster: KubeCluster
-
-    async def kubectl(self, *args: str, input: str | None = None) -> str:
-        return (await asyncio.to_thread(self.plane.kubectl, *args, input=input)).stdout
-
-    async def create(self, *objects: dict[str, Any]) -> None:
-        await self.kubectl("create", "-n", self.namespace, "-f", "-", input=json.dumps(
-            {"apiVersion": "v1", "kind": "List", "items": list(objects)}))
-
-    async def get(self, kind: str, name: str = "") -> Any:
-        return json.loads(await self.kubectl("get", kind, *([name] if name else []),
-                                             "-n", self.namespace, "-o", "json"))
-
-    async def pods(self) -> dict[str, dict[str, Any]]:
-        return {p["metadata"]["name"]: p for p in (await self.get("pods"))["items"]
-                if not p["metadata"].get("deletionTimestamp")}
-
-    async def running(self, *names: str) -> dict[str, dict[str, Any]]:
-        async def check() -> bool:
-            pods = await self.pods()
-            return all(pods.get(n, {}).get("status", {}).get("phase") == "Running"
-                       for n in names)
-        await until(check, f"{', '.join(names)} Running")
-        return await self.pods()
-
-    async def claim_of(self, pod: str) -> dict[str, Any]:
-        """The claim the pod uses, as its status names it."""
-        status = (await self.get("pod", pod))["status"]
-        name = next(s["resourceClaimName"] for s in status["resourceClaimStatuses"])
-        claim: dict[str, Any] = await self.get("resourceclaim", name)
-        return claim
 
 
 async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 60) -> None:
@@ -130,42 +83,36 @@ def records() -> Iterator[journal.ListSink]:
     journal.use_sink(previous)
 
 
-@pytest.fixture
-async def lab(plane: ControlPlane, tmp_path: Path) -> AsyncIterator[Lab]:
-    """gpu-node Ready, its two GPUs published by the driver, the driver's DeviceClass,
-    a namespace of the test's own, and the agent's Kube lent both GPUs (verified by
-    UUID, uncordoned); all of it gone when the test ends."""
-    namespace = f"dra-{next(NAMESPACES)}"
-    await asyncio.to_thread(plane.namespace, namespace)
-    await asyncio.to_thread(plane.kubectl, "apply", "-f", "-", input=json.dumps(DEVICE_CLASS))
-    node_user = plane.credential(f"kubelet-{NODE}", f"system:node:{NODE}", "system:nodes")
-    kubeconfig = agent_kubeconfig(plane, tmp_path / "agent.kubeconfig")
-    try:
-        async with Pods(node_user, NODE, ready=True), Driver(plane.admin, NODE) as driver, \
-                await Kube.connect(kubeconfig, timing=FAST) as kube:
-            await driver.publish([DEVICE["gpu-a"], DEVICE["gpu-b"]])
+@pytest.fixture(scope="module")
+def accounts(plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Accounts]:
+    with dralab.accounts(plane, tmp_path_factory.mktemp("dra-cluster")) as made:
+        yield made
 
-            async def schedulable() -> bool:
-                node = json.loads((await asyncio.to_thread(
-                    plane.kubectl, "get", "node", NODE, "-o", "json")).stdout)
-                return not node["spec"].get("taints")
-            await until(schedulable, f"{NODE} schedulable")
-            cluster = KubeCluster(kube, config(), remember_cordon=lambda _: None)
-            await kube.cordon(NODE, marker_prefix=PREFIX)
-            assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
-            try:
-                yield Lab(plane, namespace, driver, kube, cluster)
-            finally:
-                await cluster.flush_events()
-                await asyncio.to_thread(plane.kubectl, "delete", "namespace", namespace,
-                                        "--wait=false")
-                await asyncio.to_thread(plane.kubectl, "delete", "pods", "-n", namespace,
-                                        "--all", "--grace-period=0", "--force")
-                await driver.withdraw()
-    finally:
-        for args in (("delete", "node", NODE), ("delete", "lease", "-n", "kube-node-lease", NODE),
-                     ("delete", "deviceclass", DRIVER)):
-            await asyncio.to_thread(plane.kubectl, *args, "--ignore-not-found")
+
+@dataclass
+class Lent:
+    lab: Lab
+    cluster: KubeCluster  # the agent's, both GPUs lent
+
+
+@pytest.fixture
+async def lent(plane: ControlPlane, accounts: Accounts) -> AsyncIterator[Lent]:
+    """The DRA lab (tests/controlplane/dralab.py) with both GPUs published, the node
+    schedulable (the node lifecycle controller took its not-ready taint off), and
+    both lent by the agent: verified by UUID, uncordoned."""
+    async with dra_lab(plane, accounts) as lab:
+        await lab.driver.publish([DEVICE["gpu-a"], DEVICE["gpu-b"]])
+
+        async def schedulable() -> bool:
+            return not (await lab.node())["spec"].get("taints")
+        await until(schedulable, f"{NODE} schedulable")
+        cluster = lab.cluster(config())
+        await lab.kube.cordon(NODE, marker_prefix=PREFIX)
+        assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+        try:
+            yield Lent(lab, cluster)
+        finally:
+            await cluster.flush_events()
 
 
 def template(name: str = "gpu") -> dict[str, Any]:
@@ -196,8 +143,8 @@ def pod(name: str, *, template: str | None = None, claim: str | None = None) -> 
 
 
 @contextlib.asynccontextmanager
-async def watching(lab: Lab) -> AsyncIterator[None]:
-    watch = asyncio.create_task(lab.cluster.watch_lent())
+async def watching(cluster: KubeCluster) -> AsyncIterator[None]:
+    watch = asyncio.create_task(cluster.watch_lent())
     try:
         yield
     finally:
@@ -211,22 +158,22 @@ async def no_checkpoint() -> tuple[None, str]:
 
 
 async def test_a_gpu_reclaimed_live_drains_its_claims_pod_and_the_other_stays_lent(
-        lab: Lab) -> None:
+        lent: Lent) -> None:
     """train-1's claim, made from its template and allocated by the scheduler, holds one
     GPU: the agent under the shipped RBAC (get on claims, no list) names it; the GPU's
     reclaim evicts train-1 alone; the other GPU, lent still, takes train-2."""
+    lab, cluster = lent.lab, lent.cluster
     await lab.create(template(), pod("train-1", template="gpu"), pod("web"))
     await lab.running("train-1", "web")
     held = LABEL[devices(await lab.claim_of("train-1"))[0]]
     other = next(g for g in DEVICE if g != held)
-    cluster = lab.cluster
-    async with watching(lab):
+    async with watching(cluster):
         await settled(lambda: cluster.status()["holders"] == {held: f"{lab.namespace}/train-1"},
                       f"{held} held by train-1")
         assert cluster.view is not None and cluster.view.gpu_pods == 1
         assert cluster.trouble is None
     assert await cluster.vacate(["gaming1"], {held}, no_checkpoint) is None
-    assert sorted(await lab.pods()) == ["web"]
+    assert sorted(await lab.live()) == ["web"]
     await until(lambda: no_claims(lab), "train-1's claim deleted with it")
     # The guest let the GPU go: the driver publishes the other alone; the return verifies it.
     await lab.driver.publish([DEVICE[other]])
@@ -240,25 +187,27 @@ async def no_claims(lab: Lab) -> bool:
     return not (await lab.get("resourceclaims"))["items"]
 
 
-async def test_one_claim_shared_by_two_pods_is_held_by_both(lab: Lab) -> None:
+async def test_one_claim_shared_by_two_pods_is_held_by_both(lent: Lent) -> None:
+    lab, cluster = lent.lab, lent.cluster
     await lab.create(claim("shared"), pod("a", claim="shared"), pod("b", claim="shared"))
     pods = await lab.running("a", "b")
     shared = await lab.get("resourceclaim", "shared")
     assert sorted(r["name"] for r in shared["status"]["reservedFor"]) == ["a", "b"]
     held = LABEL[devices(shared)[0]]
     ns = lab.namespace
-    async with watching(lab):
-        await settled(lambda: lab.cluster.status()["holders"] == {held: f"{ns}/a,{ns}/b"},
+    async with watching(cluster):
+        await settled(lambda: cluster.status()["holders"] == {held: f"{ns}/a,{ns}/b"},
                       f"{held} held by a and b")
-        assert lab.cluster.view is not None and lab.cluster.view.gpu_pods == 2
+        assert cluster.view is not None and cluster.view.gpu_pods == 2
     uuid = DEVICE[held]["attributes"]["uuid"]["string"]
     assert await lab.kube.dra_holders(NODE, driver=DRIVER, uuids=[uuid], timeout=10) == {
         pods["a"]["metadata"]["uid"], pods["b"]["metadata"]["uid"]}
 
 
-async def test_an_admin_access_claim_blocks_nothing(lab: Lab) -> None:
+async def test_an_admin_access_claim_blocks_nothing(lent: Lent) -> None:
     """A monitoring pod's claim of every GPU with adminAccess (its namespace labelled so,
     as DRAAdminAccess requires) is allocated beside train-1's and holds nothing."""
+    lab, cluster = lent.lab, lent.cluster
     await lab.kubectl("label", "namespace", lab.namespace,
                       "resource.kubernetes.io/admin-access=true")
     await lab.create(claim("monitor", allocationMode="All", adminAccess=True),
@@ -269,20 +218,20 @@ async def test_an_admin_access_claim_blocks_nothing(lab: Lab) -> None:
     assert sorted(r["device"] for r in results) == ["gpu-0", "gpu-1"]
     assert all(r.get("adminAccess") is True for r in results)
     held = LABEL[devices(await lab.claim_of("train-1"))[0]]
-    async with watching(lab):
-        await settled(lambda: lab.cluster.status()["holders"] == {
+    async with watching(cluster):
+        await settled(lambda: cluster.status()["holders"] == {
             held: f"{lab.namespace}/train-1"}, f"{held} held by train-1 alone")
-        assert lab.cluster.view is not None and lab.cluster.view.gpu_pods == 1
+        assert cluster.view is not None and cluster.view.gpu_pods == 1
     assert await lab.kube.dra_holders(NODE, driver=DRIVER, uuids=[UUID_A, UUID_B],
                                       timeout=10) == {pods["train-1"]["metadata"]["uid"]}
 
 
 async def test_a_lent_gpu_the_driver_taints_unhealthy_is_lost_and_given_to_no_pod(
-        lab: Lab) -> None:
+        lent: Lent) -> None:
     """The driver's health check taints gpu-b (XID 79, NoSchedule) while lent: the agent
     counts it lost, and the scheduler gives the one GPU left to one pod of two."""
-    cluster = lab.cluster
-    async with watching(lab):
+    lab, cluster = lent.lab, lent.cluster
+    async with watching(cluster):
         await settled(lambda: cluster.view is not None and cluster.view.devices is not None,
                       "the slices seen")
         await lab.driver.publish([DEVICE["gpu-a"],
@@ -295,13 +244,13 @@ async def test_a_lent_gpu_the_driver_taints_unhealthy_is_lost_and_given_to_no_po
                          pod("train-2", template="gpu"))
 
         async def one_left_out() -> bool:
-            pods = await lab.pods()
+            pods = await lab.live()
             phases = sorted(p["status"].get("phase", "") for p in pods.values())
             events = (await lab.get("events"))["items"]
             return phases == ["Pending", "Running"] and any(
                 e["reason"] == "FailedScheduling" for e in events)
         await until(one_left_out, "one pod Running on gpu-a, the other left Pending")
-        running = next(n for n, p in (await lab.pods()).items()
+        running = next(n for n, p in (await lab.live()).items()
                        if p["status"]["phase"] == "Running")
         assert devices(await lab.claim_of(running)) == ["gpu-0"]
         await lab.driver.publish([DEVICE["gpu-a"], DEVICE["gpu-b"]])  # healthy again
@@ -309,10 +258,11 @@ async def test_a_lent_gpu_the_driver_taints_unhealthy_is_lost_and_given_to_no_po
 
 
 async def test_a_pod_bound_by_hand_to_a_claim_not_reserved_for_it_is_not_started(
-        lab: Lab) -> None:
+        lent: Lent) -> None:
     """The kubelet's DRA manager starts no pod whose claim is not reserved for it: one
     bound by hand (spec.nodeName, no scheduler) to a claim nobody allocated stays
     Pending, while a pod the scheduler placed runs."""
+    lab = lent.lab
     bound = pod("by-hand", claim="unallocated")
     bound["spec"]["nodeName"] = NODE
     await lab.create(claim("unallocated"), bound, template(), pod("train-1", template="gpu"))

@@ -15,17 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
-from kubernetes_asyncio import client
-from kubernetes_asyncio import config as kubeconfigs
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from hostagent import dra, journal
 from hostagent.cluster import KubeCluster
@@ -33,19 +27,17 @@ from hostagent.follow import format_status
 from hostagent.config import Config, parse
 from hostagent.health import CheckFailed
 from hostagent.kube import Kube
-from tests.controlplane import ControlPlane
+from tests.controlplane import ControlPlane, dralab
+from tests.controlplane.dralab import NODE, Accounts, Lab, dra_lab
 from tests.controlplane.kubelet import Pods
 from tests.controlplane.proxy import FaultProxy
-from tests.controlplane.nvidia import DEVICE_CLASS, DRIVER, Driver, gpu, health_taint, mig
-from tests.controlplane.test_rbac import agent_kubeconfig
+from tests.controlplane.nvidia import DEVICE_CLASS, DRIVER, gpu, health_taint, mig
 from tests.unit.kube_scaffold import FAST
 
-NODE = "gpu-node"
 PREFIX = "hostagent.io/"
 UUID_A = "GPU-5f2ab1c4-0000-4000-8000-00000000000a"
 UUID_B = "GPU-5f2ab1c4-0000-4000-8000-00000000000b"
 UUID_C = "GPU-5f2ab1c4-0000-4000-8000-00000000000c"  # the host's, never lent
-NAMESPACES = itertools.count()
 
 
 def config(gpu_api: str = "auto", domain: str = NODE) -> Config:
@@ -88,110 +80,6 @@ class FakeMetrics:
         self.holders.append(holders)
 
 
-@dataclass
-class Lab:
-    plane: ControlPlane
-    namespace: str
-    driver: Driver
-    kube: Kube  # the agent's, under deploy/rbac.yaml
-    kubeconfig: Path
-
-    async def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> str:
-        done = await asyncio.to_thread(self.plane.kubectl, *args, input=input, check=check)
-        return done.stdout
-
-    async def json(self, *args: str) -> Any:
-        return json.loads(await self.kubectl(*args, "-o", "json"))
-
-    async def node(self, name: str = NODE) -> dict[str, Any]:
-        node: dict[str, Any] = await self.json("get", "node", name)
-        return node
-
-    async def annotations(self) -> dict[str, str]:
-        return dict((await self.node())["metadata"].get("annotations") or {})
-
-    async def unschedulable(self) -> bool:
-        return bool((await self.node())["spec"].get("unschedulable"))
-
-    async def events(self) -> list[dict[str, Any]]:
-        """hostagent's Events on the node (namespace default, as the kubelet's)."""
-        items: list[dict[str, Any]] = (await self.json("get", "events", "-n", "default"))["items"]
-        return [e for e in items if e.get("source", {}).get("component") == "hostagent"
-                or e.get("reportingComponent") == "hostagent"]
-
-    async def claims(self) -> list[str]:
-        items = (await self.json("get", "resourceclaims", "-n", self.namespace))["items"]
-        return sorted(c["metadata"]["name"] for c in items)
-
-    async def pods(self) -> list[str]:
-        items = (await self.json("get", "pods", "-n", self.namespace))["items"]
-        return sorted(p["metadata"]["name"] for p in items)
-
-    async def add_pod(self, name: str, *, node: str | None = NODE, namespace: str | None = None,
-                      labels: dict[str, str] | None = None, claim: str | None = None
-                      ) -> dict[str, Any]:
-        """A pod bound to `node` (its kubelet stand-in starts it), using `claim`; with
-        `node` None, one no scheduler takes (a scheduler name of its own), for `bind`."""
-        spec: dict[str, Any] = {
-            "terminationGracePeriodSeconds": 1,
-            "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]}
-        spec.update({"nodeName": node} if node else {"schedulerName": "lab-by-hand"})
-        if claim is not None:
-            spec["resourceClaims"] = [{"name": "gpu", "resourceClaimName": claim}]
-            spec["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
-        body = {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": name, "labels": labels or {}}, "spec": spec}
-        created: dict[str, Any] = json.loads(await self.kubectl(
-            "create", "-n", namespace or self.namespace, "-o", "json", "-f", "-",
-            input=json.dumps(body)))
-        return created
-
-    async def hold(self, name: str, devices: list[str], *, node: str = NODE,
-                   admin: bool = False) -> dict[str, Any]:
-        """Pod `name` on `node` holding `devices` of the node's pool through claim
-        <name>-gpu, in the scheduler's order: the claim allocated and reserved for the
-        pod, then the pod bound to the node (pods/binding). The claim is owned by the
-        pod, as one made from its template is (it goes with it)."""
-        claim = f"{name}-gpu"
-        exactly: dict[str, Any] = {"deviceClassName": DRIVER, "count": len(devices)}
-        if admin:
-            exactly["adminAccess"] = True
-        await self.kubectl("create", "-n", self.namespace, "-f", "-", input=json.dumps({
-            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
-            "metadata": {"name": claim},
-            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exactly}]}}}))
-        pod = await self.add_pod(name, node=None, claim=claim)
-        meta = pod["metadata"]
-        await self.kubectl("patch", "resourceclaim", "-n", self.namespace, claim, "--type=merge",
-                           "-p", json.dumps({"metadata": {"ownerReferences": [{
-                               "apiVersion": "v1", "kind": "Pod", "name": name,
-                               "uid": meta["uid"], "controller": True,
-                               "blockOwnerDeletion": True}]}}))
-        results = [{"request": "gpu", "driver": DRIVER, "pool": node, "device": d,
-                    **({"adminAccess": True} if admin else {})} for d in devices]
-        await self.kubectl("patch", "resourceclaim", "-n", self.namespace, claim,
-                           "--subresource=status", "--type=merge", "-p", json.dumps({
-                               "status": {"allocation": {
-                                   "devices": {"results": results},
-                                   "nodeSelector": {"nodeSelectorTerms": [{"matchFields": [{
-                                       "key": "metadata.name", "operator": "In",
-                                       "values": [node]}]}]}},
-                                   "reservedFor": [{"resource": "pods", "name": name,
-                                                    "uid": meta["uid"]}]}}))
-        await self.kubectl("create", "--raw",
-                           f"/api/v1/namespaces/{self.namespace}/pods/{name}/binding",
-                           "-f", "-", input=json.dumps({
-                               "apiVersion": "v1", "kind": "Binding",
-                               "metadata": {"name": name},
-                               "target": {"apiVersion": "v1", "kind": "Node", "name": node}}))
-        return pod
-
-    def cluster(self, cfg: Config | None = None,
-                metrics: FakeMetrics | None = None) -> KubeCluster:
-        return KubeCluster(self.kube, cfg or config(), remember_cordon=lambda _: None,
-                           metrics=metrics)
-
-
 @pytest.fixture(autouse=True)
 def records() -> Iterator[journal.ListSink]:
     sink = journal.ListSink()
@@ -200,58 +88,10 @@ def records() -> Iterator[journal.ListSink]:
     journal.use_sink(previous)
 
 
-@dataclass(frozen=True)
-class Accounts:
-    node: Path  # the node's kubelet: system:node:gpu-node
-    agent: Path  # the agent's ServiceAccount token, under deploy/rbac.yaml
-
-
 @pytest.fixture(scope="module")
 def accounts(plane: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Accounts]:
-    """What every test here uses, made once: the credentials and the driver's DeviceClass."""
-    made = Accounts(plane.credential(f"kubelet-{NODE}", f"system:node:{NODE}", "system:nodes"),
-                    agent_kubeconfig(plane, tmp_path_factory.mktemp("dra") / "agent.kubeconfig"))
-    plane.kubectl("apply", "-f", "-", input=json.dumps(DEVICE_CLASS))
-    yield made
-    plane.kubectl("delete", "deviceclass", DRIVER, "--ignore-not-found")
-
-
-async def _gone(call: Awaitable[object]) -> None:
-    with contextlib.suppress(ApiException):  # 404: gone already
-        await call
-
-
-@contextlib.asynccontextmanager
-async def dra_lab(plane: ControlPlane, accounts: Accounts) -> AsyncIterator[Lab]:
-    """A DRA node: gpu-node Ready (its kubelet stand-in), no nvidia.com/gpu in its
-    status, the driver's plugin ready to publish; a namespace of the test's own; the
-    agent's Kube. All of it gone afterwards (through the admin's client: quick)."""
-    namespace = f"dra-{next(NAMESPACES)}"
-    configuration = client.Configuration()
-    await kubeconfigs.load_kube_config(config_file=str(plane.admin),
-                                  client_configuration=configuration, persist_config=False)
-    async with client.ApiClient(configuration) as admin:
-        core, resource = client.CoreV1Api(admin), client.ResourceV1Api(admin)
-        await core.create_namespace(client.V1Namespace(
-            metadata=client.V1ObjectMeta(name=namespace)))
-        async with asyncio.timeout(30):  # pods are refused until its ServiceAccount is in
-            while True:
-                if (await core.list_namespaced_service_account(namespace)).items:
-                    break
-                await asyncio.sleep(0.05)
-        try:
-            async with Pods(accounts.node, NODE, ready=True), \
-                    Driver(plane.admin, NODE) as driver, \
-                    await Kube.connect(accounts.agent, timing=FAST) as kube:
-                yield Lab(plane, namespace, driver, kube, accounts.agent)
-        finally:
-            await _gone(core.delete_namespace(namespace))
-            await _gone(core.delete_collection_namespaced_pod(namespace, grace_period_seconds=0))
-            await _gone(resource.delete_collection_resource_slice())
-            await _gone(core.delete_node(NODE))
-            await _gone(client.CoordinationV1Api(admin).delete_namespaced_lease(
-                NODE, "kube-node-lease"))
-            await _gone(core.delete_collection_namespaced_event("default"))
+    with dralab.accounts(plane, tmp_path_factory.mktemp("dra")) as made:
+        yield made
 
 
 @pytest.fixture
@@ -378,7 +218,7 @@ async def test_a_dra_lend_is_verified_by_uuid_before_the_uncordon(
         lab: Lab, records: journal.ListSink) -> None:
     await publish(lab, UUID_A, UUID_B, UUID_C)  # what the last boot (with every GPU) left
     await lab.kube.cordon(NODE, marker_prefix=PREFIX)
-    cluster = lab.cluster()
+    cluster = lab.cluster(config())
 
     async def republished() -> None:  # partial lend: gpu-b only, a little later
         await asyncio.sleep(0.3)
@@ -398,7 +238,7 @@ async def test_a_gpu_missing_from_the_slices_keeps_the_node_cordoned_and_named(
         lab: Lab) -> None:
     await publish(lab, UUID_A, UUID_C)  # gpu-b did not come up; the host's gpu-c is there
     await lab.kube.cordon(NODE, marker_prefix=PREFIX)
-    cluster = lab.cluster()
+    cluster = lab.cluster(config())
     problem = await cluster.give_back(["gpu-a", "gpu-b"])
     assert problem is not None
     assert f"lack gpu-b ({UUID_B})" in problem and f"list {UUID_C}, not lent" in problem
@@ -430,7 +270,7 @@ async def test_a_mig_partitioned_gpu_is_matched_by_its_parent_uuid(lab: Lab) -> 
     """The driver publishes a partitioned GPU as its MIG instances, each naming the GPU
     in ``parentUUID``: the lend is verified, and a pod on an instance holds that GPU."""
     await lab.driver.publish([mig(0, 0, UUID_A), mig(0, 1, UUID_A), gpu(1, UUID_B)])
-    cluster = lab.cluster()
+    cluster = lab.cluster(config())
     await lab.kube.cordon(NODE, marker_prefix=PREFIX)
     assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
     await lab.hold("infer", ["gpu-0-mig-1g10gb-1"])
@@ -446,7 +286,7 @@ async def test_a_lent_gpu_leaving_the_slices_is_a_gpu_lost(
         lab: Lab, records: journal.ListSink) -> None:
     metrics = FakeMetrics()
     await publish(lab, UUID_A, UUID_B)
-    cluster = lab.cluster(metrics=metrics)
+    cluster = lab.cluster(config(), metrics=metrics)
     await lab.kube.cordon(NODE, marker_prefix=PREFIX)
     assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
     async with watching(cluster):
@@ -467,7 +307,7 @@ async def test_a_lent_gpu_leaving_the_slices_is_a_gpu_lost(
 async def test_pods_whose_claims_hold_lent_gpus_are_gpu_pods_and_named(lab: Lab) -> None:
     metrics = FakeMetrics()
     await publish(lab, UUID_A, UUID_B)
-    cluster = lab.cluster(metrics=metrics)
+    cluster = lab.cluster(config(), metrics=metrics)
     await lab.kube.cordon(NODE, marker_prefix=PREFIX)
     assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
     seen: list[int] = []
@@ -512,7 +352,7 @@ async def _no_claims(lab: Lab) -> bool:
 async def test_a_reclaim_names_the_pods_holding_lent_gpus_it_stops(
         lab: Lab, records: journal.ListSink) -> None:
     await publish(lab, UUID_A, UUID_B)
-    cluster = lab.cluster()
+    cluster = lab.cluster(config())
     await lab.kube.cordon(NODE, marker_prefix=PREFIX)
     assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
     await lab.hold("train-1", ["gpu-0"])
@@ -537,7 +377,7 @@ async def test_a_gpu_the_driver_taints_unhealthy_is_missing_from_a_return(lab: L
     await lab.driver.publish([gpu(0, UUID_A, taints=[health_taint("gpu-lost")]),
                               gpu(1, UUID_B)])
     await lab.kube.cordon(NODE, marker_prefix=PREFIX)
-    problem = await lab.cluster().give_back(["gpu-a", "gpu-b"])
+    problem = await lab.cluster(config()).give_back(["gpu-a", "gpu-b"])
     assert problem is not None and f"lack gpu-a ({UUID_A})" in problem
     assert await lab.unschedulable()
 
@@ -546,7 +386,7 @@ async def test_a_lent_gpu_tainted_unhealthy_is_a_gpu_lost_and_a_none_taint_is_no
         lab: Lab) -> None:
     metrics = FakeMetrics()
     await publish(lab, UUID_A, UUID_B)
-    cluster = lab.cluster(metrics=metrics)
+    cluster = lab.cluster(config(), metrics=metrics)
     await lab.kube.cordon(NODE, marker_prefix=PREFIX)
     assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
     async with watching(cluster):
@@ -582,7 +422,7 @@ async def test_a_pool_half_rewritten_is_not_yet_never_a_gpu_lost(lab: Lab) -> No
     2 one slice at a time: in between, gpu-b's slice is of the old generation only."""
     await write_slice(lab, raw_slice("s-a", [gpu(0, UUID_A)], generation=1, count=2))
     await write_slice(lab, raw_slice("s-b", [gpu(1, UUID_B)], generation=1, count=2))
-    cluster = lab.cluster()
+    cluster = lab.cluster(config())
     await lab.kube.cordon(NODE, marker_prefix=PREFIX)
     assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
     async with watching(cluster):
@@ -601,7 +441,7 @@ async def test_an_incomplete_pool_never_verifies_a_return(lab: Lab) -> None:
     gpu-a alone is not verified (the other lists gpu-b, which is not lent)."""
     await write_slice(lab, raw_slice("s-a", [gpu(0, UUID_A)], generation=1, count=2))
     await lab.kube.cordon(NODE, marker_prefix=PREFIX)
-    problem = await lab.cluster().give_back(["gpu-a"])
+    problem = await lab.cluster(config()).give_back(["gpu-a"])
     assert problem is not None and "incomplete" in problem
     assert await lab.unschedulable()
 
@@ -613,7 +453,7 @@ async def test_an_admin_access_claim_holds_no_lent_gpu(lab: Lab) -> None:
     await lab.kubectl("label", "namespace", lab.namespace,
                       "resource.kubernetes.io/admin-access=true")
     await publish(lab, UUID_A, UUID_B)
-    cluster = lab.cluster()
+    cluster = lab.cluster(config())
     await lab.kube.cordon(NODE, marker_prefix=PREFIX)
     assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
     await lab.hold("dcgm", ["gpu-0"], admin=True)
@@ -636,7 +476,7 @@ async def test_attributes_fully_qualified_are_read_as_the_short_ones(lab: Lab) -
                             "gpu.nvidia.com/type": {"string": "gpu"}}
     await lab.driver.publish([device, gpu(1, UUID_B)])
     await lab.kube.cordon(NODE, marker_prefix=PREFIX)
-    assert await lab.cluster().give_back(["gpu-a", "gpu-b"]) is None
+    assert await lab.cluster(config()).give_back(["gpu-a", "gpu-b"]) is None
 
 
 async def test_a_slice_that_selects_the_node_by_a_node_selector_counts(lab: Lab) -> None:
@@ -653,7 +493,7 @@ async def test_a_slice_that_selects_the_node_by_a_node_selector_counts(lab: Lab)
                                             "resourceSliceCount": 1})
     await write_slice(lab, body)
     await lab.kube.cordon(NODE, marker_prefix=PREFIX)
-    assert await lab.cluster().give_back(["gpu-a", "gpu-b"]) is None
+    assert await lab.cluster(config()).give_back(["gpu-a", "gpu-b"]) is None
 
 
 # --- which API serves the node's GPUs -----------------------------------------------------
@@ -691,7 +531,7 @@ async def test_a_node_with_slices_is_dra_without_a_device_class(lab: Lab) -> Non
     await lab.kubectl("delete", "deviceclass", DRIVER)
     try:
         await publish(lab, UUID_A, UUID_B)
-        cluster = lab.cluster()
+        cluster = lab.cluster(config())
         await lab.kube.cordon(NODE, marker_prefix=PREFIX)
         assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
     finally:
@@ -803,4 +643,4 @@ async def test_a_pool_of_one_slice_per_gpu_is_verified_once_whole(lab: Lab) -> N
     await lab.driver.publish([gpu(0, UUID_A), gpu(1, UUID_B)], per_gpu=True)
     assert len(await lab.driver.slices()) == 2
     await lab.kube.cordon(NODE, marker_prefix=PREFIX)
-    assert await lab.cluster().give_back(["gpu-a", "gpu-b"]) is None
+    assert await lab.cluster(config()).give_back(["gpu-a", "gpu-b"]) is None
