@@ -65,6 +65,7 @@ from hostagent.model import (
 )
 from hostagent.parts import Cluster, Kept, NoCluster, Progress
 from hostagent.recorder import Recorder
+from hostagent.reservations import Reservations
 from hostagent.verbs import Verbs
 
 log = logging.getLogger("hostagent")
@@ -122,7 +123,8 @@ async def _await(task: asyncio.Task[None]) -> None:
 
 def _persisted(state: State) -> tuple[object, ...]:
     """What of a state goes to the state file (a change of it is saved)."""
-    return (state.intents, state.phase, state.hold, state.relend_at, state.reclaiming)
+    return (state.intents, state.phase, state.hold, state.relend_at, state.reclaiming,
+            state.reservations)
 
 
 class _Shared(Generic[T]):
@@ -204,13 +206,16 @@ class Agent:
         self.executor = Executor(cfg, self.topo, self.kept, self.apply, libvirt=self.libvirt,
                                  cluster=cluster, progress=self.progress,
                                  lifecycle=self.lifecycle, fail=self.fail, serving=self.serving)
+        self.reservations = Reservations(cfg, self.topo, self.kept, self.apply, cluster=cluster)
+        self.watchers.append(self.reservations.wake)
         self.verbs = Verbs(cfg, self.topo, self.policy, self.kept, self.apply,
                            request=self.request, libvirt=self.libvirt, cluster=cluster,
                            health=self.health, facts=self.executor.facts,
-                           progress=self.progress, lifecycle=self.lifecycle)
+                           progress=self.progress, lifecycle=self.lifecycle,
+                           reservations=self.reservations)
         self.recorder = Recorder(self.topo, self.policy, self.kept, self.progress)
         self.cluster = cluster
-        self.parts = (self.executor, self.verbs, self.recorder)
+        self.parts = (self.executor, self.verbs, self.recorder, self.reservations)
 
     # The state, as the parts read it through `kept`.
     @property
@@ -349,6 +354,7 @@ class Agent:
             journal.record("agent", f"hostagent is running: {self.recorder.status_line()}",
                            result="ready")
             journal.notify(self.recorder.status_line(), ready=True)
+            self.executor.spawn(self.reservations.run())
             watchdog = journal.watchdog_interval()
             if watchdog:
                 self.executor.spawn(self._watchdog(watchdog / 2))
@@ -522,7 +528,7 @@ class Agent:
         # with no id kept, is not taken for a boot: the host may have been up for days).
         self.host_booted = saved.boot_id is not None and saved.boot_id != self.boot_id
         self.state = State(intents=intents, hold=saved.hold, relend_at=relend_at,
-                           reclaiming=saved.reclaiming)
+                           reclaiming=saved.reclaiming, reservations=saved.reservations)
 
     def _save(self, state: State | None = None) -> asyncio.Future[OSError | None]:
         """Hand `state` (default: the current one) to the saver; the future says when
@@ -544,6 +550,7 @@ class Agent:
             boot_id=self.boot_id,
             relend_at=(datetime.fromtimestamp(state.relend_at, UTC)
                        if state.relend_at is not None else None),
+            reservations=state.reservations,
             lendee_phase=state.phase.value,
             lendee_phase_since=datetime.fromtimestamp(self.phase_since, UTC))
         durable = self.saver.submit(snapshot)
@@ -590,9 +597,7 @@ class Agent:
                     f"or define the VM first (virsh define)")
 
     async def _decide_hotplug(self) -> None:
-        """policy.hotplug = "auto": "both" where lint finds the lendee's persistent
-        definition can hot-plug its GPUs, else "none" (a regrow by restart then waits
-        for idle); journaled once, and said by status."""
+        """policy.hotplug = "auto": what lint finds the lendee's definition can do."""
         if self.cfg.policy.hotplug is not Hotplug.AUTO:
             return
         try:

@@ -47,6 +47,9 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "lend": ("the same as resume: lend the GPUs again now", "hostagent lend"),
     "reclaim": ("take the GPUs back from the lendee with no VM starting; it stays off until "
                 "`lend`", "hostagent reclaim && virsh list"),
+    "reserve": ("say when you will play an owner VM: its GPUs are taken back gently ahead "
+                "(the pods told, with their grace period) and free at that time; unused, "
+                "the reservation expires", "hostagent reserve gaming1 --at 20:00"),
     "check-config": ("read the configuration and report every problem",
                      "hostagent --config /etc/hostagent/config.toml check-config"),
     "history": ("the transitions in the journal, and how long each GPU was lent, gaming or "
@@ -99,6 +102,13 @@ def _parser() -> argparse.ArgumentParser:
         _following(pl)
     _command(sub, "lend")
     _following(_command(sub, "reclaim"))
+    rs = _command(sub, "reserve")
+    rs.add_argument("vm", metavar="VM", help="an owner VM (owners.* in the configuration)")
+    when = rs.add_mutually_exclusive_group(required=True)
+    when.add_argument("--at", metavar="TIME", help=(
+        "HH:MM (the next time the clock shows it) or a date and time, 2026-12-04T20:00"))
+    when.add_argument("--cancel", action="store_true", help="drop its reservation")
+    rs.add_argument("--json", action="store_true", help="machine-readable output")
     _command(sub, "check-config")
     hi = _command(sub, "history")
     hi.add_argument("--since", metavar="WHEN", help=(
@@ -188,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         return follow(cfg.control_socket, args.command,
                       {"vm": args.vm} if args.command != "reclaim" else {},
                       json_lines=args.json, timeout=args.timeout)
+    verb_args = ({"vm": args.vm, **({"cancel": True} if args.cancel else {"at": args.at})}
+                 if args.command == "reserve" else {})
     try:
-        reply = _last(request(cfg.control_socket, args.command))
+        reply = _last(request(cfg.control_socket, args.command, verb_args))
     except ControlError as e:
         print(f"hostagent: {e}", file=sys.stderr)
         return 1
@@ -201,9 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         json.dump(data, sys.stdout, indent=2)
         print()
     else:
-        if "message" in data:  # hold, resume, lend: what it changed
-            print(clean(data["message"], None) + "\n")
-        print(format_status(data))
+        if "message" in data:  # hold, resume, lend, reserve: what it changed
+            print(clean(data["message"], None) + ("" if args.command == "reserve" else "\n"))
+        if args.command != "reserve":
+            print(format_status(data))
     return 0
 
 

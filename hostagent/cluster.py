@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from datetime import UTC, datetime
 from collections.abc import AsyncIterator, Callable, Collection, Iterable
 from typing import Protocol
 
@@ -654,6 +655,30 @@ class KubeCluster:
         return self.kube.watch_gpu_pods(
             self.node, resources=resources,
             dra_driver=self.settings.dra_driver if self.dra is not None else None)
+
+    async def notice(self, when: Callable[[float], float],
+                     message: Callable[[str], str]) -> tuple[float, list[str]]:
+        resources = list(self.expected.resources) if self.expected is not None \
+            else [self.settings.gpu_resource]
+        stamps: dict[str, float] = {}
+
+        def value(grace: float) -> str:
+            at = when(grace)
+            text = datetime.fromtimestamp(at, UTC).isoformat(timespec="seconds")
+            stamps[text] = at
+            return text
+
+        try:
+            text, pods = await self.kube.notice_pods(
+                self.node, annotation=f"{self.prefix}reclaim-at", value=value,
+                reason="GPUReclaimNotice", message=message, resources=resources, timeout=30)
+            return stamps[text], pods
+        except KubeError as e:
+            at = when(0.0)
+            journal.record("reserve", f"could not tell the GPU pods on node {self.node} when "
+                           f"their GPUs are taken back: {e}", vm=self.node,
+                           result="notice-failed", priority=journal.Priority.WARNING)
+            return at, []
 
     # --- telling the cluster --------------------------------------------------------------
 

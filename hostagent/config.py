@@ -70,6 +70,9 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
                                             # "add": attach freed GPUs live, no restart;
                                             # "both" (experimental): also detach a game's
                                             # GPU live, evicting only the pods using it
+    reserve_lead = "15m"                    # `hostagent reserve`: the GPU pods' notice this
+    reserve_margin = "5m"                   # long ahead; eviction at the time less their
+    reserve_expiry = "30m"                  # grace and this; unused this long: lent again
 
     [verify]                                # after a lend: does the guest see its GPUs?
     method = "guest-agent"                  # "guest-agent" (guest-exec), "ssh" or "none"
@@ -119,7 +122,7 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
                                             # the unit passes the credential mqtt-password
     discovery_prefix = "homeassistant"
     base_topic = "hostagent"                # states and commands live under it
-    verbs = ["play", "release", "hold", "lend", "reclaim"]  # what MQTT may command (all)
+    verbs = ["play", "release", "reserve"]  # what MQTT may command (default: all)
     vms = ["gaming1"]                       # the owners it may start and stop; default: all
     per_entity = false                      # true: one discovery message per entity
 
@@ -357,6 +360,11 @@ class Policy:
     # "both": an owner's GPUs are detached live too, the restart its fallback; "auto":
     # "both" where lint finds the lendee can, else "none" (every change a restart).
     hotplug: Hotplug = field(default=Hotplug.AUTO, metadata=_key(_choice(Hotplug)))
+    # Reservations (hostagent.reserve): the notice's lead, the margin for the drain and
+    # shutdown after the longest grace period, and how long an unused one is kept.
+    reserve_lead: float = field(default=900.0, metadata=_key(_duration))
+    reserve_margin: float = field(default=300.0, metadata=_key(_duration))
+    reserve_expiry: float = field(default=1800.0, metadata=_key(_positive_duration))
 
 
 class VerifyMethod(enum.StrEnum):

@@ -397,7 +397,7 @@ _GROUP = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
 
 
 # The control socket's verbs (hostagent.verbs serves them), for control_verbs.
-CONTROL_VERBS = ("status", "play", "release", "hold", "resume", "lend", "reclaim")
+CONTROL_VERBS = ("status", "play", "release", "hold", "resume", "lend", "reclaim", "reserve")
 
 
 def _control_verb(value: object, key: str) -> str:
@@ -477,7 +477,7 @@ def _label_selector(value: object, key: str) -> str:
 
 
 # What MQTT may command: the control verbs that change something (status is published).
-MQTT_VERBS = ("play", "release", "hold", "lend", "reclaim")
+MQTT_VERBS = ("play", "release", "hold", "lend", "reclaim", "reserve")
 _MQTT_TOPIC = re.compile(r"[^\s+#/\x00]+(/[^\s+#/\x00]+)*")
 
 

@@ -79,7 +79,7 @@ REQUESTS_BURST = 10
 REQUESTS_INTERVAL = 10.0
 # The verbs whose "vm" argument names an owner; only there, and only for a configured
 # owner, is it journaled (anything else a caller sends is not taken for a VM's name).
-VM_VERBS = frozenset({"play", "release"})
+VM_VERBS = frozenset({"play", "release", "reserve"})
 
 Reply = dict[str, Any]
 # A verb handler yields progress dicts and finally a result: {"ok": bool, ...}.

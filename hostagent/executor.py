@@ -183,8 +183,9 @@ class Executor:
         return self.view.state.ticket == ticket
 
     async def _drain(self, ticket: int, regrow: bool) -> None:
-        problem = await self.cluster.reclaim(list(self.view.state.waiting_owners),
-                                                  regrow=regrow)
+        state = self.view.state
+        owners = [*state.waiting_owners, *(f"{o}'s reservation" for o in sorted(state.reserved))]
+        problem = await self.cluster.reclaim(owners, regrow=regrow)
         if problem is None:
             self.apply(Drained(at=clock.now(), ticket=ticket))
         else:

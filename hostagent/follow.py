@@ -16,6 +16,7 @@ import json
 import shutil
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -189,6 +190,12 @@ def format_status(data: dict[str, Any]) -> str:
             lines.append(f"  {i['owner']} (asked via {i['source']}, {_age(i['age_s'])} ago)")
     else:
         lines.append("nothing waiting to start")
+    for r in data.get("reservations", ()):
+        held = ("its GPUs held for it now" if r["holding"] else
+                f"its GPUs taken back from {_clock(r['evict_at'])}" if r.get("evict_at")
+                else "the pods on its GPUs not told yet")
+        lines.append(f"reserved: {r['vm']} at {_clock(r['at'])} by {r['by']}: {held}; "
+                     f"unused, it expires at {_clock(r['expires_at'])}")
     if not data.get("libvirt_connected", True):
         lines.append("libvirt: NOT connected (reconnecting)")
     failed = [c for c in data.get("health", []) if not c["ok"]]
@@ -199,6 +206,12 @@ def format_status(data: dict[str, Any]) -> str:
     elif data.get("health"):
         lines.append(f"health: {len(data['health'])} checks pass")
     return "\n".join(clean(line, None) for line in lines)
+
+
+def _clock(at: float) -> str:
+    """A time on the host's clock, with its date when it is not today."""
+    when = datetime.fromtimestamp(at)
+    return when.strftime("%H:%M" if when.date() == datetime.now().date() else "%a %d %b %H:%M")
 
 
 def _functions(pci: str, functions: list[str]) -> str:

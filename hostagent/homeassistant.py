@@ -12,6 +12,10 @@ Under ``base_topic`` (``<base>``), every state retained:
 
     <base>/availability               online / offline (the client's last will)
     <base>/owner/<vm>/state, /set     ON / OFF: the VM runs; ON = play, OFF = release
+    <base>/owner/<vm>/reserved, /reserve   a text: the time the VM is reserved for
+                                      (YYYY-MM-DDTHH:MM, "" for none); HH:MM or a date
+                                      and time reserves (hostagent reserve), "" or
+                                      "cancel" cancels
     <base>/gpu/<gpu>/state            who holds it: a VM's name, or "free"
     <base>/gpu/<gpu>/attributes       JSON: its name, PCI address and owners
     <base>/lent/state                 ON / OFF: the lendee is lent (verified, uncordoned)
@@ -32,6 +36,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from hostagent.config import Config
@@ -47,6 +52,7 @@ MAX_STATE = 255  # Home Assistant drops a sensor state longer than this
 MAX_PAYLOAD = 64  # a command is a word: anything longer is refused unread
 MAX_TOPIC = 512
 MIGRATE = b'{"migrate_discovery": true}'  # Home Assistant's hand-over of an entity
+_WHEN = re.compile(r"[0-9][0-9T:+.Z-]{3,31}")  # a reservation's time, checked by the verb
 
 
 def _slugs(names: Iterable[str]) -> dict[str, str]:
@@ -145,6 +151,13 @@ def components(s: Surface) -> dict[str, dict[str, Any]]:
     else:
         add("hold", "binary_sensor", "Lending on hold", stat_t=s.topic("hold", "state"),
             pl_on=ON, pl_off=OFF)
+    if "reserve" in s.verbs:
+        for slug, vm in s.owners.items():
+            if vm in s.vms:  # Home Assistant's MQTT text entity (min 0: "" cancels)
+                add(f"reserve_{slug}", "text", f"{vm} reserved for",
+                    stat_t=s.topic("owner", slug, "reserved"),
+                    cmd_t=s.topic("owner", slug, "reserve"), min=0, max=32,
+                    ic="mdi:calendar-clock")
     if "reclaim" in s.verbs:
         add("reclaim", "button", "Reclaim GPUs", cmd_t=s.topic("reclaim", "press"),
             pl_prs=PRESS, ic="mdi:download")
@@ -251,6 +264,11 @@ def states(s: Surface, status: Mapping[str, Any], transition: str) -> dict[str, 
     out[s.topic("live_gpus", "state")] = _short(", ".join(lendee["lent"]) or "none")
     out[s.topic("transition", "state")] = _short(transition or "")
     out[s.topic("hold", "state")] = _onoff(lendee["hold"])
+    reserved = {r.get("vm"): r.get("at") for r in status.get("reservations", ())}
+    for slug, vm in s.owners.items():
+        at = reserved.get(vm)
+        out[s.topic("owner", slug, "reserved")] = datetime.fromtimestamp(at).strftime(
+            "%Y-%m-%dT%H:%M") if isinstance(at, (int, float)) else ""
     return out
 
 
@@ -271,13 +289,20 @@ def sentence(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> str | Non
 class Command:
     verb: str
     vm: str | None = None
+    at: str | None = None  # reserve's time; "" cancels
 
     @property
     def args(self) -> dict[str, Any]:
-        return {"vm": self.vm} if self.vm else {}
+        args: dict[str, Any] = {"vm": self.vm} if self.vm else {}
+        if self.verb == "reserve":
+            args |= {"at": self.at} if self.at else {"cancel": True}
+        return args
 
     def __str__(self) -> str:
-        return f"{self.verb} {self.vm}" if self.vm else self.verb
+        words = [self.verb, *([self.vm] if self.vm else [])]
+        if self.verb == "reserve":
+            words.append(self.at or "cancel")
+        return " ".join(words)
 
 
 @dataclass(frozen=True)
@@ -287,8 +312,8 @@ class Refused:
 
 def command_topics(s: Surface) -> list[str]:
     """What the client subscribes to for commands."""
-    return [s.topic("owner", "+", "set"), s.topic("hold", "set"), s.topic("reclaim", "press"),
-            s.topic("lend", "press")]
+    return [s.topic("owner", "+", "set"), s.topic("owner", "+", "reserve"), s.topic("hold", "set"),
+            s.topic("reclaim", "press"), s.topic("lend", "press")]
 
 
 def command(s: Surface, topic: str, payload: bytes) -> Command | Refused:
@@ -305,6 +330,15 @@ def command(s: Surface, topic: str, payload: bytes) -> Command | Refused:
         case ["owner", slug, "set"] if slug in s.owners:
             vm = s.owners[slug]
             wanted = {ON: "play", OFF: "release"}
+        case ["owner", slug, "reserve"] if slug in s.owners:
+            vm = s.owners[slug]
+            if "reserve" not in s.verbs or vm not in s.vms:
+                return Refused(f"reserve {vm} on {topic}: mqtt.verbs or mqtt.vms does not "
+                               "allow it")
+            if word not in ("", "cancel") and not _WHEN.fullmatch(word):
+                return Refused(f"{shown} on {topic}: expected HH:MM, a date and time "
+                               "(2026-12-04T20:00), or cancel")
+            return Command("reserve", vm, "" if word == "cancel" else word)
         case ["hold", "set"]:
             wanted = {ON: "hold", OFF: "lend"}
         case ["reclaim", "press"]:

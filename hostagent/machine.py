@@ -125,6 +125,7 @@ from hostagent.model import (
     Policy,
     Reclaim,
     Regrow,
+    Reserve,
     RelendDue,
     Resume,
     ReturnDone,
@@ -226,14 +227,15 @@ def _pending_claimants(state: State, topo: Topology) -> list[str]:
 def _in_the_way(state: State, topo: Topology) -> list[str]:
     """Owners that run, start or wait and need a GPU the lendee holds (or is getting):
     each is a reason to take the lendee down."""
-    owners = [*sorted(state.running_owners), *_pending(state)]
+    owners = [*sorted(state.running_owners), *_pending(state), *sorted(state.reserved)]
     return list(dict.fromkeys(o for o in owners if topo.claims(o) & state.lent))
 
 
 def free_gpus(state: State, topo: Topology, policy: Policy) -> frozenset[str]:
     """The lendee's GPUs that no owner holds, starts with or waits for, nor shares an
     IOMMU group with: what a lendee start takes. All or nothing unless ``policy.partial``."""
-    owners = state.running_owners | state.starting_owners | set(state.waiting_owners)
+    owners = state.running_owners | state.starting_owners | {*state.waiting_owners,
+                                                             *state.reserved}
     claimed = topo.whole(topo.gpus_of(owners)) & topo.lendee_gpus
     if claimed and not policy.partial:
         return frozenset()
@@ -438,6 +440,26 @@ def _owner_wants(state: State, event: OwnerWants, ctx: _Ctx) -> _Outcome:
     take = _unplug(new, event.owner, ctx)
     if take is None:
         return _reclaim(new)
+    new = _enter(new, Phase.LENT, detaching=take)
+    return new, [DetachGpus(ticket=new.ticket, gpus=take)]
+
+
+def _reserve(state: State, event: Reserve, ctx: _Ctx) -> _Outcome:
+    """The reservations changed (`hostagent.reserve`). The GPUs of one that holds are
+    taken back as for an owner that waits, gently (the drain gives each pod its grace,
+    or a hot-unplug), but nobody starts; one that ended (used, expired, cancelled)
+    frees its GPUs for the next lend, or a regrow."""
+    for r in event.reservations:
+        _check_owner(state, event, r.vm, ctx)
+    new = replace(state, reservations=event.reservations)
+    way = [o for o in sorted(new.reserved) if ctx.topo.claims(o) & new.lent]
+    if not way or state.phase is Phase.OFF:
+        return _schedule_relend(new, ctx, event.at + ctx.policy.relend_delay)
+    if state.phase in (Phase.DRAINING, Phase.STOPPING):
+        return _join_reclaim(new)
+    take = _unplug(new, way[0], ctx) if len(way) == 1 and not state.detaching else None
+    if state.phase is Phase.FAILED or take is None:
+        return (new, []) if state.phase is Phase.FAILED else _reclaim(new)
     new = _enter(new, Phase.LENT, detaching=take)
     return new, [DetachGpus(ticket=new.ticket, gpus=take)]
 
@@ -1017,6 +1039,7 @@ _EVERY_PHASE = dict(
         _on(Hold, _hold),
         _on(Resume, _resume),
         _on(Reclaim, _reclaim_by_hand),
+        _on(Reserve, _reserve),
         _on(Observed, _observed),
     ]
 )
@@ -1026,56 +1049,24 @@ _STOPS = dict([_on(LendeeStopped, _lendee_stopped)])
 
 _BY_PHASE: dict[Phase, dict[type[Event], _Rule]] = {
     # Off: it can only start, by the relend timer or by hand.
-    Phase.OFF: dict(
-        [
-            _on(RelendDue, _relend_due),
-            _on(LendeeStarted, _lendee_started),
-        ]
-    ),
+    Phase.OFF: dict([_on(RelendDue, _relend_due), _on(LendeeStarted, _lendee_started)]),
     # Booting: only its agent's answer (or silence) moves it on.
-    Phase.BOOTING: dict(
-        [
-            _on(AgentUp, _agent_up_booting),
-            _on(AgentTimeout, _agent_timeout_booting),
-            *_STOPS.items(),
-        ]
-    ),
+    Phase.BOOTING: dict([_on(AgentUp, _agent_up_booting),
+                         _on(AgentTimeout, _agent_timeout_booting), *_STOPS.items()]),
     # Joining: the cluster's verdict on the node.
-    Phase.JOINING: dict(
-        [
-            _on(ReturnDone, _returned),
-            _on(ReturnFailed, _return_failed),
-            *_STOPS.items(),
-        ]
-    ),
+    Phase.JOINING: dict([_on(ReturnDone, _returned), _on(ReturnFailed, _return_failed),
+                         *_STOPS.items()]),
     # Lent: steady state; an owner (above), a regrow or a stop moves it.
-    Phase.LENT: dict(
-        [
-            _on(RelendDue, _regrow_due),
-            _on(GpusAttached, _gpus_attached),
-            _on(AttachFailed, _attach_failed),
-            _on(GpusDetached, _gpus_detached),
-            _on(DetachFailed, _detach_failed),
-            *_STOPS.items(),
-        ]
-    ),
+    Phase.LENT: dict([_on(RelendDue, _regrow_due), _on(GpusAttached, _gpus_attached),
+                      _on(AttachFailed, _attach_failed), _on(GpusDetached, _gpus_detached),
+                      _on(DetachFailed, _detach_failed), *_STOPS.items()]),
     # Draining: the drain's verdict. Reports of the boot road are stale here.
-    Phase.DRAINING: dict(
-        [
-            _on(Drained, _drained),
-            _on(DrainFailed, _drain_failed),
-            *_STOPS.items(),
-        ]
-    ),
+    Phase.DRAINING: dict([_on(Drained, _drained), _on(DrainFailed, _drain_failed),
+                          *_STOPS.items()]),
     # Stopping: the agent's answer, then the shutdown's outcome.
-    Phase.STOPPING: dict(
-        [
-            _on(AgentUp, _agent_up_stopping),
-            _on(AgentTimeout, _agent_timeout_stopping),
-            _on(ShutdownTimeout, _shutdown_timeout),
-            *_STOPS.items(),
-        ]
-    ),
+    Phase.STOPPING: dict([_on(AgentUp, _agent_up_stopping),
+                          _on(AgentTimeout, _agent_timeout_stopping),
+                          _on(ShutdownTimeout, _shutdown_timeout), *_STOPS.items()]),
     # Failed: waits for a human, a retry (owner asking, resume), or a stop.
     Phase.FAILED: dict(_STOPS),
 }

@@ -41,6 +41,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from hostagent.reserve import Reservation
+
 __all__ = [
     "Action",
     "AgentTimeout",
@@ -76,6 +78,7 @@ __all__ = [
     "Phase",
     "Policy",
     "Reclaim",
+    "Reserve",
     "Regrow",
     "RelendDue",
     "Resume",
@@ -304,6 +307,8 @@ class State:
     ``replug``: the running lendee's GPUs changed live, or may have while the agent was
     away, since its node last returned: the next return restarts its GPU plugins first
     (they enumerate GPUs when they start). Cleared once it is lent again, or off.
+    ``reservations``: players' reservations (`hostagent.reserve`); those that hold keep
+    their owners' GPUs from the lendee (``reserved``) as a waiting owner's are kept.
     """
 
     phase: Phase = Phase.OFF
@@ -328,6 +333,12 @@ class State:
     unplug_failed: bool = False
     unplug_stuck: bool = False
     replug: bool = False
+    reservations: tuple[Reservation, ...] = ()
+
+    @property
+    def reserved(self) -> frozenset[str]:
+        """Owners whose reservation holds their GPUs now."""
+        return frozenset(r.vm for r in self.reservations if r.holding)
 
     def intents_of(self, owner: str) -> tuple[Intent, ...]:
         return tuple(i for i in self.intents if i.owner == owner)
@@ -524,6 +535,14 @@ class Resume(Event):
 class Reclaim(Event):
     """An operator took the GPUs back by hand (`hostagent reclaim`): no owner is to start,
     and the lendee is to stay off until lending is resumed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reserve(Event):
+    """The reservations changed (`hostagent.reservations`): made, cancelled, holding,
+    used or expired. The whole new list."""
+
+    reservations: tuple[Reservation, ...]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -129,6 +129,13 @@ class Cluster(Protocol):
         """Follow the node of a lendee off or stuck until cancelled: our cordon's marker
         is dropped once someone is seen lifting it."""
 
+    async def notice(self, when: Callable[[float], float],
+                     message: Callable[[str], str]) -> tuple[float, list[str]]:
+        """Ahead of a reserved reclaim: the time its eviction begins, ``when(the longest
+        grace period of the GPU pods on the node)``, as the annotation
+        ``<prefix>reclaim-at`` (RFC 3339) and an Event saying ``message(that time)`` on
+        each of them; the time and the pods told (none when that failed: journaled)."""
+
     def status(self) -> dict[str, object] | None:
         """What `hostagent status` shows of the cluster."""
 
@@ -162,6 +169,10 @@ class NoCluster:
 
     async def watch_cordon(self) -> None:
         return None
+
+    async def notice(self, when: Callable[[float], float],
+                     message: Callable[[str], str]) -> tuple[float, list[str]]:
+        return when(0.0), []
 
     def status(self) -> dict[str, object] | None:
         return None

@@ -20,7 +20,8 @@ Security model
   terminal runs nothing (``ssh -tt`` would not wait for it).
 - The command line is never given to a shell. It is at most `MAX_COMMAND` characters of
   printable ASCII, split on single spaces into a verb and at most one VM name
-  (``[A-Za-z0-9_.-]+``); anything else is refused before anything happens.
+  (``[A-Za-z0-9_.-]+``), and for ``reserve`` its time (``reserve gaming1 20:00``) or
+  ``cancel``; anything else is refused before anything happens.
 - Each key may use only the verbs and VMs its line lists.
 - Every connection, key, command and decision is one journal record
   (``HOSTAGENT_EVENT=ssh``, with ``HOSTAGENT_KEY``, ``HOSTAGENT_FINGERPRINT``,
@@ -111,6 +112,7 @@ import asyncio
 import enum
 import ipaddress
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -181,7 +183,9 @@ PEER_INTERVAL = 10.0
 MAX_PEERS = 256  # networks (or addresses) counted apart (the oldest forgotten first)
 EVICT_BURST = 1  # strangers one address may have closed to make room for its own,
 EVICT_EVERY = 5.0  # then one more each this many seconds
-VM_VERBS = frozenset({"play", "release"})  # the verbs that name a VM
+VM_VERBS = frozenset({"play", "release", "reserve"})  # the verbs that name a VM
+# reserve's third word: its time (HH:MM or ISO 8601), or "cancel".
+_WHEN = re.compile(r"cancel|[0-9][0-9T:+.Z-]{3,31}")
 
 
 class ExitStatus(enum.IntEnum):
@@ -221,6 +225,11 @@ def parse_command(line: str | None, verbs: frozenset[str]) -> tuple[str, str | N
     verb = words[0]
     if verb not in verbs:
         raise BadCommand(f"unknown verb {verb[:32]!r}; known: {', '.join(sorted(verbs))}")
+    if verb == "reserve" and len(words) == 3 and _WHEN.fullmatch(words[2]):
+        words = words[:2]  # its time, read by `reserve_args`
+    elif verb == "reserve":
+        raise BadCommand("reserve takes a VM and a time or cancel, e.g. `reserve gaming1 "
+                         "20:00`, `reserve gaming1 2026-12-04T20:00`, `reserve gaming1 cancel`")
     if len(words) > 2:
         raise BadCommand("a command is a verb and at most one VM name, e.g. `play gaming1`")
     vm = words[1] if len(words) == 2 else None
@@ -231,6 +240,12 @@ def parse_command(line: str | None, verbs: frozenset[str]) -> tuple[str, str | N
     if verb not in VM_VERBS and vm is not None:
         raise BadCommand(f"{verb} takes no VM name")
     return verb, vm
+
+
+def reserve_args(line: str) -> dict[str, Any]:
+    """The arguments of a `parse_command`-checked reserve line, for the verb."""
+    when = line.split(" ")[2]
+    return {"cancel": True} if when == "cancel" else {"at": when}
 
 
 # --- the server --------------------------------------------------------------------------
@@ -431,7 +446,9 @@ class Endpoint:
         try:
             # The verb runs in this task: it names its caller with control.current_caller().
             with serving(caller):
-                async for reply in self.verbs[verb]({"vm": vm} if vm else {}):
+                args = {"vm": vm} if vm else {}
+                async for reply in self.verbs[verb](
+                        args | reserve_args(command or "") if verb == "reserve" else args):
                     text = format_reply(reply) + "\n"
                     if "ok" not in reply:
                         out(text)

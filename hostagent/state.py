@@ -22,6 +22,14 @@ in ``state.toml`` under ``state_dir``::
     source = "hook"
     status = "pending"
 
+    [[reservations]]                    # hostagent reserve gaming2 --at 22:00
+    vm = "gaming2"
+    at = 2026-01-10T22:00:00+00:00
+    by = "ssh key phone"
+    made = 2026-01-10T17:30:00+00:00
+    evict_at = 2026-01-10T21:54:30+00:00  # once the pods' notice went out
+    holding = false
+
 The file is replaced atomically (temporary file, fsync, rename, fsync of the directory),
 so a crash leaves either the old state or the new one, never half of each. A file that
 cannot be read is moved aside, not trusted and not deleted: the agent starts fresh,
@@ -45,6 +53,7 @@ from typing import Any
 import tomli_w
 
 from hostagent.model import IntentSource
+from hostagent.reserve import Reservation
 
 __all__ = [
     "STATE_VERSION",
@@ -96,6 +105,8 @@ class State:
     reclaiming: bool = False
     # The kernel's boot id when the agent last ran: a new one means the host rebooted.
     boot_id: str | None = None
+    # Players' reservations (`hostagent.reserve`), times as POSIX seconds.
+    reservations: tuple[Reservation, ...] = ()
 
 
 class _Corrupt(Exception):
@@ -159,6 +170,8 @@ def _decode(data: bytes) -> State:
         relend_at=_time(doc, "relend_at"),
         reclaiming=_get(doc, "reclaiming", bool, False),
         boot_id=_get(doc, "boot_id", str, None),
+        reservations=tuple(_reservation(entry, i) for i, entry in
+                           enumerate(_get(doc, "reservations", list, []))),
     )
     ids = [intent.id for intent in state.intents]
     if len(set(ids)) != len(ids):
@@ -203,6 +216,18 @@ def _intent(entry: object, index: int) -> Intent:
         raise _Corrupt(f"has intents[{index}] with {e}") from None
 
 
+def _reservation(entry: object, index: int) -> Reservation:
+    if not isinstance(entry, dict):
+        raise _Corrupt(f"has reservations[{index}] that is not a table")
+    at, made, evict_at = (_time(entry, k) for k in ("at", "made", "evict_at"))
+    vm, by = _get(entry, "vm", str, None), _get(entry, "by", str, "")
+    if vm is None or at is None or made is None:
+        raise _Corrupt(f"has reservations[{index}] without vm, at or made")
+    return Reservation(vm=vm, at=at.timestamp(), by=by, made=made.timestamp(),
+                       evict_at=evict_at.timestamp() if evict_at else None,
+                       holding=_get(entry, "holding", bool, False))
+
+
 # --- writing ---------------------------------------------------------------------------
 
 
@@ -227,7 +252,16 @@ def _encode(state: State) -> dict[str, Any]:
         }
         for intent in state.intents
     ]
+    doc["reservations"] = [
+        {"vm": r.vm, "at": _stamp(r.at), "by": r.by, "made": _stamp(r.made),
+         "holding": r.holding, **({"evict_at": _stamp(r.evict_at)} if r.evict_at else {})}
+        for r in state.reservations
+    ]
     return doc
+
+
+def _stamp(at: float) -> datetime:
+    return datetime.fromtimestamp(at, UTC)
 
 
 def _aware(value: datetime | None, what: str) -> datetime | None:

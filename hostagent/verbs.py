@@ -1,4 +1,4 @@
-"""The control verbs (status, play, release, hold, resume/lend, reclaim), shared by
+"""The control verbs (status, play, release, hold, resume/lend, reclaim, reserve), shared by
 the control socket, the SSH endpoint and the MQTT device.
 
 Those that wait (play, release, reclaim) follow the transitions the agent journals
@@ -15,10 +15,11 @@ import logging
 import time
 import uuid
 import xml.etree.ElementTree as ElementTree
+from datetime import datetime
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from hostagent import clock, lint, machine
+from hostagent import clock, lint, machine, reserve
 from hostagent.config import Config
 from hostagent.control import Reply, VerbHandler, current_caller
 from hostagent.health import Health
@@ -35,6 +36,7 @@ from hostagent.model import (
     Topology,
 )
 from hostagent.parts import Apply, Cluster, Facts, Progress, View
+from hostagent.reservations import Reservations
 
 log = logging.getLogger("hostagent")
 
@@ -56,8 +58,10 @@ class Verbs:
     def __init__(self, cfg: Config, topo: Topology, policy: Policy, view: View, apply: Apply,
                  *, request: Callable[[OwnerWants], Awaitable[bool]],
                  libvirt: Libvirt, cluster: Cluster, health: Health, facts: Facts,
-                 progress: Progress, lifecycle: Callable[[str, Lifecycle], None]) -> None:
+                 progress: Progress, lifecycle: Callable[[str, Lifecycle], None],
+                 reservations: Reservations) -> None:
         self.cfg, self.topo, self.policy, self.view = cfg, topo, policy, view
+        self.reservations = reservations
         self.apply, self.request, self.lifecycle = apply, request, lifecycle
         self.libvirt, self.cluster, self.health = libvirt, cluster, health
         self.facts, self.progress = facts, progress
@@ -67,7 +71,7 @@ class Verbs:
         return {"status": self._status, "play": self._play,
                 "release": self._release, "hold": self._hold,
                 "resume": self._resume, "lend": self._resume,
-                "reclaim": self._reclaim}
+                "reclaim": self._reclaim, "reserve": self._reserve}
 
     def status(self) -> dict[str, Any]:
         now, state, topo = clock.now(), self.view.state, self.topo
@@ -97,6 +101,7 @@ class Verbs:
             "owners": {o: o in state.running_owners for o in sorted(topo.owners)},
             "intents": [{"id": i.id, "owner": i.owner, "source": i.source.value,
                          "age_s": round(now - i.created_at, 1)} for i in state.intents],
+            "reservations": self.reservations.status(),
             "relend_in_s": round(state.relend_at - now, 1) if state.relend_at else None,
             "libvirt_connected": self.libvirt.connected,
             "cluster": self.cluster.status(),
@@ -119,6 +124,34 @@ class Verbs:
         """`resume` and `lend`: lend again now, and retry a step that failed."""
         self.apply(Resume(at=clock.now()))
         yield {"ok": True, "data": {**self.status(), "message": self.lend_note()}}
+
+    async def _reserve(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
+        """`vm` will be played at `at` (HH:MM, the next one, or ISO 8601); with `cancel`,
+        its reservation is dropped (`hostagent.reserve`)."""
+        vm, problem = self._owner_arg(args, "reserve")
+        if vm is None:
+            yield {"ok": False, "error": problem}
+            return
+        caller = current_caller()
+        by = f"hostagent reserve ({caller})" if caller else "hostagent reserve"
+        if args.get("cancel") is True:
+            message = self.reservations.cancel(vm, by=by)
+            yield ({"ok": True, "data": {"vm": vm, "message": message}} if message else
+                   {"ok": False, "error": f"{vm} has no reservation to cancel"})
+            return
+        text = args.get("at")
+        if not isinstance(text, str) or not text.strip():
+            yield {"ok": False, "error": f"reserve {vm} needs a time: --at 20:00 (the next "
+                                         "one) or --at 2026-12-04T20:00, or --cancel"}
+            return
+        try:
+            at = reserve.parse_at(text, datetime.fromtimestamp(clock.now()).astimezone())
+        except reserve.BadReservation as e:
+            yield {"ok": False, "error": f"cannot reserve {vm}: {e}"}
+            return
+        message = self.reservations.reserve(vm, at.timestamp(), by=by)
+        yield {"ok": True, "data": {"vm": vm, "at": at.isoformat(timespec="minutes"),
+                                    "message": message}}
 
     def _owner_arg(self, args: dict[str, Any], verb: str) -> tuple[str | None, str]:
         """(the owner VM named in args, "") or (None, why not, naming the owners)."""

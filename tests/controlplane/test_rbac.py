@@ -46,6 +46,7 @@ CALLS = {
     "list_pod_for_all_namespaces": ("", "pods", "list"),
     "read_namespaced_pod": ("", "pods", "get"),
     "delete_namespaced_pod": ("", "pods", "delete"),
+    "patch_namespaced_pod": ("", "pods", "patch"),
     "create_namespaced_pod_eviction": ("", "pods/eviction", "create"),
     "create_namespaced_event": ("", "events", "create"),
     "list_device_class": ("resource.k8s.io", "deviceclasses", "list"),

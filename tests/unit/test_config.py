@@ -575,7 +575,7 @@ def test_control_verbs_says_what_control_group_may_do() -> None:
     [
         ('control_verbs = ["status", "shell"]\n' + MINIMAL,
          'test.toml: control_verbs[1]: "shell" is not a control verb; write one of status, '
-         "play, release, hold, resume, lend, reclaim"),
+         "play, release, hold, resume, lend, reclaim, reserve"),
         ('control_verbs = "status"\n' + MINIMAL,
          'test.toml: control_verbs: expected an array, got a string; write it in brackets: '
          '["status"]'),

@@ -27,7 +27,7 @@ def test_defaults_and_values() -> None:
     assert cfg.mqtt is not None
     assert cfg.mqtt.address == ("broker.lan", 1883) and not cfg.mqtt.tls
     assert (cfg.mqtt.discovery_prefix, cfg.mqtt.base_topic) == ("homeassistant", "hostagent")
-    assert cfg.mqtt.verbs == {"play", "release", "hold", "lend", "reclaim"}
+    assert cfg.mqtt.verbs == {"play", "release", "hold", "lend", "reclaim", "reserve"}
     assert cfg.mqtt.vms is None and cfg.mqtt.password_file is None
     cfg = parse(MINIMAL + '[mqtt]\nbroker = "mqtts://[::1]"\nca = "/etc/ca.pem"\n'
                 'username = "ha"\npassword_file = "/run/credentials/x/mqtt-password"\n'
@@ -48,7 +48,7 @@ def test_defaults_and_values() -> None:
     ('broker = "mqtt://x"\npassword_file = "secret"', 'test.toml: mqtt.password_file: "secret" is a relative path; write the full path from /'),
     ('broker = "mqtt://x"\nbase_topic = "a/+/b"', 'test.toml: mqtt.base_topic: "a/+/b" is not a topic prefix; write levels joined by "/", without +, #, spaces or a "/" at either end, e.g. "hostagent"'),
     ('broker = "mqtt://x"\ndiscovery_prefix = "/ha"', 'test.toml: mqtt.discovery_prefix: "/ha" is not a topic prefix; write levels joined by "/", without +, #, spaces or a "/" at either end, e.g. "hostagent"'),
-    ('broker = "mqtt://x"\nverbs = ["status"]', 'test.toml: mqtt.verbs[0]: "status" is not a verb MQTT can command; write some of play, release, hold, lend, reclaim (its states are published)'),
+    ('broker = "mqtt://x"\nverbs = ["status"]', 'test.toml: mqtt.verbs[0]: "status" is not a verb MQTT can command; write some of play, release, hold, lend, reclaim, reserve (its states are published)'),
     ('broker = "mqtt://x"\nvms = ["gpu-node"]', 'test.toml: mqtt.vms[0]: "gpu-node" is not an owner VM; list some of gaming1'),
     ('broker = "mqtt://x"\npassword = "x"', 'test.toml: mqtt.password: unknown key; did you mean "password_file"?'),
 ])

@@ -8,6 +8,7 @@ each platform takes, and what every component needs.
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -48,7 +49,7 @@ ABBREVIATIONS = {
     "pl_avail": "payload_available", "pl_not_avail": "payload_not_available",
     "pl_off": "payload_off", "pl_on": "payload_on", "pl_prs": "payload_press",
     "stat_t": "state_topic", "uniq_id": "unique_id", "name": "name", "qos": "qos",
-    "p": "platform",
+    "p": "platform", "min": "min", "max": "max",
 }
 DEVICE = {"ids": "identifiers", "name": "name", "mf": "manufacturer", "mdl": "model",
           "sw": "sw_version"}
@@ -61,6 +62,7 @@ PLATFORMS = {
     "binary_sensor": {"state_topic", "payload_on", "payload_off", "device_class"},
     "sensor": {"state_topic", "device_class", "options"},
     "button": {"command_topic", "payload_press", "device_class"},
+    "text": {"state_topic", "command_topic", "min", "max", "mode", "pattern"},
 }
 DEVICE_CLASSES = {"binary_sensor": {"running", "problem", "connectivity"},
                   "sensor": {"enum"}, "switch": {"switch", "outlet"}, "button": {"restart"}}
@@ -79,7 +81,7 @@ def check_component(cmp: dict[str, Any]) -> None:
     platform = full["platform"]
     assert set(full) <= COMMON | PLATFORMS[platform], set(full) - COMMON - PLATFORMS[platform]
     assert isinstance(full["unique_id"], str) and full["unique_id"]
-    if platform in ("switch", "button"):
+    if platform in ("switch", "button", "text"):
         check_topic(full["command_topic"])
     if platform != "button":
         check_topic(full["state_topic"])
@@ -140,9 +142,12 @@ def test_the_device_message_follows_the_schema() -> None:
                      "gpu_gpu-a": "sensor", "gpu_gpu-b": "sensor", "gpu_gpu-c": "sensor",
                      "lent": "binary_sensor", "phase": "sensor", "live_gpus": "sensor",
                      "transition": "sensor", "hold": "switch", "reclaim": "button",
-                     "lend": "button"}
+                     "lend": "button", "reserve_gaming1": "text", "reserve_gaming_2": "text"}
     gaming2 = message["cmps"]["owner_gaming_2"]
     assert (gaming2["name"], gaming2["cmd_t"]) == ("gaming/2", "hostagent/owner/gaming_2/set")
+    reserve = message["cmps"]["reserve_gaming_2"]
+    assert (reserve["cmd_t"], reserve["stat_t"], reserve["min"]) == (
+        "hostagent/owner/gaming_2/reserve", "hostagent/owner/gaming_2/reserved", 0)
     assert message["avty_t"] == "hostagent/availability"
 
 
@@ -179,7 +184,7 @@ def test_a_removed_owner_loses_its_entity() -> None:
     _, before = ha.device_config(s)
     fewer = surface(CONFIG.replace('[owners."gaming/2"]\ngpus = ["gpu-b"]\n', ""))
     removed = ha.removals(fewer, json.loads(before))
-    assert removed == {"owner_gaming_2": "switch"}
+    assert removed == {"owner_gaming_2": "switch", "reserve_gaming_2": "text"}
     topic, after = ha.device_config(fewer, removed)
     message = check_device_message(topic, after)
     assert message["cmps"]["owner_gaming_2"] == {"p": "switch"}
@@ -209,7 +214,12 @@ def test_states() -> None:
         "hostagent/live_gpus/state": "gpu-b, gpu-c",
         "hostagent/transition/state": "gpu-node is lent: gpu-b, gpu-c are the cluster's",
         "hostagent/hold/state": "OFF",
+        "hostagent/owner/gaming1/reserved": "",
+        "hostagent/owner/gaming_2/reserved": "",
     }
+    at = datetime(2026, 12, 4, 20, 0).timestamp()  # the host's zone, as the state says it
+    reserved = ha.states(s, {**status(), "reservations": [{"vm": "gaming/2", "at": at}]}, "")
+    assert reserved["hostagent/owner/gaming_2/reserved"] == "2026-12-04T20:00"
     off = ha.states(s, status(phase="draining", lent=[], hold=True), "x" * 400)
     assert off["hostagent/lent/state"] == "OFF"
     assert off["hostagent/live_gpus/state"] == "none"

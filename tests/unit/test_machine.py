@@ -65,6 +65,7 @@ from hostagent.model import (
     Phase,
     Policy,
     Reclaim,
+    Reserve,
     RelendDue,
     Resume,
     ReturnDone,
@@ -696,7 +697,7 @@ def test_transition(
 def test_every_legal_pair_has_a_row_or_a_scenario() -> None:
     """The table is the machine: this is its whole shape, reviewed here on purpose."""
     every = {OwnerWants, OwnerStarted, OwnerStopped, StartFailed, Hold, Resume, Reclaim,
-             Observed, OwnerStarting, CancelIntent, GpuPods}
+             Observed, OwnerStarting, CancelIntent, GpuPods, Reserve}
     running_stop = {LendeeStopped}
     expected = {
         Phase.OFF: every | {RelendDue, LendeeStarted},
@@ -716,9 +717,10 @@ def test_every_legal_pair_has_a_row_or_a_scenario() -> None:
     covered = {(row[1].phase, type(row[2])) for row in ROWS}
     # Observed is covered by its own tests below, the events of partial lending (and a
     # regrow due in LENT) in test_partial.py, those of a hot-add in test_hotplug.py and
-    # of a hot-unplug in test_unplug.py; the rest must each have a row.
+    # of a hot-unplug in test_unplug.py, reservations in test_reserve.py; the rest must
+    # each have a row.
     partial = {Observed, OwnerStarting, CancelIntent, GpuPods, GpusAttached, AttachFailed,
-               GpusDetached, DetachFailed}
+               GpusDetached, DetachFailed, Reserve}
     rest = {k for k in TRANSITIONS if k[1] not in partial and k != (Phase.LENT, RelendDue)}
     assert rest <= covered
 
@@ -751,6 +753,7 @@ EXAMPLES: list[Event] = [
     AttachFailed(at=AT, ticket=T, gpus=frozenset({"gpu-a"}), held=frozenset(), reason="x"),
     GpusDetached(at=AT, ticket=T, gpus=frozenset({"gpu-a"})),
     DetachFailed(at=AT, ticket=T, gpus=frozenset({"gpu-a"}), reason="x"),
+    Reserve(at=AT, reservations=()),
 ]
 
 
