@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,7 +30,7 @@ import pytest
 from hostagent import config, journal
 from tests.mosquitto import MISSING, USERS, Mosquitto
 from tests.unit.test_homeassistant import CONFIG
-from tests.unit.test_mqtt import Host, running
+from tests.unit.test_mqtt import Host, device_config, running
 
 HASS = os.environ.get("HOSTAGENT_HASS") or shutil.which("hass")
 pytestmark = [
@@ -50,6 +51,8 @@ homeassistant:
   time_zone: UTC
 logger:
   default: warning
+  logs:
+    homeassistant.components.mqtt: info
 automation:
   - alias: the dashboard's switch
     triggers:
@@ -83,6 +86,14 @@ ENTITIES = {
     "switch.hostagent_hold_lending", "button.hostagent_reclaim_gpus",
     "button.hostagent_lend_gpus",
 }
+
+
+# What Home Assistant's MQTT integration logs (homeassistant/components/mqtt/entity.py):
+# an entity handed over to device discovery, unloaded from its old topic once that is
+# cleared, or removed with its registry entry when its config is cleared without one.
+MIGRATED = r"Migration to MQTT device discovery schema started for entity (\S+)"
+UNLOADED = r"Unloading component: (\S+)"
+REMOVED = r"Removing component: (\S+)"
 
 
 def home_assistant(root: Path, broker: Mosquitto) -> Path:
@@ -170,3 +181,62 @@ async def test_home_assistant_shows_the_device_and_its_switch_plays(
     assert [e.message for e in sink.entries if e.fields.get("HOSTAGENT_VIA") == "mqtt"
             and e.fields.get("HOSTAGENT_RESULT") == "allowed"] == [
         "mqtt asked for play gaming1", "mqtt asked for lend"]
+
+
+async def until_logged(log: Path, count: int, hass: asyncio.subprocess.Process,
+                       *patterns: str) -> None:
+    """Until Home Assistant's log has `count` lines matching any of `patterns` (bounded)."""
+    async with asyncio.timeout(WAIT):
+        while sum(len(re.findall(p, log.read_text())) for p in patterns) < count:
+            assert hass.returncode is None, log.read_text()
+            await asyncio.sleep(0.5)
+
+
+async def test_home_assistant_keeps_every_entity_from_per_entity_to_device_discovery(
+        tmp_path: Path, sink: journal.ListSink) -> None:
+    """Turning per_entity off hands each entity over as Home Assistant's migration
+    expects: each is migrated, none removed, and the registry keeps them all (clearing
+    the old configs outright made Home Assistant remove 11 of 12)."""
+    assert HASS is not None
+    broker = Mosquitto(tmp_path / "mosquitto")
+    broker.start()
+    home = home_assistant(tmp_path, broker)
+    path = tmp_path / "home-assistant.log"
+    log = path.open("wb")
+    hass = await asyncio.create_subprocess_exec(HASS, "-c", str(home), "--skip-pip",
+                                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        host = Host()
+        async with running(device_config(broker, per_entity=True), host):
+            # Home Assistant has the entities once its automation pressed the switch and
+            # its registry (saved a few seconds after a change) lists them all.
+            async with asyncio.timeout(WAIT):
+                while not host.calls or len(mqtt_entities(home)) < 12:
+                    assert hass.returncode is None, path.read_text()
+                    await asyncio.sleep(0.5)
+        before = mqtt_entities(home)
+        async with running(device_config(broker), Host()):
+            # Each entity either handed over and then unloaded from its old topic, or
+            # removed outright.
+            await until_logged(path, len(before), hass, UNLOADED, REMOVED)
+            hass.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(hass.wait(), 120)
+    finally:
+        if hass.returncode is None:
+            hass.kill()
+            await hass.wait()
+        log.close()
+        broker.stop()
+    said = path.read_text()
+    assert re.findall(REMOVED, said) == []
+    assert sorted(re.findall(MIGRATED, said)) == before
+    assert mqtt_entities(home) == before
+    deleted = stored(home, "core.entity_registry")["deleted_entities"]
+    assert [e["entity_id"] for e in deleted if e["platform"] == "mqtt"] == []
+
+
+def mqtt_entities(home: Path) -> list[str]:
+    """The MQTT entities in Home Assistant's registry, as last saved."""
+    registry = stored(home, "core.entity_registry")
+    return sorted(e["entity_id"] for e in (registry or {}).get("entities", [])
+                  if e["platform"] == "mqtt")
