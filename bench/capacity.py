@@ -97,6 +97,17 @@ GPU-hours of work the killed jobs had done (destroyed: they start over); the pla
 wait, median and worst. Goals of the default there: median share ≥ 99.5 %, 10th
 percentile ≥ 99 %, median wait ≤ 20 s; `winner` names the candidate that meets them
 and destroys the least work.
+
+Reservations (`hostagent reserve`): over the same varied weeks, `RESERVED` of the games
+(drawn per game) are reserved ahead, for the default and the default where the lendee
+can hot-plug. The agent's timeline is played as `hostagent.reservations` runs it with
+the default `policy.reserve_*` (`TIMING`): the notice `lead` before the game, the
+eviction at the game's time less the jobs' grace period (`JOB_GRACE`, the API's
+default) and the margin, the GPU held from then until the game runs. Reported: the
+reserved player's wait for the GPU (start asked → libvirt starts the VM; goal 0 s) and
+to a running VM, and what the gentle reclaim costs: the lent share, jobs killed and
+work destroyed without and with reservations. Every reservation is used here (a player
+who does not come holds the GPU `expiry` longer).
 """
 
 from __future__ import annotations
@@ -112,6 +123,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hostagent import reserve as plan
 from hostagent.machine import IllegalTransition, step, verdict
 from hostagent.model import (
     Action,
@@ -141,6 +153,7 @@ from hostagent.model import (
     Policy,
     Regrow,
     RelendDue,
+    Reserve,
     ReturnDone,
     ScheduleRelend,
     ShutdownLendee,
@@ -150,12 +163,17 @@ from hostagent.model import (
     Topology,
     WaitAgent,
 )
+from hostagent.reserve import Reservation
 
 HOUR = 3600.0
 DAY = 24 * HOUR
 WEEK = 7 * DAY
 WARMUP = DAY  # the Sunday before Monday 00:00 (time 0)
 BUDGET = 0.99
+# Reservations: the agent's defaults (policy.reserve_lead, _margin, _expiry), and the
+# grace period of the cluster's GPU jobs (the API's default), which sets the eviction.
+TIMING = plan.Timing()
+JOB_GRACE = 30.0
 
 TOPO = Topology(
     lendee="gpu-node",
@@ -233,6 +251,10 @@ class Figures:
     gpu_hours_destroyed: float = 0.0  # work the killed jobs had done, lost with them
     jobs_killed_elsewhere: int = 0  # killed on a GPU that no waiting game wanted
     player_waits: list[float] = field(default_factory=list)
+    # Games reserved ahead: start asked → libvirt starts the VM (the wait for its GPU),
+    # and → the VM running (that, and the VM's own start).
+    reserved_gpu_waits: list[float] = field(default_factory=list)
+    reserved_waits: list[float] = field(default_factory=list)
     regrow_waiting_s: float = 0.0
     failed_intents: int = 0
     stale: int = 0
@@ -248,7 +270,7 @@ class Replay:
     def __init__(self, policy: Policy, d: Durations, work: list[tuple[float, float]],
                  *, hold_new_jobs: bool = False,
                  games: list[tuple[float, float, str]] | None = None,
-                 spread: float = 0.0, seed: int = 0) -> None:
+                 spread: float = 0.0, seed: int = 0, reserved: float = 0.0) -> None:
         self.policy, self.hold_new_jobs = policy, hold_new_jobs
         self.d = _Jittered(d, spread, random.Random(seed)) if spread else d
         self.state = State()
@@ -265,9 +287,19 @@ class Replay:
         self.pending: deque[tuple[int, float]] = deque()
         self.rng = random.Random(0)  # which free GPU a job gets: the same for every policy
         self.f = Figures()
+        # A share `reserved` of the games is reserved ahead (`hostagent reserve`): the
+        # agent's timeline, played here as `hostagent.reservations` runs it.
+        self.reservations: dict[str, Reservation] = {}
+        self.reserved_games: set[tuple[str, float]] = set()
+        self.asked_reserved: dict[str, bool] = {}
+        pick = random.Random(seed + 1_000)
         for start, end, owner in sessions() if games is None else games:
             self.at(start, self.player_starts, owner)
             self.at(end, self.player_stops, owner)
+            if reserved and pick.random() < reserved:
+                self.reserved_games.add((owner, start))
+                self.at(max(-WARMUP, start - TIMING.lead), self.reservation_notice, owner,
+                        start)
         for arrival, duration in work:
             self.at(arrival, self.job_arrives, duration)
 
@@ -388,17 +420,43 @@ class Replay:
         """libvirt starts `owner`: the hook lets it through, it runs a moment later."""
         decision, why = verdict(self.state, owner, topo=TOPO)
         assert decision == "proceed", f"{owner}: {decision}: {why}"
+        if self.asked_reserved.get(owner) and self.measured():
+            self.f.reserved_gpu_waits.append(self.now - self.asked_at[owner])
         self.deliver(OwnerStarting(at=self.now, owner=owner))
         self.at(self.now + self.d.owner_start, self.owner_runs, owner)
 
     def owner_runs(self, owner: str) -> None:
         self.owners_up.add(owner)
+        waited = self.now - self.asked_at.pop(owner)
         if self.measured():
-            self.f.player_waits.append(self.now - self.asked_at.pop(owner))
+            self.f.player_waits.append(waited)
+            if self.asked_reserved.get(owner):
+                self.f.reserved_waits.append(waited)
         self.deliver(OwnerStarted(at=self.now, owner=owner))
+        mine = self.reservations.get(owner)
+        if mine is not None and mine.holding:
+            del self.reservations[owner]  # used
+            self.deliver(Reserve(at=self.now, reservations=tuple(self.reservations.values())))
+
+    # -- reservations
+
+    def reservation_notice(self, owner: str, start: float) -> None:
+        """The notice, `TIMING.lead` ahead: the eviction's time, from the jobs' grace."""
+        r = Reservation(vm=owner, at=start, by="bench", made=self.now)
+        evict = plan.evict_time(r, JOB_GRACE, TIMING, self.now)
+        self.reservations[owner] = replace(r, evict_at=evict)
+        self.at(evict, self.reservation_holds, owner, start)
+
+    def reservation_holds(self, owner: str, start: float) -> None:
+        r = self.reservations.get(owner)
+        if r is None or r.at != start:
+            return
+        self.reservations[owner] = replace(r, holding=True)
+        self.deliver(Reserve(at=self.now, reservations=tuple(self.reservations.values())))
 
     def player_starts(self, owner: str) -> None:
         self.asked_at[owner] = self.now
+        self.asked_reserved[owner] = (owner, self.now) in self.reserved_games
         decision, why = verdict(self.state, owner, topo=TOPO)
         if decision == "proceed":
             self.owner_launch(owner)
@@ -451,11 +509,11 @@ class Replay:
         if self.measured():
             self.f.killing_restarts += gpus is None
             self.f.jobs_killed += len(evicted)
-            wanted = TOPO.gpus_of({i.owner for i in self.state.intents})
+            wanted = TOPO.gpus_of({i.owner for i in self.state.intents} | self.state.reserved)
             self.f.jobs_killed_elsewhere += sum(run[2] not in wanted for run in evicted.values())
             self.f.gpu_hours_destroyed += sum(
                 self.now - (end - duration) for end, duration, _ in evicted.values()) / HOUR
-            if not self.state.intents:
+            if not self.state.intents and not self.state.reserved:
                 self.f.regrow_kills += 1
                 self.f.jobs_killed_by_regrow += len(evicted)
         for job, (_, duration, _) in sorted(evicted.items(), reverse=True):
@@ -570,6 +628,8 @@ class Spread:
     killed_elsewhere: int = 0
     destroyed: list[float] = field(default_factory=list)  # GPU-hours a week
     waits: list[float] = field(default_factory=list)
+    reserved_gpu_waits: list[float] = field(default_factory=list)
+    reserved_waits: list[float] = field(default_factory=list)
 
     @staticmethod
     def quantile(xs: Sequence[float], q: float) -> float:
@@ -583,18 +643,62 @@ def varied_week(seed: int) -> tuple[str, list[tuple[float, float, str]], list[tu
     return kind, _games(kind, rng), _work(rng)
 
 
-def over_varied(c: Candidate, d: Durations) -> Spread:
+def over_varied(c: Candidate, d: Durations, *, reserved: float = 0.0) -> Spread:
     out = Spread()
     for seed in VARIED:
         _, games, work = varied_week(seed)
         f = Replay(c.policy, d, work if c.busy else [], hold_new_jobs=c.hold_new_jobs,
-                   games=games, spread=SPREAD, seed=seed).run()
+                   games=games, spread=SPREAD, seed=seed, reserved=reserved).run()
         out.shares.append(f.share)
         out.killed.append(f.jobs_killed)
         out.killed_elsewhere += f.jobs_killed_elsewhere
         out.destroyed.append(f.gpu_hours_destroyed)
         out.waits += f.player_waits
+        out.reserved_gpu_waits += f.reserved_gpu_waits
+        out.reserved_waits += f.reserved_waits
     return out
+
+
+# Reservations over the varied weeks: this share of the games is reserved ahead, for the
+# two defaults (a lendee that cannot hot-plug, and one that can).
+RESERVED = 0.5
+GOAL_RESERVED_WAIT = 0.0  # the reserved player waits for no GPU
+
+
+def reservations_table(plain: dict[str, Spread],
+                       reserved: dict[str, Spread]) -> list[list[str]]:
+    def pct(x: float) -> str:
+        return f"{100 * x:.2f} %"
+
+    def row(name: str, fn: Callable[[Spread, Spread], str]) -> list[str]:
+        return [name, *(fn(plain[n], reserved[n]) for n in reserved)]
+
+    q = Spread.quantile
+    return [
+        [f"varied weeks, {100 * RESERVED:.0f} % of games reserved "
+         f"(notice {TIMING.lead / 60:.0f} min ahead)", *reserved],
+        row("lent share: median, without → with reservations",
+            lambda p, r: f"{pct(q(p.shares, 0.5))} → {pct(q(r.shares, 0.5))}"),
+        row("lent share: 10th percentile, without → with",
+            lambda p, r: f"{pct(q(p.shares, 0.1))} → {pct(q(r.shares, 0.1))}"),
+        row("what the gentle reclaim costs: lent share, mean over the weeks",
+            lambda p, r: f"{100 * (sum(p.shares) - sum(r.shares)) / len(p.shares):.2f} points"),
+        row("reserved player's wait for the GPU (asked → libvirt starts it): median / worst",
+            lambda p, r: f"{q(r.reserved_gpu_waits, 0.5):.0f} s / "
+                         f"{max(r.reserved_gpu_waits):.0f} s"),
+        row("reserved player's wait to a running VM: median / worst",
+            lambda p, r: f"{q(r.reserved_waits, 0.5):.0f} s / {max(r.reserved_waits):.0f} s"),
+        row("every player's wait: median / worst, without → with",
+            lambda p, r: f"{q(p.waits, 0.5):.0f} s / {max(p.waits):.0f} s → "
+                         f"{q(r.waits, 0.5):.0f} s / {max(r.waits):.0f} s"),
+        row("GPU jobs killed, all weeks: without → with",
+            lambda p, r: f"{sum(p.killed)} → {sum(r.killed)}"),
+        row("GPU-hours destroyed, all weeks: without → with",
+            lambda p, r: f"{sum(p.destroyed):.1f} h → {sum(r.destroyed):.1f} h"),
+        row(f"goal: a reserved player waits {GOAL_RESERVED_WAIT:.0f} s for the GPU",
+            lambda p, r: "met" if max(r.reserved_gpu_waits) <= GOAL_RESERVED_WAIT
+            else "MISSED"),
+    ]
 
 
 # Goals of the default over the varied weeks.
@@ -709,7 +813,11 @@ def main() -> int:
                    f"({DEFAULT}) {'meets' if meets(spreads[DEFAULT]) else 'MISSES'} the goals; "
                    f"the candidate that meets them and destroys the least work: "
                    f"{best or 'none'}")
-    for table_rows in (rows, varied):
+    both = [DEFAULT, "default, hot-add + hot-unplug"]
+    reserving = {n: over_varied(next(c for c in CANDIDATES if c.name == n), d,
+                                reserved=RESERVED) for n in both}
+    booked = reservations_table({n: spreads[n] for n in both}, reserving)
+    for table_rows in (rows, varied, booked):
         widths = [max(len(r[i]) for r in table_rows) for i in range(len(table_rows[0]))]
         for r in table_rows:
             print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
@@ -729,6 +837,9 @@ def main() -> int:
             f.write("|---" * len(varied[0]) + "|\n")
             f.writelines(f"| {' | '.join(r)} |\n" for r in varied[1:])
             f.write(f"\nCapacity, {varied_line}.\n")
+            f.write(f"\n| capacity: {' | '.join(booked[0])} |\n")
+            f.write("|---" * len(booked[0]) + "|\n")
+            f.writelines(f"| {' | '.join(r)} |\n" for r in booked[1:])
     return 0
 
 

@@ -158,7 +158,6 @@ class Agent:
         if cfg.kubernetes is None and regrow is Regrow.WHEN_IDLE:
             regrow = Regrow.ALWAYS  # nothing can tell whether a GPU job runs on the node
         hotplug = cfg.policy.hotplug
-        # "auto" is decided from the lendee's XML once libvirt answers (`_decide_hotplug`).
         self.policy = Policy(relend_delay=cfg.policy.relend_delay,
                              force_off=cfg.policy.force_off_after is not None,
                              partial=cfg.policy.partial, min_gpus=cfg.lendee.min_gpus,
@@ -206,7 +205,8 @@ class Agent:
         self.executor = Executor(cfg, self.topo, self.kept, self.apply, libvirt=self.libvirt,
                                  cluster=cluster, progress=self.progress,
                                  lifecycle=self.lifecycle, fail=self.fail, serving=self.serving)
-        self.reservations = Reservations(cfg, self.topo, self.kept, self.apply, cluster=cluster)
+        self.reservations = Reservations(cfg, self.topo, self.kept, self.apply, cluster=cluster,
+                                         saved=self.saver.flush)
         self.watchers.append(self.reservations.wake)
         self.verbs = Verbs(cfg, self.topo, self.policy, self.kept, self.apply,
                            request=self.request, libvirt=self.libvirt, cluster=cluster,
@@ -605,8 +605,8 @@ class Agent:
             how, why = lint.hotplug_capability(dom, self.cfg)
         except (HostError, ValueError) as e:
             how, why = Hotplug.NONE, f"{self.lendee}'s definition could not be read: {e}"
-        self.policy = replace(self.policy, hotplug=how, hotplug_why=f"policy.hotplug = "
-                              f"\"auto\": {why}")
+        self.policy = replace(self.policy, hotplug=how,
+                              hotplug_why=f'policy.hotplug = "auto": {why}')
         changes = lint.changes(how, self.policy.regrow, self.policy.regrow_max_wait)
         journal.record("policy", f"{self.lendee}'s GPUs change {changes} ({why})",
                        vm=self.lendee, result=how.value)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 
@@ -29,8 +30,12 @@ class Reservations:
     """Players' reservations, kept in the machine's state (``reservations``)."""
 
     def __init__(self, cfg: Config, topo: Topology, view: View, apply: Apply, *,
-                 cluster: Cluster) -> None:
+                 cluster: Cluster,
+                 saved: Callable[[], Awaitable[OSError | None]] | None = None) -> None:
         self.topo, self.view, self.apply, self.cluster = topo, view, apply, cluster
+        # The state file's flush (the agent's saver): a reservation is on disk before
+        # its caller hears it is taken.
+        self.saved = saved
         self.lendee = topo.lendee
         policy = cfg.policy
         self.timing = plan.Timing(lead=policy.reserve_lead, margin=policy.reserve_margin,
@@ -48,6 +53,11 @@ class Reservations:
     def _set(self, reservations: tuple[Reservation, ...]) -> None:
         self.apply(Reserve(at=clock.now(), reservations=reservations))
         self._changed.set()
+
+    async def durable(self) -> str | None:
+        """None once the reservations are on disk, else why they are not."""
+        error = await self.saved() if self.saved is not None else None
+        return None if error is None else f"{error.strerror or error}"
 
     def reserve(self, vm: str, at: float, *, by: str) -> str:
         """`vm` is played from `at` (checked by the caller): one sentence saying what

@@ -149,9 +149,14 @@ class Verbs:
         except reserve.BadReservation as e:
             yield {"ok": False, "error": f"cannot reserve {vm}: {e}"}
             return
-        message = self.reservations.reserve(vm, at.timestamp(), by=by)
+        taken = self.reservations.reserve(vm, at.timestamp(), by=by)
+        unsaved = await self.reservations.durable()
+        if unsaved is not None:  # kept in memory, retried; the caller must not rely on it
+            yield {"ok": False, "error": f"the reservation of {vm} could not be recorded "
+                                         f"({unsaved}); ask again"}
+            return
         yield {"ok": True, "data": {"vm": vm, "at": at.isoformat(timespec="minutes"),
-                                    "message": message}}
+                                    "message": taken}}
 
     def _owner_arg(self, args: dict[str, Any], verb: str) -> tuple[str | None, str]:
         """(the owner VM named in args, "") or (None, why not, naming the owners)."""

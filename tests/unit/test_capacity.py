@@ -49,3 +49,14 @@ def test_a_killed_job_destroys_the_work_it_had_done() -> None:
     s = over_varied(always, Durations())
     assert sum(s.killed) > 0 and sum(s.destroyed) > 0
     assert len(s.shares) == len(VARIED) and all(0 < x <= 1 for x in s.shares)
+
+
+def test_a_reserved_player_waits_for_no_gpu_and_the_notice_costs_some_lent_time() -> None:
+    plain = Replay(Policy(), Durations(), jobs(14)).run()
+    booked = Replay(Policy(), Durations(), jobs(14), reserved=1.0).run()
+    assert len(booked.reserved_gpu_waits) == len(plain.player_waits) > 0  # every game
+    assert set(booked.reserved_gpu_waits) == {0.0}
+    assert max(booked.reserved_waits) == Durations().owner_start  # the VM's own start
+    assert max(plain.player_waits) > 30
+    # The GPU is held idle from the eviction to the game: less is lent.
+    assert booked.share < plain.share and booked.failed_intents == 0

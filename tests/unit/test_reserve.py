@@ -184,8 +184,7 @@ async def test_reserve_over_the_control_socket_then_notice_hold_use(
     done = await reserve(vm="gaming1", at=at.isoformat(timespec="seconds"))
     assert done["ok"] is True and "gaming1 is reserved for" in done["data"]["message"]
     assert [r["vm"] for r in agent.verbs.status()["reservations"]] == ["gaming1"]
-    # On disk at once: a restart keeps it.
-    await agent.saver.flush()
+    # On disk before the caller hears it is taken: a restart keeps it.
     saved, _ = persisted.load_state(agent.cfg.state_file)
     assert [(r.vm, r.at) for r in saved.reservations] == [("gaming1", at.timestamp())]
 
