@@ -206,15 +206,14 @@ def test_host_shutdown_and_boot(lab: Lab, fault: Scenario) -> None:
         start_agent_while_host_stops(lab)
         wait_for(lambda: status(lab)["lendee"]["phase"] == "lent", 90, "the first lend")
         assert not cordoned(kc)
-        kc.api.call(lambda: kc.api.standin.cluster.add_pod(
-            "web-7d4f9-late", node=LENDEE, owner="ReplicaSet/web-7d4f9", labels={"app": "web"}))
-        assert "web-7d4f9-late" in kc.pods_on(LENDEE)
+        kc.wait_placed()  # the workloads, scheduled onto gpu-node once it was lent
+        assert "web" in kc.apps_on(LENDEE)
 
         # Shutdown: systemd stops hostagent before libvirt-guests (its unit is ordered
         # after it), which then shuts the VMs down; then the power goes.
         assert lab.stop_agent() == 0
         assert cordoned(kc) and marker(kc) is not None
-        assert kc.pods_on(LENDEE) == ["gpu-device-plugin-z7x"]  # drained but the DaemonSet
+        assert kc.apps_on(LENDEE) == ["device-plugin"]  # drained but the DaemonSet
         assert lab.running() == [LENDEE]  # drained, not stopped: libvirt-guests does that
         with fault.deliberate():
             lab.virsh("shutdown", LENDEE)

@@ -1,9 +1,11 @@
 """Faults on the Kubernetes side: the API server down, failing or slow; a budget that
 never allows an eviction; the agent killed in a Kubernetes step.
 
-The API is the lab's stand-in (tests/kubeapi), with a kubelet that follows the lendee
-VM. Its faults (`down_for`, `fail`, `slow`) hit every request but the kubelet's status
-posts, unless said otherwise, so that they land on the agent's own requests.
+The API is the lab's real control plane (tests/lab/cluster.py), with a kubelet that
+follows the lendee VM. The agent reaches it through the fault proxy
+(tests/controlplane/proxy.py), whose faults (`down_for`, `fail`, `slow`) so land on the
+agent's own requests only: the kubelets and controllers go on as in a cluster whose
+API server only the agent cannot reach.
 """
 
 from __future__ import annotations
@@ -22,14 +24,13 @@ from tests.faults.scenario import (
     wait_for,
     wait_lent,
 )
-from tests.lab.cluster import LabCluster, lab_cluster
+from tests.lab.cluster import LabCluster, lab_cluster, statefulset
 from tests.lab.lab import GPUS, LENDEE, Lab
 
 pytestmark = pytest.mark.lab
 
 MARKER = "hostagent.io/cordoned-by"
-NOT_STATUS = r"^(?!.*/status$)"  # every path but the kubelet's status posts
-NODE = rf"^/api/v1/nodes/{LENDEE}$"
+NODE = rf"^/api/v1/nodes/{LENDEE}(\?.*)?$"
 
 
 def kube_config(lab: Lab, kc: LabCluster, *, policy: str = "proceed", **timeouts: str) -> None:
@@ -50,27 +51,21 @@ def marker(kc: LabCluster) -> str | None:
 
 
 def hold_the_drain(kc: LabCluster) -> None:
-    """Two pods behind a budget that wants both: no eviction is ever allowed."""
-    def seed() -> None:
-        c = kc.api.standin.cluster
-        for i in (1, 2):
-            c.add_pod(f"db-{i}", node=LENDEE, owner="StatefulSet/db", labels={"app": "db"})
-        c.add_pdb("db", match_labels={"app": "db"}, min_available=2)
-    kc.api.call(seed)
+    """Two pods behind a budget that wants both: no eviction is ever allowed (on
+    gpu-node once it is lent: `LabCluster.wait_placed`)."""
+    kc.place(*statefulset("db", 2, min_available=2), pods=2)
 
 
 def requests(kc: LabCluster, method: str, path: str) -> int:
-    return len(kc.api.call(kc.api.standin.requests_to, method, path))
+    return len(kc.call(kc.api.requests_to, method, path))
 
 
 # ---- the API server misbehaving --------------------------------------------------------
 
 FAULTS: dict[str, Callable[[LabCluster], Any]] = {
-    "down 4s": lambda kc: kc.api.call(kc.api.standin.down_for, 4),
-    "answering 500": lambda kc: kc.api.call(kc.api.standin.fail, NOT_STATUS, code=500,
-                                            times=3),
-    "slow (1.5s a request)": lambda kc: kc.api.call(kc.api.standin.slow, NOT_STATUS,
-                                                    delay=1.5, times=3),
+    "down 4s": lambda kc: kc.call(kc.api.down_for, 4),
+    "answering 500": lambda kc: kc.call(kc.api.fail, ".", code=500, times=3),
+    "slow (1.5s a request)": lambda kc: kc.call(kc.api.slow, ".", delay=1.5, times=3),
 }
 
 
@@ -81,15 +76,16 @@ def test_api(lab: Lab, fault: Scenario, api: str) -> None:
         kube_config(lab, kc)
         lab.start_agent()
         wait_lent(lab)
+        kc.wait_placed()
         FAULTS[api](kc)
         fault.fault()
         assert fault.start_owner("gaming1").returncode != 0
         lab.wait_state("gaming1", "running", timeout=90)
         fault.recovered()
         # Drained for real once the API answered again: only the DaemonSet's pod is left.
-        assert kc.pods_on(LENDEE) == ["gpu-device-plugin-z7x"]
+        assert kc.apps_on(LENDEE) == ["device-plugin"]
         assert cordoned(kc) and marker(kc) == "hostagent"
-        kc.api.call(kc.api.standin.clear_faults)
+        kc.call(kc.api.clear_faults)
         lab.virsh("destroy", "gaming1")  # the game ends
         lab.wait_record(60, event="phase", to="joining")
         FAULTS[api](kc)
@@ -112,6 +108,7 @@ def test_pdb(lab: Lab, fault: Scenario, policy: str) -> None:
         kube_config(lab, kc, policy=policy, drain="3s")
         lab.start_agent()
         wait_lent(lab)
+        kc.wait_placed()
         fault.fault()
         assert fault.start_owner("gaming1").returncode != 0
         if policy == "proceed":
@@ -119,7 +116,7 @@ def test_pdb(lab: Lab, fault: Scenario, policy: str) -> None:
             lab.wait_state("gaming1", "running", timeout=60)
             fault.recovered()
             left = lab.wait_record(event="drain")
-            assert "db-1" in left["MESSAGE"] and "db-2" in left["MESSAGE"]
+            assert "db-0" in left["MESSAGE"] and "db-1" in left["MESSAGE"]
             assert cordoned(kc)
         else:
             # The cluster first: the request fails with the reason, nothing is stopped,
@@ -132,7 +129,7 @@ def test_pdb(lab: Lab, fault: Scenario, policy: str) -> None:
             assert lab.state("gaming1") == "shut off" and lab.state(LENDEE) == "running"
             assert fault.shutdowns(LENDEE) == 0
             assert not cordoned(kc)
-        assert kc.pods_on(LENDEE) == ["db-1", "db-2"]
+        assert kc.pods_on(LENDEE) == ["db-0", "db-1"]
 
 
 # ---- the agent SIGKILLed in a Kubernetes step ------------------------------------------
@@ -157,6 +154,8 @@ def test_agent_killed(lab: Lab, fault: Scenario, step: str) -> None:
             assert count(lab, event="phase", to="lent") == 0
         else:
             wait_lent(lab)
+        if step == "draining":
+            kc.wait_placed()
         if step == "uncordoning":
             assert fault.start_owner("gaming1").returncode != 0
             lab.wait_state("gaming1", "running", timeout=60)
@@ -195,8 +194,8 @@ def test_agent_killed(lab: Lab, fault: Scenario, step: str) -> None:
 @contextlib.contextmanager
 def slowed(kc: LabCluster, path: str, method: str, delay: float = 5) -> Iterator[None]:
     """The next matching request waits `delay` seconds: long enough to kill the agent."""
-    kc.api.call(kc.api.standin.slow, path, delay=delay, times=1, method=method)
+    kc.call(kc.api.slow, path, delay=delay, times=1, method=method)
     try:
         yield
     finally:
-        kc.api.call(kc.api.standin.clear_faults)
+        kc.call(kc.api.clear_faults)

@@ -1,73 +1,257 @@
-"""The lab's Kubernetes: the API stand-in on loopback, a node for the lendee with a few
-pods on it, and a lab kubelet that follows the lendee VM's real state.
+"""The lab's Kubernetes: the real control plane (tests/controlplane), one per lab process,
+started at its first use and stopped with the process; two nodes whose kubelet the
+lab plays (tests/controlplane/machine.py): gpu-node, the lendee, which follows the VM's
+real state, and cpu-node, always up; and, if asked, real workloads.
 
-The kubelet marks node gpu-node Ready a moment after the VM runs (NotReady once it
-stops), and reports as `nvidia.com/gpu` what the stand-in nvidia-smi *inside the guest*
-lists, read through the guest agent: a lab GPU whose driver "fails" is not counted.
-On a DRA node (``dra=True``) it publishes those GPUs, by UUID, in the node's
-ResourceSlice of gpu.nvidia.com instead, and the cluster has the driver's DeviceClass.
+gpu-node is Ready a moment after the VM runs, and reports as ``nvidia.com/gpu`` what
+the stand-in nvidia-smi *inside the guest* lists, read through the guest agent: a lab
+GPU whose driver "fails" is not counted. On a DRA node (``dra=True``) those GPUs are
+published, by UUID, in the node's ResourceSlice of gpu.nvidia.com instead, and the
+cluster has the driver's DeviceClass.
+
+The agent connects with the token of deploy/rbac.yaml's ServiceAccount and nothing
+more, as README says to make its kubeconfig, through the fault proxy
+(tests/controlplane/proxy.py: `LabCluster.api`, whose faults a test calls with
+`LabCluster.call`). Each `lab_cluster` leaves the plane as it
+found it: its nodes, their Leases and slices, and every workload and Event in
+namespace default are deleted when it ends.
 """
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import contextlib
+import json
 import re
-from collections.abc import Iterator
-from dataclasses import dataclass
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from tests.kubeapi.kubelet import Kubelet
-from tests.kubeapi.server import ThreadedStandIn, serve_in_thread
+from tests.controlplane import ControlPlane
+from tests.controlplane.proxy import FaultProxy
+from tests.controlplane import nvidia
+from tests.controlplane.machine import Kubelet
 from tests.lab.lab import LENDEE, Lab
+
+REPO = Path(__file__).resolve().parents[2]
+SPARE = "cpu-node"
+NS = "default"
+_planes: dict[Path, ControlPlane] = {}
+T = TypeVar("T")
+
+
+def lab_plane(lab: Lab) -> ControlPlane:
+    """The lab's control plane, started on first use and stopped when the process ends
+    (lab.down() kills what is left of it: its command lines name the lab's directory)."""
+    plane = _planes.get(lab.root)
+    if plane is None:
+        plane = ControlPlane(lab.root / "kube").start()
+        _planes[lab.root] = plane
+        atexit.register(plane.stop)
+        plane.kubectl("apply", "-f", str(REPO / "deploy" / "rbac.yaml"))
+    return plane
+
+
+def close(lab: Lab) -> None:
+    """The lab's control plane stopped, if it was started."""
+    plane = _planes.pop(lab.root, None)
+    if plane is not None:
+        plane.stop()
+
+
+def agent_kubeconfig(plane: ControlPlane, path: Path) -> Path:
+    """The agent's kubeconfig: deploy/rbac.yaml's ServiceAccount's token, no more."""
+    token = plane.kubectl("create", "token", "hostagent", "-n", "hostagent",
+                          "--duration=12h").stdout.strip()
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "hostagent",
+        "clusters": [{"name": "lab", "cluster": {
+            "server": plane.server, "certificate-authority": str(plane.pki / "ca.crt")}}],
+        "users": [{"name": "hostagent", "user": {"token": token}}],
+        "contexts": [{"name": "hostagent", "context": {"cluster": "lab", "user": "hostagent"}}],
+    }))
+    path.chmod(0o600)
+    return path
+
+
+def pod(name: str, *, app: str, grace: int = 30, **spec: Any) -> dict[str, Any]:
+    """A pod template (or, with `name`, a pod) of one container."""
+    return {"metadata": {"labels": {"app": app}, **({"name": name} if name else {})},
+            "spec": {"terminationGracePeriodSeconds": grace, "containers": [
+                {"name": app, "image": f"registry.lab/{app}:1"}],
+                # Welcome on borrowed capacity, whatever the agent's lent_taints say.
+                "tolerations": [{"key": "hostagent.io/borrowed", "operator": "Exists"}],
+                **spec}}
+
+
+def usual_workloads() -> list[dict[str, Any]]:
+    """A web Deployment, two training pods of a StatefulSet behind a budget
+    (minAvailable 1: one eviction at a time, the next once the replacement is Ready
+    elsewhere), and a DaemonSet whose pods drain leaves alone."""
+    return [
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web"},
+         "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "web"}},
+                  "template": pod("", app="web")}},
+        *statefulset("trainer", 2, min_available=1),
+        {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": "device-plugin"},
+         "spec": {"selector": {"matchLabels": {"app": "device-plugin"}},
+                  "template": pod("", app="device-plugin")}},
+    ]
+
+
+def statefulset(name: str, replicas: int, *, min_available: int) -> list[dict[str, Any]]:
+    """A StatefulSet of `replicas` pods and its PodDisruptionBudget."""
+    return [
+        {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name},
+         "spec": {"replicas": replicas, "serviceName": name, "podManagementPolicy": "Parallel",
+                  "selector": {"matchLabels": {"app": name}}, "template": pod("", app=name)}},
+        {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": name},
+         "spec": {"minAvailable": min_available, "selector": {"matchLabels": {"app": name}}}},
+    ]
 
 
 @dataclass
 class LabCluster:
-    api: ThreadedStandIn
+    plane: ControlPlane
     kubelet: Kubelet
     kubeconfig: Path
+    api: FaultProxy
+    loop: asyncio.AbstractEventLoop
+    placed: threading.Event = field(default_factory=threading.Event)
 
-    def node(self) -> dict[str, Any]:
-        return self.api.call(self.api.standin.cluster.node, LENDEE)
+    def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the loop of the kubelets and the proxy, e.g.
+        ``kc.call(kc.api.down_for, 4)``."""
+        async def call() -> T:
+            return fn(*args, **kwargs)
+        return self.run(call())
+
+    def run(self, work: Awaitable[T]) -> T:
+        async def run() -> T:
+            return await work
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(60)
+
+    def kubectl(self, *args: str, input: str | None = None) -> str:
+        return self.plane.kubectl(*args, input=input).stdout
+
+    def get(self, *args: str) -> Any:
+        return json.loads(self.kubectl("get", *args, "-o", "json"))
+
+    def node(self, name: str = LENDEE) -> dict[str, Any]:
+        node: dict[str, Any] = self.get("node", name)
+        return node
 
     def slice_uuids(self) -> list[str]:
         """The UUIDs in the lendee node's ResourceSlices (DRA)."""
-        slices = self.api.call(self.api.standin.cluster.slices, LENDEE)
-        return sorted(d["attributes"]["uuid"]["string"] for s in slices
+        slices = self.get("resourceslices", "--field-selector", f"spec.nodeName={LENDEE}")
+        return sorted(d["attributes"]["uuid"]["string"] for s in slices["items"]
                       for d in s["spec"].get("devices") or [])
 
-    def add_gpu_job(self, name: str, uuid: str) -> None:
-        """A Job's pod on the lendee's node holding the GPU `uuid` through a claim, as
-        the scheduler would allocate it from the node's slice (DRA)."""
-        def add() -> None:
-            cluster = self.api.standin.cluster
-            device = next(d["name"] for s in cluster.slices(LENDEE)
-                          for d in s["spec"].get("devices") or []
-                          if d["attributes"]["uuid"]["string"] == uuid)
-            cluster.add_pod(name, node=LENDEE, owner=f"Job/{name}", devices=[device])
-        self.api.call(add)
+    def create(self, *objects: dict[str, Any]) -> None:
+        self.kubectl("create", "-n", NS, "-f", "-", input=json.dumps(
+            {"apiVersion": "v1", "kind": "List", "items": list(objects)}))
+
+    def place(self, *objects: dict[str, Any], pods: int) -> None:
+        """Create `objects`, whose `pods` pods (DaemonSets' not counted) the scheduler
+        puts on gpu-node: cpu-node is cordoned until they run there (gpu-node is Ready
+        only once the agent lent it), then uncordoned for their replacements.
+        `wait_placed` waits for that."""
+        self.placed.clear()
+        self.kubectl("cordon", SPARE)
+        self.create(*objects)
+        self._background(self._open_spare(pods))
+
+    def wait_placed(self, timeout: float = 60) -> None:
+        assert self.placed.wait(timeout), f"the workloads never ran on {LENDEE}: " + \
+            self.kubectl("get", "pods", "-n", NS, "-o", "wide")
+
+    def add_gpu_job(self, name: str, uuid: str | None = None) -> None:
+        """A Job whose pod holds one GPU: `uuid`, through a claim from a template that
+        selects it (DRA: the scheduler allocates it from the node's slice), or one
+        ``nvidia.com/gpu``. The pod is named ``<name>-<suffix>`` by the Job controller."""
+        template = pod("", app=name, restartPolicy="Never")
+        objects: list[dict[str, Any]] = []
+        if uuid is None:
+            template["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
+        else:
+            chosen = f'device.attributes["{nvidia.DRIVER}"].uuid == "{uuid}"'
+            objects.append({
+                "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+                "metadata": {"name": name}, "spec": {"spec": {"devices": {"requests": [{
+                    "name": "gpu", "exactly": {"deviceClassName": nvidia.DRIVER,
+                                               "selectors": [{"cel": {"expression": chosen}}]},
+                }]}}}})
+            template["spec"]["resourceClaims"] = [{"name": "gpu",
+                                                   "resourceClaimTemplateName": name}]
+            template["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
+        objects.append({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
+                        "spec": {"backoffLimit": 0, "template": template}})
+        self.create(*objects)
+
+    def delete_job(self, name: str) -> None:
+        """The Job gone, and its pod with it (through its grace period)."""
+        self.kubectl("delete", "job", name, "-n", NS, "--wait=false")
+
+    def pod(self, name: str) -> dict[str, Any] | None:
+        """Pod `name` of namespace default, or None once it is gone."""
+        out = self.plane.kubectl("get", "pod", name, "-n", NS, "-o", "json", check=False)
+        found: dict[str, Any] | None = json.loads(out.stdout) if out.returncode == 0 else None
+        return found
+
+    def running(self, app: str, timeout: float = 60) -> dict[str, Any]:
+        """The pod labelled ``app=<app>`` once it runs on gpu-node."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [p for p in self._pods(LENDEE) if p["metadata"]["labels"].get("app") == app
+                     and p["status"].get("phase") == "Running"]
+            if found:
+                return found[0]
+            assert time.monotonic() < deadline, f"no pod of {app} running on {LENDEE}"
+            time.sleep(0.2)
 
     def pods_on(self, node: str) -> list[str]:
-        pods = self.api.call(self.api.standin.cluster.pods, node)
-        return sorted(p["metadata"]["name"] for p in pods
-                      if not p["metadata"].get("deletionTimestamp"))
+        """The names of the pods bound to `node` that are not being deleted."""
+        return sorted(p["metadata"]["name"] for p in self._pods(node))
+
+    def apps_on(self, node: str) -> list[str]:
+        """The ``app`` labels of those pods: a generated name says less."""
+        return sorted(p["metadata"]["labels"].get("app", "") for p in self._pods(node))
+
+    def _pods(self, node: str) -> list[dict[str, Any]]:
+        pods = self.get("pods", "-A", "--field-selector", f"spec.nodeName={node}")["items"]
+        return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        asyncio.run_coroutine_threadsafe(work, self.loop)
+
+    async def _open_spare(self, count: int) -> None:
+        while True:
+            pods = await asyncio.to_thread(self._pods, LENDEE)
+            running = [p for p in pods if p["status"].get("phase") == "Running"
+                       and not any(o["kind"] == "DaemonSet"
+                                   for o in p["metadata"].get("ownerReferences") or [])]
+            if len(running) >= count:
+                break
+            await asyncio.sleep(0.5)
+        await asyncio.to_thread(self.kubectl, "uncordon", SPARE)
+        self.placed.set()
 
 
 def gpus_seen(lab: Lab) -> int:
-    try:
-        out = lab.guest_exec(LENDEE, "/usr/bin/nvidia-smi", "-L", timeout=5)
-    except Exception:  # no agent yet, VM gone: the device plugin sees nothing either
-        return 0
-    return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    return len(devices_seen(lab))
 
 
 def devices_seen(lab: Lab) -> list[tuple[str, str]]:
-    """(UUID, name) of each GPU nvidia-smi lists inside the lendee: what NVIDIA's DRA
-    driver would publish."""
+    """(UUID, name) of each GPU nvidia-smi lists inside the lendee: what NVIDIA's
+    plugins would publish."""
     try:
         out = lab.guest_exec(LENDEE, "/usr/bin/nvidia-smi", "-L", timeout=5)
-    except Exception:  # no agent yet, VM gone: the driver sees nothing either
+    except Exception:  # no agent yet, VM gone: the plugins see nothing either
         return []
     return [(m[2], m[1]) for line in out.stdout.splitlines()
             if (m := re.fullmatch(r"GPU \d+: (.*) \(UUID: (\S+)\)", line.strip()))]
@@ -78,49 +262,85 @@ def lendee_running(lab: Lab) -> bool:
     return lab.virsh("domstate", LENDEE, check=False).stdout.strip() == "running"
 
 
-def seed_workloads(api: ThreadedStandIn) -> None:
-    """A few pods on the lendee's node: a web Deployment's pod, two training pods behind
-    a PodDisruptionBudget (minAvailable 1: one eviction at a time, the next once the
-    replacement is Ready elsewhere), and a DaemonSet's pod that drain leaves alone."""
-    cluster = api.standin.cluster
-
-    def seed() -> None:
-        cluster.add_node("cpu-node")
-        cluster.add_pod("web-7d4f9-x2k8q", node=LENDEE, owner="ReplicaSet/web-7d4f9",
-                        labels={"app": "web"})
-        for i in (1, 2):
-            cluster.add_pod(f"trainer-{i}", node=LENDEE, owner="StatefulSet/trainer",
-                            labels={"app": "trainer"})
-        cluster.add_pdb("trainer", match_labels={"app": "trainer"}, min_available=1)
-        cluster.add_pod("gpu-device-plugin-z7x", node=LENDEE, owner="DaemonSet/device-plugin",
-                        labels={"app": "device-plugin"})
-    api.call(seed)
-
-
 @contextlib.contextmanager
 def lab_cluster(lab: Lab, *, workloads: bool = True, ready_delay: float = 1.0,
                 cordoned: bool = False, dra: bool = False) -> Iterator[LabCluster]:
-    """The stand-in and kubelet for `lab`; `cordoned`: an administrator cordoned the
-    node before hostagent ever ran; `dra`: the GPUs go through DRA, not the device
-    plugin."""
-    kubeconfig = lab.root / "agent" / "kubeconfig"
-    kubeconfig.parent.mkdir(exist_ok=True)
-    with serve_in_thread(termination_scale=0.02, replacement_node="cpu-node",
-                         replacement_ready_after=1.0) as api:
-        api.write_kubeconfig(kubeconfig)
-        api.call(lambda: api.standin.cluster.add_node(LENDEE, ready=False,
-                                                      gpus=None if dra else 0,
-                                                      unschedulable=cordoned))
-        if dra:
-            api.call(api.standin.cluster.add_device_class)
+    """The plane's nodes and their kubelets for `lab`; `workloads`: the usual ones
+    placed on gpu-node once it is lent; `cordoned`: an administrator cordoned the node
+    before hostagent ever ran; `dra`: the GPUs go through DRA, not the device plugin."""
+    plane = lab_plane(lab)
+    upstream = agent_kubeconfig(plane, plane.root / "agent.kubeconfig")
+    if dra:  # the DeviceClass the driver's chart installs
+        plane.kubectl("apply", "-f", "-", input=json.dumps(nvidia.DEVICE_CLASS))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="lab kubelets", daemon=True)
+    thread.start()
+
+    def run(work: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(work, loop).result(60)
+
+    def kubelet(node: str, running: Callable[[], bool], **gpus: Any) -> Kubelet:
+        credential = plane.credential(f"kubelet-{node}", f"system:node:{node}", "system:nodes")
+        return Kubelet(credential, node, running=running, plugins=plane.admin,
+                       ready_delay=ready_delay, grace_scale=0.02, **gpus)
+
+    lendee = kubelet(LENDEE, lambda: lendee_running(lab),
+                     **({"devices_seen": lambda: devices_seen(lab)} if dra
+                        else {"gpus_seen": lambda: gpus_seen(lab)}))
+    spare = kubelet(SPARE, lambda: True)
+    proxy = FaultProxy(upstream)
+    try:
+        run(proxy.start())
+        kubeconfig = proxy.write_kubeconfig(lab.root / "agent" / "kubeconfig")
+        for k in (lendee, spare):
+            run(k.__aenter__())
+        if cordoned:
+            plane.kubectl("cordon", LENDEE)
+        kc = LabCluster(plane, lendee, kubeconfig, proxy, loop)
         if workloads:
-            seed_workloads(api)
-        kubelet = Kubelet(kubeconfig, LENDEE, lendee_running=lambda: lendee_running(lab),
-                          gpus_seen=lambda: gpus_seen(lab), ready_delay=ready_delay,
-                          gpu_delay=0.3, heartbeat_grace=1.0,
-                          devices_seen=(lambda: devices_seen(lab)) if dra else None)
-        api.call(kubelet.start)
-        try:
-            yield LabCluster(api, kubelet, kubeconfig)
-        finally:
-            api.run(kubelet.stop())
+            kc.place(*usual_workloads(), pods=3)
+        yield kc
+    finally:
+        for k in (lendee, spare):
+            with contextlib.suppress(Exception):
+                run(k.__aexit__(None, None, None))
+        with contextlib.suppress(Exception):
+            run(proxy.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        _close(loop)
+        reset(plane)
+
+
+def _close(loop: asyncio.AbstractEventLoop) -> None:
+    """Whatever still runs on `loop` cancelled, and its connections closed for good (an
+    aiohttp connection needs a moment of its loop after it is closed)."""
+    async def finish() -> None:
+        left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        await asyncio.sleep(0.25)
+        await loop.shutdown_asyncgens()
+    loop.run_until_complete(finish())
+    loop.close()
+
+
+def reset(plane: ControlPlane) -> None:
+    """What a lab_cluster made, gone: the workloads and pods of namespace default (at
+    once: no kubelet is left to finish them), its Events, the nodes, their Leases and
+    slices, the DeviceClass."""
+    kinds = ("deployments,statefulsets,daemonsets,replicasets,jobs,poddisruptionbudgets,"
+             "resourceclaimtemplates,resourceclaims")
+    plane.kubectl("delete", kinds, "--all", "-n", NS, "--wait=false")
+    deadline = time.monotonic() + 60
+    while plane.kubectl("get", "pods", "-n", NS, "-o", "name").stdout.strip():
+        assert time.monotonic() < deadline, "the lab's pods would not go"
+        plane.kubectl("delete", "pods", "--all", "-n", NS, "--force", "--grace-period=0",
+                      check=False)
+        time.sleep(0.3)
+    plane.kubectl("delete", "events", "--all", "-n", NS)
+    plane.kubectl("delete", "resourceslices", "--all")
+    plane.kubectl("delete", "deviceclass", nvidia.DRIVER, "--ignore-not-found")
+    plane.kubectl("delete", "node", LENDEE, SPARE, "--ignore-not-found")
+    plane.kubectl("delete", "lease", "-n", "kube-node-lease", LENDEE, SPARE, "--ignore-not-found")

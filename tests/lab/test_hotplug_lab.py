@@ -1,6 +1,7 @@
 """Hot-add in the lab (``policy.hotplug = "add"``): the real agent attaches the lab GPU
 a game freed to the running lendee (its disk, into the root port its live definition
-left empty), the stand-in nvidia-smi lists it, the lab kubelet follows the live set,
+left empty), the stand-in nvidia-smi lists it, the lab's kubelet on the real control
+plane follows the live set,
 and the GPU is lent with no drain and no restart while a GPU job runs on the node; a
 hot-add whose GPU the guest does not see is journaled and leaves it to the next restart."""
 
@@ -12,14 +13,12 @@ import pytest
 
 from tests.lab.cluster import lab_cluster
 from tests.lab.lab import GPUS, LENDEE, Lab
-from tests.lab.test_kube_lab import annotations, lends
+from tests.lab.test_kube_lab import annotations, eventually, lends
 
 pytestmark = pytest.mark.lab
 
 
 def test_a_regrow_by_hot_add_lends_the_freed_gpu_without_a_restart(lab: Lab) -> None:
-    from tests.kubeapi.cluster import PODS
-
     with lab_cluster(lab, workloads=False) as kc:
         lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig).replace(
             "[policy]\n", '[policy]\nhotplug = "add"\n') + '\n[verify]\ntimeout = "10s"\n')
@@ -29,9 +28,8 @@ def test_a_regrow_by_hot_add_lends_the_freed_gpu_without_a_restart(lab: Lab) -> 
         lab.wait_state("gaming1", "running", timeout=90)
         lends(lab, 2)
         persistent = lab.virsh("dumpxml", "--inactive", LENDEE).stdout
-        cluster = kc.api.standin.cluster
-        kc.api.call(cluster.add_pod, "train-1", node=LENDEE, owner="Job/train",
-                    gpus={"nvidia.com/gpu": 1})
+        kc.add_gpu_job("train")
+        eventually(lambda: kc.apps_on(LENDEE) == ["train"], "the job never ran on gpu-node")
         lab.wait_agent("gaming1")
         lab.virsh("shutdown", "--mode", "agent", "gaming1")
         lab.wait_record(120, event="hotplug", result="ok")
@@ -49,11 +47,11 @@ def test_a_regrow_by_hot_add_lends_the_freed_gpu_without_a_restart(lab: Lab) -> 
         assert annotations(node)["hostagent.io/lent-gpus"] == "gpu-a,gpu-b,gpu-c"
         assert not node["spec"].get("unschedulable")
         assert node["status"]["allocatable"]["nvidia.com/gpu"] == "3"
-        assert kc.pods_on(LENDEE) == ["train-1"]  # the job ran on through it
+        assert kc.apps_on(LENDEE) == ["train"]  # the job ran on through it
         status = json.loads(lab.hostagent("status", "--json").stdout)
         assert status["lendee"]["lent"] == ["gpu-a", "gpu-b", "gpu-c"]
         # The next game's reclaim is the usual one (drain, stop, a start without gpu-a).
-        kc.api.call(cluster.delete, PODS, "default", "train-1")
+        kc.delete_job("train")
         lab.virsh("start", "gaming1", check=False)
         lab.wait_state("gaming1", "running", timeout=120)
         assert lab.phases()[len(phases):len(phases) + 1] == ["lent>draining"]

@@ -1,16 +1,17 @@
 """The Kubernetes half of the cycle in the lab: the real agent, libvirtd and guests,
-and the API stand-in with a kubelet that follows the lendee VM."""
+and the real control plane with a kubelet that follows the lendee VM."""
 
 from __future__ import annotations
 
 import re
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from tests.lab.cluster import LabCluster, lab_cluster
+from tests.lab.cluster import LabCluster, lab_cluster, statefulset
 from tests.lab.lab import GPUS, LENDEE, Lab
 
 pytestmark = pytest.mark.lab
@@ -43,6 +44,13 @@ def annotations(node: dict[str, Any]) -> dict[str, str]:
     return node["metadata"].get("annotations") or {}
 
 
+def eventually(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.2)
+
+
 def test_reclaim_drains_like_kubectl_and_the_return_uncordons(lab: Lab) -> None:
     with lab_cluster(lab) as kc:
         lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig).replace(
@@ -50,6 +58,7 @@ def test_reclaim_drains_like_kubectl_and_the_return_uncordons(lab: Lab) -> None:
             'evict_retry = "1s"\nlent_taints = ["hostagent.io/borrowed=true:NoSchedule"]'))
         lab.start_agent()
         lends(lab, 1)
+        kc.wait_placed()
         node = kc.node()
         assert not node["spec"].get("unschedulable")
         assert annotations(node).get("hostagent.io/state") == "lent"
@@ -65,7 +74,7 @@ def test_reclaim_drains_like_kubectl_and_the_return_uncordons(lab: Lab) -> None:
         assert not any(t["key"] == "hostagent.io/borrowed" for t in node["spec"].get("taints", []))
         # Evicted through the API (the PDB let the trainers go one at a time); the
         # DaemonSet's pod was left alone, as kubectl drain does.
-        assert kc.pods_on(LENDEE) == ["gpu-device-plugin-z7x"]
+        assert kc.apps_on(LENDEE) == ["device-plugin"]
         drained = lab.records(event="drain")
         assert drained and "3 pods evicted" in drained[0]["MESSAGE"]
 
@@ -112,24 +121,20 @@ def test_a_node_back_short_of_gpus_stays_cordoned_with_an_error(lab: Lab) -> Non
 @pytest.mark.parametrize("policy", ["proceed", "abort"])
 def test_a_pdb_that_never_allows_eviction(lab: Lab, policy: str) -> None:
     with lab_cluster(lab, workloads=False) as kc:
-        def seed() -> None:
-            c = kc.api.standin.cluster
-            for i in (1, 2):
-                c.add_pod(f"db-{i}", node=LENDEE, owner="StatefulSet/db", labels={"app": "db"})
-            c.add_pdb("db", match_labels={"app": "db"}, min_available=2)
-        kc.api.call(seed)
+        kc.place(*statefulset("db", 2, min_available=2), pods=2)
         config(lab, kc, drain="3s")
         lab.write_config(lab.config.read_text().replace(
             "[policy]", f'[policy]\non_drain_timeout = "{policy}"'))
         lab.start_agent()
         lends(lab, 1)
+        kc.wait_placed()
         refused = lab.virsh("start", "gaming1", check=False)
         assert refused.returncode != 0
         if policy == "proceed":
             # The player first: the pods left behind are named, and the game starts.
             lab.wait_state("gaming1", "running", timeout=60)
             left = lab.wait_record(event="drain")
-            assert "db-1" in str(left) and "db-2" in str(left)
+            assert "db-0" in str(left) and "db-1" in str(left)
         else:
             failed = lab.wait_record(30, event="intent", to="failed")
             assert "could not be drained" in failed["MESSAGE"]
@@ -137,20 +142,16 @@ def test_a_pdb_that_never_allows_eviction(lab: Lab, policy: str) -> None:
             assert lab.state("gaming1") == "shut off"
             assert lab.state(LENDEE) == "running"
             assert not kc.node()["spec"].get("unschedulable")
-            assert kc.pods_on(LENDEE) == ["db-1", "db-2"]
+            assert kc.pods_on(LENDEE) == ["db-0", "db-1"]
 
 
 def test_our_cordon_is_still_ours_after_an_agent_restart_mid_drain(lab: Lab) -> None:
     with lab_cluster(lab, workloads=False) as kc:
-        def seed() -> None:
-            c = kc.api.standin.cluster
-            for i in (1, 2):
-                c.add_pod(f"db-{i}", node=LENDEE, owner="StatefulSet/db", labels={"app": "db"})
-            c.add_pdb("db", match_labels={"app": "db"}, min_available=2)
-        kc.api.call(seed)
+        kc.place(*statefulset("db", 2, min_available=2), pods=2)
         config(lab, kc, drain="4s")
         lab.start_agent()
         lends(lab, 1)
+        kc.wait_placed()
         lab.virsh("start", "gaming1", check=False)
         lab.wait_record(event="cordon")
         lab.stop_agent(signal.SIGKILL)
@@ -170,13 +171,13 @@ def test_the_api_down_during_the_return_delays_it_only(lab: Lab) -> None:
         lends(lab, 1)
         lab.virsh("start", "gaming1", check=False)
         lab.wait_state("gaming1", "running", timeout=90)
-        kc.api.run(kc.api.standin.down())
+        kc.run(kc.api.down())
         lab.wait_agent("gaming1")
         lab.virsh("shutdown", "--mode", "agent", "gaming1")
         lab.wait_record(60, event="phase", to="joining")
         time.sleep(5)
         assert len(lab.records(event="phase", to="lent")) == 1  # waiting for the API
-        kc.api.run(kc.api.standin.up())
+        kc.run(kc.api.up())
         lends(lab, 2)
         assert not kc.node()["spec"].get("unschedulable")
 
@@ -207,8 +208,6 @@ def test_regrow_when_idle_waits_for_the_gpu_job_then_takes_the_freed_gpu(lab: La
     """gaming1 ends while a pod on gpu-node uses a GPU: the regrow (a restart, so a
     drain) waits, running, and says why; once the pod is gone gpu-node is restarted
     with all three GPUs, verified and uncordoned."""
-    from tests.kubeapi.cluster import PODS
-
     with lab_cluster(lab, workloads=False) as kc:
         lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig))
         lab.start_agent()
@@ -216,9 +215,8 @@ def test_regrow_when_idle_waits_for_the_gpu_job_then_takes_the_freed_gpu(lab: La
         lab.virsh("start", "gaming1", check=False)
         lab.wait_state("gaming1", "running", timeout=90)
         lends(lab, 2)
-        cluster = kc.api.standin.cluster
-        kc.api.call(cluster.add_pod, "train-1", node=LENDEE, owner="Job/train",
-                    gpus={"nvidia.com/gpu": 1})
+        kc.add_gpu_job("train")
+        eventually(lambda: kc.apps_on(LENDEE) == ["train"], "the job never ran on gpu-node")
         lab.wait_agent("gaming1")
         lab.virsh("shutdown", "--mode", "agent", "gaming1")
         waiting = lab.wait_record(30, event="regrow", result="waiting")
@@ -226,7 +224,7 @@ def test_regrow_when_idle_waits_for_the_gpu_job_then_takes_the_freed_gpu(lab: La
         time.sleep(2)
         assert lab.phases()[-1] == "joining>lent"  # not restarted under the job
         assert annotations(kc.node())["hostagent.io/lent-gpus"] == "gpu-b,gpu-c"
-        kc.api.call(cluster.delete, PODS, "default", "train-1")
+        kc.delete_job("train")
         lends(lab, 3)
         regrow = lab.records(event="phase", to="draining")[-1]
         assert "no pod on its node requests a GPU" in regrow["MESSAGE"]

@@ -18,15 +18,16 @@ from typing import Any
 import pytest
 
 from hostagent.hotplug import CHECKPOINT, DETACH_BOUND, HOLDERS
-from tests.lab.cluster import LabCluster, lab_cluster
+from tests.lab.cluster import LabCluster, lab_cluster, pod
 from tests.lab.lab import GPUS, LENDEE, Lab, domain_xml
-from tests.lab.test_kube_lab import annotations, lends
+from tests.lab.test_kube_lab import annotations, eventually, lends
 
 pytestmark = pytest.mark.lab
 
 # What makes the lab's guest ignore an unplug request: no ACPI hot-plug driver, and
 # the PCIe ports without their native hot-plug service either.
 NEVER_LETS_GO = "acpiphp.disable=1 pcie_ports=compat"
+PLUGIN = "nvidia-device-plugin-daemonset"  # its pods' app label, which hostagent finds
 
 
 def define_lendee(lab: Lab, kernel_args: str = "") -> None:
@@ -44,12 +45,12 @@ def define_lendee(lab: Lab, kernel_args: str = "") -> None:
 def gpu_pods(lab: Lab, kc: LabCluster, pods: dict[str, str]) -> None:
     """Pods of Jobs on gpu-node, each using one lab GPU (name -> GPU label), and the
     kubelet's device checkpoint in the guest saying which, as the device plugin's IDs."""
-    cluster = kc.api.standin.cluster
+    for name in pods:
+        kc.add_gpu_job(name)
     entries = []
     for name, gpu in pods.items():
-        pod = kc.api.call(cluster.add_pod, name, node=LENDEE, owner=f"Job/{name}",
-                          gpus={"nvidia.com/gpu": 1})
-        entries.append({"PodUID": pod["metadata"]["uid"], "ContainerName": "main",
+        running = kc.running(name)
+        entries.append({"PodUID": running["metadata"]["uid"], "ContainerName": "main",
                         "ResourceName": "nvidia.com/gpu",
                         "DeviceIDs": {"0": [GPUS[gpu][0]]}, "AllocResp": ""})
     text = json.dumps({"Data": {"PodDeviceEntries": entries, "RegisteredDevices": {
@@ -81,10 +82,10 @@ sleep 0.5; cat /run/labplugin.pid
 def plugin_in_guest(lab: Lab, kc: LabCluster) -> Callable[[], bool]:
     """The device plugin's pod on gpu-node and its process in the guest holding every lab
     GPU open; the process ends when the pod is deleted. Returns whether it has ended."""
-    cluster = kc.api.standin.cluster
-    kc.api.call(cluster.add_pod, "nvidia-device-plugin-daemonset-q4", node=LENDEE,
-                owner="DaemonSet/nvidia-device-plugin-daemonset",
-                labels={"app": "nvidia-device-plugin-daemonset"})
+    kc.create({"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": PLUGIN},
+               "spec": {"selector": {"matchLabels": {"app": PLUGIN}},
+                        "template": pod("", app=PLUGIN)}})
+    name = kc.running(PLUGIN)["metadata"]["name"]
     pid = guest(lab, "/bin/sh", "-c", PLUGIN_HOLDS)
     assert pid.isdigit(), pid
     # hostagent's own look at the holders finds it: until the plugin stops, no detach.
@@ -95,8 +96,8 @@ def plugin_in_guest(lab: Lab, kc: LabCluster) -> Callable[[], bool]:
     def follow() -> None:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            pod = kc.api.call(cluster.pod, "default", "nvidia-device-plugin-daemonset-q4")
-            if pod is None or pod["metadata"].get("deletionTimestamp"):
+            found = kc.pod(name)
+            if found is None or found["metadata"].get("deletionTimestamp"):
                 guest(lab, "kill", pid)
                 ended.set()
                 return
@@ -140,6 +141,8 @@ def test_a_game_takes_its_gpu_live_and_a_guest_that_keeps_it_falls_back(
         # gaming1 started only once the lendee, which may have held gpu-a, was off.
         assert at(lab.records(event="phase", to="off")[0]) <= at(done)
         fallback, by_restart = at(done) - asked, at(done) - at(failed)
+        for job in ("train-a", "train-b"):  # evicted: their Jobs are done with
+            kc.delete_job(job)
 
         # The lab's own guest lets go: gaming2 takes gpu-b, the job on gpu-c runs on.
         lends(lab, 2)
@@ -153,17 +156,19 @@ def test_a_game_takes_its_gpu_live_and_a_guest_that_keeps_it_falls_back(
         lab.virsh("start", "gaming2", check=False)
         done = lab.wait_record(120, event="intent", vm="gaming2", to="done")
         by_unplug = at(done) - asked
+        kc.delete_job("train-b2")  # evicted: its Job is done with
         assert [r["MESSAGE"] for r in lab.records(event="hotplug", result="ok")
                 if r["MESSAGE"].startswith(f"gpu-b detached from {LENDEE} in ")]
         # The plugin held gpu-b open until hostagent stopped it; gpu-b left only after.
         assert plugin_ended()
         assert [r["MESSAGE"] for r in lab.records(event="hotplug", result="ok")
-                if r["MESSAGE"].startswith("stopped default/nvidia-device-plugin-daemonset-q4")]
+                if r["MESSAGE"].startswith(f"stopped default/{PLUGIN}-")]
         assert lab.state("gaming2") == "running"
         # Same instance, same boot; only gpu-b's pod was evicted.
         assert lab.virsh("domid", LENDEE).stdout.strip() == domid
         assert guest(lab, "cat", "/proc/sys/kernel/random/boot_id") == boot
-        assert kc.pods_on(LENDEE) == ["train-c"]
+        eventually(lambda: [a for a in kc.apps_on(LENDEE) if a != PLUGIN] == ["train-c"],
+                   "train-c is not the only job left on gpu-node")
         assert str(lab.gpu_image("gpu-b")) not in lab.virsh("dumpxml", LENDEE).stdout
         listed = guest(lab, "/usr/bin/nvidia-smi", "-L")
         assert GPUS["gpu-c"][0] in listed and GPUS["gpu-b"][0] not in listed, listed
