@@ -6,8 +6,10 @@ PodDisruptionBudget makes one eviction wait), shuts gpu-node down through its gu
 agent and starts gaming1, then starts gpu-node again with what gaming1 leaves: gpu-b and
 gpu-c, verified in the guest, uncordoned. `virsh shutdown gaming1`; once no pod on the
 node uses a GPU, gpu-node regrows (policy.regrow = when-idle): drained, restarted with
-all three, verified, uncordoned. Every component is real except the Kubernetes API
-server, a stand-in (not installable here) with a kubelet that follows the VM.
+all three, verified, uncordoned. Every component is real, the Kubernetes control plane
+too (etcd, kube-apiserver, controller-manager and scheduler of one release, built from
+source: tests/controlplane), except the kubelets: there is no container runtime here, so
+the lab plays gpu-node's, which follows the VM, and cpu-node's, through the API.
 
     python -m tests.lab.demo [--svg FILE]
 
@@ -18,14 +20,13 @@ docs/timeline.svg is drawn so).
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from tests.lab.cluster import LabCluster, lab_cluster
+from tests.lab.cluster import LabCluster, close, lab_cluster, lab_plane
 from tests.lab.lab import LENDEE, Lab, need_lab
 
 
@@ -47,30 +48,14 @@ def shell(lab: Lab, *argv: str) -> subprocess.CompletedProcess[str]:
 
 def kubectl(kc: LabCluster) -> None:
     """The cluster as `kubectl get nodes,pods -o wide` shows it, run for real against the
-    API stand-in; without a kubectl, the same facts read from the stand-in."""
-    binary = shutil.which("kubectl")
-    if binary is not None:
-        argv = ["get", "nodes,pods", "-o", "wide"]
-        print(f"$ kubectl {' '.join(argv)}", flush=True)
-        out = subprocess.run(
-            [binary, "--kubeconfig", str(kc.kubeconfig), "--cache-dir",
-             str(kc.kubeconfig.parent / "kubectl-cache"), *argv],
-            capture_output=True, text=True, timeout=30, check=False)
-        print("  " + (out.stdout + out.stderr).strip().replace("\n", "\n  "), flush=True)
-        notes = {k: v for k, v in (kc.node()["metadata"].get("annotations") or {}).items()
-                 if k.startswith("hostagent.io/")}
-        print(f"  (hostagent's annotations on {LENDEE}: {notes})", flush=True)
-        return
-    node = kc.node()
-    ready = next((c["status"] for c in node["status"].get("conditions", [])
-                  if c["type"] == "Ready"), "?")
-    state = "SchedulingDisabled" if node["spec"].get("unschedulable") else "schedulable"
-    notes = {k: v for k, v in (node["metadata"].get("annotations") or {}).items()
+    lab's control plane with the same release's kubectl."""
+    argv = ["get", "nodes,pods", "-o", "wide"]
+    print(f"$ kubectl {' '.join(argv)}", flush=True)
+    out = kc.plane.kubectl(*argv, check=False)
+    print("  " + (out.stdout + out.stderr).strip().replace("\n", "\n  "), flush=True)
+    notes = {k: v for k, v in (kc.node()["metadata"].get("annotations") or {}).items()
              if k.startswith("hostagent.io/")}
-    print(f"  node {LENDEE}: Ready={ready}, {state}, nvidia.com/gpu="
-          f"{node['status'].get('allocatable', {}).get('nvidia.com/gpu', '0')}, {notes}")
-    print(f"  pods on {LENDEE}: {', '.join(kc.pods_on(LENDEE)) or 'none'}; "
-          f"on cpu-node: {', '.join(kc.pods_on('cpu-node')) or 'none'}", flush=True)
+    print(f"  (hostagent's annotations on {LENDEE}: {notes})", flush=True)
 
 
 def wait_phase(lab: Lab, to: str, count: int, timeout: float = 120) -> float:
@@ -98,6 +83,10 @@ def main() -> int:
         lab.up()
         lab.reset()
         print(f"  lab up in {time.monotonic() - t:.1f}s; libvirt at {lab.uri}")
+        t = time.monotonic()
+        plane = lab_plane(lab)
+        print(f"  Kubernetes control plane up in {time.monotonic() - t:.1f}s: kube-apiserver "
+              f"{plane.version()} at {plane.server}", flush=True)
         with lab_cluster(lab) as kc:
             lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig))
             say("Starting hostagent; following its journal (journalctl -f, the lab's journald)")
@@ -106,6 +95,7 @@ def main() -> int:
                                        "SYSLOG_IDENTIFIER=hostagent"])
             lab.start_agent()
             wait_phase(lab, "lent", 1)
+            kc.wait_placed()
             shell(lab, "hostagent", "status")
             kubectl(kc)
 
@@ -152,6 +142,7 @@ def main() -> int:
         if follow is not None:
             follow.terminate()
             follow.wait()
+        close(lab)
         lab.down()
 
 
