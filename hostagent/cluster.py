@@ -158,13 +158,16 @@ class KubeCluster:
 
     # --- reclaim --------------------------------------------------------------------------
 
-    async def reclaim(self, owners: list[str], *, regrow: bool = False) -> str | None:
+    async def reclaim(self, owners: list[str], *, regrow: bool = False,
+                      until: float | None = None) -> str | None:
         on_timeout = DrainTimeoutAction.ABORT if regrow else self.policy.on_drain_timeout
         abort = on_timeout is DrainTimeoutAction.ABORT
         # One budget for the whole reclaim: a player never waits longer than
         # timeouts.drain for the cluster, however the API server behaves, a hot-unplug's
         # evictions before it included (a budget blocked them: it blocks this drain too).
-        deadline = time.monotonic() + self.timeouts.drain - (0 if regrow else self._vacate_spent)
+        # A reservation's drain, ahead of its time, may take until then (`until`).
+        budget = max(self.timeouts.drain, until or 0.0)
+        deadline = time.monotonic() + budget - (0 if regrow else self._vacate_spent)
         self._vacate_spent = 0.0
         self.trouble = None
 

@@ -185,7 +185,14 @@ class Executor:
     async def _drain(self, ticket: int, regrow: bool) -> None:
         state = self.view.state
         owners = [*state.waiting_owners, *(f"{o}'s reservation" for o in sorted(state.reserved))]
-        problem = await self.cluster.reclaim(owners, regrow=regrow)
+        held = [r.at for r in state.reservations if r.holding]
+        if held and not state.waiting_owners and not regrow:
+            # For reservations alone: their pods were told, and may take their full
+            # grace period until the reserved time (its margin is for the shutdown).
+            until = min(held) - clock.now()
+            problem = await self.cluster.reclaim(owners, regrow=regrow, until=until)
+        else:
+            problem = await self.cluster.reclaim(owners, regrow=regrow)
         if problem is None:
             self.apply(Drained(at=clock.now(), ticket=ticket))
         else:

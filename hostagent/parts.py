@@ -94,9 +94,12 @@ class Facts:
 class Cluster(Protocol):
     """The Kubernetes steps of a cycle. Without a [kubernetes] section: `NoCluster`."""
 
-    async def reclaim(self, owners: list[str], *, regrow: bool = False) -> str | None:
+    async def reclaim(self, owners: list[str], *, regrow: bool = False,
+                      until: float | None = None) -> str | None:
         """Cordon and drain; None when done, or why the reclaim must be aborted. A
-        `regrow`'s is aborted whenever its drain cannot finish: nobody waits for it."""
+        `regrow`'s is aborted whenever its drain cannot finish: nobody waits for it.
+        `until` (seconds from now): a reservation's, whose pods were told and get their
+        full grace period, may drain that long if it is longer than timeouts.drain."""
 
     async def give_back(self, lent: Collection[str], *,
                         restart_plugins: bool = False) -> str | None:
@@ -144,7 +147,8 @@ class Cluster(Protocol):
 
 
 class NoCluster:
-    async def reclaim(self, owners: list[str], *, regrow: bool = False) -> str | None:
+    async def reclaim(self, owners: list[str], *, regrow: bool = False,
+                      until: float | None = None) -> str | None:
         return None
 
     async def give_back(self, lent: Collection[str], *,

@@ -17,6 +17,7 @@ from hostagent import clock, journal
 from hostagent import homeassistant as ha
 from hostagent import reserve as plan
 from hostagent import state as persisted
+from hostagent.parts import NoCluster
 from hostagent.model import (
     DetachGpus,
     Drain,
@@ -167,6 +168,15 @@ async def test_reserve_over_the_control_socket_then_notice_hold_use(
             assert "checkpoint" in message("20:00")
             return at, ["ml/train-0"]
 
+    drains: list[tuple[list[str], float | None]] = []
+
+    class Drains(NoCluster):
+        async def reclaim(self, owners: list[str], *, regrow: bool = False,
+                          until: float | None = None) -> str | None:
+            drains.append((owners, until))
+            return None
+
+    agent.cluster = Drains()
     agent.reservations.cluster = Pods()  # type: ignore[assignment]
     handlers = agent.verbs.handlers()
 
@@ -199,6 +209,8 @@ async def test_reserve_over_the_control_socket_then_notice_hold_use(
     assert agent.state.reserved == {"gaming1"}
     await until_phase(agent, Phase.OFF)
     assert ("start", "gaming1") not in fake.calls
+    # Its drain may take until the reserved time: the pods get their full grace.
+    assert drains == [(["gaming1's reservation"], 90 + margin)]
     # The player's start, at the time: the GPU is free, and the reservation used.
     await fake.start("gaming1")
     await until(lambda: "gaming1" in agent.state.running_owners)
