@@ -14,6 +14,7 @@ running; the entities are read from its registry after a clean stop. The agent's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -73,6 +74,29 @@ automation:
       - action: button.press
         target:
           entity_id: button.hostagent_lend_gpus
+  # What an automation sees of the phase and of gaming1's switch, each change in order.
+  - alias: phases seen
+    mode: queued
+    max: 100
+    triggers:
+      - trigger: state
+        entity_id: sensor.hostagent_gpu_node_phase
+    actions:
+      - action: shell_command.seen
+        data:
+          what: "phase {{ trigger.to_state.state }}"
+  - alias: switch seen
+    mode: queued
+    max: 100
+    triggers:
+      - trigger: state
+        entity_id: switch.hostagent_gaming1
+    actions:
+      - action: shell_command.seen
+        data:
+          what: "switch {{ trigger.to_state.state }}"
+shell_command:
+  seen: /bin/sh -c "echo {{ what }} >> SEEN"
 """
 
 # What a real discovery creates, README's dashboard card among them
@@ -100,7 +124,7 @@ def home_assistant(root: Path, broker: Mosquitto) -> Path:
     """A configuration directory with the MQTT integration set up on `broker`."""
     config = root / "homeassistant"
     (config / ".storage").mkdir(parents=True)
-    (config / "configuration.yaml").write_text(CONFIGURATION)
+    (config / "configuration.yaml").write_text(CONFIGURATION.replace("SEEN", str(root / "seen")))
     now = "2026-01-01T00:00:00+00:00"
     entry = {"entry_id": uuid.uuid4().hex, "version": 1, "minor_version": 2, "domain": "mqtt",
              "title": "mosquitto", "source": "user", "unique_id": None, "disabled_by": None,
@@ -145,6 +169,7 @@ async def test_home_assistant_shows_the_device_and_its_switch_plays(
     broker.start()
     home = home_assistant(tmp_path, broker)
     host = Host()
+    host.status["lendee"].update(phase="lent", lent=["gpu-b", "gpu-c"])
     host.status["owners"]["gaming2"] = False
     host.status["gpus"][2]["owners"] = ["gaming2"]
     log = (tmp_path / "home-assistant.log").open("wb")
@@ -157,12 +182,25 @@ async def test_home_assistant_shows_the_device_and_its_switch_plays(
                     assert hass.returncode is None, (tmp_path / "home-assistant.log").read_text()
                     await asyncio.sleep(0.5)
             assert host.calls == [("play", {"vm": "gaming1"})]
-            # The game runs: the switch follows, and the second automation says it saw it.
-            host.status["owners"]["gaming1"] = True
+            # gaming1's start waits while gpu-node is reclaimed and lent again, each phase
+            # within one turn of the loop; then the game runs, and the second automation,
+            # which waits for the switch to be on, presses "Lend GPUs".
+            host.status["intents"] = [{"owner": "gaming1", "source": "mqtt", "age_s": 0}]
+            for phase in ("draining", "stopping", "off", "booting", "joining", "lent"):
+                host.status["lendee"]["phase"] = phase
+                device.changed()
+            await asyncio.sleep(2)
+            host.status["owners"]["gaming1"], host.status["intents"] = True, []
             device.changed()
             async with asyncio.timeout(WAIT):
                 while len(host.calls) < 2:  # noqa: ASYNC110
                     await asyncio.sleep(0.5)
+            # The recording automations' queue drained (bounded: a phase never shown
+            # never comes).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(30):
+                    while not shown_again(tmp_path):  # noqa: ASYNC110
+                        await asyncio.sleep(0.5)
             assert host.calls == [("play", {"vm": "gaming1"}), ("lend", {})]
             hass.send_signal(signal.SIGTERM)
             await asyncio.wait_for(hass.wait(), 120)
@@ -181,6 +219,26 @@ async def test_home_assistant_shows_the_device_and_its_switch_plays(
     assert [e.message for e in sink.entries if e.fields.get("HOSTAGENT_VIA") == "mqtt"
             and e.fields.get("HOSTAGENT_RESULT") == "allowed"] == [
         "mqtt asked for play gaming1", "mqtt asked for lend"]
+    # Every phase reached the automation, in order, however short; the switch went on at
+    # the press and stayed on while the start waited (it went back off, then on again).
+    phases = [w.split()[1] for w in seen(tmp_path) if w.startswith("phase ")]
+    assert phases[phases.index("draining"):] == [
+        "draining", "stopping", "off", "booting", "joining", "lent"], phases
+    switch = [w.split()[1] for w in seen(tmp_path) if w.startswith("switch ")]
+    switch = [s for i, s in enumerate(switch) if s in ("on", "off") and switch[i - 1:i] != [s]]
+    assert switch == ["off", "on"], switch
+
+
+def shown_again(root: Path) -> bool:
+    """The automation saw draining, and lent as the newest phase."""
+    phases = [w for w in seen(root) if w.startswith("phase ")]
+    return "phase draining" in phases and phases[-1] == "phase lent"
+
+
+def seen(root: Path) -> list[str]:
+    """What the recording automations saw, in order."""
+    path = root / "seen"
+    return path.read_text().splitlines() if path.exists() else []
 
 
 async def until_logged(log: Path, count: int, hass: asyncio.subprocess.Process,
