@@ -243,12 +243,13 @@ def free_gpus(state: State, topo: Topology, policy: Policy) -> frozenset[str]:
 
 
 def conflict(state: State, owner: str, topo: Topology) -> str | None:
-    """Why `owner` cannot start because another owner of one of its GPUs runs or is on
-    its way (owners of one card exclude each other: never a reclaim, never a wait on a
-    game), or None."""
+    """Why `owner` cannot start because another owner of one of its GPUs runs, is on
+    its way or has a reservation that holds it (owners of one card exclude each other:
+    never a reclaim, never a wait on a game), or None."""
     mine = topo.claims(owner)
     for others, what in ((sorted(state.running_owners), "in use by"),
-                         (_pending(state), "being handed to")):
+                         (_pending(state), "being handed to"),
+                         (sorted(state.reserved), "reserved for")):
         for other in others:
             both = mine & topo.claims(other)
             if other != owner and both:

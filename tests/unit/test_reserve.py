@@ -305,3 +305,17 @@ def test_mqtt_reserve_topic() -> None:
         assert isinstance(asked, ha.Command) and asked.args == {"vm": "gaming1", "cancel": True}
     refused = ha.command(s, "hostagent/owner/gaming1/reserve", b"rm -rf /")
     assert isinstance(refused, ha.Refused) and "expected HH:MM" in refused.why
+
+
+def test_another_owner_of_a_reserved_card_is_refused_while_the_reservation_holds() -> None:
+    from hostagent.machine import IllegalTransition, verdict
+    from tests.unit.test_partial import TOPO, wants
+    state = S(lent=gpus(B, C), reservations=holding("gaming1"))
+    assert verdict(state, "gaming-win", topo=TOPO) == (
+        "refuse", "gpu-a is reserved for gaming1 (follow with: journalctl -u hostagent -f)")
+    with pytest.raises(IllegalTransition, match="gpu-a is reserved for gaming1"):
+        go(state, wants("gaming-win"))
+    # The player it holds for starts at once; before it holds, anyone may play.
+    assert verdict(state, "gaming1", topo=TOPO)[0] == "proceed"
+    early = S(lent=gpus(B, C), reservations=(replace(holding("gaming1")[0], holding=False),))
+    assert verdict(early, "gaming-win", topo=TOPO)[0] == "proceed"
