@@ -3,12 +3,13 @@ take the time anyway (the drain, the guests' own shutdown and boot, the cluster)
 
     python -m bench.cycle [--cycles 5] [--markdown FILE]
 
-Each cycle runs the real swap of `make demo`: gpu-node (the lendee, a node of the
-Kubernetes API stand-in with three pods on it, two of them behind a
-PodDisruptionBudget) is lent gpu-a, gpu-b and gpu-c; `virsh start gaming1` (gpu-a) is
-deferred by the hook while the agent drains the node, shuts gpu-node down through its
-guest agent and starts gaming1 (the reclaim); the agent starts gpu-node again with
-gpu-b and gpu-c up to the uncordon (the partial lend); three pods land on it again;
+Each cycle runs the real swap of `make demo`: gpu-node (the lendee, a node of the lab's
+real Kubernetes control plane, with three pods of a Deployment and a StatefulSet on it,
+two of them behind a PodDisruptionBudget) is lent gpu-a, gpu-b and gpu-c; `virsh start
+gaming1` (gpu-a) is deferred by the hook while the agent drains the node, shuts
+gpu-node down through its guest agent and starts gaming1 (the reclaim); the agent
+starts gpu-node again with gpu-b and gpu-c up to the uncordon (the partial lend);
+three pods land on it again;
 then `virsh shutdown --mode agent gaming1`, and once relend_delay has passed (no pod
 on the node requests a GPU: policy.regrow = when-idle begins at once) the agent drains
 gpu-node, shuts it down and starts it with all three up to the uncordon (the regrow).
@@ -21,8 +22,9 @@ own journal:
   time through virt-admin): when libvirt sent `guest-shutdown`;
 - each domain's QEMU log, written by libvirtd: "starting up" (libvirt launches QEMU,
   after the `prepare` and `start` hooks) and "shutting down" (QEMU has exited);
-- the Kubernetes API stand-in: when each request arrived and when each change was
-  committed.
+- the Kubernetes API: when each request of the agent's arrived (the lab's fault proxy,
+  which passes them on untouched) and when the bench's own watch of nodes and pods
+  (as the admin, straight to kube-apiserver) saw each change.
 
 Reclaim: `virsh start gaming1` → gaming1's STARTED event. Inherent:
   drain     first eviction request → the last evicted pod gone (as the API server saw it)
@@ -45,7 +47,10 @@ its API calls, its in-guest GPU check, libvirt's own bookkeeping between steps.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import re
+import ssl
 import statistics
 import subprocess
 import sys
@@ -58,10 +63,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import libvirt
 
-from tests.kubeapi.rules import NODES, PODS
-from tests.lab.cluster import LabCluster, lab_cluster
+from tests.controlplane import ControlPlane
+from tests.lab.cluster import LabCluster, lab_cluster, statefulset, usual_workloads
 from tests.lab.lab import LENDEE, Lab, need_lab
 
 OWNER = "gaming1"
@@ -163,27 +169,65 @@ LEGS = ("reclaim", "partial lend", "regrow")
 def seed(kc: LabCluster, tag: str, first: bool) -> None:
     """Pods on gpu-node before a drain: a Deployment's pod and two StatefulSet pods
     behind a PodDisruptionBudget of their own (minAvailable 1: the second eviction waits
-    until the first one's replacement is Ready elsewhere). None requests a GPU (a
-    when-idle regrow does not wait for them). The earlier ones, replaced on cpu-node,
-    stay there under other labels and budgets."""
-    cluster = kc.api.standin.cluster
-
-    def add() -> None:
-        if first:
-            cluster.add_node("cpu-node")
-            cluster.add_pod("gpu-device-plugin-z7x", node=LENDEE, owner="DaemonSet/device-plugin",
-                            labels={"app": "device-plugin"})
-        cluster.add_pod(f"web-{tag}-x2k8q", node=LENDEE, owner=f"ReplicaSet/web-{tag}",
-                        labels={"app": f"web-{tag}"})
-        for i in (1, 2):
-            cluster.add_pod(f"trainer-{tag}-{i}", node=LENDEE, owner=f"StatefulSet/trainer-{tag}",
-                            labels={"app": f"trainer-{tag}"})
-        cluster.add_pdb(f"trainer-{tag}", match_labels={"app": f"trainer-{tag}"}, min_available=1)
-    kc.api.call(add)
+    until the first one's replacement is Ready elsewhere), and once a DaemonSet. None
+    requests a GPU (a when-idle regrow does not wait for them). The earlier ones,
+    replaced on cpu-node, stay there under other labels and budgets."""
+    web, daemons = usual_workloads()[0], usual_workloads()[-1:] if first else []
+    web["metadata"]["name"] = f"web-{tag}"
+    web["spec"]["selector"]["matchLabels"]["app"] = f"web-{tag}"
+    web["spec"]["template"]["metadata"]["labels"]["app"] = f"web-{tag}"
+    kc.place(web, *statefulset(f"trainer-{tag}", 2, min_available=1), *daemons, pods=3)
 
 
-def changes(kc: LabCluster, after: float) -> list[Any]:
-    return kc.api.call(lambda: [c for c in kc.api.standin.cluster.changes if c.at >= after])
+@dataclass
+class Change:
+    at: float  # when the bench's watch saw it (time.time())
+    kind: str  # "nodes" or "pods"
+    type: str  # ADDED, MODIFIED, DELETED
+    obj: dict[str, Any]
+    old: dict[str, Any] | None
+
+
+class Changes:
+    """Every change to nodes and pods, as the bench's own watches (the admin's, straight
+    to kube-apiserver) see them, on the loop of the lab's kubelets."""
+
+    def __init__(self, kc: LabCluster) -> None:
+        self.seen: list[Change] = []
+        self._lock = threading.Lock()
+        self._watches = [asyncio.run_coroutine_threadsafe(self._watch(kc.plane, kind), kc.loop)
+                         for kind in ("nodes", "pods")]
+
+    def since(self, after: float) -> list[Change]:
+        with self._lock:
+            return [c for c in self.seen if c.at >= after]
+
+    def close(self) -> None:
+        for w in self._watches:
+            w.cancel()
+
+    async def _watch(self, plane: ControlPlane, kind: str) -> None:
+        context = ssl.create_default_context(cafile=str(plane.pki / "ca.crt"))
+        context.load_cert_chain(plane.pki / "admin.crt", plane.pki / "admin.key")
+        last: dict[str, dict[str, Any]] = {}
+        version = ""
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as s:
+            while True:
+                url = f"{plane.server}/api/v1/{kind}?watch=1&resourceVersion={version}"
+                async with s.get(url, ssl=context) as reply:
+                    async for line in reply.content:
+                        event = json.loads(line)
+                        obj = event["object"]
+                        if event["type"] == "ERROR":  # 410: start again from now
+                            version = ""
+                            break
+                        version = obj["metadata"]["resourceVersion"]
+                        key = f"{obj['metadata'].get('namespace')}/{obj['metadata']['name']}"
+                        old = last.pop(key, None) if event["type"] == "DELETED" else last.get(key)
+                        if event["type"] != "DELETED":
+                            last[key] = obj
+                        with self._lock:
+                            self.seen.append(Change(time.time(), kind, event["type"], obj, old))
 
 
 def node_ok(node: dict[str, Any], gpus: int) -> bool:
@@ -228,23 +272,24 @@ def libvirtd_log(lab: Lab, text: str, after: float) -> float:
                     10, f"{text!r} in {path}")
 
 
-def drain_span(kc: LabCluster, after: float) -> tuple[float, float]:
+def drain_span(kc: LabCluster, seen: Changes, after: float) -> tuple[float, float]:
     """(first eviction request, last evicted pod gone) of the drain begun after `after`."""
-    evictions = [t for t, _ in kc.api.standin.requests_at("POST", "/eviction$") if t >= after]
-    gone = [ch.at for ch in changes(kc, after) if ch.resource is PODS and ch.type == "DELETED"
+    evictions = [t for t, _ in kc.call(kc.api.requests_at, "POST", "/eviction") if t >= after]
+    gone = [ch.at for ch in seen.since(after) if ch.kind == "pods" and ch.type == "DELETED"
             and ch.obj["spec"].get("nodeName") == LENDEE]
     return min(evictions), max(gone)
 
 
-def uncordoned_after(kc: LabCluster, after: float) -> float:
-    """When the API server committed the first uncordon of the node after `after`."""
+def uncordoned_after(seen: Changes, after: float) -> float:
+    """When the first uncordon of the node after `after` was seen."""
     return wait_for(lambda: next(
-        (ch.at for ch in changes(kc, after) if ch.resource is NODES and ch.type == "MODIFIED"
+        (ch.at for ch in seen.since(after) if ch.kind == "nodes" and ch.type == "MODIFIED"
+         and ch.obj["metadata"]["name"] == LENDEE
          and (ch.old or {}).get("spec", {}).get("unschedulable")
          and not ch.obj["spec"].get("unschedulable")), None), 180, "the uncordon")
 
 
-def back(lab: Lab, kc: LabCluster, ev: Events, after: float, gpus: int,
+def back(lab: Lab, seen: Changes, ev: Events, after: float, gpus: int,
          uncordoned: float) -> tuple[float, float, float]:
     """(gpu-node's QEMU launched, its guest agent connected, the node Ready with `gpus`
     GPUs) of the lend that ended with the uncordon at `uncordoned`. The last time the
@@ -252,13 +297,14 @@ def back(lab: Lab, kc: LabCluster, ev: Events, after: float, gpus: int,
     while the guest boots, and that one is not it."""
     launch = last_launch(lab, LENDEE, after, uncordoned)
     agent_up = ev.wait(LENDEE, "agent-connected", launch)
-    ready = max(ch.at for ch in changes(kc, launch)
-                if ch.resource is NODES and ch.at <= uncordoned and node_ok(ch.obj, gpus)
+    ready = max(ch.at for ch in seen.since(launch)
+                if ch.kind == "nodes" and ch.obj["metadata"]["name"] == LENDEE
+                and ch.at <= uncordoned and node_ok(ch.obj, gpus)
                 and not node_ok(ch.old or {"status": {}}, gpus))
     return launch, agent_up, ready
 
 
-def reclaim(lab: Lab, kc: LabCluster, ev: Events) -> tuple[Leg, float]:
+def reclaim(lab: Lab, kc: LabCluster, seen: Changes, ev: Events) -> tuple[Leg, float]:
     """The reclaim leg, and when gaming1's STARTED event came."""
     t0 = time.time()
     out = lab.virsh("start", OWNER, check=False)
@@ -266,7 +312,7 @@ def reclaim(lab: Lab, kc: LabCluster, ev: Events) -> tuple[Leg, float]:
         raise RuntimeError(f"virsh start {OWNER} was not deferred: the lendee was not lent")
     started = ev.wait(OWNER, "started", t0)
     resumed = ev.wait(OWNER, "resumed", t0)
-    first_eviction, last_gone = drain_span(kc, t0)
+    first_eviction, last_gone = drain_span(kc, seen, t0)
     shutdown_sent = libvirtd_log(lab, '"execute":"guest-shutdown"', t0)
     lendee_exit = qemu_log(lab, LENDEE, "shutting down", t0)
     owner_launch = last_launch(lab, OWNER, t0, resumed)
@@ -282,10 +328,10 @@ def reclaim(lab: Lab, kc: LabCluster, ev: Events) -> tuple[Leg, float]:
     ), started
 
 
-def partial_lend(lab: Lab, kc: LabCluster, ev: Events, started: float) -> Leg:
+def partial_lend(lab: Lab, seen: Changes, ev: Events, started: float) -> Leg:
     """gaming1 runs: gpu-node starts again with gpu-b and gpu-c, up to the uncordon."""
-    uncordoned = uncordoned_after(kc, started)
-    launch, agent_up, ready = back(lab, kc, ev, started, 2, uncordoned)
+    uncordoned = uncordoned_after(seen, started)
+    launch, agent_up, ready = back(lab, seen, ev, started, 2, uncordoned)
     return Leg(
         total=uncordoned - started,
         steps={"lendee boot to guest agent": agent_up - launch,
@@ -295,7 +341,7 @@ def partial_lend(lab: Lab, kc: LabCluster, ev: Events, started: float) -> Leg:
     )
 
 
-def regrow(lab: Lab, kc: LabCluster, ev: Events, relend_delay: float) -> Leg:
+def regrow(lab: Lab, kc: LabCluster, seen: Changes, ev: Events, relend_delay: float) -> Leg:
     """gaming1 shuts down: after relend_delay gpu-node is drained, shut down and started
     with all three GPUs, up to the uncordon."""
     t1 = time.time()
@@ -304,11 +350,11 @@ def regrow(lab: Lab, kc: LabCluster, ev: Events, relend_delay: float) -> Leg:
     if out.returncode != 0 and "End of file from agent socket" not in out.stderr:
         raise RuntimeError(f"virsh shutdown {OWNER} failed: {out.stderr.strip()}")
     owner_exit = qemu_log(lab, OWNER, "shutting down", t1)
-    uncordoned = uncordoned_after(kc, owner_exit)
-    first_eviction, last_gone = drain_span(kc, owner_exit)
+    uncordoned = uncordoned_after(seen, owner_exit)
+    first_eviction, last_gone = drain_span(kc, seen, owner_exit)
     shutdown_sent = libvirtd_log(lab, '"execute":"guest-shutdown"', owner_exit)
     lendee_exit = qemu_log(lab, LENDEE, "shutting down", owner_exit)
-    launch, agent_up, ready = back(lab, kc, ev, lendee_exit, 3, uncordoned)
+    launch, agent_up, ready = back(lab, seen, ev, lendee_exit, 3, uncordoned)
     return Leg(
         total=uncordoned - owner_exit,
         steps={"relend_delay after the game": relend_delay,
@@ -346,6 +392,8 @@ def run(cycles: int) -> list[dict[str, Leg]]:
         ev = Events(lab.uri)
         try:
             with lab_cluster(lab, workloads=False) as kc:
+                seen = Changes(kc)
+                print(f"kube-apiserver {kc.plane.version()}", file=sys.stderr)
                 lab.write_config(lab.config_text(relend_delay=f"{relend_delay:g}s",
                                                  kubeconfig=kc.kubeconfig))
                 lab.start_agent()
@@ -356,14 +404,16 @@ def run(cycles: int) -> list[dict[str, Leg]]:
                              "gpu-node lent")
                     wait_for(lambda: not kc.node()["spec"].get("unschedulable"), 60,
                              "the node uncordoned")
+                    kc.wait_placed()
                     legs: dict[str, Leg] = {}
-                    legs["reclaim"], started = reclaim(lab, kc, ev)
-                    legs["partial lend"] = partial_lend(lab, kc, ev, started)
+                    legs["reclaim"], started = reclaim(lab, kc, seen, ev)
+                    legs["partial lend"] = partial_lend(lab, seen, ev, started)
                     wait_for(lambda n=n: len(lab.records(event="phase", to="lent")) > 2 * n + 1,
                              60, "gpu-node lent gpu-b and gpu-c")
                     seed(kc, f"{n}r", first=False)
+                    kc.wait_placed()
                     lab.wait_agent(OWNER)  # `virsh shutdown --mode agent` needs it
-                    legs["regrow"] = regrow(lab, kc, ev, relend_delay)
+                    legs["regrow"] = regrow(lab, kc, seen, ev, relend_delay)
                     done.append(legs)
                     print(f"cycle {n + 1}/{cycles}: " + "; ".join(
                         f"{name} {leg.total:.2f}s (overhead {leg.overhead * 1000:.0f} ms: "
