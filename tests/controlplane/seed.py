@@ -464,25 +464,8 @@ class Seed:
     async def reset(self) -> None:
         """Delete what was seeded: owners (orphaning their pods, which would otherwise
         wait out their grace period), budgets, pods at once, then the nodes."""
-        label = f"{SEEDED}=true"
-        orphan = {"propagationPolicy": "Orphan", "gracePeriodSeconds": 0}
-        for namespace in sorted(self.namespaces | {"default", "kube-system"}):
-            for delete in (self.apps.delete_collection_namespaced_replica_set,
-                           self.apps.delete_collection_namespaced_stateful_set,
-                           self.apps.delete_collection_namespaced_daemon_set,
-                           self.batch.delete_collection_namespaced_job,
-                           self.policy.delete_collection_namespaced_pod_disruption_budget):
-                await delete(namespace, label_selector=label, body=orphan)
-            await self.core.delete_collection_namespaced_pod(
-                namespace, label_selector=label, body={"gracePeriodSeconds": 0})
-            await client.ResourceV1Api(self._client).delete_collection_namespaced_resource_claim(
-                namespace, label_selector=label)
-            for pod in (await self.core.list_namespaced_pod(namespace,
-                                                            label_selector=label)).items:
-                if pod.metadata.finalizers:  # a Job's tracking finalizer
-                    with contextlib.suppress(ApiException):
-                        await self.core.patch_namespaced_pod(
-                            pod.metadata.name, namespace, {"metadata": {"finalizers": None}})
+        namespaces = sorted(self.namespaces | {"default", "kube-system"})
+        await asyncio.gather(*(self._clear(namespace) for namespace in namespaces))
         # The Events hostagent posted (the kubelet's way: on the node's name, in default).
         await self.core.delete_collection_namespaced_event(
             "default", field_selector=f"source={HOSTAGENT}", body={"gracePeriodSeconds": 0})
@@ -490,6 +473,25 @@ class Seed:
             with contextlib.suppress(ApiException):
                 await self.core.delete_node(node)
         self.nodes.clear()
+
+    async def _clear(self, namespace: str) -> None:
+        label = f"{SEEDED}=true"
+        orphan = {"propagationPolicy": "Orphan", "gracePeriodSeconds": 0}
+        await asyncio.gather(*(delete(namespace, label_selector=label, body=orphan) for delete in (
+            self.apps.delete_collection_namespaced_replica_set,
+            self.apps.delete_collection_namespaced_stateful_set,
+            self.apps.delete_collection_namespaced_daemon_set,
+            self.batch.delete_collection_namespaced_job,
+            self.policy.delete_collection_namespaced_pod_disruption_budget)))
+        await self.core.delete_collection_namespaced_pod(
+            namespace, label_selector=label, body={"gracePeriodSeconds": 0})
+        await client.ResourceV1Api(self._client).delete_collection_namespaced_resource_claim(
+            namespace, label_selector=label)
+        for pod in (await self.core.list_namespaced_pod(namespace, label_selector=label)).items:
+            if pod.metadata.finalizers:  # a Job's tracking finalizer
+                with contextlib.suppress(ApiException):
+                    await self.core.patch_namespaced_pod(
+                        pod.metadata.name, namespace, {"metadata": {"finalizers": None}})
 
 
 def _pod_spec(grace: int, *, restart: str = "Always", emptydir: bool = False,

@@ -371,7 +371,8 @@ async def test_a_pod_already_terminating_is_waited_for(kube: Kube, api: Api) -> 
 async def test_a_watch_sees_an_evicted_pod_go_before_the_next_poll(
     api: Api, kubeconfig: Path
 ) -> None:
-    await api.seed.pod("web-1", node="gpu-node", owner="ReplicaSet/web", grace=100)
+    # Its kubelet ends it 1.5 s after the eviction: it is read while it terminates.
+    await api.seed.pod("web-1", node="gpu-node", owner="ReplicaSet/web", grace=300)
     # A poll this slow would outlast the drain's timeout: only the watch can end it.
     timing = dataclasses.replace(FAST, delete_poll=60.0)
     async with await Kube.connect(kubeconfig, timing=timing) as kube:
@@ -425,9 +426,9 @@ async def test_force_evicts_unmanaged_pods(kube: Kube, api: Api) -> None:
 async def test_a_budget_that_blocks_then_allows(api: Api, kubeconfig: Path) -> None:
     # Three replicas, two on this node, at least two available: the second eviction
     # waits until the first one's replacement is Ready on the other node (its readiness
-    # probe's delay: 1 s).
+    # probe's delay: 2 s, at least 1 s after its start as the kubelet stamps it, in seconds).
     api.seed.replacement_node = "other"
-    api.seed.replacement_ready_after = 1
+    api.seed.replacement_ready_after = 2
     async with api.seed.kubelet("other"):
         for name, node in (("web-1", "gpu-node"), ("web-2", "gpu-node"), ("web-3", "other")):
             await api.seed.pod(name, node=node, owner="ReplicaSet/web", labels={"app": "web"})
