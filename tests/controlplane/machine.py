@@ -105,8 +105,8 @@ class Kubelet(Pods):
                         booted = None
                     else:
                         if booted is None:  # a boot: a new kubelet, nothing posted yet
-                            booted, posted, gpus_posted, renewed = t, "", None, -1e9
                             await driver.withdraw()
+                            booted, posted, gpus_posted, renewed = t, "", None, -1e9
                         want = "True" if t - booted >= self.ready_delay else "False"
                         if t - renewed >= self.lease_every:
                             await self._renew(leases)
