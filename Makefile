@@ -11,14 +11,12 @@ STAMPS   := .stamps
 # cpio to pack the lab guest's initramfs; systemd for a standalone journald;
 # nix-bin for nix-instantiate, which checks that every .nix file parses;
 # mosquitto and mosquitto-clients for the lab's broker and the clients that play Home
-# Assistant against it (mosquitto_sub, mosquitto_pub);
-# kubernetes-client for a real kubectl against the API stand-in, unless a kubectl is
-# already there (another package's /usr/bin/kubectl would conflict with it).
+# Assistant against it (mosquitto_sub, mosquitto_pub). kubectl is the lab's own, built
+# with its Kubernetes (tests/controlplane).
 APT_PACKAGES := libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients \
 	qemu-system-x86 qemu-utils libvirt-dev libsystemd-dev pkg-config gcc \
 	python3-venv python3-dev cpio systemd util-linux openssh-client nix-bin mosquitto \
-	mosquitto-clients \
-	$(if $(wildcard /usr/bin/kubectl),,kubernetes-client)
+	mosquitto-clients
 
 .PHONY: setup demo test check unit lab faults fuzz bench clean
 .DEFAULT_GOAL := test

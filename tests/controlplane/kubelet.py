@@ -7,7 +7,7 @@ bound to it and posts their status (Running, Ready), and when a pod is deleted s
 containers within the grace period and then deletes it for good (grace period 0,
 status_manager). The lab has no container runtime: a pod's containers "stop" when its
 grace period, times `grace_scale`, has passed. The node's Ready condition and its GPUs
-are tests/kubeapi/kubelet.py's Kubelet's part, which runs beside this one; with `ready`
+are the part of tests/controlplane/machine.py's Kubelet, built on this one; with `ready`
 this one posts Ready itself (a node whose GPUs are DRA devices, which the node's
 status does not carry).
 

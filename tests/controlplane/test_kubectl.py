@@ -3,8 +3,8 @@ cordon, drain, events, DRA objects; and hostagent's drain beside kubectl's.
 
 Workloads are real: ReplicaSets, DaemonSets and StatefulSets made into pods by the
 real controller-manager, bound by the real scheduler, PodDisruptionBudget status from
-the disruption controller; the nodes' kubelets are the lab's stand-ins (node status and
-GPUs: tests/kubeapi/kubelet.py; pods and Lease: tests/controlplane/kubelet.py).
+the disruption controller; the nodes' kubelets are the lab's stand-in
+(tests/controlplane/machine.py: node status, Lease, GPUs, pods).
 Manifests go through `kubectl create` with its validation on.
 """
 
@@ -24,9 +24,8 @@ from hostagent.cluster import KubeCluster
 from hostagent.config import Config, parse
 from hostagent.kube import Kube, Timing
 from tests.controlplane import ControlPlane
-from tests.controlplane.kubelet import Pods
-from tests.kubeapi.cluster import gpu_device
-from tests.kubeapi.kubelet import Kubelet
+from tests.controlplane.machine import Kubelet
+from tests.controlplane.nvidia import gpu
 
 FAST = Timing(request_timeout=2.0, api_timeout=3.0, backoff_min=0.02, backoff_max=0.1,
               evict_retry=0.2, delete_poll=0.05, watch_timeout=5.0)  # fmt: skip
@@ -75,10 +74,9 @@ class Lab:
         kubeconfig = self.plane.credential(f"kubelet-{name}", f"system:node:{name}",
                                            "system:nodes")
         self.nodes.append(name)
-        await self.stack.enter_async_context(Pods(kubeconfig, name))
         await self.stack.enter_async_context(Kubelet(
-            kubeconfig, name, lendee_running=lambda: True, gpus_seen=lambda: gpus,
-            ready_delay=0, gpu_delay=0, gpu_recheck=3600))
+            kubeconfig, name, running=lambda: True, plugins=self.plane.admin,
+            gpus_seen=lambda: gpus, ready_delay=0, gpu_delay=0, gpu_recheck=3600))
         # Schedulable once the node lifecycle controller took its not-ready taint off.
         await until(lambda: self._untainted(name), f"{name} schedulable")
 
@@ -294,7 +292,7 @@ async def test_get_resourceslices_and_claims_prints_the_servers_columns(lab: Lab
         "metadata": {"name": f"{GPU_NODE}-gpu.nvidia.com"},
         "spec": {"driver": "gpu.nvidia.com", "nodeName": GPU_NODE,
                  "pool": {"name": GPU_NODE, "generation": 1, "resourceSliceCount": 1},
-                 "devices": [gpu_device(0, "GPU-0"), gpu_device(1, "GPU-1")]}}))
+                 "devices": [gpu(0, "GPU-0"), gpu(1, "GPU-1")]}}))
     await k.create(
         {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
          "metadata": {"name": "gpu"},

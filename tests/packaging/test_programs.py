@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import os
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -37,9 +36,6 @@ PROGRAMS: dict[str, tuple[str, ...] | str] = {
     "mosquitto": ("mosquitto",), "mosquitto_passwd": ("mosquitto",),
     "mosquitto_sub": ("mosquitto-clients",), "mosquitto_pub": ("mosquitto-clients",),
     "nix-instantiate": ("nix-bin",),
-    # The Makefile installs kubernetes-client unless a kubectl is there already (the
-    # Kubernetes project's own package, kubectl).
-    "kubectl": ("kubernetes-client", "kubectl"),
     "/usr/bin/python3": ("python3-minimal",),  # python3-venv's dependency
     "git": "what the clone was made with; tests that compare commits skip without it",
     "make": "what runs make test; tests/packaging/test_install.py skips without it",
@@ -94,8 +90,6 @@ def test_every_program_the_tests_run_is_declared() -> None:
 
 def test_every_declared_package_is_installed_by_make_setup() -> None:
     apt = makefile_list("APT_PACKAGES")
-    # $(if $(wildcard /usr/bin/kubectl),,kubernetes-client): a package all the same.
-    apt |= set(re.findall(r",,([a-z0-9.+-]+)\)", (REPO / "Makefile").read_text()))
     missing = {}
     for program, packages in PROGRAMS.items():
         if isinstance(packages, str):
