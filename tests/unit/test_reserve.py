@@ -23,6 +23,7 @@ from hostagent.model import (
     Drain,
     Hotplug,
     LendeeStopped,
+    Observed,
     Phase,
     RelendDue,
     Reserve,
@@ -319,3 +320,31 @@ def test_another_owner_of_a_reserved_card_is_refused_while_the_reservation_holds
     assert verdict(state, "gaming1", topo=TOPO)[0] == "proceed"
     early = S(lent=gpus(B, C), reservations=(replace(holding("gaming1")[0], holding=False),))
     assert verdict(early, "gaming-win", topo=TOPO)[0] == "proceed"
+
+
+async def test_a_restarted_agent_holds_what_its_reservations_held(tmp_path: Path) -> None:
+    agent, _ = make_agent(tmp_path)
+    now = float(int(time.time()))  # the state file keeps microseconds
+    held = Reservation(vm="gaming1", at=now + 60, by="ssh key phone", made=now,
+                       evict_at=now, holding=True)
+    persisted.save_state(agent.cfg.state_file, persisted.State(reservations=(held,)))
+    again, fake = make_agent(tmp_path)
+    again._load()
+    assert again.state.reservations == (held,) and again.state.reserved == {"gaming1"}
+    # Found running with gpu-a: the reclaim goes on, as for a waiting owner's.
+    fake.running.add("gpu-node")
+    again.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
+    assert again.state.phase is Phase.DRAINING
+
+
+def test_status_says_each_reservation_and_what_it_holds() -> None:
+    from hostagent.follow import format_status
+    now = time.time()
+    data = {"lendee": {"domain": "gpu-node", "phase": "lent", "since": now, "hold": False,
+                       "reason": None, "lent": ["gpu-b"]},
+            "gpus": [], "intents": [], "verified": None, "relend_in_s": None,
+            "reservations": [{"vm": "gaming1", "at": now + 600, "by": "mqtt",
+                              "holding": True, "evict_at": now, "expires_at": now + 2400}]}
+    line = next(x for x in format_status(data).splitlines() if x.startswith("reserved:"))
+    assert line == (f"reserved: gaming1 at {_hhmm(now + 600)} by mqtt: its GPUs held for it "
+                    f"now; unused, it expires at {_hhmm(now + 2400)}")
