@@ -265,6 +265,8 @@ class Seed:
         created = await self.core.create_namespaced_pod(namespace, {
             "metadata": meta, "spec": spec})
         if phase is not None:
+            if node in self._kubelets:  # it ran first: a kubelet's later Running would undo it
+                await self._until(namespace, name, "Ready", _ready)
             await self.core.patch_namespaced_pod_status(name, namespace, {"status": {
                 "phase": phase, "conditions": [{"type": "Ready", "status": "False",
                                                 "reason": "PodCompleted"}]}})
@@ -274,12 +276,10 @@ class Seed:
             await self._until(namespace, name, f"adopted by its {kind}", lambda pod: any(
                 r.controller and r.kind == kind for r in pod.metadata.owner_references or []))
         if uuids:
-            return await self._until(namespace, name, "placed and Ready", lambda pod: bool(
-                pod.spec.node_name) and any(c.type == "Ready" and c.status == "True"
-                                            for c in pod.status.conditions or []))
+            return await self._until(namespace, name, "placed and Ready",
+                                     lambda pod: bool(pod.spec.node_name) and _ready(pod))
         if node in self._kubelets and phase is None:
-            return await self._until(namespace, name, "Ready", lambda pod: any(
-                c.type == "Ready" and c.status == "True" for c in pod.status.conditions or []))
+            return await self._until(namespace, name, "Ready", _ready)
         return self.plain(created)
 
     async def _owner(self, owner: str, namespace: str, own: dict[str, str],
@@ -492,6 +492,10 @@ class Seed:
                 with contextlib.suppress(ApiException):
                     await self.core.patch_namespaced_pod(
                         pod.metadata.name, namespace, {"metadata": {"finalizers": None}})
+
+
+def _ready(pod: Any) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
 
 
 def _pod_spec(grace: int, *, restart: str = "Always", emptydir: bool = False,
