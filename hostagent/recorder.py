@@ -36,10 +36,13 @@ class Recorder:
         """The lendee's phase changed (the view's `phase_since` is still the old one's)."""
         took = (clock.now() - self.view.phase_since) * 1000
         lendee, gpus = self.lendee, self.topo.gpu_names(new.lent)
-        wanting = [o for o in new.waiting_owners if self.topo.claims(o) & old.lent]
-        wanted = self.topo.whole(self.topo.gpus_of(wanting)) & old.lent
+        # What the lendee held: an agent that starts from a state lending nothing yet and
+        # finds the lendee running (a reclaim it resumes) reads it in the new state.
+        had = old.lent or new.lent
+        wanting = [o for o in new.waiting_owners if self.topo.claims(o) & had]
+        wanted = self.topo.whole(self.topo.gpus_of(wanting)) & had
         who = ", ".join(wanting) or ("hostagent reclaim" if new.reclaiming else "an owner VM")
-        draining = f"{who} wants {self.topo.gpu_names(wanted or old.lent)}: draining {lendee}"
+        draining = f"{who} wants {self.topo.gpu_names(wanted or had)}: draining {lendee}"
         if isinstance(event, RelendDue | GpuPods):
             freed = machine.free_gpus(new, self.topo, self.policy) - old.lent
             more = self.topo.gpu_names(freed)
