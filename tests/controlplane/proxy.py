@@ -23,7 +23,9 @@ requests kept.
 
 The fault interface is the one the earlier stand-in's tests used: `down`, `up`,
 `down_for`, `fail`, `slow`, `clear_faults`, `requests_to`, `requests_at`; and for
-watches `drop_watches`, `hold_watches`, `expire`.
+watches `watching`, `drop_watches`, `hold_watches`, `expire`. HTTP/1.1 only (ALPN says
+so, and Go's clients agree), and no upgraded connections (exec, attach, port-forward),
+which hostagent never opens.
 """
 
 from __future__ import annotations
