@@ -398,6 +398,36 @@ async def test_a_half_open_watch_is_given_up_and_the_node_listed_again(
                 await watch
 
 
+async def test_a_lent_nodes_watch_cut_then_expired_lists_again_and_follows_on(
+        api: Api, kube: Kube) -> None:
+    """The lent node's watch is cut (a server that died), and the next one is answered
+    410 Expired, as the watch cache answers a resourceVersion it no longer holds: the
+    node is listed again each time, and a GPU lost after is seen."""
+    cluster = cluster_for(kube)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    views: list[Any] = []
+    watch = asyncio.create_task(cluster.watch_lent(on_view=views.append))
+    try:
+        def asked(watch: bool) -> int:
+            return len(api.proxy.requests_to(
+                "GET", r"^/api/v1/nodes\?" + (".*watch=" if watch else "(?!.*watch=)")))
+
+        await until(lambda: api.proxy.watching("^/api/v1/nodes$") == 1)
+        lists, watches = asked(False), asked(True)
+        api.proxy.expire("^/api/v1/nodes$", times=1)
+        assert api.proxy.drop_watches("^/api/v1/nodes$") == 1
+        await until(lambda: asked(True) == watches + 2)  # the expired one, and the next
+        assert asked(False) == lists + 2
+        await set_status(api, allocatable={"nvidia.com/gpu": "1"})  # one fell off the bus
+        await until(lambda: views[-1].allocatable == {"nvidia.com/gpu": 1})
+        assert cluster.trouble is not None and "lost GPUs" in cluster.trouble
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+
+
 async def test_watch_gpu_pods_follows_the_count(api: Api, kube: Kube) -> None:
     cluster = cluster_for(kube)
     seen: list[int] = []
