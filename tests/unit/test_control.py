@@ -225,6 +225,9 @@ class FakeLibvirt:
     async def xml(self, name: str) -> str:
         return PLAIN_XML if name in self.no_agent_channel else AGENT_XML
 
+    async def inactive_xml(self, name: str) -> str:  # no q35: policy.hotplug "auto" is "none"
+        return await self.xml(name)
+
 
 CONFIG = """\
 control_socket = "{root}/control.sock"
