@@ -541,11 +541,13 @@ def _against_config(domains: Sequence[Domain], config: Config) -> list[Finding]:
     lendee = by_name.get(config.lendee.domain)
     if lendee is not None and config.policy.hotplug not in (Hotplug.NONE, Hotplug.AUTO):
         found += _hot_add(lendee, config)
-    if lendee is not None and config.policy.hotplug is Hotplug.BOTH:
+    # "auto" takes hot-unplug where the lendee can: the same caveat as "both" set by hand.
+    if lendee is not None and hotplug_capability(lendee, config)[0] is Hotplug.BOTH:
         found.append(Finding(
             domain=lendee.name, check=Check.HOTPLUG, severity=Severity.WARNING,
-            what="policy.hotplug = \"both\" is experimental: NVIDIA does not support "
-                 "hot-unplug of its GPUs",
+            what=("policy.hotplug = \"auto\" takes hot-unplug here, which"
+                  if config.policy.hotplug is Hotplug.AUTO else "policy.hotplug = \"both\"")
+                 + " is experimental: NVIDIA does not support hot-unplug of its GPUs",
             why="the driver in the lendee unbinds a GPU as it leaves, and NVIDIA's open "
                 "kernel modules from 595.58.03 to at least 610.57.04 hang an unbind begun "
                 "while a client holds the GPU, even once it lets go "

@@ -222,6 +222,11 @@ def test_the_default_hotplug_is_what_lint_finds_the_lendee_can_do() -> None:
         "</os>", "<kernel>/vmlinuz</kernel><cmdline>quiet acpiphp.disable=1</cmdline></os>")
     assert capability(booted) == (Hotplug.NONE, (
         "gpu-node's kernel command line has acpiphp.disable=1: it ignores hot-plug"))
+    # Where "auto" takes hot-unplug, lint gives the caveat "both" set by hand gets.
+    assert hot_add_findings(lendee_xml(), LINT_CONFIG.replace('hotplug = "add"', "")) == [
+        'warning: policy.hotplug = "auto" takes hot-unplug here, which is experimental: '
+        "NVIDIA does not support hot-unplug of its GPUs"]
+    assert hot_add_findings(booted, LINT_CONFIG.replace('hotplug = "add"', "")) == []
     # A policy set by hand is what applies, whatever the XML.
     assert lint.hotplug_capability(lint.parse_domain(booted), parse(LINT_CONFIG))[0] is Hotplug.ADD
     # `hostagent lint` says which applies and why, in one line.
