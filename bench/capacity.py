@@ -85,7 +85,10 @@ met, the worst share, the jobs killed per week.
 
 Budget: the default policy (`hostagent.model.Policy()`) lends ≥ 99 % of the GPU time
 no game uses, in the reference week and in each of the 30; among the candidates that
-do, the default is the one that kills the fewest GPU jobs.
+do, the default is the one that kills the fewest GPU jobs. The agent's default is two
+columns: where the lendee can hot-plug (``policy.hotplug = "auto"``), "default, hot-add
++ hot-unplug"; elsewhere `Policy()`, "when-idle, no limit", which never kills a running
+job for a regrow and so leaves a freed GPU idle while jobs run on the others.
 
 One week's timing can be tuned to; so every candidate is also replayed over 60 varied
 weeks (`VARIED`), a third each of three schedules (`_games`: evenings, weekends, games

@@ -36,6 +36,9 @@ an owner's GPUs are taken back live too when the lendee keeps enough without the
 (`DetachGpus`; LENT entered anew until `GpusDetached`, which starts the owner and
 returns the node through JOINING, or `DetachFailed`, which takes the reclaim's road).
 
+A reservation that holds (`Reserve`, see `hostagent.reserve`) keeps its owner's GPUs
+from the lendee as an owner that waits does, and starts nobody.
+
 FAILED is where the lendee stays, running, when a step cannot finish without a human:
 its guest agent never answered, it ignored a shutdown, or the node came back without
 all its GPUs. The reason says what to do. An owner asking again (or ``hostagent
