@@ -104,6 +104,13 @@ class Reservations:
     async def step(self) -> None:
         """Everything due now: the ends (used, expired), the notices, the holds."""
         state = self.view.state
+        gone = [r for r in state.reservations if not self.topo.is_owner(r.vm)]
+        for r in gone:  # kept in the state file from a configuration that had it
+            journal.record("reserve", f"{r.vm[:64]!r} is no owner VM any more: its "
+                           f"reservation for {_hhmm(r.at)} is dropped", result="dropped")
+        if gone:
+            self._set(plan.without(self.now, gone))
+            state = self.view.state
         used = plan.used(state.reservations, state.running_owners)
         for r in used:
             journal.record("reserve", f"{r.vm} started: its reservation for {_hhmm(r.at)} "

@@ -348,3 +348,16 @@ def test_status_says_each_reservation_and_what_it_holds() -> None:
     line = next(x for x in format_status(data).splitlines() if x.startswith("reserved:"))
     assert line == (f"reserved: gaming1 at {_hhmm(now + 600)} by mqtt: its GPUs held for it "
                     f"now; unused, it expires at {_hhmm(now + 2400)}")
+
+
+async def test_a_reservation_of_a_vm_no_longer_configured_is_dropped(tmp_path: Path) -> None:
+    agent, _ = make_agent(tmp_path)
+    now = float(int(time.time()))
+    kept = (Reservation(vm="gaming1", at=now + 3600, by="me", made=now),
+            Reservation(vm="old-game", at=now + 3600, by="me", made=now))
+    persisted.save_state(agent.cfg.state_file, persisted.State(reservations=kept))
+    agent._load()
+    # Every change of the list is refused while it names a VM that is not an owner.
+    assert not agent.apply(Reserve(at=now, reservations=kept))
+    await agent.reservations.step()
+    assert agent.state.reservations == kept[:1]
