@@ -141,9 +141,9 @@ class Reservations:
             return plan.evict_time(r, grace, self.timing, clock.now())
 
         def message(at: str) -> str:
-            return (f"the GPUs of node {self.lendee} are reserved for {r.vm} at "
-                    f"{_hhmm(r.at)}: this pod is evicted from {at} with its full grace "
-                    "period; checkpoint before then")
+            return (f"a GPU of node {self.lendee} is reserved for {r.vm} at "
+                    f"{_hhmm(r.at)}: this pod may be evicted from {at}, with its full "
+                    "grace period; checkpoint before then")
         evict, pods = await self.cluster.notice(when, message)
         if not any(x.vm == r.vm and x.at == r.at for x in self.now):
             return  # cancelled or replaced meanwhile
