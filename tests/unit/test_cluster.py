@@ -64,12 +64,16 @@ class FakeMetrics:
     def __init__(self) -> None:
         self.gpu_pods: list[int | None] = []
         self.lost = 0
+        self.holders: dict[str, str] | None = None
 
     def node_gpu_pods(self, count: int | None) -> None:
         self.gpu_pods.append(count)
 
     def gpu_lost(self) -> None:
         self.lost += 1
+
+    def lent_gpu_pods(self, holders: dict[str, str] | None) -> None:
+        self.holders = holders
 
 
 @pytest.fixture(autouse=True)
