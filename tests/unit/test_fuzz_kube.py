@@ -20,7 +20,7 @@ import random
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,7 @@ class Server:
         self.runner: web.ServerRunner | None = None
         self.url = ""
 
-    async def handle(self, request: web.BaseRequest) -> web.Response:
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         await request.read()
         status, body = self.replies.popleft() if self.replies else NOT_FOUND
         return web.Response(status=status, body=body if isinstance(body, bytes)
@@ -112,7 +112,7 @@ def call(live: Live, op: str, replies: list[Reply]) -> object:
     or the KubeError it raised. Anything else escapes."""
     live.server.replies = deque(replies)
     kube = live.kube
-    calls = {
+    calls: dict[str, Callable[[], Coroutine[Any, Any, object]]] = {
         "check": lambda: kube.check_node("n"),
         "cordon": lambda: kube.cordon("n", marker_prefix="hostagent.io/"),
         "uncordon": lambda: kube.uncordon("n", marker_prefix="hostagent.io/"),
