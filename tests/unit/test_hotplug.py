@@ -40,7 +40,8 @@ from tests.controlplane import ControlPlane
 from tests.controlplane.nvidia import DEVICE_CLASS, Driver
 from tests.controlplane.nvidia import gpu as gpu_device
 from tests.unit.kube_scaffold import Api, real_api
-from tests.unit.test_partial import AT, LENDEE, POLICY, TOPO, B, C, S, T, gpus, go, run, vms, wants
+from tests.unit.machine_scaffold import AT, LENDEE, T, wants
+from tests.unit.test_partial import POLICY, TOPO, B, C, S, gpus, go, run, vms
 
 ADD = replace(POLICY, hotplug=Hotplug.ADD)
 A = "gpu-a"

@@ -58,7 +58,8 @@ from tests.unit.kube_scaffold import Api, real_api
 from tests.unit.machine_scaffold import Stepper
 from tests.unit.test_control import make_agent
 from tests.unit.test_hotplug import LINT_CONFIG, gone, hot_add_findings, lendee_xml
-from tests.unit.test_partial import AT, LENDEE, POLICY, TOPO, B, C, S, T, gpus, wants
+from tests.unit.machine_scaffold import AT, LENDEE, T, wants
+from tests.unit.test_partial import POLICY, TOPO, B, C, S, gpus
 
 A = "gpu-a"
 BOTH = replace(POLICY, hotplug=Hotplug.BOTH)
