@@ -331,16 +331,14 @@ def reset(plane: ControlPlane) -> None:
     once: no kubelet is left to finish them), its Events, the nodes, their Leases and
     slices, the DeviceClass."""
     kinds = ("deployments,statefulsets,daemonsets,replicasets,jobs,poddisruptionbudgets,"
-             "resourceclaimtemplates,resourceclaims")
+             "resourceclaimtemplates,resourceclaims,events")
     plane.kubectl("delete", kinds, "--all", "-n", NS, "--wait=false")
     deadline = time.monotonic() + 60
-    while plane.kubectl("get", "pods", "-n", NS, "-o", "name").stdout.strip():
+    while "deleted" in plane.kubectl("delete", "pods", "--all", "-n", NS, "--force",
+                                     "--grace-period=0", check=False).stdout:
         assert time.monotonic() < deadline, "the lab's pods would not go"
-        plane.kubectl("delete", "pods", "--all", "-n", NS, "--force", "--grace-period=0",
-                      check=False)
         time.sleep(0.3)
-    plane.kubectl("delete", "events", "--all", "-n", NS)
     plane.kubectl("delete", "resourceslices", "--all")
-    plane.kubectl("delete", "deviceclass", nvidia.DRIVER, "--ignore-not-found")
-    plane.kubectl("delete", "node", LENDEE, SPARE, "--ignore-not-found")
+    plane.kubectl("delete", f"deviceclass/{nvidia.DRIVER}", f"node/{LENDEE}", f"node/{SPARE}",
+                  "--ignore-not-found")
     plane.kubectl("delete", "lease", "-n", "kube-node-lease", LENDEE, SPARE, "--ignore-not-found")
