@@ -121,7 +121,8 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     password_file = "/run/credentials/hostagent.service/mqtt-password"  # the default when
                                             # the unit passes the credential mqtt-password
     discovery_prefix = "homeassistant"
-    base_topic = "hostagent"                # states and commands live under it
+    base_topic = "hostagent/tower"          # states and commands live under it (the
+                                            # default: hostagent/<this host's name>)
     verbs = ["play", "release", "reserve"]  # what MQTT may command (default: all)
     vms = ["gaming1"]                       # the owners it may start and stop; default: all
     per_entity = false                      # true: one discovery message per entity
@@ -500,7 +501,8 @@ class Mqtt:
     # None: $CREDENTIALS_DIRECTORY/mqtt-password when the unit passes that credential.
     password_file: Path | None = field(default=None, metadata=_key(_absolute_path))
     discovery_prefix: str = field(default="homeassistant", metadata=_key(_topic))
-    base_topic: str = field(default="hostagent", metadata=_key(_topic))
+    # None: "hostagent/<the host's short name>", so that two hosts on one broker differ.
+    base_topic: str | None = field(default=None, metadata=_key(_topic))
     verbs: frozenset[str] = field(default=frozenset(MQTT_VERBS),
                                   metadata=_key(lambda v, k: frozenset(_list(_mqtt_verb)(v, k))))
     # None: every owner; else the owners whose switch may start and stop them.

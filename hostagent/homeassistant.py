@@ -42,9 +42,10 @@ from typing import Any
 from hostagent.config import Config
 from hostagent.model import Phase
 
-__all__ = ["MIGRATE", "Command", "Refused", "Surface", "collisions", "command",
-           "command_topics", "components", "device_config", "entity_configs", "entity_topics",
-           "migrating", "removals", "sentence", "stale_entity", "states", "surface"]
+__all__ = ["FORMER_BASE", "MIGRATE", "Command", "Refused", "Surface", "cleared",
+           "collisions", "command", "command_topics", "components", "device_config",
+           "entity_configs", "entity_topics", "former", "host_slug", "migrating", "removals",
+           "sentence", "stale_entity", "states", "surface"]
 
 ON, OFF, PRESS = "ON", "OFF", "PRESS"
 ONLINE, OFFLINE = "online", "offline"
@@ -74,6 +75,7 @@ class Surface:
     prefix: str
     base: str
     node: str  # the device's id: a topic level and the prefix of unique ids
+    name: str  # the device's name, of which Home Assistant makes its entities' ids
     version: str
     lendee: str
     owners: Mapping[str, str]  # slug -> owner VM
@@ -102,13 +104,30 @@ class Surface:
         return vm in self.vms and bool(self.verbs & {"play", "release"})
 
 
-def surface(cfg: Config, *, version: str) -> Surface:
-    """The device of `cfg` (which has an [mqtt] section)."""
+FORMER_BASE = "hostagent"  # base_topic's default before it named the host
+
+
+def host_slug(host: str) -> str:
+    """The host's short name as a topic level (and an object id)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", host.split(".")[0]) or "_"
+
+
+def surface(cfg: Config, *, version: str, host: str = "", base: str | None = None) -> Surface:
+    """The device of `cfg` (which has an [mqtt] section) on `host`; `base`: under that
+    base topic instead of the configuration's."""
     mqtt = cfg.mqtt
     assert mqtt is not None
+    base = base or mqtt.base_topic
+    # The default's device keeps the name it always had, and so the ids Home Assistant
+    # gave its entities (a second host's get a suffix); a base set by hand is named.
+    name = "hostagent" if base in (None, FORMER_BASE) else f"hostagent {base}"
+    if base is None:
+        if not host:
+            raise ValueError("mqtt.base_topic is not set: the host's name makes the default")
+        base = f"{FORMER_BASE}/{host_slug(host)}"
     owners = list(cfg.owners)
-    node = re.sub(r"[^A-Za-z0-9_-]", "_", mqtt.base_topic)
-    return Surface(prefix=mqtt.discovery_prefix, base=mqtt.base_topic, node=node,
+    node = re.sub(r"[^A-Za-z0-9_-]", "_", base)
+    return Surface(prefix=mqtt.discovery_prefix, base=base, node=node, name=name,
                    version=version, lendee=cfg.lendee.domain, owners=_slugs(owners),
                    gpus=_slugs(sorted(set(cfg.lendee.gpus).union(
                        *(o.gpus for o in cfg.owners.values())))),
@@ -168,8 +187,8 @@ def components(s: Surface) -> dict[str, dict[str, Any]]:
 
 
 def _device(s: Surface) -> dict[str, Any]:
-    return {"ids": [s.node], "name": f"hostagent {s.base}" if s.base != "hostagent"
-            else "hostagent", "mf": "hostagent", "mdl": "GPU lending host", "sw": s.version}
+    return {"ids": [s.node], "name": s.name, "mf": "hostagent", "mdl": "GPU lending host",
+            "sw": s.version}
 
 
 def _origin(s: Surface) -> dict[str, Any]:
@@ -357,6 +376,24 @@ def command(s: Surface, topic: str, payload: bytes) -> Command | Refused:
     return Command(verb, vm)
 
 
+def former(cfg: Config, *, version: str) -> Surface | None:
+    """The device as the default base_topic made it before it named the host, when the
+    configuration leaves base_topic to its default: its retained discovery and states
+    are cleared, so that Home Assistant drops that device's entities before this one
+    comes (and gives its entities the ids the old ones had)."""
+    mqtt = cfg.mqtt
+    if mqtt is None or mqtt.base_topic is not None:
+        return None
+    return surface(cfg, version=version, base=FORMER_BASE)
+
+
+def cleared(old: Surface, status: Mapping[str, Any]) -> dict[str, str]:
+    """Topic -> "" (a retained message deleted) for all that `old` published."""
+    topics = [old.device_topic, *entity_configs(old), old.availability,
+              *states(old, status, "")]
+    return dict.fromkeys(topics, "")
+
+
 def collisions(cfg: Config, *, host: str) -> list[str]:
     """What in [mqtt] would make this host collide with another on the broker, or with
     Home Assistant's own topics (`hostagent check-config` warns)."""
@@ -364,15 +401,15 @@ def collisions(cfg: Config, *, host: str) -> list[str]:
     if mqtt is None:
         return []
     out = []
-    base, prefix = mqtt.base_topic, mqtt.discovery_prefix
-    host_slug = re.sub(r"[^A-Za-z0-9_-]", "_", host.split(".")[0]) or "_"
+    prefix, slug = mqtt.discovery_prefix, host_slug(host)
+    base = surface(cfg, version="", host=host).base
     node = re.sub(r"[^A-Za-z0-9_-]", "_", base)
-    if host_slug not in base.split("/"):
-        out.append(f'mqtt.base_topic = "{base}" does not name this host ({host_slug}): a second '
+    if slug not in base.split("/"):
+        out.append(f'mqtt.base_topic = "{base}" does not name this host ({slug}): a second '
                    "host on the same broker with the same base_topic has the same device id "
                    f'({node}) and client id (hostagent-{node}), so each connection closes '
-                   "the other's and Home Assistant merges their entities. Fix: "
-                   f'base_topic = "hostagent/{host_slug}".')
+                   "the other's and Home Assistant merges their entities. Fix: leave "
+                   f'base_topic out (its default is "{FORMER_BASE}/{slug}").')
     if base == prefix or base.startswith(prefix + "/") or prefix.startswith(base + "/"):
         out.append(f'mqtt.base_topic = "{base}" and mqtt.discovery_prefix = "{prefix}" '
                    "overlap: the agent's states and commands would be read as discovery "

@@ -38,7 +38,6 @@ import contextlib
 import logging
 import os
 import random
-import re
 import socket
 import ssl
 import time
@@ -142,11 +141,12 @@ class Device:
                  hostname: str | None = None) -> None:
         assert cfg.mqtt is not None
         self.settings = cfg.mqtt
-        self.surface = ha.surface(cfg, version=_version())
+        host = ha.host_slug(hostname or socket.gethostname())
+        self.surface = ha.surface(cfg, version=_version(), host=host)
+        self._former = ha.former(cfg, version=_version())
         # The client id names the host: two hosts on one broker must not share it (the
         # broker closes the older connection of a client id that connects again).
-        host = (hostname or socket.gethostname()).split(".")[0]
-        self.client_id = f"hostagent-{re.sub(r'[^A-Za-z0-9_-]', '_', host)}-{self.surface.node}"
+        self.client_id = f"hostagent-{host}-{self.surface.node}"
         self._status = status
         self._handlers = handlers
         self._follow = follow
@@ -275,6 +275,10 @@ class Device:
             journal.record("mqtt", f"connected to {self.settings.broker}: publishing "
                            f"{s.base}/... for Home Assistant", result="connected")
             self._everything()
+            if self._former is not None:
+                # What the default base_topic published before it named the host: gone
+                # first, so that Home Assistant frees its entities' ids for this device's.
+                self._pending = {**ha.cleared(self._former, self._status()), **self._pending}
             publisher = asyncio.get_running_loop().create_task(self._publish(client))
             try:
                 await client.subscribe([(t, 1) for t in (

@@ -31,7 +31,7 @@ def broker(lab: Lab) -> Iterator[Mosquitto]:
     m.start()
     lab.write_config(lab.config_text(relend_delay="1s") + (
         f'\n[mqtt]\nbroker = "mqtt://127.0.0.1:{m.port}"\nusername = "hostagent"\n'
-        f'password_file = "{m.root / "agent-password"}"\n'))
+        f'password_file = "{m.root / "agent-password"}"\nbase_topic = "hostagent"\n'))
     yield m
     m.stop()
 

@@ -294,7 +294,51 @@ async def test_home_assistant_keeps_every_entity_from_per_entity_to_device_disco
 
 
 def mqtt_entities(home: Path) -> list[str]:
-    """The MQTT entities in Home Assistant's registry, as last saved."""
+    """The ids of the MQTT entities in Home Assistant's registry, as last saved."""
+    return sorted(e["entity_id"] for e in registered(home))
+
+
+async def test_an_upgrade_to_the_default_that_names_the_host_keeps_the_entity_ids(
+        tmp_path: Path, sink: journal.ListSink) -> None:
+    """The default base_topic was "hostagent" on every host; it names the host now, and
+    so does the device's id. A host upgraded clears what it published under the former
+    default before its new device comes: Home Assistant drops the old entities and gives
+    the new ones the same ids, so dashboards and automations keep working."""
+    assert HASS is not None
+    broker = Mosquitto(tmp_path / "mosquitto")
+    broker.start()
+    home = home_assistant(tmp_path, broker)
+    path = tmp_path / "home-assistant.log"
+    log = path.open("wb")
+    hass = await asyncio.create_subprocess_exec(HASS, "-c", str(home), "--skip-pip",
+                                                stdout=log, stderr=subprocess.STDOUT)
+    try:
+        async with running(device_config(broker), Host()):  # the former default
+            async with asyncio.timeout(WAIT):
+                while len(mqtt_entities(home)) < 12:
+                    assert hass.returncode is None, path.read_text()
+                    await asyncio.sleep(0.5)
+        before = mqtt_entities(home)
+        async with running(device_config(broker, text=CONFIG.replace(
+                'base_topic = "hostagent"\n', "")), Host(), hostname="tower"):
+            async with asyncio.timeout(WAIT):
+                while not all(e["unique_id"].startswith("hostagent_tower_")
+                              for e in registered(home)) or len(registered(home)) < 12:
+                    assert hass.returncode is None, path.read_text()
+                    await asyncio.sleep(0.5)
+            hass.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(hass.wait(), 120)
+    finally:
+        if hass.returncode is None:
+            hass.kill()
+            await hass.wait()
+        log.close()
+        broker.stop()
+    assert mqtt_entities(home) == before
+    assert "switch.hostagent_gaming1" in before
+
+
+def registered(home: Path) -> list[dict[str, Any]]:
+    """The MQTT entities of Home Assistant's registry, as last saved."""
     registry = stored(home, "core.entity_registry")
-    return sorted(e["entity_id"] for e in (registry or {}).get("entities", [])
-                  if e["platform"] == "mqtt")
+    return [e for e in (registry or {}).get("entities", []) if e["platform"] == "mqtt"]

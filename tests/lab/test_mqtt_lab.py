@@ -94,7 +94,7 @@ def test_home_assistant_switches_gaming1_through_a_broker_restart(
     try:
         lab.write_config(lab.config_text() + (
             f'\n[mqtt]\nbroker = "mqtt://127.0.0.1:{broker.port}"\nusername = "hostagent"\n'
-            f'password_file = "{broker.root / "agent-password"}"\n'))
+            f'password_file = "{broker.root / "agent-password"}"\nbase_topic = "hostagent"\n'))
         lab.start_agent()
         wait_lent(lab)
         dashboard.wait("hostagent/phase/state", "lent")

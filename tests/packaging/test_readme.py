@@ -424,7 +424,7 @@ def test_the_switches_are_said_to_be_those_of_mqtt_vms() -> None:
         vms = ["gaming1"]
         '''))
     platforms = {c["name"]: c["p"] for c in homeassistant.components(
-        homeassistant.surface(cfg, version="0")).values()}
+        homeassistant.surface(cfg, version="0", host="tower")).values()}
     assert (platforms["gaming1"], platforms["gaming2"]) == ("switch", "binary_sensor")
 
 

@@ -26,7 +26,8 @@ def test_defaults_and_values() -> None:
     cfg = parse(MINIMAL + '[mqtt]\nbroker = "mqtt://broker.lan"\n')
     assert cfg.mqtt is not None
     assert cfg.mqtt.address == ("broker.lan", 1883) and not cfg.mqtt.tls
-    assert (cfg.mqtt.discovery_prefix, cfg.mqtt.base_topic) == ("homeassistant", "hostagent")
+    # base_topic: None, "hostagent/<the host's name>" (homeassistant.surface).
+    assert (cfg.mqtt.discovery_prefix, cfg.mqtt.base_topic) == ("homeassistant", None)
     assert cfg.mqtt.verbs == {"play", "release", "hold", "lend", "reclaim", "reserve"}
     assert cfg.mqtt.vms is None and cfg.mqtt.password_file is None
     cfg = parse(MINIMAL + '[mqtt]\nbroker = "mqtts://[::1]"\nca = "/etc/ca.pem"\n'
@@ -70,10 +71,12 @@ def test_check_config_warns_of_a_base_topic_two_hosts_would_share(
         assert cli.main(["--config", str(path), "check-config"]) == 0
         return [line for line in capsys.readouterr().err.splitlines() if "mqtt." in line]
 
-    shared = warnings("")
+    # The default names the host; one set by hand that does not is what two share.
+    assert warnings("") == []
+    shared = warnings('base_topic = "hostagent"\n')
     assert len(shared) == 1 and 'mqtt.base_topic = "hostagent" does not name this host' in \
         shared[0] and "client id (hostagent-hostagent)" in shared[0] and \
-        'Fix: base_topic = "hostagent/tower".' in shared[0], shared
+        'Fix: leave base_topic out (its default is "hostagent/tower").' in shared[0], shared
     assert warnings('base_topic = "hostagent/tower"\n') == []
     overlap = warnings('base_topic = "homeassistant/tower"\n')
     assert len(overlap) == 1 and "overlap" in overlap[0], overlap

@@ -39,6 +39,7 @@ gpus = ["gpu-b"]
 
 [mqtt]
 broker = "mqtt://127.0.0.1"
+base_topic = "hostagent"
 """
 
 # Home Assistant's abbreviations (homeassistant/components/mqtt/abbreviations.py) for

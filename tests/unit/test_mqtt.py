@@ -54,7 +54,8 @@ class Host:
                 self.called.set()
                 yield {"ok": True, "data": {"message": f"{name} done"}}
             return run
-        return {v: verb(v) for v in ("status", "play", "release", "hold", "lend", "reclaim")}
+        return {v: verb(v) for v in ("status", "play", "release", "hold", "lend", "reclaim",
+                                     "reserve")}
 
     @contextlib.contextmanager
     def following(self) -> Iterator[asyncio.Queue[Reply]]:
@@ -70,13 +71,18 @@ class Host:
             queue.put_nowait({"event": "phase", "message": message})
 
 
-def device_config(broker: Mosquitto, **mqtt: Any) -> config.Config:
+def device_config(broker: Mosquitto, *, text: str = CONFIG, **mqtt: Any) -> config.Config:
     extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in mqtt.items())
-    return config.parse(CONFIG.replace('broker = "mqtt://127.0.0.1"',
-                                       f'broker = "mqtt://127.0.0.1:{broker.port}"\n'
-                                       'username = "hostagent"\n'
-                                       f'password_file = "{broker.root / "agent-password"}"')
+    return config.parse(text.replace('broker = "mqtt://127.0.0.1"',
+                                     f'broker = "mqtt://127.0.0.1:{broker.port}"\n'
+                                     'username = "hostagent"\n'
+                                     f'password_file = "{broker.root / "agent-password"}"')
                         + extra)
+
+
+def on_the_default(broker: Mosquitto) -> config.Config:
+    """device_config with base_topic left to its default (hostagent/<host>)."""
+    return device_config(broker, text=CONFIG.replace('base_topic = "hostagent"\n', ""))
 
 
 async def recorded(sink: journal.ListSink, result: str) -> None:
@@ -201,6 +207,52 @@ async def test_two_hosts_on_one_broker_keep_their_connections(
                 await tower.called.wait()
                 await den.called.wait()
     assert tower.calls == den.calls == [("lend", {})]
+
+
+async def test_two_hosts_on_the_defaults_are_two_devices(broker: Mosquitto,
+                                                         sink: journal.ListSink) -> None:
+    """On the defaults, each host has its own topics and device id (the base_topic was
+    "hostagent" for every host: one device in Home Assistant, their entities merged, and
+    each took the other's commands)."""
+    cfg = on_the_default(broker)
+    tower, den = Host(), Host()
+    async with running(cfg, tower, hostname="tower.lan"), running(cfg, den, hostname="den"), \
+            watching(broker) as ha:
+        for host in ("tower", "den"):
+            assert await ha.until(f"hostagent/{host}/availability") == b"online"
+            message = json.loads(await ha.until(f"homeassistant/device/hostagent_{host}/config"))
+            assert message["dev"]["ids"] == [f"hostagent_{host}"]
+            assert message["cmps"]["phase"]["stat_t"] == f"hostagent/{host}/phase/state"
+        await ha.client.publish("hostagent/den/lend/press", "PRESS", qos=1)
+        async with asyncio.timeout(WAIT):
+            await den.called.wait()
+        await asyncio.sleep(0.5)  # a command for tower would have come by now
+    assert (tower.calls, den.calls) == ([], [("lend", {})])
+
+
+async def test_what_the_former_default_published_is_cleared_first(
+        broker: Mosquitto, sink: journal.ListSink) -> None:
+    """A host upgraded from the release whose default base_topic was "hostagent": its
+    device and states there are deleted (retained, empty) before the new device comes,
+    so that Home Assistant drops the old entities and gives their ids to the new ones."""
+    old = homeassistant.surface(device_config(broker), version="0")
+    async with running(device_config(broker), Host()), watching(broker) as ha:
+        await ha.until(old.device_topic)
+        await ha.until("hostagent/phase/state")
+    async with watching(broker) as ha:
+        async with running(on_the_default(broker), Host(), hostname="tower"):
+            new = "homeassistant/device/hostagent_tower/config"
+            await ha.until(new)
+            await ha.until(old.device_topic, b"")
+            await ha.until("hostagent/phase/state", b"")
+            await ha.until("hostagent/availability", b"")
+        order = [t for t, p in ha.seen if (t, p) in ((old.device_topic, b""), (new, ha.last[new]))]
+        assert order[:2] == [old.device_topic, new], order
+    async with watching(broker) as fresh:  # what the broker keeps of the former: nothing
+        await fresh.until(new)
+        await asyncio.sleep(0.5)
+        assert not [t for t in fresh.last if t == old.device_topic or
+                    t.startswith("hostagent/") and not t.startswith("hostagent/tower/")]
 
 
 async def test_commands_run_the_verbs_as_mqtt(broker: Mosquitto,
@@ -527,7 +579,8 @@ async def test_the_agent_tells_the_device_each_change_and_runs_its_commands(
 
     cfg = config.parse(AGENT.format(root=tmp_path, relend="60s") + (
         f'\n[mqtt]\nbroker = "mqtt://127.0.0.1:{broker.port}"\nusername = "hostagent"\n'
-        f'password_file = "{broker.root / "agent-password"}"\n'), "test.toml")
+        f'password_file = "{broker.root / "agent-password"}"\nbase_topic = "hostagent"\n'),
+        "test.toml")
     agent = Agent(cfg)
     fake = FakeLibvirt(agent)
     agent.libvirt = fake  # type: ignore[assignment]
@@ -578,29 +631,33 @@ SHIPPED_ACL = Path(__file__).resolve().parents[2] / "deploy" / "mosquitto.acl"
 
 async def test_the_shipped_acl_lets_each_do_its_part_and_no_more(
         tmp_path: Path, sink: journal.ListSink) -> None:
-    """Under deploy/mosquitto.acl the agent publishes its discovery and states and takes
-    Home Assistant's commands; Home Assistant's user cannot forge the agent's state or
-    availability (mosquitto drops the publish), nor publish discovery in its name."""
+    """Under deploy/mosquitto.acl the agent (on the defaults, on a host named tower)
+    publishes its discovery and states and takes Home Assistant's commands, a reservation
+    among them; Home Assistant's user cannot forge the agent's state or availability
+    (mosquitto drops the publish), nor publish discovery in its name."""
     broker = Mosquitto(tmp_path / "mosquitto", acl=SHIPPED_ACL.read_text())
     broker.start()
+    base, device = "hostagent/tower", "homeassistant/device/hostagent_tower/config"
     try:
         host = Host()
-        async with running(device_config(broker), host), \
+        async with running(on_the_default(broker), host, hostname="tower.lan"), \
                 watching(broker, user="homeassistant") as ha:
-            await ha.until("hostagent/availability", b"online")
-            phase = await ha.until("hostagent/phase/state")
-            assert await ha.until("homeassistant/device/hostagent/config")
-            for topic, forged in (("hostagent/phase/state", b"reclaiming"),
-                                  ("hostagent/availability", b"offline"),
-                                  ("homeassistant/device/hostagent/config", b"{}")):
+            await ha.until(f"{base}/availability", b"online")
+            phase = await ha.until(f"{base}/phase/state")
+            assert await ha.until(device)
+            for topic, forged in ((f"{base}/phase/state", b"reclaiming"),
+                                  (f"{base}/availability", b"offline"),
+                                  (device, b"{}")):
                 await ha.client.publish(topic, forged, qos=1, retain=True)
-            await ha.client.publish("hostagent/owner/gaming1/set", "ON", qos=1)
+            await ha.client.publish(f"{base}/owner/gaming1/set", "ON", qos=1)
+            await ha.client.publish(f"{base}/owner/gaming1/reserve", "20:00", qos=1)
             async with asyncio.timeout(WAIT):
-                while ("play", {"vm": "gaming1"}) not in host.calls:  # noqa: ASYNC110
+                while ("reserve", {"vm": "gaming1", "at": "20:00"}) not in host.calls:  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
+            assert ("play", {"vm": "gaming1"}) in host.calls
         # A fresh reader sees what the broker kept: the agent's, not the forgeries.
         async with watching(broker, user="homeassistant") as again:
-            assert await again.until("hostagent/phase/state") == phase
-            assert await again.until("homeassistant/device/hostagent/config") != b"{}"
+            assert await again.until(f"{base}/phase/state") == phase
+            assert await again.until(device) != b"{}"
     finally:
         broker.stop()
