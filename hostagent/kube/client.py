@@ -411,9 +411,8 @@ class Client:
                                    if e.status == 401 else "hostagent's credentials lack a right")
                     raise KubeAuthError(
                         f"could not {what}: {what_failed} ({e.status} {message}); fix the "
-                        "kubeconfig or the RBAC rules (hostagent needs get, list, watch and "
-                        "patch on nodes, list and get on pods, create on pods/eviction and "
-                        "on events)",
+                        "kubeconfig, or apply the RBAC that ships with hostagent "
+                        "(deploy/rbac.yaml: every right it needs, and no more)",
                         status=e.status,
                     ) from e
                 if not transient(e):

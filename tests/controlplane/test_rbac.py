@@ -167,3 +167,15 @@ async def test_a_verb_the_manifest_does_not_grant_is_refused(
     assert denied.returncode != 0 and "forbidden" in denied.stderr
     assert 'User "system:serviceaccount:hostagent:hostagent" cannot delete resource "nodes"' \
         in denied.stderr
+
+
+async def test_a_right_missing_names_the_shipped_manifest(cluster: ControlPlane) -> None:
+    """A credential without the rights: the agent's error says where every right it needs
+    is listed (its list of rights had fallen behind what the agent calls)."""
+    from hostagent.kube import KubeAuthError
+    nobody = cluster.credential("nobody", "nobody")
+    async with await Kube.connect(nobody, timing=FAST) as kube:
+        with pytest.raises(KubeAuthError) as refused:
+            await kube.check_node(NODE, timeout=10)
+    assert refused.value.status == 403
+    assert "deploy/rbac.yaml" in str(refused.value), str(refused.value)
