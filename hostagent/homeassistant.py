@@ -45,6 +45,7 @@ from hostagent.model import Phase
 __all__ = ["FORMER_BASE", "MIGRATE", "Command", "Refused", "Surface", "cleared",
            "collisions", "command", "command_topics", "components", "device_config",
            "entity_configs", "entity_topics", "former", "host_slug", "migrating", "removals",
+           "reservation",
            "sentence", "stale_entity", "states", "surface"]
 
 ON, OFF, PRESS = "ON", "OFF", "PRESS"
@@ -354,7 +355,7 @@ def command(s: Surface, topic: str, payload: bytes) -> Command | Refused:
             if "reserve" not in s.verbs or vm not in s.vms:
                 return Refused(f"reserve {vm} on {topic}: mqtt.verbs or mqtt.vms does not "
                                "allow it")
-            if word not in ("", "cancel") and not _WHEN.fullmatch(word):
+            if not reservation(word):
                 return Refused(f"{shown} on {topic}: expected HH:MM, a date and time "
                                "(2026-12-04T20:00), or cancel")
             return Command("reserve", vm, "" if word == "cancel" else word)
@@ -392,6 +393,12 @@ def cleared(old: Surface, status: Mapping[str, Any]) -> dict[str, str]:
     topics = [old.device_topic, *entity_configs(old), old.availability,
               *states(old, status, "")]
     return dict.fromkeys(topics, "")
+
+
+def reservation(word: str) -> bool:
+    """The word of a reservation command: a time (the verb reads it), or "cancel" (or
+    nothing) to cancel."""
+    return word in ("", "cancel") or bool(_WHEN.fullmatch(word))
 
 
 def collisions(cfg: Config, *, host: str) -> list[str]:

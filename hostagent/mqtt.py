@@ -100,7 +100,14 @@ _WORDS = (b"ON", b"OFF", b"PRESS", b"online")  # what a press or a birth message
 
 
 def _word(message: Any) -> bool:
-    return isinstance(message.payload, bytes) and message.payload.strip() in _WORDS
+    """A press, a birth, or a reservation: what junk must never crowd out."""
+    payload = message.payload
+    if not isinstance(payload, bytes) or len(payload) > ha.MAX_PAYLOAD:
+        return False
+    if payload.strip() in _WORDS:
+        return True
+    return str(message.topic).endswith("/reserve") and \
+        ha.reservation(payload.decode("ascii", "replace").strip())
 
 
 class _Inbound(asyncio.Queue[Any]):

@@ -352,6 +352,25 @@ async def test_junk_costs_no_valid_command_its_turn(broker: Mosquitto,
     assert device.junk == 6 * COMMANDS_BURST
 
 
+async def test_a_reservation_never_waits_behind_junk_in_the_incoming_queue() -> None:
+    """The client's queue keeps room for a press, a birth and a reservation whatever junk
+    filled it (a reservation was dropped with the junk, as any other message)."""
+    from types import SimpleNamespace
+
+    from hostagent.mqtt import _Inbound
+    queue = _Inbound(maxsize=4)
+    for i in range(10):
+        queue.put_nowait(SimpleNamespace(topic="hostagent/owner/gaming1/reserve",
+                                         payload=f"junk{i}".encode()))
+    for payload in (b"20:00", b"2026-12-04T20:00", b"cancel", b"ON"):
+        queue.put_nowait(SimpleNamespace(topic="hostagent/owner/gaming1/reserve"
+                                         if payload != b"ON" else "hostagent/hold/set",
+                                         payload=payload))
+    kept = [queue.get_nowait().payload for _ in range(queue.qsize())]
+    assert kept == [b"junk0", b"junk1", b"junk2", b"junk3",
+                    b"20:00", b"2026-12-04T20:00", b"cancel", b"ON"]
+
+
 async def test_a_deeply_nested_retained_discovery_message_is_dropped(
         broker: Mosquitto, sink: journal.ListSink) -> None:
     """Retained on the agent's own discovery topic, read at every connection: nested
