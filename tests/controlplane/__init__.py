@@ -132,6 +132,10 @@ class ControlPlane:
                         f"--authorization-kubeconfig={kubeconfig}",
                         "--bind-address=127.0.0.1", "--secure-port=0", "--leader-elect=false",
                         f"--feature-gates={FEATURE_GATES}", *more)
+        # Ready once the controller-manager works: it makes each namespace's default
+        # ServiceAccount, without which a pod is refused (on a busy machine, seconds
+        # after the API server answers).
+        self._serviceaccount("default", timeout)
         return self
 
     def version(self) -> str:
@@ -156,11 +160,15 @@ class ControlPlane:
         """Create namespace `name` and wait for its default ServiceAccount, which the
         controller-manager adds a moment later (a pod created before it is refused)."""
         self.kubectl("create", "namespace", name)
+        self._serviceaccount(name, timeout)
+
+    def _serviceaccount(self, namespace: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while self.kubectl("get", "serviceaccount", "default", "-n", name,
+        while self.kubectl("get", "serviceaccount", "default", "-n", namespace,
                            check=False).returncode != 0:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"no default ServiceAccount in {name} within {timeout:g}s")
+                raise TimeoutError(f"no default ServiceAccount in {namespace} within "
+                                   f"{timeout:g}s: " + self.log("kube-controller-manager")[-2000:])
             time.sleep(0.1)
 
     def stop(self) -> None:
