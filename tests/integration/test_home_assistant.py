@@ -22,7 +22,8 @@ import shutil
 import signal
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,43 @@ def sink() -> Iterator[journal.ListSink]:
     journal.use_sink(previous)
 
 
+@dataclass
+class Hass:
+    """A real Home Assistant on a broker: its configuration directory, its log, its
+    process (`stop` ends it cleanly, so that it saves its registries)."""
+
+    broker: Mosquitto
+    home: Path
+    log: Path
+    process: asyncio.subprocess.Process
+
+    def alive(self) -> None:
+        assert self.process.returncode is None, self.log.read_text()
+
+    async def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(self.process.wait(), 120)
+
+
+@contextlib.asynccontextmanager
+async def home_assistant_on_a_broker(root: Path) -> AsyncIterator[Hass]:
+    assert HASS is not None
+    broker = Mosquitto(root / "mosquitto")
+    broker.start()
+    home = home_assistant(root, broker)
+    path = root / "home-assistant.log"
+    with path.open("wb") as log:
+        process = await asyncio.create_subprocess_exec(
+            HASS, "-c", str(home), "--skip-pip", stdout=log, stderr=subprocess.STDOUT)
+        try:
+            yield Hass(broker, home, path, process)
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            broker.stop()
+
+
 def with_gaming2(broker: Mosquitto) -> config.Config:
     """tests/unit/test_mqtt.py's device configuration with README's second owner,
     gaming2, on gpu-c."""
@@ -164,22 +202,16 @@ def stored(home: Path, name: str) -> Any:
 
 async def test_home_assistant_shows_the_device_and_its_switch_plays(
         tmp_path: Path, sink: journal.ListSink) -> None:
-    assert HASS is not None
-    broker = Mosquitto(tmp_path / "mosquitto")
-    broker.start()
-    home = home_assistant(tmp_path, broker)
     host = Host()
     host.status["lendee"].update(phase="lent", lent=["gpu-b", "gpu-c"])
     host.status["owners"]["gaming2"] = False
     host.status["gpus"][2]["owners"] = ["gaming2"]
-    log = (tmp_path / "home-assistant.log").open("wb")
-    hass = await asyncio.create_subprocess_exec(HASS, "-c", str(home), "--skip-pip",
-                                                stdout=log, stderr=subprocess.STDOUT)
-    try:
-        async with running(with_gaming2(broker), host) as device:
+    async with home_assistant_on_a_broker(tmp_path) as hass:
+        home = hass.home
+        async with running(with_gaming2(hass.broker), host) as device:
             async with asyncio.timeout(WAIT):
                 while not host.calls:
-                    assert hass.returncode is None, (tmp_path / "home-assistant.log").read_text()
+                    hass.alive()
                     await asyncio.sleep(0.5)
             assert host.calls == [("play", {"vm": "gaming1"})]
             # gaming1's start waits while gpu-node is reclaimed and lent again, each phase
@@ -202,14 +234,7 @@ async def test_home_assistant_shows_the_device_and_its_switch_plays(
                     while not shown_again(tmp_path):  # noqa: ASYNC110
                         await asyncio.sleep(0.5)
             assert host.calls == [("play", {"vm": "gaming1"}), ("lend", {})]
-            hass.send_signal(signal.SIGTERM)
-            await asyncio.wait_for(hass.wait(), 120)
-    finally:
-        if hass.returncode is None:
-            hass.kill()
-            await hass.wait()
-        log.close()
-        broker.stop()
+            await hass.stop()
     registry = stored(home, "core.entity_registry")
     found = {e["entity_id"] for e in registry["entities"] if e["platform"] == "mqtt"}
     assert ENTITIES <= found, sorted(found)
@@ -241,12 +266,11 @@ def seen(root: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-async def until_logged(log: Path, count: int, hass: asyncio.subprocess.Process,
-                       *patterns: str) -> None:
+async def until_logged(hass: Hass, count: int, *patterns: str) -> None:
     """Until Home Assistant's log has `count` lines matching any of `patterns` (bounded)."""
     async with asyncio.timeout(WAIT):
-        while sum(len(re.findall(p, log.read_text())) for p in patterns) < count:
-            assert hass.returncode is None, log.read_text()
+        while sum(len(re.findall(p, hass.log.read_text())) for p in patterns) < count:
+            hass.alive()
             await asyncio.sleep(0.5)
 
 
@@ -255,36 +279,22 @@ async def test_home_assistant_keeps_every_entity_from_per_entity_to_device_disco
     """Turning per_entity off hands each entity over as Home Assistant's migration
     expects: each is migrated, none removed, and the registry keeps them all (clearing
     the old configs outright made Home Assistant remove 11 of 12)."""
-    assert HASS is not None
-    broker = Mosquitto(tmp_path / "mosquitto")
-    broker.start()
-    home = home_assistant(tmp_path, broker)
-    path = tmp_path / "home-assistant.log"
-    log = path.open("wb")
-    hass = await asyncio.create_subprocess_exec(HASS, "-c", str(home), "--skip-pip",
-                                                stdout=log, stderr=subprocess.STDOUT)
-    try:
+    async with home_assistant_on_a_broker(tmp_path) as hass:
+        home, path = hass.home, hass.log
         host = Host()
-        async with running(device_config(broker, per_entity=True), host):
+        async with running(device_config(hass.broker, per_entity=True), host):
             # Home Assistant has the entities once its automation pressed the switch and
             # its registry (saved a few seconds after a change) lists them all.
             async with asyncio.timeout(WAIT):
                 while not host.calls or len(mqtt_entities(home)) < 12:
-                    assert hass.returncode is None, path.read_text()
+                    hass.alive()
                     await asyncio.sleep(0.5)
         before = mqtt_entities(home)
-        async with running(device_config(broker), Host()):
+        async with running(device_config(hass.broker), Host()):
             # Each entity either handed over and then unloaded from its old topic, or
             # removed outright.
-            await until_logged(path, len(before), hass, UNLOADED, REMOVED)
-            hass.send_signal(signal.SIGTERM)
-            await asyncio.wait_for(hass.wait(), 120)
-    finally:
-        if hass.returncode is None:
-            hass.kill()
-            await hass.wait()
-        log.close()
-        broker.stop()
+            await until_logged(hass, len(before), UNLOADED, REMOVED)
+            await hass.stop()
     said = path.read_text()
     assert re.findall(REMOVED, said) == []
     assert sorted(re.findall(MIGRATED, said)) == before
@@ -304,36 +314,22 @@ async def test_an_upgrade_to_the_default_that_names_the_host_keeps_the_entity_id
     so does the device's id. A host upgraded clears what it published under the former
     default before its new device comes: Home Assistant drops the old entities and gives
     the new ones the same ids, so dashboards and automations keep working."""
-    assert HASS is not None
-    broker = Mosquitto(tmp_path / "mosquitto")
-    broker.start()
-    home = home_assistant(tmp_path, broker)
-    path = tmp_path / "home-assistant.log"
-    log = path.open("wb")
-    hass = await asyncio.create_subprocess_exec(HASS, "-c", str(home), "--skip-pip",
-                                                stdout=log, stderr=subprocess.STDOUT)
-    try:
-        async with running(device_config(broker), Host()):  # the former default
+    async with home_assistant_on_a_broker(tmp_path) as hass:
+        home = hass.home
+        async with running(device_config(hass.broker), Host()):  # the former default
             async with asyncio.timeout(WAIT):
                 while len(mqtt_entities(home)) < 12:
-                    assert hass.returncode is None, path.read_text()
+                    hass.alive()
                     await asyncio.sleep(0.5)
         before = mqtt_entities(home)
-        async with running(device_config(broker, text=CONFIG.replace(
+        async with running(device_config(hass.broker, text=CONFIG.replace(
                 'base_topic = "hostagent"\n', "")), Host(), hostname="tower"):
             async with asyncio.timeout(WAIT):
                 while not all(e["unique_id"].startswith("hostagent_tower_")
                               for e in registered(home)) or len(registered(home)) < 12:
-                    assert hass.returncode is None, path.read_text()
+                    hass.alive()
                     await asyncio.sleep(0.5)
-            hass.send_signal(signal.SIGTERM)
-            await asyncio.wait_for(hass.wait(), 120)
-    finally:
-        if hass.returncode is None:
-            hass.kill()
-            await hass.wait()
-        log.close()
-        broker.stop()
+            await hass.stop()
     assert mqtt_entities(home) == before
     assert "switch.hostagent_gaming1" in before
 
