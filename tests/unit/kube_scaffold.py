@@ -10,8 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kubernetes_asyncio import client
+from kubernetes_asyncio.client.exceptions import ApiException
+
 from hostagent.kube import Timing
 from tests.controlplane import ControlPlane
+from tests.controlplane.nvidia import DEVICE_CLASS
 from tests.controlplane.proxy import FaultProxy
 from tests.controlplane.seed import Seed
 
@@ -41,6 +45,20 @@ async def real_api(plane: ControlPlane, **seed_knobs: Any) -> AsyncIterator[Api]
     """A fault proxy before the admin's credential and a Seed, reset when it ends."""
     async with Seed(plane, **seed_knobs) as seed, FaultProxy(plane.admin) as proxy:
         yield Api(proxy, seed)
+
+
+@contextlib.asynccontextmanager
+async def gpu_node_api(plane: ControlPlane, *others: str) -> AsyncIterator[Api]:
+    """`real_api` with gpu-node (its kubelet running) and the nodes `others`, and NVIDIA's
+    DeviceClass: where the tests of a live GPU change find the cluster."""
+    async with real_api(plane) as api:
+        with contextlib.suppress(ApiException):  # 409: an earlier test's
+            resource: Any = client.ResourceV1Api(api.seed.core.api_client)
+            await resource.create_device_class(DEVICE_CLASS)
+        for node in ("gpu-node", *others):
+            await api.seed.node(node)
+        async with api.seed.kubelet("gpu-node"):
+            yield api
 
 
 def plain_kubeconfig(path: Path, url: str) -> Path:

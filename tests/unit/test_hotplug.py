@@ -5,15 +5,11 @@ hot-add that fails leaves them to the regrow by restart."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
-from kubernetes_asyncio import client
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from hostagent import hotplug, lint
 from hostagent.cluster import KubeCluster
@@ -37,9 +33,9 @@ from hostagent.model import (
     State,
 )
 from tests.controlplane import ControlPlane
-from tests.controlplane.nvidia import DEVICE_CLASS, Driver
+from tests.controlplane.nvidia import Driver
 from tests.controlplane.nvidia import gpu as gpu_device
-from tests.unit.kube_scaffold import Api, real_api
+from tests.unit.kube_scaffold import Api, gpu_node_api
 from tests.unit.machine_scaffold import AT, LENDEE, T, wants
 from tests.unit.test_partial import POLICY, TOPO, B, C, S, gpus, go, run, vms
 
@@ -281,14 +277,8 @@ UUID_B = "GPU-5f2ab1c4-0000-4000-8000-00000000000b"
 @pytest.fixture
 async def api(plane: ControlPlane) -> AsyncIterator[Api]:
     """gpu-node (its kubelet running) and other-node; NVIDIA's DeviceClass."""
-    async with real_api(plane) as api:
-        with contextlib.suppress(ApiException):  # 409: an earlier test's
-            resource: Any = client.ResourceV1Api(api.seed.core.api_client)
-            await resource.create_device_class(DEVICE_CLASS)
-        await api.seed.node("gpu-node")
-        await api.seed.node("other-node")
-        async with api.seed.kubelet("gpu-node"):
-            yield api
+    async with gpu_node_api(plane, "other-node") as api:
+        yield api
 
 
 @pytest.fixture

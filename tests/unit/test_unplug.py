@@ -5,7 +5,6 @@ once libvirt has removed it, and anything else takes the reclaim's road."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -13,8 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes_asyncio import client
-from kubernetes_asyncio.client.exceptions import ApiException
 
 from hostagent import hotplug, journal, lint
 from hostagent.cluster import KubeCluster
@@ -52,9 +49,9 @@ from hostagent.model import (
     Topology,
 )
 from tests.controlplane import ControlPlane
-from tests.controlplane.nvidia import DEVICE_CLASS, Driver
+from tests.controlplane.nvidia import Driver
 from tests.controlplane.nvidia import gpu as gpu_device
-from tests.unit.kube_scaffold import Api, real_api
+from tests.unit.kube_scaffold import Api, gpu_node_api
 from tests.unit.machine_scaffold import Stepper
 from tests.unit.test_control import make_agent
 from tests.unit.test_hotplug import LINT_CONFIG, gone, hot_add_findings, lendee_xml
@@ -524,13 +521,8 @@ async def test_a_step_whose_phase_ended_reports_nothing() -> None:
 @pytest.fixture
 async def api(plane: ControlPlane) -> AsyncIterator[Api]:
     """gpu-node (its kubelet running, schedulable), NVIDIA's DeviceClass."""
-    async with real_api(plane) as api:
-        with contextlib.suppress(ApiException):  # 409: an earlier test's
-            resource: Any = client.ResourceV1Api(api.seed.core.api_client)
-            await resource.create_device_class(DEVICE_CLASS)
-        await api.seed.node("gpu-node")
-        async with api.seed.kubelet("gpu-node"):
-            yield api
+    async with gpu_node_api(plane) as api:
+        yield api
 
 
 @pytest.fixture
