@@ -1,7 +1,8 @@
 """Fixtures shared by the test topics: the lab, started once per session; the real
 Kubernetes control plane, one per test process (pytest-xdist runs several), started at
 its first use and stopped at the end (tests reset what they create: their own
-namespaces, objects and nodes)."""
+namespaces, objects and nodes); journal records kept in memory (`sink`, for the tests
+that read what the agent journals)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,21 @@ from pathlib import Path
 
 import pytest
 
+from hostagent import journal
 from tests.controlplane import ControlPlane, missing
 from tests.lab.lab import Lab, need_lab
 
 # The fault suite's table and the figures tests measure, printed by whichever process
 # prints the summary.
 pytest_plugins = ["tests.faults.table", "tests.figures"]
+
+
+@pytest.fixture
+def sink() -> Iterator[journal.ListSink]:
+    listed = journal.ListSink()
+    previous = journal.use_sink(listed)
+    yield listed
+    journal.use_sink(previous)
 
 
 @pytest.fixture(scope="session")

@@ -13,13 +13,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hostagent import journal
 from hostagent.agent import Agent
 from hostagent.cluster import KubeCluster
 from hostagent.config import parse
@@ -90,13 +89,6 @@ async def node(plane: ControlPlane) -> AsyncIterator[Node]:
     finally:
         plane.kubectl("delete", "node", NODE, check=False)
 
-
-@pytest.fixture
-def sink() -> Iterator[journal.ListSink]:
-    listed = journal.ListSink()
-    previous = journal.use_sink(listed)
-    yield listed
-    journal.use_sink(previous)
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ import shutil
 import signal
 import subprocess
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,13 +139,6 @@ def home_assistant(root: Path, broker: Mosquitto) -> Path:
          "data": {"entries": [entry]}}))
     return config
 
-
-@pytest.fixture
-def sink() -> Iterator[journal.ListSink]:
-    listed = journal.ListSink()
-    previous = journal.use_sink(listed)
-    yield listed
-    journal.use_sink(previous)
 
 
 @dataclass

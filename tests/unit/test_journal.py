@@ -18,13 +18,6 @@ from hostagent import journal
 from hostagent.journal import Entry, ListSink, Priority, record
 
 
-@pytest.fixture
-def sink() -> Iterator[ListSink]:
-    captured = ListSink()
-    previous = journal.use_sink(captured)
-    yield captured
-    journal.use_sink(previous)
-
 
 class Phase(enum.StrEnum):
     LENT = "lent"
