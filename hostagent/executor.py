@@ -17,9 +17,11 @@ import logging
 import random
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
-from hostagent import clock, hotplug, journal, lint, machine, screenshots
+from hostagent import clock, hotplug, iommu, journal, lint, machine, screenshots
+from hostagent import gpus as inventory
 from hostagent import verify as in_guest
 from hostagent.config import Config, VerifyMethod
 from hostagent.libvirt_host import DomainNotFound, HookRefused, HostError, Libvirt, Lifecycle
@@ -61,6 +63,8 @@ class Executor:
     each reported through `apply`. `lifecycle` is the agent's reading of a libvirt event
     (a start's that was lost), `fail` ends the agent (a bug in a step), and no step of
     the lendee's begins before `serving` is set (its own hook must find the socket)."""
+
+    sysfs: Path = inventory.SYSFS  # where the IOMMU groups are read (`iommu.refusal`)
 
     def __init__(self, cfg: Config, topo: Topology, view: View, apply: Apply, *,
                  libvirt: Libvirt, cluster: Cluster, progress: Progress,
@@ -274,7 +278,14 @@ class Executor:
         others' devices; its persistent definition is never edited.
         Whether the start is still wanted is asked again just before libvirt is (the
         request may have been withdrawn meanwhile); from then until its outcome is
-        applied, `vm` is in `starting`: a start that can no longer be withdrawn."""
+        applied, `vm` is in `starting`: a start that can no longer be withdrawn.
+        A VM is not started with GPUs whose IOMMU group another running VM holds part of
+        (`iommu.refusal`): the start fails with the group, the device and the VM."""
+        labels = self.cfg.owners[vm].gpus if gpus is None and vm != self.lendee else gpus
+        refusal = await self.group_refusal(vm, frozenset(labels or ()))
+        if refusal is not None:
+            self.apply(StartFailed(at=clock.now(), vm=vm, reason=refusal))
+            return
         if self.cfg.policy.lint_before_start:
             refusal = await self._lint_before_start(vm)
             if refusal is not None:
@@ -328,6 +339,17 @@ class Executor:
                 "it stopped right after libvirt started it (its QEMU log, "
                 f"/var/log/libvirt/qemu/{vm}.log, says why)")))
         return True
+
+    async def group_refusal(self, vm: str, gpus: frozenset[str]) -> str | None:
+        """Why `vm` may not take `gpus` now (`iommu.refusal`), journaled, or None."""
+        config = {g: self.cfg.gpus[g] for g in gpus if g in self.cfg.gpus}
+        refusal = await iommu.refusal(self.libvirt, vm, config, self.sysfs)
+        if refusal is None:
+            return None
+        journal.record("iommu", f"{vm} may not take {', '.join(sorted(gpus))}: {refusal}",
+                       vm=vm, result="refused", gpus=",".join(sorted(gpus)),
+                       priority=journal.Priority.ERR)
+        return f"hostagent did not give {vm} {', '.join(sorted(gpus))}: {refusal}"
 
     def lendee_gpu_config(self) -> dict[str, Any]:
         """The configured GPUs the lendee may borrow, by label (their PCI functions)."""

@@ -3,7 +3,8 @@
 Hot-add: the GPUs a game freed join the running lendee, no drain, no restart.
 
 The machine decides (`AttachGpus`, with ``policy.hotplug = "add"``); this is the
-executor's step, in four bounded parts, each of which must hold before the next:
+executor's step, in four bounded parts, each of which must hold before the next, once
+no other running VM holds part of the GPUs' IOMMU groups (`iommu.refusal`):
 
 1. libvirt attaches every function of the GPUs live (`Libvirt.attach_live`: as the
    persistent definition has them, each into the ``pcie-root-port`` it names, which the
@@ -79,6 +80,8 @@ class Step(Protocol):
 
     def lendee_gpu_config(self) -> dict[str, Any]: ...
 
+    async def group_refusal(self, vm: str, gpus: frozenset[str]) -> str | None: ...
+
     async def _verify_gpus(self, ticket: int, lent: frozenset[str]) -> str | None: ...
 
 
@@ -92,7 +95,9 @@ async def hot_add(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
     names = ", ".join(sorted(gpus))
     journal.record("hotplug", f"attaching {names} to {lendee} while it runs", vm=lendee,
                    result="started", gpus=",".join(sorted(gpus)))
-    problem, settled = await _attach(ex, gpus)
+    problem, settled = await ex.group_refusal(lendee, gpus), True
+    if problem is None:
+        problem, settled = await _attach(ex, gpus)
     if problem is None and ex.view.state.ticket == ticket:
         problem = await ex._verify_gpus(ticket, ex.view.state.lent)
     if problem is None and ex.view.state.ticket == ticket:

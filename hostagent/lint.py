@@ -387,8 +387,9 @@ def _shared_groups(domains: Sequence[Domain], sysfs: Path,
                      f"{', '.join(cards_in)}: {listing}",
                 why="VFIO gives a whole IOMMU group to one VM at a time and hostagent moves "
                     "GPUs only: while a VM holds one member of the group no other can start "
-                    "with another, and the lendee may be given the GPU while another VM "
-                    "holds the rest of its group.",
+                    "with another, so hostagent gives the GPU to no VM (a game or the "
+                    "lendee, started or hot-added) while another holds the rest of its "
+                    "group.",
                 fix=_ACS_FIX + "; or pass the other device through to no VM"))
             continue
         gpus = sorted({labels.get(slot, slot) for slot in users})

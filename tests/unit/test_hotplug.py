@@ -432,6 +432,9 @@ class AddStep:
     def lendee_gpu_config(self) -> dict[str, object]:
         return dict(self.cfg.gpus)
 
+    async def group_refusal(self, vm: str, gpus: frozenset[str]) -> str | None:
+        return None  # no other VM holds part of a GPU's IOMMU group (tests/unit/test_iommu.py)
+
     def apply(self, event: object) -> bool:
         self.applied.append(event)
         return True
