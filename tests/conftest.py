@@ -7,7 +7,8 @@ that read what the agent journals)."""
 from __future__ import annotations
 
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         labs[str(item.path)] = labs.get(str(item.path), 0) + ("lab" in item.fixturenames)
     order = {path: rank for rank, path in enumerate(sorted(labs, key=lambda p: -labs[p]))}
     items.sort(key=lambda item: order[str(item.path)])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+        item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport,
+                                                                     pytest.TestReport]:
+    """A lab test that fails shows what the agent journaled during it (the last 80
+    records): a timeout on a loaded machine says which step was slow."""
+    report = yield
+    lab = getattr(item, "funcargs", {}).get("lab")
+    if report.when == "call" and report.failed and isinstance(lab, Lab):
+        try:
+            records = lab.records()[-80:]
+        except Exception as e:  # the lab itself may be what broke
+            records, why = [], f"(the journal could not be read: {e})"
+        else:
+            why = "(none)" if not records else ""
+        lines = [f"{clock(int(r['__REALTIME_TIMESTAMP']))} {r.get('HOSTAGENT_EVENT', '-')}: "
+                 f"{r.get('MESSAGE', '')!s:.300}" for r in records]
+        report.sections.append(("hostagent's journal during the test", "\n".join(lines) or why))
+    return report
+
+
+def clock(us: int) -> str:
+    """A journal timestamp (µs) as UTC hh:mm:ss.mmm."""
+    return f"{time.strftime('%H:%M:%S', time.gmtime(us // 10**6))}.{us // 1000 % 1000:03d}"

@@ -36,12 +36,11 @@ from typing import Any
 
 import libvirt
 
-from tests.lab.lab import GPUS, LENDEE, OWNERS, Lab
+from tests.lab.lab import DEFERRED, GPUS, LENDEE, OWNERS, Lab
 
 # libvirt's reasons for VIR_DOMAIN_SHUTOFF, as `virsh domstate --reason` names them.
 SHUTOFF_REASONS = {0: "unknown", 1: "shutdown", 2: "destroyed", 3: "crashed", 4: "migrated",
                    5: "saved", 6: "failed", 7: "from snapshot", 8: "daemon"}
-DEFERRED = "will start by itself"
 
 
 def shares_with_lendee(owner: str, lent: frozenset[str] = frozenset(GPUS)) -> bool:

@@ -61,7 +61,7 @@ def test_reclaim(lab: Lab, fault: Scenario, step: str) -> None:
         saved = (lab.root / "var-lib-hostagent" / "state.toml").read_text()
         assert 'owner = "gaming1"' in saved  # persisted before the hook heard "defer"
         lab.start_agent()
-    lab.wait_state("gaming1", "running", timeout=90)
+    lab.wait_game("gaming1")
     wait_count(lab, 1, event="intent", to="done", vm="gaming1")
     fault.recovered()
     assert lab.state("gpu-node") == "shut off"

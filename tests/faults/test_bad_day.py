@@ -106,7 +106,7 @@ def test_disk_full_mid_reclaim(lab: Lab, fault: Scenario) -> None:
             assert "No space left on device" in refused.stderr
             assert DEFERRED not in refused.stderr  # no promise it cannot keep
             # The facts are taken: the lendee's stop, gaming1's start, its intent done.
-            lab.wait_state("gaming1", "running", timeout=90)
+            lab.wait_game("gaming1")
             wait_count(lab, 1, event="intent", to="done", vm="gaming1")
             # Journaled once (a busy machine may have missed the save's time bound first).
             assert len([r for r in lab.records(event="state", result="failed")
@@ -159,7 +159,7 @@ def test_clock_stepped_back(lab: Lab, fault: Scenario) -> None:
         stamps = [int(line) for line in sent.read_text().split()]
         assert stamps and all(t < time.time_ns() - 300 * 86400 * 10**9 for t in stamps)
         assert count(lab, event="intent", to="pending", vm="gaming1") == 1
-        lab.wait_state("gaming1", "running", timeout=90)
+        lab.wait_game("gaming1")
         wait_count(lab, 1, event="intent", to="done", vm="gaming1")
         fault.recovered()
     assert lab.state(LENDEE) == "shut off"
@@ -237,7 +237,7 @@ def test_host_shutdown_and_boot(lab: Lab, fault: Scenario) -> None:
         booted_us = time.time_ns() // 1000
         boots_before = fault.boots(LENDEE)
         lab.start_agent()
-        lab.wait_state("gaming1", "running", timeout=90)
+        lab.wait_game("gaming1", up=True)  # booted: its console's count is final
         wait_for(lambda: status(lab)["lendee"]["phase"] == "lent", 90, "the lend at boot")
         wait_for(lambda: not cordoned(kc), 30, "the node uncordoned")
         fault.recovered()

@@ -31,8 +31,8 @@ def test_two_owners_within_100ms(lab: Lab, fault: Scenario) -> None:
     for t in threads:
         t.join()
     assert all(r.returncode != 0 for r in results.values())
-    lab.wait_state("gaming1", "running", timeout=60)
-    lab.wait_state("gaming2", "running", timeout=60)
+    lab.wait_game("gaming1")
+    lab.wait_game("gaming2")
     fault.recovered()
     assert lab.phases().count("lent>draining") == 1
     assert fault.shutdowns("gpu-node") == 1
@@ -47,7 +47,7 @@ def test_owner_while_the_lendee_boots(lab: Lab, fault: Scenario) -> None:
     lab.wait_record(event="phase", to="booting")
     fault.fault()
     assert fault.start_owner("gaming1").returncode != 0
-    lab.wait_state("gaming1", "running", timeout=60)
+    lab.wait_game("gaming1")
     fault.recovered()
     console = fault.console("gpu-node")
     assert console.index("starting qemu-ga") < console.index("lab guest: shutdown")
@@ -70,7 +70,7 @@ def test_owner_started_and_stopped_20_times(lab: Lab, fault: Scenario) -> None:
         out = fault.start_owner("gaming1")
         if out.returncode != 0:
             deferred += 1
-            lab.wait_state("gaming1", "running", timeout=30)
+            lab.wait_game("gaming1")
         lab.virsh("destroy", "gaming1")  # the player pulls the plug
         time.sleep(PAUSES[i])
     fault.fault()  # the storm is over: from its end to the lendee lent again
@@ -88,7 +88,7 @@ def test_lendee_started_by_hand_mid_game(lab: Lab, fault: Scenario) -> None:
     lab.start_agent()
     wait_lent(lab)
     assert fault.start_owner("gaming1").returncode != 0
-    lab.wait_state("gaming1", "running", timeout=60)
+    lab.wait_game("gaming1")
     fault.fault()
     refused = lab.virsh("start", "gpu-node", check=False)
     assert refused.returncode != 0

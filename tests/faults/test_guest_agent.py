@@ -42,6 +42,6 @@ def test_guest_agent_never_up(lab: Lab, fault: Scenario) -> None:
     # A human powers it off as the reason says: the waiting game starts by itself.
     with fault.deliberate():
         lab.virsh("destroy", "gpu-node")
-        lab.wait_state("gaming1", "running", timeout=60)
+        lab.wait_game("gaming1")
     fault.recovered()
     assert status(lab)["intents"] == []

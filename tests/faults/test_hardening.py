@@ -110,7 +110,7 @@ def test_ssh_flood_during_a_reclaim(lab: Lab, fault: Scenario, tmp_path: Path) -
         assert fault.start_owner("gaming1").returncode != 0  # deferred: the hook answered
         peak = len(os.listdir(f"/proc/{agent.pid}/fd"))
         assert status(lab)["lendee"]["phase"] in ("draining", "stopping", "off")
-        lab.wait_state("gaming1", "running", timeout=90)
+        lab.wait_game("gaming1")
         fault.recovered()
         peak = max(peak, len(os.listdir(f"/proc/{agent.pid}/fd")))
     finally:
@@ -179,5 +179,5 @@ def test_a_second_agent(lab: Lab, fault: Scenario) -> None:
     assert status(lab)["lendee"]["phase"] == "lent"
     fault.fault()
     assert fault.start_owner("gaming1").returncode != 0  # the first still answers hooks
-    lab.wait_state("gaming1", "running", timeout=90)
+    lab.wait_game("gaming1")
     fault.recovered()

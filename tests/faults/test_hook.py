@@ -65,7 +65,7 @@ def test_agent_hung(lab: Lab, fault: Scenario) -> None:
     finally:
         agent.send_signal(signal.SIGCONT)
     # The agent reads what queued while it was stopped, and acts on the player's wish.
-    lab.wait_state("gaming1", "running", timeout=60)
+    lab.wait_game("gaming1")
     fault.recovered()
     wait_count(lab, 1, event="intent", to="done", vm="gaming1")
     assert fault.shutdowns("gpu-node") == 1

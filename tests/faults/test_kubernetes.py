@@ -80,7 +80,7 @@ def test_api(lab: Lab, fault: Scenario, api: str) -> None:
         FAULTS[api](kc)
         fault.fault()
         assert fault.start_owner("gaming1").returncode != 0
-        lab.wait_state("gaming1", "running", timeout=90)
+        lab.wait_game("gaming1")
         fault.recovered()
         # Drained for real once the API answered again: only the DaemonSet's pod is left.
         assert kc.apps_on(LENDEE) == ["device-plugin"]
@@ -113,7 +113,7 @@ def test_pdb(lab: Lab, fault: Scenario, policy: str) -> None:
         assert fault.start_owner("gaming1").returncode != 0
         if policy == "proceed":
             # The player first: the game starts, the pods left behind are named.
-            lab.wait_state("gaming1", "running", timeout=60)
+            lab.wait_game("gaming1")
             fault.recovered()
             left = lab.wait_record(event="drain")
             assert "db-0" in left["MESSAGE"] and "db-1" in left["MESSAGE"]
@@ -158,7 +158,7 @@ def test_agent_killed(lab: Lab, fault: Scenario, step: str) -> None:
             kc.wait_placed()
         if step == "uncordoning":
             assert fault.start_owner("gaming1").returncode != 0
-            lab.wait_state("gaming1", "running", timeout=60)
+            lab.wait_game("gaming1")
             assert marker(kc) == "hostagent"
             lab.virsh("destroy", "gaming1")
             wait_count(lab, 2, 60, event="phase", to="joining")
@@ -181,7 +181,7 @@ def test_agent_killed(lab: Lab, fault: Scenario, step: str) -> None:
                 assert cordoned(kc) and marker(kc) == "hostagent"
             lab.start_agent()
         if reclaim:
-            lab.wait_state("gaming1", "running", timeout=60)
+            lab.wait_game("gaming1")
             fault.recovered()
             assert cordoned(kc) and marker(kc) == "hostagent"  # still known as ours
         else:

@@ -48,7 +48,7 @@ def test_mid_reclaim(lab: Lab, fault: Scenario) -> None:
     assert fault.start_owner("gaming1").returncode != 0
     lab.wait_record(event="phase", to="stopping")
     outage(lab, fault, "gpu-node")
-    lab.wait_state("gaming1", "running", timeout=90)
+    lab.wait_game("gaming1")
     fault.recovered()
     assert lab.state("gpu-node") == "shut off"
     assert fault.shutdowns("gpu-node") == 1
@@ -61,7 +61,7 @@ def test_mid_game(lab: Lab, fault: Scenario) -> None:
     lab.start_agent()
     wait_lent(lab)
     assert fault.start_owner("gaming1").returncode != 0
-    lab.wait_state("gaming1", "running", timeout=60)
+    lab.wait_game("gaming1")
     outage(lab, fault, "gaming1")
     wait_for(lambda: status(lab)["libvirt_connected"], 30, "the agent to reconnect")
     fault.recovered()

@@ -123,7 +123,7 @@ def test_repeated_requests(lab: Lab, fault: Scenario) -> None:
         proc.kill()
         proc.wait()
         proc.stdout.close()
-    lab.wait_state("gaming1", "running", timeout=60)
+    lab.wait_game("gaming1")
     fault.recovered()
     wait_count(lab, 1, event="owner", to="running", vm="gaming1")
     assert count(lab, event="intent", to="pending", vm="gaming1") == 1
@@ -146,7 +146,7 @@ def test_control_flood(lab: Lab, fault: Scenario) -> None:
     fault.fault()
     out = fault.start_owner("gaming1")
     assert DEFERRED in out.stderr, out.stderr
-    lab.wait_state("gaming1", "running", timeout=60)
+    lab.wait_game("gaming1")
     fault.recovered()
     sent = int(flooder.communicate(timeout=60)[0])
     # Its share of records is spent, then counted: one more request once the interval

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.scenario import DEFERRED, Scenario, count, wait_count, wait_for, wait_lent
-from tests.lab.lab import Lab
+from tests.faults.scenario import Scenario, count, wait_count, wait_for, wait_lent
+from tests.lab.lab import DEFERRED, Lab
 from tests.mosquitto import MISSING, USERS, Mosquitto
 
 pytestmark = [pytest.mark.lab, pytest.mark.skipif(MISSING is not None, reason=MISSING or "")]
@@ -103,7 +103,7 @@ def test_a_15_mb_message_during_a_reclaim(lab: Lab, fault: Scenario, broker: Mos
     assert out.returncode != 0 and DEFERRED in out.stderr, out  # the hook was answered
     for sender in senders:
         assert sender.wait(300) == 0
-    lab.wait_state("gaming1", "running", timeout=240)
+    lab.wait_game("gaming1")
     fault.recovered()
     after = rss_mb(agent.pid)
     spooled = len(list(lab.spool.glob("*.json")))
@@ -137,7 +137,7 @@ def test_junk_on_the_command_topics_while_gaming1_is_switched_on(
         on = tmp_path / "on"
         on.write_text("ON")
         publish(broker, "hostagent/owner/gaming1/set", on)
-        lab.wait_state("gaming1", "running", timeout=240)
+        lab.wait_game("gaming1")
         fault.recovered()
     finally:
         for sender in senders:

@@ -33,7 +33,7 @@ def test_host_rebooted_with_a_pending_intent(lab: Lab, fault: Scenario) -> None:
         lab.start_libvirtd()  # a fresh /run/libvirt: libvirtd takes seconds here
         assert lab.running() == []
         lab.start_agent()
-        lab.wait_state("gaming1", "running", timeout=60)
+        lab.wait_game("gaming1")
     fault.recovered()
     assert status(lab)["intents"] == []
     assert len(lab.records(event="intent", to="done", vm="gaming1")) == 1

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.scenario import DEFERRED, Scenario, wait_for, wait_lent
-from tests.lab.lab import Lab
+from tests.faults.scenario import Scenario, wait_for, wait_lent
+from tests.lab.lab import DEFERRED, Lab
 from tests.lab.test_control_lab import OpenSsh, free_port, keygen, public
 
 pytestmark = pytest.mark.lab
@@ -137,7 +137,7 @@ def test_ssh_session_flood_during_a_reclaim(lab: Lab, fault: Scenario, tmp_path:
         out = fault.start_owner("gaming1")
         assert out.returncode != 0 and DEFERRED in out.stderr, out  # the agent answered
         peak = descriptors(agent.pid)
-        lab.wait_state("gaming1", "running", timeout=90)
+        lab.wait_game("gaming1")
         fault.recovered()
         peak = max(peak, descriptors(agent.pid))
     finally:

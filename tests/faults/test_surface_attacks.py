@@ -21,9 +21,9 @@ import pytest
 
 from hostagent.ssh import PEER_BURST, PEER_INTERVAL
 
-from tests.faults.scenario import DEFERRED, Scenario, wait_for, wait_lent
+from tests.faults.scenario import Scenario, wait_for, wait_lent
 from tests.faults.test_ssh_attacks import known_hosts
-from tests.lab.lab import Lab
+from tests.lab.lab import DEFERRED, Lab
 from tests.lab.test_control_lab import free_port, keygen, public
 
 pytestmark = pytest.mark.lab
@@ -210,7 +210,7 @@ def test_idle_connections_from_the_buttons_network(
         assert strangers.stdout is not None and strangers.stdout.readline() == "holding\n"
         reclaim(lab, fault)
         pressed = presses(button, 10)
-        lab.wait_state("gaming1", "running", timeout=90)
+        lab.wait_game("gaming1")
         fault.recovered()
     finally:
         stop(strangers)
@@ -234,7 +234,7 @@ def test_a_key_holder_and_a_key_offerer_in_a_loop(
         wait_for(lambda: any(r.get("HOSTAGENT_RESULT") == "known" for r in lab.records(
             event="ssh")), 30, "the loops' first connections")
         reclaim(lab, fault)
-        lab.wait_state("gaming1", "running", timeout=90)
+        lab.wait_game("gaming1")
         fault.recovered()
         made = {who: int(p.communicate(timeout=seconds + 60)[0]) for who, p in loopers.items()}
     finally:
@@ -273,7 +273,7 @@ def test_a_slowloris_on_the_metrics_port(
         reclaim(lab, fault)
         out = subprocess.run([sys.executable, "-c", SCRAPER, str(button["metrics"]), "10"],
                              capture_output=True, text=True, timeout=180, check=True)
-        lab.wait_state("gaming1", "running", timeout=90)
+        lab.wait_game("gaming1")
         fault.recovered()
     finally:
         stop(attack)

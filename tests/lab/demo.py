@@ -102,7 +102,7 @@ def main() -> int:
             say("A player starts gaming1, whose GPU gpu-node holds")
             t = time.monotonic()
             shell(lab, "virsh", "start", "gaming1")
-            lab.wait_state("gaming1", "running", timeout=120)
+            lab.wait_game("gaming1")
             reclaim = time.monotonic() - t
             print(f"  gaming1 running {reclaim:.1f}s after `virsh start`", flush=True)
             wait_phase(lab, "lent", 2)

@@ -95,6 +95,11 @@ OWNERS = {"gaming1": ("gpu-a",), "gaming2": ("gpu-b",), "gaming-win": ("gpu-a",)
 # its log is printed (the test's output shows what it was doing), and the wait goes on.
 LIBVIRTD_PATIENCE = 180.0
 USUAL_WAIT = 30.0
+# How long a player waits for a game to be up (its guest agent answering) before giving
+# up: a reclaim (drain, the lendee's shutdown through its agent, the game's boot) takes
+# 10-40 s on an idle machine, and has taken over 90 s beside other work on 2 cores.
+PLAYER_PATIENCE = 240.0
+DEFERRED = "will start by itself"
 
 # The agent's configuration in the lab. Lab GPUs are disks, so their PCI addresses
 # are made up, and the lab's fake sysfs (`lab_host`) is the host that has them;
@@ -550,6 +555,56 @@ class Lab:
 
     def wait_state(self, name: str, state: str, timeout: float = 60) -> None:
         _wait_for(lambda: self.state(name) == state, timeout, f"{name} to be {state}")
+
+    # ---- a player ------------------------------------------------------------
+    def play(self, owner: str, *, up: bool = False,
+             asks: int = 3) -> subprocess.CompletedProcess[str]:
+        """`virsh start owner` as a player does it, and the wait for the game (`wait_game`).
+
+        A refusal that is no deferral (another owner holds the card) is returned at once,
+        for the test to read. Otherwise the player waits, and asks again, up to `asks`
+        times in all, only when nothing is coming: the game is off and the agent holds
+        no request for it (it failed the start; asking again is how a player retries).
+        Returns the first answer."""
+        first = self.virsh("start", owner, check=False)
+        if first.returncode != 0 and DEFERRED not in first.stderr:
+            return first
+        deadline = time.monotonic() + PLAYER_PATIENCE
+        for ask in range(asks):
+            if ask:
+                self.virsh("start", owner, check=False)
+            if self.wait_game(owner, up=up, deadline=deadline,
+                              give_up_when_idle=ask < asks - 1):
+                break
+        return first
+
+    def wait_game(self, owner: str, *, up: bool = False, deadline: float | None = None,
+                  give_up_when_idle: bool = False) -> bool:
+        """Wait until `owner` runs (with `up`, until its guest agent answers too: the game
+        is on screen), within one deadline for the agent's work and the boot:
+        `PLAYER_PATIENCE` from now unless given. With `give_up_when_idle`, returns False
+        as soon as the game is off and the agent holds no request for it."""
+        deadline = deadline if deadline is not None else time.monotonic() + PLAYER_PATIENCE
+        idle_checked = time.monotonic()
+        while time.monotonic() < deadline:
+            if self.state(owner) == "running":
+                if not up or self.agent(owner, "guest-ping", timeout=2) is not None:
+                    return True
+            elif give_up_when_idle and time.monotonic() - idle_checked > 3:
+                idle_checked = time.monotonic()
+                if not self._requested(owner) and self.state(owner) != "running":
+                    return False
+            time.sleep(0.2)
+        raise TimeoutError(f"{owner} not {'up' if up else 'running'} within "
+                           f"{PLAYER_PATIENCE:g}s; state {self.state(owner)}, "
+                           f"phases {self.phases()}")
+
+    def _requested(self, owner: str) -> bool:
+        """Whether the running agent holds a request to start `owner`."""
+        out = self.hostagent("status", "--json")
+        if out.returncode != 0:
+            return True  # no agent to ask: its state file keeps the request
+        return any(i["owner"] == owner for i in json.loads(out.stdout)["intents"])
 
     def agent(self, name: str, command: str, timeout: float = 10) -> Any:
         out = self.virsh("qemu-agent-command", name, json.dumps({"execute": command}),

@@ -69,7 +69,7 @@ def test_full_cycle_gaming1_plays_while_gpu_node_keeps_the_rest(lab: Lab) -> Non
     assert refused.returncode != 0
     assert DEFER in refused.stderr and "gaming1 will start by itself" in refused.stderr
     assert "journalctl -u hostagent -f" in refused.stderr
-    lab.wait_state("gaming1", "running", timeout=60)
+    lab.wait_game("gaming1")
     lent(lab)
     # It powered off through its guest agent, not by destroy, then came back smaller.
     assert "lab guest: shutdown" in lab.console("gpu-node")
@@ -115,8 +115,7 @@ def test_gaming2_mid_game_leaves_gpu_c_and_a_second_owner_is_refused(lab: Lab) -
     while gaming1 holds the card: no reclaim, no wait."""
     lab.start_agent()
     wait_lent(lab)
-    lab.virsh("start", "gaming1", check=False)
-    lab.wait_state("gaming1", "running", timeout=60)
+    lab.play("gaming1")
     lent(lab)
     phases = len(lab.phases())
     refused = lab.virsh("start", "gaming-win", check=False)
@@ -126,8 +125,7 @@ def test_gaming2_mid_game_leaves_gpu_c_and_a_second_owner_is_refused(lab: Lab) -
     assert len(lab.phases()) == phases  # nothing moved for it
     assert lab.records(event="refuse")[0]["HOSTAGENT_VM"] == "gaming-win"
 
-    lab.virsh("start", "gaming2", check=False)
-    lab.wait_state("gaming2", "running", timeout=60)
+    lab.play("gaming2")
     lent(lab)
     assert status(lab)["lendee"]["lent"] == ["gpu-c"]
     assert holders(lab) == {"gpu-a": "gaming1", "gpu-b": "gaming2", "gpu-c": "gpu-node"}
@@ -138,8 +136,7 @@ def test_all_or_nothing_keeps_the_lendee_off_while_a_game_plays(lab: Lab) -> Non
     lab.partial = False
     lab.start_agent()
     wait_lent(lab)
-    lab.virsh("start", "gaming1", check=False)
-    lab.wait_state("gaming1", "running", timeout=60)
+    lab.play("gaming1")
     time.sleep(3)  # past relend_delay: still off
     assert lab.state("gpu-node") == "shut off"
     assert holders(lab) == {"gpu-a": "gaming1", "gpu-b": None, "gpu-c": None}
@@ -155,7 +152,7 @@ def test_owner_started_while_the_lendee_boots_waits_for_its_agent(lab: Lab) -> N
     lab.wait_record(event="phase", to="booting")
     refused = lab.virsh("start", "gaming1", check=False)
     assert refused.returncode != 0
-    lab.wait_state("gaming1", "running", timeout=90)
+    lab.wait_game("gaming1")
     console = lab.console("gpu-node")
     # The guest agent came up first, then the shutdown went through it: never a
     # shutdown sent into a VM whose agent was not answering, never a destroy.
@@ -178,8 +175,8 @@ def test_two_owners_within_100ms_share_one_reclaim(lab: Lab) -> None:
     for t in threads:
         t.join()
     assert all(r.returncode != 0 for r in results.values())
-    lab.wait_state("gaming1", "running", timeout=60)
-    lab.wait_state("gaming2", "running", timeout=60)
+    lab.wait_game("gaming1")
+    lab.wait_game("gaming2")
     assert lab.phases().count("lent>draining") == 1
     assert lab.phases().count("stopping>off") == 1
     assert len(lab.records(event="intent", to="done")) == 2
@@ -189,8 +186,7 @@ def test_owner_restarted_within_relend_delay_does_not_boot_the_lendee(lab: Lab) 
     lab.write_config(relend_delay="20s")
     lab.start_agent()
     wait_lent(lab)
-    lab.virsh("start", "gaming1", check=False)
-    lab.wait_state("gaming1", "running", timeout=60)
+    lab.play("gaming1")
     lab.virsh("destroy", "gaming1")
     lab.wait_record(event="owner", to="off")
     lab.virsh("start", "gaming1")  # within the delay: gpu-node runs without gpu-a
@@ -205,8 +201,7 @@ def test_lendee_started_by_hand_mid_game_is_deferred(lab: Lab) -> None:
     lab.partial = False  # with partial lending it is already running with the rest
     lab.start_agent()
     wait_lent(lab)
-    lab.virsh("start", "gaming1", check=False)
-    lab.wait_state("gaming1", "running", timeout=60)
+    lab.play("gaming1")
     refused = lab.virsh("start", "gpu-node", check=False)
     assert refused.returncode != 0
     assert "gpu-node's GPUs are in use by gaming1" in refused.stderr
@@ -228,7 +223,7 @@ def test_agent_killed_mid_reclaim_finishes_after_restart(lab: Lab) -> None:
     assert 'owner = "gaming1"' in saved  # persisted before the hook heard "defer"
     assert lab.state("gpu-node") == "running"
     lab.start_agent()
-    lab.wait_state("gaming1", "running", timeout=90)
+    lab.wait_game("gaming1")
     lent(lab, timeout=90)  # back with what gaming1 leaves
     assert status(lab)["lendee"]["lent"] == ["gpu-b", "gpu-c"]
     assert "lab guest: shutdown" in lab.console("gpu-node")
@@ -240,8 +235,7 @@ def test_agent_killed_mid_reclaim_finishes_after_restart(lab: Lab) -> None:
 def test_libvirtd_restart_mid_game_reconnects_and_lends_back(lab: Lab) -> None:
     lab.start_agent()
     wait_lent(lab)
-    lab.virsh("start", "gaming1", check=False)
-    lab.wait_state("gaming1", "running", timeout=60)
+    lab.play("gaming1")
     lab.restart_libvirtd()
     assert lab.state("gaming1") == "running"  # reconnect begin did not fail
     lab.wait_agent("gaming1")

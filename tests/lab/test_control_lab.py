@@ -291,7 +291,7 @@ def test_control_socket_permissions_streamed_play_and_clients_that_leave(lab: La
     assert out.returncode == 3, out
     assert out.stderr == ("hostagent: stopped waiting after 1s (--timeout); gaming2 still starts "
                           "by itself: follow it with `hostagent status`\n")
-    lab.wait_state("gaming1", "running", timeout=60)
-    lab.wait_state("gaming2", "running", timeout=60)
+    lab.wait_game("gaming1")
+    lab.wait_game("gaming2")
     assert len(lab.records(event="intent", to="done")) == 3
     assert lab.phases()[-3:] == ["lent>draining", "draining>stopping", "stopping>off"]

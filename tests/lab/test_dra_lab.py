@@ -50,8 +50,7 @@ def test_a_dra_node_through_reclaim_partial_lend_and_regrow(lab: Lab) -> None:
                    "train-1 never named as gpu-a's holder")
 
         # gaming1 takes gpu-a: the job is drained, then the lendee comes back with the rest.
-        lab.virsh("start", "gaming1", check=False)
-        lab.wait_state("gaming1", "running", timeout=90)
+        lab.play("gaming1")
         assert "train-1" not in kc.apps_on(LENDEE)
         named = lab.records(event="drain", result="holders")
         assert named and re.search(r"default/train-1-[a-z0-9]{5} \(gpu-a\)",

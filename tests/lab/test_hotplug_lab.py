@@ -24,8 +24,7 @@ def test_a_regrow_by_hot_add_lends_the_freed_gpu_without_a_restart(lab: Lab) -> 
             "[policy]\n", '[policy]\nhotplug = "add"\n') + '\n[verify]\ntimeout = "10s"\n')
         lab.start_agent()
         lends(lab, 1)
-        lab.virsh("start", "gaming1", check=False)
-        lab.wait_state("gaming1", "running", timeout=90)
+        lab.play("gaming1")
         lends(lab, 2)
         persistent = lab.virsh("dumpxml", "--inactive", LENDEE).stdout
         kc.add_gpu_job("train")
@@ -57,8 +56,7 @@ def test_a_regrow_by_hot_add_lends_the_freed_gpu_without_a_restart(lab: Lab) -> 
         assert status["lendee"]["lent"] == ["gpu-a", "gpu-b", "gpu-c"]
         # The next game's reclaim is the usual one (drain, stop, a start without gpu-a).
         kc.delete_job("train")
-        lab.virsh("start", "gaming1", check=False)
-        lab.wait_state("gaming1", "running", timeout=120)
+        lab.play("gaming1")
         assert lab.phases()[len(phases):len(phases) + 1] == ["lent>draining"]
         lends(lab, 3)
         # A hot-add whose GPU the guest's driver does not find fails within its bound,

@@ -26,8 +26,7 @@ def lends(lab: Lab, count: int, timeout: float = 90) -> None:
 
 
 def play_and_stop(lab: Lab, owner: str = "gaming1") -> None:
-    lab.virsh("start", owner, check=False)
-    lab.wait_state(owner, "running", timeout=90)
+    lab.play(owner)
     lab.wait_agent(owner)
     lab.virsh("shutdown", "--mode", "agent", owner)
     lab.wait_state(owner, "shut off", timeout=30)
@@ -65,8 +64,7 @@ def test_reclaim_drains_like_kubectl_and_the_return_uncordons(lab: Lab) -> None:
         assert {"key": "hostagent.io/borrowed", "value": "true", "effect": "NoSchedule"} \
             in node["spec"]["taints"]
 
-        lab.virsh("start", "gaming1", check=False)
-        lab.wait_state("gaming1", "running", timeout=90)
+        lab.play("gaming1")
         node = kc.node()
         assert node["spec"]["unschedulable"] is True
         assert annotations(node)[MARKER] == "hostagent"
@@ -132,7 +130,7 @@ def test_a_pdb_that_never_allows_eviction(lab: Lab, policy: str) -> None:
         assert refused.returncode != 0
         if policy == "proceed":
             # The player first: the pods left behind are named, and the game starts.
-            lab.wait_state("gaming1", "running", timeout=60)
+            lab.wait_game("gaming1")
             left = lab.wait_record(event="drain")
             assert "db-0" in str(left) and "db-1" in str(left)
         else:
@@ -157,7 +155,7 @@ def test_our_cordon_is_still_ours_after_an_agent_restart_mid_drain(lab: Lab) -> 
         lab.stop_agent(signal.SIGKILL)
         assert annotations(kc.node())[MARKER] == "hostagent"
         lab.start_agent()
-        lab.wait_state("gaming1", "running", timeout=90)
+        lab.wait_game("gaming1")
         lab.wait_agent("gaming1")
         lab.virsh("shutdown", "--mode", "agent", "gaming1")
         lends(lab, 2)
@@ -169,8 +167,7 @@ def test_the_api_down_during_the_return_delays_it_only(lab: Lab) -> None:
         config(lab, kc)
         lab.start_agent()
         lends(lab, 1)
-        lab.virsh("start", "gaming1", check=False)
-        lab.wait_state("gaming1", "running", timeout=90)
+        lab.play("gaming1")
         kc.run(kc.api.down())
         lab.wait_agent("gaming1")
         lab.virsh("shutdown", "--mode", "agent", "gaming1")
@@ -212,8 +209,7 @@ def test_regrow_when_idle_waits_for_the_gpu_job_then_takes_the_freed_gpu(lab: La
         lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig))
         lab.start_agent()
         lends(lab, 1)
-        lab.virsh("start", "gaming1", check=False)
-        lab.wait_state("gaming1", "running", timeout=90)
+        lab.play("gaming1")
         lends(lab, 2)
         kc.add_gpu_job("train")
         eventually(lambda: kc.apps_on(LENDEE) == ["train"], "the job never ran on gpu-node")

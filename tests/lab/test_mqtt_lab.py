@@ -117,7 +117,7 @@ def test_home_assistant_switches_gaming1_through_a_broker_restart(
         publish(broker, "hostagent/owner/gaming1/set", "ON")
         lab.wait_record(event="phase", to="draining")
         broker.stop()
-        lab.wait_state("gaming1", "running", timeout=240)
+        lab.wait_game("gaming1")
         broker.start()
         dashboard.stop()  # mosquitto_sub does not reconnect: a new one
         dashboard.start()

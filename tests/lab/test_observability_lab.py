@@ -101,7 +101,7 @@ def test_metrics_health_and_history_follow_a_cycle(lab: Lab, tmp_path: Path) -> 
 
     # gaming1 is started through libvirt: deferred, reclaimed, started by the agent.
     assert lab.virsh("start", "gaming1", check=False).returncode != 0
-    lab.wait_state("gaming1", "running", timeout=60)
+    lab.wait_game("gaming1")
     lab.wait_record(event="owner", vm="gaming1", to="running")
     m = scrape.metrics()
     assert value(m, "hostagent_lendee_phase", phase="off") == 1

@@ -103,7 +103,7 @@ def test_the_first_real_swap_and_its_undo_as_readme_says(lab: Lab, tmp_path: Pat
         assert "`hostagent play gaming1`" in swap
         out = lab.hostagent("play", "gaming1")
         assert out.returncode == 0, out.stderr
-        lab.wait_state("gaming1", "running", timeout=120)
+        lab.wait_game("gaming1")
         until(lambda: len(lab.records(event="phase", to="lent")) >= 1, "the partial lend")
         printed = section("Your first real swap").split("journalctl -u hostagent -f")[1]
         printed = printed.split("```\n", 1)[1].split("```", 1)[0]

@@ -40,7 +40,7 @@ def test_a_reserved_game_finds_its_gpu_free_and_starts_at_once(lab: Lab) -> None
         time.sleep(0.2)
     started = lab.virsh("start", "gaming1", check=False)
     assert started.returncode == 0, started.stderr  # let through at once: its GPU is free
-    lab.wait_state("gaming1", "running", timeout=30)
+    lab.wait_game("gaming1")
     lab.wait_record(30, event="reserve", result="used")
     assert [r["HOSTAGENT_RESULT"] for r in lab.records(event="reserve")] == [
         "reserved", "notice", "holding", "used"]
