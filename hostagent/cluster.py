@@ -166,8 +166,8 @@ class KubeCluster:
         # timeouts.drain for the cluster, however the API server behaves, a hot-unplug's
         # evictions before it included (a budget blocked them: it blocks this drain too).
         # A reservation's drain, ahead of its time, may take until then (`until`).
-        budget = max(self.timeouts.drain, until or 0.0)
-        deadline = time.monotonic() + budget - (0 if regrow else self._vacate_spent)
+        spent = 0.0 if regrow else self._vacate_spent
+        deadline = time.monotonic() + max(self.timeouts.drain - spent, until or 0.0)
         self._vacate_spent = 0.0
         self.trouble = None
 
@@ -234,16 +234,18 @@ class KubeCluster:
     # --- hot-unplug -----------------------------------------------------------------------
 
     async def vacate(self, owners: list[str], gpus: Collection[str],
-                     pods: PodsReader) -> str | None:
+                     pods: PodsReader, *, until: float | None = None) -> str | None:
         """A hot-unplug's part: cordon the node (ours), then evict only the pods that use
         the GPUs `gpus`, those their ResourceClaims name (DRA) or else those `pods()`
         reads, once the node is cordoned (a pod placed before the cordon is seen): the
         UIDs the kubelet's device checkpoint in the guest names, or None and why not,
         as the drain evicts them but always of the "abort" kind. None once they are
         gone; or why the hot-unplug must give way to the reclaim by restart, which
-        drains the node, cordoned already, under the policy players wait for."""
+        drains the node, cordoned already, under the policy players wait for. For a
+        reservation alone, whose pods were told and get their full grace period, it may
+        take `until` (seconds from now: up to the reserved time) where that is longer."""
         began = time.monotonic()
-        deadline = began + self.timeouts.drain
+        deadline = began + max(self.timeouts.drain, until or 0.0)
         names = ", ".join(sorted(gpus))
         self.trouble = None
 

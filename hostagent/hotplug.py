@@ -28,7 +28,8 @@ running lendee (`DetachGpus`), in bounded parts, each of which must hold:
 1. the node is cordoned and only the pods using the GPU are evicted (`Cluster.vacate`):
    those their ResourceClaims name (DRA), else those the kubelet's device checkpoint
    in the guest gives it (`checkpoint_pods`), read after the cordon so that no pod
-   placed in between is missed;
+   placed in between is missed; within timeouts.drain, or for a reservation alone up
+   to its time (its pods were told, and get their full grace period);
 2. the node offers it no more: its GPU plugins are stopped (`Cluster.withdraw`), for
    NVIDIA's device plugin holds every GPU it serves open for as long as it runs;
 3. in the guest, within `RELEASE_BOUND` all in all: each GPU's PCI address and device
@@ -189,8 +190,13 @@ UNBIND = 'for a; do echo "$a" > "/sys/bus/pci/devices/$a/driver/unbind" || exit 
 
 async def hot_unplug(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
     """The step of `DetachGpus`: see the module docstring."""
-    lendee, names = ex.lendee, ", ".join(sorted(gpus))
-    owners = [o for o in ex.view.state.waiting_owners if ex.topo.claims(o) & gpus]
+    lendee, names, state = ex.lendee, ", ".join(sorted(gpus)), ex.view.state
+    owners = [o for o in state.waiting_owners if ex.topo.claims(o) & gpus]
+    held = [r for r in state.reservations if r.holding and ex.topo.claims(r.vm) & gpus]
+    # For reservations alone: their pods were told, and get their full grace period,
+    # until the reserved time (as the drain of the reclaim by restart gives them).
+    until = None if owners or not held else min(r.at for r in held) - clock.now()
+    owners = owners or [f"{r.vm}'s reservation" for r in held]
     journal.record("hotplug", f"taking {names} from {lendee} while it runs, for "
                    f"{', '.join(owners) or 'an owner'}: evicting the pods that use them",
                    vm=lendee, result="started", gpus=",".join(sorted(gpus)))
@@ -203,7 +209,7 @@ async def hot_unplug(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
     if problem is None:
         # Read once the node is cordoned: a pod placed before the cordon is among them.
         problem = await ex.cluster.vacate(
-            owners, gpus, lambda: _checkpoint(ex, frozenset(uuids.values())))
+            owners, gpus, lambda: _checkpoint(ex, frozenset(uuids.values())), until=until)
     for part in (_withdraw, _release, _detach):
         if problem is None and ex.view.state.ticket == ticket:
             problem = await part(ex, gpus, frozenset(uuids.values()))

@@ -108,11 +108,11 @@ class Cluster(Protocol):
         restart first (they enumerate GPUs when they start)."""
 
     async def vacate(self, owners: list[str], gpus: Collection[str],
-                     pods: PodsReader) -> str | None:
+                     pods: PodsReader, *, until: float | None = None) -> str | None:
         """A hot-unplug: cordon, then evict only the pods using `gpus` (by DRA claim, else
         those `pods()` reads once the node is cordoned: UIDs from the kubelet's
         checkpoint, or None and why not); None once they are gone, or why the reclaim by
-        restart must run instead."""
+        restart must run instead. `until` as `reclaim`'s: a reservation's."""
 
     async def withdraw(self, gpus: Collection[str]) -> str | None:
         """A hot-unplug, before the guest lets `gpus` go: the node's GPU plugins stopped
@@ -156,7 +156,7 @@ class NoCluster:
         return None
 
     async def vacate(self, owners: list[str], gpus: Collection[str],
-                     pods: PodsReader) -> str | None:
+                     pods: PodsReader, *, until: float | None = None) -> str | None:
         return None
 
     async def withdraw(self, gpus: Collection[str]) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from hostagent.kube import Kube
 from hostagent.libvirt_host import ExecResult, HostError, Lifecycle
 from hostagent.machine import IllegalTransition, still_wanted, verdict
 from hostagent.metrics import Metrics
+from hostagent.reserve import Reservation
 from hostagent.model import (
     AgentUp,
     CancelIntent,
@@ -40,6 +42,7 @@ from hostagent.model import (
     OwnerStarted,
     Phase,
     Reclaim,
+    Reserve,
     ReturnDone,
     ScheduleRelend,
     ShutdownLendee,
@@ -375,11 +378,13 @@ class Vacating:
     def __init__(self) -> None:
         self.calls: list[tuple[list[str], frozenset[str], frozenset[str] | None]] = []
         self.order: list[str] = []
+        self.until: list[float | None] = []
         self.guest: Guest
 
     async def vacate(self, owners: list[str], gpus: frozenset[str],
-                     pods: Callable[[], Awaitable[tuple[frozenset[str] | None, str]]]
-                     ) -> str | None:
+                     pods: Callable[[], Awaitable[tuple[frozenset[str] | None, str]]],
+                     *, until: float | None = None) -> str | None:
+        self.until.append(until)
         self.order.append("cordon")
         read, why = await pods()
         self.calls.append((owners, frozenset(gpus), None if read is None else frozenset(read)))
@@ -434,6 +439,24 @@ async def test_the_pods_on_the_gpu_are_evicted_and_it_is_detached(
     assert [type(e) for e in step.applied] == [GpusDetached]
     results = [r for r, _ in hotplug_records(sink)]
     assert results == ["started", "ok"]
+
+
+async def test_a_reservations_unplug_gives_the_pods_until_its_time() -> None:
+    # Its pods were told they get their full grace period: timeouts.drain is a player's
+    # wait, and nobody waits for a reservation until its time.
+    at = time.time() + 600
+    reserved = Reservation(vm="gaming1", at=at, by="control", made=AT, evict_at=AT,
+                           holding=True)
+    step = FakeStep()
+    step.state, [action] = go(lent(), Reserve(at=AT, reservations=(reserved,)))
+    assert action == DetachGpus(ticket=T + 1, gpus=gpus(A))
+    await unplug(step)
+    assert step.cluster.calls[0][0] == ["gaming1's reservation"]
+    [until] = step.cluster.until
+    assert until is not None and 590 < until <= 600
+    step = FakeStep()  # an owner waiting: the player's wait, timeouts.drain
+    await unplug(step)
+    assert step.cluster.until == [None]
 
 
 async def test_the_node_is_cordoned_before_the_checkpoint_is_read() -> None:
@@ -598,6 +621,26 @@ async def test_a_budget_that_blocks_the_vacate_leaves_its_fallback_drain_only_wh
     await asyncio.sleep(1.0)
     assert await cluster.reclaim(["gaming1"]) is None
     assert given[-1] > 1.5 and await gone(api, "default", "train-b")
+
+
+async def test_a_reservations_vacate_may_take_until_its_time(api: Api, kube: Kube) -> None:
+    on_a = await api.seed.pod("train-a", node="gpu-node", owner="Job/a",
+                              gpus={"nvidia.com/gpu": 1})
+    cfg = parse(UNPLUG_CONFIG + "[kubernetes]\ngpu_api = \"device-plugin\"\n"
+                "[timeouts]\ndrain = \"2s\"\n", "t.toml")
+    cluster = KubeCluster(kube, cfg, remember_cordon=lambda _: None)
+    given: list[float] = []
+    drain = kube.drain
+
+    async def recorded(node: str, **kw: Any) -> Any:
+        given.append(kw["timeout"])
+        return await drain(node, **kw)
+    kube.drain = recorded  # type: ignore[method-assign]
+
+    async def read() -> tuple[frozenset[str] | None, str]:
+        return frozenset({on_a["metadata"]["uid"]}), ""
+    assert await cluster.vacate(["gaming1's reservation"], {A}, read, until=300) is None
+    assert 290 < given[0] <= 300 and await gone(api, "default", "train-a")
 
 
 async def test_vacate_finds_the_pods_on_the_gpu_by_their_claims_with_dra(
