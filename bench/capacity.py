@@ -43,13 +43,18 @@ Step durations (seconds), and where each comes from:
   started again by its DaemonSet and registering after NVML has initialised every
   card, and the kubelet's next status (every 10 s); an estimate on the slow side. The
   GPU counts as lent, and takes jobs, only at its end;
-- hot-unplug (``policy.hotplug = "both"``), 25: the node cordoned, the pods on the
-  game's GPU evicted (as a drain's, 20), nothing left on it in the guest, then libvirt's
-  detach: the NVIDIA driver's unbind and the slot's power-off take seconds (the lab's
-  1.5 s has no driver to unbind). The return that follows (the plugins restarted, the
-  node verified, uncordoned) takes a return's 60 s, during which the node takes no new
-  job; the jobs on its other GPUs run on. Every detach is taken to succeed here: one that
-  fails adds its bound (30 s) and a reclaim by restart.
+- hot-unplug (``policy.hotplug = "both"``), 5, and a drain's 20 before it when a job
+  runs on the game's GPU: the node cordoned and the kubelet's device checkpoint read,
+  the pods on the GPU evicted and waited for (as a drain's; the agent evicts, and
+  waits, only when the checkpoint or the claims name a pod on it: `Cluster.vacate`),
+  the GPU plugins stopped, nothing left on it in the guest, then libvirt's detach: the
+  NVIDIA driver's unbind and the slot's power-off take seconds (the lab's 1.5 s has no
+  driver to unbind). A player whose GPU is lent thus waits 10 s by hot-unplug (the
+  unplug, then the game's start), or 30 s when a job runs on the GPU. The return that
+  follows (the plugins restarted, the node verified, uncordoned) takes a return's 60 s,
+  during which the node takes no new job; the jobs on its other GPUs run on. Every
+  detach is taken to succeed here: one that fails adds its bound (30 s) and a reclaim
+  by restart.
 
 The cluster's GPU work: single-GPU jobs of 1 to 3 hours arriving every 2 to 6 hours
 (uniformly random, --seed), run first come first served on the node while it is lent,
@@ -109,8 +114,12 @@ eviction at the game's time less the jobs' grace period (`JOB_GRACE`, the API's
 default) and the margin, the GPU held from then until the game runs. Reported: the
 reserved player's wait for the GPU (start asked → libvirt starts the VM; goal 0 s) and
 to a running VM, and what the gentle reclaim costs: the lent share, jobs killed and
-work destroyed without and with reservations. Every reservation is used here (a player
-who does not come holds the GPU `expiry` longer).
+work destroyed without and with reservations; then with no-shows, `NO_SHOW` of the
+reserved games never played: the reclaim happens all the same, the GPU is held until
+the reservation expires (`expiry` after its time, as `hostagent.reservations` ends it)
+and is lent again then (a hot-add, or a regrow by restart). Reported: the no-shows,
+the GPU-hours each leaves neither played nor lent (from the hold to the lend after the
+expiry), the lent share with them, and the jobs their reclaims killed.
 """
 
 from __future__ import annotations
@@ -198,7 +207,7 @@ class Durations:
     shutdown: float = 15.0
     owner_start: float = 5.0
     hot_add: float = 40.0
-    hot_unplug: float = 25.0
+    hot_unplug: float = 5.0  # and a drain's, first, when a job runs on the GPU
 
 
 class _Jittered:
@@ -259,6 +268,13 @@ class Figures:
     reserved_gpu_waits: list[float] = field(default_factory=list)
     reserved_waits: list[float] = field(default_factory=list)
     regrow_waiting_s: float = 0.0
+    # Reserved games nobody came to play: how many, the GPU-seconds their GPUs were
+    # neither played nor lent (from the hold to the lend after the expiry), the jobs
+    # their reclaims killed and the work those had done.
+    no_shows: int = 0
+    no_show_idle_gs: float = 0.0
+    no_show_killed: int = 0
+    no_show_destroyed_h: float = 0.0
     failed_intents: int = 0
     stale: int = 0
 
@@ -273,7 +289,8 @@ class Replay:
     def __init__(self, policy: Policy, d: Durations, work: list[tuple[float, float]],
                  *, hold_new_jobs: bool = False,
                  games: list[tuple[float, float, str]] | None = None,
-                 spread: float = 0.0, seed: int = 0, reserved: float = 0.0) -> None:
+                 spread: float = 0.0, seed: int = 0, reserved: float = 0.0,
+                 no_show: float = 0.0) -> None:
         self.policy, self.hold_new_jobs = policy, hold_new_jobs
         self.d = _Jittered(d, spread, random.Random(seed)) if spread else d
         self.state = State()
@@ -295,11 +312,21 @@ class Replay:
         self.reservations: dict[str, Reservation] = {}
         self.reserved_games: set[tuple[str, float]] = set()
         self.asked_reserved: dict[str, bool] = {}
-        pick = random.Random(seed + 1_000)
+        # A share `no_show` of the reserved games is never played: the reservation holds
+        # the GPU until it expires, `TIMING.expiry` after its time (`no_show_idle` is
+        # open from the hold until the GPU is lent again).
+        self.no_show_games: set[tuple[str, float]] = set()
+        self.no_show_idle: set[str] = set()
+        pick, absent = random.Random(seed + 1_000), random.Random(seed + 2_000)
         for start, end, owner in sessions() if games is None else games:
-            self.at(start, self.player_starts, owner)
-            self.at(end, self.player_stops, owner)
-            if reserved and pick.random() < reserved:
+            booked = bool(reserved) and pick.random() < reserved
+            if booked and absent.random() < no_show:
+                self.no_show_games.add((owner, start))
+                self.at(start + TIMING.expiry, self.reservation_expires, owner, start)
+            else:
+                self.at(start, self.player_starts, owner)
+                self.at(end, self.player_stops, owner)
+            if booked:
                 self.reserved_games.add((owner, start))
                 self.at(max(-WARMUP, start - TIMING.lead), self.reservation_notice, owner,
                         start)
@@ -344,6 +371,8 @@ class Replay:
                 self.f.per_gpu_lent[gpu] = self.f.per_gpu_lent.get(gpu, 0.0) + dt
         if s.regrow_waiting:
             self.f.regrow_waiting_s += dt
+        self.no_show_idle -= lent
+        self.f.no_show_idle_gs += dt * len(self.no_show_idle - held)
 
     def measured(self) -> bool:
         return 0.0 <= self.now < WEEK
@@ -384,9 +413,9 @@ class Replay:
             case DetachGpus(ticket=t, gpus=gpus):
                 if self.measured():
                     self.f.hot_unplugs += 1
-                self.evict(gpus)
-                self.at(now + d.hot_unplug, self.deliver,
-                        GpusDetached(at=now + d.hot_unplug, ticket=t, gpus=gpus))
+                took = (d.drain if self.evict(gpus) else 0.0) + d.hot_unplug
+                self.at(now + took, self.deliver,
+                        GpusDetached(at=now + took, ticket=t, gpus=gpus))
             case KubeReturn(ticket=t):
                 self.at(now + d.kube_return, self.deliver,
                         ReturnDone(at=now + d.kube_return, ticket=t))
@@ -455,6 +484,19 @@ class Replay:
         if r is None or r.at != start:
             return
         self.reservations[owner] = replace(r, holding=True)
+        if (owner, start) in self.no_show_games:
+            self.no_show_idle |= TOPO.owners[owner]
+            if self.measured():
+                self.f.no_shows += 1
+        self.deliver(Reserve(at=self.now, reservations=tuple(self.reservations.values())))
+
+    def reservation_expires(self, owner: str, start: float) -> None:
+        """`hostagent.reservations`: unused `expiry` after its time, it ends, and the
+        GPU is lent again (a hot-add or a regrow, as after a game)."""
+        r = self.reservations.get(owner)
+        if r is None or r.at != start:
+            return
+        del self.reservations[owner]
         self.deliver(Reserve(at=self.now, reservations=tuple(self.reservations.values())))
 
     def player_starts(self, owner: str) -> None:
@@ -502,13 +544,13 @@ class Replay:
             self.f.job_hours_done += duration / HOUR
         self.deliver(GpuPods(at=self.now, count=len(self.running)))
 
-    def evict(self, gpus: frozenset[str] | None = None) -> None:
+    def evict(self, gpus: frozenset[str] | None = None) -> int:
         """A drain (`gpus` None): every running job is evicted, and will start over; a
-        hot-unplug: the jobs on `gpus`."""
+        hot-unplug: the jobs on `gpus`. How many were."""
         evicted = {job: run for job, run in self.running.items()
                    if gpus is None or run[2] in gpus}
         if not evicted:
-            return
+            return 0
         if self.measured():
             self.f.killing_restarts += gpus is None
             self.f.jobs_killed += len(evicted)
@@ -519,11 +561,16 @@ class Replay:
             if not self.state.intents and not self.state.reserved:
                 self.f.regrow_kills += 1
                 self.f.jobs_killed_by_regrow += len(evicted)
+            if not self.state.intents and self.no_show_idle & TOPO.gpus_of(self.state.reserved):
+                self.f.no_show_killed += len(evicted)
+                self.f.no_show_destroyed_h += sum(
+                    self.now - (end - duration) for end, duration, _ in evicted.values()) / HOUR
         for job, (_, duration, _) in sorted(evicted.items(), reverse=True):
             self.pending.appendleft((job, duration))
             del self.running[job]
         left = len(self.running)
         self.at(self.now, self.deliver, GpuPods(at=self.now, count=left))  # the node watch
+        return len(evicted)
 
 
 @dataclass(frozen=True)
@@ -633,6 +680,10 @@ class Spread:
     waits: list[float] = field(default_factory=list)
     reserved_gpu_waits: list[float] = field(default_factory=list)
     reserved_waits: list[float] = field(default_factory=list)
+    no_shows: int = 0
+    no_show_idle_h: float = 0.0
+    no_show_killed: int = 0
+    no_show_destroyed: float = 0.0  # GPU-hours
 
     @staticmethod
     def quantile(xs: Sequence[float], q: float) -> float:
@@ -646,12 +697,18 @@ def varied_week(seed: int) -> tuple[str, list[tuple[float, float, str]], list[tu
     return kind, _games(kind, rng), _work(rng)
 
 
-def over_varied(c: Candidate, d: Durations, *, reserved: float = 0.0) -> Spread:
+def over_varied(c: Candidate, d: Durations, *, reserved: float = 0.0,
+                no_show: float = 0.0) -> Spread:
     out = Spread()
     for seed in VARIED:
         _, games, work = varied_week(seed)
         f = Replay(c.policy, d, work if c.busy else [], hold_new_jobs=c.hold_new_jobs,
-                   games=games, spread=SPREAD, seed=seed, reserved=reserved).run()
+                   games=games, spread=SPREAD, seed=seed, reserved=reserved,
+                   no_show=no_show).run()
+        out.no_shows += f.no_shows
+        out.no_show_idle_h += f.no_show_idle_gs / HOUR
+        out.no_show_killed += f.no_show_killed
+        out.no_show_destroyed += f.no_show_destroyed_h
         out.shares.append(f.share)
         out.killed.append(f.jobs_killed)
         out.killed_elsewhere += f.jobs_killed_elsewhere
@@ -665,11 +722,14 @@ def over_varied(c: Candidate, d: Durations, *, reserved: float = 0.0) -> Spread:
 # Reservations over the varied weeks: this share of the games is reserved ahead, for the
 # two defaults (a lendee that cannot hot-plug, and one that can).
 RESERVED = 0.5
+# And this share of the reserved games is never played (a no-show): the reclaim happens,
+# the GPU is held until the reservation expires, then lent again.
+NO_SHOW = 0.2
 GOAL_RESERVED_WAIT = 0.0  # the reserved player waits for no GPU
 
 
-def reservations_table(plain: dict[str, Spread],
-                       reserved: dict[str, Spread]) -> list[list[str]]:
+def reservations_table(plain: dict[str, Spread], reserved: dict[str, Spread],
+                       absent: dict[str, Spread]) -> list[list[str]]:
     def pct(x: float) -> str:
         return f"{100 * x:.2f} %"
 
@@ -701,6 +761,20 @@ def reservations_table(plain: dict[str, Spread],
         row(f"goal: a reserved player waits {GOAL_RESERVED_WAIT:.0f} s for the GPU",
             lambda p, r: "met" if max(r.reserved_gpu_waits) <= GOAL_RESERVED_WAIT
             else "MISSED"),
+        [f"no-shows: {100 * NO_SHOW:.0f} % of the reserved games never played "
+         f"(held until the expiry, {TIMING.expiry / 60:.0f} min after the time)",
+         *(str(absent[n].no_shows) for n in reserved)],
+        ["  GPU-hours neither played nor lent, per no-show (its hold to the lend after)",
+         *(f"{absent[n].no_show_idle_h / max(1, absent[n].no_shows):.2f} h" for n in reserved)],
+        ["  lent share: median, every reserved game played → with no-shows",
+         *(f"{pct(q(reserved[n].shares, 0.5))} → {pct(q(absent[n].shares, 0.5))}"
+           for n in reserved)],
+        ["  lent share: 10th percentile, every reserved game played → with no-shows",
+         *(f"{pct(q(reserved[n].shares, 0.1))} → {pct(q(absent[n].shares, 0.1))}"
+           for n in reserved)],
+        ["  GPU jobs killed for no-shows, all weeks (GPU-hours of their work destroyed)",
+         *(f"{absent[n].no_show_killed} ({absent[n].no_show_destroyed:.1f} h)"
+           for n in reserved)],
     ]
 
 
@@ -817,9 +891,10 @@ def main() -> int:
                    f"the candidate that meets them and destroys the least work: "
                    f"{best or 'none'}")
     both = [DEFAULT, "default, hot-add + hot-unplug"]
-    reserving = {n: over_varied(next(c for c in CANDIDATES if c.name == n), d,
-                                reserved=RESERVED) for n in both}
-    booked = reservations_table({n: spreads[n] for n in both}, reserving)
+    named = {c.name: c for c in CANDIDATES}
+    reserving = {n: over_varied(named[n], d, reserved=RESERVED) for n in both}
+    absent = {n: over_varied(named[n], d, reserved=RESERVED, no_show=NO_SHOW) for n in both}
+    booked = reservations_table({n: spreads[n] for n in both}, reserving, absent)
     for table_rows in (rows, varied, booked):
         widths = [max(len(r[i]) for r in table_rows) for i in range(len(table_rows[0]))]
         for r in table_rows:

@@ -6,16 +6,20 @@ import random
 
 from bench.capacity import (
     CANDIDATES,
+    JOB_GRACE,
     SCHEDULES,
+    TIMING,
     VARIED,
+    WEEK,
     Durations,
     Replay,
     _Jittered,
     jobs,
     over_varied,
+    sessions,
     varied_week,
 )
-from hostagent.model import Policy
+from hostagent.model import Hotplug, Policy
 
 
 def test_each_reading_of_a_jittered_duration_strays_within_its_spread() -> None:
@@ -60,3 +64,28 @@ def test_a_reserved_player_waits_for_no_gpu_and_the_notice_costs_some_lent_time(
     assert max(plain.player_waits) > 30
     # The GPU is held idle from the eviction to the game: less is lent.
     assert booked.share < plain.share and booked.failed_intents == 0
+
+
+def test_a_hot_unplug_waits_for_evictions_only_when_a_job_runs_on_the_gpu() -> None:
+    # As `Cluster.vacate`: it evicts, and waits, only for the pods using the GPU; the
+    # player then waits for the rest of the unplug and the game's start.
+    d = Durations()
+    f = Replay(Policy(hotplug=Hotplug.BOTH), d, jobs(14)).run()
+    assert f.hot_unplugs > 0 and f.restarts == 0
+    idle, busy = d.hot_unplug + d.owner_start, d.drain + d.hot_unplug + d.owner_start
+    assert set(f.player_waits) <= {d.owner_start, idle, busy}
+    assert idle in f.player_waits and busy in f.player_waits
+
+
+def test_a_no_show_holds_its_gpu_until_the_reservation_expires_then_it_is_lent_again() -> None:
+    d, policy = Durations(), Policy(hotplug=Hotplug.BOTH)
+    f = Replay(policy, d, jobs(14), reserved=1.0, no_show=1.0).run()
+    games = [g for g in sessions() if 0 <= g[0] - TIMING.margin - JOB_GRACE < WEEK]
+    assert f.no_shows == len(games) and not f.player_waits and f.failed_intents == 0
+    # From the hold (margin and grace before the time) to the hot-add that follows the
+    # expiry, after relend_delay as after any GPU freed.
+    each = TIMING.margin + JOB_GRACE + TIMING.expiry + policy.relend_delay + d.hot_add
+    assert abs(f.no_show_idle_gs / f.no_shows - each) < 1
+    assert f.no_show_killed <= f.jobs_killed
+    played = Replay(policy, d, jobs(14), reserved=1.0).run()
+    assert played.no_shows == 0 and played.no_show_idle_gs == 0
