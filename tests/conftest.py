@@ -6,6 +6,8 @@ that read what the agent journals)."""
 
 from __future__ import annotations
 
+import json
+import os
 import tempfile
 import time
 from collections.abc import Generator, Iterator
@@ -68,14 +70,41 @@ def lab(lab_session: Lab) -> Iterator[Lab]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files with the most lab tests first (`make test` spreads whole files over
-    processes, in this order): each of those tests boots guests, where a unit test takes
-    milliseconds, so the longest files start first and the short ones fill in after."""
-    labs: dict[str, int] = {}
+    """The longest files first (`make test` spreads whole files over processes, in this
+    order), so that the last to start are short ones that fill in, not a lab file that
+    runs on alone at the end: each file's seconds from tests/times.json (a measured run,
+    see `times`), else 30 s per lab test in it (each boots guests; a unit test takes
+    milliseconds)."""
+    measured = json.loads(TIMES.read_text()) if TIMES.exists() else {}
+    guess: dict[str, float] = {}
     for item in items:
-        labs[str(item.path)] = labs.get(str(item.path), 0) + ("lab" in item.fixturenames)
-    order = {path: rank for rank, path in enumerate(sorted(labs, key=lambda p: -labs[p]))}
-    items.sort(key=lambda item: order[str(item.path)])
+        name = _file(item)
+        guess[name] = guess.get(name, 0.0) + (30.0 if "lab" in item.fixturenames else 0.01)
+    weight = {name: measured.get(name, guess[name]) for name in guess}
+    order = {name: rank for rank, name in enumerate(sorted(weight, key=lambda n: -weight[n]))}
+    items.sort(key=lambda item: order[_file(item)])
+
+
+# Each file's seconds in a run (setup, call and teardown of its tests), for the order
+# above: `HOSTAGENT_TEST_TIMES=1 make test` writes them to tests/times.json at the end
+# (the process that prints the summary hears every test's report).
+TIMES = Path(__file__).with_name("times.json")
+_spent: dict[str, float] = {}
+
+
+def _file(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    name = report.nodeid.split("::", 1)[0]
+    _spent[name] = _spent.get(name, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if os.environ.get("HOSTAGENT_TEST_TIMES") and not hasattr(session.config, "workerinput"):
+        TIMES.write_text(json.dumps({name: round(seconds, 1) for name, seconds
+                                     in sorted(_spent.items())}, indent=0) + "\n")
 
 
 @pytest.hookimpl(wrapper=True)
