@@ -379,9 +379,10 @@ class KubeCluster:
 
     async def _uses_dra(self) -> bool:
         """gpu_api, or for "auto" what the node publishes: its ResourceSlices of the DRA
-        driver or its GPU capacity, awaited up to timeouts.ready while it publishes
-        neither (a lendee just booted). Kept with why in `gpu_api_from`. Raises
-        KubeError where the DRA API is refused (the message names what is missing)."""
+        driver or its GPU capacity, watched for up to timeouts.ready while it publishes
+        neither (a lendee just booted: the return goes on at the event that publishes
+        them). Kept with why in `gpu_api_from`. Raises KubeError where the DRA API is
+        refused (the message names what is missing)."""
         if self.settings.gpu_api is not GpuApi.AUTO:
             self.gpu_api_from = "kubernetes.gpu_api says so"
             return self.settings.gpu_api is GpuApi.DRA
@@ -390,7 +391,8 @@ class KubeCluster:
             try:
                 found = await self.kube.gpu_api_of(
                     self.node, driver=self.settings.dra_driver,
-                    resource=self.settings.gpu_resource, timeout=10)
+                    resource=self.settings.gpu_resource, timeout=10,
+                    wait=max(0.0, deadline - time.monotonic()))
             except (NodeNotFound, KubeUnavailable) as e:
                 found, self.gpu_api_from = None, f"node {self.node} unread ({e})"
             if found is not None:
@@ -402,7 +404,7 @@ class KubeCluster:
                                      f" ResourceSlices nor {self.settings.gpu_resource} in "
                                      f"{self.timeouts.ready:g} s: the device plugin expected")
                 return False
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)  # the node unread, or its watch cut: read again
 
     async def _restart_plugins(self, gpus: Iterable[str]) -> None:
         """The node's GPU plugins started again, to advertise `gpus` (a live change)."""

@@ -229,17 +229,25 @@ class Returns(Watches):
     # --- DRA: the node's devices ----------------------------------------------------------
 
     async def gpu_api_of(self, node: str, *, driver: str, resource: str,
-                         timeout: float | None = None) -> tuple[bool, str] | None:
+                         timeout: float | None = None,
+                         wait: float = 0.0) -> tuple[bool, str] | None:
         """Which API serves `node`'s GPUs, from what the node publishes: (True, why) for
         DRA, its ResourceSlices of `driver`; (False, why) for the device plugin, its
-        `resource` capacity; None while it publishes neither. Raises NodeNotFound,
+        `resource` capacity; None while it publishes neither, which `wait` seconds the
+        node and the slices are watched for (a lendee just booted: its plugins publish
+        soon, and the return goes on at that event). Raises NodeNotFound,
         KubeUnavailable, and KubeAuthError or KubeRequestError naming the right or the
         API version that is missing when the DRA API is refused."""
         deadline = self._deadline(timeout)
         current = await self._read_node(node, deadline)
-        capacity = (current.status.capacity if current.status is not None else None) or {}
-        if _gpus(current, resource) > 0 or str(capacity.get(resource, "0")) not in ("0", ""):
-            return False, f"node {node} advertises {resource} capacity (a device plugin)"
+
+        def advertises(n: Any) -> bool:
+            capacity = (n.status.capacity if n.status is not None else None) or {}
+            return _gpus(n, resource) > 0 or str(capacity.get(resource, "0")) not in ("0", "")
+
+        plugin = (False, f"node {node} advertises {resource} capacity (a device plugin)")
+        if advertises(current):
+            return plugin
         try:
             listed = await self._call(
                 f"list the ResourceSlices of {driver}",
@@ -259,11 +267,35 @@ class Returns(Watches):
                 "resource.k8s.io/v1 (DRA's API: Kubernetes 1.34 or later); set "
                 "kubernetes.gpu_api to say which API serves the GPUs", status=404,
                 reason=e.reason) from e
-        slices = dra.Slices(driver, node, dict(current.metadata.labels or {}))
+        labels = dict(current.metadata.labels or {})
+        slices = dra.Slices(driver, node, labels)
         slices.reset(listed.items or [])
         if devices := slices.every():
             return True, (f"node {node} publishes {len(devices)} {driver} device(s) in "
                           "ResourceSlices")
+        if wait <= 0:
+            return None
+        # Both followed at once, each read again as its watch starts: nothing published
+        # since the reads above is missed.
+        on_node = asyncio.create_task(self._watch_node(node, advertises, self._now() + wait))
+        on_slices = asyncio.create_task(self.wait_devices(
+            node, driver=driver, labels=labels, timeout=wait,
+            done=lambda seen: bool(seen.every())))
+        pending: set[asyncio.Task[Any]] = {on_node, on_slices}
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                if on_node in done and (last := on_node.result()[0]) is not None \
+                        and advertises(last):
+                    return plugin
+                if on_slices in done and (seen := on_slices.result()) is not None \
+                        and (devices := seen.every()):
+                    return True, (f"node {node} publishes {len(devices)} {driver} device(s) "
+                                  "in ResourceSlices")
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         return None
 
     async def dra_holders(self, node: str, *, driver: str, uuids: Collection[str],
@@ -289,10 +321,12 @@ class Returns(Watches):
 
     async def wait_devices(self, node: str, *, driver: str,
                            done: Callable[[dra.Slices], bool],
-                           timeout: float) -> dra.Slices | None:
-        """Follow the ResourceSlices of `driver` that are `node`'s until `done(slices)`
-        or `timeout`; the slices as last seen (None: never listed). Raises KubeAuthError."""
-        slices = dra.Slices(driver, node)
+                           timeout: float,
+                           labels: Mapping[str, str] | None = None) -> dra.Slices | None:
+        """Follow the ResourceSlices of `driver` that are `node`'s (its `labels` for the
+        slices' node selectors) until `done(slices)` or `timeout`; the slices as last seen
+        (None: never listed). Raises KubeAuthError."""
+        slices = dra.Slices(driver, node, labels)
         seen: list[dra.Slices] = []
         met = asyncio.Event()
 

@@ -293,6 +293,36 @@ async def test_a_lendee_destroyed_by_hand_comes_back_cordoned_until_verified(
     assert not (await node(api))["spec"].get("unschedulable")
 
 
+async def test_a_return_learns_which_api_serves_the_gpus_from_watches_not_a_poll(
+        api: Api, kube: Kube) -> None:
+    """The lendee just booted and its device plugin has found no GPU yet: the node
+    advertises none and no DRA driver publishes any. gpu_api "auto" watches the node
+    and the ResourceSlices and goes on at the event that brings the GPUs; it read both
+    again each second, which held a lend's uncordon up to a second after the node was
+    Ready with its GPUs (bench/cycle.py, against the real API server)."""
+    await boot(api, 0)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    cluster = cluster_for(kube)
+    returned = asyncio.create_task(cluster.give_back(["gpu-a", "gpu-b"]))
+    try:
+        await until(lambda: api.proxy.watching(r"^/api/v1/nodes$")
+                    and api.proxy.watching("/resourceslices$"))
+        assert not returned.done()
+    except BaseException:
+        returned.cancel()  # the return must not outlive the test
+        with contextlib.suppress(asyncio.CancelledError):
+            await returned
+        raise
+    await boot(api, 2)  # the device plugin publishes
+    assert await returned is None
+    assert cluster.gpu_api_from == "node gpu-node advertises nvidia.com/gpu capacity " \
+        "(a device plugin)"
+    assert not (await node(api))["spec"].get("unschedulable")
+    # One read of each before the watches, and one as each watch began: no poll.
+    lists = [p for p in api.proxy.requests_to("GET", "/resourceslices") if "watch=" not in p]
+    assert len(lists) == 2
+
+
 async def test_the_lendee_going_down_never_takes_an_administrators_cordon(
         api: Api, kube: Kube) -> None:
     await api.seed.patch_node("gpu-node", {"spec": {"unschedulable": True}})  # kubectl cordon

@@ -266,6 +266,21 @@ async def test_auto_tells_dra_from_the_node(lab: Lab) -> None:
     assert await of(driver="gpu.example.com") is None
 
 
+async def test_auto_waits_on_the_slices_a_driver_publishes_after_the_boot(lab: Lab) -> None:
+    """The lendee just booted, its driver's plugin not yet up: the return follows the
+    slices and decides DRA when they come, with the lent GPUs verified by UUID."""
+    await lab.kube.cordon(NODE, marker_prefix=PREFIX)
+    cluster = lab.cluster(config())
+    returned = asyncio.create_task(cluster.give_back(["gpu-a", "gpu-b"]))
+    await asyncio.sleep(0.3)  # the return is waiting: nothing published
+    assert not returned.done()
+    await publish(lab, UUID_A, UUID_B)
+    assert await returned is None
+    assert cluster.dra == {"gpu-a": UUID_A, "gpu-b": UUID_B}
+    assert cluster.gpu_api_from == f"node {NODE} publishes 2 {DRIVER} device(s) in ResourceSlices"
+    assert not await lab.unschedulable()
+
+
 async def test_a_mig_partitioned_gpu_is_matched_by_its_parent_uuid(lab: Lab) -> None:
     """The driver publishes a partitioned GPU as its MIG instances, each naming the GPU
     in ``parentUUID``: the lend is verified, and a pod on an instance holds that GPU."""
