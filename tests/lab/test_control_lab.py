@@ -26,6 +26,7 @@ import pytest
 from hostagent.ssh import PEER_INTERVAL
 
 from tests.lab.lab import Lab
+from tests.packaging.test_readme_commands import commands, readme_ssh
 
 pytestmark = pytest.mark.lab
 
@@ -155,8 +156,13 @@ def test_home_automation_over_ssh_with_openssh_and_asyncssh(lab: Lab, tmp_path: 
     assert lab.records(event="intent") == []
     assert lab.phases() == ["off>booting", "booting>joining", "joining>lent"]
 
-    # The button plays gaming1: progress streamed, exit 0 once it runs.
-    out = run(button, "play gaming1")
+    # The button plays gaming1, by README's Home Assistant line (its key, port, host and
+    # known_hosts the lab's): progress streamed, exit 0 once it runs.
+    shell_command = {c.split()[-2]: readme_ssh(c, port, {"/config/ssh/button_key": button},
+                                               known_hosts)
+                     for c in commands() if "hostagent@gaming-host.lan" in c}
+    out = subprocess.run(shell_command["play"], capture_output=True, text=True, timeout=90,
+                         stdin=subprocess.DEVNULL, check=False)
     assert out.returncode == 0, out
     lines = out.stdout.splitlines()
     assert any("draining gpu-node" in line for line in lines), lines
@@ -165,7 +171,8 @@ def test_home_automation_over_ssh_with_openssh_and_asyncssh(lab: Lab, tmp_path: 
 
     # ...and releases it through its guest agent; the lend follows by itself.
     lab.wait_agent("gaming1")
-    out = run(button, "release gaming1")
+    out = subprocess.run(shell_command["release"], capture_output=True, text=True, timeout=90,
+                         stdin=subprocess.DEVNULL, check=False)
     assert out.returncode == 0, out
     assert "shutting gaming1 down through its guest agent" in out.stdout
     assert "gpu-node gets its GPUs back in" in out.stdout
@@ -211,7 +218,8 @@ async def _asyncssh_refusals(port: int, known_hosts: Path, button: Path, strange
 
     async def run(line: str) -> int | None:
         async with _client(port, known_hosts, button) as conn:
-            return (await conn.run(line)).exit_status
+            status: int | None = (await conn.run(line)).exit_status
+            return status
 
     seen["gaming2"] = await run("play gaming2")
     codes = {await run(line) for line in INJECTIONS}

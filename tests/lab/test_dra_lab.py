@@ -13,6 +13,7 @@ import pytest
 from tests.lab.cluster import LabCluster, devices_seen, lab_cluster
 from tests.lab.lab import GPUS, LENDEE, Lab
 from tests.lab.test_kube_lab import annotations, eventually, lends
+from tests.packaging.test_readme_commands import commands
 
 pytestmark = pytest.mark.lab
 UUID = {gpu: uuid for gpu, (uuid, _) in GPUS.items()}
@@ -48,6 +49,14 @@ def test_a_dra_node_through_reclaim_partial_lend_and_regrow(lab: Lab) -> None:
         kc.add_gpu_job("train-1", UUID["gpu-a"])
         eventually(lambda: holders(kc) == "gpu-a=default/train-1-*",
                    "train-1 never named as gpu-a's holder")
+        # "`kubectl get resourceclaims` shows the pod's claim `allocated,reserved`, and
+        # `kubectl get resourceslices -o yaml` the device it holds, whose `uuid` is one that
+        # hostagent lent": README's commands, as written.
+        shown = ("kubectl get resourceclaims", "kubectl get resourceslices -o yaml")
+        assert set(shown) <= set(commands())
+        claims, slices = (kc.kubectl(*command.split()[1:]) for command in shown)
+        assert re.search(r"^train-1-\S+ +allocated,reserved ", claims, re.M), claims
+        assert UUID["gpu-a"] in slices, slices
 
         # gaming1 takes gpu-a: the job is drained, then the lendee comes back with the rest.
         lab.play("gaming1")

@@ -14,6 +14,7 @@ import pytest
 from tests.lab.cluster import lab_cluster
 from tests.lab.lab import GPUS, LENDEE, Lab
 from tests.lab.test_kube_lab import annotations, eventually, lends
+from tests.lab.test_readme_commands_lab import journalctl
 
 pytestmark = pytest.mark.lab
 
@@ -35,6 +36,10 @@ def test_a_regrow_by_hot_add_lends_the_freed_gpu_without_a_restart(lab: Lab) -> 
         eventually(lambda: any("and lent, with no restart" in e["MESSAGE"]
                                for e in lab.records(event="hotplug", result="ok")),
                    "the hot-add of gpu-a", timeout=120)
+        # "Each step is journaled (`journalctl -u hostagent HOSTAGENT_EVENT=hotplug`)".
+        steps = [e["MESSAGE"] for e in lab.records(event="hotplug")]
+        shown = journalctl(lab, "journalctl -u hostagent HOSTAGENT_EVENT=hotplug")
+        assert len(steps) > 1 and shown[:len(steps)] == steps, shown
         phases = lab.phases()
         # Lent twice, then no drain, no stop: the second lend's instance runs on.
         assert phases[-1] == "joining>lent" and phases.count("joining>lent") == 2, phases
