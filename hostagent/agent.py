@@ -62,6 +62,7 @@ from hostagent.model import (
     Regrow,
     State,
     Topology,
+    VmStopped,
 )
 from hostagent.parts import Cluster, Kept, NoCluster, Progress
 from hostagent.recorder import Recorder
@@ -115,10 +116,6 @@ def _host_stopping() -> bool:
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.stdout.strip() == "stopping"
-
-
-async def _await(task: asyncio.Task[None]) -> None:
-    await task
 
 
 def _persisted(state: State) -> tuple[object, ...]:
@@ -514,7 +511,7 @@ class Agent:
         if task in done:
             task.result()  # a StartupError: a person must fix the configuration
             return
-        self.executor.spawn(_await(task))
+        self.executor.spawn(asyncio.wait_for(task, None))
 
     def _load(self) -> None:
         saved, warning = persisted.load_state(self.cfg.state_file)
@@ -722,6 +719,8 @@ class Agent:
                     journal.record("owner", f"{domain} stopped: {gpus} free; {then}",
                                    vm=domain, from_="running", to="off", result="ok",
                                    holders=self.recorder.holders())
+        elif kind is Lifecycle.STOPPED:  # another VM: an IOMMU group it held is free
+            self.apply(VmStopped(at=now, vm=domain))
 
     async def _watchdog(self, interval: float) -> None:
         # Sent from the loop itself: a blocked loop stops the pings and systemd restarts us.

@@ -17,6 +17,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from hostagent.model import (
     DrainFailed,
     FailIntent,
     ForceOff,
+    GroupsHeld,
     KubeReturn,
     LendeeStopped,
     Phase,
@@ -64,7 +66,7 @@ class Executor:
     (a start's that was lost), `fail` ends the agent (a bug in a step), and no step of
     the lendee's begins before `serving` is set (its own hook must find the socket)."""
 
-    sysfs: Path = inventory.SYSFS  # where the IOMMU groups are read (`iommu.refusal`)
+    sysfs: Path = inventory.SYSFS  # where the IOMMU groups are read (`iommu.holders`)
 
     def __init__(self, cfg: Config, topo: Topology, view: View, apply: Apply, *,
                  libvirt: Libvirt, cluster: Cluster, progress: Progress,
@@ -280,11 +282,15 @@ class Executor:
         request may have been withdrawn meanwhile); from then until its outcome is
         applied, `vm` is in `starting`: a start that can no longer be withdrawn.
         A VM is not started with GPUs whose IOMMU group another running VM holds part of
-        (`iommu.refusal`): the start fails with the group, the device and the VM."""
+        (`iommu.holders`): an owner's start fails with the group, the device and the VM;
+        the lendee's is reported as `GroupsHeld`, for the machine to start it without."""
         labels = self.cfg.owners[vm].gpus if gpus is None and vm != self.lendee else gpus
-        refusal = await self.group_refusal(vm, frozenset(labels or ()))
-        if refusal is not None:
-            self.apply(StartFailed(at=clock.now(), vm=vm, reason=refusal))
+        held, why = await self.held_groups(vm, frozenset(labels or ()))
+        if held and vm == self.lendee and gpus is not None:
+            await self.report_held(GroupsHeld(at=clock.now(), gpus=gpus, held=held, reason=why))
+            return
+        if held:
+            self.apply(StartFailed(at=clock.now(), vm=vm, reason=why))
             return
         if self.cfg.policy.lint_before_start:
             refusal = await self._lint_before_start(vm)
@@ -340,16 +346,28 @@ class Executor:
                 f"/var/log/libvirt/qemu/{vm}.log, says why)")))
         return True
 
-    async def group_refusal(self, vm: str, gpus: frozenset[str]) -> str | None:
-        """Why `vm` may not take `gpus` now (`iommu.refusal`), journaled, or None."""
+    async def held_groups(self, vm: str, gpus: frozenset[str]) -> tuple[dict[str, str], str]:
+        """Those of `gpus` whose IOMMU group another running VM holds part of, each with
+        that VM (`iommu.holders`), and why `vm` was given none of `gpus`, journaled."""
         config = {g: self.cfg.gpus[g] for g in gpus if g in self.cfg.gpus}
-        refusal = await iommu.refusal(self.libvirt, vm, config, self.sysfs)
-        if refusal is None:
-            return None
-        journal.record("iommu", f"{vm} may not take {', '.join(sorted(gpus))}: {refusal}",
+        found = await iommu.holders(self.libvirt, vm, config, self.sysfs)
+        if not found:
+            return {}, ""
+        why = "; ".join(found[label][1] for label in sorted(found))
+        journal.record("iommu", f"{vm} may not take {', '.join(sorted(gpus))}: {why}",
                        vm=vm, result="refused", gpus=",".join(sorted(gpus)),
                        priority=journal.Priority.ERR)
-        return f"hostagent did not give {vm} {', '.join(sorted(gpus))}: {refusal}"
+        held = {label: other for label, (other, _) in found.items()}
+        return held, f"hostagent did not give {vm} {', '.join(sorted(gpus))}: {why}"
+
+    async def report_held(self, event: GroupsHeld) -> None:
+        """Apply `event`, naming only the VMs that still run: the stop of one that stopped
+        since it was read came before the machine knew it held a group, and would be
+        lost on it (held for none, the GPUs are tried again at once)."""
+        with contextlib.suppress(HostError):
+            running = await self.libvirt.running_domains()
+            event = replace(event, held={g: vm for g, vm in event.held.items() if vm in running})
+        self.apply(event)
 
     def lendee_gpu_config(self) -> dict[str, Any]:
         """The configured GPUs the lendee may borrow, by label (their PCI functions)."""

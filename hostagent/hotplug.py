@@ -4,7 +4,8 @@ Hot-add: the GPUs a game freed join the running lendee, no drain, no restart.
 
 The machine decides (`AttachGpus`, with ``policy.hotplug = "add"``); this is the
 executor's step, in four bounded parts, each of which must hold before the next, once
-no other running VM holds part of the GPUs' IOMMU groups (`iommu.refusal`):
+no other running VM holds part of the GPUs' IOMMU groups (`iommu.holders`; if one does,
+none is attached and the machine hears `GroupsHeld`, no failure):
 
 1. libvirt attaches every function of the GPUs live (`Libvirt.attach_live`: as the
    persistent definition has them, each into the ``pcie-root-port`` it names, which the
@@ -62,7 +63,8 @@ from hostagent import clock, journal
 from hostagent import verify as in_guest
 from hostagent.config import Config
 from hostagent.libvirt_host import ExecResult, HostError, Libvirt
-from hostagent.model import AttachFailed, DetachFailed, GpusAttached, GpusDetached, Topology
+from hostagent.model import (AttachFailed, DetachFailed, GpusAttached, GpusDetached, GroupsHeld,
+                             Topology)
 from hostagent.parts import Apply, Cluster, View
 from hostagent.text import clean
 
@@ -81,7 +83,10 @@ class Step(Protocol):
 
     def lendee_gpu_config(self) -> dict[str, Any]: ...
 
-    async def group_refusal(self, vm: str, gpus: frozenset[str]) -> str | None: ...
+    async def held_groups(self, vm: str,
+                          gpus: frozenset[str]) -> tuple[dict[str, str], str]: ...
+
+    async def report_held(self, event: GroupsHeld) -> None: ...
 
     async def _verify_gpus(self, ticket: int, lent: frozenset[str]) -> str | None: ...
 
@@ -96,9 +101,14 @@ async def hot_add(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
     names = ", ".join(sorted(gpus))
     journal.record("hotplug", f"attaching {names} to {lendee} while it runs", vm=lendee,
                    result="started", gpus=",".join(sorted(gpus)))
-    problem, settled = await ex.group_refusal(lendee, gpus), True
-    if problem is None:
-        problem, settled = await _attach(ex, gpus)
+    others, why = await ex.held_groups(lendee, gpus)
+    if others:
+        journal.record("hotplug", f"did not add {names} to {lendee}: {why}", vm=lendee,
+                       result="refused", gpus=",".join(sorted(gpus)))
+        await ex.report_held(GroupsHeld(at=clock.now(), ticket=ticket, gpus=gpus, held=others,
+                                        reason=why))
+        return
+    problem, settled = await _attach(ex, gpus)
     if problem is None and ex.view.state.ticket == ticket:
         problem = await ex._verify_gpus(ticket, ex.view.state.lent)
     if problem is None and ex.view.state.ticket == ticket:

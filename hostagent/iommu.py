@@ -5,7 +5,7 @@ device of another kind in a GPU's group (a USB controller passed through to some
 VM) stays where it is, and while its VM runs it holds the whole group: libvirt then
 refuses the start of a VM with the GPU, or, with hot-add, may be asked to attach it to
 the running lendee. `hostagent lint` says so as an error; the agent asks too, before it
-starts a VM with GPUs or attaches them live (`refusal`), so that the request is answered
+starts a VM with GPUs or attaches them live (`holders`), so that the request is answered
 with the group, the device and the VM that holds it, instead of a failure of libvirt's.
 
 The groups are read from sysfs when asked (as `hostagent.gpus` reads them), the holders
@@ -39,31 +39,34 @@ def group_members(gpus: Mapping[str, Gpu],
     return members
 
 
-async def refusal(libvirt: Libvirt, vm: str, gpus: Mapping[str, Gpu],
-                  sysfs: Path = inventory.SYSFS) -> str | None:
-    """Why `vm` may not take `gpus` now (another running domain holds a member of one
-    of their IOMMU groups), or None. What libvirt cannot tell now is left to the start
-    or the attach itself, which will say what is wrong."""
+async def holders(libvirt: Libvirt, vm: str, gpus: Mapping[str, Gpu],
+                  sysfs: Path = inventory.SYSFS) -> dict[str, tuple[str, str]]:
+    """Those of `gpus` that `vm` may not take now, by label, each with the other running
+    domain that holds a member of its IOMMU group and a sentence that says so. What
+    libvirt cannot tell now is left to the start or the attach itself, which will say
+    what is wrong."""
     members = await asyncio.to_thread(group_members, gpus, sysfs)
     if not members:
-        return None
+        return {}
     try:
         others = sorted(await libvirt.running_domains() - {vm})
     except HostError:
-        return None
+        return {}
+    found: dict[str, tuple[str, str]] = {}
     for other in others:
         try:
             dom = lint.parse_domain(await libvirt.xml(other))
         except (HostError, ValueError):
             continue  # stopped meanwhile, or not XML: it holds nothing we can name
         for hostdev in dom.hostdevs:
-            if hostdev.address in members:
+            if hostdev.address in members and members[hostdev.address][0] not in found:
                 label, group = members[hostdev.address]
                 gpu = gpus[label]
                 whose = ("a function of" if hostdev.address in gpu.pci_functions
                          else f"in IOMMU group {group} with")
-                return (f"{other} holds {hostdev.address} ({whose} {gpu}) and runs: VFIO "
-                        f"gives IOMMU group {group} to one VM at a time, so {vm} cannot "
-                        f"have {label} until {other} stops (`hostagent lint` says how to "
-                        "give the GPU a group of its own)")
-    return None
+                found[label] = (other, (
+                    f"{other} holds {hostdev.address} ({whose} {gpu}) and runs: VFIO "
+                    f"gives IOMMU group {group} to one VM at a time, so {vm} cannot "
+                    f"have {label} until {other} stops (`hostagent lint` says how to "
+                    "give the GPU a group of its own)"))
+    return found

@@ -10,11 +10,12 @@ The cycle
 ---------
 One lendee VM (a Kubernetes worker) borrows GPUs that owner VMs (games) own. Each
 start of the lendee takes the GPUs that are free then (`free_gpus`: no owner runs,
-starts or waits with them or with their IOMMU group), all of its GPUs or none unless
-``policy.partial``, and at least ``min_gpus``; the set it took is ``lent``. An owner
-that needs a lent GPU reclaims the lendee (a drain, then a shutdown), and may only start
-once the lendee is off; the lendee starts again later with what is free then. GPUs that
-free up while it runs are taken by restarting it (a regrow, per ``policy.regrow``)::
+starts or waits with them or with their IOMMU group, no other VM holds part of that:
+`GroupsHeld`), all of its GPUs or none unless ``policy.partial``, and at least
+``min_gpus``; the set it took is ``lent``. An owner that needs a lent GPU reclaims the
+lendee (a drain, then a shutdown), and may only start once the lendee is off; the lendee
+starts again later with what is free then. GPUs that free up while it runs are taken by
+restarting it (a regrow, per ``policy.regrow``)::
 
               RelendDue → StartLendee,
         ┌──── then LendeeStarted ─────┐
@@ -113,6 +114,7 @@ from hostagent.model import (
     GpuPods,
     GpusAttached,
     GpusDetached,
+    GroupsHeld,
     Hold,
     Hotplug,
     Intent,
@@ -141,7 +143,10 @@ from hostagent.model import (
     StartOwner,
     State,
     Topology,
+    VmStopped,
     WaitAgent,
+    holders,
+    still_wanted,
 )
 
 __all__ = [
@@ -201,7 +206,7 @@ def _stale(state: State, event: Event, why: str) -> IllegalTransition:
 
 _Report = (
     AgentUp | AgentTimeout | Drained | DrainFailed | ShutdownTimeout | ReturnDone | ReturnFailed
-    | GpusAttached | AttachFailed | GpusDetached | DetachFailed
+    | GpusAttached | AttachFailed | GpusDetached | DetachFailed | GroupsHeld
 )
 
 
@@ -236,10 +241,11 @@ def _in_the_way(state: State, topo: Topology) -> list[str]:
 
 def free_gpus(state: State, topo: Topology, policy: Policy) -> frozenset[str]:
     """The lendee's GPUs that no owner holds, starts with or waits for, nor shares an
-    IOMMU group with: what a lendee start takes. All or nothing unless ``policy.partial``."""
+    IOMMU group with, and whose group no other VM holds (``held``): what a lendee start
+    takes. All or nothing unless ``policy.partial``."""
     owners = state.running_owners | state.starting_owners | {*state.waiting_owners,
                                                              *state.reserved}
-    claimed = topo.whole(topo.gpus_of(owners)) & topo.lendee_gpus
+    claimed = topo.whole(topo.gpus_of(owners) | state.held.keys()) & topo.lendee_gpus
     if claimed and not policy.partial:
         return frozenset()
     return topo.lendee_gpus - claimed
@@ -516,11 +522,51 @@ def _owner_stopped(state: State, event: OwnerStopped, ctx: _Ctx) -> _Outcome:
     if event.owner not in state.running_owners | state.starting_owners:
         raise _stale(state, event, f"{event.owner} was not running")
     new = replace(
-        state,
+        _release(state, event.owner),
         running_owners=state.running_owners - {event.owner},
         starting_owners=state.starting_owners - {event.owner},
     )
     return _schedule_relend(new, ctx, event.at + ctx.policy.relend_delay)
+
+
+def _vm_stopped(state: State, event: VmStopped, ctx: _Ctx) -> _Outcome:
+    """A VM that held part of GPUs' IOMMU groups stopped: they are free, and the usual
+    relend or regrow takes them after `relend_delay`, as after a game's stop."""
+    if event.vm not in state.held.values():
+        raise _stale(state, event, f"{event.vm} holds no IOMMU group of the lendee's GPUs")
+    return _schedule_relend(_release(state, event.vm), ctx, event.at + ctx.policy.relend_delay)
+
+
+def _release(state: State, vm: str) -> State:
+    """The groups `vm` held free, and in OFF the reason they gave gone: lending goes on."""
+    if vm not in state.held.values():
+        return state
+    held = {gpu: by for gpu, by in state.held.items() if by != vm}
+    return replace(state, held=held, reason=None if state.phase is Phase.OFF else state.reason)
+
+
+def _groups_held(state: State, event: GroupsHeld, ctx: _Ctx) -> _Outcome:
+    """OFF starting, or LENT attaching: the lendee got none of the GPUs, as another VM
+    holds part of the IOMMU group of some (``held``). They are not free until it stops,
+    as if a game ran with them, and no restart would get them: the start is made again
+    at once with what is free (if enough: else OFF, with the reason), and a hot-add
+    leaves the lendee LENT, the rest attached by the regrow that follows, not a restart."""
+    held = {**state.held, **event.held}
+    if event.ticket is not None:
+        _check_ticket(state, event)
+        if event.gpus != state.attaching:
+            raise _stale(state, event, "not the GPUs being attached")
+        new = _enter(state, Phase.LENT, lent=state.lent - state.attaching, held=held)
+        return _schedule_relend(new, ctx, event.at)
+    if state.phase is not Phase.OFF or not state.lendee_starting or event.gpus != state.lent:
+        raise _stale(state, event, f"no start of {ctx.topo.lendee} with those GPUs is in flight")
+    new = replace(state, lendee_starting=False, lent=frozenset(), reclaiming=False, held=held,
+                  reason=None)
+    if len(free_gpus(new, ctx.topo, ctx.policy)) < ctx.policy.min_gpus:
+        new = replace(new, reason=f"{event.reason}; {ctx.topo.lendee} is not started until then")
+    starts = _start_waiting(new, ctx.topo)
+    new, relend = _schedule_relend(new, ctx, event.at)
+    return new, starts + relend
 
 
 def _owner_starting(state: State, event: OwnerStarting, ctx: _Ctx) -> _Outcome:
@@ -693,6 +739,7 @@ def _observed(state: State, event: Observed, ctx: _Ctx) -> _Outcome:
         intents=tuple(kept),
         lendee_starting=False,
         regrow_waiting=False,
+        held={},  # learnt again by the next start or hot-add: a stop may have been missed
     )
     if event.lendee_running:
         # Same instance or not, nobody knows: its agent must answer again.
@@ -1045,6 +1092,7 @@ _EVERY_PHASE = dict(
         _on(Reclaim, _reclaim_by_hand),
         _on(Reserve, _reserve),
         _on(Observed, _observed),
+        _on(VmStopped, _vm_stopped),
     ]
 )
 
@@ -1053,7 +1101,8 @@ _STOPS = dict([_on(LendeeStopped, _lendee_stopped)])
 
 _BY_PHASE: dict[Phase, dict[type[Event], _Rule]] = {
     # Off: it can only start, by the relend timer or by hand.
-    Phase.OFF: dict([_on(RelendDue, _relend_due), _on(LendeeStarted, _lendee_started)]),
+    Phase.OFF: dict([_on(RelendDue, _relend_due), _on(LendeeStarted, _lendee_started),
+                     _on(GroupsHeld, _groups_held)]),
     # Booting: only its agent's answer (or silence) moves it on.
     Phase.BOOTING: dict([_on(AgentUp, _agent_up_booting),
                          _on(AgentTimeout, _agent_timeout_booting), *_STOPS.items()]),
@@ -1063,7 +1112,8 @@ _BY_PHASE: dict[Phase, dict[type[Event], _Rule]] = {
     # Lent: steady state; an owner (above), a regrow or a stop moves it.
     Phase.LENT: dict([_on(RelendDue, _regrow_due), _on(GpusAttached, _gpus_attached),
                       _on(AttachFailed, _attach_failed), _on(GpusDetached, _gpus_detached),
-                      _on(DetachFailed, _detach_failed), *_STOPS.items()]),
+                      _on(DetachFailed, _detach_failed), _on(GroupsHeld, _groups_held),
+                      *_STOPS.items()]),
     # Draining: the drain's verdict. Reports of the boot road are stale here.
     Phase.DRAINING: dict([_on(Drained, _drained), _on(DrainFailed, _drain_failed),
                           *_STOPS.items()]),
@@ -1196,49 +1246,3 @@ def verdict(
                 f"hostagent retries now, and {later} once {lendee} stops"
             )
     return "defer", f"{what} ({FOLLOW})"
-
-
-def still_wanted(state: State, action: Action, *, topo: Topology) -> bool:
-    """Whether `action`, emitted earlier, should still be run in `state`.
-
-    The executor asks just before it runs an action, and skips (and logs) the ones that
-    went stale in the queue. The lendee's actions are wanted while their ticket is
-    current. A `StartOwner` while its owner still waits and the lendee neither holds
-    nor is getting its GPUs: a start nobody waits for any more would be deferred by the
-    hook, which would record it as a *new* request and start a game nobody asked for.
-    A `StartLendee` while its start, with that set, is expected. The rest (timers,
-    answers to callers) always.
-    """
-    match action:
-        case Drain() | WaitAgent() | ShutdownLendee() | ForceOff() | KubeReturn():
-            return action.ticket == state.ticket
-        case AttachGpus(ticket=ticket, gpus=gpus):
-            return ticket == state.ticket and gpus == state.attaching
-        case DetachGpus(ticket=ticket, gpus=gpus):
-            return ticket == state.ticket and gpus == state.detaching
-        case StartOwner(owner=owner):
-            if not state.intents_of(owner) or owner in state.running_owners:
-                return False
-            return not topo.claims(owner) & state.lent
-        case StartLendee(gpus=gpus):
-            return state.lendee_starting and gpus == state.lent
-    return True
-
-
-def holders(state: State, topo: Topology) -> dict[str, str | None]:
-    """Which running VM holds each GPU, as the machine knows it (for ``status``).
-
-    A GPU that both a running owner and a running lendee claim (a topology reality
-    contradicted, see `_owner_started`) is shown as the owner's: its claim comes first,
-    and the lendee's phase already says it is being reclaimed.
-    """
-    out: dict[str, str | None] = {}
-    for gpu in sorted(topo.gpus):
-        owner = next((o for o in sorted(state.running_owners) if gpu in topo.owners[o]), None)
-        if owner is not None:
-            out[gpu] = owner
-        elif gpu in state.lent and state.phase.lendee_running:
-            out[gpu] = topo.lendee
-        else:
-            out[gpu] = None
-    return out

@@ -15,6 +15,9 @@ Three kinds of values live here:
   agent's clock in seconds) and actions (requests to the executor). Events and actions
   are frozen dataclasses with keyword-only fields: they are messages, never mutated.
 
+Two pure questions asked of the state outside the machine end it: who holds each GPU
+(`holders`) and whether an action is still wanted (`still_wanted`).
+
 Tickets
 -------
 The executor runs actions concurrently with everything else, so an action can outlive
@@ -63,6 +66,7 @@ __all__ = [
     "GpuPods",
     "GpusAttached",
     "GpusDetached",
+    "GroupsHeld",
     "Hold",
     "Hotplug",
     "Intent",
@@ -92,7 +96,10 @@ __all__ = [
     "StartOwner",
     "State",
     "Topology",
+    "VmStopped",
     "WaitAgent",
+    "holders",
+    "still_wanted",
 ]
 
 
@@ -309,6 +316,9 @@ class State:
     (they enumerate GPUs when they start). Cleared once it is lent again, or off.
     ``reservations``: players' reservations (`hostagent.reserve`); those that hold keep
     their owners' GPUs from the lendee (``reserved``) as a waiting owner's are kept.
+    ``held``: GPUs the lendee was refused because another running VM holds a member of
+    their IOMMU group (a USB controller passed through to it), each with that VM: they
+    are not free until it stops (`GroupsHeld`, `VmStopped`).
     """
 
     phase: Phase = Phase.OFF
@@ -334,6 +344,7 @@ class State:
     unplug_stuck: bool = False
     replug: bool = False
     reservations: tuple[Reservation, ...] = ()
+    held: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     @property
     def reserved(self) -> frozenset[str]:
@@ -514,6 +525,25 @@ class RelendDue(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class GroupsHeld(Event):
+    """Report of `StartLendee` (``ticket`` None) or `AttachGpus`: the lendee was given
+    none of ``gpus`` (libvirt was not asked), because another running VM holds a member
+    of the IOMMU group of each GPU in ``held`` (GPU -> that VM; `hostagent.iommu`)."""
+
+    ticket: int | None = None
+    gpus: frozenset[str]
+    held: Mapping[str, str] = field(hash=False)
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class VmStopped(Event):
+    """libvirt: a VM that is neither the lendee nor an owner stopped."""
+
+    vm: str
+
+
+@dataclass(frozen=True, kw_only=True)
 class StartFailed(Event):
     """Report of `StartOwner` or `StartLendee`: `vm` could not be started."""
 
@@ -665,3 +695,52 @@ class CompleteIntent(Action):
 
     intent_id: str
     owner: str
+
+
+# --- questions the executor and status ask of the state --------------------------------
+
+
+def holders(state: State, topo: Topology) -> dict[str, str | None]:
+    """Which running VM holds each GPU, as the machine knows it (for ``status``).
+
+    A GPU that both a running owner and a running lendee claim (a topology reality
+    contradicted, see `hostagent.machine`) is shown as the owner's: its claim comes first,
+    and the lendee's phase already says it is being reclaimed.
+    """
+    out: dict[str, str | None] = {}
+    for gpu in sorted(topo.gpus):
+        owner = next((o for o in sorted(state.running_owners) if gpu in topo.owners[o]), None)
+        if owner is not None:
+            out[gpu] = owner
+        elif gpu in state.lent and state.phase.lendee_running:
+            out[gpu] = topo.lendee
+        else:
+            out[gpu] = None
+    return out
+
+
+def still_wanted(state: State, action: Action, *, topo: Topology) -> bool:
+    """Whether `action`, emitted earlier, should still be run in `state`.
+
+    The executor asks just before it runs an action, and skips (and logs) the ones that
+    went stale in the queue. The lendee's actions are wanted while their ticket is
+    current. A `StartOwner` while its owner still waits and the lendee neither holds
+    nor is getting its GPUs: a start nobody waits for any more would be deferred by the
+    hook, which would record it as a *new* request and start a game nobody asked for.
+    A `StartLendee` while its start, with that set, is expected. The rest (timers,
+    answers to callers) always.
+    """
+    match action:
+        case Drain() | WaitAgent() | ShutdownLendee() | ForceOff() | KubeReturn():
+            return action.ticket == state.ticket
+        case AttachGpus(ticket=ticket, gpus=gpus):
+            return ticket == state.ticket and gpus == state.attaching
+        case DetachGpus(ticket=ticket, gpus=gpus):
+            return ticket == state.ticket and gpus == state.detaching
+        case StartOwner(owner=owner):
+            if not state.intents_of(owner) or owner in state.running_owners:
+                return False
+            return not topo.claims(owner) & state.lent
+        case StartLendee(gpus=gpus):
+            return state.lendee_starting and gpus == state.lent
+    return True

@@ -432,8 +432,12 @@ class AddStep:
     def lendee_gpu_config(self) -> dict[str, object]:
         return dict(self.cfg.gpus)
 
-    async def group_refusal(self, vm: str, gpus: frozenset[str]) -> str | None:
-        return None  # no other VM holds part of a GPU's IOMMU group (tests/unit/test_iommu.py)
+    async def held_groups(self, vm: str,
+                          gpus: frozenset[str]) -> tuple[dict[str, str], str]:
+        return {}, ""  # no other VM holds part of a GPU's IOMMU group (test_iommu.py)
+
+    async def report_held(self, event: object) -> None:
+        self.apply(event)
 
     def apply(self, event: object) -> bool:
         self.applied.append(event)

@@ -51,6 +51,7 @@ from hostagent.model import (
     GpuPods,
     GpusAttached,
     GpusDetached,
+    GroupsHeld,
     Hold,
     Intent,
     IntentSource,
@@ -78,6 +79,7 @@ from hostagent.model import (
     StartOwner,
     State,
     Topology,
+    VmStopped,
     WaitAgent,
 )
 from tests.unit.machine_scaffold import (
@@ -697,14 +699,14 @@ def test_transition(
 def test_every_legal_pair_has_a_row_or_a_scenario() -> None:
     """The table is the machine: this is its whole shape, reviewed here on purpose."""
     every = {OwnerWants, OwnerStarted, OwnerStopped, StartFailed, Hold, Resume, Reclaim,
-             Observed, OwnerStarting, CancelIntent, GpuPods, Reserve}
+             Observed, OwnerStarting, CancelIntent, GpuPods, Reserve, VmStopped}
     running_stop = {LendeeStopped}
     expected = {
-        Phase.OFF: every | {RelendDue, LendeeStarted},
+        Phase.OFF: every | {RelendDue, LendeeStarted, GroupsHeld},
         Phase.BOOTING: every | running_stop | {AgentUp, AgentTimeout},
         Phase.JOINING: every | running_stop | {ReturnDone, ReturnFailed},
         Phase.LENT: every | running_stop | {RelendDue, GpusAttached, AttachFailed,
-                                            GpusDetached, DetachFailed},
+                                            GpusDetached, DetachFailed, GroupsHeld},
         Phase.DRAINING: every | running_stop | {Drained, DrainFailed},
         Phase.STOPPING: every | running_stop | {AgentUp, AgentTimeout, ShutdownTimeout},
         Phase.FAILED: every | running_stop,
@@ -717,10 +719,10 @@ def test_every_legal_pair_has_a_row_or_a_scenario() -> None:
     covered = {(row[1].phase, type(row[2])) for row in ROWS}
     # Observed is covered by its own tests below, the events of partial lending (and a
     # regrow due in LENT) in test_partial.py, those of a hot-add in test_hotplug.py and
-    # of a hot-unplug in test_unplug.py, reservations in test_reserve.py; the rest must
-    # each have a row.
+    # of a hot-unplug in test_unplug.py, reservations in test_reserve.py, IOMMU groups
+    # another VM holds in test_iommu.py; the rest must each have a row.
     partial = {Observed, OwnerStarting, CancelIntent, GpuPods, GpusAttached, AttachFailed,
-               GpusDetached, DetachFailed, Reserve}
+               GpusDetached, DetachFailed, Reserve, GroupsHeld, VmStopped}
     rest = {k for k in TRANSITIONS if k[1] not in partial and k != (Phase.LENT, RelendDue)}
     assert rest <= covered
 
@@ -754,6 +756,8 @@ EXAMPLES: list[Event] = [
     GpusDetached(at=AT, ticket=T, gpus=frozenset({"gpu-a"})),
     DetachFailed(at=AT, ticket=T, gpus=frozenset({"gpu-a"}), reason="x"),
     Reserve(at=AT, reservations=()),
+    GroupsHeld(at=AT, ticket=T, gpus=frozenset({"gpu-a"}), held={"gpu-a": "usbvm"}, reason="x"),
+    VmStopped(at=AT, vm="usbvm"),
 ]
 
 
