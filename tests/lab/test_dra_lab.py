@@ -13,6 +13,7 @@ import pytest
 from tests.lab.cluster import LabCluster, devices_seen, lab_cluster
 from tests.lab.lab import GPUS, LENDEE, Lab
 from tests.lab.test_kube_lab import annotations, eventually, lends
+from tests.packaging.test_readme import README
 from tests.packaging.test_readme_commands import commands
 
 pytestmark = pytest.mark.lab
@@ -57,6 +58,15 @@ def test_a_dra_node_through_reclaim_partial_lend_and_regrow(lab: Lab) -> None:
         claims, slices = (kc.kubectl(*command.split()[1:]) for command in shown)
         assert re.search(r"^train-1-\S+ +allocated,reserved ", claims, re.M), claims
         assert UUID["gpu-a"] in slices, slices
+        # `hostagent status` as README quotes it, with the lab's count, GPU and pod.
+        status = lab.hostagent("status").stdout
+        said = re.findall(r'`hostagent status` \("([^"]+)"\)', " ".join(README.read_text().split()))
+        assert len(said) == 2, said
+        for quoted in said:
+            pattern = (re.escape(quoted).replace(r"publishes\ 2", r"publishes\ \d+")
+                       .replace(re.escape("gpu-b"), "gpu-a")
+                       .replace(re.escape("ml/train-1"), "default/train-1-[a-z0-9]{5}"))
+            assert re.search(pattern, status), (quoted, status)
 
         # gaming1 takes gpu-a: the job is drained, then the lendee comes back with the rest.
         lab.play("gaming1")
