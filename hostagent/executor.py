@@ -40,6 +40,7 @@ from hostagent.model import (
     FailIntent,
     ForceOff,
     GroupsHeld,
+    GroupsTaken,
     KubeReturn,
     LendeeStopped,
     Phase,
@@ -53,6 +54,7 @@ from hostagent.model import (
     StartLendee,
     StartOwner,
     Topology,
+    VmStopped,
     WaitAgent,
 )
 from hostagent.parts import Apply, Cluster, Facts, Progress, View
@@ -369,6 +371,22 @@ class Executor:
             event = replace(event, held={g: vm for g, vm in event.held.items() if vm in running})
         self.apply(event)
 
+    async def groups(self, stopped: str | None = None) -> None:
+        """The IOMMU groups of the lendee's GPUs that other VMs hold: those `stopped` (a VM
+        neither the lendee nor an owner) held are free (`VmStopped`); else (another VM
+        started, or the agent read the world anew) those the running VMs hold now
+        (`GroupsTaken`), so that no regrow by restart is begun for GPUs it cannot get."""
+        if stopped is not None:
+            self.apply(VmStopped(at=clock.now(), vm=stopped))
+            return
+        found = await iommu.holders(self.libvirt, self.lendee, self.lendee_gpu_config(),
+                                    self.sysfs)
+        if found and self.apply(GroupsTaken(at=clock.now(), held={
+                label: other for label, (other, _) in found.items()})):
+            journal.record("iommu", f"{self.lendee} may not take {', '.join(sorted(found))} "
+                           f"now: {'; '.join(found[g][1] for g in sorted(found))}",
+                           vm=self.lendee, result="held", gpus=",".join(sorted(found)))
+
     def lendee_gpu_config(self) -> dict[str, Any]:
         """The configured GPUs the lendee may borrow, by label (their PCI functions)."""
         return {label: self.cfg.gpus[label] for label in self.topo.lendee_gpus
@@ -413,8 +431,10 @@ class Executor:
         """Ask the driver in the lendee which GPUs it sees; None if exactly the lent ones.
 
         Retried until verify.timeout: the guest agent answers before the NVIDIA driver
-        has always loaded. The outcome is one journal record, an error naming the
-        missing GPUs and the usual causes when it fails."""
+        has always loaded, and the uncordon waits on the query that finds it, so the
+        queries come soon after one another (0.25 s, then at most a second apart: one
+        nvidia-smi at a time in the guest). The outcome is one journal record, an error
+        naming the missing GPUs and the usual causes when it fails."""
         method = self.cfg.verify.method
         if method is VerifyMethod.NONE:
             return None
@@ -423,6 +443,7 @@ class Executor:
                     for label in sorted(lent)
                     for gpu in [self.cfg.gpus.get(label)]]
         deadline = time.monotonic() + self.cfg.verify.timeout
+        pause = 0.25
         while True:
             bound = max(1.0, min(30.0, deadline - time.monotonic()))
             try:
@@ -430,9 +451,11 @@ class Executor:
             except (HostError, in_guest.VerifyError) as e:
                 outcome = in_guest.Outcome(seen=(), missing=tuple(expected), problem=(
                     f"could not run {self.cfg.verify.command} through {method}: {e}"))
-            if outcome.ok or not self._current(ticket) or time.monotonic() + 3 >= deadline:
+            left = deadline - time.monotonic()
+            if outcome.ok or not self._current(ticket) or left <= 0:
                 break
-            await asyncio.sleep(3)
+            await asyncio.sleep(min(pause, left))
+            pause = min(1.0, pause * 2)
         if not self._current(ticket):
             return None
         # Exactly the lent set: a GPU this boot left out but the guest sees means its

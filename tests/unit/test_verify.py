@@ -13,7 +13,11 @@ import asyncssh
 import pytest
 
 from hostagent import screenshots, verify
+from hostagent.agent import Agent
+from hostagent.config import parse
+from hostagent.libvirt_host import ExecResult
 from hostagent.verify import Expected, SeenGpu
+from tests.unit.test_control import CONFIG, FakeLibvirt, lent
 
 A = Expected(label="gpu-a", uuid="GPU-aaaa", name="RTX 3050")
 B = Expected(label="gpu-b", uuid="GPU-bbbb", name="GTX 960")
@@ -121,6 +125,49 @@ async def ssh_server(tmp_path: Path) -> AsyncIterator[dict[str, Any]]:
     finally:
         server.close()
         await server.wait_closed()
+
+
+class DriverLoadingLate(FakeLibvirt):
+    """The lendee's guest agent answers before its NVIDIA driver has loaded: the first
+    query fails as nvidia-smi does then, every later one lists both GPUs."""
+
+    def __init__(self, agent: Agent) -> None:
+        super().__init__(agent)
+        self.queries = 0
+
+    async def guest_exec(self, name: str, path: str, args: list[str], *,
+                         timeout: float = 30) -> ExecResult:
+        self.queries += 1
+        if self.queries == 1:
+            return ExecResult(9, "", "NVIDIA-SMI has failed because it couldn't communicate "
+                                     "with the NVIDIA driver.")
+        return ExecResult(0, "GPU-aaaa, 00000000:0a:00.0, RTX A\n"
+                             "GPU-bbbb, 00000000:0b:00.0, GTX 960\n", "")
+
+
+async def test_a_driver_loading_after_the_guest_agent_is_asked_again_within_the_timeout(
+        tmp_path: Path) -> None:
+    """The query is repeated soon after a failed one, within verify.timeout: the lend
+    goes on once the driver lists its GPUs. The queries were 3 s apart, so that a
+    verify.timeout of 3 s or less asked once and failed the lend, and each lend waited
+    up to 3 s after the driver had loaded to be uncordoned."""
+    text = CONFIG.format(root=tmp_path, relend="0.2s").replace(
+        'method = "none"', 'method = "guest-agent"\ntimeout = "2s"')
+    agent = Agent(parse(text, "test.toml"))
+    fake = DriverLoadingLate(agent)
+    agent.libvirt = fake  # type: ignore[assignment]
+    agent._fatal = asyncio.get_running_loop().create_future()
+    try:
+        await lent(agent, fake)
+    finally:  # the agent's steps end with the test
+        me = asyncio.current_task()
+        left = [t for t in asyncio.all_tasks() if t is not me]
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+    assert fake.queries == 2
+    assert agent.executor.facts.verified is not None
+    assert agent.executor.facts.verified["ok"] is True
 
 
 async def test_ssh_runs_the_query_on_a_known_host(ssh_server: dict[str, Any]) -> None:
