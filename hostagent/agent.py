@@ -62,7 +62,6 @@ from hostagent.model import (
     Regrow,
     State,
     Topology,
-    VmStopped,
 )
 from hostagent.parts import Cluster, Kept, NoCluster, Progress
 from hostagent.recorder import Recorder
@@ -623,6 +622,7 @@ class Agent:
         self.apply(Observed(at=clock.now(), lendee_running=self.lendee in running,
                             owners_running=frozenset(running & set(self.topo.owners)),
                             lendee_gpus=lent & self.topo.lendee_gpus if lent else None))
+        self.executor.spawn(self.executor.groups())
 
     def _reconnected(self) -> None:
         self.executor.spawn(self._observe())
@@ -719,8 +719,8 @@ class Agent:
                     journal.record("owner", f"{domain} stopped: {gpus} free; {then}",
                                    vm=domain, from_="running", to="off", result="ok",
                                    holders=self.recorder.holders())
-        elif kind is Lifecycle.STOPPED:  # another VM: an IOMMU group it held is free
-            self.apply(VmStopped(at=now, vm=domain))
+        else:  # another VM: what it holds of the lendee's GPUs' IOMMU groups
+            self.executor.spawn(self.executor.groups(domain if kind is Lifecycle.STOPPED else None))
 
     async def _watchdog(self, interval: float) -> None:
         # Sent from the loop itself: a blocked loop stops the pings and systemd restarts us.

@@ -115,6 +115,7 @@ from hostagent.model import (
     GpusAttached,
     GpusDetached,
     GroupsHeld,
+    GroupsTaken,
     Hold,
     Hotplug,
     Intent,
@@ -145,6 +146,7 @@ from hostagent.model import (
     Topology,
     VmStopped,
     WaitAgent,
+    free_gpus,
     holders,
     still_wanted,
 )
@@ -237,18 +239,6 @@ def _in_the_way(state: State, topo: Topology) -> list[str]:
     each is a reason to take the lendee down."""
     owners = [*sorted(state.running_owners), *_pending(state), *sorted(state.reserved)]
     return list(dict.fromkeys(o for o in owners if topo.claims(o) & state.lent))
-
-
-def free_gpus(state: State, topo: Topology, policy: Policy) -> frozenset[str]:
-    """The lendee's GPUs that no owner holds, starts with or waits for, nor shares an
-    IOMMU group with, and whose group no other VM holds (``held``): what a lendee start
-    takes. All or nothing unless ``policy.partial``."""
-    owners = state.running_owners | state.starting_owners | {*state.waiting_owners,
-                                                             *state.reserved}
-    claimed = topo.whole(topo.gpus_of(owners) | state.held.keys()) & topo.lendee_gpus
-    if claimed and not policy.partial:
-        return frozenset()
-    return topo.lendee_gpus - claimed
 
 
 def conflict(state: State, owner: str, topo: Topology) -> str | None:
@@ -543,6 +533,13 @@ def _release(state: State, vm: str) -> State:
         return state
     held = {gpu: by for gpu, by in state.held.items() if by != vm}
     return replace(state, held=held, reason=None if state.phase is Phase.OFF else state.reason)
+
+
+def _groups_taken(state: State, event: GroupsTaken, ctx: _Ctx) -> _Outcome:
+    """Another VM started: those GPUs are not free while it runs, so no regrow is made
+    for them (the bookkeeping cancels one due; one under way gives up at `_drained`)."""
+    taken = {gpu: vm for gpu, vm in event.held.items() if gpu not in state.lent}
+    return replace(state, held={**state.held, **taken}), []
 
 
 def _groups_held(state: State, event: GroupsHeld, ctx: _Ctx) -> _Outcome:
@@ -1093,6 +1090,7 @@ _EVERY_PHASE = dict(
         _on(Reserve, _reserve),
         _on(Observed, _observed),
         _on(VmStopped, _vm_stopped),
+        _on(GroupsTaken, _groups_taken),
     ]
 )
 

@@ -15,8 +15,9 @@ Three kinds of values live here:
   agent's clock in seconds) and actions (requests to the executor). Events and actions
   are frozen dataclasses with keyword-only fields: they are messages, never mutated.
 
-Two pure questions asked of the state outside the machine end it: who holds each GPU
-(`holders`) and whether an action is still wanted (`still_wanted`).
+Three pure questions asked of the state end it: which GPUs a lendee start takes
+(`free_gpus`), who holds each GPU (`holders`) and whether an action is still wanted
+(`still_wanted`).
 
 Tickets
 -------
@@ -67,6 +68,7 @@ __all__ = [
     "GpusAttached",
     "GpusDetached",
     "GroupsHeld",
+    "GroupsTaken",
     "Hold",
     "Hotplug",
     "Intent",
@@ -98,6 +100,7 @@ __all__ = [
     "Topology",
     "VmStopped",
     "WaitAgent",
+    "free_gpus",
     "holders",
     "still_wanted",
 ]
@@ -537,6 +540,14 @@ class GroupsHeld(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class GroupsTaken(Event):
+    """A VM that is neither the lendee nor an owner started: running VMs hold a member of
+    the IOMMU groups of those of the lendee's GPUs in ``held`` (GPU -> that VM)."""
+
+    held: Mapping[str, str] = field(hash=False)
+
+
+@dataclass(frozen=True, kw_only=True)
 class VmStopped(Event):
     """libvirt: a VM that is neither the lendee nor an owner stopped."""
 
@@ -697,7 +708,19 @@ class CompleteIntent(Action):
     owner: str
 
 
-# --- questions the executor and status ask of the state --------------------------------
+# --- questions asked of the state ------------------------------------------------------
+
+
+def free_gpus(state: State, topo: Topology, policy: Policy) -> frozenset[str]:
+    """The lendee's GPUs that no owner holds, starts with or waits for, nor shares an
+    IOMMU group with, and whose group no other VM holds (``held``): what a lendee start
+    takes. All or nothing unless ``policy.partial``."""
+    owners = state.running_owners | state.starting_owners | {*state.waiting_owners,
+                                                             *state.reserved}
+    claimed = topo.whole(topo.gpus_of(owners) | state.held.keys()) & topo.lendee_gpus
+    if claimed and not policy.partial:
+        return frozenset()
+    return topo.lendee_gpus - claimed
 
 
 def holders(state: State, topo: Topology) -> dict[str, str | None]:

@@ -17,8 +17,12 @@ from hostagent.libvirt_host import Lifecycle
 from hostagent.machine import IllegalTransition, free_gpus
 from hostagent.model import (
     AttachGpus,
+    CancelRelend,
+    Drained,
+    KubeReturn,
     GpuPods,
     GroupsHeld,
+    GroupsTaken,
     IntentSource,
     Observed,
     OwnerStopped,
@@ -112,7 +116,7 @@ async def test_the_lendee_is_started_without_a_gpu_whose_group_another_vm_holds(
     # usbvm stops: gpu-a is free for the regrow.
     fake.running.discard("usbvm")
     agent.lifecycle("usbvm", Lifecycle.STOPPED)
-    assert not agent.state.held
+    await until(lambda: not agent.state.held)
     assert "gpu-a" in free_gpus(agent.state, agent.topo, agent.policy) - agent.state.lent
 
 
@@ -133,6 +137,19 @@ async def test_a_lendee_that_cannot_do_without_the_gpu_starts_when_the_holder_st
     agent.lifecycle("usbvm", Lifecycle.STOPPED)
     await until(lambda: agent.state.phase is Phase.LENT)
     assert fake.live_drop == frozenset() and agent.state.lent == {"gpu-a", "gpu-b"}
+
+
+async def test_a_vm_that_starts_holding_part_of_a_gpus_group_takes_it_from_the_lendee(
+        tmp_path: Path, sysfs: FakeSysfs, sink: journal.ListSink) -> None:
+    agent, _ = make_agent(tmp_path)
+    fake = WithUsbVm(agent)
+    agent.libvirt = fake  # type: ignore[assignment]
+    agent.executor.sysfs = shared_group(sysfs).root
+    fake.running.add("usbvm")
+    agent.lifecycle("usbvm", Lifecycle.STARTED)
+    await until(lambda: agent.state.held == {"gpu-a": "usbvm"})
+    [record] = said(sink, "iommu")
+    assert "gpu-node may not take gpu-a now: usbvm holds 0000:0c:00.0" in record
 
 
 class HeldStep(AddStep):
@@ -241,6 +258,21 @@ def test_an_owner_holding_a_group_frees_it_when_it_stops() -> None:
     assert free_gpus(lent, TOPO, ADD_POLICY) == gpus(C)
     new, _ = go(lent, OwnerStopped(at=AT, owner="gaming2"), ADD_POLICY)
     assert not new.held and free_gpus(new, TOPO, ADD_POLICY) == ALL
+
+
+def test_a_regrow_for_a_gpu_another_vm_took_is_not_begun() -> None:
+    due = S(Phase.LENT, lent=gpus(B, C), relend_at=AT + 30, gpu_pods=0)
+    new, actions = go(due, GroupsTaken(at=AT, held=HELD))
+    assert actions == [CancelRelend()] and new.relend_at is None and new.held == HELD
+    # One under way is given up at its drain: the lendee is returned as it is.
+    draining = S(Phase.DRAINING, lent=gpus(B, C), regrowing=True, agent_up=True)
+    new, actions = run(draining, GroupsTaken(at=AT, held=HELD), Drained(at=AT, ticket=T))
+    assert new.phase is Phase.JOINING and actions == [KubeReturn(ticket=T + 1)]
+
+
+def test_a_gpu_the_lendee_holds_is_not_taken_from_it() -> None:
+    new, _ = go(S(Phase.LENT, lent=ALL), GroupsTaken(at=AT, held={A: "gaming-win"}))
+    assert not new.held
 
 
 def test_a_reread_forgets_what_was_held() -> None:

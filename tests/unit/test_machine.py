@@ -52,6 +52,7 @@ from hostagent.model import (
     GpusAttached,
     GpusDetached,
     GroupsHeld,
+    GroupsTaken,
     Hold,
     Intent,
     IntentSource,
@@ -699,7 +700,7 @@ def test_transition(
 def test_every_legal_pair_has_a_row_or_a_scenario() -> None:
     """The table is the machine: this is its whole shape, reviewed here on purpose."""
     every = {OwnerWants, OwnerStarted, OwnerStopped, StartFailed, Hold, Resume, Reclaim,
-             Observed, OwnerStarting, CancelIntent, GpuPods, Reserve, VmStopped}
+             Observed, OwnerStarting, CancelIntent, GpuPods, Reserve, VmStopped, GroupsTaken}
     running_stop = {LendeeStopped}
     expected = {
         Phase.OFF: every | {RelendDue, LendeeStarted, GroupsHeld},
@@ -722,7 +723,7 @@ def test_every_legal_pair_has_a_row_or_a_scenario() -> None:
     # of a hot-unplug in test_unplug.py, reservations in test_reserve.py, IOMMU groups
     # another VM holds in test_iommu.py; the rest must each have a row.
     partial = {Observed, OwnerStarting, CancelIntent, GpuPods, GpusAttached, AttachFailed,
-               GpusDetached, DetachFailed, Reserve, GroupsHeld, VmStopped}
+               GpusDetached, DetachFailed, Reserve, GroupsHeld, VmStopped, GroupsTaken}
     rest = {k for k in TRANSITIONS if k[1] not in partial and k != (Phase.LENT, RelendDue)}
     assert rest <= covered
 
@@ -758,6 +759,7 @@ EXAMPLES: list[Event] = [
     Reserve(at=AT, reservations=()),
     GroupsHeld(at=AT, ticket=T, gpus=frozenset({"gpu-a"}), held={"gpu-a": "usbvm"}, reason="x"),
     VmStopped(at=AT, vm="usbvm"),
+    GroupsTaken(at=AT, held={"gpu-a": "usbvm"}),
 ]
 
 
