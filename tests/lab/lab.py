@@ -15,6 +15,7 @@ From outside the namespace the lab is reached through its directory: libvirt at
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -25,12 +26,20 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import libvirt
+import libvirt_qemu
 
 from tests.lab import image
 from tests.sysfs import FakeSysfs
 
 REPO = Path(__file__).resolve().parents[2]
+T = TypeVar("T")
+# libvirt's domain states in `virsh domstate`'s words.
+STATES = {0: "no state", 1: "running", 2: "idle", 3: "paused", 4: "in shutdown",
+          5: "shut off", 6: "crashed", 7: "pmsuspended"}
 HOOK = REPO / "hooks" / "qemu"
 
 # Inside the namespace → directory under the lab root.
@@ -172,6 +181,7 @@ class Lab:
     # What journal() has read of this test's journal (it reads only what is new).
     _journal: list[dict[str, Any]] = field(default_factory=list)
     _journal_seen: set[str] = field(default_factory=set)
+    _conn: Any = None  # libvirt, for what the tests poll (see `_libvirt`)
 
     # ---- paths -----------------------------------------------------------------
     def path(self, inside: str) -> Path:
@@ -227,6 +237,10 @@ class Lab:
         if self.holder is not None and self.holder.poll() is None and self._libvirtd_alive():
             for dom in self.running():
                 self.virsh("destroy", dom, check=False)
+        if self._conn is not None:
+            with contextlib.suppress(libvirt.libvirtError):
+                self._conn.close()
+            self._conn = None
         for proc in reversed(list(self.procs.values())):
             _stop(proc)
         self.procs.clear()
@@ -547,11 +561,39 @@ class Lab:
         return proc
 
     def running(self) -> list[str]:
-        out = self.virsh("list", "--name", check=False).stdout
-        return [line for line in out.split() if line]
+        """The running domains, in the order of their ids (as `virsh list`); none while
+        libvirtd does not answer."""
+        try:
+            domains = self._libvirt(
+                lambda c: c.listAllDomains(libvirt.VIR_CONNECT_LIST_DOMAINS_ACTIVE))
+        except RuntimeError:
+            return []
+        return [d.name() for d in sorted(domains, key=lambda d: d.ID())]
 
     def state(self, name: str) -> str:
-        return self.virsh("domstate", name).stdout.strip()
+        """The domain's state in `virsh domstate`'s words."""
+        return STATES.get(self._libvirt(lambda c: c.lookupByName(name).state()[0]), "unknown")
+
+    def _libvirt(self, call: Callable[[Any], T]) -> T:
+        """`call` on the lab's libvirt connection, in this process: the tests poll states
+        and guest agents many times a second, and a virsh process for each poll (about 20
+        ms of CPU) in three labs at once took a good share of 2 cores. A connection that
+        died (libvirtd restarted) is opened again, once; any other error is raised as
+        virsh's would be."""
+        for attempt in (1, 2):
+            try:
+                if self._conn is None:
+                    self._conn = libvirt.open(self.uri)
+                return call(self._conn)
+            except libvirt.libvirtError as e:
+                alive = self._conn is not None and self._conn.isAlive() == 1
+                if alive or attempt == 2:
+                    raise RuntimeError(f"libvirt: {e}") from None
+                with contextlib.suppress(libvirt.libvirtError):
+                    if self._conn is not None:
+                        self._conn.close()
+                self._conn = None
+        raise AssertionError("unreachable")
 
     def wait_state(self, name: str, state: str, timeout: float = 60) -> None:
         _wait_for(lambda: self.state(name) == state, timeout, f"{name} to be {state}")
@@ -600,18 +642,22 @@ class Lab:
                            f"phases {self.phases()}")
 
     def _requested(self, owner: str) -> bool:
-        """Whether the running agent holds a request to start `owner`."""
-        out = self.hostagent("status", "--json")
-        if out.returncode != 0:
-            return True  # no agent to ask: its state file keeps the request
-        return any(i["owner"] == owner for i in json.loads(out.stdout)["intents"])
+        """Whether the agent still holds a request to start `owner`: its last record of
+        one is not an answer (none yet: the agent has not journaled the ask)."""
+        asked = self.records(event="intent", vm=owner)
+        return not asked or asked[-1].get("HOSTAGENT_TO") == "pending"
 
-    def agent(self, name: str, command: str, timeout: float = 10) -> Any:
-        out = self.virsh("qemu-agent-command", name, json.dumps({"execute": command}),
-                         "--timeout", str(int(timeout)), check=False)
-        if out.returncode != 0:
+    def agent(self, name: str, command: str | dict[str, Any],
+              timeout: float = 10) -> Any:
+        """The guest agent's answer to `command` (its name, or the whole command), or None
+        if it does not answer."""
+        ask = json.dumps({"execute": command} if isinstance(command, str) else command)
+        try:
+            out = self._libvirt(lambda c: libvirt_qemu.qemuAgentCommand(
+                c.lookupByName(name), ask, int(timeout), 0))
+        except RuntimeError:
             return None
-        return json.loads(out.stdout)["return"]
+        return json.loads(out)["return"]
 
     def wait_agent(self, name: str, timeout: float = 60) -> None:
         _wait_for(lambda: self.agent(name, "guest-ping", timeout=2) is not None, timeout,
@@ -621,12 +667,15 @@ class Lab:
         """Run a program in the guest through its agent and wait for it."""
         cmd = {"execute": "guest-exec",
                "arguments": {"path": path, "arg": list(args), "capture-output": True}}
-        pid = json.loads(self.virsh("qemu-agent-command", name, json.dumps(cmd)).stdout)
-        status = {"execute": "guest-exec-status", "arguments": {"pid": pid["return"]["pid"]}}
+        started = self.agent(name, cmd)
+        if started is None:
+            raise RuntimeError(f"{name}'s guest agent did not run {path}")
+        status = {"execute": "guest-exec-status", "arguments": {"pid": started["pid"]}}
         deadline = time.monotonic() + timeout
         while True:
-            ret = json.loads(self.virsh("qemu-agent-command", name,
-                                        json.dumps(status)).stdout)["return"]
+            ret = self.agent(name, status)
+            if ret is None:
+                raise RuntimeError(f"{name}'s guest agent stopped answering about {path}")
             if ret["exited"]:
                 return GuestResult(ret.get("exitcode", -1),
                                    base64.b64decode(ret.get("out-data", "")).decode(),
@@ -801,7 +850,7 @@ def _wait_for(cond: Any, timeout: float, what: str) -> None:
     while not cond():
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.1)
+        time.sleep(0.2)
 
 
 def need_lab() -> str | None:
