@@ -61,11 +61,11 @@ from hostagent.model import (
     Policy,
     Regrow,
     State,
-    Topology,
 )
 from hostagent.parts import Cluster, Kept, NoCluster, Progress
 from hostagent.recorder import Recorder
 from hostagent.reservations import Reservations
+from hostagent.topology import topology
 from hostagent.verbs import Verbs
 
 log = logging.getLogger("hostagent")
@@ -74,23 +74,6 @@ T = TypeVar("T")
 
 class StartupError(Exception):
     """The agent cannot start; the message says what is wrong and how to fix it."""
-
-
-def topology(cfg: Config) -> Topology:
-    """The machine's view of `cfg`; GPUs whose functions share an IOMMU group (as
-    `hostagent.gpus.on_host` read them) form one group, transitively."""
-    groups: list[set[str]] = []
-    for label, gpu in sorted(cfg.gpus.items()):
-        mine = {label}
-        for group in [g for g in groups
-                      if any(set(gpu.iommu_groups) & set(cfg.gpus[o].iommu_groups) for o in g)]:
-            groups.remove(group)
-            mine |= group
-        groups.append(mine)
-    return Topology(lendee=cfg.lendee.domain, lendee_gpus=frozenset(cfg.lendee.gpus),
-                    owners={d: frozenset(o.gpus) for d, o in cfg.owners.items()},
-                    groups=tuple(frozenset(g) for g in groups if len(g) > 1),
-                    names={label: str(gpu) for label, gpu in cfg.gpus.items()})
 
 
 # Of the hook's 0.3 s budget for an answer: the rest is its own start and the exchange.

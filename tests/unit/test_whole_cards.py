@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from hostagent import devices, gpus, lint
-from hostagent.agent import topology
+from hostagent.topology import topology
 from hostagent.config import ConfigError, parse
 from hostagent.follow import format_status
 from hostagent.lint import Check, Severity
