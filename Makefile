@@ -87,7 +87,7 @@ unit: setup
 FUZZ_EXAMPLES ?= 50000
 fuzz: setup
 	HOSTAGENT_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(VENV)/bin/pytest -q -p no:cacheprovider \
-	  --hypothesis-show-statistics tests/unit/test_fuzz_*.py tests/unit/test_libvirt_host.py \
+	  --hypothesis-show-statistics tests/unit/*/test_fuzz_*.py tests/unit/host/test_libvirt_host.py \
 	  | grep -E '^(tests/|  - during generate|    - [0-9]+ passing|[0-9]+ passed)'
 
 # The fault-injection suite alone, in the lab; it ends with its table of figures.

@@ -25,7 +25,7 @@
       nixosModules.default = ./nix/module.nix;
 
       # `nix flake check`: the package builds (nixpkgs' runtime-dependency check and
-      # the import check of hostagent.agent), and the README's example (nix/example.nix)
+      # the import check of hostagent.service.agent), and the README's example (nix/example.nix)
       # is a NixOS system with no failed assertion whose config.toml the agent's own
       # check-config accepts. The lab tests need root, libvirtd and QEMU guests: `make
       # test`, not here.

@@ -248,7 +248,7 @@ def import_time(runs: int = 15) -> tuple[float, float]:
         t = time.perf_counter()
         subprocess.run([venv, "-c", code], check=True)
         return time.perf_counter() - t
-    imports = "import hostagent.cli, hostagent.agent"
+    imports = "import hostagent.cli, hostagent.service.agent"
     return (statistics.median(timed(imports) for _ in range(runs)),
             statistics.median(timed("pass") for _ in range(runs)))
 

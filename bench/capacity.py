@@ -2,7 +2,7 @@
 
     python -m bench.capacity [--markdown FILE] [--seed 14]
 
-A reference week is replayed through the pure machine (`hostagent.machine.step`) on a
+A reference week is replayed through the pure machine (`hostagent.core.machine.step`) on a
 simulated clock: the players, the executor and the cluster are played here, each step
 taking the time it takes on real hardware. No VM runs; the same machine decides as in
 the agent, so the figures are the policy's, not the lab's.
@@ -88,7 +88,7 @@ lendee and stops only the jobs on it. Each
 is also replayed over 30 weeks of other GPU work (seeds 0-29): in how many the budget is
 met, the worst share, the jobs killed per week.
 
-Budget: the default policy (`hostagent.model.Policy()`) lends ≥ 99 % of the GPU time
+Budget: the default policy (`hostagent.core.model.Policy()`) lends ≥ 99 % of the GPU time
 no game uses, in the reference week and in each of the 30; among the candidates that
 do, the default is the one that kills the fewest GPU jobs. The agent's default is two
 columns: where the lendee can hot-plug (``policy.hotplug = "auto"``), "default, hot-add
@@ -108,7 +108,7 @@ and destroys the least work.
 
 Reservations (`hostagent reserve`): over the same varied weeks, `RESERVED` of the games
 (drawn per game) are reserved ahead, for the default and the default where the lendee
-can hot-plug. The agent's timeline is played as `hostagent.reservations` runs it with
+can hot-plug. The agent's timeline is played as `hostagent.service.reservations` runs it with
 the default `policy.reserve_*` (`TIMING`): the notice `lead` before the game, the
 eviction at the game's time less the jobs' grace period (`JOB_GRACE`, the API's
 default) and the margin, the GPU held from then until the game runs. Reported: the
@@ -116,7 +116,7 @@ reserved player's wait for the GPU (start asked → libvirt starts the VM; goal 
 to a running VM, and what the gentle reclaim costs: the lent share, jobs killed and
 work destroyed without and with reservations; then with no-shows, `NO_SHOW` of the
 reserved games never played: the reclaim happens all the same, the GPU is held until
-the reservation expires (`expiry` after its time, as `hostagent.reservations` ends it)
+the reservation expires (`expiry` after its time, as `hostagent.service.reservations` ends it)
 and is lent again then (a hot-add, or a regrow by restart). Reported: the no-shows,
 the GPU-hours each leaves neither played nor lent (from the hold to the lend after the
 expiry), the lent share with them, and the jobs their reclaims killed.
@@ -135,9 +135,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hostagent import reserve as plan
-from hostagent.machine import IllegalTransition, step, verdict
-from hostagent.model import (
+from hostagent.core import reserve as plan
+from hostagent.core.machine import IllegalTransition, step, verdict
+from hostagent.core.model import (
     Action,
     AgentUp,
     AttachGpus,
@@ -175,7 +175,7 @@ from hostagent.model import (
     Topology,
     WaitAgent,
 )
-from hostagent.reserve import Reservation
+from hostagent.core.reserve import Reservation
 
 HOUR = 3600.0
 DAY = 24 * HOUR
@@ -308,7 +308,7 @@ class Replay:
         self.rng = random.Random(0)  # which free GPU a job gets: the same for every policy
         self.f = Figures()
         # A share `reserved` of the games is reserved ahead (`hostagent reserve`): the
-        # agent's timeline, played here as `hostagent.reservations` runs it.
+        # agent's timeline, played here as `hostagent.service.reservations` runs it.
         self.reservations: dict[str, Reservation] = {}
         self.reserved_games: set[tuple[str, float]] = set()
         self.asked_reserved: dict[str, bool] = {}
@@ -491,7 +491,7 @@ class Replay:
         self.deliver(Reserve(at=self.now, reservations=tuple(self.reservations.values())))
 
     def reservation_expires(self, owner: str, start: float) -> None:
-        """`hostagent.reservations`: unused `expiry` after its time, it ends, and the
+        """`hostagent.service.reservations`: unused `expiry` after its time, it ends, and the
         GPU is lent again (a hot-add or a regrow, as after a game)."""
         r = self.reservations.get(owner)
         if r is None or r.at != start:

@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hostagent.kube import Kube, NodeView
+from hostagent.cluster.kube import Kube, NodeView
 from tests.controlplane import ControlPlane
 from tests.controlplane.nvidia import DEVICE_CLASS, Driver, gpu
 from tests.unit.kube_scaffold import FAST

@@ -11,14 +11,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hostagent import config as configuration
-from hostagent import journal
-from hostagent.control import ControlError, request
-from hostagent.follow import format_status
-from hostagent.text import clean
+from hostagent.core import config as configuration
+from hostagent.host import journal
+from hostagent.surfaces.control import ControlError, request
+from hostagent.surfaces.follow import format_status
+from hostagent.core.text import clean
 
 if TYPE_CHECKING:
-    from hostagent import lint
+    from hostagent.host import lint
 
 
 # The exit statuses of every command, in `hostagent --help` and README.
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check-config":
         print(f"{args.config}: OK ({len(cfg.gpus)} GPUs, {len(cfg.owners)} owners, "
               f"lendee {cfg.lendee.domain})")
-        from hostagent.homeassistant import collisions
+        from hostagent.surfaces.homeassistant import collisions
         for warning in path_warnings(cfg) + collisions(cfg, host=socket.gethostname()):
             print(f"hostagent: warning: {warning}", file=sys.stderr)
         return 0
@@ -191,10 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         # The journal record is the message itself; level and logger are fields of it.
         logging.basicConfig(level=logging.INFO, format="%(message)s",
                             handlers=[journal.LogHandler()])
-        from hostagent import agent  # libvirt and friends only where needed
+        from hostagent.service import agent  # libvirt and friends only where needed
         return agent.run(cfg)
     if args.command in ("play", "release", "reclaim"):
-        from hostagent.follow import follow
+        from hostagent.surfaces.follow import follow
         return follow(cfg.control_socket, args.command,
                       {"vm": args.vm} if args.command != "reclaim" else {},
                       json_lines=args.json, timeout=args.timeout)
@@ -280,7 +280,7 @@ def _placed(cfg: configuration.Config, sysfs: Path) -> configuration.Config:
     """`cfg` as it is on this host: GPUs given by UUID placed at the address NVML
     reports for them, every GPU with every function of its slot and its IOMMU groups.
     Raises ConfigError."""
-    from hostagent import gpus
+    from hostagent.host import gpus
     if any(g.uuid for g in cfg.gpus.values()):
         try:
             seen, error = gpus.read_nvml(), None
@@ -291,7 +291,7 @@ def _placed(cfg: configuration.Config, sysfs: Path) -> configuration.Config:
 
 
 def _gpus(args: argparse.Namespace) -> int:
-    from hostagent import gpus
+    from hostagent.host import gpus
     inv = gpus.inventory(args.sysfs)
     if args.json:
         json.dump(gpus.inventory_json(inv), sys.stdout, indent=2)
@@ -305,17 +305,17 @@ def _domains(files: list[Path], uri: str, names: list[str] | None) -> list[lint.
     """Domains from XML files, or from libvirt: their persistent definitions (the lendee
     may run with some of its GPUs only) and whether libvirt autostarts them.
     Raises OSError, HostError or ValueError."""
-    from hostagent import lint
+    from hostagent.host import lint
     if files:
         return [lint.parse_domain(f.read_text()) for f in files]
-    from hostagent.libvirt_host import read_domains
+    from hostagent.host.libvirt import read_domains
     return [lint.parse_domain(d.xml, autostart=d.autostart)
             for d in read_domains(uri, names).values()]
 
 
 def _lint(args: argparse.Namespace) -> int:
-    from hostagent import lint
-    from hostagent.libvirt_host import HostError
+    from hostagent.host import lint
+    from hostagent.host.libvirt import HostError
     cfg: configuration.Config | None = None
     if args.config.exists():
         try:
@@ -347,8 +347,9 @@ def _lint(args: argparse.Namespace) -> int:
 
 
 def _config_init(args: argparse.Namespace) -> int:
-    from hostagent import config_init, gpus
-    from hostagent.libvirt_host import HostError
+    from hostagent.service import config_init
+    from hostagent.host import gpus
+    from hostagent.host.libvirt import HostError
     output = args.output or str(args.config)
     target = Path(output)
     if output != "-" and target.exists() and not args.force:
@@ -393,7 +394,7 @@ def _config_init(args: argparse.Namespace) -> int:
 
 
 def _history(args: argparse.Namespace) -> int:
-    from hostagent import history, timeline
+    from hostagent.surfaces import history, timeline
     unit = args.unit or history.UNIT
     try:
         records = history.read_journal(since=args.since, until=args.until,
@@ -434,8 +435,8 @@ def _unmark_node(cfg: configuration.Config, *, dry_run: bool) -> int:
         return 1
     import asyncio
 
-    from hostagent.cluster import parse_taint
-    from hostagent.kube import Kube, KubeError
+    from hostagent.cluster.cycle import parse_taint
+    from hostagent.cluster.kube import Kube, KubeError
     k = cfg.kubernetes
 
     async def unmark() -> list[str]:

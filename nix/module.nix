@@ -100,7 +100,7 @@ in
       description = ''
         hostagent's configuration, written to `${configPath}`. Every key of that
         TOML file can be set here (they are listed in the docstring of
-        `hostagent/config.py`); the main ones are typed below. Durations are strings
+        `hostagent/core/config.py`); the main ones are typed below. Durations are strings
         such as `"90s"`, `"2m"` or `"1h30m"`.
       '';
       example = lib.literalExpression ''

@@ -56,7 +56,7 @@ python3Packages.buildPythonApplication {
   # The test suite needs the lab (root, a private libvirtd, QEMU guests): `make test`
   # runs it. Here: the modules import.
   pythonImportsCheck = [
-    "hostagent.agent"
+    "hostagent.service.agent"
     "hostagent.cli"
   ];
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hostagent import journal
+from hostagent.host import journal
 from tests.controlplane import ControlPlane, missing
 from tests.lab.lab import Lab, need_lab
 

@@ -2,7 +2,7 @@
 (tests/controlplane/kubelet.py) posts it Ready and runs the pods bound to it, NVIDIA's
 DRA driver ready to publish its GPUs (tests/controlplane/nvidia.py), a namespace of the
 test's own, and the agent's Kube as its ServiceAccount under deploy/rbac.yaml; and what
-tests read and write of them (`Lab`). Shared by tests/unit/test_dra.py and
+tests read and write of them (`Lab`). Shared by tests/unit/cluster/test_dra.py and
 tests/controlplane/test_dra_cluster.py."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from kubernetes_asyncio import client
 from kubernetes_asyncio import config as kubeconfigs
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from hostagent.cluster import KubeCluster
-from hostagent.config import Config
-from hostagent.kube import Kube
+from hostagent.cluster.cycle import KubeCluster
+from hostagent.core.config import Config
+from hostagent.cluster.kube import Kube
 from tests.controlplane import ControlPlane
 from tests.controlplane.kubelet import Pods
 from tests.controlplane.nvidia import DEVICE_CLASS, DRIVER, Driver

@@ -19,16 +19,16 @@ from typing import Any
 
 import pytest
 
-from hostagent.agent import Agent
-from hostagent.cluster import KubeCluster
-from hostagent.config import parse
-from hostagent.inbox import HookEvent
-from hostagent.kube import Kube, cordon_marker
-from hostagent.libvirt_host import Lifecycle
-from hostagent.model import IntentSource, Observed, OwnerWants, Phase
+from hostagent.service.agent import Agent
+from hostagent.cluster.cycle import KubeCluster
+from hostagent.core.config import parse
+from hostagent.surfaces.inbox import HookEvent
+from hostagent.cluster.kube import Kube, cordon_marker
+from hostagent.host.libvirt import Lifecycle
+from hostagent.core.model import IntentSource, Observed, OwnerWants, Phase
 from tests.controlplane import ControlPlane
 from tests.unit.kube_scaffold import FAST
-from tests.unit.test_control import (  # noqa: F401 (a fixture)
+from tests.unit.surfaces.test_control import (  # noqa: F401 (a fixture)
     CONFIG,
     FakeLibvirt,
     no_step_outlives_its_test,

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from hostagent import journal
-from hostagent.cluster import KubeCluster
-from hostagent.config import Config, parse
-from hostagent.health import CheckFailed
+from hostagent.host import journal
+from hostagent.cluster.cycle import KubeCluster
+from hostagent.core.config import Config, parse
+from hostagent.core.health import CheckFailed
 from tests.controlplane import ControlPlane, dralab
 from tests.controlplane.dralab import NODE, Accounts, Lab, dra_lab
 from tests.controlplane.nvidia import DRIVER, gpu, health_taint

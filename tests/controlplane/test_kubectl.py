@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from hostagent.cluster import KubeCluster
-from hostagent.config import Config, parse
-from hostagent.kube import Kube, Timing
+from hostagent.cluster.cycle import KubeCluster
+from hostagent.core.config import Config, parse
+from hostagent.cluster.kube import Kube, Timing
 from tests.controlplane import ControlPlane
 from tests.controlplane.machine import Kubelet
 from tests.controlplane.nvidia import gpu

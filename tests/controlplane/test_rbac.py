@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import yaml  # type: ignore[import-untyped]
 
-from hostagent.kube import Kube, Taint
-from hostagent.config import DrainTimeoutAction
+from hostagent.cluster.kube import Kube, Taint
+from hostagent.core.config import DrainTimeoutAction
 from tests.controlplane import ControlPlane
 from tests.unit.kube_scaffold import FAST
 
@@ -37,7 +37,7 @@ def rules() -> set[tuple[str, str, str]]:
             for resource in rule["resources"] for verb in rule["verbs"]}
 
 
-# How each call of the kubernetes client in hostagent/kube maps onto a rule. None lists
+# How each call of the kubernetes client in hostagent/cluster maps onto a rule. None lists
 # ResourceClaims: the agent reads those its node's pods name, never the cluster's.
 CALLS = {
     "read_node": ("", "nodes", "get"),
@@ -172,7 +172,7 @@ async def test_a_verb_the_manifest_does_not_grant_is_refused(
 async def test_a_right_missing_names_the_shipped_manifest(cluster: ControlPlane) -> None:
     """A credential without the rights: the agent's error says where every right it needs
     is listed (its list of rights had fallen behind what the agent calls)."""
-    from hostagent.kube import KubeAuthError
+    from hostagent.cluster.kube import KubeAuthError
     nobody = cluster.credential("nobody", "nobody")
     async with await Kube.connect(nobody, timing=FAST) as kube:
         with pytest.raises(KubeAuthError) as refused:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hostagent.kube import Kube
+from hostagent.cluster.kube import Kube
 from tests.controlplane import ControlPlane
 from tests.controlplane.test_rbac import agent_kubeconfig
 from tests.unit.kube_scaffold import FAST

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hostagent.control import REQUESTS_BURST, REQUESTS_INTERVAL
+from hostagent.surfaces.control import REQUESTS_BURST, REQUESTS_INTERVAL
 from tests.faults.scenario import (
     DEFERRED,
     Scenario,

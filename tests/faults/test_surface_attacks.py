@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from hostagent.ssh import PEER_BURST, PEER_INTERVAL
+from hostagent.surfaces.ssh import PEER_BURST, PEER_INTERVAL
 
 from tests.faults.scenario import Scenario, wait_for, wait_lent
 from tests.faults.test_ssh_attacks import known_hosts

@@ -8,7 +8,7 @@ Python 3.13): ``HOSTAGENT_HASS`` names the ``hass`` of a virtual environment wit
 skips. The MQTT integration is a config entry written before the first start (it has
 no YAML); an automation presses the switch once Home Assistant has started, as a person
 would on the dashboard, and another presses "Lend GPUs" once the switch shows the game
-running; the entities are read from its registry after a clean stop. The agent's side is the stand-in of tests/unit/test_mqtt.py.
+running; the entities are read from its registry after a clean stop. The agent's side is the stand-in of tests/unit/surfaces/test_mqtt.py.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ from typing import Any
 
 import pytest
 
-from hostagent import config, journal
+from hostagent.core import config
+from hostagent.host import journal
 from tests.mosquitto import MISSING, USERS, Mosquitto
-from tests.unit.test_homeassistant import CONFIG
-from tests.unit.test_mqtt import Host, device_config, running
+from tests.unit.surfaces.test_homeassistant import CONFIG
+from tests.unit.surfaces.test_mqtt import Host, device_config, running
 
 HASS = os.environ.get("HOSTAGENT_HASS") or shutil.which("hass")
 pytestmark = [
@@ -179,7 +180,7 @@ async def home_assistant_on_a_broker(root: Path) -> AsyncIterator[Hass]:
 
 
 def with_gaming2(broker: Mosquitto) -> config.Config:
-    """tests/unit/test_mqtt.py's device configuration with README's second owner,
+    """tests/unit/surfaces/test_mqtt.py's device configuration with README's second owner,
     gaming2, on gpu-c."""
     return config.parse(
         CONFIG.replace("[mqtt]", '[owners.gaming2]\ngpus = ["gpu-c"]\n\n[mqtt]')

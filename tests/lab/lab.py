@@ -87,7 +87,7 @@ RateLimitBurst=0
 
 # A lab GPU: a small raw disk. QEMU takes a write lock on it, so a second VM that
 # wants it fails to start ("Failed to get "write" lock"), as vfio refuses a busy device.
-# Its user alias ua-hostagent-LABEL makes it the GPU's device for `hostagent.devices`,
+# Its user alias ua-hostagent-LABEL makes it the GPU's device for `hostagent.core.devices`,
 # which leaves it out of the lendee's live definition as it would a <hostdev>.
 # gpu-c is owned by nobody, like the GTX 960 of the seeds: always the lendee's.
 GPUS = {

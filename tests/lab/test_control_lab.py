@@ -23,7 +23,7 @@ from typing import Any
 import asyncssh
 import pytest
 
-from hostagent.ssh import PEER_INTERVAL
+from hostagent.surfaces.ssh import PEER_INTERVAL
 
 from tests.lab.lab import Lab
 from tests.packaging.test_readme_commands import commands, readme_ssh
@@ -143,7 +143,7 @@ def test_home_automation_over_ssh_with_openssh_and_asyncssh(lab: Lab, tmp_path: 
     out = run(button, "-tt", "status")  # a terminal asked for with -tt: refused, so no command
     assert out.returncode == 255 and "PTY allocation request failed" in out.stderr, out
     # The refusals above filled this network's allowance of SSH records for the
-    # interval (hostagent.ssh.PEER_BURST): the commands below, whose every record is
+    # interval (hostagent.surfaces.ssh.PEER_BURST): the commands below, whose every record is
     # checked, come in the next one.
     time.sleep(PEER_INTERVAL)
     out = run(button, "status")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hostagent.inbox import HookEvent, Inbox, Verdict, replay_spool, serve_hooks
+from hostagent.surfaces.inbox import HookEvent, Inbox, Verdict, replay_spool, serve_hooks
 from tests.lab.lab import Lab
 
 pytestmark = pytest.mark.lab

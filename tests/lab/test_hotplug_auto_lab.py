@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from hostagent import config, lint
-from hostagent.model import Hotplug
+from hostagent.core import config
+from hostagent.host import lint
+from hostagent.core.model import Hotplug
 from tests.lab.lab import LENDEE, Lab
 from tests.lab.test_unplug_lab import NEVER_LETS_GO, define_lendee
 

@@ -23,7 +23,7 @@ import pytest
 from tests.lab.lab import Lab
 from tests.lab.test_control_lab import wait_lent
 from tests.mosquitto import MISSING, USERS, Mosquitto
-from tests.unit.test_homeassistant import check_device_message
+from tests.unit.surfaces.test_homeassistant import check_device_message
 
 pytestmark = [pytest.mark.lab, pytest.mark.skipif(MISSING is not None, reason=MISSING or "")]
 DEVICE = "homeassistant/device/hostagent/config"

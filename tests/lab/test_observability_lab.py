@@ -72,7 +72,7 @@ def wait_until(cond, timeout: float, what: str) -> None:  # type: ignore[no-unty
 
 def test_metrics_health_and_history_follow_a_cycle(lab: Lab, tmp_path: Path) -> None:
     # All or nothing: one reclaim and one lend to count (a GPU lent while another is in
-    # a game is drawn by tests/unit/test_history.py).
+    # a game is drawn by tests/unit/surfaces/test_history.py).
     lab.partial = False
     port = free_port()
     lab.write_config(lab.config_text() + f'\n[metrics]\nlisten = "127.0.0.1:{port}"\n')

@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from hostagent import lint
-from hostagent.config import parse
-from hostagent.inbox import HookEvent, Verdict, serve_hooks
-from hostagent.libvirt_host import HookRefused, HostError, Libvirt, read_domains
+from hostagent.host import lint
+from hostagent.core.config import parse
+from hostagent.surfaces.inbox import HookEvent, Verdict, serve_hooks
+from hostagent.host.libvirt import HookRefused, HostError, Libvirt, read_domains
 from tests.lab.lab import AGENT_CONFIG, GPUS, LENDEE, Lab
 
 # libvirt takes one event loop per process: every test here shares the module's.

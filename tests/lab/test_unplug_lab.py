@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from hostagent.hotplug import CHECKPOINT, DETACH_BOUND, HOLDERS
+from hostagent.service.hotplug import CHECKPOINT, DETACH_BOUND, HOLDERS
 from tests.lab.cluster import LabCluster, lab_cluster, pod
 from tests.lab.lab import GPUS, LENDEE, Lab, domain_xml
 from tests.lab.test_kube_lab import annotations, eventually, lends

@@ -4,7 +4,7 @@ start, and `hostagent lint` and `config init` reading domains through libvirt.
 
 The SSH method is not lab-tested here: the lab guest has no sshd (busybox and qemu-ga
 only); its host-key checking is tested against an in-process SSH server in
-tests/unit/test_verify.py."""
+tests/unit/host/test_verify.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import struct
 
 import pytest
 
-from hostagent.config import parse
+from hostagent.core.config import parse
 from tests.lab.lab import GPUS, OWNERS, Lab, domain_xml
 from tests.sysfs import FakeSysfs
 

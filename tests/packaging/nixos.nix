@@ -81,7 +81,7 @@ let
       groups = builtins.attrNames c.users.groups;
     };
 
-  # An option type as the comparison with hostagent/config.py needs it.
+  # An option type as the comparison with hostagent/core/config.py needs it.
   describeType =
     t:
     if t.name == "nullOr" then

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hostagent import config
+from hostagent.core import config
 
 REPO = Path(__file__).resolve().parents[2]
 PREFIX = "/opt/hostagent"

@@ -6,7 +6,7 @@ a temporary directory and no daemon. tests/packaging/nixos.nix evaluates the mod
 there in several configurations at once (one NixOS evaluation costs seconds): the
 README's example as written, a GPU given by UUID alone, configurations that fire every
 assertion, the flake's checks, the option declarations that
-test_the_typed_options_are_the_agents_schema compares with hostagent/config.py.
+test_the_typed_options_are_the_agents_schema compares with hostagent/core/config.py.
 Separate evaluations show a wrong type and a misspelled option refused.
 
 What this cannot show: the tree evaluates, it does not build. libvirt, QEMU, systemd
@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 import tomli_w
 
-from hostagent import config
+from hostagent.core import config
 from tests.packaging.test_unit_file import settings as unit_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -357,7 +357,7 @@ def test_the_hook_is_wired_in_qemu_d(evaluated: dict[str, Any]) -> None:
         in readme["libvirtdConfig"]
 
 
-# --- the typed options against hostagent/config.py -------------------------------------
+# --- the typed options against hostagent/core/config.py -------------------------------------
 
 # Left at their default, these write a value the agent refuses ("" or []): the module's
 # assertions name them instead (test_every_assertion_fires_with_its_message).
@@ -438,7 +438,7 @@ def compare(options: dict[str, Any], cls: type, prefix: str) -> list[str]:
         key = f"{prefix}.{name}".lstrip(".")
         where = f"services.hostagent.settings.{key}"
         if name not in fields:
-            problems.append(f"{where}: typed in the module, unknown to hostagent/config.py")
+            problems.append(f"{where}: typed in the module, unknown to hostagent/core/config.py")
             continue
         f = fields[name]
         read = f.metadata[config._READ]
@@ -507,7 +507,7 @@ def compare(options: dict[str, Any], cls: type, prefix: str) -> list[str]:
 
 @needs_nixos
 def test_the_typed_options_are_the_agents_schema(evaluated: dict[str, Any]) -> None:
-    """Every option the module types agrees with hostagent/config.py, read from its
+    """Every option the module types agrees with hostagent/core/config.py, read from its
     dataclasses and readers: present, required or not alike, the same TOML type (and
     items, integer bounds, choices), and free-form tables, so a key the module does not
     type passes through to the agent. Keys the module leaves untyped are not compared."""
@@ -547,7 +547,7 @@ def test_the_comparison_catches_what_it_should() -> None:
     assert compare(drifts, config.Config, "") == [
         "services.hostagent.settings.lendee: not free-form, so new keys of the agent's are refused",
         "services.hostagent.settings.lendee.gpus: the module takes string, the agent ['array']",
-        "services.hostagent.settings.lendee.nodes: typed in the module, unknown to hostagent/config.py",
+        "services.hostagent.settings.lendee.nodes: typed in the module, unknown to hostagent/core/config.py",
         "services.hostagent.settings.lendee.min_gpus: of [-1, 0, 1, 2] the module takes [False, True, True, True], the agent [False, False, True, True]",
         "services.hostagent.settings.owners.<name>.gpus: the module writes [] by default, the agent requires a value: assert on it",
         "services.hostagent.settings.policy.on_drain_timeout: the module's choices ['proceed'] are not the agent's ['proceed', 'abort']",

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from hostagent import journal
-from hostagent.agent import Agent
-from hostagent.config import parse
+from hostagent.host import journal
+from hostagent.service.agent import Agent
+from hostagent.core.config import parse
 from tests.lab.lab import Lab
 
 CONFIG = """\

@@ -24,8 +24,11 @@ from typing import Any
 import pytest
 import tomli_w
 
-from hostagent import agent, cli, config, control, health, metrics, ssh
-from hostagent.machine import Phase, State, Topology, verdict
+from hostagent.service import agent
+from hostagent import cli
+from hostagent.core import config, health
+from hostagent.surfaces import control, metrics, ssh
+from hostagent.core.machine import Phase, State, Topology, verdict
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 NIX = shutil.which("nix-instantiate")
@@ -418,7 +421,7 @@ def test_the_switches_are_said_to_be_those_of_mqtt_vms() -> None:
     said = " ".join(section("Home Assistant over MQTT").split())
     assert "a switch per owner VM that `vms` lists" in said
     assert "binary sensor \"running\" instead" in said
-    from hostagent import homeassistant
+    from hostagent.surfaces import homeassistant
     cfg = config.parse(textwrap.dedent('''
         [lendee]
         domain = "gpu-node"

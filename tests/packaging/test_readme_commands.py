@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml  # type: ignore[import-untyped]
 
-from hostagent import ssh
+from hostagent.surfaces import ssh
 from tests.packaging.test_readme import README, block, section
 
 REPO = README.parent
@@ -96,10 +96,10 @@ RUN: list[tuple[str, str, str]] = [
     (r"make (install|uninstall)",
      "tests/packaging/test_install.py::test_reinstall_keeps_the_config_then_uninstall_keeps_it_too",
      '"uninstall"'),
-    (r"/opt/hostagent/bin/python -m pydoc hostagent\.ssh",
+    (r"/opt/hostagent/bin/python -m pydoc hostagent\.surfaces\.ssh",
      f"{HERE}::test_the_pydoc_command_shows_the_module_with_the_installed_interpreter",
      "pydoc"),
-    (r"chmod 600", "tests/unit/test_mqtt.py", "chmod 600"),
+    (r"chmod 600", "tests/unit/surfaces/test_mqtt.py", "chmod 600"),
 ]
 
 # pattern -> why no test runs it here.
@@ -278,7 +278,7 @@ def test_the_pydoc_command_shows_the_module_with_the_installed_interpreter() -> 
                          env={"PATH": "/usr/local/bin:/usr/bin:/bin", "PAGER": "cat",
                               "TERM": "dumb"}, cwd="/")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "hostagent.ssh" in out.stdout and "Security model" in out.stdout, out.stdout[:500]
+    assert "hostagent.surfaces.ssh" in out.stdout and "Security model" in out.stdout, out.stdout[:500]
 
 
 def test_the_ssh_commands_readme_shows_are_the_grammar_it_states() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hostagent.kube import Kube
+from hostagent.cluster.kube import Kube
 from tests.sysfs import FakeSysfs
 from tests.unit.kube_scaffold import FAST, Api
 

@@ -13,7 +13,7 @@ from typing import Any
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from hostagent.kube import Timing
+from hostagent.cluster.kube import Timing
 from tests.controlplane import ControlPlane
 from tests.controlplane.nvidia import DEVICE_CLASS
 from tests.controlplane.proxy import FaultProxy
@@ -63,7 +63,7 @@ async def gpu_node_api(plane: ControlPlane, *others: str) -> AsyncIterator[Api]:
 
 def plain_kubeconfig(path: Path, url: str) -> Path:
     """A kubeconfig for a server of a test's own on plain HTTP, with no credential (the
-    fuzzed replies of tests/unit/test_fuzz_kube.py, which no real server gives)."""
+    fuzzed replies of tests/unit/cluster/test_fuzz_kube.py, which no real server gives)."""
     path.write_text(json.dumps({
         "apiVersion": "v1", "kind": "Config", "current-context": "test",
         "clusters": [{"name": "test", "cluster": {"server": url}}],

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hostagent.machine import step
-from hostagent.model import (
+from hostagent.core.machine import step
+from hostagent.core.model import (
     Action,
     Event,
     Intent,

@@ -1,7 +1,7 @@
 """nix/package.nix depends on exactly what pyproject.toml requires.
 
 nixpkgs checks a Python package's runtime dependencies when it builds it, and the
-package's import check imports `hostagent.agent`: a dependency pyproject.toml names and
+package's import check imports `hostagent.service.agent`: a dependency pyproject.toml names and
 package.nix lacks stops `nixos-rebuild` before the service exists (prometheus-client
 once did). Neither check runs here (nothing is built), so the two lists are compared as
 text.

@@ -1,0 +1,1 @@
+"""The lendee's node in Kubernetes: the adapter (kube), the cycle's policy, DRA."""

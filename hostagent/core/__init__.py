@@ -1,0 +1,1 @@
+"""Pure, no I/O: the model, the state machine, the configuration and small kits."""

@@ -1,0 +1,1 @@
+"""What runs on this host: libvirt, the GPUs, in-guest checks, lint, state, journal."""

@@ -1,0 +1,364 @@
+"""What hostagent must remember across its own crashes and the host's reboots.
+
+Most of what the agent needs it re-reads from reality (libvirt, the Node object). Two
+things cannot be re-read: an owner's start request that was acknowledged but not yet
+served (an *intent*), and whether it was hostagent that cordoned the node (so that an
+administrator's cordon is never lifted). Those, and a little history for messages, live
+in ``state.toml`` under ``state_dir``::
+
+    version = 1
+    cordoned_by_us = true
+    hold = false
+    reclaiming = false
+    lendee_phase = "draining"
+    lendee_phase_since = 2026-01-10T20:15:02.125000+00:00
+    last_verified = 2026-01-10T18:00:41+00:00
+    relend_at = 2026-01-10T21:00:00+00:00
+
+    [[intents]]
+    id = "0b9e2c7a"
+    owner = "gaming1"
+    created = 2026-01-10T20:15:01.998000+00:00
+    source = "hook"
+    status = "pending"
+
+    [[reservations]]                    # hostagent reserve gaming2 --at 22:00
+    vm = "gaming2"
+    at = 2026-01-10T22:00:00+00:00
+    by = "ssh key phone"
+    made = 2026-01-10T17:30:00+00:00
+    evict_at = 2026-01-10T21:54:30+00:00  # once the pods' notice went out
+    holding = false
+
+The file is replaced atomically (temporary file, fsync, rename, fsync of the directory),
+so a crash leaves either the old state or the new one, never half of each. A file that
+cannot be read is moved aside, not trusted and not deleted: the agent starts fresh,
+says so loudly, and rebuilds from reality. Unknown keys are ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import os
+import tempfile
+import tomllib
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from hostagent.core.model import IntentSource
+from hostagent.core.reserve import Reservation
+
+__all__ = [
+    "STATE_VERSION",
+    "Intent",
+    "IntentSource",
+    "IntentStatus",
+    "Saver",
+    "State",
+    "load_state",
+    "save_state",
+]
+
+STATE_VERSION = 1
+
+
+class IntentStatus(enum.StrEnum):
+    """How far an intent has gone. A served or abandoned intent leaves the file."""
+
+    PENDING = "pending"  # accepted, nothing done yet
+    RECLAIMING = "reclaiming"  # taking the owner's GPUs back from the lendee
+    STARTING = "starting"  # GPUs free, the owner is being started
+
+
+@dataclass(frozen=True, kw_only=True)
+class Intent:
+    """An owner VM someone asked to start; persisted before it is acknowledged."""
+
+    id: str
+    owner: str  # libvirt domain name
+    created: datetime
+    source: IntentSource
+    status: IntentStatus = IntentStatus.PENDING
+
+
+@dataclass(frozen=True, kw_only=True)
+class State:
+    """Everything in state.toml. Times are timezone-aware."""
+
+    intents: tuple[Intent, ...] = ()
+    cordoned_by_us: bool = False
+    hold: bool = False  # lending suspended by `hostagent hold`, until `resume`
+    lendee_phase: str | None = None  # the state machine's name for it; None: unknown
+    lendee_phase_since: datetime | None = None
+    last_verified: datetime | None = None  # when the lent GPUs were last seen working
+    # When the lendee gets its GPUs back after an owner stopped (policy.relend_delay):
+    # kept so that a restart waits out the delay instead of lending at once.
+    relend_at: datetime | None = None
+    # A reclaim by hand under way: a restart must finish it, not lend the lendee again.
+    reclaiming: bool = False
+    # The kernel's boot id when the agent last ran: a new one means the host rebooted.
+    boot_id: str | None = None
+    # Players' reservations (`hostagent.core.reserve`), times as POSIX seconds.
+    reservations: tuple[Reservation, ...] = ()
+
+
+class _Corrupt(Exception):
+    """The file is there but is not a state file this version understands."""
+
+
+# --- reading ---------------------------------------------------------------------------
+
+
+def load_state(path: Path) -> tuple[State, str | None]:
+    """The state in `path`, and a warning to log loudly if it had to be thrown away.
+
+    A missing file is a fresh start (first run), not a warning.
+    """
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return State(), None
+    except OSError as e:
+        return State(), _set_aside(path, f"cannot be read ({e.strerror})")
+    try:
+        return _decode(data), None
+    except _Corrupt as e:
+        return State(), _set_aside(path, str(e))
+
+
+def _set_aside(path: Path, why: str) -> str:
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
+    copy = path.with_name(f"{path.name}.corrupt-{stamp}")
+    try:
+        os.replace(path, copy)
+    except OSError as e:
+        kept = f"it could not be moved to {copy} ({e.strerror}) and will be overwritten"
+    else:
+        kept = f"it was moved to {copy}"
+    return (
+        f"state file {path} {why}; {kept}. Starting from an empty state rebuilt from "
+        "libvirt and Kubernetes: start requests that were pending in it are lost "
+        "(start those VMs again)."
+    )
+
+
+def _decode(data: bytes) -> State:
+    try:
+        doc = tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise _Corrupt(f"is not valid TOML ({e})") from None
+    version = doc.get("version")
+    if version is None:
+        raise _Corrupt("has no version number")
+    if type(version) is not int or version != STATE_VERSION:  # `true == 1` in Python
+        raise _Corrupt(f"has version {version!r}, this hostagent reads version {STATE_VERSION}")
+    intents = _get(doc, "intents", list, [])
+    state = State(
+        intents=tuple(_intent(entry, i) for i, entry in enumerate(intents)),
+        cordoned_by_us=_get(doc, "cordoned_by_us", bool, False),
+        hold=_get(doc, "hold", bool, False),
+        lendee_phase=_get(doc, "lendee_phase", str, None),
+        lendee_phase_since=_time(doc, "lendee_phase_since"),
+        last_verified=_time(doc, "last_verified"),
+        relend_at=_time(doc, "relend_at"),
+        reclaiming=_get(doc, "reclaiming", bool, False),
+        boot_id=_get(doc, "boot_id", str, None),
+        reservations=tuple(_reservation(entry, i) for i, entry in
+                           enumerate(_get(doc, "reservations", list, []))),
+    )
+    ids = [intent.id for intent in state.intents]
+    if len(set(ids)) != len(ids):
+        raise _Corrupt("lists an intent id twice")
+    return state
+
+
+def _get(table: dict[str, Any], key: str, kind: type, default: Any) -> Any:
+    value = table.get(key, default)
+    if value is not default and not isinstance(value, kind):
+        raise _Corrupt(f"has {key} = {value!r}, not a {kind.__name__}")
+    return value
+
+
+def _time(table: dict[str, Any], key: str) -> datetime | None:
+    value: datetime | None = _get(table, key, datetime, None)
+    if value is not None and value.tzinfo is None:
+        raise _Corrupt(f"has {key} without a time zone")
+    return value
+
+
+_INTENT_KEYS = ("id", "owner", "created", "source", "status")
+
+
+def _intent(entry: object, index: int) -> Intent:
+    if not isinstance(entry, dict):
+        raise _Corrupt(f"has intents[{index}] that is not a table")
+    missing = [key for key in _INTENT_KEYS if key not in entry]
+    if missing:
+        raise _Corrupt(f"has intents[{index}] without {', '.join(missing)}")
+    created = _time(entry, "created")
+    assert created is not None  # present, checked above
+    try:
+        return Intent(
+            id=_get(entry, "id", str, None),
+            owner=_get(entry, "owner", str, None),
+            created=created,
+            source=IntentSource(_get(entry, "source", str, None)),
+            status=IntentStatus(_get(entry, "status", str, None)),
+        )
+    except ValueError as e:  # an unknown source or status
+        raise _Corrupt(f"has intents[{index}] with {e}") from None
+
+
+def _reservation(entry: object, index: int) -> Reservation:
+    if not isinstance(entry, dict):
+        raise _Corrupt(f"has reservations[{index}] that is not a table")
+    at, made, evict_at = (_time(entry, k) for k in ("at", "made", "evict_at"))
+    vm, by = _get(entry, "vm", str, None), _get(entry, "by", str, "")
+    if vm is None or at is None or made is None:
+        raise _Corrupt(f"has reservations[{index}] without vm, at or made")
+    return Reservation(vm=vm, at=at.timestamp(), by=by, made=made.timestamp(),
+                       evict_at=evict_at.timestamp() if evict_at else None,
+                       holding=_get(entry, "holding", bool, False))
+
+
+# --- writing ---------------------------------------------------------------------------
+
+
+def _encode(state: State) -> dict[str, Any]:
+    doc: dict[str, Any] = {"version": STATE_VERSION, "cordoned_by_us": state.cordoned_by_us,
+                           "hold": state.hold, "reclaiming": state.reclaiming}
+    optional = {
+        "lendee_phase": state.lendee_phase,
+        "lendee_phase_since": _aware(state.lendee_phase_since, "lendee_phase_since"),
+        "last_verified": _aware(state.last_verified, "last_verified"),
+        "relend_at": _aware(state.relend_at, "relend_at"),
+        "boot_id": state.boot_id,
+    }
+    doc.update((k, v) for k, v in optional.items() if v is not None)
+    doc["intents"] = [
+        {
+            "id": intent.id,
+            "owner": intent.owner,
+            "created": _aware(intent.created, f"intent {intent.id} created"),
+            "source": intent.source.value,
+            "status": intent.status.value,
+        }
+        for intent in state.intents
+    ]
+    doc["reservations"] = [
+        {"vm": r.vm, "at": _stamp(r.at), "by": r.by, "made": _stamp(r.made),
+         "holding": r.holding, **({"evict_at": _stamp(r.evict_at)} if r.evict_at else {})}
+        for r in state.reservations
+    ]
+    return doc
+
+
+def _stamp(at: float) -> datetime:
+    return datetime.fromtimestamp(at, UTC)
+
+
+def _aware(value: datetime | None, what: str) -> datetime | None:
+    # A naive time would be read back in whatever zone the next reader assumes.
+    if value is not None and value.tzinfo is None:
+        raise ValueError(f"{what}: {value} has no time zone; use datetime.now(UTC)")
+    return value
+
+
+def save_state(path: Path, state: State) -> None:
+    """Replace `path` with `state`, atomically and durably."""
+    data = tomli_w.dumps(_encode(state)).encode("utf-8")
+    directory = path.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fchmod(f.fileno(), 0o644)  # not secret; lets an administrator read it
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
+    # The rename is only durable once the directory entry is.
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+# --- saving from the event loop ------------------------------------------------------
+
+
+class Saver:
+    """Saves the state file from a worker thread: one save at a time, the latest wins.
+
+    `save_state` makes two fsyncs (the file, then its directory), and a busy disk can
+    take seconds over each. On the event loop they would hold everything else (the hook
+    socket among it, whose callers have a budget of a fraction of a second). Here the
+    loop only hands the state over; `submit` returns a future that is done once that
+    state, or a later one, is on disk (its result: None) or could not be written (the
+    OSError). States submitted while a save runs are merged into the next save.
+
+    Invariant 4 stays the caller's: await the future before acknowledging an intent,
+    with a bound (`asyncio.wait_for(asyncio.shield(future), budget)`); a save that has
+    not finished in time goes on, and the request is refused, never acknowledged.
+    """
+
+    def __init__(self, path: Path, *,
+                 write: Callable[[Path, State], None] | None = None) -> None:
+        self.path = path
+        self._write = write  # None: save_state, looked up at each save
+        self._pending: State | None = None
+        self._waiters: list[asyncio.Future[OSError | None]] = []
+        self._task: asyncio.Task[None] | None = None
+        self.last_error: OSError | None = None  # of the last save; None once one works
+
+    def submit(self, state: State) -> asyncio.Future[OSError | None]:
+        """Save `state` soon; the future says when it (or a later state) is durable."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[OSError | None] = loop.create_future()
+        self._pending = state
+        self._waiters.append(done)
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._run(), name="state file")
+        return done
+
+    @property
+    def busy(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def flush(self) -> OSError | None:
+        """Wait for every submitted state to be saved; the last error, if any."""
+        while self._task is not None and not self._task.done():
+            await asyncio.shield(self._task)
+        return self.last_error
+
+    async def _run(self) -> None:
+        while self._pending is not None:
+            state, self._pending = self._pending, None
+            waiters, self._waiters = self._waiters, []
+            error: OSError | None = None
+            try:
+                await asyncio.to_thread(self._write or save_state, self.path, state)
+            except OSError as e:
+                error = e
+            except BaseException as e:  # a bug, or cancelled: no waiter waits forever
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.cancel() if isinstance(e, asyncio.CancelledError) else (
+                            waiter.set_exception(e))
+                raise
+            self.last_error = error
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(error)

@@ -1,0 +1,1 @@
+"""The composition: the agent, its executor, verbs, recorder, reservations, hot-plug."""

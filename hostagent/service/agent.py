@@ -1,0 +1,790 @@
+"""The service: wires libvirt, the hook and control sockets and the cluster to the machine.
+
+Everything that happens becomes an `Event` applied by `Agent.apply`, on the event loop
+thread, one at a time: the pure `machine.step` decides, the agent persists what must
+survive a crash, writes one journal record per transition, and runs the actions as
+tasks. Each task reports back with another event. An owner's start request is applied
+only once it is on disk (`Agent.request`). The loop itself never blocks: libvirt calls
+and state saves run in worker threads (see `host.libvirt`, `state.Saver`), so the hook
+socket is answered while libvirtd is busy starting the VM whose hook is asking, and
+while the disk takes its time.
+
+Level-triggered: at start and after every libvirt reconnect the agent reads which
+VMs run and hands that to the machine (`Observed`); events only wake it up.
+
+The agent is the composition root and owns the state and `apply`. Its parts are
+`hostagent.service.executor` (actions to effects, each a step supervised by its phase),
+`hostagent.service.verbs` (the control verbs) and `hostagent.service.recorder` (the journal record
+of each transition); each is given what it uses (`hostagent.service.parts`: a read-only view of the
+state, `apply`, the progress channel), never the agent, and changes nothing but through
+`apply`. Only `hostagent.cli` imports this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Coroutine
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from hostagent.core import clock, devices, health, machine
+from hostagent.host import journal, lint
+from hostagent.surfaces import metrics
+from hostagent.host import state as persisted
+from hostagent.core.backoff import keep_trying
+from hostagent.core.config import Config
+from hostagent.surfaces.control import serve_control
+from hostagent.service.executor import Executor
+from hostagent.surfaces.inbox import HookEvent, Inbox, Verdict, replay_spool, serve_hooks
+from hostagent.host.libvirt import HostError, Libvirt, Lifecycle
+from hostagent.host.lock import AlreadyRunning, lock_agent
+from hostagent.core.model import (
+    Event,
+    GpuPods,
+    Hotplug,
+    Intent,
+    IntentSource,
+    LendeeStarted,
+    LendeeStopped,
+    Observed,
+    OwnerStarted,
+    OwnerStarting,
+    OwnerStopped,
+    OwnerWants,
+    Phase,
+    Policy,
+    Regrow,
+    State,
+)
+from hostagent.service.parts import Cluster, Kept, NoCluster, Progress
+from hostagent.service.recorder import Recorder
+from hostagent.service.reservations import Reservations
+from hostagent.core.topology import topology
+from hostagent.service.verbs import Verbs
+
+log = logging.getLogger("hostagent")
+T = TypeVar("T")
+
+
+class StartupError(Exception):
+    """The agent cannot start; the message says what is wrong and how to fix it."""
+
+
+# Of the hook's 0.3 s budget for an answer: the rest is its own start and the exchange.
+HOOK_SAVE_BUDGET = 0.15
+# Waited for the last state to be on disk when the agent stops.
+EXIT_SAVE_BUDGET = 10.0
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _host_stopping() -> bool:
+    """Whether the host is shutting down (systemd says "stopping"), as opposed to only
+    hostagent being stopped or restarted."""
+    try:
+        out = subprocess.run(["systemctl", "is-system-running"], capture_output=True,
+                             text=True, timeout=2, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.stdout.strip() == "stopping"
+
+
+def _persisted(state: State) -> tuple[object, ...]:
+    """What of a state goes to the state file (a change of it is saved)."""
+    return (state.intents, state.phase, state.hold, state.relend_at, state.reclaiming,
+            state.reservations)
+
+
+class _Shared(Generic[T]):
+    """An attribute of the agent that its parts were given too: replacing it (the
+    cluster once connected, a stand-in) replaces it in each part that has it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, agent: Agent, owner: type) -> T:
+        value: T = agent.__dict__[self.name]
+        return value
+
+    def __set__(self, agent: Agent, value: T) -> None:
+        agent.__dict__[self.name] = value
+        for part in agent.__dict__.get("parts", ()):
+            if hasattr(part, self.name):
+                setattr(part, self.name, value)
+
+
+class Agent:
+    cfg: _Shared[Config] = _Shared()
+    policy: _Shared[Policy] = _Shared()
+    libvirt: _Shared[Libvirt] = _Shared()
+    cluster: _Shared[Cluster] = _Shared()
+
+    def __init__(self, cfg: Config, *, cluster: Cluster | None = None) -> None:
+        self.cfg = cfg
+        self.topo = topology(cfg)
+        regrow = cfg.policy.regrow
+        if cfg.kubernetes is None and regrow is Regrow.WHEN_IDLE:
+            regrow = Regrow.ALWAYS  # nothing can tell whether a GPU job runs on the node
+        hotplug = cfg.policy.hotplug
+        self.policy = Policy(relend_delay=cfg.policy.relend_delay,
+                             force_off=cfg.policy.force_off_after is not None,
+                             partial=cfg.policy.partial, min_gpus=cfg.lendee.min_gpus,
+                             regrow=regrow, regrow_max_wait=cfg.policy.regrow_max_wait,
+                             hotplug=Hotplug.NONE if hotplug is Hotplug.AUTO else hotplug,
+                             hotplug_why=f"policy.hotplug = \"{hotplug}\"")
+        self.cluster_given = cluster is not None
+        self.lendee = cfg.lendee.domain
+        # The state the parts read (`View`): only `apply` and `_load` write it.
+        self.kept = Kept()
+        self.cordoned_by_us = False
+        self.started_at = clock.now()
+        self.boot_id = _boot_id()
+        self.host_booted = False  # this is the agent's first start since the host booted
+        self.libvirt = Libvirt(cfg.libvirt_uri, on_lifecycle=self.lifecycle,
+                               on_reconnect=self._reconnected)
+        # The state file is written from a worker thread (its fsyncs may take seconds
+        # on a busy disk, and nothing on the loop may wait for them); see `request`.
+        self.saver = persisted.Saver(cfg.state_file)
+        # Intents of requests waiting to be on disk before they are taken: every save
+        # meanwhile includes them, so none overwrites them.
+        self._unconfirmed: tuple[Intent, ...] = ()
+        self._save_retry: asyncio.TimerHandle | None = None
+        self._fatal: asyncio.Future[BaseException] | None = None
+        self.metrics = metrics.Metrics(self.topo)
+        self._exporter: asyncio.Server | None = None
+        self._endpoint: Any = None  # the SSH endpoint's server, once bound
+        # Told after each change of state, on the loop, with no I/O (the MQTT device).
+        self.watchers: list[Callable[[], None]] = []
+        # Set while the hook socket is served (`run` clears it until then): a lend waits
+        # for it, so that the lendee's own prepare hook gets an answer.
+        self.serving = asyncio.Event()
+        self.serving.set()
+        # Checks of real things, not "the process runs" (see hostagent.core.health).
+        self.health = health.Health()
+        self.health.add("libvirt", health.libvirt_alive(self.libvirt))
+        self.health.add("hook socket", health.socket_answers(cfg.hook_socket, "hook socket"))
+        self.health.add("last lend verified", self.metrics.lend_verified)
+        self.health.add("state file", self._state_saved)
+        # The parts, each given what it uses: actions to effects, the control verbs,
+        # the journal record of each transition; progress flows from the last two to the
+        # verbs' waiting callers.
+        self.progress = Progress()
+        cluster = cluster or NoCluster()
+        self.executor = Executor(cfg, self.topo, self.kept, self.apply, libvirt=self.libvirt,
+                                 cluster=cluster, progress=self.progress,
+                                 lifecycle=self.lifecycle, fail=self.fail, serving=self.serving)
+        self.reservations = Reservations(cfg, self.topo, self.kept, self.apply, cluster=cluster,
+                                         saved=self.saver.flush)
+        self.watchers.append(self.reservations.wake)
+        self.verbs = Verbs(cfg, self.topo, self.policy, self.kept, self.apply,
+                           request=self.request, libvirt=self.libvirt, cluster=cluster,
+                           health=self.health, facts=self.executor.facts,
+                           progress=self.progress, lifecycle=self.lifecycle,
+                           reservations=self.reservations)
+        self.recorder = Recorder(self.topo, self.policy, self.kept, self.progress)
+        self.cluster = cluster
+        self.parts = (self.executor, self.verbs, self.recorder, self.reservations)
+
+    # The state, as the parts read it through `kept`.
+    @property
+    def state(self) -> State:
+        return self.kept.state
+
+    @state.setter
+    def state(self, state: State) -> None:
+        self.kept.state = state
+
+    @property
+    def phase_since(self) -> float:
+        return self.kept.phase_since
+
+    @phase_since.setter
+    def phase_since(self, at: float) -> None:
+        self.kept.phase_since = at
+
+    @property
+    def save_failed(self) -> str | None:
+        """Why the last state save failed (None: saved); retried until it works."""
+        return self.kept.save_failed
+
+    @save_failed.setter
+    def save_failed(self, why: str | None) -> None:
+        if why != self.kept.save_failed:
+            self.health.forget()  # the "state file" check reads it
+        self.kept.save_failed = why
+
+    # ---- the one place where state changes -----------------------------------------
+    def apply(self, event: Event) -> bool:
+        """Step the machine; persist, journal and act. False if the event was stale."""
+        try:
+            new, actions = machine.step(self.state, event, topo=self.topo, policy=self.policy)
+        except machine.IllegalTransition as e:
+            log.debug("ignored: %s", e)
+            return False
+        old = self.state
+        self.state = new
+        self.metrics.transition(old, new, event)
+        for intent in new.intents:
+            if intent not in old.intents:
+                self.recorder.intent(intent)
+        if old.phase is not new.phase:
+            self.recorder.phase(old, new, event)
+            self.phase_since = clock.now()
+        if _persisted(old) != _persisted(new):
+            # Handed to the saver: the loop never waits for the disk. A request was on
+            # disk before it got here (`request`); a fact is taken whatever the disk
+            # says, and its save is retried.
+            self._save()
+        if old.ticket != new.ticket:
+            self.executor.supervise(new.ticket)
+        if (new.phase is Phase.LENT and old.ticket != new.ticket and not new.attaching
+                and not new.detaching):
+            # A step of LENT: it ends with the phase (see _supervise), and a hot-add or
+            # a hot-unplug, which enter LENT anew, end it too: the node's count changes.
+            self.executor.spawn(self.cluster.watch_lent(on_view=self._node_view), ticket=new.ticket)
+        if new.phase in (Phase.OFF, Phase.FAILED) and old.ticket != new.ticket:
+            # Its node cordoned by us for long (a game, a human asked to look): a step
+            # of the phase, which drops our marker if someone lifts the cordon meanwhile.
+            self.executor.spawn(self.cluster.watch_cordon(), ticket=new.ticket)
+        if new.phase is Phase.OFF and old.phase not in (Phase.OFF, Phase.DRAINING,
+                                                        Phase.STOPPING):
+            # Down, and not by a reclaim (which cordoned it): a crash, a shutdown by
+            # hand. Cordoned now, so that its return is verified before it takes work;
+            # a step of OFF, so a slow cordon never lands after the next return.
+            self.executor.spawn(self.cluster.lendee_down(why=f"{self.lendee} stopped"),
+                                ticket=new.ticket)
+        if new.regrow_waiting and not old.regrow_waiting:
+            self.recorder.regrow_waits(new)
+        for action in actions:
+            self.executor.execute(action)
+        if old.phase is not new.phase or old.intents != new.intents:
+            journal.notify(self.recorder.status_line())
+        for watch in self.watchers:
+            watch()
+        return True
+
+    # ---- start-up --------------------------------------------------------------------
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._fatal = loop.create_future()
+        with contextlib.ExitStack() as locks:
+            # The state directory and the sockets' (runtime) directory each: an agent
+            # with another state_dir must not unlink and rebind the hook socket.
+            dirs: dict[Path, str] = {}
+            for key, directory in (("state_dir", self.cfg.state_dir),
+                                   ("hook_socket", self.cfg.hook_socket.parent),
+                                   ("control_socket", self.cfg.control_socket.parent)):
+                dirs.setdefault(directory, key)
+            for directory, key in dirs.items():
+                try:
+                    locks.enter_context(lock_agent(directory / "agent.lock"))
+                except AlreadyRunning as e:
+                    raise StartupError(str(e)) from e
+                except OSError as e:
+                    raise StartupError(f"{self.cfg.source}: {key}: cannot lock "
+                                       f"{directory / 'agent.lock'}: {e.strerror or e}") from e
+            await self._run(loop)
+
+    async def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.serving.clear()
+        self._load()
+        await self.libvirt.connect()
+        await self._check_domains()
+        await self._decide_hotplug()
+        kube = await self._connect_cluster()
+        if self.host_booted:
+            # Asked before reality is read, so that the first lend leaves their GPUs
+            # out instead of booting the lendee with them only to reclaim them at once.
+            self._start_at_boot()
+        # Reality first: until the machine knows what runs, its verdicts would be guesses.
+        await self._observe()
+        if not self.state.phase.lendee_running:
+            # Off at start (a host reboot, a crash while the agent was down): its node
+            # must not take work before the next lend is verified.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.cluster.lendee_down(
+                    why=f"{self.lendee} was found off at start"), 15)
+        inbox = Inbox(self._on_hook)
+        # What happened while the agent was down comes before anything live; a hook that
+        # spooled in the moment before the socket existed is picked up by the second pass.
+        replayed = await replay_spool(self.cfg.spool_dir, inbox, log=log)
+        hooks = await serve_hooks(self.cfg.hook_socket, inbox, log=log)
+        self.serving.set()
+        control = await serve_control(self.cfg.control_socket, self.verbs.handlers(), log=log,
+                                      owners=self.topo.owners, **self._control_access())
+        try:
+            replayed += await replay_spool(self.cfg.spool_dir, inbox, log=log)
+            await self._serve_ssh()
+            await self._serve_metrics()
+            self._serve_mqtt()
+            if replayed:
+                log.info("replayed %d hook event(s) spooled while the agent was down", replayed)
+            journal.record("agent", f"hostagent is running: {self.recorder.status_line()}",
+                           result="ready")
+            journal.notify(self.recorder.status_line(), ready=True)
+            self.executor.spawn(self.reservations.run())
+            watchdog = journal.watchdog_interval()
+            if watchdog:
+                self.executor.spawn(self._watchdog(watchdog / 2))
+            assert self._fatal is not None
+            raise await self._fatal
+        finally:
+            if self.host_stopping():
+                await self._drain_for_shutdown()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.cluster.flush_events(), 5)
+            hooks.close()
+            if self._exporter is not None:
+                self._exporter.close()
+            control.close()
+            if self._endpoint is not None:
+                self._endpoint.close()
+            for task in list(self.executor.tasks):
+                task.cancel()
+            await asyncio.gather(*self.executor.tasks, return_exceptions=True)
+            await self.libvirt.close()
+            if kube is not None:
+                await kube.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.saver.flush(), EXIT_SAVE_BUDGET)
+
+    async def _connect_cluster(self) -> Any:
+        """The Kubernetes adapter, if configured: a bad kubeconfig stops the agent with
+        the fix; a missing Node, an API server that is down or refused credentials are
+        said and only delay steps."""
+        if self.cfg.kubernetes is None or self.cluster_given:
+            return None
+        from hostagent.cluster.cycle import KubeCluster
+        from hostagent.cluster.kube import (
+            Kube,
+            KubeAuthError,
+            KubeConfigError,
+            KubeUnavailable,
+            Timing,
+        )
+        try:
+            kube = await Kube.from_config(
+                self.cfg.kubernetes, timing=Timing(evict_retry=self.cfg.kubernetes.evict_retry))
+        except KubeConfigError as e:
+            raise StartupError(f"{self.cfg.source}: kubernetes.kubeconfig: {e}") from e
+        try:
+            check = await kube.check_node(self.cfg.lendee.node, timeout=10)
+            if not check.exists:
+                # Not fatal: a node deleted while its VM was off registers again when
+                # the lendee starts, and only a lend starts it.
+                log.warning("%s; it registers again when %s starts", check, self.lendee)
+        except KubeUnavailable as e:
+            log.warning("the Kubernetes API is not reachable yet (%s); steps will retry", e)
+        except KubeAuthError as e:
+            journal.record("kubernetes", f"the API server refuses hostagent's credentials: {e};"
+                           " every Kubernetes step fails until they are fixed",
+                           result="unauthorized", priority=journal.Priority.ERR)
+        self.cluster = KubeCluster(kube, self.cfg, remember_cordon=self._remember_cordon,
+                                   metrics=self.metrics)
+        self.health.add("kubernetes", health.kubernetes(self.cluster))
+        return kube
+
+    def _start_at_boot(self) -> None:
+        """The host booted: start the owners configured to start at boot, through the
+        same road as a player's request (their GPUs are reclaimed first if need be)."""
+        self._save()  # the boot id: once per boot, even if the agent restarts
+        for vm, owner in sorted(self.cfg.owners.items()):
+            if owner.start_at_boot and vm not in self.state.running_owners:
+                journal.record("boot", f"the host booted: starting {vm} ([owners.{vm}] "
+                               "start_at_boot)", vm=vm, result="ok")
+                self.apply(OwnerWants(at=clock.now(), owner=vm, intent_id=f"boot-{vm}",
+                                      source=IntentSource.CONTROL))
+
+    host_stopping = staticmethod(_host_stopping)
+
+    async def _drain_for_shutdown(self) -> None:
+        """The host is going down with the lendee lent: cordon and drain its node now,
+        while the API answers, so that it comes back cordoned and is uncordoned only
+        once its GPUs are verified (the kubelet's own shutdown does not drain)."""
+        if not self.state.phase.lendee_running:
+            return
+        limit = min(self.cfg.timeouts.drain, 60.0)
+        try:
+            problem = await asyncio.wait_for(self.cluster.reclaim([]), limit)
+        except (TimeoutError, Exception) as e:  # the host goes down regardless
+            problem = str(e) or f"not drained within {limit:g}s"
+        journal.record("shutdown", f"the host is shutting down: {self.lendee}'s node is "
+                       + ("cordoned and drained" if problem is None else
+                          f"cordoned, its drain incomplete ({problem})")
+                       + "; it is uncordoned after its GPUs are verified at the next boot",
+                       vm=self.lendee, result="ok" if problem is None else "failed")
+
+    def _node_view(self, view: Any) -> None:
+        """The lent node changed: the count of GPU pods is what a regrow waits on."""
+        pods = getattr(view, "gpu_pods", None)
+        if pods is not None and pods != self.state.gpu_pods:
+            self.apply(GpuPods(at=clock.now(), count=pods))
+
+    def _remember_cordon(self, ours: bool) -> None:
+        # The marker on the Node is what uncordon trusts; the state file keeps a copy.
+        if self.cordoned_by_us != ours:
+            self.cordoned_by_us = ours
+            self._save()
+
+    async def request(self, event: OwnerWants, *, within: float | None = None) -> bool:
+        """An owner's start request: taken (applied) only once it is on disk, without
+        the loop waiting for the disk (invariant 4 and 12). False if it could not be
+        written (`save_failed` says why), not `within` seconds, or was stale.
+
+        A request that joins a pending one, or that completes at once, adds nothing to
+        keep and is applied at once. A request given up on may still reach the file (its
+        write was under way); the next save replaces it, and a crash before that starts
+        the owner at the next start, which is what its caller asked for."""
+        try:
+            new, _ = machine.step(self.state, event, topo=self.topo, policy=self.policy)
+        except machine.IllegalTransition:
+            return self.apply(event)  # says why, and changes nothing
+        added = tuple(i for i in new.intents if i not in self.state.intents)
+        if not added:
+            return self.apply(event)
+        self._unconfirmed += added
+        durable = self._save()
+        try:
+            error = await asyncio.wait_for(asyncio.shield(durable), within)
+        except TimeoutError:
+            self.save_failed = (f"the disk did not take {self.cfg.state_file} within "
+                                f"{within:g}s")
+            return False
+        finally:
+            self._unconfirmed = tuple(i for i in self._unconfirmed if i not in added)
+            if not durable.done():  # given up on: a state without it takes its place
+                self._save()
+        return error is None and self.apply(event)
+
+    def fail(self, error: BaseException) -> None:
+        """End `run` with `error` (a bug in a step: systemd restarts the agent)."""
+        if self._fatal is not None and not self._fatal.done():
+            self._fatal.set_exception(error)
+
+    def stop(self) -> None:
+        if self._fatal is not None and not self._fatal.done():
+            self._fatal.set_exception(asyncio.CancelledError())
+
+    async def _serve_metrics(self) -> None:
+        """/metrics and /healthz; a port that cannot be bound yet (in use, an address
+        not up at boot) is tried again in the background, never a reason to exit."""
+        address = self.cfg.metrics.address
+        if address is None:
+            return
+
+        async def bind() -> None:
+            self._exporter = await keep_trying(
+                lambda: metrics.serve(address, self.metrics, self.health, log=log),
+                what=f"the metrics endpoint on {self.cfg.metrics.listen}",
+                transient=(OSError,))
+
+        await self._bind_soon(bind)
+
+    async def _bind_soon(self, bind: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run `bind` now; if its first attempt does not succeed at once, leave it
+        retrying in the background (its own record says so) and go on."""
+        task = asyncio.get_running_loop().create_task(bind())
+        done, _ = await asyncio.wait({task}, timeout=1.0)
+        if task in done:
+            task.result()  # a StartupError: a person must fix the configuration
+            return
+        self.executor.spawn(asyncio.wait_for(task, None))
+
+    def _load(self) -> None:
+        saved, warning = persisted.load_state(self.cfg.state_file)
+        if warning:
+            journal.record("state", warning, result="rebuilt", priority=journal.Priority.ERR)
+        self.cordoned_by_us = saved.cordoned_by_us
+        intents = tuple(Intent(id=i.id, owner=i.owner, created_at=i.created.timestamp(),
+                               source=i.source) for i in saved.intents)
+        relend_at = saved.relend_at.timestamp() if saved.relend_at else None
+        # A new kernel boot id: the host booted since the agent last ran (a first run,
+        # with no id kept, is not taken for a boot: the host may have been up for days).
+        self.host_booted = saved.boot_id is not None and saved.boot_id != self.boot_id
+        self.state = State(intents=intents, hold=saved.hold, relend_at=relend_at,
+                           reclaiming=saved.reclaiming, reservations=saved.reservations)
+
+    def _save(self, state: State | None = None) -> asyncio.Future[OSError | None]:
+        """Hand `state` (default: the current one) to the saver; the future says when
+        it (or a later state) is on disk, or the OSError that kept it off.
+
+        A failure (disk full, EIO, no descriptor left) never stops the agent: it is
+        reported once in the journal and in health, and retried every few seconds.
+        """
+        state = state or self.state
+        intents = (*state.intents, *(i for i in self._unconfirmed if i not in state.intents))
+        snapshot = persisted.State(
+            intents=tuple(persisted.Intent(
+                id=i.id, owner=i.owner, source=i.source,
+                created=datetime.fromtimestamp(i.created_at, UTC))
+                for i in intents),
+            cordoned_by_us=self.cordoned_by_us,
+            hold=state.hold,
+            reclaiming=state.reclaiming,
+            boot_id=self.boot_id,
+            relend_at=(datetime.fromtimestamp(state.relend_at, UTC)
+                       if state.relend_at is not None else None),
+            reservations=state.reservations,
+            lendee_phase=state.phase.value,
+            lendee_phase_since=datetime.fromtimestamp(self.phase_since, UTC))
+        durable = self.saver.submit(snapshot)
+        durable.add_done_callback(self._saved)
+        return durable
+
+    def _saved(self, durable: asyncio.Future[OSError | None]) -> None:
+        if durable.cancelled() or durable.exception() is not None:
+            return  # the agent is stopping, or a bug the saver's task reports
+        error = durable.result()
+        if error is None:
+            if self.save_failed is not None:
+                journal.record("state", f"{self.cfg.state_file} is written again", result="ok")
+                self.save_failed = None
+            return
+        why = f"cannot write {self.cfg.state_file}: {error.strerror or error}"
+        if why != self.save_failed:
+            journal.record("state", f"{why}; requests that cannot be recorded are refused "
+                           "and the save is retried (free space on its filesystem?)",
+                           result="failed", priority=journal.Priority.ERR)
+        self.save_failed = why
+        if self._save_retry is None:
+            self._save_retry = asyncio.get_running_loop().call_later(5.0, self._retry_save)
+
+    def _retry_save(self) -> None:
+        self._save_retry = None
+        self._save()
+
+    async def _state_saved(self) -> str | None:
+        """Health: fails while the state file refuses saves."""
+        if self.save_failed is not None:
+            raise health.CheckFailed(self.save_failed)
+        return f"{self.cfg.state_file} is up to date"
+
+    async def _check_domains(self) -> None:
+        defined = await self.libvirt.defined_domains()
+        wanted = {"lendee.domain": self.lendee,
+                  **{f"owners.{d}": d for d in self.cfg.owners}}
+        for key, dom in wanted.items():
+            if dom not in defined:
+                raise StartupError(
+                    f"{self.cfg.source}: {key}: libvirt at {self.cfg.libvirt_uri} has no domain "
+                    f"{dom!r} (it has: {', '.join(sorted(defined)) or 'none'}); fix the name, "
+                    f"or define the VM first (virsh define)")
+
+    async def _decide_hotplug(self) -> None:
+        """policy.hotplug = "auto": what lint finds the lendee's definition can do."""
+        if self.cfg.policy.hotplug is not Hotplug.AUTO:
+            return
+        try:
+            dom = lint.parse_domain(await self.libvirt.inactive_xml(self.lendee))
+            how, why = lint.hotplug_capability(dom, self.cfg)
+        except (HostError, ValueError) as e:
+            how, why = Hotplug.NONE, f"{self.lendee}'s definition could not be read: {e}"
+        self.policy = replace(self.policy, hotplug=how,
+                              hotplug_why=f'policy.hotplug = "auto": {why}')
+        changes = lint.changes(how, self.policy.regrow, self.policy.regrow_max_wait)
+        journal.record("policy", f"{self.lendee}'s GPUs change {changes} ({why})",
+                       vm=self.lendee, result=how.value)
+
+    async def _observe(self) -> None:
+        running = await self.libvirt.running_domains()
+        lent = None
+        if self.lendee in running:
+            # Its live definition says which GPUs this boot got (partial lending). A
+            # domain in the middle of stopping may keep that read waiting, and events
+            # that come meanwhile are lost on a machine that has not read reality yet:
+            # bounded, then the running set is read again.
+            with contextlib.suppress(HostError, TimeoutError):
+                lent = await asyncio.wait_for(self.libvirt.live_gpus(
+                    self.lendee, self.executor.lendee_gpu_config()), 5)
+            running = await self.libvirt.running_domains()
+        self.apply(Observed(at=clock.now(), lendee_running=self.lendee in running,
+                            owners_running=frozenset(running & set(self.topo.owners)),
+                            lendee_gpus=lent & self.topo.lendee_gpus if lent else None))
+        self.executor.spawn(self.executor.groups())
+
+    def _reconnected(self) -> None:
+        self.executor.spawn(self._observe())
+
+    # ---- inputs ----------------------------------------------------------------------
+    async def _on_hook(self, event: HookEvent) -> Verdict:
+        self.metrics.hook_event(event.op, event.sub)
+        if event.spooled:
+            # Spooled while the agent was down: libvirt went ahead (fail-open) and the
+            # fresh read of reality at start already accounts for it. Where the event
+            # came from decides this, never the clock (it may have been stepped).
+            log.info("while the agent was down: %s %s %s", event.domain, event.op, event.sub)
+            return Verdict("proceed")
+        if (event.op, event.sub) == ("prepare", "begin"):
+            return await self._prepare(event)
+        if (event.op, event.sub) == ("release", "end"):
+            # The owner's devices are released: the surest sign it stopped (or that a
+            # start the hook let through failed).
+            self.lifecycle(event.domain, Lifecycle.STOPPED)
+        return Verdict("proceed")
+
+    async def _prepare(self, event: HookEvent) -> Verdict:
+        """libvirt's ``prepare begin``: the machine's verdict, and what it implies."""
+        vm = event.domain
+        gpus = None
+        if vm == self.lendee:
+            # The definition being started says whether it is the agent's own start.
+            with contextlib.suppress(ValueError):
+                gpus = devices.gpus_in(event.xml, self.executor.lendee_gpu_config())
+        decision, message = machine.verdict(self.state, vm, topo=self.topo, gpus=gpus,
+                                            policy=self.policy)
+        if decision == "refuse":
+            journal.record("refuse", f"refused the start of {vm}: {message}", vm=vm,
+                           result="refused")
+            return Verdict("defer", message)  # the hook's one way to say no
+        if decision == "proceed":
+            if self.topo.is_owner(vm) and vm not in self.state.running_owners:
+                # It claims its GPUs until it runs or its start ends (release end).
+                self.apply(OwnerStarting(at=clock.now(), owner=vm))
+            return Verdict("proceed", message)
+        if self.topo.is_owner(vm):
+            # On disk before the hook hears "defer" (invariant 4), within the part of
+            # the hook's budget it gets: a busy disk makes a clear refusal.
+            recorded = await self.request(OwnerWants(at=clock.now(), owner=vm, intent_id=event.id,
+                                                     source=IntentSource.HOOK),
+                                          within=HOOK_SAVE_BUDGET)
+            if not recorded and self.save_failed and not self.state.intents_of(vm):
+                message = (f"hostagent could not record the request to start {vm} "
+                           f"({self.save_failed}), so it will not start it by itself: "
+                           "start it again once the state file can be written")
+                journal.record("defer", f"refused the start of {vm}: {message}", vm=vm,
+                               result="refused", priority=journal.Priority.ERR)
+                return Verdict("defer", message)
+        journal.record("defer", f"deferred the start of {vm}: {message}", vm=vm,
+                       result="deferred")
+        return Verdict("defer", message)
+
+    def lifecycle(self, domain: str, kind: Lifecycle) -> None:
+        now = clock.now()
+        if kind is Lifecycle.STOPPED:
+            self.executor.facts.stopped.setdefault(domain, asyncio.Event()).set()
+        if kind is Lifecycle.AGENT_CONNECTED:
+            self.executor.agent_connected.set()
+            return
+        if kind is Lifecycle.DEVICE_REMOVED:
+            if domain == self.lendee:
+                self.executor.device_removed.set()
+            return
+        if domain == self.lendee:
+            running = self.state.phase is not Phase.OFF
+            if kind is Lifecycle.STARTED and not running:
+                self.apply(LendeeStarted(at=now))
+            elif kind is Lifecycle.STOPPED and running:
+                self.apply(LendeeStopped(at=now))
+        elif self.topo.is_owner(domain):
+            running = domain in self.state.running_owners
+            if kind is Lifecycle.STARTED and not running:
+                if self.apply(OwnerStarted(at=now, owner=domain)):
+                    journal.record("owner", f"{domain} is running: it holds "
+                                   f"{self.topo.gpu_names(self.topo.owners[domain])}",
+                                   vm=domain, from_="off", to="running", result="ok",
+                                   holders=self.recorder.holders())
+            elif kind is Lifecycle.STOPPED and domain in self.state.starting_owners:
+                if self.apply(OwnerStopped(at=now, owner=domain)):
+                    journal.record("owner", f"{domain}'s start ended without it running: "
+                                   f"{self.topo.gpu_names(self.topo.owners[domain])} no longer "
+                                   "claimed", vm=domain, from_="starting", to="off",
+                                   result="failed", holders=self.recorder.holders())
+            elif kind is Lifecycle.STOPPED and running:
+                if self.apply(OwnerStopped(at=now, owner=domain)):
+                    then = (f"lending them back in {self.policy.relend_delay:g}s"
+                            if self.state.relend_at else "they stay free")
+                    gpus = self.topo.gpu_names(self.topo.owners[domain])
+                    journal.record("owner", f"{domain} stopped: {gpus} free; {then}",
+                                   vm=domain, from_="running", to="off", result="ok",
+                                   holders=self.recorder.holders())
+        else:  # another VM: what it holds of the lendee's GPUs' IOMMU groups
+            self.executor.spawn(self.executor.groups(domain if kind is Lifecycle.STOPPED else None))
+
+    async def _watchdog(self, interval: float) -> None:
+        # Sent from the loop itself: a blocked loop stops the pings and systemd restarts us.
+        while True:
+            journal.notify(watchdog=True)
+            await asyncio.sleep(interval)
+
+    # ---- control: its socket's access and the SSH endpoint (the verbs: hostagent.service.verbs)
+    def _control_access(self) -> dict[str, Any]:
+        """control.sock's mode, group and what the group may do: 0660 for control_group,
+        else root's alone."""
+        name = self.cfg.control_group
+        if name is None:
+            return {"mode": 0o600}
+        try:
+            return {"mode": 0o660, "group": grp.getgrnam(name).gr_gid, "group_name": name,
+                    "group_verbs": self.cfg.control_verbs}
+        except KeyError:
+            raise StartupError(f"{self.cfg.source}: control_group: there is no group {name!r} "
+                               f"on this host; create it (groupadd {name}) or remove the "
+                               "key") from None
+
+    def _serve_mqtt(self) -> None:
+        """The Home Assistant device when [mqtt] is configured (see hostagent.surfaces.mqtt): its
+        own task, told of each change; a broker that is down or slow delays nothing."""
+        if self.cfg.mqtt is None:
+            return
+        from hostagent.surfaces.mqtt import Device  # aiomqtt only where it is used
+        device = Device(self.cfg, status=self.verbs.status, handlers=self.verbs.handlers(),
+                        follow=self.progress.following)
+        self.watchers.append(device.changed)
+        device.changed()
+        self.executor.spawn(device.run())
+
+    async def _serve_ssh(self) -> None:
+        """The SSH endpoint when [ssh] is configured (see hostagent.surfaces.ssh), else None."""
+        if self.cfg.ssh is None or self.cfg.ssh_host_key is None:
+            return None
+        from hostagent.surfaces import ssh  # asyncssh only where it is used
+        endpoint, key = self.cfg.ssh, self.cfg.ssh_host_key
+
+        async def bind() -> None:
+            try:
+                self._endpoint = await keep_trying(
+                    lambda: ssh.serve(endpoint.address, key, endpoint.authorized_keys,
+                                      self.verbs.handlers()),
+                    what=f"the SSH endpoint on {endpoint.listen}", transient=(ssh.Transient,))
+            except ssh.EndpointError as e:
+                raise StartupError(f"{self.cfg.source}: [ssh]: {e}") from e
+
+        await self._bind_soon(bind)
+
+
+def run(cfg: Config) -> int:
+    """`hostagent run`: the service's main; returns the process exit status."""
+    agent = Agent(cfg)
+
+    async def main() -> None:
+        import signal
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, agent.stop)
+        await agent.run()
+
+    try:
+        asyncio.run(main())
+    except StartupError as e:
+        journal.record("agent", f"cannot start: {e}", result="failed",
+                       priority=journal.Priority.ERR)
+        if "JOURNAL_STREAM" not in os.environ:  # under systemd, stderr *is* the journal
+            print(f"hostagent: cannot start: {e}", file=sys.stderr)
+        return 2
+    except asyncio.CancelledError:
+        return 0
+    return 0
+

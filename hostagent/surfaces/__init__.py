@@ -1,0 +1,1 @@
+"""What people and programs talk to: hook and control sockets, SSH, MQTT, metrics, history."""

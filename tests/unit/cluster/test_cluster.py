@@ -1,0 +1,612 @@
+"""The cluster's half of a cycle against the real kube-apiserver (behind the fault
+proxy): what a lend must show (time-slicing, MIG), the order of a return, cordon when
+the lendee goes down, the node watched while lent, Events, and credentials the API
+server refuses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hostagent.host import journal
+from hostagent.cluster.cycle import KubeCluster
+from hostagent.core.config import Config, parse
+from hostagent.core.health import CheckFailed
+from hostagent.cluster.kube import Kube, KubeAuthError, Timing, cordon_marker, expected_gpus
+from kubernetes_asyncio import watch as k8s_watch
+from tests.controlplane import ControlPlane
+from tests.controlplane.seed import gpu_status
+from tests.unit.kube_scaffold import FAST, Api, real_api
+
+PREFIX = "hostagent.io/"
+MARKER = cordon_marker(PREFIX)
+TAINT = "hostagent.io/borrowed=true:NoSchedule"
+
+
+def config(extra: str = 'skip_wait_for_delete_timeout = "1s"',
+           policy: str = "proceed") -> Config:
+    return parse(f"""
+[lendee]
+domain = "gpu-node"
+gpus = ["gpu-a", "gpu-b"]
+
+[gpus.gpu-a]
+pci = "0000:01:00.0"
+
+[gpus.gpu-b]
+pci = "0000:02:00.0"
+
+[timeouts]
+drain = "5s"
+ready = "3s"
+
+[policy]
+on_drain_timeout = "{policy}"
+
+[kubernetes]
+lent_taints = ["{TAINT}"]
+{extra}
+""", "test.toml")
+
+
+def result_of(records: journal.ListSink, result: str) -> list[journal.Entry]:
+    return [e for e in records.entries if e.fields.get("HOSTAGENT_RESULT") == result]
+
+
+class FakeMetrics:
+    def __init__(self) -> None:
+        self.gpu_pods: list[int | None] = []
+        self.lost = 0
+        self.holders: dict[str, str] | None = None
+
+    def node_gpu_pods(self, count: int | None) -> None:
+        self.gpu_pods.append(count)
+
+    def gpu_lost(self) -> None:
+        self.lost += 1
+
+    def lent_gpu_pods(self, holders: dict[str, str] | None) -> None:
+        self.holders = holders
+
+
+@pytest.fixture(autouse=True)
+def records() -> Iterator[journal.ListSink]:
+    sink = journal.ListSink()
+    previous = journal.use_sink(sink)
+    yield sink
+    journal.use_sink(previous)
+
+
+@pytest.fixture
+async def api(plane: ControlPlane) -> AsyncIterator[Api]:
+    """gpu-node (2 GPUs, its kubelet running) and cpu-node."""
+    async with real_api(plane) as api:
+        await api.seed.node("gpu-node", gpus=2)
+        await api.seed.node("cpu-node")
+        async with api.seed.kubelet("gpu-node"):
+            yield api
+
+
+def cluster_for(kube: Kube, cfg: Config | None = None,
+                metrics: FakeMetrics | None = None) -> KubeCluster:
+    return KubeCluster(kube, cfg or config(), remember_cordon=lambda _: None, metrics=metrics)
+
+
+async def set_status(api: Api, node: str = "gpu-node", **status: Any) -> None:
+    await api.seed.node_status(node, **status)
+
+
+async def relabel(api: Api, labels: dict[str, str], node: str = "gpu-node") -> None:
+    """The node's nvidia.com/ labels replaced by `labels`, as GFD writes them."""
+    old = (await api.seed.get_node(node))["metadata"]["labels"]
+    gone: dict[str, str | None] = {k: None for k in old if k.startswith("nvidia.com/")}
+    await api.seed.patch_node(node, {"metadata": {"labels": gone | labels}})
+
+
+async def boot(api: Api, gpus: int, **knobs: Any) -> None:
+    """The lendee booted with `gpus` GPUs: the device plugin and GFD publish them."""
+    labels, allocatable = gpu_status(gpus, **knobs)
+    await relabel(api, labels)
+    await set_status(api, allocatable=allocatable, capacity=allocatable)
+
+
+def later(seconds: float, fn: Callable[[], Awaitable[Any]]) -> asyncio.Task[None]:
+    """`fn()` after `seconds`, beside the test (which awaits the task before it ends)."""
+
+    async def run() -> None:
+        await asyncio.sleep(seconds)
+        await fn()
+
+    return asyncio.get_running_loop().create_task(run())
+
+
+async def node(api: Api) -> dict[str, Any]:
+    return await api.seed.get_node("gpu-node")
+
+
+async def events(api: Api) -> list[tuple[str, str, str]]:
+    return [(e["type"], e["reason"], e["message"]) for e in await api.seed.events()]
+
+
+async def until(condition: Callable[[], Any], timeout: float = 3.0) -> None:
+    # Polled: the condition reads state that has no event to wait on.
+    async with asyncio.timeout(timeout):
+        while True:
+            got = condition()
+            if await got if asyncio.iscoroutine(got) else got:
+                return
+            await asyncio.sleep(0.02)
+
+
+# --- what a lend must show (no I/O) ---------------------------------------------------------
+
+
+def test_one_gpu_resource_per_gpu_without_labels() -> None:
+    e = expected_gpus(["b", "a"], labels={})
+    assert e.gpus == ("a", "b") and dict(e.resources) == {"nvidia.com/gpu": 2}
+    assert str(e) == "2 nvidia.com/gpu (2 GPUs, one nvidia.com/gpu each)"
+
+
+def test_time_slicing_replicas_multiply() -> None:
+    labels, _ = gpu_status(3, replicas=4)
+    e = expected_gpus(["a", "b"], labels=labels)
+    assert dict(e.resources) == {"nvidia.com/gpu": 8}
+    assert "4 time-slicing replicas" in e.how
+    shared = expected_gpus(["a"], labels={**labels, "nvidia.com/gpu.product": "Tesla-T4-SHARED"})
+    assert dict(shared.resources) == {"nvidia.com/gpu.shared": 4}
+
+
+def test_mig_counts_are_per_gpu_from_labels_of_another_lend() -> None:
+    labels, _ = gpu_status(2, mig={"1g.10gb": 7, "2g.20gb": 1})
+    e = expected_gpus(["a"], labels=labels)
+    assert dict(e.resources) == {"nvidia.com/mig-1g.10gb": 7, "nvidia.com/mig-2g.20gb": 1}
+    single = {"nvidia.com/mig.strategy": "single", "nvidia.com/gpu.count": "14"}
+    assert dict(expected_gpus(["a", "b", "c"], labels=single,
+                              labelled_gpus=2).resources) == {"nvidia.com/gpu": 21}
+
+
+def test_mig_without_gfd_reads_the_resources_the_last_lend_left() -> None:
+    _, capacity = gpu_status(3, mig={"3g.40gb": 2})
+    e = expected_gpus(["a"], labels={}, labelled_gpus=3, capacity=capacity)
+    assert dict(e.resources) == {"nvidia.com/mig-3g.40gb": 2}
+    assert "MIG resources" in e.how
+
+
+def test_the_override_is_per_lent_gpu() -> None:
+    labels, _ = gpu_status(2, replicas=4)
+    e = expected_gpus(["a", "b", "c"], labels=labels, override={"nvidia.com/gpu": 2})
+    assert dict(e.resources) == {"nvidia.com/gpu": 6} and "kubernetes.expected" in e.how
+
+
+# --- a return ----------------------------------------------------------------------------------
+
+
+async def test_a_time_sliced_lend_completes(api: Api, kube: Kube) -> None:
+    await boot(api, 2, replicas=4)  # what the last lend left
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    cluster = cluster_for(kube)
+    # Partial lending: one GPU this time; the device plugin says so a little later.
+    plugin = later(0.3, lambda: boot(api, 1, replicas=4))
+    assert await cluster.give_back({"gpu-b"}) is None
+    await plugin
+    assert cluster.expected is not None and dict(cluster.expected.resources) == {
+        "nvidia.com/gpu": 4}
+    annotations = (await node(api))["metadata"]["annotations"]
+    assert annotations[f"{PREFIX}lent-gpus"] == "gpu-b"
+    assert annotations[f"{PREFIX}expected"] == "4 nvidia.com/gpu"
+    assert not (await node(api))["spec"].get("unschedulable")
+
+
+async def test_a_mig_lend_completes(api: Api, kube: Kube) -> None:
+    await boot(api, 2, mig={"1g.10gb": 7})
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    cluster = cluster_for(kube)
+    plugin = later(0.3, lambda: boot(api, 2, mig={"1g.10gb": 7}))
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    await plugin
+    assert cluster.expected is not None
+    assert dict(cluster.expected.resources) == {"nvidia.com/mig-1g.10gb": 14}
+    assert not (await node(api))["spec"].get("unschedulable")
+
+
+async def test_a_node_short_of_its_expected_gpus_stays_cordoned(
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
+    await boot(api, 2, replicas=4)
+    await set_status(api, allocatable={"nvidia.com/gpu": "0"})  # the kubelet restarted
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    cluster = cluster_for(kube)
+    plugin = later(0.2, lambda: boot(api, 1, replicas=4))  # one GPU of two came up
+    problem = await cluster.give_back(["gpu-a", "gpu-b"])
+    await plugin
+    assert problem is not None
+    assert "reports 4 allocatable nvidia.com/gpu where 8 were lent" in problem
+    assert (await node(api))["spec"]["unschedulable"] is True
+    await cluster.flush_events()
+    assert [r for t, r, _ in await events(api) if t == "Warning"] == ["ReturnFailed"]
+
+
+async def test_the_taints_label_and_annotations_are_there_before_the_uncordon(
+        api: Api, kube: Kube) -> None:
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    # Every version of the node from now on, as a watch from now sees them.
+    since = (await node(api))["metadata"]["resourceVersion"]
+    versions: list[dict[str, Any]] = []
+
+    async def follow() -> None:
+        async with k8s_watch.Watch() as stream:
+            async for event in stream.stream(api.seed.core.list_node, resource_version=since,
+                                             field_selector="metadata.name=gpu-node",
+                                             timeout_seconds=30):
+                versions.append(api.seed.plain(event["object"]))
+
+    watching = asyncio.create_task(follow())
+    try:
+        assert await cluster_for(kube).give_back(["gpu-a", "gpu-b"]) is None
+        final = (await node(api))["metadata"]["resourceVersion"]
+        await until(lambda: versions and versions[-1]["metadata"]["resourceVersion"] == final)
+    finally:
+        watching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watching
+    uncordon = next(i for i, v in enumerate(versions) if not v["spec"].get("unschedulable"))
+    assert uncordon > 0
+    before = versions[uncordon - 1]
+    assert {"key": "hostagent.io/borrowed", "value": "true", "effect": "NoSchedule"} in \
+        before["spec"]["taints"]
+    assert before["metadata"]["labels"]["hostagent.io/borrowed"] == "true"
+    assert before["metadata"]["annotations"][f"{PREFIX}lent-gpus"] == "gpu-a,gpu-b"
+    # After it, only the node lifecycle controller's own taint goes.
+    for old, new in itertools.pairwise(versions[uncordon - 1:]):
+        assert new["metadata"]["labels"] == old["metadata"]["labels"]
+        assert {t["key"] for t in old["spec"].get("taints", [])} - \
+            {t["key"] for t in new["spec"].get("taints", [])} <= \
+            {"node.kubernetes.io/unschedulable"}
+
+
+async def test_a_lendee_destroyed_by_hand_comes_back_cordoned_until_verified(
+        api: Api, kube: Kube) -> None:
+    cluster = cluster_for(kube)
+    assert not (await node(api))["spec"].get("unschedulable")  # lent, schedulable
+    # virsh destroy: the agent sees the lendee stop, for no reclaim of its own.
+    await cluster.lendee_down(why="gpu-node was destroyed")
+    assert (await node(api))["spec"]["unschedulable"] is True
+    assert (await node(api))["metadata"]["annotations"][MARKER] == "hostagent"
+    await set_status(api, conditions=[{"type": "Ready", "status": "False",
+                                       "reason": "KubeletNotReady"}],
+                     allocatable={"nvidia.com/gpu": "0"})
+    # It boots again: Ready first, then the GPUs; cordoned until both are there.
+    returned = asyncio.create_task(cluster.give_back(["gpu-a", "gpu-b"]))
+    await set_status(api, conditions=[{"type": "Ready", "status": "True",
+                                       "reason": "KubeletReady"}])
+    await until(lambda: len(api.proxy.requests_to("GET", r"^/api/v1/nodes\?.*watch=")) > 0)
+    await asyncio.sleep(0.2)  # what a return that did not wait for the GPUs would do
+    assert (await node(api))["spec"]["unschedulable"] is True
+    await boot(api, 2)
+    assert await returned is None
+    assert not (await node(api))["spec"].get("unschedulable")
+
+
+async def test_a_return_learns_which_api_serves_the_gpus_from_watches_not_a_poll(
+        api: Api, kube: Kube) -> None:
+    """The lendee just booted and its device plugin has found no GPU yet: the node
+    advertises none and no DRA driver publishes any. gpu_api "auto" watches the node
+    and the ResourceSlices and goes on at the event that brings the GPUs; it read both
+    again each second, which held a lend's uncordon up to a second after the node was
+    Ready with its GPUs (bench/cycle.py, against the real API server)."""
+    await boot(api, 0)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    cluster = cluster_for(kube)
+    returned = asyncio.create_task(cluster.give_back(["gpu-a", "gpu-b"]))
+    try:
+        await until(lambda: api.proxy.watching(r"^/api/v1/nodes$")
+                    and api.proxy.watching("/resourceslices$"))
+        assert not returned.done()
+    except BaseException:
+        returned.cancel()  # the return must not outlive the test
+        with contextlib.suppress(asyncio.CancelledError):
+            await returned
+        raise
+    await boot(api, 2)  # the device plugin publishes
+    assert await returned is None
+    assert cluster.gpu_api_from == "node gpu-node advertises nvidia.com/gpu capacity " \
+        "(a device plugin)"
+    assert not (await node(api))["spec"].get("unschedulable")
+    # One read of each before the watches, and one as each watch began: no poll.
+    lists = [p for p in api.proxy.requests_to("GET", "/resourceslices") if "watch=" not in p]
+    assert len(lists) == 2
+
+
+async def test_the_lendee_going_down_never_takes_an_administrators_cordon(
+        api: Api, kube: Kube) -> None:
+    await api.seed.patch_node("gpu-node", {"spec": {"unschedulable": True}})  # kubectl cordon
+    cluster = cluster_for(kube)
+    await cluster.lendee_down()
+    assert MARKER not in (await node(api))["metadata"].get("annotations", {})
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    assert (await node(api))["spec"]["unschedulable"] is True
+
+
+# --- while lent ----------------------------------------------------------------------------------
+
+
+async def test_our_marker_on_a_node_uncordoned_by_hand_is_dropped_not_trusted(
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    await api.seed.patch_node("gpu-node", {"spec": {"unschedulable": False}})  # kubectl uncordon
+    assert not await kube.uncordon("gpu-node", marker_prefix=PREFIX)
+    assert MARKER not in (await node(api))["metadata"].get("annotations", {})
+    assert "uncordoned by someone else" in result_of(records, "not-ours")[-1].message
+
+
+async def test_a_gpu_lost_while_lent_turns_health_red_and_is_recorded(
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
+    metrics = FakeMetrics()
+    cluster = cluster_for(kube, metrics=metrics)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    await api.seed.pod("train", node="gpu-node", owner="ReplicaSet/t",
+                       gpus={"nvidia.com/gpu": 1})
+    await api.seed.pod("web", node="gpu-node", owner="ReplicaSet/w")
+    watch = asyncio.create_task(cluster.watch_lent())
+    try:
+        await until(lambda: metrics.gpu_pods and metrics.gpu_pods[-1] == 1)
+        assert "1 pod(s) on it use GPUs" in await cluster.health()
+        shown = cluster.status()
+        assert shown["gpu_pods"] == 1 and shown["allocatable"] == {"nvidia.com/gpu": 2}
+        assert shown["expected"] == "2 nvidia.com/gpu (2 GPUs, one nvidia.com/gpu each)"
+        await set_status(api, allocatable={"nvidia.com/gpu": "1"})  # one fell off the bus
+        await until(lambda: cluster.trouble is not None)
+        with pytest.raises(CheckFailed, match="lost GPUs while lent: it reports 1 "
+                                              "allocatable nvidia.com/gpu where 2 were lent"):
+            await cluster.health()
+        assert metrics.lost == 1
+        lost = result_of(records, "gpu-lost")
+        assert lost and lost[0].priority is journal.Priority.ERR
+        await set_status(api, allocatable={"nvidia.com/gpu": "2"})
+        await until(lambda: cluster.trouble is None)
+        await cluster.health()
+        await set_status(api, conditions=[{"type": "Ready", "status": "Unknown",
+                                           "reason": "NodeStatusUnknown"}])
+        await until(lambda: cluster.trouble is not None)
+        assert "not Ready while lent" in (cluster.trouble or "")
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+    assert metrics.gpu_pods[-1] is None  # unknown once not watched
+    await cluster.flush_events()
+    assert "GPULost" in [r for _, r, _ in await events(api)]
+
+
+async def test_the_watch_judges_nothing_before_both_its_lists_are_in(
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
+    """The pods' list answers before the node's: no view of a node "deleted while lent"
+    (an ERROR on every lend), the first view is of the node as it is, with its pods."""
+    cluster = cluster_for(kube)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    api.proxy.slow("^/api/v1/nodes$", delay=0.5, times=1, method="GET")
+    views: list[Any] = []
+    watch = asyncio.create_task(cluster.watch_lent(on_view=views.append))
+    try:
+        await until(lambda: views)
+        await asyncio.sleep(0.2)
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+    assert [(v.exists, v.gpu_pods) for v in views] == [(True, 0)]
+    assert not [e for e in records.entries if "deleted while lent" in e.message]
+
+
+async def test_a_half_open_watch_is_given_up_and_the_node_listed_again(
+        api: Api, tmp_path: Path) -> None:
+    """The connections under the lent node's watches go silent without closing (an API
+    host that rebooted, an address that moved, a NAT entry dropped): the watch does not
+    wait on them for the rest of the lend; it lists again, and sees a GPU lost."""
+    timing = Timing(request_timeout=1.0, api_timeout=3.0, backoff_min=0.02, backoff_max=0.1,
+                    watch_timeout=1.0)
+    async with await Kube.connect(api.write_kubeconfig(tmp_path / "kc"), timing=timing) as kube:
+        cluster = cluster_for(kube)
+        await kube.cordon("gpu-node", marker_prefix=PREFIX)
+        assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+        views: list[Any] = []
+        watch = asyncio.create_task(cluster.watch_lent(on_view=views.append))
+        try:
+            await until(lambda: views)
+            await until(lambda: api.proxy.watching("^/api/v1/nodes$") == 1)
+            api.proxy.hold_watches()  # the node's and its pods', and any new one
+            await set_status(api, allocatable={"nvidia.com/gpu": "1"})  # one fell off the bus
+            await until(lambda: views[-1].allocatable == {"nvidia.com/gpu": 1}, timeout=10)
+            assert cluster.trouble is not None and "lost GPUs" in cluster.trouble
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+
+
+async def test_a_lent_nodes_watch_cut_then_expired_lists_again_and_follows_on(
+        api: Api, kube: Kube) -> None:
+    """The lent node's watch is cut (a server that died), and the next one is answered
+    410 Expired, as the watch cache answers a resourceVersion it no longer holds: the
+    node is listed again each time, and a GPU lost after is seen."""
+    cluster = cluster_for(kube)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    views: list[Any] = []
+    watch = asyncio.create_task(cluster.watch_lent(on_view=views.append))
+    try:
+        def asked(watch: bool) -> int:
+            return len(api.proxy.requests_to(
+                "GET", r"^/api/v1/nodes\?" + (".*watch=" if watch else "(?!.*watch=)")))
+
+        await until(lambda: api.proxy.watching("^/api/v1/nodes$") == 1)
+        lists, watches = asked(False), asked(True)
+        api.proxy.expire("^/api/v1/nodes$", times=1)
+        assert api.proxy.drop_watches("^/api/v1/nodes$") == 1
+        await until(lambda: asked(True) == watches + 2)  # the expired one, and the next
+        assert asked(False) == lists + 2
+        await set_status(api, allocatable={"nvidia.com/gpu": "1"})  # one fell off the bus
+        await until(lambda: views[-1].allocatable == {"nvidia.com/gpu": 1})
+        assert cluster.trouble is not None and "lost GPUs" in cluster.trouble
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch
+
+
+async def test_watch_gpu_pods_follows_the_count(api: Api, kube: Kube) -> None:
+    cluster = cluster_for(kube)
+    seen: list[int] = []
+
+    async def follow() -> None:
+        async for count in cluster.watch_gpu_pods():
+            seen.append(count)
+            if count == 0 and len(seen) > 1:
+                return
+
+    task = asyncio.create_task(follow())
+    await until(lambda: seen == [0])
+    await api.seed.pod("train", node="gpu-node", owner="ReplicaSet/t",
+                       gpus={"nvidia.com/gpu": 2})
+    await api.seed.pod("mig", node="gpu-node", owner="ReplicaSet/m",
+                       gpus={"nvidia.com/mig-1g.10gb": 1})
+    await api.seed.pod("done", node="gpu-node", phase="Succeeded",
+                       gpus={"nvidia.com/gpu": 1})
+    await until(lambda: seen[-1] == 2)
+    await api.seed.delete_pod("default", "train", grace=0)
+    await api.seed.delete_pod("default", "mig", grace=0)
+    await asyncio.wait_for(task, 3)
+    assert seen[0] == 0 and seen[-1] == 0 and 2 in seen
+
+
+# --- telling the cluster -------------------------------------------------------------------------
+
+
+async def test_events_and_the_borrowed_label_tell_the_cluster(api: Api, kube: Kube) -> None:
+    cluster = cluster_for(kube)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    assert (await node(api))["metadata"]["labels"]["hostagent.io/borrowed"] == "true"
+    assert await cluster.reclaim(["gaming1"]) is None
+    assert "hostagent.io/borrowed" not in (await node(api))["metadata"]["labels"]
+    await cluster.flush_events()
+    said = await events(api)
+    assert ("Normal", "Lent", "lent with 2 GPU(s) (gpu-a, gpu-b): 2 nvidia.com/gpu "
+            "(2 GPUs, one nvidia.com/gpu each)") in said
+    assert ("Normal", "Reclaimed", "GPUs reclaimed for gaming1: draining, then the node's "
+            "VM shuts down") in said
+    involved = (await api.seed.events())[0]["involvedObject"]
+    assert involved == {"kind": "Node", "name": "gpu-node", "uid": "gpu-node",
+                        "apiVersion": "v1"}
+    # What `kubectl describe node` shows of them: the events of the node's name.
+    out = await asyncio.to_thread(api.seed.plane.kubectl, "get", "events", "-n", "default",
+                                  "--field-selector", "involvedObject.name=gpu-node",
+                                  "-o", "json")
+    assert {"Lent", "Reclaimed"} <= {e["reason"] for e in json.loads(out.stdout)["items"]}
+
+
+async def test_unmanaged_pods_left_with_proceed_are_named_before_the_power_off(
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
+    await api.seed.pod("bare", node="gpu-node")
+    await api.seed.pod("web", node="gpu-node", owner="ReplicaSet/web")
+    assert await cluster_for(kube).reclaim(["gaming1"]) is None
+    loud = result_of(records, "killed-without-eviction")
+    assert len(loud) == 1 and "default/bare" in loud[0].message
+    assert loud[0].priority is journal.Priority.WARNING
+
+
+async def test_a_regrows_drain_kills_nothing_whatever_the_policy_says(
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
+    """A restart for more GPUs has no player waiting: with on_drain_timeout = "proceed",
+    a pod the drain cannot evict stops the regrow, and nothing is evicted for it."""
+    await api.seed.pod("bare", node="gpu-node")
+    await api.seed.pod("web", node="gpu-node", owner="ReplicaSet/web")
+    problem = await cluster_for(kube, config(policy="proceed")).reclaim([], regrow=True)
+    assert problem is not None and "default/bare" in problem
+    for name in ("bare", "web"):
+        pod = await api.seed.get_pod("default", name)
+        assert pod is not None and "deletionTimestamp" not in pod["metadata"]
+    assert not result_of(records, "killed-without-eviction")
+
+
+async def test_the_grace_period_override_goes_with_each_eviction(api: Api, kube: Kube) -> None:
+    await api.seed.pod("web", node="gpu-node", owner="ReplicaSet/web", grace=300)
+    await api.seed.kubelet_gone("gpu-node")  # the evicted pod stays Terminating: read its grace
+    cluster = cluster_for(kube, config('grace_period = "7s"\nskip_wait_for_delete_timeout = "0s"'))
+    task = asyncio.create_task(cluster.reclaim(["gaming1"]))
+
+    async def deleting() -> bool:
+        pod = await api.seed.get_pod("default", "web")
+        return pod is not None and "deletionGracePeriodSeconds" in pod["metadata"]
+
+    await until(deleting)
+    pod = await api.seed.get_pod("default", "web")
+    assert pod is not None and pod["metadata"]["deletionGracePeriodSeconds"] == 7
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+# --- credentials the API server refuses ------------------------------------------------------------
+
+
+async def test_a_403_stops_the_reclaim_even_with_proceed(
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
+    api.proxy.fail(r"/api/v1/nodes/gpu-node$", code=403, method="PATCH", times=None)
+    problem = await cluster_for(kube, config(policy="proceed")).reclaim(["gaming1"])
+    assert problem is not None and "lack a right" in problem and "403" in problem
+    assert [e.fields["HOSTAGENT_RESULT"] for e in records.entries
+            if e.fields.get("HOSTAGENT_EVENT") == "drain"] == ["unauthorized"]
+
+
+async def test_a_403_on_an_eviction_is_not_an_incomplete_drain(api: Api, kube: Kube) -> None:
+    await api.seed.pod("web", node="gpu-node", owner="ReplicaSet/web")
+    api.proxy.fail(r"/eviction$", code=403, times=None)
+    problem = await cluster_for(kube, config(policy="proceed")).reclaim(["gaming1"])
+    assert problem is not None and "403" in problem
+
+
+async def test_a_401_reads_the_kubeconfig_again(api: Api, plane: ControlPlane,
+                                                tmp_path: Path) -> None:
+    """The real API server's 401 for a token it does not know; then the kubeconfig is
+    rewritten (k3s rotated the credentials) and the next call reads it again."""
+    kubeconfig = tmp_path / "kc"
+    admin = json.loads(plane.admin.read_text())
+    expired = json.loads(plane.admin.read_text())
+    expired["users"][0]["user"] = {"token": "expired"}
+    kubeconfig.write_text(json.dumps(expired))
+    async with await Kube.connect(kubeconfig, timing=FAST) as kube:
+        with pytest.raises(KubeAuthError, match="does not accept hostagent's credentials"):
+            await kube.cordon("gpu-node", marker_prefix=PREFIX)
+        kubeconfig.write_text(json.dumps(admin))
+        result = await kube.cordon("gpu-node", marker_prefix=PREFIX)
+        assert result.cordoned_by_us
+
+
+async def test_a_watch_refused_with_403_keeps_health_red_until_fixed(
+        api: Api, kube: Kube) -> None:
+    cluster = cluster_for(kube)
+    cluster.auth_retry = 0.05
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    api.proxy.fail(r"/api/v1/nodes$", code=403, method="GET", times=None)
+    watch = asyncio.create_task(cluster.watch_lent())
+    try:
+        await until(lambda: cluster.trouble is not None)
+        with pytest.raises(CheckFailed, match="cannot watch node gpu-node: .*403"):
+            await cluster.health()
+        api.proxy.clear_faults()  # RBAC fixed
+        await until(lambda: cluster.trouble is None)
+        assert cluster.view is not None and cluster.view.ready
+    finally:
+        watch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watch

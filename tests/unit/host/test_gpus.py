@@ -1,0 +1,243 @@
+"""The GPU inventory: NVML through a fake library, sysfs through a fake tree, UUIDs in the
+configuration; and, where a real NVIDIA GPU is present, NVML itself."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from hostagent.host import gpus
+from hostagent.core.config import ConfigError, parse
+from hostagent.host.gpus import NvmlGpu, NvmlUnavailable
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+class FakeNvml:
+    """The slice of pynvml that hostagent calls, over a list of cards."""
+
+    def __init__(self, cards: list[dict[str, Any]], *, fail_init: str | None = None) -> None:
+        self.cards = cards
+        self.fail_init = fail_init
+        self.shut = False
+
+    def nvmlInit(self) -> None:
+        if self.fail_init:
+            raise RuntimeError(self.fail_init)
+
+    def nvmlShutdown(self) -> None:
+        self.shut = True
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return "580.95.05"
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.cards)
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> dict[str, Any]:
+        return self.cards[i]
+
+    def nvmlDeviceGetUUID(self, h: dict[str, Any]) -> str:
+        return str(h["uuid"])
+
+    def nvmlDeviceGetName(self, h: dict[str, Any]) -> bytes:
+        return str(h["name"]).encode()  # older pynvml returns bytes
+
+    def nvmlDeviceGetPciInfo(self, h: dict[str, Any]) -> SimpleNamespace:
+        return SimpleNamespace(busId=h["bus"])
+
+    def nvmlDeviceGetMemoryInfo(self, h: dict[str, Any]) -> SimpleNamespace:
+        return SimpleNamespace(total=h["mib"] << 20)
+
+
+CARDS = [
+    {"uuid": "GPU-aaaa", "name": "NVIDIA GeForce GTX 960", "bus": "00000000:05:00.0", "mib": 4096},
+    {"uuid": "GPU-bbbb", "name": "NVIDIA GeForce RTX 3050", "bus": "00000000:0A:00.0", "mib": 8192},
+]
+
+
+def test_canonical_pci_accepts_nvml_lspci_and_short_forms() -> None:
+    assert gpus.canonical_pci("00000000:0A:00.0") == "0000:0a:00.0"
+    assert gpus.canonical_pci("0000:0a:00.1") == "0000:0a:00.1"
+    assert gpus.canonical_pci("0a:00.0") == "0000:0a:00.0"
+    assert gpus.canonical_pci("GPU-aaaa") is None
+
+
+def test_nvml_lists_cards_in_its_order_with_canonical_addresses() -> None:
+    fake = FakeNvml(CARDS)
+    found = gpus.read_nvml(fake)
+    assert found == [
+        NvmlGpu(index=0, uuid="GPU-aaaa", pci="0000:05:00.0", name="NVIDIA GeForce GTX 960",
+                memory_mib=4096, driver_version="580.95.05"),
+        NvmlGpu(index=1, uuid="GPU-bbbb", pci="0000:0a:00.0", name="NVIDIA GeForce RTX 3050",
+                memory_mib=8192, driver_version="580.95.05"),
+    ]
+    assert fake.shut
+
+
+def test_nvml_that_cannot_start_says_why() -> None:
+    with pytest.raises(NvmlUnavailable, match="NVML did not start: Driver Not Loaded"):
+        gpus.read_nvml(FakeNvml([], fail_init="Driver Not Loaded"))
+
+
+def test_sysfs_lists_display_devices_with_driver_and_iommu_group(sysfs: Any) -> None:
+    sysfs.gpu("01", group="12").gpu("02", group="13", driver="nvidia", device="1401")
+    sysfs.add("0000:00:1f.3", cls=0x040300, device="a348", driver="snd_hda_intel", group="13")
+    sysfs.add("0000:03:00.0", cls=0x020000, device="15b8", driver="e1000e")  # no IOMMU
+    found = gpus.sysfs_gpus(sysfs.root)
+    assert [(d.address, d.ids, d.driver, d.iommu_group, d.group_members) for d in found] == [
+        ("0000:01:00.0", "10de:2584", "vfio-pci", "12", ("0000:01:00.1",)),
+        ("0000:02:00.0", "10de:1401", "nvidia", "13", ("0000:00:1f.3", "0000:02:00.1")),
+    ]
+    nic = gpus.pci_device("0000:03:00.0", sysfs.root)
+    assert nic is not None and nic.iommu_group is None and not nic.is_display
+    assert gpus.pci_device("0000:09:00.0", sysfs.root) is None
+    assert gpus.slot_functions("0000:01:00.0", sysfs.root) == ["0000:01:00.0", "0000:01:00.1"]
+
+
+def test_inventory_text_shows_nvml_order_warning_and_what_nvml_misses(sysfs: Any) -> None:
+    sysfs.gpu("05", driver="nvidia").gpu("0a", driver="nvidia").gpu("0b")
+    inv = gpus.inventory(sysfs.root, FakeNvml(CARDS))
+    text = gpus.format_inventory(inv)
+    assert "NVIDIA driver 580.95.05" in text
+    lines = text.splitlines()
+    assert lines[2].split()[:3] == ["0", "GPU-aaaa", "0000:05:00.0"]
+    assert lines[3].split()[:3] == ["1", "GPU-bbbb", "0000:0a:00.0"]
+    assert "use UUIDs in CUDA_VISIBLE_DEVICES" in text
+    # The vfio-bound card NVML cannot see, from sysfs.
+    assert "Display devices NVML does not see (sysfs):" in text
+    assert "0000:0b:00.0  10de:2584  vfio-pci  0000:0b:00.1     11" in text
+    # Each card's other functions, NVML's too: they move with it.
+    assert lines[2].split()[-1] == "0000:05:00.1"
+    data = gpus.inventory_json(inv)
+    assert [g["uuid"] for g in data["nvml"]["gpus"]] == ["GPU-aaaa", "GPU-bbbb"]
+    assert [d["functions"] for d in data["pci"]] == [[f"0000:{b}:00.1"] for b in ("05", "0a", "0b")]
+    assert data["pci"][2]["class_code"] == "0x030000"
+    assert "CUDA" in data["warning"]
+    json.dumps(data)
+
+
+def test_inventory_without_nvml_shows_sysfs(sysfs: Any) -> None:
+    sysfs.gpu("01", group="12")
+    text = gpus.format_inventory(gpus.inventory(sysfs.root, FakeNvml([], fail_init="no lib")))
+    assert text.startswith("NVML: no GPU (NVML did not start: no lib)")
+    assert "Display devices (sysfs):" in text and "0000:01:00.1" in text
+
+
+def test_inventory_with_nothing_says_so_plainly(sysfs: Any) -> None:
+    text = gpus.format_inventory(gpus.inventory(sysfs.root, FakeNvml([], fail_init="no lib")))
+    assert text.startswith("No GPU found: NVML sees none (NVML did not start: no lib) and "
+                           "sysfs lists no display device")
+
+
+def test_cli_gpus_json_on_a_fake_tree_without_nvml(sysfs: Any, tmp_path: Path) -> None:
+    sysfs.gpu("01", group="12")
+    out = subprocess.run([sys.executable, "-m", "hostagent.cli", "gpus", "--json",
+                          "--sysfs", str(sysfs.root)], capture_output=True, text=True,
+                         cwd=REPO, check=False)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert [d["address"] for d in data["pci"]] == ["0000:01:00.0"]
+    empty = tmp_path / "empty"
+    (empty / "bus/pci/devices").mkdir(parents=True)
+    none = subprocess.run([sys.executable, "-m", "hostagent.cli", "gpus", "--sysfs",
+                           str(empty)], capture_output=True, text=True, cwd=REPO, check=False)
+    if data["nvml"]["available"] and data["nvml"]["gpus"]:
+        return  # a real GPU host: NVML's cards are listed whatever the tree says
+    assert none.returncode == 1
+    assert none.stdout.startswith("No GPU found")
+
+
+# --- UUIDs in the configuration ----------------------------------------------------------
+
+BY_UUID = """
+[lendee]
+domain = "gpu-node"
+gpus = ["gpu-a", "GPU-bbbb"]
+
+[gpus.gpu-a]
+uuid = "GPU-aaaa"
+functions = ["0000:05:00.1"]
+"""
+
+
+def test_a_gpu_by_uuid_alone_is_placed_where_nvml_sees_it() -> None:
+    cfg = parse(textwrap.dedent(BY_UUID))
+    assert cfg.gpus["gpu-a"].pci is None
+    assert cfg.lendee.gpus == ("gpu-a", "GPU-bbbb")
+    placed = gpus.resolve_uuids(cfg, gpus.read_nvml(FakeNvml(CARDS)))
+    assert placed.gpus["gpu-a"].pci_functions == ("0000:05:00.0", "0000:05:00.1")
+    assert placed.gpus["GPU-bbbb"].pci == "0000:0a:00.0"
+
+
+def test_a_uuid_nvml_does_not_see_needs_an_address() -> None:
+    cfg = parse(textwrap.dedent(BY_UUID))
+    with pytest.raises(ConfigError) as info:
+        gpus.resolve_uuids(cfg, [], nvml_error="NVML did not start: no lib")
+    assert str(info.value) == (
+        "<config>: gpus.gpu-a: NVML on this host does not see GPU-aaaa (NVML did not start: "
+        "no lib); a GPU bound to vfio-pci is invisible to NVML: add its pci address "
+        "(`hostagent gpus` lists the display devices, `lspci -D` all)")
+
+
+def test_a_card_that_moved_slots_is_refused() -> None:
+    cfg = parse(textwrap.dedent("""
+        [lendee]
+        domain = "gpu-node"
+        gpus = ["gpu-a"]
+
+        [gpus.gpu-a]
+        pci = "0000:01:00.0"
+        uuid = "GPU-aaaa"
+        """))
+    with pytest.raises(ConfigError, match=r"gpus.gpu-a.pci: GPU-aaaa \(NVIDIA GeForce GTX 960\) "
+                       r"is at 0000:05:00.0, not 0000:01:00.0; the card moved"):
+        gpus.resolve_uuids(cfg, gpus.read_nvml(FakeNvml(CARDS)))
+    # NVML not seeing it is fine when the address is given (it is bound to vfio-pci).
+    assert gpus.resolve_uuids(cfg, []).gpus["gpu-a"].pci == "0000:01:00.0"
+
+
+def test_config_refuses_a_gpu_with_neither_address_nor_uuid_and_a_uuid_twice() -> None:
+    with pytest.raises(ConfigError, match=r'gpus.gpu-a.pci: missing; add pci = "0000:01:00.0" '
+                       r'under \[gpus.gpu-a\] \(see lspci -D\), or uuid = "GPU-..."'):
+        parse('[lendee]\ndomain = "n"\ngpus = ["gpu-a"]\n[gpus.gpu-a]\nname = "x"\n')
+    with pytest.raises(ConfigError, match="gpus.gpu-b.uuid: GPU-aaaa is already the UUID of "
+                       "GPU gpu-a"):
+        parse('[lendee]\ndomain = "n"\ngpus = ["gpu-a", "gpu-b"]\n[gpus.gpu-a]\nuuid = '
+              '"GPU-aaaa"\n[gpus.gpu-b]\nuuid = "GPU-aaaa"\n')
+
+
+# --- the real thing ------------------------------------------------------------------------
+
+
+def _nvml_reason() -> str | None:
+    try:
+        found = gpus.read_nvml()
+    except NvmlUnavailable as e:
+        return f"no NVIDIA GPU here: {e}"
+    return None if found else "NVML started but lists no GPU"
+
+
+NO_NVML = _nvml_reason()
+
+
+@pytest.mark.skipif(NO_NVML is not None, reason=str(NO_NVML))
+def test_nvml_on_a_real_gpu() -> None:
+    found = gpus.read_nvml()
+    assert [g.index for g in found] == list(range(len(found)))
+    for g in found:
+        assert g.uuid.startswith(("GPU-", "MIG-")), g.uuid
+        assert gpus.canonical_pci(g.pci) == g.pci
+        assert g.memory_mib > 0 and g.name and g.driver_version
+    # sysfs agrees: each card NVML sees is a display device at that address.
+    # (A container may hide the PCI tree; then there is nothing to compare.)
+    on_bus = {d.address for d in gpus.sysfs_gpus()}
+    if on_bus:
+        assert {g.pci for g in found} <= on_bus

@@ -1,0 +1,371 @@
+"""Domain lint: one XML per finding, a clean set, against a fake sysfs tree."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hostagent.host import lint
+from hostagent.core.config import Config, parse
+from hostagent.host.lint import Check, Severity
+
+REPO = Path(__file__).resolve().parents[3]
+
+CONFIG = """
+[lendee]
+domain = "gpu-node"
+gpus = ["gpu-a", "gpu-b", "gpu-c"]
+
+[gpus.gpu-a]
+pci = "0000:01:00.0"
+functions = ["0000:01:00.1"]
+
+[gpus.gpu-b]
+pci = "0000:02:00.0"
+functions = ["0000:02:00.1"]
+
+[gpus.gpu-c]
+pci = "0000:03:00.0"
+functions = ["0000:03:00.1"]
+
+[owners.gaming1]
+gpus = ["gpu-a"]
+
+[owners.gaming2]
+gpus = ["gpu-b"]
+"""
+
+CHANNEL = """<channel type='unix'>
+      <target type='virtio' name='org.qemu.guest_agent.0'/>
+    </channel>"""
+
+
+def hostdev(address: str, *, managed: str = "yes", rom_off: bool = True) -> str:
+    domain, bus, rest = address.split(":")
+    slot, function = rest.split(".")
+    rom = "\n      <rom bar='off'/>" if rom_off else ""
+    return f"""<hostdev mode='subsystem' type='pci' managed='{managed}'>
+      <source>
+        <address domain='0x{domain}' bus='0x{bus}' slot='0x{slot}' function='0x{function}'/>
+      </source>{rom}
+      <address type='pci' domain='0x0000' bus='0x07' slot='0x00' function='0x0'/>
+    </hostdev>"""
+
+
+def gpu(bus: str, **kw: Any) -> list[str]:
+    return [hostdev(f"0000:{bus}:00.0", **kw), hostdev(f"0000:{bus}:00.1", **kw)]
+
+
+DISK = """<disk type='file' device='disk'>
+      <source file='/var/lib/libvirt/images/{name}.qcow2'/>
+      <target dev='vda' bus='virtio'/>
+      <boot order='{disk}'/>
+    </disk>"""
+CDROM = """<disk type='file' device='cdrom'>
+      {media}
+      <target dev='sda' bus='sata'/>
+      <readonly/>
+      <boot order='{cdrom}'/>
+    </disk>"""
+
+
+def domain(name: str, devices: list[str], *, machine: str = "pc-q35-7.2",
+           firmware: str = " firmware='efi'", channel: bool = True, disk: int = 1,
+           cdrom: int = 2, media: bool = False) -> str:
+    """A domain as virt-install writes one, with `devices` added."""
+    parts = [DISK.format(name=name, disk=disk),
+             CDROM.format(cdrom=cdrom, media="<source file='/iso/nixos.iso'/>" if media else ""),
+             *devices, *([CHANNEL] if channel else [])]
+    body = "\n    ".join(parts)
+    return f"""<domain type='kvm'>
+  <name>{name}</name>
+  <memory unit='GiB'>16</memory>
+  <os{firmware}>
+    <type arch='x86_64' machine='{machine}'>hvm</type>
+  </os>
+  <devices>
+    {body}
+  </devices>
+</domain>
+"""
+
+
+def clean_set() -> dict[str, str]:
+    return {
+        "gpu-node": domain("gpu-node", gpu("01") + gpu("02") + gpu("03")),
+        # Gaming VMs keep their option ROM: one GPU each, and they need its display.
+        "gaming1": domain("gaming1", gpu("01", rom_off=False)),
+        "gaming2": domain("gaming2", gpu("02", rom_off=False)),
+    }
+
+
+@pytest.fixture
+def host(sysfs: Any) -> Any:
+    sysfs.gpu("01").gpu("02").gpu("03", device="1401")
+    sysfs.add("0000:00:01.0", cls=0x060400, device="1901", driver="pcieport", group="1")
+    return sysfs
+
+
+@pytest.fixture
+def cfg() -> Config:
+    return parse(textwrap.dedent(CONFIG))
+
+
+def run(xmls: dict[str, str], host: Any, cfg: Config | None = None) -> list[lint.Finding]:
+    return lint.lint([lint.parse_domain(x) for x in xmls.values()], sysfs=host.root,
+                     config=cfg)
+
+
+def only(findings: list[lint.Finding]) -> lint.Finding:
+    assert len(findings) == 1, lint.format_findings(findings)
+    return findings[0]
+
+
+def test_clean_domains_have_no_finding(host: Any, cfg: Config) -> None:
+    assert run(clean_set(), host, cfg) == []
+
+
+def test_parse_domain_reads_what_lint_needs() -> None:
+    dom = lint.parse_domain(clean_set()["gpu-node"])
+    assert dom.name == "gpu-node" and dom.q35 and dom.ovmf and dom.agent_channel
+    assert [h.address for h in dom.hostdevs][:2] == ["0000:01:00.0", "0000:01:00.1"]
+    assert all(h.managed and h.rom_bar_off for h in dom.hostdevs)
+    assert [(b.kind, b.media) for b in dom.boot] == [("disk", True), ("cdrom", False)]
+    with pytest.raises(ValueError, match="not a libvirt domain"):
+        lint.parse_domain("<network/>")
+
+
+def test_hostdev_whose_card_is_gone(host: Any) -> None:
+    f = only(run({"gaming1": domain("gaming1", [hostdev("0000:09:00.0")])}, host))
+    assert (f.check, f.severity, f.domain) == (Check.HOSTDEV_MISSING, Severity.ERROR, "gaming1")
+    assert f.what == "<hostdev> 0000:09:00.0 is not on this host"
+    assert f.why == ("libvirt refuses to start a domain whose hostdev points at an empty slot, "
+                     "so the VM does not start at all.")
+    assert "virsh edit gaming1" in f.fix
+
+
+def test_unmanaged_device_on_a_host_driver(sysfs: Any) -> None:
+    sysfs.gpu("01", driver="nvidia")
+    f = run({"gaming1": domain("gaming1", gpu("01", managed="no"))}, sysfs)
+    assert {(x.check, x.severity) for x in f} == {(Check.NOT_VFIO, Severity.ERROR)}
+    assert f[0].what == "0000:01:00.0 (10de:2584) is bound to nvidia and managed='no'"
+    assert "vfio-pci.ids=10de:2584" in f[0].fix
+
+
+def test_managed_device_on_a_host_driver_is_a_warning(sysfs: Any) -> None:
+    sysfs.gpu("01", driver="nvidia", audio=False)
+    f = only(run({"gaming1": domain("gaming1", [hostdev("0000:01:00.0")])}, sysfs))
+    assert (f.check, f.severity) == (Check.NOT_VFIO, Severity.WARNING)
+
+
+def test_iommu_group_member_left_on_the_host(sysfs: Any) -> None:
+    sysfs.gpu("01", group="12", audio=False)
+    sysfs.add("0000:01:00.1", cls=0x040300, device="228e", driver="snd_hda_intel", group="12")
+    sysfs.add("0000:00:01.0", cls=0x060400, driver="pcieport", group="12")  # a bridge: fine
+    f = only(run({"gaming1": domain("gaming1", [hostdev("0000:01:00.0")])}, sysfs))
+    assert (f.check, f.severity) == (Check.GROUP_NOT_VIABLE, Severity.ERROR)
+    assert f.what == ("0000:01:00.1 (10de:228e, snd_hda_intel) shares IOMMU group 12 with "
+                      "0000:01:00.0 but stays on the host")
+
+
+def test_functions_of_one_gpu_split_between_vms(host: Any) -> None:
+    xmls = {"gaming1": domain("gaming1", [hostdev("0000:01:00.0", rom_off=False)]),
+            "gpu-node": domain("gpu-node", [hostdev("0000:01:00.1")])}
+    found = run(xmls, host)
+    assert {(f.check, f.severity, f.domain) for f in found} == {
+        (Check.SPLIT_GPU, Severity.ERROR, "gaming1"), (Check.SPLIT_GPU, Severity.ERROR, "gpu-node")}
+    assert found[0].what == ("the functions of IOMMU group 1 are split between VMs: gaming1 has "
+                             "0000:01:00.0; gpu-node has 0000:01:00.1")
+    # One VM with part of what another has: it works while the rest is on vfio-pci.
+    xmls["gpu-node"] = domain("gpu-node", gpu("01"))
+    assert {(f.check, f.severity) for f in run(xmls, host)} == {
+        (Check.SPLIT_GPU, Severity.WARNING)}
+
+
+def test_several_gpus_under_ovmf_without_rom_bar_off(host: Any) -> None:
+    f = only(run({"gpu-node": domain("gpu-node", gpu("01") + gpu("02", rom_off=False))}, host))
+    assert (f.check, f.severity) == (Check.ROM_BAR, Severity.WARNING)
+    assert f.what == ("2 GPUs under OVMF, and 0000:02:00.0, 0000:02:00.1 without "
+                      "<rom bar='off'/>")
+    assert "<rom bar='off'/>" in f.fix
+    # One GPU, or SeaBIOS: nothing to say.
+    assert run({"g": domain("g", gpu("01", rom_off=False))}, host) == []
+    assert run({"g": domain("g", gpu("01", rom_off=False) + gpu("02", rom_off=False),
+                            firmware="")}, host) == []
+
+
+def test_ovmf_is_recognised_by_its_loader_too() -> None:
+    xml = domain("g", [], firmware="").replace(
+        "</os>", "<loader readonly='yes' type='pflash'>/usr/share/OVMF/OVMF_CODE.fd</loader></os>")
+    assert lint.parse_domain(xml).ovmf
+
+
+def test_passthrough_on_i440fx(host: Any) -> None:
+    f = only(run({"g": domain("g", gpu("01"), machine="pc-i440fx-7.2")}, host))
+    assert (f.check, f.severity) == (Check.NOT_Q35, Severity.WARNING)
+    assert f.what == "machine type pc-i440fx-7.2 with PCI passthrough"
+    assert run({"g": domain("g", [], machine="pc-i440fx-7.2")}, host) == []
+
+
+def test_cdrom_with_media_ahead_of_the_disk(host: Any) -> None:
+    f = only(run({"g": domain("g", [], disk=2, cdrom=1, media=True)}, host))
+    assert (f.check, f.severity) == (Check.CDROM_FIRST, Severity.WARNING)
+    assert f.what == "a CD-ROM with media boots ahead of the disk"
+    # An empty drive first, or media after the disk: fine.
+    assert run({"g": domain("g", [], disk=2, cdrom=1, media=False)}, host) == []
+    assert run({"g": domain("g", [], disk=1, cdrom=2, media=True)}, host) == []
+
+
+def test_cdrom_first_in_the_os_boot_list(host: Any) -> None:
+    xml = domain("g", [], media=True).replace("<boot order='1'/>", "").replace(
+        "<boot order='2'/>", "").replace("</os>", "<boot dev='cdrom'/><boot dev='hd'/></os>")
+    assert only(run({"g": xml}, host)).check is Check.CDROM_FIRST
+
+
+def test_lendee_without_a_guest_agent_channel(host: Any, cfg: Config) -> None:
+    xmls = clean_set()
+    xmls["gpu-node"] = domain("gpu-node", gpu("01") + gpu("02") + gpu("03"), channel=False)
+    f = only(run(xmls, host, cfg))
+    assert (f.check, f.severity, f.domain) == (Check.NO_AGENT_CHANNEL, Severity.ERROR, "gpu-node")
+    assert f.why == ("hostagent shuts the lendee down through its guest agent only, so without "
+                     "the channel it can never give the GPUs back.")
+    # An owner needs none; without a configuration nobody knows, so it warns.
+    xmls = clean_set()
+    xmls["gaming1"] = domain("gaming1", gpu("01", rom_off=False), channel=False)
+    assert run(xmls, host, cfg) == []
+    assert only(run({"g": domain("g", [], channel=False)}, host)).severity is Severity.WARNING
+
+
+def test_config_says_an_owner_has_a_gpu_its_xml_lacks(host: Any, cfg: Config) -> None:
+    xmls = clean_set()
+    xmls["gaming1"] = domain("gaming1", [])
+    found = run(xmls, host, cfg)
+    assert {(f.check, f.severity, f.domain) for f in found} == {
+        (Check.CONFIG_XML, Severity.ERROR, "gaming1")}
+    assert [f.what for f in found] == [
+        "the config says gaming1 owns gpu-a but its XML has no <hostdev> for 0000:01:00.0",
+        "the config says gaming1 owns gpu-a but its XML has no <hostdev> for 0000:01:00.1"]
+
+
+def test_lendee_lacks_a_lent_gpu_and_an_owner_has_anothers(host: Any, cfg: Config) -> None:
+    xmls = clean_set()
+    xmls["gpu-node"] = domain("gpu-node", gpu("01") + gpu("02"))
+    xmls["gaming1"] = domain("gaming1", gpu("01", rom_off=False) + gpu("02", rom_off=False))
+    found = [f for f in run(xmls, host, cfg) if f.check is Check.CONFIG_XML]
+    assert [f.what for f in found] == [
+        "the config says gpu-node borrows gpu-c but its persistent definition has no <hostdev> for 0000:03:00.0",
+        "the config says gpu-node borrows gpu-c but its persistent definition has no <hostdev> for 0000:03:00.1",
+        "gaming1's XML has 0000:02:00.0 of GPU gpu-b, but the config gives it to gaming2",
+        "gaming1's XML has 0000:02:00.1 of GPU gpu-b, but the config gives it to gaming2",
+    ]
+    assert found[0].why.startswith("the agent starts the lendee from its persistent definition")
+
+
+SHARED = CONFIG + """
+[owners.gaming-win]
+gpus = ["gpu-a"]
+"""
+
+
+def test_every_owner_of_a_shared_gpu_is_checked(host: Any) -> None:
+    cfg = parse(textwrap.dedent(SHARED))
+    xmls = clean_set()
+    xmls["gaming-win"] = domain("gaming-win", gpu("01", rom_off=False))
+    assert run(xmls, host, cfg) == []
+    xmls["gaming-win"] = domain("gaming-win", [hostdev("0000:01:00.0", rom_off=False)])
+    found = [f for f in run(xmls, host, cfg) if f.check is Check.CONFIG_XML]
+    assert [(f.domain, f.what) for f in found] == [
+        ("gaming-win", "the config says gaming-win owns gpu-a but its XML has no <hostdev> for "
+                       "0000:01:00.1")]
+    # A VM the config does not give gpu-a to hears of both owners.
+    xmls["gaming-win"] = domain("gaming-win", gpu("01", rom_off=False))
+    xmls["gaming2"] = domain("gaming2", gpu("02", rom_off=False) + gpu("01", rom_off=False))
+    found = [f for f in run(xmls, host, cfg) if f.check is Check.CONFIG_XML]
+    assert [f.what for f in found] == [
+        "gaming2's XML has 0000:01:00.0 of GPU gpu-a, but the config gives it to gaming1 and "
+        "gaming-win",
+        "gaming2's XML has 0000:01:00.1 of GPU gpu-a, but the config gives it to gaming1 and "
+        "gaming-win"]
+
+
+def test_a_device_tied_to_a_gpu_by_its_user_alias_stands_for_it(host: Any, cfg: Config) -> None:
+    # The lab's GPUs are disks with <alias name='ua-hostagent-gpu-X'/>.
+    def stand_in(label: str) -> str:
+        return f"""<disk type='file' device='disk'>
+      <source file='/lab/{label}.img'/>
+      <target dev='vdx' bus='virtio'/>
+      <alias name='ua-hostagent-{label}'/>
+    </disk>"""
+    xmls = {"gpu-node": domain("gpu-node", [stand_in(g) for g in ("gpu-a", "gpu-b", "gpu-c")]),
+            "gaming1": domain("gaming1", [stand_in("gpu-a")]),
+            "gaming2": domain("gaming2", [stand_in("gpu-b")])}
+    assert lint.parse_domain(xmls["gpu-node"]).aliases == (
+        "ua-hostagent-gpu-a", "ua-hostagent-gpu-b", "ua-hostagent-gpu-c")
+    assert run(xmls, host, cfg) == []
+    xmls["gpu-node"] = domain("gpu-node", [stand_in("gpu-a"), stand_in("gpu-b")])
+    assert [f.what for f in run(xmls, host, cfg)] == [
+        "the config says gpu-node borrows gpu-c but its persistent definition has no <hostdev> for 0000:03:00.0",
+        "the config says gpu-node borrows gpu-c but its persistent definition has no <hostdev> for 0000:03:00.1"]
+
+
+def test_autostart_on_the_lendee_or_an_owner_races_the_agent(host: Any, cfg: Config) -> None:
+    doms = [lint.parse_domain(xml, autostart=name != "gaming2")
+            for name, xml in {**clean_set(), "other": domain("other", [])}.items()]
+    found = [f for f in lint.lint(doms, sysfs=host.root, config=cfg)
+             if f.check is Check.AUTOSTART]
+    assert [(f.domain, f.severity) for f in found] == [
+        ("gpu-node", Severity.WARNING), ("gaming1", Severity.WARNING)]
+    lendee, owner = found
+    assert lendee.what == "libvirt autostarts it"
+    assert "before hostagent answers its hook, which can then only spool" in lendee.why
+    assert lendee.fix == ("virsh autostart --disable gpu-node; hostagent lends the free GPUs at "
+                          "boot by itself")
+    assert owner.fix == ("virsh autostart --disable gaming1; to start it at boot, set "
+                         "start_at_boot = true under [owners.gaming1]: hostagent then starts it "
+                         "once its GPUs are free")
+    # Unknown (read from a file) or without a config: nothing to say.
+    assert not any(f.check is Check.AUTOSTART for f in run(clean_set(), host, cfg))
+    assert not any(f.check is Check.AUTOSTART
+                   for f in lint.lint(doms, sysfs=host.root, config=None))
+
+
+def test_the_agent_check_fires_nothing_on_a_domain_without_hostdevs(sysfs: Any) -> None:
+    # The lab's guests: GPUs are disks, there is no PCI device to look up on the host.
+    xml = domain("gpu-node", [])
+    assert lint.check_domain(lint.parse_domain(xml), sysfs=sysfs.root, lendee=True) == []
+
+
+def test_cli_lint_exit_status_and_output(host: Any, tmp_path: Path) -> None:
+    files = []
+    for name, xml in clean_set().items():
+        (tmp_path / f"{name}.xml").write_text(xml)
+        files += ["--xml", str(tmp_path / f"{name}.xml")]
+    config = tmp_path / "config.toml"
+    config.write_text(textwrap.dedent(CONFIG))
+
+    def hostagent(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "hostagent.cli", "--config", str(config),
+                               "lint", "--sysfs", str(host.root), *args],
+                              capture_output=True, text=True, cwd=REPO, check=False)
+
+    ok = hostagent(*files)
+    assert (ok.returncode, ok.stdout) == (0, (
+        "gpu-node: GPUs change by restart; a regrow by restart waits until no GPU pod runs, "
+        "however long (gpu-node cannot hot-plug its GPUs: <hostdev> 0000:01:00.0 of gpu-a is "
+        "not in a pcie-root-port of its own)\n"
+        "3 domain(s) checked: 0 error(s), 0 warning(s)\n"))
+    (tmp_path / "gaming1.xml").write_text(domain("gaming1", [hostdev("0000:09:00.0")]))
+    bad = hostagent(*files, "gaming1")
+    assert bad.returncode == 1
+    assert bad.stdout.splitlines()[:3] == [
+        "gaming1: error: <hostdev> 0000:09:00.0 is not on this host",
+        "  why: libvirt refuses to start a domain whose hostdev points at an empty slot, so "
+        "the VM does not start at all.",
+        "  fix: remove the hostdev (virsh edit gaming1) or point it at the card's new address "
+        "(lspci -D; put a replacement card in the freed slot to keep it)"]
+    assert bad.stdout.endswith("1 domain(s) checked: 3 error(s), 0 warning(s)\n")

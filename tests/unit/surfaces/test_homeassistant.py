@@ -1,0 +1,296 @@
+"""The Home Assistant mapping (hostagent.surfaces.homeassistant): discovery, states, commands.
+
+The discovery payloads are checked against Home Assistant's documented MQTT discovery
+schema (device-based discovery since 2024.11): the abbreviations it expands, the keys
+each platform takes, and what every component needs.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import pytest
+
+from hostagent.core import config
+from hostagent.surfaces import homeassistant as ha
+
+CONFIG = """
+[lendee]
+domain = "gpu-node"
+gpus = ["gpu-a", "gpu-b", "gpu-c"]
+
+[gpus.gpu-a]
+pci = "0000:01:00.0"
+name = "RTX 3050"
+
+[gpus.gpu-b]
+pci = "0000:02:00.0"
+
+[gpus.gpu-c]
+pci = "0000:03:00.0"
+
+[owners.gaming1]
+gpus = ["gpu-a"]
+
+[owners."gaming/2"]
+gpus = ["gpu-b"]
+
+[mqtt]
+broker = "mqtt://127.0.0.1"
+base_topic = "hostagent"
+"""
+
+# Home Assistant's abbreviations (homeassistant/components/mqtt/abbreviations.py) for
+# the keys used here, and the device's and origin's.
+ABBREVIATIONS = {
+    "avty_t": "availability_topic", "cmd_t": "command_topic", "dev_cla": "device_class",
+    "ic": "icon", "json_attr_t": "json_attributes_topic", "ops": "options",
+    "pl_avail": "payload_available", "pl_not_avail": "payload_not_available",
+    "pl_off": "payload_off", "pl_on": "payload_on", "pl_prs": "payload_press",
+    "stat_t": "state_topic", "uniq_id": "unique_id", "name": "name", "qos": "qos",
+    "p": "platform", "min": "min", "max": "max",
+}
+DEVICE = {"ids": "identifiers", "name": "name", "mf": "manufacturer", "mdl": "model",
+          "sw": "sw_version"}
+ORIGIN = {"name": "name", "sw": "sw_version", "url": "support_url"}
+COMMON = {"name", "unique_id", "icon", "availability_topic", "payload_available",
+          "payload_not_available", "qos", "json_attributes_topic", "platform"}
+# Each platform's own keys (the MQTT integration's documentation, one page per platform).
+PLATFORMS = {
+    "switch": {"state_topic", "command_topic", "payload_on", "payload_off", "device_class"},
+    "binary_sensor": {"state_topic", "payload_on", "payload_off", "device_class"},
+    "sensor": {"state_topic", "device_class", "options"},
+    "button": {"command_topic", "payload_press", "device_class"},
+    "text": {"state_topic", "command_topic", "min", "max", "mode", "pattern"},
+}
+DEVICE_CLASSES = {"binary_sensor": {"running", "problem", "connectivity"},
+                  "sensor": {"enum"}, "switch": {"switch", "outlet"}, "button": {"restart"}}
+
+
+def check_topic(topic: object, *, wildcards: bool = False) -> None:
+    assert isinstance(topic, str) and topic and len(topic.encode()) < 65536
+    assert "\0" not in topic
+    if not wildcards:
+        assert "+" not in topic and "#" not in topic, topic
+
+
+def check_component(cmp: dict[str, Any]) -> None:
+    """One entity's config, abbreviations expanded, as Home Assistant validates it."""
+    full = {ABBREVIATIONS[k]: v for k, v in cmp.items()}  # KeyError: a key HA does not know
+    platform = full["platform"]
+    assert set(full) <= COMMON | PLATFORMS[platform], set(full) - COMMON - PLATFORMS[platform]
+    assert isinstance(full["unique_id"], str) and full["unique_id"]
+    if platform in ("switch", "button", "text"):
+        check_topic(full["command_topic"])
+    if platform != "button":
+        check_topic(full["state_topic"])
+    if "device_class" in full:
+        assert full["device_class"] in DEVICE_CLASSES[platform]
+    if full.get("device_class") == "enum":
+        assert isinstance(full["options"], list) and full["options"]
+
+
+def check_device_message(topic: str, payload: str) -> dict[str, Any]:
+    """A device-based discovery message: <prefix>/device/<id>/config with dev, o, cmps."""
+    prefix, kind, node, last = topic.split("/")
+    assert (prefix, kind, last) == ("homeassistant", "device", "config")
+    assert node.replace("_", "").replace("-", "").isalnum()
+    message = json.loads(payload)
+    assert {"dev", "o", "cmps"} <= set(message)
+    device = {DEVICE[k]: v for k, v in message["dev"].items()}
+    assert device["identifiers"] and device["name"]
+    origin = {ORIGIN[k]: v for k, v in message["o"].items()}
+    assert origin["name"] == "hostagent"
+    shared = {ABBREVIATIONS[k] for k in message if k not in ("dev", "o", "cmps")}
+    assert shared <= COMMON
+    check_topic(message["avty_t"])
+    for cmp in message["cmps"].values():
+        if set(cmp) != {"p"}:  # a removal
+            check_component(cmp)
+    uniques = [c["uniq_id"] for c in message["cmps"].values() if "uniq_id" in c]
+    assert len(uniques) == len(set(uniques))
+    return message
+
+
+def surface(text: str = CONFIG, **mqtt: Any) -> ha.Surface:
+    cfg = config.parse(text + "".join(f"{k} = {json.dumps(v)}\n" for k, v in mqtt.items()))
+    return ha.surface(cfg, version="0.1.0")
+
+
+def status(**lendee: Any) -> dict[str, Any]:
+    return {
+        "lendee": {"domain": "gpu-node", "phase": "lent", "hold": False,
+                   "lent": ["gpu-b", "gpu-c"], **lendee},
+        "gpus": [{"gpu": "gpu-a", "name": "RTX 3050", "pci": "0000:01:00.0",
+                  "owners": ["gaming1"], "holder": "gaming1"},
+                 {"gpu": "gpu-b", "name": None, "pci": "0000:02:00.0",
+                  "owners": ["gaming/2"], "holder": "gpu-node"},
+                 {"gpu": "gpu-c", "name": None, "pci": "0000:03:00.0", "owners": [],
+                  "holder": "gpu-node"}],
+        "owners": {"gaming1": True, "gaming/2": False},
+    }
+
+
+def test_the_device_message_follows_the_schema() -> None:
+    s = surface()
+    topic, payload = ha.device_config(s)
+    message = check_device_message(topic, payload)
+    assert topic == "homeassistant/device/hostagent/config"
+    kinds = {cid: c["p"] for cid, c in message["cmps"].items()}
+    assert kinds == {"owner_gaming1": "switch", "owner_gaming_2": "switch",
+                     "gpu_gpu-a": "sensor", "gpu_gpu-b": "sensor", "gpu_gpu-c": "sensor",
+                     "lent": "binary_sensor", "phase": "sensor", "live_gpus": "sensor",
+                     "transition": "sensor", "hold": "switch", "reclaim": "button",
+                     "lend": "button", "reserve_gaming1": "text", "reserve_gaming_2": "text"}
+    gaming2 = message["cmps"]["owner_gaming_2"]
+    assert (gaming2["name"], gaming2["cmd_t"]) == ("gaming/2", "hostagent/owner/gaming_2/set")
+    reserve = message["cmps"]["reserve_gaming_2"]
+    assert (reserve["cmd_t"], reserve["stat_t"], reserve["min"]) == (
+        "hostagent/owner/gaming_2/reserve", "hostagent/owner/gaming_2/reserved", 0)
+    assert message["avty_t"] == "hostagent/availability"
+
+
+def test_per_entity_discovery_follows_the_schema() -> None:
+    s = surface(per_entity=True)
+    configs = ha.entity_configs(s)
+    assert "homeassistant/switch/hostagent/owner_gaming1/config" in configs
+    for topic, payload in configs.items():
+        message = json.loads(payload)
+        platform = topic.split("/")[1]
+        check_component({**{k: v for k, v in message.items() if k not in ("dev", "o")},
+                         "p": platform})
+        assert message["dev"]["ids"] == ["hostagent"]
+        assert not ha.stale_entity(s, topic)
+    assert ha.stale_entity(s, "homeassistant/switch/hostagent/owner_gaming3/config")
+    assert not ha.stale_entity(s, "homeassistant/switch/otherhost/owner_gaming3/config")
+    # Device-based again: every per-entity config of this device is stale.
+    assert ha.stale_entity(surface(), "homeassistant/switch/hostagent/owner_gaming1/config")
+
+
+def test_what_mqtt_may_not_command_is_shown_not_offered() -> None:
+    s = surface(verbs=["play", "release"], vms=["gaming1"])
+    _, payload = ha.device_config(s)
+    message = check_device_message(*ha.device_config(s))
+    kinds = {cid: c["p"] for cid, c in message["cmps"].items()}
+    assert kinds["owner_gaming1"] == "switch"
+    assert kinds["owner_gaming_2"] == "binary_sensor"
+    assert kinds["hold"] == "binary_sensor"
+    assert "reclaim" not in kinds and "lend" not in kinds
+
+
+def test_a_removed_owner_loses_its_entity() -> None:
+    s = surface()
+    _, before = ha.device_config(s)
+    fewer = surface(CONFIG.replace('[owners."gaming/2"]\ngpus = ["gpu-b"]\n', ""))
+    removed = ha.removals(fewer, json.loads(before))
+    assert removed == {"owner_gaming_2": "switch", "reserve_gaming_2": "text"}
+    topic, after = ha.device_config(fewer, removed)
+    message = check_device_message(topic, after)
+    assert message["cmps"]["owner_gaming_2"] == {"p": "switch"}
+    # Once sent, a removal is not sent again; nor is anything for a payload that is not ours.
+    assert ha.removals(fewer, json.loads(after)) == {}
+    assert ha.removals(fewer, None) == {} and ha.removals(fewer, [1]) == {}
+    assert ha.removals(fewer, {"cmps": {"x": 3}}) == {}
+
+
+def test_states() -> None:
+    s = surface()
+    out = ha.states(s, status(), "gpu-node is lent: gpu-b, gpu-c are the cluster's")
+    assert out == {
+        "hostagent/owner/gaming1/state": "ON",
+        "hostagent/owner/gaming_2/state": "OFF",
+        "hostagent/gpu/gpu-a/state": "gaming1",
+        "hostagent/gpu/gpu-a/attributes": json.dumps(
+            {"name": "RTX 3050", "owners": ["gaming1"], "pci": "0000:01:00.0"}),
+        "hostagent/gpu/gpu-b/state": "gpu-node",
+        "hostagent/gpu/gpu-b/attributes": json.dumps(
+            {"name": None, "owners": ["gaming/2"], "pci": "0000:02:00.0"}),
+        "hostagent/gpu/gpu-c/state": "gpu-node",
+        "hostagent/gpu/gpu-c/attributes": json.dumps(
+            {"name": None, "owners": [], "pci": "0000:03:00.0"}),
+        "hostagent/lent/state": "ON",
+        "hostagent/phase/state": "lent",
+        "hostagent/live_gpus/state": "gpu-b, gpu-c",
+        "hostagent/transition/state": "gpu-node is lent: gpu-b, gpu-c are the cluster's",
+        "hostagent/hold/state": "OFF",
+        "hostagent/owner/gaming1/reserved": "",
+        "hostagent/owner/gaming_2/reserved": "",
+    }
+    at = datetime(2026, 12, 4, 20, 0).timestamp()  # the host's zone, as the state says it
+    reserved = ha.states(s, {**status(), "reservations": [{"vm": "gaming/2", "at": at}]}, "")
+    assert reserved["hostagent/owner/gaming_2/reserved"] == "2026-12-04T20:00"
+    off = ha.states(s, status(phase="draining", lent=[], hold=True), "x" * 400)
+    assert off["hostagent/lent/state"] == "OFF"
+    assert off["hostagent/live_gpus/state"] == "none"
+    assert off["hostagent/hold/state"] == "ON"
+    assert len(off["hostagent/transition/state"]) == ha.MAX_STATE
+    # Every state topic is one an entity reads.
+    read = {c.get(k) for c in ha.components(s).values() for k in ("stat_t", "json_attr_t")}
+    assert set(out) <= read
+
+
+def test_owner_sentences() -> None:
+    before, after = status(), status()
+    after["owners"] = {"gaming1": False, "gaming/2": True}
+    assert ha.sentence(None, after) is None
+    assert ha.sentence(before, before) is None
+    assert ha.sentence(before, after) == "gaming1 stopped; gaming/2 is running"
+
+
+@pytest.mark.parametrize(("topic", "payload", "expected"), [
+    ("hostagent/owner/gaming1/set", b"ON", ha.Command("play", "gaming1")),
+    ("hostagent/owner/gaming_2/set", b"OFF", ha.Command("release", "gaming/2")),
+    ("hostagent/hold/set", b"ON", ha.Command("hold")),
+    ("hostagent/hold/set", b"OFF", ha.Command("lend")),
+    ("hostagent/reclaim/press", b"PRESS", ha.Command("reclaim")),
+    ("hostagent/lend/press", b" PRESS\n", ha.Command("lend")),
+    ("hostagent/owner/gaming1/set", b"on", ha.Refused('"on" on hostagent/owner/gaming1/set: expected ON or OFF')),
+    ("hostagent/owner/gaming1/set", b"\xff\x00", ha.Refused('"\\ufffd\\u0000" on hostagent/owner/gaming1/set: expected ON or OFF')),
+    ("hostagent/owner/gaming9/set", b"ON", ha.Refused('"ON" on hostagent/owner/gaming9/set, which commands nothing')),
+    ("hostagent/reclaim/press", b"x" * 65, ha.Refused("a 65-byte payload on hostagent/reclaim/press (at most 64)")),
+    ("elsewhere/reclaim/press", b"PRESS", ha.Refused('"PRESS" on elsewhere/reclaim/press, which commands nothing')),
+])
+def test_commands(topic: str, payload: bytes, expected: object) -> None:
+    assert ha.command(surface(), topic, payload) == expected
+
+
+def test_commands_mqtt_may_not_give() -> None:
+    s = surface(verbs=["play"], vms=["gaming1"])
+    assert ha.command(s, "hostagent/owner/gaming1/set", b"ON") == ha.Command("play", "gaming1")
+    assert ha.command(s, "hostagent/owner/gaming1/set", b"OFF") == ha.Refused(
+        "release on hostagent/owner/gaming1/set: mqtt.verbs does not allow it")
+    assert ha.command(s, "hostagent/owner/gaming_2/set", b"ON") == ha.Refused(
+        "play gaming/2 on hostagent/owner/gaming_2/set: mqtt.vms does not list gaming/2")
+    assert ha.command(s, "hostagent/reclaim/press", b"PRESS") == ha.Refused(
+        "reclaim on hostagent/reclaim/press: mqtt.verbs does not allow it")
+
+
+def test_every_command_topic_is_subscribed() -> None:
+    s = surface()
+    subscribed = ha.command_topics(s)
+    for cmp in ha.components(s).values():
+        if "cmd_t" in cmp:
+            levels = cmp["cmd_t"].split("/")
+            assert any(all(a in ("+", b) for a, b in zip(sub.split("/"), levels, strict=False))
+                       and len(sub.split("/")) == len(levels) for sub in subscribed), cmp
+
+
+def test_names_that_are_not_topic_levels_get_distinct_slugs() -> None:
+    text = CONFIG.replace('[owners.gaming1]', '[owners."gaming_2"]')
+    s = surface(text)
+    assert dict(s.owners) == {"gaming_2": "gaming_2", "gaming_2_2": "gaming/2"}
+
+
+def test_a_switch_stays_on_while_its_start_waits_for_a_reclaim() -> None:
+    """Pressed ON, gaming/2 waits for its GPU while gpu-node is reclaimed: its switch says
+    ON from the press on (it said OFF until the VM ran, so Home Assistant's switch went
+    back OFF and came ON again), and OFF again if the start fails (the intent is gone)."""
+    s = surface()
+    topic = "hostagent/owner/gaming_2/state"
+    waiting = {**status(phase="reclaiming"), "intents": [
+        {"owner": "gaming/2", "source": "hook", "age_s": 3}]}
+    assert ha.states(s, waiting, "")[topic] == "ON"
+    assert ha.states(s, {**waiting, "intents": []}, "")[topic] == "OFF"
+    assert ha.states(s, status(), "")[topic] == "OFF"  # a status without intents

@@ -1,0 +1,363 @@
+"""Metrics fed by the real machine, health checks, and the tiny HTTP server that serves both."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from hostagent.core import config, health, machine
+from hostagent.surfaces import metrics
+from hostagent.surfaces.follow import format_status
+from hostagent.core.health import CheckFailed, Health
+from hostagent.core.model import (
+    AgentUp,
+    Drained,
+    Event,
+    IntentSource,
+    LendeeStarted,
+    LendeeStopped,
+    Observed,
+    OwnerStarted,
+    OwnerStopped,
+    OwnerWants,
+    Policy,
+    RelendDue,
+    ReturnDone,
+    ReturnFailed,
+    State,
+    Topology,
+)
+
+TOPO = Topology(lendee="gpu-node", lendee_gpus=frozenset({"gpu-a", "gpu-b"}),
+                owners={"gaming1": frozenset({"gpu-a"}), "gaming2": frozenset({"gpu-b"})})
+MINIMAL = '[lendee]\ndomain = "gpu-node"\ngpus = ["gpu-a"]\n[gpus.gpu-a]\npci = "0000:01:00.0"\n'
+
+
+class Driver:
+    """The machine and the metrics, stepped together as `Agent.apply` does."""
+
+    def __init__(self) -> None:
+        self.state = State()
+        self.metrics = metrics.Metrics(TOPO)
+
+    def __call__(self, make: type[Event], at: float, **kw: object) -> None:
+        if "ticket" in make.__dataclass_fields__:
+            kw["ticket"] = self.state.ticket
+        event = make(at=at, **kw)
+        new, _ = machine.step(self.state, event, topo=TOPO, policy=Policy(relend_delay=0))
+        old, self.state = self.state, new
+        self.metrics.transition(old, new, event)
+
+    def value(self, name: str, **labels: str) -> float | None:
+        return self.metrics.registry.get_sample_value(name, labels)
+
+    def lend(self, at: float) -> None:
+        self(RelendDue, at)
+        self(LendeeStarted, at + 1)
+        self(AgentUp, at + 6)
+        self(ReturnDone, at + 10)
+
+
+def test_a_cycle_moves_every_metric() -> None:
+    d = Driver()
+    d(Observed, 100.0, lendee_running=False, owners_running=frozenset())
+    assert d.value("hostagent_lendee_phase", phase="off") == 1
+    assert d.value("hostagent_gpu_holder", gpu="gpu-a", vm="gpu-node") == 0
+    assert d.value("hostagent_swaps_total", kind="lend") == 0
+    assert d.value("hostagent_last_verification_timestamp_seconds") == 0
+    d.lend(100.0)
+    assert d.value("hostagent_lendee_phase", phase="lent") == 1
+    assert d.value("hostagent_lendee_phase", phase="off") == 0
+    assert d.value("hostagent_gpu_holder", gpu="gpu-a", vm="gpu-node") == 1
+    assert d.value("hostagent_gpu_holder", gpu="gpu-a", vm="gaming1") == 0
+    assert d.value("hostagent_swaps_total", kind="lend") == 1
+    assert d.value("hostagent_last_verification_timestamp_seconds") == 110.0
+    # Booting lasted 5 s (101 → 106), joining 4 s; the OFF before it had no known start.
+    assert d.value("hostagent_phase_duration_seconds_sum", phase="booting") == 5.0
+    assert d.value("hostagent_phase_duration_seconds_count", phase="joining") == 1
+    assert d.value("hostagent_phase_duration_seconds_count", phase="off") is None
+    assert d.value("hostagent_swap_duration_seconds_sum", kind="lend") == 9.0
+
+    d(OwnerWants, 200.0, owner="gaming1", intent_id="i1", source=IntentSource.HOOK)
+    assert d.value("hostagent_pending_intents") == 1
+    assert d.value("hostagent_lendee_phase", phase="draining") == 1
+    d(Drained, 203.0)
+    d(AgentUp, 204.0)
+    d(LendeeStopped, 206.0)
+    assert d.value("hostagent_swaps_total", kind="reclaim") == 1
+    assert d.value("hostagent_swap_duration_seconds_sum", kind="reclaim") == 6.0
+    assert d.value("hostagent_gpu_holder", gpu="gpu-a", vm="gpu-node") == 0
+    d(OwnerStarted, 207.0, owner="gaming1")
+    assert d.value("hostagent_gpu_holder", gpu="gpu-a", vm="gaming1") == 1
+    assert d.value("hostagent_gpu_holder", gpu="gpu-b", vm="gaming2") == 0
+    assert d.value("hostagent_pending_intents") == 0
+    assert d.value("hostagent_lendee_phase", phase="off") == 1
+    assert d.value("hostagent_failures_total", kind="return") == 0
+
+    d.metrics.hook_event("prepare", "begin")
+    d.metrics.hook_event("prepare", "begin")
+    assert d.value("hostagent_hook_events_total", op="prepare", sub="begin") == 2
+    assert b"hostagent_lendee_phase{phase=\"off\"} 1.0" in d.metrics.render()
+
+
+def test_node_gpu_pods_is_absent_until_known() -> None:
+    d = Driver()
+    assert b"hostagent_node_gpu_pods" not in d.metrics.render().replace(b"# ", b"")
+    d.metrics.node_gpu_pods(0)
+    assert d.value("hostagent_node_gpu_pods") == 0
+    d.metrics.node_gpu_pods(3)
+    assert d.value("hostagent_node_gpu_pods") == 3
+    d.metrics.node_gpu_pods(None)
+    assert d.value("hostagent_node_gpu_pods") is None
+
+
+
+def test_lent_gpu_pod_names_each_holder_and_forgets_those_gone() -> None:
+    d = Driver()
+    d.metrics.lent_gpu_pods({"gpu-a": "ml/train-1,ml/train-2", "gpu-b": "ml/eval"})
+    assert d.value("hostagent_lent_gpu_pod", gpu="gpu-a", pod="ml/train-2") == 1
+    assert d.value("hostagent_lent_gpu_pod", gpu="gpu-b", pod="ml/eval") == 1
+    d.metrics.lent_gpu_pods({"gpu-b": "ml/eval"})
+    assert d.value("hostagent_lent_gpu_pod", gpu="gpu-a", pod="ml/train-1") is None
+    d.metrics.lent_gpu_pods(None)
+    assert d.value("hostagent_lent_gpu_pod", gpu="gpu-b", pod="ml/eval") is None
+
+async def test_last_lend_verified_follows_the_lends() -> None:
+    d = Driver()
+    assert await d.metrics.lend_verified() == "no lend since the agent started"
+    d(Observed, 0.5, lendee_running=False, owners_running=frozenset())
+    d(RelendDue, 1.0)
+    d(LendeeStarted, 2.0)
+    d(AgentUp, 3.0)
+    d(ReturnFailed, 4.0, reason="the node reports 1 of 2 GPUs")
+    assert d.value("hostagent_failures_total", kind="return") == 1
+    with pytest.raises(CheckFailed, match="was not verified: .*1 of 2 GPUs"):
+        await d.metrics.lend_verified()
+    # Reclaimed and lent again, this time whole.
+    d(OwnerWants, 10.0, owner="gaming1", intent_id="i1", source=IntentSource.HOOK)
+    d(Drained, 11.0)
+    d(AgentUp, 12.0)
+    d(LendeeStopped, 13.0)
+    with pytest.raises(CheckFailed):
+        await d.metrics.lend_verified()
+    d(OwnerStarted, 14.0, owner="gaming1")
+    d(OwnerStopped, 15.0, owner="gaming1")  # the game ended: lent again
+    d.lend(20.0)
+    assert (await d.metrics.lend_verified()).startswith("verified at ")
+
+
+async def test_health_runs_every_check_within_its_budget(tmp_path: Path) -> None:
+    async def fine() -> str:
+        return "all good"
+
+    async def hangs() -> str:
+        await asyncio.sleep(10)
+        return "never"
+
+    async def breaks() -> str:
+        raise ConnectionRefusedError("refused")
+
+    h = Health(timeout=0.2)
+    for name, probe in (("fine", fine), ("hangs", hangs), ("breaks", breaks)):
+        h.add(name, probe)
+    results = {r.check: r for r in await h.check()}
+    assert list(results) == ["fine", "hangs", "breaks"]
+    assert results["fine"].ok and results["fine"].detail == "all good"
+    assert not results["hangs"].ok and results["hangs"].detail == "no answer within 0.2s"
+    assert not results["breaks"].ok and results["breaks"].detail == "refused"
+    assert h.last == list(results.values())
+
+
+async def test_health_is_one_run_shared_by_every_caller_and_briefly_kept() -> None:
+    """Status over SSH, /healthz and /metrics, asked in a flood, cost one run per
+    max_age: each run connects to the hook socket, calls libvirt and asks the API server."""
+    runs = 0
+    now = 100.0
+    gate = asyncio.Event()
+
+    async def probe() -> str:
+        nonlocal runs
+        runs += 1
+        await gate.wait()
+        return f"run {runs}"
+
+    h = Health(clock=lambda: now)
+    h.add("kubernetes", probe)
+    callers = [asyncio.create_task(h.check()) for _ in range(200)]
+    await asyncio.sleep(0)
+    gate.set()
+    answers = await asyncio.gather(*callers)
+    assert runs == 1
+    assert all(a == answers[0] for a in answers) and answers[0][0].detail == "run 1"
+    now += h.max_age / 2
+    assert (await h.check())[0].detail == "run 1" and runs == 1  # young enough: kept
+    now += h.max_age
+    assert (await h.check())[0].detail == "run 2"
+    assert (await h.check(max_age=0))[0].detail == "run 3"  # asked for fresh
+    # A caller that stops waiting (its client hung up) leaves the run to the others.
+    gate.clear()
+    gone, stays = (asyncio.create_task(h.check(max_age=0)) for _ in range(2))
+    await asyncio.sleep(0)
+    gone.cancel()
+    gate.set()
+    assert (await stays)[0].detail == "run 4" and runs == 4
+    assert gone.cancelled()
+
+
+async def test_health_forgets_results_older_than_a_change_it_is_told_of() -> None:
+    """The state file is saved again: a status asked just after shows it, neither the
+    kept results nor a run begun before the save."""
+    now = 100.0
+    saved = False
+    gate = asyncio.Event()
+    gate.set()
+
+    async def probe() -> str:
+        seen = saved  # read at the start of a run, as the agent's check does
+        await gate.wait()
+        return "saved" if seen else "refused"
+
+    h = Health(clock=lambda: now)
+    h.add("state file", probe)
+    assert (await h.check())[0].detail == "refused"
+    saved = True
+    h.forget()
+    assert (await h.check())[0].detail == "saved"  # within max_age, yet run again
+    # A run in flight when told: its callers get the run after it.
+    saved = False
+    gate.clear()
+    caller = asyncio.create_task(h.check(max_age=0))
+    await asyncio.sleep(0)
+    saved = True
+    h.forget()
+    gate.set()
+    assert (await caller)[0].detail == "saved"
+    assert (await h.check())[0].detail == "saved"  # and that later run is kept
+
+
+async def test_socket_check_connects(tmp_path: Path) -> None:
+    path = tmp_path / "hook.sock"
+    probe = health.socket_answers(path, "hook socket")
+    with pytest.raises(CheckFailed, match="hook socket .*hook.sock"):
+        await probe()
+    server = await asyncio.start_unix_server(lambda r, w: w.close(), path=str(path))
+    async with server:
+        assert "accepts connections" in await probe()
+
+
+async def test_libvirt_check_says_what_is_wrong() -> None:
+    class FakeLibvirt:
+        uri = "qemu:///system"
+        connected = False
+
+        async def running_domains(self) -> set[str]:
+            raise RuntimeError("list running domains: lost libvirtd")
+
+    fake = FakeLibvirt()
+    probe = health.libvirt_alive(fake)
+    with pytest.raises(CheckFailed, match=r"^libvirt: not connected to qemu:///system"):
+        await probe()
+    fake.connected = True
+    with pytest.raises(CheckFailed, match=r"^libvirt: list running domains: lost libvirtd"):
+        await probe()
+
+
+async def test_http_serves_metrics_and_healthz() -> None:
+    d = Driver()
+    h = Health(max_age=0)  # each request sees the switch at once
+    ok = True
+
+    async def switch() -> str:
+        if not ok:
+            raise CheckFailed("libvirt: not connected")
+        return "fine"
+
+    h.add("libvirt", switch)
+    server = await metrics.serve(("127.0.0.1", 0), d.metrics, h, log=logging.getLogger("t"))
+    port = server.sockets[0].getsockname()[1]
+
+    def get(path: str, method: str = "GET") -> tuple[int, str, bytes]:
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                return r.status, r.headers["Content-Type"], r.read()
+        except urllib.error.HTTPError as e:
+            with e:
+                return e.code, e.headers["Content-Type"], e.read()
+
+    async with server:
+        status, ctype, body = await asyncio.to_thread(get, "/metrics")
+        assert status == 200 and ctype.startswith("text/plain; version=0.0.4")
+        assert b'hostagent_health_check_success{check="libvirt"} 1.0' in body
+        assert b'hostagent_lendee_phase{phase="off"} 1.0' in body
+        status, ctype, body = await asyncio.to_thread(get, "/healthz")
+        assert (status, ctype) == (200, "application/json")
+        assert json.loads(body) == {"ok": True, "checks": [
+            {"check": "libvirt", "ok": True, "detail": "fine"}]}
+        ok = False
+        status, _, body = await asyncio.to_thread(get, "/healthz")
+        assert status == 503
+        assert json.loads(body)["checks"][0] == {"check": "libvirt", "ok": False,
+                                                 "detail": "libvirt: not connected"}
+        assert d.value("hostagent_health_check_success", check="libvirt") == 0
+        assert (await asyncio.to_thread(get, "/healthz", "HEAD"))[::2] == (503, b"")
+        assert (await asyncio.to_thread(get, "/nope"))[0] == 404
+        assert (await asyncio.to_thread(get, "/metrics", "POST"))[0] == 405
+        # Not HTTP at all: answered 400, and the server goes on.
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"hello\r\n\r\n")
+        assert (await reader.read()).startswith(b"HTTP/1.1 400 Bad Request\r\n")
+        writer.close()
+        await writer.wait_closed()
+        assert (await asyncio.to_thread(get, "/"))[0] == 200
+
+
+def test_metrics_listen_is_off_unless_set() -> None:
+    assert config.parse(MINIMAL).metrics.address is None
+    cfg = config.parse(MINIMAL + '[metrics]\nlisten = "127.0.0.1:9477"\n')
+    assert cfg.metrics.listen == "127.0.0.1:9477"
+    assert cfg.metrics.address == ("127.0.0.1", 9477)
+    assert config.parse(MINIMAL + '[metrics]\nlisten = "[::1]:9477"\n').metrics.address == (
+        "::1", 9477)
+    assert config.parse(MINIMAL + '[metrics]\nlisten = ":9477"\n').metrics.address == ("", 9477)
+    assert config.parse(MINIMAL + '[metrics]\nlisten = ""\n').metrics.address is None
+
+
+@pytest.mark.parametrize("listen", ['"9477"', '"localhost"', '"host:0"', '"host:70000"', "9477"])
+def test_metrics_listen_mistakes_name_the_key(listen: str) -> None:
+    with pytest.raises(config.ConfigError, match=r"^t.toml: metrics.listen: "):
+        config.parse(MINIMAL + f"[metrics]\nlisten = {listen}\n", "t.toml")
+
+
+def test_status_shows_failed_checks() -> None:
+    data = {"lendee": {"domain": "gpu-node", "phase": "lent", "reason": None, "since": 0,
+                       "hold": False},
+            "gpus": [], "intents": [], "relend_in_s": None, "libvirt_connected": True,
+            "health": [{"check": "libvirt", "ok": True, "detail": "connected"},
+                       {"check": "hook socket", "ok": False,
+                        "detail": "hook socket /run/hostagent/hook.sock: Connection refused"}]}
+    text = format_status(data)
+    assert "failed checks:\n  hook socket: hook socket /run/hostagent/hook.sock: " \
+           "Connection refused" in text
+    assert "libvirt: connected" not in text
+    data["health"][1]["ok"] = True
+    assert format_status(data).endswith("health: 2 checks pass")
+
+
+def test_every_owner_of_a_shared_gpu_has_a_holder_series() -> None:
+    topo = Topology(lendee="gpu-node", lendee_gpus=frozenset({"gpu-a"}),
+                    owners={"gaming1": frozenset({"gpu-a"}),
+                            "gaming-win": frozenset({"gpu-a"})})
+    m = metrics.Metrics(topo)
+    event = Observed(at=1.0, lendee_running=False, owners_running=frozenset())
+    new, _ = machine.step(State(), event, topo=topo, policy=Policy(relend_delay=0))
+    m.transition(State(), new, event)
+    for vm in ("gaming1", "gaming-win", "gpu-node"):
+        assert m.registry.get_sample_value("hostagent_gpu_holder",
+                                           {"gpu": "gpu-a", "vm": vm}) == 0
