@@ -39,7 +39,7 @@ import asyncio
 import logging
 import time
 from datetime import UTC, datetime
-from collections.abc import AsyncIterator, Callable, Collection, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
 from typing import Protocol
 
 from hostagent.cluster import dra
@@ -60,9 +60,10 @@ from hostagent.cluster.kube import (
     Taint,
     expected_gpus,
 )
-from hostagent.service.parts import PodsReader
 
 log = logging.getLogger(__name__)
+# A hot-unplug's reading of which pods use its GPUs: their UIDs, or None and why not.
+PodsReader = Callable[[], Awaitable[tuple[Collection[str] | None, str]]]
 
 
 def parse_taint(text: str) -> Taint:

@@ -251,6 +251,13 @@ def record(
     current_sink().write(Entry(message=message, priority=priority, fields=fields, code=code))
 
 
+def retry(result: str, message: str) -> None:
+    """A start retried with backoff (`core.backoff.keep_trying`): "retrying" at its
+    first failure, a warning; "started" when it succeeds at last."""
+    record("retry", message, result=result,
+           priority=Priority.WARNING if result == "retrying" else INFO)
+
+
 def _priority(levelno: int) -> Priority:
     if levelno >= logging.CRITICAL:
         return Priority.CRIT

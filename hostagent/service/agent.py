@@ -489,7 +489,7 @@ class Agent:
             self._exporter = await keep_trying(
                 lambda: metrics.serve(address, self.metrics, self.health, log=log),
                 what=f"the metrics endpoint on {self.cfg.metrics.listen}",
-                transient=(OSError,))
+                transient=(OSError,), record=journal.retry)
 
         await self._bind_soon(bind)
 
@@ -758,7 +758,8 @@ class Agent:
                 self._endpoint = await keep_trying(
                     lambda: ssh.serve(endpoint.address, key, endpoint.authorized_keys,
                                       self.verbs.handlers()),
-                    what=f"the SSH endpoint on {endpoint.listen}", transient=(ssh.Transient,))
+                    what=f"the SSH endpoint on {endpoint.listen}", transient=(ssh.Transient,),
+                    record=journal.retry)
             except ssh.EndpointError as e:
                 raise StartupError(f"{self.cfg.source}: [ssh]: {e}") from e
 

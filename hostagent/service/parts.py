@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from hostagent.core import clock
 from hostagent.surfaces.control import Reply
 from hostagent.core.model import Event, State
 
+if TYPE_CHECKING:  # the cluster's, which imports kubernetes-asyncio: only with [kubernetes]
+    from hostagent.cluster.cycle import PodsReader
+
 Apply = Callable[[Event], bool]  # the agent's: step the machine; False if stale
-# A hot-unplug's reading of which pods use its GPUs: their UIDs, or None and why not.
-PodsReader = Callable[[], Awaitable[tuple[Collection[str] | None, str]]]
 
 
 class View(Protocol):

@@ -29,7 +29,7 @@ async def test_a_transient_failure_is_retried_with_capped_backoff(
         slept.append(seconds)
 
     assert await keep_trying(start, what="the SSH endpoint", transient=(Transient,),
-                             first=1, cap=10, sleep=sleep) == "listening"
+                             record=journal.retry, first=1, cap=10, sleep=sleep) == "listening"
     assert len(slept) == 7
     assert all(0.5 <= s <= 1 for s in slept[:1]) and max(slept) <= 10
     assert slept[-1] >= 5  # grew to the cap
@@ -41,4 +41,5 @@ async def test_what_needs_a_person_is_not_retried() -> None:
         raise EndpointError("the host key is unusable")
 
     with pytest.raises(EndpointError):
-        await keep_trying(start, what="the SSH endpoint", transient=(Transient,))
+        await keep_trying(start, what="the SSH endpoint", transient=(Transient,),
+                          record=journal.retry)
