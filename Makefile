@@ -60,19 +60,21 @@ $(STAMPS)/venv: pyproject.toml $(STAMPS)/apt
 demo: setup
 	$(VENV)/bin/python -m tests.lab.demo
 
-# mypy and ruff first: they take seconds and fail fast. Then every test, whole files
-# spread over TEST_PROCESSES processes (pytest-xdist): a lab test mostly waits on its TCG
-# guests, so on 2 cores three labs at once (each process's lab is private: its own
-# libvirtd, journald, control plane and sockets) take far less time than one. (At three,
-# guests used to time out: each poll of a lab wait read the process's whole journal,
-# which cost more CPU the longer a run went; it reads only what is new now.) The fault
-# suite's table, and the figures tests measure, are printed at the end whatever process
-# ran them, and the 15 slowest tests, so that a slow run says where its time went.
+# mypy, ruff and lint-imports (the layers' contract in pyproject.toml) first: they take
+# seconds and fail fast. Then every test, whole files spread over TEST_PROCESSES
+# processes (pytest-xdist): a lab test mostly waits on its TCG guests, so on 2 cores
+# three labs at once (each process's lab is private: its own libvirtd, journald, control
+# plane and sockets) take far less time than one. (At three, guests used to time out:
+# each poll of a lab wait read the process's whole journal, which cost more CPU the
+# longer a run went; it reads only what is new now.) The fault suite's table, and the
+# figures tests measure, are printed at the end whatever process ran them, and the 15
+# slowest tests, so that a slow run says where its time went.
 TEST_PROCESSES ?= 3
 test: setup
 	@echo "the lab's Kubernetes: kube-apiserver $$($$(GO=$(GO) tests/controlplane/build.sh) kube-apiserver --version | cut -d' ' -f2)"
 	$(VENV)/bin/mypy
 	$(VENV)/bin/ruff check hostagent hooks/qemu tests bench
+	$(VENV)/bin/lint-imports
 	hass=$$(tests/integration/hass.sh) && HOSTAGENT_HASS=$$hass \
 	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_PROCESSES) --dist loadfile --durations=15 \
 	  --no-loadscope-reorder
