@@ -97,3 +97,20 @@ def test_no_module_grows_past_its_length() -> None:
         if lines > LONGER.get(name, LONGEST):
             long[name] = lines
     assert not long, f"split these by concern (at most {LONGEST} lines each): {long}"
+
+
+def test_the_architecture_names_each_module_in_its_layer() -> None:
+    """docs/architecture.md's table of layers lists every module of each package, and
+    only those: the tree as it is, for whoever reads it before the code."""
+    doc = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    listed = {}
+    for line in doc.splitlines():
+        if line.startswith("| `") and "/` |" in line:
+            layer, names = line.split("|")[1:3]
+            listed[layer.strip(" `/")] = set(names.replace("`", "").replace(" ", "").split(","))
+    found: dict[str, set[str]] = {}
+    for name in modules():
+        parts = name.split(".")
+        if len(parts) == 3:
+            found.setdefault(parts[1], set()).add(parts[2])
+    assert listed == found
