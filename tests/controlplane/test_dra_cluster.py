@@ -26,28 +26,15 @@ from hostagent.core.health import CheckFailed
 from tests.controlplane import ControlPlane, dralab
 from tests.controlplane.dralab import NODE, Accounts, Lab, dra_lab
 from tests.controlplane.nvidia import DRIVER, gpu, health_taint
+from tests.configs import UUID_A, UUID_B, lendee_toml
 
 PREFIX = "hostagent.io/"
-UUID_A = "GPU-5f2ab1c4-0000-4000-8000-00000000000a"
-UUID_B = "GPU-5f2ab1c4-0000-4000-8000-00000000000b"
 LABEL = {"gpu-0": "gpu-a", "gpu-1": "gpu-b"}  # the driver's device name -> hostagent's GPU
 DEVICE = {"gpu-a": gpu(0, UUID_A), "gpu-b": gpu(1, UUID_B)}
 
 
 def config() -> Config:
-    return parse(f"""
-[lendee]
-domain = "{NODE}"
-gpus = ["gpu-a", "gpu-b"]
-
-[gpus.gpu-a]
-pci = "0000:01:00.0"
-uuid = "{UUID_A}"
-
-[gpus.gpu-b]
-pci = "0000:02:00.0"
-uuid = "{UUID_B}"
-
+    return parse(lendee_toml(NODE) + """
 [timeouts]
 drain = "30s"
 ready = "15s"

@@ -23,6 +23,7 @@ from hostagent.cluster.kube import Kube, KubeAuthError, Timing, cordon_marker, e
 from kubernetes_asyncio import watch as k8s_watch
 from tests.controlplane import ControlPlane
 from tests.controlplane.seed import gpu_status
+from tests.configs import lendee_toml
 from tests.unit.kube_scaffold import FAST, Api, real_api
 
 PREFIX = "hostagent.io/"
@@ -32,17 +33,7 @@ TAINT = "hostagent.io/borrowed=true:NoSchedule"
 
 def config(extra: str = 'skip_wait_for_delete_timeout = "1s"',
            policy: str = "proceed") -> Config:
-    return parse(f"""
-[lendee]
-domain = "gpu-node"
-gpus = ["gpu-a", "gpu-b"]
-
-[gpus.gpu-a]
-pci = "0000:01:00.0"
-
-[gpus.gpu-b]
-pci = "0000:02:00.0"
-
+    return parse(lendee_toml(uuids=False) + f"""
 [timeouts]
 drain = "5s"
 ready = "3s"

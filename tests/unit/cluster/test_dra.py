@@ -33,28 +33,14 @@ from tests.controlplane.dralab import NODE, Accounts, Lab, dra_lab
 from tests.controlplane.kubelet import Pods
 from tests.controlplane.proxy import FaultProxy
 from tests.controlplane.nvidia import DEVICE_CLASS, DRIVER, gpu, health_taint, mig
+from tests.configs import UUID_A, UUID_B, UUID_C, lendee_toml  # UUID_C: the host's, never lent
 from tests.unit.kube_scaffold import FAST
 
 PREFIX = "hostagent.io/"
-UUID_A = "GPU-5f2ab1c4-0000-4000-8000-00000000000a"
-UUID_B = "GPU-5f2ab1c4-0000-4000-8000-00000000000b"
-UUID_C = "GPU-5f2ab1c4-0000-4000-8000-00000000000c"  # the host's, never lent
 
 
 def config(gpu_api: str = "auto", domain: str = NODE) -> Config:
-    return parse(f"""
-[lendee]
-domain = "{domain}"
-gpus = ["gpu-a", "gpu-b"]
-
-[gpus.gpu-a]
-pci = "0000:01:00.0"
-uuid = "{UUID_A}"
-
-[gpus.gpu-b]
-pci = "0000:02:00.0"
-uuid = "{UUID_B}"
-
+    return parse(lendee_toml(domain) + f"""
 [timeouts]
 drain = "10s"
 ready = "2s"

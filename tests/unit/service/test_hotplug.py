@@ -36,6 +36,7 @@ from hostagent.core.model import (
 from tests.controlplane import ControlPlane
 from tests.controlplane.nvidia import Driver
 from tests.controlplane.nvidia import gpu as gpu_device
+from tests.configs import UUID_A, UUID_B, lendee_toml
 from tests.unit.kube_scaffold import Api, gpu_node_api
 from tests.unit.machine_scaffold import AT, LENDEE, T, wants
 from tests.unit.core.test_partial import POLICY, TOPO, B, C, S, gpus, go, run, vms
@@ -271,10 +272,6 @@ async def test_the_agent_takes_the_default_hotplug_from_lint_and_status_says_why
 
 # --- the node: the GPU plugins restarted, the new GPU advertised ---------------------------
 
-UUID_A = "GPU-5f2ab1c4-0000-4000-8000-00000000000a"
-UUID_B = "GPU-5f2ab1c4-0000-4000-8000-00000000000b"
-
-
 @pytest.fixture
 async def api(plane: ControlPlane) -> AsyncIterator[Api]:
     """gpu-node (its kubelet running) and other-node; NVIDIA's DeviceClass."""
@@ -290,16 +287,7 @@ async def driver(api: Api) -> AsyncIterator[Driver]:
 
 
 def dra_config() -> Config:
-    return parse(f"""
-[lendee]
-domain = "gpu-node"
-gpus = ["gpu-a", "gpu-b"]
-[gpus.gpu-a]
-pci = "0000:01:00.0"
-uuid = "{UUID_A}"
-[gpus.gpu-b]
-pci = "0000:02:00.0"
-uuid = "{UUID_B}"
+    return parse(lendee_toml() + """
 [timeouts]
 ready = "3s"
 [policy]

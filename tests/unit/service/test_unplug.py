@@ -55,6 +55,7 @@ from hostagent.core.model import (
 from tests.controlplane import ControlPlane
 from tests.controlplane.nvidia import Driver
 from tests.controlplane.nvidia import gpu as gpu_device
+from tests.configs import UUID_A, UUID_B, UUID_C, lendee_toml
 from tests.unit.kube_scaffold import Api, gpu_node_api
 from tests.unit.machine_scaffold import Stepper
 from tests.unit.surfaces.test_control import make_agent
@@ -260,11 +261,6 @@ def test_a_failed_hot_unplug_is_counted_as_a_failure() -> None:
 
 # --- the executor's step, with fakes at its seams ------------------------------------------
 
-UUID_A = "GPU-5f2ab1c4-0000-4000-8000-00000000000a"
-UUID_B = "GPU-5f2ab1c4-0000-4000-8000-00000000000b"
-UUID_C = "GPU-5f2ab1c4-0000-4000-8000-00000000000c"
-
-
 def checkpoint(*entries: tuple[str, str, object]) -> str:
     """The kubelet's device checkpoint: (pod UID, resource, device IDs) each."""
     return json.dumps({"Data": {"PodDeviceEntries": [
@@ -293,19 +289,7 @@ def test_a_checkpoint_that_cannot_tell_for_sure_is_doubt(text: str) -> None:
         hotplug.checkpoint_pods(text, {UUID_A}, {UUID_A, UUID_B})
 
 
-UNPLUG_CONFIG = f"""
-[lendee]
-domain = "gpu-node"
-gpus = ["gpu-a", "gpu-b", "gpu-c"]
-[gpus.gpu-a]
-pci = "0000:01:00.0"
-uuid = "{UUID_A}"
-[gpus.gpu-b]
-pci = "0000:02:00.0"
-uuid = "{UUID_B}"
-[gpus.gpu-c]
-pci = "0000:03:00.0"
-uuid = "{UUID_C}"
+UNPLUG_CONFIG = lendee_toml(gpus=("gpu-a", "gpu-b", "gpu-c")) + """
 [owners.gaming1]
 gpus = ["gpu-a"]
 [policy]
