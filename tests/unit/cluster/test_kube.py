@@ -536,7 +536,7 @@ async def test_a_pod_whose_kubelet_is_gone_is_left_terminating(kube: Kube, api: 
     await api.seed.kubelet_gone("gpu-node")
     await set_node_status(api, "gpu-node", conditions=[ready_condition("Unknown")])
     report = await kube.drain(
-        "gpu-node", timeout=0.3, emptydir_ok=True, unmanaged_ok=False, on_timeout=PROCEED
+        "gpu-node", timeout=2, emptydir_ok=True, unmanaged_ok=False, on_timeout=PROCEED
     )
     assert [str(p) for p in report.left] == ["default/web-1 (evicted but still terminating)"]
 
