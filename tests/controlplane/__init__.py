@@ -23,8 +23,10 @@ import socket
 import ssl
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 __all__ = ["ControlPlane", "binary", "missing"]
 
@@ -155,6 +157,17 @@ class ControlPlane:
                                f"--kubeconfig={kubeconfig or self.admin}", *args],
                               capture_output=True, text=True, check=check, input=input,
                               timeout=60)
+
+    def get(self, path: str, **params: str) -> Any:
+        """GET `path` (with `params` as its query) as the admin, in this process: a wait
+        that polls an object costs a round trip, where kubectl costs a Go program's
+        start."""
+        context = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        context.load_cert_chain(self.pki / "admin.crt", self.pki / "admin.key")
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
+        with urllib.request.urlopen(f"{self.server}{path}{query}", context=context,
+                                    timeout=30) as reply:
+            return json.load(reply)
 
     def namespace(self, name: str, timeout: float = 30.0) -> None:
         """Create namespace `name` and wait for its default ServiceAccount, which the

@@ -440,10 +440,7 @@ def config(lab: Lab, *, relend_delay: str = "1s", guest_agent: str = "60s") -> N
 
 
 def status(lab: Lab) -> dict[str, Any]:
-    out = lab.hostagent("status", "--json")
-    assert out.returncode == 0, out.stderr
-    result: dict[str, Any] = json.loads(out.stdout)
-    return result
+    return lab.status()
 
 
 def kill_agent(lab: Lab) -> None:

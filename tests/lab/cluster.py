@@ -143,12 +143,13 @@ class LabCluster:
         return json.loads(self.kubectl("get", *args, "-o", "json"))
 
     def node(self, name: str = LENDEE) -> dict[str, Any]:
-        node: dict[str, Any] = self.get("node", name)
+        node: dict[str, Any] = self.plane.get(f"/api/v1/nodes/{name}")
         return node
 
     def slice_uuids(self) -> list[str]:
         """The UUIDs in the lendee node's ResourceSlices (DRA)."""
-        slices = self.get("resourceslices", "--field-selector", f"spec.nodeName={LENDEE}")
+        slices = self.plane.get("/apis/resource.k8s.io/v1/resourceslices",
+                                fieldSelector=f"spec.nodeName={LENDEE}")
         return sorted(d["attributes"]["uuid"]["string"] for s in slices["items"]
                       for d in s["spec"].get("devices") or [])
 
@@ -223,7 +224,7 @@ class LabCluster:
         return sorted(p["metadata"]["labels"].get("app", "") for p in self._pods(node))
 
     def _pods(self, node: str) -> list[dict[str, Any]]:
-        pods = self.get("pods", "-A", "--field-selector", f"spec.nodeName={node}")["items"]
+        pods = self.plane.get("/api/v1/pods", fieldSelector=f"spec.nodeName={node}")["items"]
         return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
 
     def _background(self, work: Coroutine[Any, Any, None]) -> None:

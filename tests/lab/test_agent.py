@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import difflib
-import json
 import signal
 import threading
 import time
@@ -31,9 +30,7 @@ def wait_lent(lab: Lab, timeout: float = 60) -> None:
 
 
 def status(lab: Lab) -> dict:
-    out = lab.hostagent("status", "--json")
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    return lab.status()
 
 
 def persistent(lab: Lab) -> str:

@@ -45,10 +45,7 @@ def disks(lab: Lab, domain: str) -> list[str]:
 
 
 def status(lab: Lab) -> dict[str, Any]:
-    out = lab.hostagent("status", "--json")
-    assert out.returncode == 0, out.stderr
-    data: dict[str, Any] = json.loads(out.stdout)
-    return data
+    return lab.status()
 
 
 def test_a_card_leaves_the_lendee_with_every_function(whole: Lab) -> None:
