@@ -311,8 +311,8 @@ class Scenario:
         """Put back what a failed test may have left broken, for the next one."""
         if self.watcher.is_alive():
             self.watcher.stop()
-        for hook in self.hooks:
-            hook.unlink(missing_ok=True)
+        for hook in self.hooks:  # removed by the lab's reset, once nothing runs hooks
+            disarm(hook)
         agent = self.lab.procs.get("agent")
         if agent is not None and agent.poll() is None:
             agent.send_signal(signal.SIGCONT)
@@ -345,7 +345,21 @@ exit 0
         try:
             yield held
         finally:
-            script.unlink(missing_ok=True)
+            # Disarmed, not removed: libvirtd lists qemu.d/ and then runs each script, so
+            # a script removed in between fails the start it was running for ("cannot
+            # execute binary"). Removed once nothing runs hooks (`Lab.reset`).
+            disarm(script)
+
+
+def disarm(script: Path) -> None:
+    """`script` made a hook that does nothing, in one step (written beside qemu.d/, where
+    libvirtd would run a half-written file, and renamed over it)."""
+    if not script.exists():
+        return
+    disarmed = script.parent.parent / f".{script.name}.disarmed"
+    disarmed.write_text("#!/bin/sh\nexit 0\n")
+    disarmed.chmod(0o755)
+    disarmed.replace(script)
 
 
 # ---- the lab, broken on purpose ------------------------------------------------------

@@ -293,7 +293,8 @@ async def lent(agent: Agent, fake: FakeLibvirt) -> None:
     await until(lambda: agent.state.phase is Phase.LENT)
 
 
-async def until(cond: Any, timeout: float = 5) -> None:
+async def until(cond: Any, timeout: float = 20) -> None:
+    """Until `cond` holds: at once on an idle machine; the bound is for a loaded one."""
     deadline = time.monotonic() + timeout
     while not cond():
         assert time.monotonic() < deadline, "timed out"
