@@ -453,9 +453,6 @@ def config(lab: Lab, *, relend_delay: str = "1s", guest_agent: str = "60s") -> N
                      .replace('guest_agent = "60s"', f'guest_agent = "{guest_agent}"'))
 
 
-def status(lab: Lab) -> dict[str, Any]:
-    return lab.status()
-
 
 def kill_agent(lab: Lab) -> None:
     assert lab.stop_agent(signal.SIGKILL) == -signal.SIGKILL

@@ -18,7 +18,6 @@ from tests.faults.scenario import (
     Scenario,
     count,
     kill_agent,
-    status,
     wait_count,
     wait_for,
     wait_lent,
@@ -66,7 +65,7 @@ def test_reclaim(lab: Lab, fault: Scenario, step: str) -> None:
     fault.recovered()
     assert lab.state("gpu-node") == "shut off"
     assert fault.shutdowns("gpu-node") == 1  # through its agent, once
-    assert status(lab)["intents"] == []
+    assert lab.status()["intents"] == []
 
 
 @pytest.mark.parametrize("step", LEND_STEPS)

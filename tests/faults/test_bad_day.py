@@ -29,7 +29,6 @@ from tests.faults.scenario import (
     gpus_in_xml,
     power_cut,
     qemu_pids,
-    status,
     wait_count,
     wait_for,
 )
@@ -91,7 +90,7 @@ def test_disk_full_mid_reclaim(lab: Lab, fault: Scenario) -> None:
     """disk full mid-reclaim: the reclaim goes on, a new request refused with its reason"""
     lab.write_config(relend_delay="1s")
     lab.start_agent()
-    wait_for(lambda: status(lab)["lendee"]["phase"] == "lent", 90, "the first lend")
+    wait_for(lambda: lab.status()["lendee"]["phase"] == "lent", 90, "the first lend")
     # The lendee's stop is held some seconds after it powered off: the agent is still
     # stopping when gaming2 asks (long enough for a busy machine's status call).
     with fault.slow_hook(LENDEE, "stopped", "end", seconds=12) as held:
@@ -99,7 +98,7 @@ def test_disk_full_mid_reclaim(lab: Lab, fault: Scenario) -> None:
         with full_disk(lab) as fill:
             fault.fault()
             wait_for(held.exists, 60, "the lendee to power off")
-            assert status(lab)["lendee"]["phase"] == "stopping"
+            assert lab.status()["lendee"]["phase"] == "stopping"
             refused = fault.start_owner("gaming2")
             assert refused.returncode != 0
             assert "could not record the request to start gaming2" in refused.stderr, refused
@@ -115,7 +114,7 @@ def test_disk_full_mid_reclaim(lab: Lab, fault: Scenario) -> None:
             assert text.returncode == 0, text.stderr
             assert re.search(r"failed checks:\n  state file: cannot write \S+state.toml: "
                              "No space left on device", text.stdout), text.stdout
-            assert status(lab)["intents"] == []
+            assert lab.status()["intents"] == []
             assert lab.state("gaming2") == "shut off"
             # Space is freed: the next retry (every 5 s) writes it.
             assert in_lab(lab, f"rm {fill}").returncode == 0
@@ -149,7 +148,7 @@ def test_clock_stepped_back(lab: Lab, fault: Scenario) -> None:
     """clock stepped back a year: live hook events handled live, the owner starts by itself"""
     lab.write_config(relend_delay="1s")
     lab.start_agent()
-    wait_for(lambda: status(lab)["lendee"]["phase"] == "lent", 90, "the first lend")
+    wait_for(lambda: lab.status()["lendee"]["phase"] == "lent", 90, "the first lend")
     with hook_clock_behind(lab) as sent:
         fault.fault()
         asked = fault.start_owner("gaming1")
@@ -204,7 +203,7 @@ def test_host_shutdown_and_boot(lab: Lab, fault: Scenario) -> None:
         lab.virsh("autostart", "--disable", "gaming1")
         assert "autostart" not in lab.hostagent("lint").stdout
         start_agent_while_host_stops(lab)
-        wait_for(lambda: status(lab)["lendee"]["phase"] == "lent", 90, "the first lend")
+        wait_for(lambda: lab.status()["lendee"]["phase"] == "lent", 90, "the first lend")
         assert not cordoned(kc)
         kc.wait_placed()  # the workloads, scheduled onto gpu-node once it was lent
         assert "web" in kc.apps_on(LENDEE)
@@ -238,7 +237,7 @@ def test_host_shutdown_and_boot(lab: Lab, fault: Scenario) -> None:
         boots_before = fault.boots(LENDEE)
         lab.start_agent()
         lab.wait_game("gaming1", up=True)  # booted: its console's count is final
-        wait_for(lambda: status(lab)["lendee"]["phase"] == "lent", 90, "the lend at boot")
+        wait_for(lambda: lab.status()["lendee"]["phase"] == "lent", 90, "the lend at boot")
         wait_for(lambda: not cordoned(kc), 30, "the node uncordoned")
         fault.recovered()
         assert marker(kc) is None
@@ -254,7 +253,7 @@ def test_host_shutdown_and_boot(lab: Lab, fault: Scenario) -> None:
         # hostagent restarted on the same boot: gaming1 is not started again.
         assert lab.stop_agent() == 0
         lab.start_agent()
-        wait_for(lambda: status(lab)["lendee"]["phase"] == "lent", 30, "the agent back")
+        wait_for(lambda: lab.status()["lendee"]["phase"] == "lent", 30, "the agent back")
         assert count(lab, event="boot") == 1
         assert (fault.boots("gaming1"), fault.boots(LENDEE)) == boots
         assert sorted(lab.running()) == ["gaming1", LENDEE]

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.faults.scenario import Scenario, count, status, wait_for, wait_lent
+from tests.faults.scenario import Scenario, count, wait_for, wait_lent
 from tests.lab.lab import Lab
 
 pytestmark = pytest.mark.lab
@@ -78,7 +78,7 @@ def test_owner_started_and_stopped_20_times(lab: Lab, fault: Scenario) -> None:
     fault.recovered()
     assert deferred >= 2  # the pauses met the lendee starting and booting
     assert count(lab, event="intent", to="done") == deferred
-    assert status(lab)["intents"] == []
+    assert lab.status()["intents"] == []
     assert lab.state("gpu-node") == "running"
 
 
@@ -97,4 +97,4 @@ def test_lendee_started_by_hand_mid_game(lab: Lab, fault: Scenario) -> None:
     lab.virsh("destroy", "gaming1")  # the game ends
     wait_lent(lab)
     fault.recovered()
-    wait_for(lambda: status(lab)["relend_in_s"] is None, 10, "no relend left")
+    wait_for(lambda: lab.status()["relend_in_s"] is None, 10, "no relend left")

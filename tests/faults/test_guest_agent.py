@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.faults.scenario import Scenario, config, count, status, wait_count
+from tests.faults.scenario import Scenario, config, count, wait_count
 from tests.lab.lab import Lab
 
 pytestmark = pytest.mark.lab
@@ -31,7 +31,7 @@ def test_guest_agent_never_up(lab: Lab, fault: Scenario) -> None:
     assert lab.phases()[-3:] == ["failed>draining", "draining>stopping", "stopping>failed"]
     assert lab.state("gpu-node") == "running" and lab.state("gaming1") == "shut off"
     assert fault.shutdowns("gpu-node") == 0
-    st = status(lab)
+    st = lab.status()
     assert st["lendee"]["phase"] == "failed"
     assert "guest agent never answered" in st["lendee"]["reason"]
     assert "force_off_after" in st["lendee"]["reason"]  # and how to unblock it
@@ -44,4 +44,4 @@ def test_guest_agent_never_up(lab: Lab, fault: Scenario) -> None:
         lab.virsh("destroy", "gpu-node")
         lab.wait_game("gaming1")
     fault.recovered()
-    assert status(lab)["intents"] == []
+    assert lab.status()["intents"] == []

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.scenario import Scenario, status, wait_lent
+from tests.faults.scenario import Scenario, wait_lent
 from tests.lab.lab import REPO, Lab
 from tests.lab.test_control_lab import free_port, keygen, public
 
@@ -109,7 +109,7 @@ def test_ssh_flood_during_a_reclaim(lab: Lab, fault: Scenario, tmp_path: Path) -
         fault.fault()
         assert fault.start_owner("gaming1").returncode != 0  # deferred: the hook answered
         peak = len(os.listdir(f"/proc/{agent.pid}/fd"))
-        assert status(lab)["lendee"]["phase"] in ("draining", "stopping", "off")
+        assert lab.status()["lendee"]["phase"] in ("draining", "stopping", "off")
         lab.wait_game("gaming1")
         fault.recovered()
         peak = max(peak, len(os.listdir(f"/proc/{agent.pid}/fd")))
@@ -176,7 +176,7 @@ def test_a_second_agent(lab: Lab, fault: Scenario) -> None:
     assert "already running" in second.stderr and f"pid {first.pid}" in second.stderr
     assert first.poll() is None
     assert (hook.stat().st_ino, control.stat().st_ino) == inodes  # not stolen
-    assert status(lab)["lendee"]["phase"] == "lent"
+    assert lab.status()["lendee"]["phase"] == "lent"
     fault.fault()
     assert fault.start_owner("gaming1").returncode != 0  # the first still answers hooks
     lab.wait_game("gaming1")

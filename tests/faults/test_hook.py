@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.faults.scenario import Scenario, count, status, wait_count, wait_lent
+from tests.faults.scenario import Scenario, count, wait_count, wait_lent
 from tests.lab.lab import HOOK, Lab
 
 pytestmark = pytest.mark.lab
@@ -74,7 +74,7 @@ def test_agent_hung(lab: Lab, fault: Scenario) -> None:
     lab.start_agent()
     assert not list(lab.spool.glob("*.json"))
     assert count(lab, event="intent", to="pending") == 1
-    assert status(lab)["owners"]["gaming1"] is True
+    assert lab.status()["owners"]["gaming1"] is True
 
 
 UNWRITABLE = ["a file in its place", "a read-only mount"]

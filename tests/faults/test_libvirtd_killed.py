@@ -16,7 +16,6 @@ from tests.faults.scenario import (
     alive,
     kill_libvirtd,
     qemu_pid,
-    status,
     wait_for,
     wait_lent,
 )
@@ -52,7 +51,7 @@ def test_mid_reclaim(lab: Lab, fault: Scenario) -> None:
     fault.recovered()
     assert lab.state("gpu-node") == "shut off"
     assert fault.shutdowns("gpu-node") == 1
-    wait_for(lambda: status(lab)["libvirt_connected"], 30, "the agent to reconnect")
+    wait_for(lambda: lab.status()["libvirt_connected"], 30, "the agent to reconnect")
 
 
 def test_mid_game(lab: Lab, fault: Scenario) -> None:
@@ -63,9 +62,9 @@ def test_mid_game(lab: Lab, fault: Scenario) -> None:
     assert fault.start_owner("gaming1").returncode != 0
     lab.wait_game("gaming1")
     outage(lab, fault, "gaming1")
-    wait_for(lambda: status(lab)["libvirt_connected"], 30, "the agent to reconnect")
+    wait_for(lambda: lab.status()["libvirt_connected"], 30, "the agent to reconnect")
     fault.recovered()
-    assert status(lab)["owners"]["gaming1"] is True
+    assert lab.status()["owners"]["gaming1"] is True
     lab.virsh("destroy", "gaming1")  # the game ends
     wait_lent(lab, timeout=90)
     assert lab.state("gpu-node") == "running"

@@ -8,7 +8,6 @@ from tests.faults.scenario import (
     Scenario,
     power_cut,
     qemu_pids,
-    status,
     wait_lent,
 )
 from tests.lab.lab import Lab
@@ -35,7 +34,7 @@ def test_host_rebooted_with_a_pending_intent(lab: Lab, fault: Scenario) -> None:
         lab.start_agent()
         lab.wait_game("gaming1")
     fault.recovered()
-    assert status(lab)["intents"] == []
+    assert lab.status()["intents"] == []
     assert len(lab.records(event="intent", to="done", vm="gaming1")) == 1
     # The game ends: the GPUs are lent again.
     lab.virsh("destroy", "gaming1")

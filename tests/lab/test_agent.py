@@ -29,9 +29,6 @@ def wait_lent(lab: Lab, timeout: float = 60) -> None:
     lab.wait_record(timeout, event="phase", to="lent")
 
 
-def status(lab: Lab) -> dict:
-    return lab.status()
-
 
 def persistent(lab: Lab) -> str:
     return lab.virsh("dumpxml", "--inactive", "--security-info", "gpu-node").stdout
@@ -47,7 +44,7 @@ def same(a: str, b: str) -> bool:
 
 
 def holders(lab: Lab) -> dict[str, str | None]:
-    return {g["gpu"]: g["holder"] for g in status(lab)["gpus"]}
+    return {g["gpu"]: g["holder"] for g in lab.status()["gpus"]}
 
 
 def test_full_cycle_gaming1_plays_while_gpu_node_keeps_the_rest(lab: Lab) -> None:
@@ -70,7 +67,7 @@ def test_full_cycle_gaming1_plays_while_gpu_node_keeps_the_rest(lab: Lab) -> Non
     lent(lab)
     # It powered off through its guest agent, not by destroy, then came back smaller.
     assert "lab guest: shutdown" in lab.console("gpu-node")
-    st = status(lab)
+    st = lab.status()
     assert st["lendee"]["lent"] == ["gpu-b", "gpu-c"]
     assert {g["gpu"]: g["holder"] for g in st["gpus"]} == {
         "gpu-a": "gaming1", "gpu-b": "gpu-node", "gpu-c": "gpu-node"}
@@ -124,7 +121,7 @@ def test_gaming2_mid_game_leaves_gpu_c_and_a_second_owner_is_refused(lab: Lab) -
 
     lab.play("gaming2")
     lent(lab)
-    assert status(lab)["lendee"]["lent"] == ["gpu-c"]
+    assert lab.status()["lendee"]["lent"] == ["gpu-c"]
     assert holders(lab) == {"gpu-a": "gaming1", "gpu-b": "gaming2", "gpu-c": "gpu-node"}
 
 
@@ -191,7 +188,7 @@ def test_owner_restarted_within_relend_delay_does_not_boot_the_lendee(lab: Lab) 
     time.sleep(1)
     # The first lend and the one with what gaming1 leaves: no regrow for a reboot.
     assert lab.phases().count("off>booting") == 2
-    assert status(lab)["relend_in_s"] is None
+    assert lab.status()["relend_in_s"] is None
 
 
 def test_lendee_started_by_hand_mid_game_is_deferred(lab: Lab) -> None:
@@ -222,7 +219,7 @@ def test_agent_killed_mid_reclaim_finishes_after_restart(lab: Lab) -> None:
     lab.start_agent()
     lab.wait_game("gaming1")
     lent(lab, timeout=90)  # back with what gaming1 leaves
-    assert status(lab)["lendee"]["lent"] == ["gpu-b", "gpu-c"]
+    assert lab.status()["lendee"]["lent"] == ["gpu-b", "gpu-c"]
     assert "lab guest: shutdown" in lab.console("gpu-node")
     assert len(lab.records(event="intent", to="done")) == 1
     # Killed mid-cycle, restarted with a live definition: the persistent one is intact.
@@ -279,4 +276,4 @@ def test_a_pending_start_is_cancelled_by_release(lab: Lab) -> None:
     assert "cancelled by hostagent release" in failed["MESSAGE"]
     lent(lab, timeout=120)
     assert lab.state("gaming1") == "shut off"
-    assert status(lab)["intents"] == []
+    assert lab.status()["intents"] == []

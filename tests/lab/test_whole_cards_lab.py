@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
@@ -44,9 +43,6 @@ def disks(lab: Lab, domain: str) -> list[str]:
                   for line in out.splitlines() if "/gpus/" in line)
 
 
-def status(lab: Lab) -> dict[str, Any]:
-    return lab.status()
-
 
 def test_a_card_leaves_the_lendee_with_every_function(whole: Lab) -> None:
     """gaming1 plays on gpu-a; gpu-node is lent gpu-b and gpu-c, and none of gpu-a's four
@@ -57,7 +53,7 @@ def test_a_card_leaves_the_lendee_with_every_function(whole: Lab) -> None:
     wait_lent(lab)
     assert disks(lab, "gpu-node") == ["gpu-b", "gpu-c"]
     assert disks(lab, "gaming1") == sorted(GPU_A)
-    st = status(lab)
+    st = lab.status()
     assert st["lendee"]["lent"] == ["gpu-b", "gpu-c"]
     gpu_a = next(g for g in st["gpus"] if g["gpu"] == "gpu-a")
     assert (gpu_a["holder"], gpu_a["functions"]) == (
@@ -76,7 +72,7 @@ def test_gpus_sharing_an_iommu_group_are_lent_together(whole: Lab) -> None:
     lab.start_agent()
     wait_lent(lab)
     assert disks(lab, "gpu-node") == sorted(GPU_A)
-    st = status(lab)
+    st = lab.status()
     assert st["lendee"]["lent"] == ["gpu-a"] and st["lendee"]["free"] == ["gpu-a"]
     assert {g["gpu"]: g["holder"] for g in st["gpus"]} == {
         "gpu-a": "gpu-node", "gpu-b": "gaming2", "gpu-c": None}
