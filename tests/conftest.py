@@ -73,16 +73,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The longest files first (`make test` spreads whole files over processes, in this
     order), so that the last to start are short ones that fill in, not a lab file that
     runs on alone at the end: each file's seconds from tests/times.json (a measured run,
-    see `times`), else 30 s per lab test in it (each boots guests; a unit test takes
+    see `TIMES`), else 30 s per lab test in it (each boots guests; a unit test takes
     milliseconds)."""
     measured = json.loads(TIMES.read_text()) if TIMES.exists() else {}
     guess: dict[str, float] = {}
     for item in items:
-        name = _file(item)
+        name = _file(item.nodeid)
         guess[name] = guess.get(name, 0.0) + (30.0 if "lab" in item.fixturenames else 0.01)
     weight = {name: measured.get(name, guess[name]) for name in guess}
     order = {name: rank for rank, name in enumerate(sorted(weight, key=lambda n: -weight[n]))}
-    items.sort(key=lambda item: order[_file(item)])
+    items.sort(key=lambda item: order[_file(item.nodeid)])
 
 
 # Each file's seconds in a run (setup, call and teardown of its tests), for the order
@@ -92,12 +92,12 @@ TIMES = Path(__file__).with_name("times.json")
 _spent: dict[str, float] = {}
 
 
-def _file(item: pytest.Item) -> str:
-    return item.nodeid.split("::", 1)[0]
+def _file(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    name = report.nodeid.split("::", 1)[0]
+    name = _file(report.nodeid)
     _spent[name] = _spent.get(name, 0.0) + report.duration
 
 
