@@ -35,7 +35,7 @@ def test_host_rebooted_with_a_pending_intent(lab: Lab, fault: Scenario) -> None:
         lab.wait_game("gaming1")
     fault.recovered()
     assert lab.status()["intents"] == []
-    assert len(lab.records(event="intent", to="done", vm="gaming1")) == 1
+    assert len(lab.wait_records(1, event="intent", to="done", vm="gaming1")) == 1
     # The game ends: the GPUs are lent again.
     lab.virsh("destroy", "gaming1")
     wait_lent(lab, timeout=90)

@@ -42,7 +42,7 @@ def test_forged_journal_records(lab: Lab) -> None:
     lab.wait_record(event="phase", to="booting")
     forge(lab, "--reuid=65534", "--regid=65534", "--clear-groups")  # any local user
     forge(lab)  # root, but not the service
-    assert len(lab.records(event="owner", vm="gaming1")) == 2  # in the journal, as sent
+    assert len(lab.wait_records(2, event="owner", vm="gaming1")) == 2  # in the journal, as sent
     out = lab.hostagent("history", "--since", since, "--json")
     assert out.returncode == 0, out.stderr
     h = json.loads(out.stdout)

@@ -517,10 +517,14 @@ class Lab:
 
     def wait_record(self, timeout: float = 60, **match: str) -> dict[str, Any]:
         """The first journal record matching, once it is there."""
-        found: list[dict[str, Any]] = []
-        _wait_for(lambda: bool(found.extend(self.records(**match)) or found), timeout,
-                  f"a journal record with {match}")
-        return found[0]
+        return self.wait_records(1, timeout, **match)[0]
+
+    def wait_records(self, count: int, timeout: float = 60, **match: str) -> list[dict[str, Any]]:
+        """The journal records matching, once there are at least `count`: the agent writes
+        a record after the change libvirt already shows, and journald stores it later still."""
+        _wait_for(lambda: len(self.records(**match)) >= count, timeout,
+                  f"{count} journal record(s) with {match}")
+        return self.records(**match)
 
     def phases(self) -> list[str]:
         """The lendee's phase transitions so far, as 'from>to'."""

@@ -173,7 +173,7 @@ def test_two_owners_within_100ms_share_one_reclaim(lab: Lab) -> None:
     lab.wait_game("gaming2")
     assert lab.phases().count("lent>draining") == 1
     assert lab.phases().count("stopping>off") == 1
-    assert len(lab.records(event="intent", to="done")) == 2
+    assert len(lab.wait_records(2, event="intent", to="done")) == 2
 
 
 def test_owner_restarted_within_relend_delay_does_not_boot_the_lendee(lab: Lab) -> None:
@@ -221,7 +221,7 @@ def test_agent_killed_mid_reclaim_finishes_after_restart(lab: Lab) -> None:
     lent(lab, timeout=90)  # back with what gaming1 leaves
     assert lab.status()["lendee"]["lent"] == ["gpu-b", "gpu-c"]
     assert "lab guest: shutdown" in lab.console("gpu-node")
-    assert len(lab.records(event="intent", to="done")) == 1
+    assert len(lab.wait_records(1, event="intent", to="done")) == 1
     # Killed mid-cycle, restarted with a live definition: the persistent one is intact.
     assert same(persistent(lab), definition)
 

@@ -301,5 +301,5 @@ def test_control_socket_permissions_streamed_play_and_clients_that_leave(lab: La
                           "by itself: follow it with `hostagent status`\n")
     lab.wait_game("gaming1")
     lab.wait_game("gaming2")
-    assert len(lab.records(event="intent", to="done")) == 3
+    assert len(lab.wait_records(3, event="intent", to="done")) == 3
     assert lab.phases()[-3:] == ["lent>draining", "draining>stopping", "stopping>off"]
