@@ -431,12 +431,6 @@ def count(lab: Lab, **match: str) -> int:
     return len(lab.records(**match))
 
 
-def wait_count(lab: Lab, n: int, timeout: float = 60, **match: str) -> None:
-    """Until at least `n` journal records match (n = a count taken before, plus one)."""
-    wait_for(lambda: count(lab, **match) >= n, timeout,
-             f"{n} journal record(s) with {match}; phases so far: {lab.phases()}", every=0.2)
-
-
 def wait_lent(lab: Lab, timeout: float = 60) -> None:
     """Until the lendee is lent again: one LENT record more than now or, the first time
     for an agent just started, than before its start (on a busy machine its first lend
@@ -445,7 +439,7 @@ def wait_lent(lab: Lab, timeout: float = 60) -> None:
     before = lab.lent_before.pop(agent.pid, None) if agent else None
     if before is None:
         before = count(lab, event="phase", to="lent")
-    wait_count(lab, before + 1, timeout, event="phase", to="lent")
+    lab.wait_records(before + 1, timeout, event="phase", to="lent")
 
 
 def config(lab: Lab, *, relend_delay: str = "1s", guest_agent: str = "60s") -> None:

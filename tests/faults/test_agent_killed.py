@@ -18,7 +18,6 @@ from tests.faults.scenario import (
     Scenario,
     count,
     kill_agent,
-    wait_count,
     wait_for,
     wait_lent,
 )
@@ -61,7 +60,7 @@ def test_reclaim(lab: Lab, fault: Scenario, step: str) -> None:
         assert 'owner = "gaming1"' in saved  # persisted before the hook heard "defer"
         lab.start_agent()
     lab.wait_game("gaming1")
-    wait_count(lab, 1, event="intent", to="done", vm="gaming1")
+    lab.wait_records(1, event="intent", to="done", vm="gaming1")
     fault.recovered()
     assert lab.state("gpu-node") == "shut off"
     assert fault.shutdowns("gpu-node") == 1  # through its agent, once

@@ -29,7 +29,6 @@ from tests.faults.scenario import (
     gpus_in_xml,
     power_cut,
     qemu_pids,
-    wait_count,
     wait_for,
 )
 from tests.faults.test_kubernetes import cordoned, marker
@@ -106,7 +105,7 @@ def test_disk_full_mid_reclaim(lab: Lab, fault: Scenario) -> None:
             assert DEFERRED not in refused.stderr  # no promise it cannot keep
             # The facts are taken: the lendee's stop, gaming1's start, its intent done.
             lab.wait_game("gaming1")
-            wait_count(lab, 1, event="intent", to="done", vm="gaming1")
+            lab.wait_records(1, event="intent", to="done", vm="gaming1")
             # Journaled once (a busy machine may have missed the save's time bound first).
             assert len([r for r in lab.records(event="state", result="failed")
                         if "No space left on device" in r["MESSAGE"]]) == 1
@@ -159,7 +158,7 @@ def test_clock_stepped_back(lab: Lab, fault: Scenario) -> None:
         assert stamps and all(t < time.time_ns() - 300 * 86400 * 10**9 for t in stamps)
         assert count(lab, event="intent", to="pending", vm="gaming1") == 1
         lab.wait_game("gaming1")
-        wait_count(lab, 1, event="intent", to="done", vm="gaming1")
+        lab.wait_records(1, event="intent", to="done", vm="gaming1")
         fault.recovered()
     assert lab.state(LENDEE) == "shut off"
     assert fault.shutdowns(LENDEE) == 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.faults.scenario import Scenario, config, count, wait_count
+from tests.faults.scenario import Scenario, config, count
 from tests.lab.lab import Lab
 
 pytestmark = pytest.mark.lab
@@ -27,7 +27,7 @@ def test_guest_agent_never_up(lab: Lab, fault: Scenario) -> None:
     assert refused.returncode != 0 and "is stuck" in refused.stderr
     fault.fault()
     # The player's request retried the reclaim, which waited for the agent in vain.
-    wait_count(lab, 2, 30, event="phase", to="failed")
+    lab.wait_records(2, 30, event="phase", to="failed")
     assert lab.phases()[-3:] == ["failed>draining", "draining>stopping", "stopping>failed"]
     assert lab.state("gpu-node") == "running" and lab.state("gaming1") == "shut off"
     assert fault.shutdowns("gpu-node") == 0

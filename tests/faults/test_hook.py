@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.faults.scenario import Scenario, count, wait_count, wait_lent
+from tests.faults.scenario import Scenario, count, wait_lent
 from tests.lab.lab import HOOK, Lab
 
 pytestmark = pytest.mark.lab
@@ -67,7 +67,7 @@ def test_agent_hung(lab: Lab, fault: Scenario) -> None:
     # The agent reads what queued while it was stopped, and acts on the player's wish.
     lab.wait_game("gaming1")
     fault.recovered()
-    wait_count(lab, 1, event="intent", to="done", vm="gaming1")
+    lab.wait_records(1, event="intent", to="done", vm="gaming1")
     assert fault.shutdowns("gpu-node") == 1
     # The spooled copies of those events are not acted on a second time.
     lab.stop_agent()

@@ -20,7 +20,6 @@ from tests.faults.scenario import (
     Scenario,
     count,
     kill_agent,
-    wait_count,
     wait_for,
     wait_lent,
 )
@@ -161,7 +160,7 @@ def test_agent_killed(lab: Lab, fault: Scenario, step: str) -> None:
             lab.wait_game("gaming1")
             assert marker(kc) == "hostagent"
             lab.virsh("destroy", "gaming1")
-            wait_count(lab, 2, 60, event="phase", to="joining")
+            lab.wait_records(2, 60, event="phase", to="joining")
         patches = requests(kc, "PATCH", NODE)
         with slowed(kc, NODE, "PATCH") if step in ("cordoning", "uncordoning") \
                 else contextlib.nullcontext():

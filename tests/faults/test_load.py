@@ -22,7 +22,6 @@ from tests.faults.scenario import (
     DEFERRED,
     Scenario,
     count,
-    wait_count,
     wait_for,
     wait_lent,
 )
@@ -125,7 +124,7 @@ def test_repeated_requests(lab: Lab, fault: Scenario) -> None:
         proc.stdout.close()
     lab.wait_game("gaming1")
     fault.recovered()
-    wait_count(lab, 1, event="owner", to="running", vm="gaming1")
+    lab.wait_records(1, event="owner", to="running", vm="gaming1")
     assert count(lab, event="intent", to="pending", vm="gaming1") == 1
     assert count(lab, event="intent", to="done", vm="gaming1") == 1
     assert count(lab, event="owner", to="running", vm="gaming1") == 1

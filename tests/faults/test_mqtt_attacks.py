@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.scenario import Scenario, count, wait_count, wait_for, wait_lent
+from tests.faults.scenario import Scenario, count, wait_for, wait_lent
 from tests.lab.lab import DEFERRED, Lab
 from tests.mosquitto import MISSING, USERS, Mosquitto
 
@@ -69,15 +69,15 @@ def test_a_retained_discovery_message_nested_past_any_parser(
     publish(broker, DEVICE, nested, retain=True)
     agent = lab.start_agent()
     fault.fault()
-    wait_count(lab, 1, event="mqtt", result="dropped")
+    lab.wait_records(1, event="mqtt", result="dropped")
     wait_lent(lab)
     # It was read at this start, dropped, and the agent's own discovery replaced it; a
     # restart meets it again all the same.
     publish(broker, DEVICE, nested, retain=True)
     lab.stop_agent()
     agent = lab.start_agent()
-    wait_count(lab, 2, event="mqtt", result="dropped")
-    wait_count(lab, 2, event="mqtt", result="connected")
+    lab.wait_records(2, event="mqtt", result="dropped")
+    lab.wait_records(2, event="mqtt", result="connected")
     dropped = lab.records(event="mqtt", result="dropped")
     print(f"nested discovery: {len(dropped)} drops journaled over 2 starts, agent up")
     assert agent.poll() is None, "the agent ended"
@@ -90,7 +90,7 @@ def test_a_15_mb_message_during_a_reclaim(lab: Lab, fault: Scenario, broker: Mos
     """MQTT: three 15 MB messages with control characters while gaming1 starts"""
     agent = lab.start_agent()
     wait_lent(lab)
-    wait_count(lab, 1, event="mqtt", result="connected")
+    lab.wait_records(1, event="mqtt", result="connected")
     before = rss_mb(agent.pid)
     big = tmp_path / "big"
     big.write_bytes(b"\x1b[2J\x07\x00" * (15 * 1024 * 1024 // 6))
@@ -121,7 +121,7 @@ def test_junk_on_the_command_topics_while_gaming1_is_switched_on(
     """MQTT: 40,000 junk commands on two topics while gaming1 is switched on"""
     agent = lab.start_agent()
     wait_lent(lab)
-    wait_count(lab, 1, event="mqtt", result="connected")
+    lab.wait_records(1, event="mqtt", result="connected")
     junk = tmp_path / "junk"
     junk.write_text("please\n" * 20_000)
     fault.fault()
@@ -155,14 +155,14 @@ def test_the_broker_restarted_again_and_again(lab: Lab, fault: Scenario, broker:
     """MQTT: the broker restarted 6 times: the wait to reconnect does not grow"""
     agent = lab.start_agent()
     wait_lent(lab)
-    wait_count(lab, 1, event="mqtt", result="connected")
+    lab.wait_records(1, event="mqtt", result="connected")
     fault.fault()
     waits = []
     for n in range(2, 8):
         broker.stop()
         broker.start()
         at = time.monotonic()
-        wait_count(lab, n, timeout=120, event="mqtt", result="connected")
+        lab.wait_records(n, timeout=120, event="mqtt", result="connected")
         waits.append(time.monotonic() - at)
     fault.recovered()
     print("broker restarts: reconnected after " + ", ".join(f"{w:.1f}" for w in waits) + " s")

@@ -522,8 +522,11 @@ class Lab:
     def wait_records(self, count: int, timeout: float = 60, **match: str) -> list[dict[str, Any]]:
         """The journal records matching, once there are at least `count`: the agent writes
         a record after the change libvirt already shows, and journald stores it later still."""
-        _wait_for(lambda: len(self.records(**match)) >= count, timeout,
-                  f"{count} journal record(s) with {match}")
+        try:
+            _wait_for(lambda: len(self.records(**match)) >= count, timeout,
+                      f"{count} journal record(s) with {match}")
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; phases so far: {self.phases()}") from None
         return self.records(**match)
 
     def phases(self) -> list[str]:
