@@ -125,6 +125,12 @@ async def test_a_flood_on_the_ssh_and_metrics_ports_leaves_the_sockets_answering
     finally:
         flooder.kill()
         await flooder.wait()
+    # The flood gone, every descriptor it took is given back (a connection left to the
+    # end of the event loop was never closed, a leak a long flood would add to).
+    deadline = time.monotonic() + 30
+    while descriptors() > before and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert descriptors() <= before, f"{descriptors() - before} descriptors kept after the flood"
     # What each server holds at worst (the connections it keeps, and one batch of
     # accepts not yet looked at), plus slack for the test's own sockets: whatever the
     # size of the flood.
