@@ -8,7 +8,9 @@ VENV     := .venv
 STAMPS   := .stamps
 # Host packages: libvirt and QEMU for the private lab daemon; headers and a
 # compiler because pip builds libvirt-python and systemd-python from source;
-# cpio to pack the lab guest's initramfs; systemd for a standalone journald;
+# cpio to pack the lab guest's initramfs, and make, flex, bison, bc, libelf-dev and
+# xz-utils to build its kernel from Debian's linux-source (downloaded, not installed);
+# systemd for a standalone journald;
 # nix-bin for nix-instantiate, which checks that every .nix file parses;
 # mosquitto and mosquitto-clients for the lab's broker and the clients that play Home
 # Assistant against it (mosquitto_sub, mosquitto_pub). kubectl is the lab's own, built
@@ -16,12 +18,13 @@ STAMPS   := .stamps
 APT_PACKAGES := libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients \
 	qemu-system-x86 qemu-utils libvirt-dev libsystemd-dev pkg-config gcc \
 	python3-venv python3-dev cpio systemd util-linux openssh-client nix-bin mosquitto \
-	mosquitto-clients
+	mosquitto-clients make flex bison bc libelf-dev xz-utils
 
 .PHONY: setup demo test check unit lab faults fuzz bench clean
 .DEFAULT_GOAL := test
 
-# The lab guest image is cached in .lab/image/ and rebuilt only when its inputs change.
+# The lab guest image is cached in .lab/image/ and rebuilt only when its inputs change;
+# its kernel, built once per linux-source version and configuration, outside the clone.
 # The lab's Kubernetes (etcd, kube-apiserver, kube-controller-manager, kube-scheduler and
 # kubectl, tests/controlplane) is built from source with Go once per release, and cached
 # outside the clone (~/.cache/hostagent-lab): a later clone on this machine builds nothing.
