@@ -200,10 +200,12 @@ class Scenario:
         self.watcher.settle(1)
 
     # ---- what the test does ---------------------------------------------------------
-    def start_owner(self, vm: str) -> subprocess.CompletedProcess[str]:
-        """`virsh start vm` as a player would; a deferral is a promise to keep."""
+    def start_owner(self, vm: str, *, tries: int = 3) -> subprocess.CompletedProcess[str]:
+        """`virsh start vm` as a player would (`Lab.ask`: once more while the agent could
+        not record the request; `tries=1` where that refusal is the subject); a deferral
+        is a promise to keep."""
         at = time.time_ns() // 1000
-        out = self.lab.virsh("start", vm, check=False)
+        out = self.lab.ask(vm, tries=tries)
         if out.returncode != 0 and DEFERRED in out.stderr:
             self.asks.append((vm, at))
         return out

@@ -97,7 +97,7 @@ def test_slow_fsync(lab: Lab, fault: Scenario) -> None:
     fault.fault()
     # The request cannot be on disk within the hook's share of its budget: a refusal
     # with the reason, never a "will start by itself" that a crash would forget.
-    out = fault.start_owner("gaming1")
+    out = fault.start_owner("gaming1", tries=1)
     assert out.returncode != 0 and "could not record the request" in out.stderr, out.stderr
     played = lab.hostagent("play", "gaming1")  # no budget: waits for the disk
     assert played.returncode == 0, played.stdout + played.stderr

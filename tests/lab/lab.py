@@ -113,6 +113,9 @@ USUAL_WAIT = 30.0
 # 10-40 s on an idle machine, and has taken over 90 s beside other work on 2 cores.
 PLAYER_PATIENCE = 240.0
 DEFERRED = "will start by itself"
+# A start refused because the request could not be on disk within the hook's budget (a
+# busy machine's slow save): the refusal says to start again, and a player does.
+UNRECORDED = "could not record the request"
 
 # The agent's configuration in the lab. Lab GPUs are disks, so their PCI addresses
 # are made up, and the lab's fake sysfs (`lab_host`) is the host that has them;
@@ -622,7 +625,7 @@ class Lab:
         times in all, only when nothing is coming: the game is off and the agent holds
         no request for it (it failed the start; asking again is how a player retries).
         Returns the first answer."""
-        first = self.virsh("start", owner, check=False)
+        first = self.ask(owner)
         if first.returncode != 0 and DEFERRED not in first.stderr:
             return first
         deadline = time.monotonic() + PLAYER_PATIENCE
@@ -633,6 +636,16 @@ class Lab:
                               give_up_when_idle=ask < asks - 1):
                 break
         return first
+
+    def ask(self, owner: str, *, tries: int = 3) -> subprocess.CompletedProcess[str]:
+        """`virsh start owner`, started again (as the refusal says to) while the agent
+        could not record the request in time, up to `tries` times in all."""
+        for _ in range(tries - 1):
+            answer = self.virsh("start", owner, check=False)
+            if answer.returncode == 0 or UNRECORDED not in answer.stderr:
+                return answer
+            time.sleep(1)
+        return self.virsh("start", owner, check=False)
 
     def wait_game(self, owner: str, *, up: bool = False, deadline: float | None = None,
                   give_up_when_idle: bool = False) -> bool:

@@ -59,7 +59,7 @@ def test_full_cycle_gaming1_plays_while_gpu_node_keeps_the_rest(lab: Lab) -> Non
     assert lab.state("gpu-node") == "running"
     assert holders(lab) == {"gpu-a": "gpu-node", "gpu-b": "gpu-node", "gpu-c": "gpu-node"}
 
-    refused = lab.virsh("start", "gaming1", check=False)
+    refused = lab.ask("gaming1")
     assert refused.returncode != 0
     assert DEFER in refused.stderr and "gaming1 will start by itself" in refused.stderr
     assert "journalctl -u hostagent -f" in refused.stderr
@@ -112,7 +112,7 @@ def test_gaming2_mid_game_leaves_gpu_c_and_a_second_owner_is_refused(lab: Lab) -
     lab.play("gaming1")
     lent(lab)
     phases = len(lab.phases())
-    refused = lab.virsh("start", "gaming-win", check=False)
+    refused = lab.ask("gaming-win")
     assert refused.returncode != 0
     assert "gpu-a is in use by gaming1" in refused.stderr
     assert lab.state("gaming-win") == "shut off"
@@ -144,7 +144,7 @@ def test_owner_started_while_the_lendee_boots_waits_for_its_agent(lab: Lab) -> N
     lab.define("gpu-node", agent_delay=8)
     lab.start_agent()
     lab.wait_record(event="phase", to="booting")
-    refused = lab.virsh("start", "gaming1", check=False)
+    refused = lab.ask("gaming1")
     assert refused.returncode != 0
     lab.wait_game("gaming1")
     console = lab.console("gpu-node")
@@ -160,7 +160,7 @@ def test_two_owners_within_100ms_share_one_reclaim(lab: Lab) -> None:
     results = {}
 
     def start(vm: str) -> None:
-        results[vm] = lab.virsh("start", vm, check=False)
+        results[vm] = lab.ask(vm)
 
     threads = [threading.Thread(target=start, args=(vm,)) for vm in ("gaming1", "gaming2")]
     for t in threads:
@@ -209,7 +209,7 @@ def test_agent_killed_mid_reclaim_finishes_after_restart(lab: Lab) -> None:
     definition = persistent(lab)
     lab.start_agent()
     lab.wait_record(event="phase", to="booting")
-    refused = lab.virsh("start", "gaming1", check=False)
+    refused = lab.ask("gaming1")
     assert refused.returncode != 0
     lab.wait_record(event="phase", to="stopping")
     lab.stop_agent(signal.SIGKILL)
@@ -267,7 +267,7 @@ def test_a_pending_start_is_cancelled_by_release(lab: Lab) -> None:
     lab.define("gpu-node", agent_delay=8)
     lab.start_agent()
     lab.wait_record(event="phase", to="booting")
-    refused = lab.virsh("start", "gaming1", check=False)
+    refused = lab.ask("gaming1")
     assert refused.returncode != 0
     out = lab.hostagent("release", "gaming1")
     assert out.returncode == 0, out.stderr

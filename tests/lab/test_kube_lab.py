@@ -126,7 +126,7 @@ def test_a_pdb_that_never_allows_eviction(lab: Lab, policy: str) -> None:
         lab.start_agent()
         lends(lab, 1)
         kc.wait_placed()
-        refused = lab.virsh("start", "gaming1", check=False)
+        refused = lab.ask("gaming1")
         assert refused.returncode != 0
         if policy == "proceed":
             # The player first: the pods left behind are named, and the game starts.
@@ -150,7 +150,7 @@ def test_our_cordon_is_still_ours_after_an_agent_restart_mid_drain(lab: Lab) -> 
         lab.start_agent()
         lends(lab, 1)
         kc.wait_placed()
-        lab.virsh("start", "gaming1", check=False)
+        lab.ask("gaming1")
         lab.wait_record(event="cordon")
         lab.stop_agent(signal.SIGKILL)
         assert annotations(kc.node())[MARKER] == "hostagent"

@@ -100,7 +100,7 @@ def test_metrics_health_and_history_follow_a_cycle(lab: Lab, tmp_path: Path) -> 
     assert value(m, "hostagent_health_check_success", check="libvirt") == 1
 
     # gaming1 is started through libvirt: deferred, reclaimed, started by the agent.
-    assert lab.virsh("start", "gaming1", check=False).returncode != 0
+    assert lab.ask("gaming1").returncode != 0
     lab.wait_game("gaming1")
     lab.wait_record(event="owner", vm="gaming1", to="running")
     m = scrape.metrics()

@@ -38,7 +38,7 @@ def test_a_reserved_game_finds_its_gpu_free_and_starts_at_once(lab: Lab) -> None
     assert lab.state("gaming1") != "running"
     while time.time() < at.timestamp():
         time.sleep(0.2)
-    started = lab.virsh("start", "gaming1", check=False)
+    started = lab.ask("gaming1")
     assert started.returncode == 0, started.stderr  # let through at once: its GPU is free
     lab.wait_game("gaming1")
     lab.wait_record(30, event="reserve", result="used")

@@ -129,7 +129,7 @@ def test_a_game_takes_its_gpu_live_and_a_guest_that_keeps_it_falls_back(
 
         # A guest that never lets go: the detach times out, the restart reclaims.
         asked = time.time()
-        lab.virsh("start", "gaming1", check=False)
+        lab.ask("gaming1")
         failed = lab.wait_record(120, event="hotplug", result="failed")
         assert failed["MESSAGE"] == (
             f"could not take gpu-a from {LENDEE} live: gpu-a still in {LENDEE}'s live "
@@ -153,7 +153,7 @@ def test_a_game_takes_its_gpu_live_and_a_guest_that_keeps_it_falls_back(
         plugin_ended = plugin_in_guest(lab, kc)
         phases = len(lab.phases())
         asked = time.time()
-        lab.virsh("start", "gaming2", check=False)
+        lab.ask("gaming2")
         done = lab.wait_record(120, event="intent", vm="gaming2", to="done")
         by_unplug = at(done) - asked
         kc.delete_job("train-b2")  # evicted: its Job is done with
