@@ -631,7 +631,7 @@ class Lab:
         deadline = time.monotonic() + PLAYER_PATIENCE
         for ask in range(asks):
             if ask:
-                self.virsh("start", owner, check=False)
+                self.ask(owner)
             if self.wait_game(owner, up=up, deadline=deadline,
                               give_up_when_idle=ask < asks - 1):
                 break
