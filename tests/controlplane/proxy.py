@@ -37,6 +37,7 @@ import re
 import ssl
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -103,6 +104,32 @@ class _Watch:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+class _Accepted(asyncio.Protocol):
+    """A connection as accepted: kept in `accepted` (so that an outage can cut it even
+    before its TLS handshake is over, which asyncio's own TLS server cannot reach), then
+    upgraded to TLS and handed to the web server's protocol."""
+
+    def __init__(self, accepted: weakref.WeakSet[asyncio.BaseTransport],
+                 context: ssl.SSLContext, web_server: web.Server) -> None:
+        self.accepted, self.context, self.web_server = accepted, context, web_server
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.accepted.add(transport)
+        transport.pause_reading()  # start_tls takes over what the client sends
+        self.task = asyncio.get_running_loop().create_task(self._upgrade(transport))
+
+    async def _upgrade(self, transport: asyncio.Transport) -> None:
+        handler = self.web_server()
+        try:
+            tls = await asyncio.get_running_loop().start_tls(
+                transport, handler, self.context, server_side=True, ssl_handshake_timeout=10)
+        except Exception:  # cut mid-handshake, or no TLS client: its connection goes
+            transport.abort()
+            return
+        handler.connection_made(tls)
+
+
 def _is_watch(request: web.BaseRequest) -> bool:
     return (request.method == "GET"
             and request.query.get("watch", "") in ("1", "t", "T", "true", "True", "TRUE"))
@@ -138,6 +165,8 @@ class FaultProxy:
         self._listener: asyncio.Server | None = None
         self._session: aiohttp.ClientSession | None = None
         self._outages: set[asyncio.Task[None]] = set()
+        # Every accepted connection, from before its TLS handshake: down() cuts them all.
+        self._accepted: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
         self._released = asyncio.Event()  # set and replaced by clear_faults: held answers go
 
     @property
@@ -211,8 +240,10 @@ class FaultProxy:
         if self._listener is not None:
             return
         self._web = web.Server(self._handle, handler_cancellation=True)
+        serving = self._serving()
         self._listener = await asyncio.get_running_loop().create_server(
-            self._web, self.host, self.port, ssl=self._serving(), backlog=self.max_connections)
+            lambda: _Accepted(self._accepted, serving, self._web), self.host, self.port,
+            backlog=self.max_connections)
         self.port = self._listener.sockets[0].getsockname()[1]
 
     async def down(self) -> None:
@@ -222,11 +253,9 @@ class FaultProxy:
             return
         listener, self._listener = self._listener, None
         listener.close()
-        await asyncio.sleep(0.05)  # a connection accepted just now is made a moment later
+        for transport in list(self._accepted):  # mid-handshake ones too
+            transport.abort()
         assert self._web is not None
-        for handler in self._web.connections:
-            if handler.transport is not None:
-                handler.transport.abort()
         await self._web.shutdown(0.5)
         await listener.wait_closed()
 
