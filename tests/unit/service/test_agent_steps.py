@@ -102,6 +102,16 @@ def hook(vm: str, *, at: float, id: str = "h1") -> HookEvent:
                      xml="<domain/>")
 
 
+async def ask(agent: Agent, vm: str) -> None:
+    """The start of `vm` through the hook, asked again as a player would while the agent
+    could not record it in time (a save slower than the hook's budget beside other work;
+    the refusal says to start again)."""
+    for _ in range(3):
+        verdict = await agent._on_hook(hook(vm, at=time.time()))
+        if "could not record the request" not in verdict.message:
+            return
+
+
 async def test_a_stale_return_never_uncordons_the_node_mid_drain(tmp_path: Path) -> None:
     """An owner asks while the lendee is JOINING (its return waits for the node): the
     return is cancelled before the drain begins, so it cannot uncordon in the middle of
@@ -112,7 +122,7 @@ async def test_a_stale_return_never_uncordons_the_node_mid_drain(tmp_path: Path)
     agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
     await until(lambda: cluster.returns == 1)
     assert agent.state.phase is Phase.JOINING
-    await agent._on_hook(hook("gaming1", at=time.time()))
+    await ask(agent, "gaming1")
     await until(lambda: cluster.node == ["cordon"])
     cluster.return_go.set()  # the old return would now uncordon
     await asyncio.sleep(0.1)
@@ -132,7 +142,7 @@ async def test_a_stale_drain_never_touches_a_node_lent_again(tmp_path: Path) -> 
     fake.running.add("gpu-node")
     agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
     await until(lambda: cluster.returns == 1)
-    await agent._on_hook(hook("gaming1", at=time.time()))
+    await ask(agent, "gaming1")
     await until(lambda: cluster.node == ["cordon"])
     # libvirt reconnects: the machine re-reads reality and starts the reclaim over.
     agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
