@@ -28,6 +28,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from tests.lab.image import shared_cache
+
 __all__ = ["ControlPlane", "binary", "missing"]
 
 HERE = Path(__file__).parent
@@ -47,11 +49,9 @@ def missing() -> str | None:
 
 
 def _cached() -> Path:
-    root = os.environ.get("HOSTAGENT_LAB_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hostagent-lab")
     release = next(line.split()[1] for line in (HERE / "go.mod").read_text().splitlines()
                    if line.strip().startswith("k8s.io/kubernetes v"))
-    return Path(root) / f"kube-{release}" / "labkube"
+    return shared_cache() / f"kube-{release}" / "labkube"
 
 
 def binary() -> Path:

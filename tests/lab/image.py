@@ -45,7 +45,8 @@ def _run(*argv: str, cwd: Path | None = None) -> str:
 
 
 def _candidate(package: str) -> tuple[str, str]:
-    """The package apt would download, resolving the kernel metapackage to its image."""
+    """The package apt would download, resolving the kernel source metapackage to its
+    versioned package."""
     if package == SOURCE:
         deps = _run("apt-cache", "depends", package)
         package = next(line.split(":", 1)[1].strip() for line in deps.splitlines()
@@ -100,8 +101,9 @@ def _download(pins: list[tuple[str, str]], work: Path) -> Path:
     return debs
 
 
-def kernel_cache() -> Path:
-    """Outside the clone, shared with the lab's Kubernetes (tests/controlplane/build.sh)."""
+def shared_cache() -> Path:
+    """The lab's cache outside the clone, for what a fresh clone should not build again:
+    the guest's kernel and the lab's Kubernetes (tests/controlplane, its build.sh too)."""
     if os.environ.get("HOSTAGENT_LAB_CACHE"):
         return Path(os.environ["HOSTAGENT_LAB_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hostagent-lab"
@@ -111,7 +113,7 @@ def _kernel(package: str, version: str) -> Path:
     """The lab's kernel, built from `package` at `version` unless the cache has it."""
     config = KERNEL_CONFIG.read_text()
     tag = hashlib.sha256(f"{package}={version}\n{config}".encode()).hexdigest()[:12]
-    out = kernel_cache() / f"kernel-{version}-{tag}"
+    out = shared_cache() / f"kernel-{version}-{tag}"
     if (out / "bzImage").exists():
         return out / "bzImage"
     out.parent.mkdir(parents=True, exist_ok=True)
