@@ -39,6 +39,7 @@ import pytest
 import tomli_w
 
 from hostagent.core import config
+from tests.packaging.test_unit_file import EXPOSURE, exposure, needs_analyze, stub_root
 from tests.packaging.test_unit_file import settings as unit_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -340,8 +341,19 @@ def test_the_unit_is_systemd_hostagent_service(evaluated: dict[str, Any]) -> Non
             assert exec_start.split()[1:] == installed.split()[1:]
             # NixOS sets PATH, LOCALE_ARCHIVE and TZDIR for every service.
             assert set(expected.pop("Environment")) <= set(words(got.pop("Environment")))
+            # Where python3, systemctl and the libraries are: the store, not /usr.
+            assert got.pop("ExecPaths") == ["/nix/store"]
+            assert expected.pop("ExecPaths") == ["/usr /opt/hostagent/"]
         assert {k: words(got[k]) for k in expected} == {
             k: words(v) for k, v in expected.items()}, name
+
+
+@needs_nixos
+@needs_analyze
+def test_the_nixos_unit_keeps_exposure_low(evaluated: dict[str, Any], tmp_path: Path) -> None:
+    """The unit NixOS renders, as `systemd-analyze security` rates it: no higher than
+    systemd/hostagent.service is held to."""
+    assert exposure(stub_root(tmp_path, evaluated["readme"]["unit"])) <= EXPOSURE
 
 
 @needs_nixos
