@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -273,6 +274,52 @@ def path_warnings(cfg: configuration.Config) -> list[str]:
             fix += (f", or add ReadWritePaths={directory} to the unit "
                     "(systemctl edit hostagent)")
         warnings.append(f'{key} = "{path}": ' + "; ".join(reasons) + f". Fix: {fix}.")
+    return warnings + _read_warnings(cfg)
+
+
+# The unit's ProtectHome=tmpfs leaves the agent empty home directories but what
+# BindReadOnlyPaths= puts back: the Kubernetes client's default kubeconfig directory.
+_HOMES = (Path("/home"), Path("/root"), Path("/run/user"))
+_HOME_KEPT = Path("/root/.kube")
+
+
+def _read_warnings(cfg: configuration.Config) -> list[str]:
+    """Files the agent reads that the unit hides (ProtectHome=) or that root reads only
+    with CAP_DAC_READ_SEARCH, which the unit does not keep."""
+    verify_ssh, mqtt = cfg.verify.ssh, cfg.mqtt
+    read: dict[str, Path | None] = {
+        "kubernetes.kubeconfig": cfg.kubernetes.kubeconfig if cfg.kubernetes else None,
+        "verify.ssh.key": verify_ssh.key if verify_ssh else None,
+        "verify.ssh.known_hosts": verify_ssh.known_hosts if verify_ssh else None,
+        "ssh.host_key": cfg.ssh.host_key if cfg.ssh else None,
+        "ssh.authorized_keys": cfg.ssh.authorized_keys if cfg.ssh else None,
+        "mqtt.ca": mqtt.ca if mqtt else None,
+        "mqtt.password_file": mqtt.password_file if mqtt else None,
+    }
+    warnings = []
+    for key, path in read.items():
+        if path is None:
+            continue
+        if any(path.is_relative_to(h) for h in _HOMES) and not path.is_relative_to(_HOME_KEPT):
+            instead = " (or, on NixOS, give it as kubeconfigFile)" if key.startswith("kube") else ""
+            warnings.append(
+                f'{key} = "{path}": the systemd unit\'s ProtectHome=tmpfs hides home '
+                f"directories from the agent, all but {_HOME_KEPT}. Fix: keep it under "
+                f"/etc/hostagent{instead}, or add BindReadOnlyPaths={path} to the unit "
+                "(systemctl edit hostagent).")
+            continue
+        try:
+            st = path.stat()
+        except OSError:  # missing, or hidden from whoever checks: the agent says so at start
+            continue
+        if not (st.st_uid == 0 and st.st_mode & stat.S_IRUSR
+                or st.st_gid == 0 and st.st_mode & stat.S_IRGRP
+                or st.st_mode & stat.S_IROTH):
+            warnings.append(
+                f'{key} = "{path}": owned by uid {st.st_uid}, mode '
+                f"{stat.S_IMODE(st.st_mode):04o}, so root reads it only with "
+                "CAP_DAC_READ_SEARCH, which the systemd unit does not keep. "
+                f"Fix: chown root {path}.")
     return warnings
 
 

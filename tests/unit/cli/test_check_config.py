@@ -7,6 +7,7 @@ writable only /run/hostagent and /var/lib/hostagent.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -148,3 +149,38 @@ def test_one_run_names_problems_of_every_kind(
     assert f'{path}: owners.gaming1.gpus[0]: unknown GPU "gpu-y"' in err
     assert "hostagent: 4 problems in the configuration" in err
     assert 'hostagent: warning: state_dir = "/srv/hostagent": ' in err
+
+
+def test_a_file_under_a_home_the_unit_hides(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """ProtectHome=tmpfs: the agent sees no home directory but root's .kube."""
+    assert check(tmp_path, capsys, '[kubernetes]\nkubeconfig = "/home/ann/.kube/config"\n') == [
+        'hostagent: warning: kubernetes.kubeconfig = "/home/ann/.kube/config": the systemd '
+        "unit's ProtectHome=tmpfs hides home directories from the agent, all but /root/.kube. "
+        "Fix: keep it under /etc/hostagent (or, on NixOS, give it as kubeconfigFile), or add "
+        "BindReadOnlyPaths=/home/ann/.kube/config to the unit (systemctl edit hostagent)."
+    ]
+    [warning] = check(tmp_path, capsys, '[verify.ssh]\nkey = "/root/.ssh/id_ed25519"\n'
+                      'host = "gpu-node.lan"\nuser = "hostagent"\n'
+                      'known_hosts = "/var/lib/hostagent/known_hosts"\n')
+    assert warning.startswith('hostagent: warning: verify.ssh.key = "/root/.ssh/id_ed25519": ')
+    assert check(tmp_path, capsys, '[kubernetes]\nkubeconfig = "/root/.kube/config"\n') == []
+
+
+def test_a_file_root_may_read_only_with_cap_dac_read_search(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The unit keeps no CAP_DAC_READ_SEARCH: root reads another user's file only where
+    its mode lets others read it."""
+    theirs = tmp_path / "kubeconfig"
+    theirs.write_text("apiVersion: v1\n")
+    theirs.chmod(0o600)
+    if theirs.stat().st_uid == 0:  # run as root: give it to nobody
+        os.chown(theirs, 65534, 65534)
+    top = f'[kubernetes]\nkubeconfig = "{theirs}"\n'
+    assert check(tmp_path, capsys, top) == [
+        f'hostagent: warning: kubernetes.kubeconfig = "{theirs}": owned by uid '
+        f"{theirs.stat().st_uid}, mode 0600, so root reads it only with CAP_DAC_READ_SEARCH, "
+        f"which the systemd unit does not keep. Fix: chown root {theirs}."
+    ]
+    theirs.chmod(0o644)
+    assert check(tmp_path, capsys, top) == []
