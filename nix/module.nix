@@ -498,7 +498,7 @@ in
         RestrictSUIDSGID = true;
         LockPersonality = true;
         # Not ProcSubset=pid (NVML's /proc/driver/nvidia, the boot id) nor
-        # MemoryDenyWriteExecute (ctypes and cffi callbacks).
+        # MemoryDenyWriteExecute (NVML's library not run under it).
       };
     };
   };
