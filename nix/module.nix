@@ -498,7 +498,7 @@ in
         RestrictSUIDSGID = true;
         LockPersonality = true;
         # Not ProcSubset=pid (NVML's /proc/driver/nvidia, the boot id) nor
-        # MemoryDenyWriteExecute (NVML's library not run under it).
+        # MemoryDenyWriteExecute (libvirt's PCRE2 JIT maps writable and executable memory).
       };
     };
   };
