@@ -164,18 +164,6 @@ def test_an_iommu_group_is_detached_whole() -> None:
     assert actions == [Drain(ticket=T + 1)]
 
 
-def test_a_second_owner_for_another_lent_gpu_takes_the_reclaim_road() -> None:
-    new, actions = go(detaching(), wants("gaming2"))
-    assert actions == [Drain(ticket=T + 2)]
-    assert (new.phase, new.detaching, new.lent) == (Phase.DRAINING, frozenset(), gpus(A, B, C))
-    assert not still_wanted(new, DetachGpus(ticket=T + 1, gpus=gpus(A)), topo=TOPO)
-    with pytest.raises(IllegalTransition):
-        go(new, GpusDetached(at=AT, ticket=T + 1, gpus=gpus(A)))
-    # Both start once the lendee stops.
-    _, actions = go(new, LendeeStopped(at=AT))
-    assert actions == [StartOwner(owner="gaming1"), StartOwner(owner="gaming2")]
-
-
 def test_a_second_request_for_the_same_owner_joins_the_detach() -> None:
     new, actions = go(detaching(), wants("gaming1", id="i-again"))
     assert actions == [] and new.detaching == gpus(A) and len(new.intents) == 1
