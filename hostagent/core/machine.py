@@ -58,7 +58,9 @@ What this machine promises
    the answer to an `AgentUp` in STOPPING, and STOPPING always begins with a fresh
    `WaitAgent`: an agent that answered an hour ago may have been restarted since.
 3. **Never a destroy unless the policy allows it.** `ForceOff` only with
-   ``policy.force_off``; otherwise the machine stops in FAILED and says so.
+   ``policy.force_off``; otherwise the machine stops in FAILED and says so. The one
+   exception is a guest whose driver hung letting a GPU go, its node drained: it cannot
+   shut down, and the game would wait for nothing (`_give_up_stopping`).
 4. **An intent is never dropped.** An owner's start request ends only through
    `CompleteIntent` (the owner runs) or `FailIntent` (with a reason). It survives
    failures, retries and restarts of the agent (`Observed`).
@@ -392,8 +394,9 @@ def _agent_up_stopping(state: State, event: AgentUp, ctx: _Ctx) -> _Outcome:
 def _agent_timeout_stopping(state: State, event: AgentTimeout, ctx: _Ctx) -> _Outcome:
     """STOPPING: the agent never answered, so a clean shutdown is impossible.
 
-    With force_off set the operator accepted the risk: destroy. Without it the machine
-    will not: FAILED, the lendee keeps running, the intents keep waiting, and the
+    With force_off set the operator accepted the risk: destroy; a guest stuck letting a
+    GPU go is powered off too (`_give_up_stopping`). Otherwise the machine will not:
+    FAILED, the lendee keeps running, the intents keep waiting, and the
     reason tells a human how to unblock them (any stop of the lendee starts them).
     """
     _check_ticket(state, event)
@@ -411,15 +414,32 @@ def _shutdown_timeout(state: State, event: ShutdownTimeout, ctx: _Ctx) -> _Outco
 
 
 def _give_up_stopping(state: State, ctx: _Ctx, what: str) -> _Outcome:
-    # Never destroyed by default (I3), a guest stuck letting a GPU go included.
+    """STOPPING, no clean shutdown: FAILED with the reason, or a power-off.
+
+    Never destroyed by default (I3), with one exception: a guest whose driver hung
+    letting a GPU go (``unplug_stuck``). The reasons for I3 do not hold there. Its node
+    is drained, so nothing on it is lost that the shutdown would have kept; its card is
+    not mid-initialisation but mid-removal, and the host resets it when QEMU lets it go
+    (`hostagent lint` checks that each lent GPU can be reset); and its shutdown hangs
+    behind the unbind, so a human could only destroy it too, later, while the player
+    waits. The game then starts within the bound the timeouts set: the unplug's, what
+    is left of the drain's, and the shutdown's (or the guest agent's)."""
+    lendee = ctx.topo.lendee
+    if state.unplug_stuck:
+        waiting = [o for o in state.waiting_owners if ctx.topo.claims(o) & state.lent]
+        stuck = (f"{lendee} did not shut down" if state.shutdown_sent
+                 else f"{lendee}'s guest agent no longer answers")
+        for_whom = (f"so that {' and '.join(waiting)} can start" if waiting
+                    else "so that its GPUs are free")
+        return state, [ForceOff(ticket=state.ticket, reason=(
+            f"{stuck} after its driver hung letting a GPU go; powering it off now that "
+            f"its node is drained, {for_whom}"))]
     if ctx.policy.force_off:
         return state, [ForceOff(ticket=state.ticket)]
-    lendee = ctx.topo.lendee
-    stuck = " (it did not let a GPU go when asked)" if state.unplug_stuck else ""
     return _enter(
         state,
         Phase.FAILED,
-        reason=(f"{lendee} cannot be shut down cleanly: {what}{stuck}; hostagent never destroys "
+        reason=(f"{lendee} cannot be shut down cleanly: {what}; hostagent never destroys "
                 f"it unless force_off_after is set: stop it by hand (virsh shutdown {lendee}) "
                 "and the waiting VMs start"),
     ), []

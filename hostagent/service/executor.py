@@ -99,8 +99,8 @@ class Executor:
                 self.spawn(self._wait_agent(t), action)
             case ShutdownLendee(ticket=t):
                 self.spawn(self._shutdown(t), action)
-            case ForceOff(ticket=t):
-                self.spawn(self._force_off(t), action)
+            case ForceOff(ticket=t, reason=why):
+                self.spawn(self._force_off(t, why), action)
             case StartOwner(owner=owner):
                 self.spawn(self._start(owner, action), action)
             case StartLendee(gpus=gpus):
@@ -263,10 +263,15 @@ class Executor:
         elif self.view.state.phase is not Phase.OFF:
             self.apply(LendeeStopped(at=clock.now()))  # the event was lost; reality says off
 
-    async def _force_off(self, ticket: int) -> None:
+    async def _force_off(self, ticket: int, why: str = "") -> None:
+        """Destroy the lendee after policy.force_off_after (none if unset). `why`: the
+        machine's own reason (a guest stuck letting a GPU go), said as it is."""
         grace = self.cfg.policy.force_off_after or 0.0
-        journal.record("force-off", f"{self.lendee} did not shut down: forcing it off in "
-                       f"{grace:g}s as policy.force_off_after allows", vm=self.lendee,
+        said = (why or f"{self.lendee} did not shut down: forcing it off in {grace:g}s as "
+                "policy.force_off_after allows")
+        if why and grace:
+            said += f" (in {grace:g}s, policy.force_off_after)"
+        journal.record("force-off", said, vm=self.lendee,
                        result="forced", priority=journal.Priority.WARNING)
         await asyncio.sleep(grace)
         if self._current(ticket):

@@ -15,10 +15,14 @@ import pytest
 
 from hostagent.core.machine import IllegalTransition, still_wanted, verdict
 from hostagent.core.model import (
+    AgentTimeout,
+    AgentUp,
     CancelIntent,
     DetachFailed,
     DetachGpus,
     Drain,
+    Drained,
+    ForceOff,
     GpusDetached,
     Hotplug,
     KubeReturn,
@@ -27,12 +31,14 @@ from hostagent.core.model import (
     Phase,
     Reserve,
     ReturnDone,
+    ShutdownLendee,
+    ShutdownTimeout,
     StartOwner,
     State,
 )
 from hostagent.core.reserve import Reservation
 from tests.unit.core.test_partial import POLICY, TOPO, A, B, C, S, gpus
-from tests.unit.machine_scaffold import AT, LENDEE, T, Stepper, wants
+from tests.unit.machine_scaffold import AT, LENDEE, Stepper, T, wants
 
 BOTH = replace(POLICY, hotplug=Hotplug.BOTH)
 go, run = Stepper(TOPO, BOTH).go, Stepper(TOPO, BOTH).run
@@ -142,3 +148,52 @@ def test_a_return_that_follows_no_live_change_still_restarts() -> None:
     booted = S(Phase.JOINING, lent=gpus(A, B, C))
     new, actions = go(booted, wants("gaming2"))
     assert (new.phase, actions) == (Phase.DRAINING, [Drain(ticket=T + 1)])
+# --- a guest whose driver hung letting a GPU go -------------------------------------------
+
+
+def stuck() -> State:
+    """The detach of gpu-a ran past its bound in the guest; the reclaim drained the node
+    and sent the shutdown."""
+    new, actions = go(detaching(), DetachFailed(at=AT, ticket=T + 1, gpus=gpus(A), stuck=True,
+                                                reason="the unbind of gpu-a hung"))
+    assert actions == [Drain(ticket=T + 2)] and new.unplug_stuck
+    new, actions = run(new, Drained(at=AT, ticket=T + 2), AgentUp(at=AT, ticket=T + 3))
+    assert actions[-1] == ShutdownLendee(ticket=T + 3)
+    return new
+
+
+def test_a_stuck_guest_that_cannot_shut_down_is_powered_off_so_the_game_starts() -> None:
+    # Its node is drained (nothing left on it to lose), and a driver hung in an unbind
+    # hangs the shutdown behind it: waiting for a human only keeps the player waiting.
+    new, actions = go(stuck(), ShutdownTimeout(at=AT, ticket=T + 3))
+    [off] = actions
+    assert isinstance(off, ForceOff) and off.ticket == T + 3 and new.phase is Phase.STOPPING
+    assert off.reason == (
+        "gpu-node did not shut down after its driver hung letting a GPU go; powering it off "
+        "now that its node is drained, so that gaming1 can start")
+    assert still_wanted(new, off, topo=TOPO)
+    new, actions = go(new, LendeeStopped(at=AT))
+    assert actions == [StartOwner(owner="gaming1")] and not new.unplug_stuck
+
+
+def test_a_stuck_guest_whose_agent_no_longer_answers_is_powered_off_too() -> None:
+    new, _ = go(detaching(), DetachFailed(at=AT, ticket=T + 1, gpus=gpus(A), stuck=True,
+                                          reason="nvidia-smi hung"))
+    new, _ = go(new, Drained(at=AT, ticket=T + 2))
+    _, actions = go(new, AgentTimeout(at=AT, ticket=T + 3))
+    [off] = actions
+    assert isinstance(off, ForceOff) and off.reason == (
+        "gpu-node's guest agent no longer answers after its driver hung letting a GPU go; "
+        "powering it off now that its node is drained, so that gaming1 can start")
+
+
+def test_a_guest_that_let_go_is_still_never_destroyed_by_default() -> None:
+    # I3: without a stuck unplug behind it, a shutdown that times out waits for a human.
+    new, _ = go(detaching(), DetachFailed(at=AT, ticket=T + 1, gpus=gpus(A), reason="doubt"))
+    new, _ = run(new, Drained(at=AT, ticket=T + 2), AgentUp(at=AT, ticket=T + 3))
+    failed, actions = go(new, ShutdownTimeout(at=AT, ticket=T + 3))
+    assert failed.phase is Phase.FAILED and actions == []
+    assert failed.reason is not None and "force_off_after" in failed.reason
+    # With force_off_after set, the power-off is the policy's, as before.
+    _, actions = go(new, ShutdownTimeout(at=AT, ticket=T + 3), replace(BOTH, force_off=True))
+    assert actions == [ForceOff(ticket=T + 3)]

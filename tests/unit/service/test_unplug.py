@@ -30,8 +30,6 @@ from hostagent.core.model import (
     DetachFailed,
     DetachGpus,
     Drain,
-    Drained,
-    ForceOff,
     Event,
     GpuPods,
     GpusDetached,
@@ -46,8 +44,6 @@ from hostagent.core.model import (
     Reserve,
     ReturnDone,
     ScheduleRelend,
-    ShutdownLendee,
-    ShutdownTimeout,
     StartOwner,
     State,
     Topology,
@@ -116,27 +112,6 @@ def test_a_failed_hot_unplug_takes_the_reclaim_road_and_is_not_tried_again() -> 
     assert go(replace(lent(), unplug_failed=True), wants("gaming1"))[1] == [Drain(ticket=T + 1)]
     off, actions = go(new, LendeeStopped(at=AT))
     assert actions == [StartOwner(owner="gaming1")] and not off.unplug_failed
-
-
-def test_a_guest_stuck_letting_go_is_never_destroyed_by_default() -> None:
-    # NVIDIA's open modules 595.58.03-610.57.04 hang an unbind while a handle stays open,
-    # and the guest's shutdown behind it. The fallback restart runs at once; a shutdown
-    # that hangs then is FAILED with the reason, never a power-off unless force_off is
-    # set (I3: a card mid-unbind powered off may need a host reboot).
-    new, actions = go(detaching(), DetachFailed(at=AT, ticket=T + 1, gpus=gpus(A), stuck=True,
-                                                reason="gpu-a still in the live XML after 30s"))
-    assert actions == [Drain(ticket=T + 2)] and new.unplug_stuck
-    new, actions = run(new, Drained(at=AT, ticket=T + 2), AgentUp(at=AT, ticket=T + 3))
-    assert actions[-1] == ShutdownLendee(ticket=T + 3)
-    failed, actions = go(new, ShutdownTimeout(at=AT, ticket=T + 3))
-    assert failed.phase is Phase.FAILED and actions == []
-    assert failed.reason is not None and "did not let a GPU go when asked" in failed.reason
-    # With force_off set, the power-off frees the GPU, and the game starts.
-    forced, actions = go(new, ShutdownTimeout(at=AT, ticket=T + 3),
-                         replace(BOTH, force_off=True))
-    assert forced.phase is Phase.STOPPING and actions == [ForceOff(ticket=T + 3)]
-    off, actions = go(forced, LendeeStopped(at=AT))
-    assert actions == [StartOwner(owner="gaming1")] and not off.unplug_stuck
 
 
 @pytest.mark.parametrize(("state", "policy"), [
