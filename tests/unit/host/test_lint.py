@@ -369,3 +369,78 @@ def test_cli_lint_exit_status_and_output(host: Any, tmp_path: Path) -> None:
         "  fix: remove the hostdev (virsh edit gaming1) or point it at the card's new address "
         "(lspci -D; put a replacement card in the freed slot to keep it)"]
     assert bad.stdout.endswith("1 domain(s) checked: 3 error(s), 0 warning(s)\n")
+
+
+# --- each lent GPU can be reset between VMs -------------------------------------------------
+
+
+def resets(sysfs: Any, cfg: Config) -> list[lint.Finding]:
+    return [f for f in run(clean_set(), sysfs, cfg) if f.check is Check.RESET]
+
+
+def lent_gpus(sysfs: Any, **gpu_a: Any) -> None:
+    """gpu-a as given, gpu-b and gpu-c with FLR, each on the root bus unless `behind`."""
+    sysfs.gpu("01", **gpu_a).gpu("02").gpu("03", device="1401")
+
+
+def test_a_lent_gpu_that_cannot_be_reset_is_an_error(sysfs: Any, cfg: Config) -> None:
+    # No function reset (a kernel since 5.15 shows no reset_method then) and no bridge
+    # above it for a bus reset: the next VM gets the GPU as the last one left it.
+    lent_gpus(sysfs, reset_method=None)
+    [function, audio] = resets(sysfs, cfg)
+    assert (function.domain, function.severity) == ("gpu-node", Severity.ERROR)
+    assert function.what == (
+        "0000:01:00.0 of GPU gpu-a cannot be reset between VMs: it has no reset method "
+        "and no bridge above it whose bus could be reset")
+    assert "its memory" in function.why and "/reset_method" in function.fix
+    assert audio.what.startswith("0000:01:00.1 of GPU gpu-a cannot be reset")
+
+
+def test_every_reset_method_turned_off_is_an_error(sysfs: Any, cfg: Config) -> None:
+    sysfs.add("0000:00:01.0", cls=0x060400, device="1901", driver="pcieport", group="1")
+    lent_gpus(sysfs, reset_method="", behind="0000:00:01.0")
+    found = resets(sysfs, cfg)
+    assert [(f.severity, f.what) for f in found] == [
+        (Severity.ERROR, f"0000:01:00.{n} of GPU gpu-a cannot be reset between VMs: every "
+                         "reset method is turned off (its reset_method is empty)")
+        for n in (0, 1)]
+    assert found[0].fix.startswith("echo default > /sys/bus/pci/devices/0000:01:00.0/reset_method")
+
+
+def test_a_bus_reset_alone_behind_its_bridge_is_enough(sysfs: Any, cfg: Config) -> None:
+    # A GPU without FLR, its audio function beside it: the kernel lists no method (its
+    # bus reset needs the bus to itself), and vfio-pci resets the bus on release.
+    sysfs.add("0000:00:01.0", cls=0x060400, device="1901", driver="pcieport", group="1")
+    lent_gpus(sysfs, reset_method=None, behind="0000:00:01.0")
+    assert resets(sysfs, cfg) == []
+    # A kernel before 5.15 has no reset_method but a reset file where one works.
+    sysfs.add("0000:00:02.0", cls=0x060400, device="1901", driver="pcieport", group="2")
+    (next((sysfs.root / "devices").rglob("0000:02:00.0")) / "reset_method").unlink()
+    assert resets(sysfs, cfg) == []
+
+
+def test_a_bus_only_reset_with_other_devices_behind_the_bridge_warns(
+        sysfs: Any, cfg: Config) -> None:
+    sysfs.add("0000:00:01.0", cls=0x060400, device="1901", driver="pcieport", group="1")
+    lent_gpus(sysfs, reset_method="bus", behind="0000:00:01.0", audio=False)
+    sysfs.add("0000:01:00.1", cls=0x040300, device="228e", group="1", reset_method="bus",
+              behind="0000:00:01.0")
+    sysfs.add("0000:01:01.0", cls=0x0c0330, vendor="1912", device="0014", driver="xhci_hcd",
+              group="1", reset_method="bus", behind="0000:00:01.0")
+    [function, audio] = resets(sysfs, cfg)
+    assert (function.severity, function.what) == (Severity.WARNING, (
+        "0000:01:00.0 of GPU gpu-a is reset only by a reset of its bus, which 0000:01:01.0 "
+        "(1912:0014) shares"))
+    assert "resets 0000:01:01.0 too" in function.why
+    assert "only while none of them is in use" in function.why
+    assert audio.what.startswith("0000:01:00.1 of GPU gpu-a is reset only by a reset")
+
+
+def test_reset_is_checked_for_the_lendee_only(sysfs: Any, cfg: Config) -> None:
+    lent_gpus(sysfs, reset_method=None)
+    owner = {"gaming1": clean_set()["gaming1"]}
+    assert not [f for f in run(owner, sysfs, cfg) if f.check is Check.RESET]
+    # Nor before a VM starts (check_domain): a finding there would stop the start.
+    dom = lint.parse_domain(clean_set()["gpu-node"])
+    assert not [f for f in lint.check_domain(dom, sysfs=sysfs.root, lendee=True)
+                if f.check is Check.RESET]
