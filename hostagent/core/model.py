@@ -208,9 +208,10 @@ class Hotplug(enum.StrEnum):
     # hot-unplug of its GPUs, and some drivers hang an unbind begun while a client
     # holds the GPU: the agent checks that none does first, and bounds the wait.
     BOTH = "both"
-    # The configuration's default: "both" where `hostagent lint` finds the lendee can
-    # hot-add and hot-unplug, else "none" (`hostagent.host.lint.hotplug_capability`). The
-    # agent decides it when it starts; the machine never sees it.
+    # The configuration's default: "add" where `hostagent lint` finds the lendee's
+    # definition can hot-add (`hostagent.host.lint_hotplug.hotplug_capability`), "both"
+    # once the running lendee shows its plugins pause and its nvidia-smi drains
+    # (`unplug_at_run_time`), else "none". The agent decides it; the machine never sees it.
     AUTO = "auto"
 
 

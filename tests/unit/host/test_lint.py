@@ -12,6 +12,7 @@ import pytest
 
 from hostagent.host import lint
 from hostagent.core.config import Config, parse
+from hostagent.core.model import Hotplug, Policy
 from hostagent.host.lint import Check, Severity
 
 REPO = Path(__file__).resolve().parents[3]
@@ -444,3 +445,59 @@ def test_reset_is_checked_for_the_lendee_only(sysfs: Any, cfg: Config) -> None:
     dom = lint.parse_domain(clean_set()["gpu-node"])
     assert not [f for f in lint.check_domain(dom, sysfs=sysfs.root, lendee=True)
                 if f.check is Check.RESET]
+
+
+# --- policy.hotplug = "auto": what the definition allows, and what the lendee shows ---------
+
+
+def test_auto_is_hot_add_at_most_and_needs_a_64_bit_window() -> None:
+    from tests.unit.service.test_hotplug import LINT_CONFIG, hot_add_findings, lendee_xml
+    auto = LINT_CONFIG.replace('hotplug = "add"', "")
+    how, why = lint.hotplug_capability(lint.parse_domain(lendee_xml()), parse(auto))
+    assert how is Hotplug.ADD and why.endswith(
+        "hot-add; hot-unplug only once the running lendee shows its GPU plugins honour "
+        "nvidia.com/gpu.deploy.device-plugin and its nvidia-smi supports drain")
+    # Without the window, no hot-add under auto: a GPU attached live gets no address.
+    bare = lint.parse_domain(lendee_xml(pref64=False))
+    assert lint.hotplug_capability(bare, parse(auto)) == (Hotplug.NONE, (
+        "gpu-node cannot hot-add its GPUs: no 64-bit prefetchable window is reserved on the "
+        "root ports (pcie-root-port.pref64-reserve)"))
+    # And lint's warning, which said so only under "add" or "both", says so under auto.
+    assert hot_add_findings(lendee_xml(pref64=False), auto) == [
+        "warning: policy.hotplug: no 64-bit prefetchable window is reserved on the root ports"]
+    [finding] = [f for f in lint.lint([bare], config=parse(auto)) if f.check is Check.HOTPLUG]
+    assert finding.why.endswith('policy.hotplug = "auto" attaches no GPU live here until one '
+                                "is reserved.")
+    assert "pref64-reserve=64G" in finding.fix
+    # Not where something else keeps it from hot-add: lint's note says that.
+    assert hot_add_findings(lendee_xml(pref64=False, machine="pc-i440fx-7.2"), auto) == []
+
+
+def test_the_running_lendee_turns_auto_into_hot_unplug_or_not() -> None:
+    """The seam for the agent: once it has seen that the lendee's GPU plugins honour
+    their node label and its nvidia-smi supports drain, "auto" takes hot-unplug too."""
+    from tests.unit.service.test_hotplug import LINT_CONFIG, lendee_xml
+    auto = parse(LINT_CONFIG.replace('hotplug = "add"', ""))
+    how, why = lint.hotplug_capability(lint.parse_domain(lendee_xml()), auto)
+    policy = Policy(hotplug=how, hotplug_why=f'policy.hotplug = "auto": {why}')
+    both = lint.unplug_at_run_time(auto, policy, plugins_pausable=True, drain_supported=True)
+    assert (both.hotplug, both.hotplug_why) == (Hotplug.BOTH, (
+        'policy.hotplug = "auto": gpu-node hot-adds, and hot-unplugs since its GPU plugins '
+        "honour nvidia.com/gpu.deploy.device-plugin and its nvidia-smi supports drain"))
+    assert lint.changes(both.hotplug, both.regrow, None).startswith(
+        "live (hot-add and hot-unplug)")
+    add = lint.unplug_at_run_time(auto, both, plugins_pausable=True, drain_supported=False)
+    assert (add.hotplug, add.hotplug_why) == (Hotplug.ADD, (
+        'policy.hotplug = "auto": gpu-node hot-adds only: its nvidia-smi does not support '
+        "drain"))
+    assert lint.unplug_at_run_time(auto, policy, plugins_pausable=False,
+                                   drain_supported=False).hotplug_why.endswith(
+        "its GPU plugins do not honour nvidia.com/gpu.deploy.device-plugin and its "
+        "nvidia-smi does not support drain")
+    # Where the definition allows no hot-add, or hot-plug was set by hand: unchanged.
+    none = Policy(hotplug=Hotplug.NONE, hotplug_why="x")
+    assert lint.unplug_at_run_time(auto, none, plugins_pausable=True,
+                                   drain_supported=True) is none
+    by_hand = Policy(hotplug=Hotplug.ADD)
+    assert lint.unplug_at_run_time(parse(LINT_CONFIG), by_hand, plugins_pausable=True,
+                                   drain_supported=True) is by_hand
