@@ -27,6 +27,7 @@ from hostagent.host import iommu, journal, lint, screenshots
 from hostagent.host import gpus as inventory
 from hostagent.host import verify as in_guest
 from hostagent.core.config import Config, VerifyMethod
+from hostagent.core.text import clean
 from hostagent.host.libvirt import DomainNotFound, HookRefused, HostError, Libvirt, Lifecycle
 from hostagent.core.model import (
     Action,
@@ -275,8 +276,16 @@ class Executor:
                        result="forced", priority=journal.Priority.WARNING)
         await asyncio.sleep(grace)
         if self._current(ticket):
-            with contextlib.suppress(HostError):
+            try:
                 await self.libvirt.destroy(self.lendee)
+            except HostError as e:
+                # Its QEMU may hang in the kernel letting a device go: only a human (or a
+                # host reboot) frees the GPUs then, and whoever waits must hear why.
+                journal.record("force-off", f"{self.lendee} could not be powered off: "
+                               f"{clean(e, 200)}; its GPUs stay held until it stops "
+                               f"(virsh destroy {self.lendee}, else a host reboot)",
+                               vm=self.lendee, result="failed",
+                               priority=journal.Priority.ERR)
 
     async def _start(self, vm: str, action: Action,
                      gpus: frozenset[str] | None = None) -> None:
