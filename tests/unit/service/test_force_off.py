@@ -4,9 +4,10 @@ machine's own reason where a guest stuck letting a GPU go is powered off without
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
-from hostagent.core.model import ForceOff
+from hostagent.core.model import ForceOff, Hold
 from hostagent.host import journal
 from hostagent.host.libvirt import HostError
 from tests.unit.surfaces.test_control import lent, make_agent, until
@@ -19,6 +20,7 @@ async def test_a_stuck_guest_is_powered_off_at_once_with_the_machines_reason(
         tmp_path: Path, sink: journal.ListSink) -> None:
     agent, fake = make_agent(tmp_path)
     await lent(agent, fake)
+    agent.apply(Hold(at=time.time()))  # no relend after the stop: the test ends there
     agent.executor.execute(ForceOff(ticket=agent.state.ticket, reason=STUCK))
     await until(lambda: "gpu-node" not in fake.running)
     [said] = [e for e in sink.entries if e.fields.get("HOSTAGENT_EVENT") == "force-off"]
@@ -29,6 +31,7 @@ async def test_the_policys_power_off_cites_force_off_after(
         tmp_path: Path, sink: journal.ListSink) -> None:
     agent, fake = make_agent(tmp_path)
     await lent(agent, fake)
+    agent.apply(Hold(at=time.time()))  # no relend after the stop: the test ends there
     agent.executor.execute(ForceOff(ticket=agent.state.ticket))
     await until(lambda: "gpu-node" not in fake.running)
     [said] = [e for e in sink.entries if e.fields.get("HOSTAGENT_EVENT") == "force-off"]
@@ -42,6 +45,7 @@ async def test_a_power_off_that_fails_says_the_gpus_stay_held(
     says so and what is left to do, rather than nothing while a player waits."""
     agent, fake = make_agent(tmp_path)
     await lent(agent, fake)
+    agent.apply(Hold(at=time.time()))  # no relend after the stop: the test ends there
 
     async def refuses(name: str) -> None:
         raise HostError(f"Failed to terminate process 4242 with SIGKILL: {name} busy")
