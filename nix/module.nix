@@ -224,7 +224,7 @@ in
                 ]
               );
               default = null;
-              description = "Whether GPUs a game freed are attached to the running lendee (`add`: its live definition only, no drain, no restart; one that fails waits for a regrow), also detached live when a game takes one back (`both`, experimental: only the pods using it are evicted, the restart its fallback; NVIDIA does not support hot-unplug of its GPUs) or every change is a restart (`none`); `auto`: `both` where `hostagent lint` finds the lendee can hot-plug, else `none` (the agent's default: `\"auto\"`).";
+              description = "Whether GPUs a game freed are attached to the running lendee (`add`: its live definition only, no drain, no restart; one that fails waits for a regrow), also detached live when a game takes one back (`both`, experimental: only the pods using it are evicted, the restart its fallback; NVIDIA does not support hot-unplug of its GPUs) or every change is a restart (`none`); `auto`: `add` where `hostagent lint` finds the lendee's definition can hot-add (root ports and a 64-bit prefetchable window), `both` once the running lendee shows its GPU plugins pause through their node label and its nvidia-smi supports drain, else `none` (the agent's default: `\"auto\"`).";
             };
           };
         };

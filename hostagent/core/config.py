@@ -65,11 +65,11 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
                                             # (no GPU pod on the node), "always" or "never"
     regrow_max_wait = ""                    # when-idle restarts anyway after this ("2h");
                                             # "" (default): never, no GPU job is killed
-    hotplug = "auto"                        # "both" where lint finds the lendee can (spare
-                                            # root ports, no acpiphp.disable), else "none";
+    hotplug = "auto"                        # "add" where lint finds the lendee can (root
+                                            # ports, a 64-bit window), "both" once it shows
+                                            # it can unplug (plugins pause, drain); else "none";
                                             # "add": attach freed GPUs live, no restart;
-                                            # "both" (experimental): also detach a game's
-                                            # GPU live, evicting only the pods using it
+                                            # "both" (experimental): also detach a game's GPU
     reserve_lead = "15m"                    # `hostagent reserve`: the GPU pods' notice this
     reserve_margin = "5m"                   # long ahead; eviction at the time less their
     reserve_expiry = "30m"                  # grace and this; unused this long: lent again
@@ -154,9 +154,9 @@ Rules beyond the types:
   ``policy.regrow_max_wait`` bounds the wait of ``"when-idle"``: after it, the lendee
   restarts and the GPU pods still running start over (``""``, the default: no bound,
   so a regrow never kills a running job).
-- ``policy.hotplug = "auto"`` (the default) is ``"both"`` where `hostagent lint` finds
-  the lendee can hot-add and hot-unplug its GPUs, else ``"none"``; the agent decides
-  when it starts, and ``hostagent status`` and ``lint`` say which and why.
+- ``policy.hotplug = "auto"`` (the default) is ``"add"`` where `hostagent lint` finds the
+  lendee's definition can hot-add (a 64-bit window included), ``"both"`` once the running
+  lendee shows it can hot-unplug, else ``"none"``; ``status`` and ``lint`` say why.
   ``"add"`` attaches the GPUs a game freed to the running lendee
   (its live definition only) instead of that restart; a hot-add that fails leaves
   them to the regrow. ``"none"``: every change is a restart.

@@ -208,9 +208,10 @@ class Hotplug(enum.StrEnum):
     # hot-unplug of its GPUs, and some drivers hang an unbind begun while a client
     # holds the GPU: the agent checks that none does first, and bounds the wait.
     BOTH = "both"
-    # The configuration's default: "both" where `hostagent lint` finds the lendee can
-    # hot-add and hot-unplug, else "none" (`hostagent.host.lint.hotplug_capability`). The
-    # agent decides it when it starts; the machine never sees it.
+    # The configuration's default: "add" where `hostagent lint` finds the lendee's
+    # definition can hot-add (`hostagent.host.lint_hotplug.hotplug_capability`), "both"
+    # once the running lendee shows its plugins pause and its nvidia-smi drains
+    # (`unplug_at_run_time`), else "none". The agent decides it; the machine never sees it.
     AUTO = "auto"
 
 
@@ -223,7 +224,8 @@ class Policy:
     ``force_off``: whether ``force_off_after`` is set, i.e. whether the lendee may be
     destroyed when its guest agent never answers or it ignores a shutdown. Off by
     default: destroying a VM whose GPUs are mid-initialisation can leave a card in a
-    power state only a host reboot clears.
+    power state only a host reboot clears. (A guest stuck letting a GPU go is powered
+    off without it: `State.unplug_stuck`.)
     ``partial``: the lendee runs with whatever GPUs no owner holds or waits for (False:
     all of them or none, the lendee off while any owner needs one). ``min_gpus``: below
     this many free GPUs the lendee is not worth running. ``regrow``: see `Regrow`.
@@ -312,8 +314,8 @@ class State:
     ``lent`` until libvirt says they are gone). ``unplug_failed``: a hot-unplug failed
     since the lendee started, so every reclaim until it restarts is a restart;
     ``unplug_stuck``: the guest did not let the GPUs go when asked, and may be stuck
-    there: a shutdown that hangs says so in FAILED's reason (a power-off stays the
-    policy's, ``force_off``).
+    there: once its node is drained, a shutdown that times out (or an agent that no
+    longer answers) is a power-off, whatever ``force_off`` says.
     ``replug``: the running lendee's GPUs changed live, or may have while the agent was
     away, since its node last returned: the next return restarts its GPU plugins first
     (they enumerate GPUs when they start). Cleared once it is lent again, or off.
@@ -630,9 +632,12 @@ class ShutdownLendee(Action):
 
 @dataclass(frozen=True, kw_only=True)
 class ForceOff(Action):
-    """Destroy the lendee (after the force_off_after grace). Reports `LendeeStopped`."""
+    """Destroy the lendee (after the force_off_after grace). Reports `LendeeStopped`.
+    ``reason``: set when the machine powers off a guest stuck letting a GPU go, which no
+    policy needs to allow (see `hostagent.core.machine`); the journal says it as is."""
 
     ticket: int
+    reason: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,15 +20,29 @@ after a lend catches its effect loudly.
 
 from __future__ import annotations
 
-import enum
-import xml.etree.ElementTree as ET
+import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from hostagent.core import devices as gpu_devices
+from hostagent.core.config import Config
 from hostagent.host import gpus as inventory
-from hostagent.core.config import Config, Hotplug, Regrow
+from hostagent.host.lint_hotplug import (
+    changes,
+    hotplug_capability,
+    hotplug_findings,
+    regrow_note,
+    unplug_at_run_time,
+)
+from hostagent.host.lint_xml import (
+    AGENT_CHANNEL,
+    Check,
+    Domain,
+    Finding,
+    Hostdev,
+    Severity,
+    parse_domain,
+)
 
 __all__ = [
     "AGENT_CHANNEL",
@@ -37,171 +51,16 @@ __all__ = [
     "Finding",
     "Hostdev",
     "Severity",
+    "changes",
     "check_domain",
     "errors",
     "format_findings",
     "hotplug_capability",
     "lint",
     "parse_domain",
+    "regrow_note",
+    "unplug_at_run_time",
 ]
-
-AGENT_CHANNEL = "org.qemu.guest_agent.0"
-
-
-class Severity(enum.StrEnum):
-    ERROR = "error"  # the VM will not start, or hostagent cannot do its job with it
-    WARNING = "warning"  # it may start, and then not do what you think
-
-
-class Check(enum.StrEnum):
-    HOSTDEV_MISSING = "hostdev-missing"
-    NOT_VFIO = "not-vfio"
-    GROUP_NOT_VIABLE = "iommu-group"
-    SPLIT_GPU = "split-gpu"
-    SLOT_FUNCTION = "slot-function"
-    SHARED_GROUP = "shared-iommu-group"
-    ROM_BAR = "rom-bar"
-    NOT_Q35 = "not-q35"
-    CDROM_FIRST = "cdrom-first"
-    NO_AGENT_CHANNEL = "no-agent-channel"
-    CONFIG_XML = "config-xml"
-    AUTOSTART = "autostart"
-    HOTPLUG = "hotplug"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Finding:
-    domain: str
-    check: Check
-    severity: Severity
-    what: str
-    why: str
-    fix: str
-
-    def line(self) -> str:
-        return f"{self.domain}: {self.severity}: {self.what}"
-
-
-# --- reading the XML ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True)
-class Hostdev:
-    """A PCI function passed to the VM (``<hostdev mode='subsystem' type='pci'>``)."""
-
-    address: str
-    managed: bool
-    rom_bar_off: bool
-
-
-@dataclass(frozen=True, kw_only=True)
-class BootDevice:
-    kind: str  # "disk", "cdrom", "network", "hostdev"
-    media: bool  # a CD-ROM with an image in it
-    order: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class Domain:
-    name: str
-    machine: str
-    ovmf: bool
-    hostdevs: tuple[Hostdev, ...]
-    agent_channel: bool
-    boot: tuple[BootDevice, ...]  # in boot order; () when the firmware decides
-    # User aliases ua-hostagent-… of devices: they move with a GPU (`hostagent.core.devices`).
-    aliases: tuple[str, ...] = ()
-    autostart: bool | None = None  # None: not known (read from a file)
-    xml: str = ""  # as read: what the hot-add check reads of controllers and addresses
-
-    @property
-    def q35(self) -> bool:
-        return "q35" in self.machine
-
-
-def _address(source: ET.Element | None) -> str | None:
-    address = source.find("address") if source is not None else None
-    if address is None:
-        return None
-    try:
-        parts = [int(address.get(k, "0"), 0) for k in ("domain", "bus", "slot", "function")]
-    except ValueError:
-        return None
-    domain, bus, slot, function = parts
-    return f"{domain:04x}:{bus:02x}:{slot:02x}.{function:x}"
-
-
-def _has_media(dev: ET.Element) -> bool:
-    source = dev.find("source")
-    return source is not None and any(source.attrib.values())
-
-
-def _boot_order(root: ET.Element, devices: ET.Element | None) -> tuple[BootDevice, ...]:
-    """Devices in the order the firmware tries them, as far as the XML says."""
-    if devices is None:
-        return ()
-    by_order: list[BootDevice] = []
-    for dev in devices:
-        boot = dev.find("boot")
-        if boot is None or boot.get("order") is None:
-            continue
-        kind = dev.get("device", dev.tag) if dev.tag == "disk" else dev.tag
-        by_order.append(BootDevice(kind=kind, media=_has_media(dev),
-                                   order=int(boot.get("order", "0"))))
-    if by_order:
-        return tuple(sorted(by_order, key=lambda b: b.order))
-    # The older <os><boot dev='cdrom'/><boot dev='hd'/> form: by kind, not by device.
-    cdrom_media = any(d.get("device") == "cdrom" and _has_media(d)
-                      for d in devices.findall("disk"))
-    kinds = {"hd": "disk", "cdrom": "cdrom", "network": "network"}
-    return tuple(BootDevice(kind=kinds.get(b.get("dev", ""), b.get("dev", "")),
-                            media=cdrom_media if b.get("dev") == "cdrom" else False, order=i)
-                 for i, b in enumerate(root.findall("os/boot")))
-
-
-def parse_domain(xml: str, *, autostart: bool | None = None) -> Domain:
-    """What lint needs from a domain's XML (and `autostart`, which libvirt keeps
-    outside it). Raises ValueError if it is not domain XML."""
-    try:
-        root = ET.fromstring(xml)
-    except ET.ParseError as e:
-        raise ValueError(f"not XML: {e}") from e
-    if root.tag != "domain":
-        raise ValueError(f"not a libvirt domain (root element <{root.tag}>)")
-    os_el = root.find("os")
-    machine = ""
-    ovmf = False
-    if os_el is not None:
-        type_el = os_el.find("type")
-        machine = type_el.get("machine", "") if type_el is not None else ""
-        loader = os_el.find("loader")
-        loader_text = (loader.text or "") if loader is not None else ""
-        ovmf = (os_el.get("firmware") == "efi"
-                or any(word in loader_text.upper() for word in ("OVMF", "EDK2"))
-                or (loader is not None and loader.get("type") == "pflash"))
-    devices = root.find("devices")
-    hostdevs = []
-    channel = False
-    aliases: list[str] = []
-    if devices is not None:
-        aliases = [a.get("name", "") for a in devices.findall("*/alias")
-                   if a.get("name", "").startswith(gpu_devices.ALIAS_PREFIX)]
-        for dev in devices.findall("hostdev"):
-            if dev.get("mode", "subsystem") != "subsystem" or dev.get("type") != "pci":
-                continue
-            address = _address(dev.find("source"))
-            if address is None:
-                continue
-            rom = dev.find("rom")
-            hostdevs.append(Hostdev(address=address, managed=dev.get("managed") == "yes",
-                                    rom_bar_off=rom is not None and rom.get("bar") == "off"))
-        channel = any(t.get("name") == AGENT_CHANNEL
-                      for t in devices.findall("channel/target"))
-    return Domain(name=root.findtext("name", "").strip(), machine=machine, ovmf=ovmf,
-                  hostdevs=tuple(hostdevs), agent_channel=channel,
-                  boot=_boot_order(root, devices), aliases=tuple(aliases), autostart=autostart,
-                  xml=xml)
-
 
 # --- one domain against the host -----------------------------------------------------------
 
@@ -323,6 +182,91 @@ def lint(domains: Sequence[Domain], *, sysfs: Path = inventory.SYSFS,
     if config is not None:
         found += _against_config(domains, config)
         found += _slot_functions(domains, config, sysfs)
+        if any(d.name == config.lendee.domain for d in domains):
+            found += _resets(config, sysfs)
+    return found
+
+
+_PCI_ADDRESS = re.compile(r"[0-9a-f]{4,8}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
+
+
+def _reset_methods(address: str, sysfs: Path) -> list[str] | None:
+    """The function's reset methods as the kernel lists them in sysfs (``reset_method``,
+    since 5.15: absent where there is none), or None where it does not say."""
+    path = sysfs / "bus" / "pci" / "devices" / address
+    try:
+        return (path / "reset_method").read_text().split()
+    except OSError:
+        pass
+    # Before 5.15 only `reset` says whether there is one (drivers/pci/pci-sysfs.c shows
+    # both only where pci_reset_supported()).
+    return None if (path / "reset").exists() else []
+
+
+def _bus_of(address: str, sysfs: Path) -> tuple[str | None, list[str]]:
+    """The bridge above the function (None: on a root bus) and the other devices on its
+    bus, read from where the kernel nests its directory in sysfs."""
+    try:
+        where = (sysfs / "bus" / "pci" / "devices" / address).resolve(strict=True).parent
+        names = sorted(p.name for p in where.iterdir() if p.is_dir())
+    except OSError:
+        return None, []
+    bridge = where.name if _PCI_ADDRESS.fullmatch(where.name) else None
+    return bridge, [n for n in names if _PCI_ADDRESS.fullmatch(n) and n != address]
+
+
+def _resets(config: Config, sysfs: Path) -> list[Finding]:
+    """Each function of each GPU the lendee borrows can be reset between VMs.
+
+    A function reset (FLR, PM, a device-specific one) resets it alone. Without one the
+    reset is of its bus: the kernel lists "bus" only for a function alone on its bus
+    (drivers/pci/pci.c, pci_parent_bus_reset), and vfio-pci resets the bus itself when
+    every device on it is released (vfio_pci_core.c, vfio_pci_dev_set_try_reset), the
+    card's other functions with it. So: no function reset and no bridge above it, or
+    every method turned off, is an error; a bus shared with another card or device is a
+    warning, since vfio-pci resets it only while none of them is in use."""
+    found: list[Finding] = []
+    lendee = config.lendee.domain
+    for label in config.lendee.gpus:
+        gpu = config.gpus[label]
+        for address in gpu.pci_functions if gpu.pci else ():
+            if inventory.pci_device(address, sysfs) is None:
+                continue  # hostdev-missing says so
+            methods = _reset_methods(address, sysfs)
+            if methods is None or [m for m in methods if m != "bus"]:
+                continue
+            bridge, on_bus = _bus_of(address, sysfs)
+            others = [a for a in on_bus if _slot(a) != _slot(address)]
+            why = ("the next VM gets the GPU as the last one left it: its memory, the "
+                   "previous VM's data included, and a state its driver may not start from.")
+            path = f"/sys/bus/pci/devices/{address}/reset_method"
+            what = f"{address} of GPU {label} cannot be reset between VMs: "
+            if not methods and (sysfs / path.removeprefix("/sys/")).exists():
+                found.append(Finding(
+                    domain=lendee, check=Check.RESET, severity=Severity.ERROR,
+                    what=what + "every reset method is turned off (its reset_method is empty)",
+                    why=why, fix=f"echo default > {path} (and find what wrote it empty: a udev "
+                                 "rule, a boot script)"))
+            elif bridge is None:
+                found.append(Finding(
+                    domain=lendee, check=Check.RESET, severity=Severity.ERROR,
+                    what=what + "it has no reset method and no bridge above it whose bus "
+                                "could be reset",
+                    why=why, fix=f"put the card in a slot behind a PCIe root port (`cat {path}` "
+                                 "lists the methods the kernel found; `lspci -vv` shows "
+                                 "FLReset+ where the card has FLR)"))
+            elif others:
+                named = ", ".join(f"{a} ({d.ids})" if (d := inventory.pci_device(a, sysfs))
+                                  else a for a in others)
+                found.append(Finding(
+                    domain=lendee, check=Check.RESET, severity=Severity.WARNING,
+                    what=f"{address} of GPU {label} is reset only by a reset of its bus, which "
+                         f"{named} {'shares' if len(others) == 1 else 'share'}",
+                    why=f"a bus reset resets every device behind bridge {bridge}, so it resets "
+                        f"{', '.join(others)} too, and vfio-pci resets the bus between VMs only "
+                        "while none of them is in use: otherwise " + why,
+                    fix="put the card in a slot with a root port of its own, or give the other "
+                        "devices on that bus to no VM that runs while the GPU changes hands"))
     return found
 
 
@@ -540,184 +484,9 @@ def _against_config(domains: Sequence[Domain], config: Config) -> list[Finding]:
                 fix=f"add {label} to {key}, or remove the hostdev from {name}"))
     found += _autostart(domains, roles)
     lendee = by_name.get(config.lendee.domain)
-    if lendee is not None and config.policy.hotplug not in (Hotplug.NONE, Hotplug.AUTO):
-        found += _hot_add(lendee, config)
-    # "auto" takes hot-unplug where the lendee can: the same caveat as "both" set by hand.
-    if lendee is not None and hotplug_capability(lendee, config)[0] is Hotplug.BOTH:
-        found.append(Finding(
-            domain=lendee.name, check=Check.HOTPLUG, severity=Severity.WARNING,
-            what=("policy.hotplug = \"auto\" takes hot-unplug here, which"
-                  if config.policy.hotplug is Hotplug.AUTO else "policy.hotplug = \"both\"")
-                 + " is experimental: NVIDIA does not support hot-unplug of its GPUs",
-            why="the driver in the lendee unbinds a GPU as it leaves, and NVIDIA's open "
-                "kernel modules from 595.58.03 to at least 610.57.04 hang an unbind begun "
-                "while a client holds the GPU, even once it lets go "
-                "(github.com/NVIDIA/open-gpu-kernel-modules/issues/1119). hostagent evicts "
-                "the GPU's pods and checks that nvidia-smi lists no process on it first, "
-                "and restarts the lendee when the guest keeps it past a bound, but a "
-                "client nvidia-smi does not list "
-                "(nvidia-persistenced, a display server) still holds it.",
-            fix="run a driver outside that range in the lendee (or one whose release notes "
-                "say the unbind is fixed), without nvidia-persistenced, or set "
-                "policy.hotplug = \"add\""))
+    if lendee is not None:
+        found += hotplug_findings(lendee, config)
     return found
-
-
-_PREF64_FIX = (
-    "reserve a 64-bit prefetchable window on the root ports, at least each GPU's BAR1 "
-    "(`lspci -vv` on the host: the largest 64-bit prefetchable region) rounded up: in "
-    "the domain's XML, <qemu:commandline><qemu:arg value='-global'/><qemu:arg "
-    "value='pcie-root-port.pref64-reserve=64G'/></qemu:commandline> (xmlns:qemu="
-    "'http://libvirt.org/schemas/domain/qemu/1.0' on <domain>)")
-
-
-def _hot_add(dom: Domain, config: Config) -> list[Finding]:
-    """Whether GPUs can be attached to the running lendee (policy.hotplug): a q35
-    machine, each function of each GPU an owner may free in a hot-pluggable
-    pcie-root-port of its own (libvirt hot-plugs no multifunction device, and the live
-    definition leaves the GPU's root ports empty for it), and 64-bit prefetchable
-    windows reserved (firmware sizes an empty root port's window at boot)."""
-    def finding(what: str, why: str, fix: str, severity: Severity = Severity.ERROR) -> Finding:
-        return Finding(domain=dom.name, check=Check.HOTPLUG, severity=severity,
-                       what=f"policy.hotplug: {what}", why=why, fix=fix)
-
-    if not dom.q35:
-        return [finding(
-            f"machine {dom.machine or '(unset)'} has no PCIe root ports",
-            "a GPU is hot-added into a pcie-root-port, which only q35 has.",
-            "move the lendee to q35 (a new definition), or set policy.hotplug = \"none\"")]
-    if not dom.xml:
-        return []  # built by hand, not read: nothing to tell the ports from
-    root = ET.fromstring(dom.xml)
-    ports = {c.get("index"): c for c in root.findall("devices/controller[@type='pci']")
-             if c.get("model") == "pcie-root-port"}
-    owned = {label for o in config.owners.values() for label in o.gpus}
-    gpus = {label: config.gpus[label] for label in config.lendee.gpus}
-    found: list[Finding] = []
-    used: dict[int, str] = {}
-    for dev in root.findall("devices/*"):
-        at = dev.find("address[@type='pci']")
-        if at is not None and gpu_devices.owner_label(dev, gpus) is None:
-            used.setdefault(_int(at.get("bus")), f"<{dev.tag}>")
-    for label in sorted(set(gpus) & owned):
-        try:
-            parts = gpu_devices.elements_of(dom.xml, {label}, gpus)
-        except (gpu_devices.GpuNotInXml, ValueError):
-            continue  # said by the config checks above
-        for part in parts:
-            dev = ET.fromstring(part)
-            what = _device_name(dev)
-            at = dev.find("address[@type='pci']")
-            bus = _int(at.get("bus")) if at is not None else -1
-            port = ports.get(str(bus))
-            if at is None or port is None:
-                found.append(finding(
-                    f"{what} of {label} is not in a pcie-root-port of its own",
-                    "a hot-added device goes into an empty hot-pluggable root port; one on "
-                    "the root bus or a bridge cannot be added live.",
-                    "give it <address type='pci' bus='0xNN' slot='0x00'/> on a "
-                    "<controller type='pci' model='pcie-root-port'> with an explicit index "
-                    "(one per function)"))
-                continue
-            if at.get("multifunction") == "on" or bus in used:
-                other = used.get(bus, "another function")
-                found.append(finding(
-                    f"{what} of {label} shares root port {bus} with {other}",
-                    "libvirt hot-plugs one single-function device per root port: a "
-                    "multifunction slot cannot be attached live.",
-                    "give each function its own pcie-root-port (bus), slot 0x00, without "
-                    "multifunction='on'"))
-            target = port.find("target")
-            if target is not None and target.get("hotplug") == "off":
-                found.append(finding(
-                    f"root port {bus} of {label}'s {what} has hotplug='off'",
-                    "the guest is told the port never takes a device.",
-                    f"remove hotplug='off' from the controller with index {bus}"))
-            used[bus] = f"{label}'s {what}"
-    if "pref64-reserve" not in dom.xml:
-        found.append(finding(
-            "no 64-bit prefetchable window is reserved on the root ports",
-            "the firmware sizes an empty root port's windows at boot to almost nothing; a "
-            "GPU attached later whose BAR1 (256 MiB to tens of GiB) does not fit gets no "
-            "address in the guest and its driver fails.",
-            _PREF64_FIX, Severity.WARNING))
-    return found
-
-
-# Kernel arguments with which a Linux guest ignores a hot-plug request: no ACPI hot-plug
-# driver (acpiphp), or the PCIe ports without their native hot-plug service.
-_NO_HOTPLUG_ARGS = ("acpiphp.disable=1", "pcie_ports=compat", "pciehp.disable=1")
-
-
-def hotplug_capability(dom: Domain, config: Config) -> tuple[Hotplug, str]:
-    """What ``policy.hotplug = "auto"`` means for the lendee `dom`: "both" when the GPUs
-    an owner may free can be attached and detached live (`_hot_add` finds no error: each
-    function in a hot-pluggable pcie-root-port of its own) and the kernel command line
-    in its XML does not turn the guest's hot-plug off; else "none". With the reason, in
-    one sentence, for `hostagent status` and `hostagent lint`."""
-    if config.policy.hotplug is not Hotplug.AUTO:
-        return config.policy.hotplug, f"policy.hotplug = \"{config.policy.hotplug}\""
-    problems = [f.what.removeprefix("policy.hotplug: ") for f in _hot_add(dom, config)
-                if f.severity is Severity.ERROR]
-    if problems:
-        return Hotplug.NONE, f"{dom.name} cannot hot-plug its GPUs: {problems[0]}"
-    cmdline = ""
-    if dom.xml:
-        found = ET.fromstring(dom.xml).find("os/cmdline")
-        cmdline = (found.text or "") if found is not None else ""
-    off = [a for a in _NO_HOTPLUG_ARGS if a in cmdline.split()]
-    if off:
-        return Hotplug.NONE, f"{dom.name}'s kernel command line has {off[0]}: it ignores hot-plug"
-    return Hotplug.BOTH, (f"{dom.name} has a spare pcie-root-port for each function of its "
-                          "owners' GPUs and its guest's hot-plug is not turned off")
-
-
-def regrow_note(domains: Sequence[Domain], config: Config) -> str | None:
-    """How the lendee's GPUs change while it runs, and why: one line for `hostagent lint`
-    (None when the lendee is not among `domains`)."""
-    lendee = next((d for d in domains if d.name == config.lendee.domain), None)
-    if lendee is None:
-        return None
-    how, why = hotplug_capability(lendee, config)
-    policy = config.policy
-    return (f"{lendee.name}: GPUs change "
-            f"{changes(how, policy.regrow, policy.regrow_max_wait)} ({why})")
-
-
-def changes(how: Hotplug, regrow: Regrow, max_wait: float | None) -> str:
-    """The lendee's regrow and reclaim under `how`, in a few words."""
-    if regrow is Regrow.ALWAYS:
-        wait = "a regrow by restart kills the GPU jobs that run (policy.regrow = \"always\")"
-    elif regrow is Regrow.NEVER:
-        wait = "no regrow by restart (policy.regrow = \"never\")"
-    elif max_wait is None:
-        wait = "a regrow by restart waits until no GPU pod runs, however long"
-    else:
-        wait = (f"a regrow by restart waits up to {max_wait:g}s (policy.regrow_max_wait) "
-                "for the GPU pods to end, then kills them")
-    match how:
-        case Hotplug.BOTH:
-            return f"live (hot-add and hot-unplug), the restart as fallback; {wait}"
-        case Hotplug.ADD:
-            return f"live when added (hot-add), by restart when a game takes one; {wait}"
-        case _:
-            return f"by restart; {wait}"
-
-
-def _int(text: str | None) -> int:
-    try:
-        return int(text or "", 0)
-    except ValueError:
-        return -1
-
-
-def _device_name(dev: ET.Element) -> str:
-    source = dev.find("source/address")
-    if dev.tag == "hostdev" and source is not None:
-        return f"<hostdev> {_address(dev.find('source'))}"
-    alias = dev.find("alias")
-    return f"<{dev.tag}> {alias.get('name', '') if alias is not None else ''}".strip()
-
 
 def _autostart(domains: Sequence[Domain],
                roles: dict[str, tuple[str, str, tuple[str, ...]]]) -> list[Finding]:

@@ -27,6 +27,7 @@ from hostagent.host import iommu, journal, lint, screenshots
 from hostagent.host import gpus as inventory
 from hostagent.host import verify as in_guest
 from hostagent.core.config import Config, VerifyMethod
+from hostagent.core.text import clean
 from hostagent.host.libvirt import DomainNotFound, HookRefused, HostError, Libvirt, Lifecycle
 from hostagent.core.model import (
     Action,
@@ -99,8 +100,8 @@ class Executor:
                 self.spawn(self._wait_agent(t), action)
             case ShutdownLendee(ticket=t):
                 self.spawn(self._shutdown(t), action)
-            case ForceOff(ticket=t):
-                self.spawn(self._force_off(t), action)
+            case ForceOff(ticket=t, reason=why):
+                self.spawn(self._force_off(t, why), action)
             case StartOwner(owner=owner):
                 self.spawn(self._start(owner, action), action)
             case StartLendee(gpus=gpus):
@@ -263,15 +264,28 @@ class Executor:
         elif self.view.state.phase is not Phase.OFF:
             self.apply(LendeeStopped(at=clock.now()))  # the event was lost; reality says off
 
-    async def _force_off(self, ticket: int) -> None:
+    async def _force_off(self, ticket: int, why: str = "") -> None:
+        """Destroy the lendee after policy.force_off_after (none if unset). `why`: the
+        machine's own reason (a guest stuck letting a GPU go), said as it is."""
         grace = self.cfg.policy.force_off_after or 0.0
-        journal.record("force-off", f"{self.lendee} did not shut down: forcing it off in "
-                       f"{grace:g}s as policy.force_off_after allows", vm=self.lendee,
+        said = (why or f"{self.lendee} did not shut down: forcing it off in {grace:g}s as "
+                "policy.force_off_after allows")
+        if why and grace:
+            said += f" (in {grace:g}s, policy.force_off_after)"
+        journal.record("force-off", said, vm=self.lendee,
                        result="forced", priority=journal.Priority.WARNING)
         await asyncio.sleep(grace)
         if self._current(ticket):
-            with contextlib.suppress(HostError):
+            try:
                 await self.libvirt.destroy(self.lendee)
+            except HostError as e:
+                # Its QEMU may hang in the kernel letting a device go: only a human (or a
+                # host reboot) frees the GPUs then, and whoever waits must hear why.
+                journal.record("force-off", f"{self.lendee} could not be powered off: "
+                               f"{clean(e, 200)}; its GPUs stay held until it stops "
+                               f"(virsh destroy {self.lendee}, else a host reboot)",
+                               vm=self.lendee, result="failed",
+                               priority=journal.Priority.ERR)
 
     async def _start(self, vm: str, action: Action,
                      gpus: frozenset[str] | None = None) -> None:

@@ -942,7 +942,8 @@ class World(RuleBasedStateMachine):
             case FailIntent(intent_id=i, owner=o):
                 assert self.open.pop(i) == o, f"intent {i} failed twice or never opened"
             case ForceOff():
-                assert self.policy.force_off, "ForceOff without force_off_after"
+                assert self.policy.force_off or before.unplug_stuck, (
+                    "ForceOff without force_off_after, of a guest not stuck letting a GPU go")
                 self.queue.append(action)
             case AttachGpus(gpus=g):
                 self.attached |= g
@@ -1075,7 +1076,9 @@ class World(RuleBasedStateMachine):
                     self.live -= g
                     self.deliver(GpusDetached(at=self.now, ticket=t, gpus=g))
                 else:
-                    self.deliver(DetachFailed(at=self.now, ticket=t, gpus=g, reason="x"))
+                    # Every other one stuck in the guest: powered off if it cannot stop.
+                    self.deliver(DetachFailed(at=self.now, ticket=t, gpus=g, reason="x",
+                                              stuck=t % 2 == 0))
             case _:
                 raise AssertionError(f"unexpected queued action {action}")
 

@@ -12,6 +12,7 @@ import pytest
 
 from hostagent.host import lint
 from hostagent.core.config import Config, parse
+from hostagent.core.model import Hotplug, Policy
 from hostagent.host.lint import Check, Severity
 
 REPO = Path(__file__).resolve().parents[3]
@@ -369,3 +370,134 @@ def test_cli_lint_exit_status_and_output(host: Any, tmp_path: Path) -> None:
         "  fix: remove the hostdev (virsh edit gaming1) or point it at the card's new address "
         "(lspci -D; put a replacement card in the freed slot to keep it)"]
     assert bad.stdout.endswith("1 domain(s) checked: 3 error(s), 0 warning(s)\n")
+
+
+# --- each lent GPU can be reset between VMs -------------------------------------------------
+
+
+def resets(sysfs: Any, cfg: Config) -> list[lint.Finding]:
+    return [f for f in run(clean_set(), sysfs, cfg) if f.check is Check.RESET]
+
+
+def lent_gpus(sysfs: Any, **gpu_a: Any) -> None:
+    """gpu-a as given, gpu-b and gpu-c with FLR, each on the root bus unless `behind`."""
+    sysfs.gpu("01", **gpu_a).gpu("02").gpu("03", device="1401")
+
+
+def test_a_lent_gpu_that_cannot_be_reset_is_an_error(sysfs: Any, cfg: Config) -> None:
+    # No function reset (a kernel since 5.15 shows no reset_method then) and no bridge
+    # above it for a bus reset: the next VM gets the GPU as the last one left it.
+    lent_gpus(sysfs, reset_method=None)
+    [function, audio] = resets(sysfs, cfg)
+    assert (function.domain, function.severity) == ("gpu-node", Severity.ERROR)
+    assert function.what == (
+        "0000:01:00.0 of GPU gpu-a cannot be reset between VMs: it has no reset method "
+        "and no bridge above it whose bus could be reset")
+    assert "its memory" in function.why and "/reset_method" in function.fix
+    assert audio.what.startswith("0000:01:00.1 of GPU gpu-a cannot be reset")
+
+
+def test_every_reset_method_turned_off_is_an_error(sysfs: Any, cfg: Config) -> None:
+    sysfs.add("0000:00:01.0", cls=0x060400, device="1901", driver="pcieport", group="1")
+    lent_gpus(sysfs, reset_method="", behind="0000:00:01.0")
+    found = resets(sysfs, cfg)
+    assert [(f.severity, f.what) for f in found] == [
+        (Severity.ERROR, f"0000:01:00.{n} of GPU gpu-a cannot be reset between VMs: every "
+                         "reset method is turned off (its reset_method is empty)")
+        for n in (0, 1)]
+    assert found[0].fix.startswith("echo default > /sys/bus/pci/devices/0000:01:00.0/reset_method")
+
+
+def test_a_bus_reset_alone_behind_its_bridge_is_enough(sysfs: Any, cfg: Config) -> None:
+    # A GPU without FLR, its audio function beside it: the kernel lists no method (its
+    # bus reset needs the bus to itself), and vfio-pci resets the bus on release.
+    sysfs.add("0000:00:01.0", cls=0x060400, device="1901", driver="pcieport", group="1")
+    lent_gpus(sysfs, reset_method=None, behind="0000:00:01.0")
+    assert resets(sysfs, cfg) == []
+    # A kernel before 5.15 has no reset_method but a reset file where one works.
+    sysfs.add("0000:00:02.0", cls=0x060400, device="1901", driver="pcieport", group="2")
+    (next((sysfs.root / "devices").rglob("0000:02:00.0")) / "reset_method").unlink()
+    assert resets(sysfs, cfg) == []
+
+
+def test_a_bus_only_reset_with_other_devices_behind_the_bridge_warns(
+        sysfs: Any, cfg: Config) -> None:
+    sysfs.add("0000:00:01.0", cls=0x060400, device="1901", driver="pcieport", group="1")
+    lent_gpus(sysfs, reset_method="bus", behind="0000:00:01.0", audio=False)
+    sysfs.add("0000:01:00.1", cls=0x040300, device="228e", group="1", reset_method="bus",
+              behind="0000:00:01.0")
+    sysfs.add("0000:01:01.0", cls=0x0c0330, vendor="1912", device="0014", driver="xhci_hcd",
+              group="1", reset_method="bus", behind="0000:00:01.0")
+    [function, audio] = resets(sysfs, cfg)
+    assert (function.severity, function.what) == (Severity.WARNING, (
+        "0000:01:00.0 of GPU gpu-a is reset only by a reset of its bus, which 0000:01:01.0 "
+        "(1912:0014) shares"))
+    assert "resets 0000:01:01.0 too" in function.why
+    assert "only while none of them is in use" in function.why
+    assert audio.what.startswith("0000:01:00.1 of GPU gpu-a is reset only by a reset")
+
+
+def test_reset_is_checked_for_the_lendee_only(sysfs: Any, cfg: Config) -> None:
+    lent_gpus(sysfs, reset_method=None)
+    owner = {"gaming1": clean_set()["gaming1"]}
+    assert not [f for f in run(owner, sysfs, cfg) if f.check is Check.RESET]
+    # Nor before a VM starts (check_domain): a finding there would stop the start.
+    dom = lint.parse_domain(clean_set()["gpu-node"])
+    assert not [f for f in lint.check_domain(dom, sysfs=sysfs.root, lendee=True)
+                if f.check is Check.RESET]
+
+
+# --- policy.hotplug = "auto": what the definition allows, and what the lendee shows ---------
+
+
+def test_auto_is_hot_add_at_most_and_needs_a_64_bit_window() -> None:
+    from tests.unit.service.test_hotplug import LINT_CONFIG, hot_add_findings, lendee_xml
+    auto = LINT_CONFIG.replace('hotplug = "add"', "")
+    how, why = lint.hotplug_capability(lint.parse_domain(lendee_xml()), parse(auto))
+    assert how is Hotplug.ADD and why.endswith(
+        "hot-add; hot-unplug only once the running lendee shows its GPU plugins honour "
+        "nvidia.com/gpu.deploy.device-plugin and its nvidia-smi supports drain")
+    # Without the window, no hot-add under auto: a GPU attached live gets no address.
+    bare = lint.parse_domain(lendee_xml(pref64=False))
+    assert lint.hotplug_capability(bare, parse(auto)) == (Hotplug.NONE, (
+        "gpu-node cannot hot-add its GPUs: no 64-bit prefetchable window is reserved on the "
+        "root ports (pcie-root-port.pref64-reserve)"))
+    # And lint's warning, which said so only under "add" or "both", says so under auto.
+    assert hot_add_findings(lendee_xml(pref64=False), auto) == [
+        "warning: policy.hotplug: no 64-bit prefetchable window is reserved on the root ports"]
+    [finding] = [f for f in lint.lint([bare], config=parse(auto)) if f.check is Check.HOTPLUG]
+    assert finding.why.endswith('policy.hotplug = "auto" attaches no GPU live here until one '
+                                "is reserved.")
+    assert "pref64-reserve=64G" in finding.fix
+    # Not where something else keeps it from hot-add: lint's note says that.
+    assert hot_add_findings(lendee_xml(pref64=False, machine="pc-i440fx-7.2"), auto) == []
+
+
+def test_the_running_lendee_turns_auto_into_hot_unplug_or_not() -> None:
+    """The seam for the agent: once it has seen that the lendee's GPU plugins honour
+    their node label and its nvidia-smi supports drain, "auto" takes hot-unplug too."""
+    from tests.unit.service.test_hotplug import LINT_CONFIG, lendee_xml
+    auto = parse(LINT_CONFIG.replace('hotplug = "add"', ""))
+    how, why = lint.hotplug_capability(lint.parse_domain(lendee_xml()), auto)
+    policy = Policy(hotplug=how, hotplug_why=f'policy.hotplug = "auto": {why}')
+    both = lint.unplug_at_run_time(auto, policy, plugins_pausable=True, drain_supported=True)
+    assert (both.hotplug, both.hotplug_why) == (Hotplug.BOTH, (
+        'policy.hotplug = "auto": gpu-node hot-adds, and hot-unplugs since its GPU plugins '
+        "honour nvidia.com/gpu.deploy.device-plugin and its nvidia-smi supports drain"))
+    assert lint.changes(both.hotplug, both.regrow, None).startswith(
+        "live (hot-add and hot-unplug)")
+    add = lint.unplug_at_run_time(auto, both, plugins_pausable=True, drain_supported=False)
+    assert (add.hotplug, add.hotplug_why) == (Hotplug.ADD, (
+        'policy.hotplug = "auto": gpu-node hot-adds only: its nvidia-smi does not support '
+        "drain"))
+    assert lint.unplug_at_run_time(auto, policy, plugins_pausable=False,
+                                   drain_supported=False).hotplug_why.endswith(
+        "its GPU plugins do not honour nvidia.com/gpu.deploy.device-plugin and its "
+        "nvidia-smi does not support drain")
+    # Where the definition allows no hot-add, or hot-plug was set by hand: unchanged.
+    none = Policy(hotplug=Hotplug.NONE, hotplug_why="x")
+    assert lint.unplug_at_run_time(auto, none, plugins_pausable=True,
+                                   drain_supported=True) is none
+    by_hand = Policy(hotplug=Hotplug.ADD)
+    assert lint.unplug_at_run_time(parse(LINT_CONFIG), by_hand, plugins_pausable=True,
+                                   drain_supported=True) is by_hand

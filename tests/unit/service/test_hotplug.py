@@ -212,19 +212,21 @@ def test_the_default_hotplug_is_what_lint_finds_the_lendee_can_do() -> None:
     def capability(xml: str) -> tuple[Hotplug, str]:
         return lint.hotplug_capability(lint.parse_domain(xml), auto)
 
-    assert capability(lendee_xml()) == (Hotplug.BOTH, (
-        "gpu-node has a spare pcie-root-port for each function of its owners' GPUs and its "
-        "guest's hot-plug is not turned off"))
+    # From the definition alone, "auto" is hot-add at most: hot-unplug waits for what the
+    # running lendee shows (tests/unit/host/test_lint.py: unplug_at_run_time).
+    assert capability(lendee_xml()) == (Hotplug.ADD, (
+        "gpu-node has a spare pcie-root-port for each function of its owners' GPUs, a 64-bit "
+        "prefetchable window and its guest's hot-plug on: hot-add; hot-unplug only once the "
+        "running lendee shows its GPU plugins honour nvidia.com/gpu.deploy.device-plugin and "
+        "its nvidia-smi supports drain"))
     assert capability(lendee_xml(machine="pc-i440fx-7.2")) == (Hotplug.NONE, (
         "gpu-node cannot hot-plug its GPUs: machine pc-i440fx-7.2 has no PCIe root ports"))
     booted = lendee_xml().replace(
         "</os>", "<kernel>/vmlinuz</kernel><cmdline>quiet acpiphp.disable=1</cmdline></os>")
     assert capability(booted) == (Hotplug.NONE, (
         "gpu-node's kernel command line has acpiphp.disable=1: it ignores hot-plug"))
-    # Where "auto" takes hot-unplug, lint gives the caveat "both" set by hand gets.
-    assert hot_add_findings(lendee_xml(), LINT_CONFIG.replace('hotplug = "add"', "")) == [
-        'warning: policy.hotplug = "auto" takes hot-unplug here, which is experimental: '
-        "NVIDIA does not support hot-unplug of its GPUs"]
+    # "auto" never takes hot-unplug from the definition: no caveat for it there.
+    assert hot_add_findings(lendee_xml(), LINT_CONFIG.replace('hotplug = "add"', "")) == []
     assert hot_add_findings(booted, LINT_CONFIG.replace('hotplug = "add"', "")) == []
     # A policy set by hand is what applies, whatever the XML.
     assert lint.hotplug_capability(lint.parse_domain(booted), parse(LINT_CONFIG))[0] is Hotplug.ADD
@@ -234,14 +236,16 @@ def test_the_default_hotplug_is_what_lint_finds_the_lendee_can_do() -> None:
         "however long (gpu-node's kernel command line has acpiphp.disable=1: it ignores "
         "hot-plug)")
     assert lint.regrow_note([lint.parse_domain(lendee_xml())], auto) == (
-        "gpu-node: GPUs change live (hot-add and hot-unplug), the restart as fallback; a "
-        "regrow by restart waits until no GPU pod runs, however long (gpu-node has a spare "
-        "pcie-root-port for each function of its owners' GPUs and its guest's hot-plug is "
-        "not turned off)")
+        "gpu-node: GPUs change live when added (hot-add), by restart when a game takes one; "
+        "a regrow by restart waits until no GPU pod runs, however long (gpu-node has a spare "
+        "pcie-root-port for each function of its owners' GPUs, a 64-bit prefetchable window "
+        "and its guest's hot-plug on: hot-add; hot-unplug only once the running lendee shows "
+        "its GPU plugins honour nvidia.com/gpu.deploy.device-plugin and its nvidia-smi "
+        "supports drain)")
 
 
 @pytest.mark.parametrize("xml,how,changes", [
-    (lendee_xml(), Hotplug.BOTH, "live (hot-add and hot-unplug)"),
+    (lendee_xml(), Hotplug.ADD, "live when added (hot-add)"),
     (lendee_xml(machine="pc-i440fx-7.2"), Hotplug.NONE, "by restart; a regrow by restart "
      "waits until no GPU pod runs"),
 ], ids=["q35 with spare root ports", "i440fx"])

@@ -30,8 +30,6 @@ from hostagent.core.model import (
     DetachFailed,
     DetachGpus,
     Drain,
-    Drained,
-    ForceOff,
     Event,
     GpuPods,
     GpusDetached,
@@ -46,8 +44,6 @@ from hostagent.core.model import (
     Reserve,
     ReturnDone,
     ScheduleRelend,
-    ShutdownLendee,
-    ShutdownTimeout,
     StartOwner,
     State,
     Topology,
@@ -118,27 +114,6 @@ def test_a_failed_hot_unplug_takes_the_reclaim_road_and_is_not_tried_again() -> 
     assert actions == [StartOwner(owner="gaming1")] and not off.unplug_failed
 
 
-def test_a_guest_stuck_letting_go_is_never_destroyed_by_default() -> None:
-    # NVIDIA's open modules 595.58.03-610.57.04 hang an unbind while a handle stays open,
-    # and the guest's shutdown behind it. The fallback restart runs at once; a shutdown
-    # that hangs then is FAILED with the reason, never a power-off unless force_off is
-    # set (I3: a card mid-unbind powered off may need a host reboot).
-    new, actions = go(detaching(), DetachFailed(at=AT, ticket=T + 1, gpus=gpus(A), stuck=True,
-                                                reason="gpu-a still in the live XML after 30s"))
-    assert actions == [Drain(ticket=T + 2)] and new.unplug_stuck
-    new, actions = run(new, Drained(at=AT, ticket=T + 2), AgentUp(at=AT, ticket=T + 3))
-    assert actions[-1] == ShutdownLendee(ticket=T + 3)
-    failed, actions = go(new, ShutdownTimeout(at=AT, ticket=T + 3))
-    assert failed.phase is Phase.FAILED and actions == []
-    assert failed.reason is not None and "did not let a GPU go when asked" in failed.reason
-    # With force_off set, the power-off frees the GPU, and the game starts.
-    forced, actions = go(new, ShutdownTimeout(at=AT, ticket=T + 3),
-                         replace(BOTH, force_off=True))
-    assert forced.phase is Phase.STOPPING and actions == [ForceOff(ticket=T + 3)]
-    off, actions = go(forced, LendeeStopped(at=AT))
-    assert actions == [StartOwner(owner="gaming1")] and not off.unplug_stuck
-
-
 @pytest.mark.parametrize(("state", "policy"), [
     (lent(), POLICY),  # hotplug = "none"
     (lent(), replace(POLICY, hotplug=Hotplug.ADD)),
@@ -162,18 +137,6 @@ def test_an_iommu_group_is_detached_whole() -> None:
     # Not when the group is all it has left but one GPU under min_gpus = 2.
     new, actions = Stepper(grouped, replace(BOTH, min_gpus=2)).go(lent(), wants("gaming2"))
     assert actions == [Drain(ticket=T + 1)]
-
-
-def test_a_second_owner_for_another_lent_gpu_takes_the_reclaim_road() -> None:
-    new, actions = go(detaching(), wants("gaming2"))
-    assert actions == [Drain(ticket=T + 2)]
-    assert (new.phase, new.detaching, new.lent) == (Phase.DRAINING, frozenset(), gpus(A, B, C))
-    assert not still_wanted(new, DetachGpus(ticket=T + 1, gpus=gpus(A)), topo=TOPO)
-    with pytest.raises(IllegalTransition):
-        go(new, GpusDetached(at=AT, ticket=T + 1, gpus=gpus(A)))
-    # Both start once the lendee stops.
-    _, actions = go(new, LendeeStopped(at=AT))
-    assert actions == [StartOwner(owner="gaming1"), StartOwner(owner="gaming2")]
 
 
 def test_a_second_request_for_the_same_owner_joins_the_detach() -> None:
