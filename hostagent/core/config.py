@@ -73,8 +73,6 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     reserve_lead = "15m"                    # `hostagent reserve`: the GPU pods' notice this
     reserve_margin = "5m"                   # long ahead; eviction at the time less their
     reserve_expiry = "30m"                  # grace and this; unused this long: lent again
-    reserve_cooldown = "1h"                 # after one that held ended unused, that VM
-                                            # cannot be reserved again for this long
 
     [verify]                                # after a lend: does the guest see its GPUs?
     method = "guest-agent"                  # "guest-agent" (guest-exec), "ssh" or "none"
@@ -125,8 +123,7 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     discovery_prefix = "homeassistant"
     base_topic = "hostagent/tower"          # states and commands live under it (the
                                             # default: hostagent/<this host's name>)
-    verbs = ["play", "release", "reserve"]  # what MQTT may command (default: all but
-                                            # cancel-any, which must be named)
+    verbs = ["play", "release", "reserve"]  # what MQTT may command (default: all)
     vms = ["gaming1"]                       # the owners it may start and stop; default: all
     per_entity = false                      # true: one discovery message per entity
 
@@ -179,11 +176,8 @@ Rules beyond the types:
   because a check that trusts any host key proves nothing.
 - ``control_group`` is a group name; the agent looks it up when it starts and refuses
   to start if there is no such group. Without it the control socket is root's alone.
-- ``control_verbs`` lists the control verbs members of ``control_group`` may use
-  (default: status, hold, resume and its other name lend); root may use every verb.
-  ``"reserve:gaming1"`` grants a verb that names a VM (play, release, reserve,
-  cancel-any) on that VM alone, as an SSH key's ``vms=`` does; ``cancel-any`` lets a
-  member cancel or replace a reservation someone else made (else only who reserved may).
+- ``control_verbs``: the control verbs members of ``control_group`` may use (default:
+  status, hold, resume/lend; ``"reserve:gaming1"``: on one VM; cancel-any); root: all.
 - ``[ssh]`` turns the SSH endpoint on (`hostagent.surfaces.ssh`, which documents the
   authorized-keys syntax). Its host key is created (ed25519, mode 0600, with a ``.pub``
   beside it) when the file does not exist; an existing one is never replaced.
@@ -369,12 +363,10 @@ class Policy:
     # "both" where lint finds the lendee can, else "none" (every change a restart).
     hotplug: Hotplug = field(default=Hotplug.AUTO, metadata=_key(_choice(Hotplug)))
     # Reservations (hostagent.core.reserve): the notice's lead, the margin for the drain and
-    # shutdown after the longest grace period, and how long an unused one is kept.
+    # shutdown after the longest grace, how long an unused one is kept, and then its pause.
     reserve_lead: float = field(default=900.0, metadata=_key(_duration))
     reserve_margin: float = field(default=300.0, metadata=_key(_duration))
     reserve_expiry: float = field(default=1800.0, metadata=_key(_positive_duration))
-    # After a reservation that held ended unused (expired, yielded to another owner's
-    # start, cancelled while it held): how long before that VM may be reserved again.
     reserve_cooldown: float = field(default=3600.0, metadata=_key(_duration))
 
 
@@ -717,16 +709,12 @@ def _link(config: Config) -> Config:
     if config.mqtt is not None and config.mqtt.ca is not None and not config.mqtt.tls:
         problems.append(_Problem("mqtt.ca", "set, but the broker URL is mqtt:// (no TLS)",
                                  "write the broker as mqtts://... or remove ca"))
-    for entry in sorted(config.control_verbs):
-        vm = entry.partition(":")[2]
-        if vm and vm not in owners:
-            problems.append(_Problem(
-                "control_verbs", f'"{entry}" names {vm}, which is not an owner VM',
-                f"name one of {', '.join(owners) or 'the [owners] (none yet)'}"))
-    for i, vm in enumerate((config.mqtt.vms or ()) if config.mqtt else ()):
+    listed = [(f"mqtt.vms[{i}]", vm) for i, vm in enumerate(config.mqtt and config.mqtt.vms or ())]
+    listed += [("control_verbs", e.split(":")[1]) for e in sorted(config.control_verbs) if ":" in e]
+    for key, vm in listed:
         if vm not in owners:
             problems.append(_Problem(
-                f"mqtt.vms[{i}]", f'"{vm}" is not an owner VM',
+                key, f'"{vm}" is not an owner VM',
                 f"list some of {', '.join(owners) or 'the [owners] (none yet)'}"))
     _raise_any(problems)
     return dataclasses.replace(config, lendee=lendee, owners=owners, gpus=gpus)
