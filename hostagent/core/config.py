@@ -176,8 +176,8 @@ Rules beyond the types:
   because a check that trusts any host key proves nothing.
 - ``control_group`` is a group name; the agent looks it up when it starts and refuses
   to start if there is no such group. Without it the control socket is root's alone.
-- ``control_verbs`` lists the control verbs members of ``control_group`` may use
-  (default: status, hold, resume and its other name lend); root may use every verb.
+- ``control_verbs``: the control verbs members of ``control_group`` may use (default:
+  status, hold, resume/lend; ``"reserve:gaming1"``: on one VM; cancel-any); root: all.
 - ``[ssh]`` turns the SSH endpoint on (`hostagent.surfaces.ssh`, which documents the
   authorized-keys syntax). Its host key is created (ed25519, mode 0600, with a ``.pub``
   beside it) when the file does not exist; an existing one is never replaced.
@@ -363,10 +363,11 @@ class Policy:
     # "both" where lint finds the lendee can, else "none" (every change a restart).
     hotplug: Hotplug = field(default=Hotplug.AUTO, metadata=_key(_choice(Hotplug)))
     # Reservations (hostagent.core.reserve): the notice's lead, the margin for the drain and
-    # shutdown after the longest grace period, and how long an unused one is kept.
+    # shutdown after the longest grace, how long an unused one is kept, and then its pause.
     reserve_lead: float = field(default=900.0, metadata=_key(_duration))
     reserve_margin: float = field(default=300.0, metadata=_key(_duration))
     reserve_expiry: float = field(default=1800.0, metadata=_key(_positive_duration))
+    reserve_cooldown: float = field(default=3600.0, metadata=_key(_duration))
 
 
 class VerifyMethod(enum.StrEnum):
@@ -708,10 +709,12 @@ def _link(config: Config) -> Config:
     if config.mqtt is not None and config.mqtt.ca is not None and not config.mqtt.tls:
         problems.append(_Problem("mqtt.ca", "set, but the broker URL is mqtt:// (no TLS)",
                                  "write the broker as mqtts://... or remove ca"))
-    for i, vm in enumerate((config.mqtt.vms or ()) if config.mqtt else ()):
+    listed = [(f"mqtt.vms[{i}]", vm) for i, vm in enumerate(config.mqtt and config.mqtt.vms or ())]
+    listed += [("control_verbs", e.split(":")[1]) for e in sorted(config.control_verbs) if ":" in e]
+    for key, vm in listed:
         if vm not in owners:
             problems.append(_Problem(
-                f"mqtt.vms[{i}]", f'"{vm}" is not an owner VM',
+                key, f'"{vm}" is not an owner VM',
                 f"list some of {', '.join(owners) or 'the [owners] (none yet)'}"))
     _raise_any(problems)
     return dataclasses.replace(config, lendee=lendee, owners=owners, gpus=gpus)

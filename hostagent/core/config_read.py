@@ -400,12 +400,25 @@ _GROUP = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}")
 CONTROL_VERBS = ("status", "play", "release", "hold", "resume", "lend", "reclaim", "reserve")
 
 
+# What a grant may name beyond the verbs: cancel (or replace) a reservation someone else
+# made (hostagent.service.verbs); without it only the one who reserved may.
+CANCEL_ANY = "cancel-any"
+# The verbs that name an owner VM: "verb:vm" grants one on that VM alone.
+_SCOPED = ("play", "release", "reserve", CANCEL_ANY)
+_SCOPED_VM = re.compile(r"[A-Za-z0-9_.-]+")
+
+
 def _control_verb(value: object, key: str) -> str:
-    verb = _text(value, key)
-    if verb not in CONTROL_VERBS:
-        raise _Problem(key, f'"{verb}" is not a control verb',
-                       f"write one of {', '.join(CONTROL_VERBS)}")
-    return verb
+    entry = _text(value, key)
+    verb, colon, vm = entry.partition(":")
+    if verb not in (*CONTROL_VERBS, CANCEL_ANY):
+        raise _Problem(key, f'"{entry}" is not a control verb',
+                       f"write one of {', '.join((*CONTROL_VERBS, CANCEL_ANY))}, or "
+                       '"reserve:gaming1" for one VM')
+    if colon and (verb not in _SCOPED or not _SCOPED_VM.fullmatch(vm)):
+        raise _Problem(key, f'"{entry}" does not scope a verb to a VM',
+                       f"only {', '.join(_SCOPED)} name a VM: write e.g. \"reserve:gaming1\"")
+    return entry
 
 
 def _control_verbs(value: object, key: str) -> frozenset[str]:
@@ -513,6 +526,8 @@ def _topic(value: object, key: str) -> str:
 def _mqtt_verb(value: object, key: str) -> str:
     verb = _text(value, key)
     verb = "lend" if verb == "resume" else verb
+    if verb == CANCEL_ANY:  # granted by name only, never by default
+        return verb
     if verb not in MQTT_VERBS:
         raise _Problem(key, f'"{verb}" is not a verb MQTT can command',
                        f"write some of {', '.join(MQTT_VERBS)} (its states are published)")

@@ -118,16 +118,20 @@ def _in_the_way(state: State, topo: Topology) -> list[str]:
 def conflict(state: State, owner: str, topo: Topology) -> str | None:
     """Why `owner` cannot start because another owner of one of its GPUs runs, is on
     its way or has a reservation that holds it (owners of one card exclude each other:
-    never a reclaim, never a wait on a game), or None."""
+    never a reclaim, never a wait on a game), or None. A reservation past its time and
+    unused (``yielding``) stops nobody: a real start beats a reservation nobody uses.
+    The refusal names who reserved, for the journal."""
     mine = topo.claims(owner)
+    firm = {r.vm: r.by for r in state.reservations if r.holding and not r.yielding}
     for others, what in ((sorted(state.running_owners), "in use by"),
                          (_pending(state), "being handed to"),
-                         (sorted(state.reserved), "reserved for")):
+                         (sorted(firm), "reserved for")):
         for other in others:
             both = mine & topo.claims(other)
             if other != owner and both:
                 verb = "is" if len(both) == 1 else "are"
-                return f"{', '.join(sorted(both))} {verb} {what} {other}"
+                by = f" (by {firm[other]})" if what == "reserved for" and firm[other] else ""
+                return f"{', '.join(sorted(both))} {verb} {what} {other}{by}"
     return None
 
 

@@ -29,6 +29,9 @@ in ``state.toml`` under ``state_dir``::
     made = 2026-01-10T17:30:00+00:00
     evict_at = 2026-01-10T21:54:30+00:00  # once the pods' notice went out
     holding = false
+    principal = "ssh key SHA256:…"      # who may cancel it (besides cancel-any)
+    yielding = false                    # past its time, unused: another owner may start
+    yields_from = 2026-01-10T22:00:00+00:00  # when it yields, if not at (it replaced one)
 
 The file is replaced atomically (temporary file, fsync, rename, fsync of the directory),
 so a crash leaves either the old state or the new one, never half of each. A file that
@@ -223,9 +226,13 @@ def _reservation(entry: object, index: int) -> Reservation:
     vm, by = _get(entry, "vm", str, None), _get(entry, "by", str, "")
     if vm is None or at is None or made is None:
         raise _Corrupt(f"has reservations[{index}] without vm, at or made")
+    yields_from = _time(entry, "yields_from")
     return Reservation(vm=vm, at=at.timestamp(), by=by, made=made.timestamp(),
                        evict_at=evict_at.timestamp() if evict_at else None,
-                       holding=_get(entry, "holding", bool, False))
+                       holding=_get(entry, "holding", bool, False),
+                       principal=_get(entry, "principal", str, ""),
+                       yielding=_get(entry, "yielding", bool, False),
+                       yields_from=yields_from.timestamp() if yields_from else None)
 
 
 # --- writing ---------------------------------------------------------------------------
@@ -254,7 +261,9 @@ def _encode(state: State) -> dict[str, Any]:
     ]
     doc["reservations"] = [
         {"vm": r.vm, "at": _stamp(r.at), "by": r.by, "made": _stamp(r.made),
-         "holding": r.holding, **({"evict_at": _stamp(r.evict_at)} if r.evict_at else {})}
+         "holding": r.holding, **({"evict_at": _stamp(r.evict_at)} if r.evict_at else {}),
+         "principal": r.principal, "yielding": r.yielding,
+         **({"yields_from": _stamp(r.yields_from)} if r.yields_from is not None else {})}
         for r in state.reservations
     ]
     return doc

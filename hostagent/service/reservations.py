@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import zoneinfo
 from collections.abc import Awaitable, Callable
-from datetime import datetime
+from datetime import datetime, tzinfo, UTC
 from typing import Any
 
 from hostagent.core import clock
@@ -19,6 +21,19 @@ from hostagent.core.config import Config
 from hostagent.core.model import Reserve, Topology
 from hostagent.service.parts import Apply, Cluster, View
 from hostagent.core.reserve import Reservation
+
+
+def local_zone() -> tzinfo:
+    """The host's zone with its rules (daylight saving), as the C library reads it: $TZ,
+    else /etc/localtime; else today's offset alone. Reads a file: not on the loop."""
+    name = os.environ.get("TZ", "").lstrip(":")
+    try:
+        if name and not name.startswith("/"):
+            return zoneinfo.ZoneInfo(name)
+        with open(name or "/etc/localtime", "rb") as f:
+            return zoneinfo.ZoneInfo.from_file(f, key=name or "localtime")
+    except (OSError, ValueError, zoneinfo.ZoneInfoNotFoundError):
+        return datetime.now().astimezone().tzinfo or UTC
 
 
 def _hhmm(at: float) -> str:
@@ -40,8 +55,12 @@ class Reservations:
         self.lendee = topo.lendee
         policy = cfg.policy
         self.timing = plan.Timing(lead=policy.reserve_lead, margin=policy.reserve_margin,
-                                  expiry=policy.reserve_expiry)
+                                  expiry=policy.reserve_expiry, cooldown=policy.reserve_cooldown)
         self._changed = asyncio.Event()
+        self._unsaved: set[str] = set()  # VMs whose new reservation is being saved
+        # VM -> until when it may not be reserved again (one that held ended unused). Kept
+        # in memory: a restart forgets it, which only the host's administrator can cause.
+        self._cooldown: dict[str, float] = {}
 
     @property
     def now(self) -> tuple[Reservation, ...]:
@@ -51,45 +70,104 @@ class Reservations:
         """Something changed (the agent's watchers): look again."""
         self._changed.set()
 
-    def _set(self, reservations: tuple[Reservation, ...]) -> None:
-        self.apply(Reserve(at=clock.now(), reservations=reservations))
+    def _set(self, reservations: tuple[Reservation, ...]) -> bool:
+        ok = self.apply(Reserve(at=clock.now(), reservations=reservations))
         self._changed.set()
+        return ok
 
     async def durable(self) -> str | None:
         """None once the reservations are on disk, else why they are not."""
         error = await self.saved() if self.saved is not None else None
         return None if error is None else f"{error.strerror or error}"
 
-    def reserve(self, vm: str, at: float, *, by: str) -> str:
-        """`vm` is played from `at` (checked by the caller): one sentence saying what
-        happens when."""
+    def cooling(self, vm: str) -> float | None:
+        """Until when `vm` may not be reserved again (a reservation of it that held ended
+        unused), or None."""
+        until = self._cooldown.get(vm)
+        return until if until is not None and clock.now() < until else None
+
+    def _cool(self, r: Reservation) -> None:
+        if r.holding or r.yielding:
+            self._cooldown[r.vm] = clock.now() + self.timing.cooldown
+
+    @staticmethod
+    def _owned(r: Reservation, principal: str, cancel_any: bool) -> bool:
+        return cancel_any or (bool(principal) and r.principal == principal)
+
+    async def reserve(self, vm: str, at: float, *, by: str, principal: str = "",
+                      cancel_any: bool = True, note: str | None = None) -> tuple[bool, str]:
+        """`vm` is played from `at` (checked by the caller): (taken, one sentence saying
+        what happens when, or why not). Taken only once on disk: until then the timeline
+        leaves it alone, and a save that fails takes it back. Replacing a reservation
+        someone else made takes `cancel_any`."""
         replaced = next((r for r in self.now if r.vm == vm), None)
-        new = Reservation(vm=vm, at=at, by=by, made=clock.now())
-        self._set(plan.put(self.now, new))
+        if replaced is not None and not self._owned(replaced, principal, cancel_any):
+            return False, (f"{vm} is already reserved for {_hhmm(replaced.at)} by "
+                           f"{replaced.by}: only they, or a caller granted cancel-any, may "
+                           "change it")
+        until = self.cooling(vm)
+        if until is not None:
+            return False, (f"{vm} cannot be reserved again before {_hhmm(until)}: its last "
+                           "reservation held its GPUs and went unused (policy.reserve_cooldown)")
+        new = Reservation(vm=vm, at=at, by=by, made=clock.now(), principal=principal)
+        listed = plan.put(self.now, new)
+        new = next(r for r in listed if r.vm == vm)
+        self._unsaved.add(vm)
+        try:
+            if not self._set(listed):
+                return False, (f"{vm} is not reserved: the agent refused the change (journalctl "
+                               "-u hostagent says why)")
+            unsaved = await self.durable()
+            if unsaved is not None:
+                if new in self.now:  # nobody changed it meanwhile: as it was before
+                    self._set(plan.put(self.now, replaced) if replaced is not None
+                              else plan.without(self.now, [new]))
+                return False, (f"{vm} is not reserved: the reservation could not be recorded "
+                               f"({unsaved}); ask again")
+        finally:
+            self._unsaved.discard(vm)
+            self._changed.set()
         gpus = self.topo.gpu_names(self.topo.claims(vm))
         notice = max(clock.now(), at - self.timing.lead)
         message = (f"{vm} is reserved for {_hhmm(at)} by {by}: {gpus} will be free then "
                    f"(the pods using them get notice at {_hhmm(notice)} and their grace "
                    f"period); unused by {_hhmm(at + self.timing.expiry)}, it is lent again")
+        if note:
+            message += f" ({note})"
         if replaced is not None:
             message += f" (it replaces the one for {_hhmm(replaced.at)})"
         journal.record("reserve", message, vm=vm, result="reserved", at=_hhmm(at), by=by)
-        return message
+        return True, message
 
-    def cancel(self, vm: str, *, by: str) -> str | None:
-        """Drop `vm`'s reservation; what happens then, or None when it had none."""
+    async def cancel(self, vm: str, *, by: str, principal: str = "",
+                     cancel_any: bool = True) -> tuple[bool, str]:
+        """Drop `vm`'s reservation, once that is on disk: (done, what happens then, or why
+        not). Only who reserved it, or a caller granted `cancel_any`, may."""
         mine = next((r for r in self.now if r.vm == vm), None)
         if mine is None:
-            return None
-        self._set(plan.without(self.now, [mine]))
+            return False, f"{vm} has no reservation to cancel"
+        if not self._owned(mine, principal, cancel_any):
+            return False, (f"{vm}'s reservation for {_hhmm(mine.at)} was made by {mine.by}: "
+                           "only they, or a caller granted cancel-any, may cancel it")
+        if not self._set(plan.without(self.now, [mine])):
+            return False, (f"{vm}'s reservation is not cancelled: the agent refused the "
+                           "change (journalctl -u hostagent says why)")
+        unsaved = await self.durable()
+        if unsaved is not None:
+            if not any(r.vm == vm for r in self.now):  # nobody reserved it meanwhile
+                self._set(plan.put(self.now, mine))
+            return False, (f"{vm}'s reservation is not cancelled: the change could not be "
+                           f"recorded ({unsaved}); ask again")
+        self._cool(mine)
         message = (f"{vm}'s reservation for {_hhmm(mine.at)} is cancelled by {by}"
                    + ("; its GPUs are lent again" if mine.holding else ""))
         journal.record("reserve", message, vm=vm, result="cancelled", by=by)
-        return message
+        return True, message
 
     def status(self) -> list[dict[str, Any]]:
         return [{"vm": r.vm, "at": r.at, "by": r.by, "holding": r.holding,
-                 "evict_at": r.evict_at, "expires_at": r.at + self.timing.expiry}
+                 "yielding": r.yielding, "evict_at": r.evict_at,
+                 "expires_at": r.at + self.timing.expiry}
                 for r in self.now]
 
     async def run(self) -> None:
@@ -103,7 +181,8 @@ class Reservations:
                 await asyncio.wait_for(self._changed.wait(), timeout)
 
     async def step(self) -> None:
-        """Everything due now: the ends (used, expired), the notices, the holds."""
+        """Everything due now: the ends (used, expired, yielded), the notices, the holds,
+        the yields. A reservation not yet on disk (`reserve` waits for its save) waits."""
         state = self.view.state
         gone = [r for r in state.reservations if not self.topo.is_owner(r.vm)]
         for r in gone:  # kept in the state file from a configuration that had it
@@ -116,24 +195,46 @@ class Reservations:
         for r in used:
             journal.record("reserve", f"{r.vm} started: its reservation for {_hhmm(r.at)} "
                            "is used", vm=r.vm, result="used")
-        due = plan.due(self.now, clock.now(), self.timing)
+        due = plan.due(self._live(), clock.now(), self.timing)
         for r in due.expire:
             gpus = self.topo.gpu_names(self.topo.claims(r.vm))
             journal.record("reserve", f"nobody started {r.vm} by "
                            f"{_hhmm(r.at + self.timing.expiry)}: its reservation for "
-                           f"{_hhmm(r.at)} expired, and its GPUs are lent again ({gpus})",
+                           f"{_hhmm(r.at)} expired, and its GPUs are lent again ({gpus}); "
+                           f"it may be reserved again from "
+                           f"{_hhmm(clock.now() + self.timing.cooldown)}",
                            vm=r.vm, result="expired")
-        if used or due.expire:
-            self._set(plan.without(self.now, [*used, *due.expire]))
+        yielded = plan.yielded(self._live(), state.running_owners, self.topo.claims)
+        for r, other in yielded:
+            journal.record("reserve", f"{other} started: {r.vm}'s reservation for "
+                           f"{_hhmm(r.at)} (by {r.by}) went unused past its time and yields "
+                           f"to it; {r.vm} may be reserved again from "
+                           f"{_hhmm(clock.now() + self.timing.cooldown)}",
+                           vm=r.vm, result="yielded", by=r.by, other=other)
+        ended = [*due.expire, *(r for r, _ in yielded)]
+        for r in ended:
+            self._cool(r)
+        if used or ended:
+            self._set(plan.without(self.now, [*used, *ended]))
         for r in due.notify:
             await self._notify(r)
-        for r in plan.due(self.now, clock.now(), self.timing).hold:
+        for r in plan.due(self._live(), clock.now(), self.timing).hold:
             self._set(plan.changed(self.now, r.vm, holding=True))
             gpus = self.topo.gpu_names(self.topo.claims(r.vm))
             lent = bool(self.topo.claims(r.vm) & self.view.state.lent)
             journal.record("reserve", f"{r.vm}'s reservation for {_hhmm(r.at)} holds {gpus} "
                            "now" + (f": {self.lendee} gives them back, its pods with their "
                                     "grace period" if lent else ""), vm=r.vm, result="holding")
+        for r in plan.due(self._live(), clock.now(), self.timing).yields:
+            self._set(plan.changed(self.now, r.vm, yielding=True))
+            journal.record("reserve", f"{r.vm}'s reservation for {_hhmm(r.at)} is unused past "
+                           "its time: another owner of its GPUs may start now, which ends "
+                           f"it; else it keeps them from {self.lendee} until "
+                           f"{_hhmm(r.at + self.timing.expiry)}", vm=r.vm, result="yielding")
+
+    def _live(self) -> tuple[Reservation, ...]:
+        """The reservations on disk: those `reserve` is still saving wait for it."""
+        return tuple(r for r in self.now if r.vm not in self._unsaved)
 
     async def _notify(self, r: Reservation) -> None:
         """The notice: the GPU pods told when their eviction begins (the time less their

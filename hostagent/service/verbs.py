@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from hostagent.core import clock, machine, reserve
-from hostagent.host import lint
+from hostagent.host import journal, lint
 from hostagent.core.config import Config
 from hostagent.surfaces.control import Reply, VerbHandler, current_caller
 from hostagent.core.health import Health
@@ -37,7 +37,7 @@ from hostagent.core.model import (
     Topology,
 )
 from hostagent.service.parts import Apply, Cluster, Facts, Progress, View
-from hostagent.service.reservations import Reservations
+from hostagent.service.reservations import Reservations, local_zone
 
 log = logging.getLogger("hostagent")
 
@@ -135,29 +135,36 @@ class Verbs:
             return
         caller = current_caller()
         by = f"hostagent reserve ({caller})" if caller else "hostagent reserve"
+        # Who may cancel or replace what: the principal that reserved, or a caller
+        # granted cancel-any (root, the agent's user; in-process callers too).
+        principal = caller.principal if caller else ""
+        cancel_any = (caller.cancel_any or caller.privileged) if caller else True
         if args.get("cancel") is True:
-            message = self.reservations.cancel(vm, by=by)
-            yield ({"ok": True, "data": {"vm": vm, "message": message}} if message else
-                   {"ok": False, "error": f"{vm} has no reservation to cancel"})
+            ok, message = await self.reservations.cancel(vm, by=by, principal=principal,
+                                                         cancel_any=cancel_any)
+            yield ({"ok": True, "data": {"vm": vm, "message": message}} if ok else
+                   {"ok": False, "error": message})
             return
         text = args.get("at")
         if not isinstance(text, str) or not text.strip():
             yield {"ok": False, "error": f"reserve {vm} needs a time: --at 20:00 (the next "
                                          "one) or --at 2026-12-04T20:00, or --cancel"}
             return
+        # The zone's rules for the target date, not today's offset (daylight saving).
+        zone = await asyncio.to_thread(local_zone)
         try:
-            at = reserve.parse_at(text, datetime.fromtimestamp(clock.now()).astimezone())
+            at = reserve.read_at(text, datetime.fromtimestamp(clock.now(), zone))
         except reserve.BadReservation as e:
             yield {"ok": False, "error": f"cannot reserve {vm}: {e}"}
             return
-        taken = self.reservations.reserve(vm, at.timestamp(), by=by)
-        unsaved = await self.reservations.durable()
-        if unsaved is not None:  # kept in memory, retried; the caller must not rely on it
-            yield {"ok": False, "error": f"the reservation of {vm} could not be recorded "
-                                         f"({unsaved}); ask again"}
+        ok, message = await self.reservations.reserve(vm, at.when.timestamp(), by=by,
+                                                      note=at.note, principal=principal,
+                                                      cancel_any=cancel_any)
+        if not ok:
+            yield {"ok": False, "error": message}
             return
-        yield {"ok": True, "data": {"vm": vm, "at": at.isoformat(timespec="minutes"),
-                                    "message": taken}}
+        yield {"ok": True, "data": {"vm": vm, "at": at.when.isoformat(timespec="minutes"),
+                                    "message": message}}
 
     def _owner_arg(self, args: dict[str, Any], verb: str) -> tuple[str | None, str]:
         """(the owner VM named in args, "") or (None, why not, naming the owners)."""
@@ -232,6 +239,10 @@ class Verbs:
             return
         rival = machine.conflict(self.view.state, vm, self.topo)
         if rival is not None:
+            caller = current_caller()
+            journal.record("refuse", f"refused the start of {vm}"
+                           + (f" asked by {caller}" if caller else "") + f": {rival}",
+                           vm=vm, result="refused")
             yield {"ok": False, "error": f"{vm} cannot start now: {rival}"}
             return
         intent = f"play-{uuid.uuid4().hex[:12]}"

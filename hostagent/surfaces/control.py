@@ -55,7 +55,7 @@ from collections.abc import (
     Iterator,
     Mapping,
 )
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,9 @@ MAX_REQUEST = 64 * 1024
 # What control_group members may do unless control_verbs says otherwise: look, and stop
 # or restart lending; never start or stop someone's VM. `lend` is `resume`'s other name.
 GROUP_VERBS = frozenset({"status", "hold", "resume", "lend"})
+# Not a verb: the grant to cancel or replace a reservation someone else made (only the
+# principal that reserved may otherwise). Root and the agent's user have it.
+CANCEL_ANY = "cancel-any"
 REQUEST_TIMEOUT = 10.0  # seconds for a connection to send its request line
 MAX_CONNECTIONS = 64  # served at once, for callers other than root and the agent's user
 MAX_PER_CALLER = 16  # of those, per uid
@@ -106,6 +109,20 @@ class Caller:
     via: str = "control"  # "control", "ssh" or "mqtt"
     peer: str | None = None  # SSH: the client's address
     privileged: bool = False  # root or the agent's own user: every verb
+    fingerprint: str | None = None  # SSH: the key's SHA256 fingerprint
+    # May cancel or replace a reservation someone else made (the grant `CANCEL_ANY`).
+    cancel_any: bool = False
+
+    @property
+    def principal(self) -> str:
+        """Who this is, stably across connections: what a reservation keeps of who made
+        it, so that only they (or `cancel_any`) may cancel it. A uid, a key's
+        fingerprint, or "mqtt" (the broker's ACL says who may publish there)."""
+        if self.via == "ssh":
+            return f"ssh key {self.fingerprint or self.user}"
+        if self.via == "mqtt":
+            return "mqtt"
+        return f"uid {self.uid}"
 
     def __str__(self) -> str:
         if self.via in ("ssh", "mqtt"):  # the peer: the SSH client, the MQTT broker
@@ -170,14 +187,17 @@ def _groups(pid: int, user: str, gid: int) -> frozenset[int]:
 
 @dataclass(frozen=True)
 class Rights:
-    """Which verbs a caller may use on the control socket."""
+    """Which verbs a caller may use on the control socket. An entry of `group_verbs`
+    is a verb, or ``verb:vm`` for a verb that names a VM, on that VM alone (as an SSH
+    key's ``vms=``); `CANCEL_ANY` is a grant, not a verb."""
 
     group: int | None = None  # control_group's gid; None: root (and the agent's user) only
     group_name: str | None = None  # for messages
     group_verbs: frozenset[str] = GROUP_VERBS
 
-    def may(self, caller: Caller, verb: str) -> str | None:
-        """None if `caller` may use `verb`, else why not (with the fix)."""
+    def may(self, caller: Caller, verb: str, vm: object = None) -> str | None:
+        """None if `caller` may use `verb` (on `vm`, for a verb that names one), else why
+        not (with the fix)."""
         if caller.privileged:
             return None
         name = self.group_name or (str(self.group) if self.group is not None else None)
@@ -185,6 +205,13 @@ class Rights:
             return (f"{caller.user} (uid {caller.uid}) may not use the control socket: only "
                     "root" + (f" and members of control_group {name!r}" if name else "")
                     + " may")
+        scoped = sorted(e.partition(":")[2] for e in self.group_verbs
+                        if e.partition(":")[0] == verb and ":" in e)
+        if verb not in self.group_verbs and scoped:
+            if isinstance(vm, str) and vm in scoped:
+                return None
+            return (f"{caller.user} may use {verb!r} only on {', '.join(scoped)} "
+                    f"(control_verbs in the configuration)")
         if verb not in self.group_verbs:
             return (f"{caller.user} may not use {verb!r}: members of control_group {name!r} "
                     f"may use {', '.join(sorted(self.group_verbs)) or 'nothing'}; ask root, "
@@ -325,10 +352,12 @@ async def serve_control(path: Path, verbs: Mapping[str, VerbHandler], *, mode: i
                 writer.write(_line({"type": "result", "ok": False, "error":
                                     f"unknown verb {verb!r}; known: {', '.join(sorted(verbs))}"}))
                 return
-            denied = rights.may(caller, verb)
+            denied = rights.may(caller, verb, args.get("vm"))
             if denied is not None:
                 refuse(writer, caller, f"denied: {denied}", f"denied {verb}")
                 return
+            caller = replace(caller, cancel_any=rights.may(
+                caller, CANCEL_ANY, args.get("vm")) is None)
             # status is polled; the rest change something
             if verb != "status" and journaled(caller, verb):
                 vm = args.get("vm") if verb in VM_VERBS else None

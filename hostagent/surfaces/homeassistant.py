@@ -14,8 +14,9 @@ Under ``base_topic`` (``<base>``), every state retained:
     <base>/owner/<vm>/state, /set     ON / OFF: the VM runs; ON = play, OFF = release
     <base>/owner/<vm>/reserved, /reserve   a text: the time the VM is reserved for
                                       (YYYY-MM-DDTHH:MM, "" for none); HH:MM or a date
-                                      and time reserves (hostagent reserve), "" or
-                                      "cancel" cancels
+                                      and time reserves (hostagent reserve), the word
+                                      "cancel" cancels (and only it: an empty message
+                                      is a retained one cleared, and does nothing)
     <base>/gpu/<gpu>/state            who holds it: a VM's name, or "free"
     <base>/gpu/<gpu>/attributes       JSON: its name, PCI address and owners
     <base>/lent/state                 ON / OFF: the lendee is lent (verified, uncordoned)
@@ -54,6 +55,14 @@ MAX_STATE = 255  # Home Assistant drops a sensor state longer than this
 MAX_PAYLOAD = 64  # a command is a word: anything longer is refused unread
 MAX_TOPIC = 512
 MIGRATE = b'{"migrate_discovery": true}'  # Home Assistant's hand-over of an entity
+# Entities of an earlier configuration this device deletes at most (a retained device
+# message is anyone's who may publish there: what it lists is not taken on trust).
+MAX_REMOVED = 64
+# The entity ids `components` makes, whatever the configuration: only those can be an
+# earlier configuration's of this device.
+_OUR_ID = re.compile(r"(owner|gpu|reserve)_[A-Za-z0-9_-]{1,52}|lent|phase|live_gpus|"
+                     r"transition|hold|reclaim|lend")
+_PLATFORMS = frozenset({"switch", "binary_sensor", "sensor", "text", "button"})
 _WHEN = re.compile(r"[0-9][0-9T:+.Z-]{3,31}")  # a reservation's time, checked by the verb
 
 
@@ -221,16 +230,25 @@ def entity_configs(s: Surface) -> dict[str, str]:
     return out
 
 
-def removals(s: Surface, retained: object) -> dict[str, str]:
+def removals(s: Surface, retained: object, *, room: int = MAX_REMOVED) -> dict[str, str]:
     """Entities of a retained device message (an earlier configuration's, parsed) that
-    this one lacks: entity id -> platform. Ones already sent as removals are not
-    repeated."""
+    this one lacks: entity id -> platform, at most `room`. Only entities this device
+    could have made count (an id `components` makes, its platform, its unique id under
+    this device's node): anyone allowed to publish there could list thousands. Ones
+    already sent as removals are not repeated."""
     cmps = retained.get("cmps") if isinstance(retained, dict) else None
-    if not isinstance(cmps, dict):
+    if not isinstance(cmps, dict) or room <= 0:
         return {}
     current = components(s)
-    return {cid: c["p"] for cid, c in cmps.items() if cid not in current
-            and isinstance(c, dict) and isinstance(c.get("p"), str) and set(c) != {"p"}}
+    out: dict[str, str] = {}
+    for cid, c in cmps.items():
+        if (cid not in current and isinstance(c, dict) and set(c) != {"p"}
+                and c.get("p") in _PLATFORMS and isinstance(cid, str)
+                and _OUR_ID.fullmatch(cid) and c.get("uniq_id") == f"{s.node}_{cid}"):
+            out[cid] = c["p"]
+            if len(out) >= room:
+                break
+    return out
 
 
 def entity_topics(s: Surface) -> str:
@@ -357,7 +375,7 @@ def command(s: Surface, topic: str, payload: bytes) -> Command | Refused:
                                "allow it")
             if not reservation(word):
                 return Refused(f"{shown} on {topic}: expected HH:MM, a date and time "
-                               "(2026-12-04T20:00), or cancel")
+                               "(2026-12-04T20:00), or the word cancel")
             return Command("reserve", vm, "" if word == "cancel" else word)
         case ["hold", "set"]:
             wanted = {ON: "hold", OFF: "lend"}
@@ -396,9 +414,9 @@ def cleared(old: Surface, status: Mapping[str, Any]) -> dict[str, str]:
 
 
 def reservation(word: str) -> bool:
-    """The word of a reservation command: a time (the verb reads it), or "cancel" (or
-    nothing) to cancel."""
-    return word in ("", "cancel") or bool(_WHEN.fullmatch(word))
+    """The word of a reservation command: a time (the verb reads it), or "cancel" to
+    cancel. Nothing is no command: clearing a retained message sends an empty one."""
+    return word == "cancel" or bool(_WHEN.fullmatch(word))
 
 
 def collisions(cfg: Config, *, host: str) -> list[str]:
@@ -414,8 +432,8 @@ def collisions(cfg: Config, *, host: str) -> list[str]:
     if slug not in base.split("/"):
         out.append(f'mqtt.base_topic = "{base}" does not name this host ({slug}): a second '
                    "host on the same broker with the same base_topic has the same device id "
-                   f'({node}) and client id (hostagent-{node}), so each connection closes '
-                   "the other's and Home Assistant merges their entities. Fix: leave "
+                   f'({node}) and topics, so Home Assistant merges their entities and '
+                   "each takes the other's commands. Fix: leave "
                    f'base_topic out (its default is "{FORMER_BASE}/{slug}").')
     if base == prefix or base.startswith(prefix + "/") or prefix.startswith(base + "/"):
         out.append(f'mqtt.base_topic = "{base}" and mqtt.discovery_prefix = "{prefix}" '

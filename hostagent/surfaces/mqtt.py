@@ -26,6 +26,18 @@ broker its maximum packet size (`MAX_PACKET`), so a larger message is never sent
 only within `MAX_PACKET` and `MAX_DEPTH`; and a message that still cannot be handled is
 dropped with a rate-limited journal record, its text escaped, the connection kept.
 
+A retained device message is anyone's who may publish under the discovery prefix: of
+the entities it lists, only those this device could have made (its ids, platforms and
+unique ids) are removed, at most `homeassistant.MAX_REMOVED`. An empty command is a
+retained one cleared, and does nothing (a reservation is cancelled by the word
+``cancel`` alone).
+
+The client id is ``hostagent-<host>-<random>``, the random part made once and kept in
+the state directory (``mqtt-client-id``, mode 0600): a broker user who knew the id
+could connect with it, and the broker would drop the agent and publish its will. What
+the former default base topic (``hostagent``) held is cleared once per install (the
+marker ``mqtt-former-cleared``), not at each connection.
+
 Availability is the client's last will: ``<base>/availability`` is ``offline`` when the
 agent stops or its connection dies, ``online`` while it is connected. When Home
 Assistant starts it says ``online`` on ``<prefix>/status``, and discovery is sent again.
@@ -38,6 +50,8 @@ import contextlib
 import logging
 import os
 import random
+import re
+import secrets
 import socket
 import ssl
 import time
@@ -54,7 +68,7 @@ from paho.mqtt.properties import Properties
 from hostagent.surfaces import homeassistant as ha
 from hostagent.host import journal, trusted
 from hostagent.core.config import Config
-from hostagent.surfaces.control import Caller, Reply, VerbHandler, serving
+from hostagent.surfaces.control import CANCEL_ANY, Caller, Reply, VerbHandler, serving
 from hostagent.core.ratelimit import Summarised
 from hostagent.core.text import bounded_json, clean
 
@@ -110,6 +124,58 @@ def _word(message: Any) -> bool:
         ha.reservation(payload.decode("ascii", "replace").strip())
 
 
+CLIENT_ID_FILE = "mqtt-client-id"  # in the state directory: the client id's random part
+FORMER_CLEARED = "mqtt-former-cleared"  # in the state directory: the former base is cleared
+_SUFFIX = re.compile(r"[0-9a-f]{24}")
+
+
+def client_suffix(state_dir: Path) -> tuple[str, str | None]:
+    """The random part of the client id, kept in `state_dir` (made the first time, mode
+    0600, written atomically) so that it is stable across restarts and unknown to other
+    users of the broker; and why it could not be kept (None when it is). Blocking."""
+    path = state_dir / CLIENT_ID_FILE
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            kept = f.read(64).strip()
+        if _SUFFIX.fullmatch(kept):
+            return kept, None
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        return secrets.token_hex(12), f"{path}: {e.strerror or e}"
+    suffix = secrets.token_hex(12)
+    try:
+        _write(path, suffix + "\n")
+    except OSError as e:
+        return suffix, f"{path}: {e.strerror or e}"
+    return suffix, None
+
+
+def _write(path: Path, text: str) -> None:
+    """`text` in `path`, whole or not at all (a temporary file, fsync, rename)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _mark(path: Path) -> None:
+    """A marker file; a state directory that cannot take it only means doing it again."""
+    try:
+        _write(path, "1\n")
+    except OSError as e:
+        log.warning("mqtt: cannot write %s (%s): the former base topic is cleared again "
+                    "at the next start", path, e.strerror or e)
+
+
 class _Inbound(asyncio.Queue[Any]):
     """The client's queue of messages not read yet. Bounded, but a message that is one
     of the words a press or a birth says never waits behind junk: other messages fill at
@@ -151,9 +217,15 @@ class Device:
         host = ha.host_slug(hostname or socket.gethostname())
         self.surface = ha.surface(cfg, version=_version(), host=host)
         self._former = ha.former(cfg, version=_version())
-        # The client id names the host: two hosts on one broker must not share it (the
-        # broker closes the older connection of a client id that connects again).
-        self.client_id = f"hostagent-{host}-{self.surface.node}"
+        # The client id names the host (two hosts on one broker must not share it: the
+        # broker closes the older connection of a client id that connects again), and
+        # ends with a random part kept in the state directory (`client_suffix`): any
+        # broker user who could guess it could take the agent's place and have the
+        # broker publish its will, "offline". Set by `run`.
+        self._host = host
+        self.client_id = f"hostagent-{host}"
+        self._former_cleared = False  # the former base topic's, once per install
+        self._state_dir = cfg.state_dir
         self._status = status
         self._handlers = handlers
         self._follow = follow
@@ -224,6 +296,16 @@ class Device:
     # ---- the connection ------------------------------------------------------------------
     async def run(self) -> None:
         """Connect, publish, take commands; again with backoff whenever the link breaks."""
+        state_dir = self._state_dir
+        suffix, problem = await asyncio.to_thread(client_suffix, state_dir)
+        self.client_id = f"hostagent-{self._host}-{suffix}"
+        if problem is not None:
+            journal.record("mqtt", f"the MQTT client id cannot be kept: {problem}; this run "
+                           "uses a random one of its own", result="client-id",
+                           priority=journal.Priority.WARNING)
+        if self._former is not None:
+            self._former_cleared = await asyncio.to_thread(
+                (state_dir / FORMER_CLEARED).exists)
         try:
             with self._follow() as updates:
                 await self._connections(updates)
@@ -282,10 +364,15 @@ class Device:
             journal.record("mqtt", f"connected to {self.settings.broker}: publishing "
                            f"{s.base}/... for Home Assistant", result="connected")
             self._everything()
-            if self._former is not None:
+            if self._former is not None and not self._former_cleared:
                 # What the default base_topic published before it named the host: gone
                 # first, so that Home Assistant frees its entities' ids for this device's.
-                self._pending = {**ha.cleared(self._former, self._status()), **self._pending}
+                # Once per install (a marker in the state directory), not at each
+                # connection: another host still on an old release may publish there.
+                for topic, payload in ha.cleared(self._former, self._status()).items():
+                    await client.publish(topic, payload, qos=1, retain=True, timeout=10)
+                self._former_cleared = True
+                await asyncio.to_thread(_mark, self._state_dir / FORMER_CLEARED)
             publisher = asyncio.get_running_loop().create_task(self._publish(client))
             try:
                 await client.subscribe([(t, 1) for t in (
@@ -365,7 +452,8 @@ class Device:
             except ValueError as e:
                 self._drop(topic, f"not a discovery message: {e}")
                 return
-            if retained is not None and (removed := ha.removals(s, retained)):
+            room = ha.MAX_REMOVED - len(self._removed)
+            if retained is not None and (removed := ha.removals(s, retained, room=room)):
                 self._removed.update(removed)
                 journal.record("mqtt", "Home Assistant forgets what the configuration no "
                                f"longer has: {', '.join(sorted(removed))}", result="removed")
@@ -386,6 +474,9 @@ class Device:
         self._command(topic, payload, retained=message.retain)
 
     def _command(self, topic: str, payload: bytes, *, retained: bool) -> None:
+        if not payload.strip():
+            # A retained command cleared (as a refusal below asks): no command, no noise.
+            return
         if retained:
             # Retained, it would run again at every connection.
             self.junk += 1
@@ -409,7 +500,8 @@ class Device:
         if len(self._running) >= MAX_RUNNING:
             self._refuse(f"{asked}: {MAX_RUNNING} commands are already under way", "busy")
             return
-        caller = Caller(user="mqtt", via="mqtt", peer=self.settings.broker)
+        caller = Caller(user="mqtt", via="mqtt", peer=self.settings.broker,
+                        cancel_any=CANCEL_ANY in self.settings.verbs)
         journal.record("control", f"mqtt asked for {asked}", result="allowed",
                        verb=asked.verb, **caller.fields())
         task = asyncio.get_running_loop().create_task(self._run_verb(asked, caller))

@@ -72,8 +72,10 @@ options field says what the key may do::
     verbs="*",vms="*" ssh-ed25519 AAAAC3Nza... admin
 
 - ``verbs="..."`` (required): the verbs the key may use, comma-separated, or ``*``.
-- ``vms="..."``: the VMs it may name (``play`` and ``release`` name one), or ``*`` for
-  every owner VM. Without it the key may use no verb that names a VM.
+- ``vms="..."``: the VMs it may name (``play``, ``release`` and ``reserve`` name one),
+  or ``*`` for every owner VM. Without it the key may use no verb that names a VM.
+- ``cancel-any`` among the verbs (not a command): the key may cancel or replace a
+  reservation someone else made; without it, only the reservations it made itself.
 - ``restrict``, ``no-pty``, ``no-port-forwarding``, ``no-agent-forwarding``,
   ``no-X11-forwarding`` and ``no-user-rc`` are accepted and change nothing: hostagent
   grants none of those to any key.
@@ -122,7 +124,7 @@ from typing import Any
 import asyncssh
 
 from hostagent.host import journal
-from hostagent.surfaces.control import Caller, serving
+from hostagent.surfaces.control import CANCEL_ANY, Caller, serving
 from hostagent.surfaces.follow import format_reply
 from hostagent.core.ratelimit import Summarised
 from hostagent.core.text import clean
@@ -273,7 +275,7 @@ class Endpoint:
                  max_running: int = MAX_RUNNING, idle_timeout: float = IDLE_TIMEOUT) -> None:
         self.verbs = verbs
         self.names = frozenset(verbs)
-        self.keys = _KeyFile(keys, self.names)
+        self.keys = _KeyFile(keys, self.names | {CANCEL_ANY})  # a grant, not a command
         self.max_connections = max_connections
         self.max_unauthenticated = max_unauthenticated
         self.max_per_prefix = max_per_prefix
@@ -441,7 +443,8 @@ class Endpoint:
         self.say(address, f"{grant.comment} at {peer} runs {shown}", vm=vm,
                        result="allowed", command=shown, **fields)
         status = ExitStatus.SOFTWARE
-        caller = Caller(user=grant.comment, via="ssh", peer=peer)
+        caller = Caller(user=grant.comment, via="ssh", peer=peer, fingerprint=grant.fingerprint,
+                        cancel_any=grant.may(CANCEL_ANY, vm) is None)
         self.running += 1
         try:
             # The verb runs in this task: it names its caller with control.current_caller().

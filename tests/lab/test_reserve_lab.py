@@ -1,8 +1,8 @@
 """A reservation end to end, with the real agent, hook, libvirtd, guests and journald:
 `hostagent reserve gaming1 --at T` seconds ahead; before T gpu-node gives its GPUs back
 (agent shutdown; the machine's tests show the relend with the rest) and nobody starts
-gaming1; at T `virsh start gaming1` is let through at once; the journal says each step,
-and the reservation is used. (The lead and margin are the lab's: seconds.)"""
+gaming1; at T `virsh start gaming1` is let through at once; the journal says each step
+(from T on, unused, the reservation yields to another owner), and the reservation is used. (The lead and margin are the lab's: seconds.)"""
 
 from __future__ import annotations
 
@@ -42,6 +42,9 @@ def test_a_reserved_game_finds_its_gpu_free_and_starts_at_once(lab: Lab) -> None
     assert started.returncode == 0, started.stderr  # let through at once: its GPU is free
     lab.wait_game("gaming1")
     lab.wait_record(30, event="reserve", result="used")
-    assert [r["HOSTAGENT_RESULT"] for r in lab.records(event="reserve")] == [
-        "reserved", "notice", "holding", "used"]
+    results = [r["HOSTAGENT_RESULT"] for r in lab.records(event="reserve")]
+    # From T on, still unused, it yields (another owner of gpu-a could start): the journal
+    # says so, unless gaming1's start came first.
+    assert [r for r in results if r != "yielding"] == ["reserved", "notice", "holding", "used"]
+    assert results.count("yielding") <= 1, results
     assert json.loads(lab.hostagent("status", "--json").stdout)["reservations"] == []

@@ -575,7 +575,14 @@ def test_control_verbs_says_what_control_group_may_do() -> None:
     [
         ('control_verbs = ["status", "shell"]\n' + MINIMAL,
          'test.toml: control_verbs[1]: "shell" is not a control verb; write one of status, '
-         "play, release, hold, resume, lend, reclaim, reserve"),
+         'play, release, hold, resume, lend, reclaim, reserve, cancel-any, or '
+         '"reserve:gaming1" for one VM'),
+        ('control_verbs = ["status:gaming1"]\n' + MINIMAL,
+         'test.toml: control_verbs[0]: "status:gaming1" does not scope a verb to a VM; only '
+         'play, release, reserve, cancel-any name a VM: write e.g. "reserve:gaming1"'),
+        ('control_verbs = ["reserve:gaming9"]\n' + MINIMAL,
+         'test.toml: control_verbs: "gaming9" is not an owner VM; list some of the [owners] '
+         '(none yet)'),
         ('control_verbs = "status"\n' + MINIMAL,
          'test.toml: control_verbs: expected an array, got a string; write it in brackets: '
          '["status"]'),

@@ -75,7 +75,7 @@ def test_check_config_warns_of_a_base_topic_two_hosts_would_share(
     assert warnings("") == []
     shared = warnings('base_topic = "hostagent"\n')
     assert len(shared) == 1 and 'mqtt.base_topic = "hostagent" does not name this host' in \
-        shared[0] and "client id (hostagent-hostagent)" in shared[0] and \
+        shared[0] and "same device id (hostagent) and topics" in shared[0] and \
         'Fix: leave base_topic out (its default is "hostagent/tower").' in shared[0], shared
     assert warnings('base_topic = "hostagent/tower"\n') == []
     overlap = warnings('base_topic = "homeassistant/tower"\n')

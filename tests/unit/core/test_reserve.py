@@ -93,8 +93,11 @@ def test_the_timeline_notice_then_hold_then_expiry() -> None:
     assert plan.due([told], evict, TIMING).hold == (told,)
     holding = replace(told, holding=True)
     assert plan.held([holding]) == {"gaming1"}
-    assert plan.next_wake([holding], TIMING) == T0 + 3600 + 1800
-    assert plan.due([holding], T0 + 5400, TIMING).expire == (holding,)
+    assert plan.next_wake([holding], TIMING) == T0 + 3600  # at its time, it yields
+    assert plan.due([holding], T0 + 3600, TIMING).yields == (holding,)
+    yielding = replace(holding, yielding=True)
+    assert plan.next_wake([yielding], TIMING) == T0 + 3600 + 1800
+    assert plan.due([yielding], T0 + 5400, TIMING).expire == (yielding,)
     assert plan.used([holding], {"gaming1"}) == (holding,)
     assert plan.used([told], {"gaming1"}) == ()  # playing early uses no reservation
     # A grace longer than the time left: the eviction begins at once, never in the past.
@@ -228,7 +231,7 @@ async def test_an_unused_reservation_expires_and_its_gpu_is_lent_again(
     clock_at = [start]
     monkeypatch.setattr(clock, "now", lambda: clock_at[0])
     at = start + 60
-    agent.reservations.reserve("gaming1", at, by="test")
+    assert (await agent.reservations.reserve("gaming1", at, by="test"))[0]
     clock_at[0] = at  # notice and hold at once (the lead is longer than what is left)
     await agent.reservations.step()
     await agent.reservations.step()
@@ -245,7 +248,8 @@ async def test_an_unused_reservation_expires_and_its_gpu_is_lent_again(
     assert agent.state.reservations == ()
     assert [m for r, m in records if r == "expired"] == [
         f"nobody started gaming1 by {_hhmm(clock_at[0])}: its reservation for {_hhmm(at)} "
-        "expired, and its GPUs are lent again (gpu-a (RTX A, 0000:0a:00.0))"]
+        "expired, and its GPUs are lent again (gpu-a (RTX A, 0000:0a:00.0)); it may be "
+        f"reserved again from {_hhmm(clock_at[0] + agent.reservations.timing.cooldown)}"]
     # Lent back: the lendee restarts with both (no [kubernetes]: the regrow does not wait).
     await until(lambda: agent.state.phase is Phase.LENT and agent.state.lent == {
         "gpu-a", "gpu-b"}, timeout=10)
@@ -265,7 +269,8 @@ async def until_phase(agent: Any, phase: Phase) -> None:
 def test_reservations_survive_the_state_file(tmp_path: Path) -> None:
     path = tmp_path / "state.toml"
     kept = (Reservation(vm="gaming1", at=T0 + 60.5, by="ssh key phone", made=T0,
-                        evict_at=T0 + 30, holding=True),
+                        evict_at=T0 + 30, holding=True, principal="ssh key SHA256:x",
+                        yielding=True, yields_from=T0 + 40),
             Reservation(vm="gaming2", at=T0 + 7200, by="mqtt", made=T0))
     persisted.save_state(path, persisted.State(reservations=kept))
     assert persisted.load_state(path) == (persisted.State(reservations=kept), None)
@@ -302,9 +307,10 @@ def test_mqtt_reserve_topic() -> None:
     assert asked == ha.Command("reserve", "gaming1", "20:00")
     assert isinstance(asked, ha.Command) and asked.args == {"vm": "gaming1", "at": "20:00"}
     assert str(asked) == "reserve gaming1 20:00"
-    for cancel in (b"", b"cancel"):
-        asked = ha.command(s, "hostagent/owner/gaming1/reserve", cancel)
-        assert isinstance(asked, ha.Command) and asked.args == {"vm": "gaming1", "cancel": True}
+    asked = ha.command(s, "hostagent/owner/gaming1/reserve", b"cancel")
+    assert isinstance(asked, ha.Command) and asked.args == {"vm": "gaming1", "cancel": True}
+    # Only the word: an empty message is a retained one cleared (see test_homeassistant).
+    assert isinstance(ha.command(s, "hostagent/owner/gaming1/reserve", b""), ha.Refused)
     refused = ha.command(s, "hostagent/owner/gaming1/reserve", b"rm -rf /")
     assert isinstance(refused, ha.Refused) and "expected HH:MM" in refused.why
 
@@ -314,7 +320,8 @@ def test_another_owner_of_a_reserved_card_is_refused_while_the_reservation_holds
     from tests.unit.core.test_partial import TOPO, wants
     state = S(lent=gpus(B, C), reservations=holding("gaming1"))
     assert verdict(state, "gaming-win", topo=TOPO) == (
-        "refuse", "gpu-a is reserved for gaming1 (follow with: journalctl -u hostagent -f)")
+        "refuse", "gpu-a is reserved for gaming1 (by me) (follow with: journalctl -u "
+                  "hostagent -f)")
     with pytest.raises(IllegalTransition, match="gpu-a is reserved for gaming1"):
         go(state, wants("gaming-win"))
     # The player it holds for starts at once; before it holds, anyone may play.

@@ -294,3 +294,34 @@ def test_a_switch_stays_on_while_its_start_waits_for_a_reclaim() -> None:
     assert ha.states(s, waiting, "")[topic] == "ON"
     assert ha.states(s, {**waiting, "intents": []}, "")[topic] == "OFF"
     assert ha.states(s, status(), "")[topic] == "OFF"  # a status without intents
+
+
+def test_a_forged_device_message_removes_only_what_this_device_made_and_few() -> None:
+    """A retained device message is anyone's who may publish on the discovery prefix: it
+    once listed 6,000 made-up ids and the agent kept and republished every one (40 such
+    messages: 240,000 ids, a 5.2 MB discovery message, the loop blocked 4.3 s)."""
+    s = surface()
+    forged = {"cmps": {f"x{i}": {"p": "sensor", "name": "junk", "uniq_id": f"x{i}"}
+                       for i in range(6000)}}
+    assert ha.removals(s, forged) == {}
+    # An id this device makes, but not its unique id: not ours either.
+    assert ha.removals(s, {"cmps": {"owner_old": {"p": "switch", "uniq_id": "other"}}}) == {}
+    mine = {f"owner_old{i}": {"p": "switch", "name": "old", "uniq_id": f"hostagent_owner_old{i}"}
+            for i in range(500)}
+    removed = ha.removals(s, {"cmps": mine})
+    assert len(removed) == ha.MAX_REMOVED and set(removed.values()) == {"switch"}
+    assert ha.removals(s, {"cmps": mine}, room=2) == {"owner_old0": "switch",
+                                                      "owner_old1": "switch"}
+    assert ha.removals(s, {"cmps": mine}, room=0) == {}
+
+
+def test_only_the_word_cancel_cancels_a_reservation() -> None:
+    """Clearing a retained command (an empty message, as the agent's own refusal asks)
+    reaches the subscribers as an empty payload: it cancelled the reservation."""
+    s = surface()
+    for empty in (b"", b" ", b"\n"):
+        asked = ha.command(s, "hostagent/owner/gaming1/reserve", empty)
+        assert isinstance(asked, ha.Refused), asked
+    asked = ha.command(s, "hostagent/owner/gaming1/reserve", b"cancel")
+    assert isinstance(asked, ha.Command) and asked.args == {"vm": "gaming1", "cancel": True}
+    assert not ha.reservation("") and ha.reservation("cancel") and ha.reservation("20:00")
