@@ -1,9 +1,12 @@
-"""The agent under deploy/rbac.yaml, against the real kube-apiserver: every call it
-makes is allowed, and every verb the manifest grants is one it makes.
+"""The agent under deploy/rbac.yaml and its node's deploy/rbac-node.yaml, against the
+real kube-apiserver: every call it makes is allowed, every verb the manifests grant is
+one it makes, and what a stolen token could do beyond its node and the pods on it is
+refused (by RBAC's resourceNames, or by the ValidatingAdmissionPolicies).
 
-The agent's credential is the ServiceAccount's token (kubectl create token), as on a
-real cluster; the lab's kubelet is played by the admin (pods on a node with no kubelet
-never finish terminating: the admin finishes what a kubelet would)."""
+The agent's credential is the token of the ServiceAccount named after its node
+(kubectl create token), as on a real cluster; the lab's kubelet is played by the admin
+(pods on a node with no kubelet never finish terminating: the admin finishes what a
+kubelet would)."""
 
 from __future__ import annotations
 
@@ -25,20 +28,32 @@ from tests.unit.kube_scaffold import FAST
 
 REPO = Path(__file__).resolve().parents[2]
 RBAC = REPO / "deploy" / "rbac.yaml"
+NODE_RBAC = REPO / "deploy" / "rbac-node.yaml"  # one host's: @NODE@ is its node's name
 NODE = "gpu-node"
 OTHER = "other-node"  # a node of the cluster that is not the agent's
 PLUGIN_LABELS = ("nvidia.com/gpu.deploy.device-plugin", "nvidia.com/gpu.deploy.dcgm-exporter",
                  "nvidia.com/gpu.deploy.gpu-feature-discovery")
 PREFIX = "hostagent.io/"
 WORK = "work"  # the namespace of the running test's pods
-IDENTITY = "system:serviceaccount:hostagent:hostagent"  # the agent's user name
+IDENTITY = f"system:serviceaccount:hostagent:{NODE}"  # the agent's user name
+
+
+def node_rbac(node: str) -> str:
+    """deploy/rbac-node.yaml for `node`, as README's sed makes it."""
+    return NODE_RBAC.read_text().replace("@NODE@", node)
+
+
+def roles() -> list[dict[str, Any]]:
+    """The ClusterRoles of both manifests (the node's made for NODE)."""
+    docs = [*yaml.safe_load_all(RBAC.read_text()), *yaml.safe_load_all(node_rbac(NODE))]
+    return [d for d in docs if d["kind"] == "ClusterRole"]
 
 
 def rules() -> set[tuple[str, str, str]]:
-    """(API group, resource, verb) of each rule of the manifest's ClusterRole."""
-    role = next(d for d in yaml.safe_load_all(RBAC.read_text()) if d["kind"] == "ClusterRole")
-    return {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
-            for resource in rule["resources"] for verb in rule["verbs"]}
+    """(API group, resource, verb) of each rule of the manifests' ClusterRoles."""
+    return {(group, resource, verb) for role in roles() for rule in role["rules"]
+            for group in rule["apiGroups"] for resource in rule["resources"]
+            for verb in rule["verbs"]}
 
 
 # How each call of the kubernetes client in hostagent/cluster maps onto a rule. None lists
@@ -74,10 +89,26 @@ def test_every_verb_granted_is_one_the_agent_uses() -> None:
                                f"used, not granted: {needed - rules()}")
 
 
-def agent_kubeconfig(plane: ControlPlane, path: Path) -> Path:
-    """The agent's kubeconfig as README says to make it: the ServiceAccount's token."""
+def test_every_node_right_names_the_node() -> None:
+    """Nodes are reached by name alone: the agent's reads, list and watch included (a
+    list or watch whose fieldSelector is metadata.name=<node> counts as named for RBAC:
+    k8s.io/apiserver v0.35.4, pkg/endpoints/request/requestinfo.go)."""
+    node_rules = [rule for role in roles() for rule in role["rules"]
+                  if "nodes" in rule["resources"]]
+    assert node_rules and all(rule.get("resourceNames") == [NODE] for rule in node_rules)
+    watched = [c for c in WATCHED if CALLS[c][1] == "nodes"]
+    source = "\n".join(p.read_text() for p in (REPO / "hostagent" / "cluster").rglob("*.py"))
+    for call in watched:
+        found = re.findall(rf"{call}[\"]?,\s*(?:field_selector=)?f?\"([^\"]*)\"", source)
+        assert found and all(f == "metadata.name={node}" for f in found), (call, found)
+
+
+def agent_kubeconfig(plane: ControlPlane, path: Path, node: str = NODE) -> Path:
+    """The agent's kubeconfig as README says to make it: the token of the ServiceAccount
+    named after its node."""
     plane.kubectl("apply", "-f", str(RBAC))
-    token = plane.kubectl("create", "token", "hostagent", "-n", "hostagent",
+    plane.kubectl("apply", "-f", "-", input=node_rbac(node))
+    token = plane.kubectl("create", "token", node, "-n", "hostagent",
                           "--duration=1h").stdout.strip()
     path.write_text(json.dumps({
         "apiVersion": "v1", "kind": "Config", "current-context": "hostagent",
@@ -212,6 +243,8 @@ async def test_a_stolen_token_reaches_its_node_and_the_pods_on_it_alone(
     cluster.kubectl("create", "-n", WORK, "-f", "-", input=a_pod("elsewhere", OTHER))
     cluster.kubectl("taint", "node", NODE, "example.com/maintenance=later:NoSchedule")
     pod = ["-n", WORK, "pod"]
+    refused(cluster, kubeconfig, "get", "nodes",
+            says='cannot list resource "nodes" in API group "" at the cluster scope')
     refused(cluster, kubeconfig, "patch", *pod, "trainer-1", "-p",  # strategic: by name
             json.dumps({"spec": {"containers": [{"name": "c", "image": "evil:1"}]}}),
             says="only hostagent.io/ annotations of a pod")
@@ -247,7 +280,7 @@ async def test_a_stolen_token_reaches_its_node_and_the_pods_on_it_alone(
     assert (cluster.get(f"/api/v1/namespaces/{WORK}/pods/trainer-1")["spec"]["containers"][0]
             ["image"]) == "busybox"
     assert "taints" not in cluster.get(f"/api/v1/nodes/{OTHER}")["spec"]
-    assert "evil" not in cluster.get(f"/api/v1/nodes/{NODE}")["metadata"]["labels"]
+    assert "evil" not in (cluster.get(f"/api/v1/nodes/{NODE}")["metadata"].get("labels") or {})
 
 
 async def test_a_verb_the_manifest_does_not_grant_is_refused(
