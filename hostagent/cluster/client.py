@@ -412,8 +412,7 @@ class Client:
                     raise KubeAuthError(
                         f"could not {what}: {what_failed} ({e.status} {message}); fix the "
                         "kubeconfig, or apply the RBAC that ships with hostagent "
-                        "(deploy/rbac.yaml, and deploy/rbac-node.yaml for its node: every "
-                        "right it needs, and no more)",
+                        "(deploy/rbac.yaml: every right it needs, and no more)",
                         status=e.status,
                     ) from e
                 if not transient(e):
