@@ -14,6 +14,7 @@ import asyncio
 import itertools
 import json
 import re
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -290,6 +291,28 @@ async def test_a_verb_the_manifest_does_not_grant_is_refused(
     denied = cluster.kubectl("delete", "node", NODE, kubeconfig=kubeconfig, check=False)
     assert denied.returncode != 0 and "forbidden" in denied.stderr
     assert f'User "{IDENTITY}" cannot delete resource "nodes"' in denied.stderr
+
+
+async def test_the_identity_deleted_as_it_was_applied_ends_its_tokens(
+        cluster: ControlPlane, tmp_path: Path) -> None:
+    """README's uninstall: the node's manifest deleted, a token made before is refused
+    (401: the API server checks the ServiceAccount's UID, pkg/serviceaccount/claims.go)
+    once the API server's cache of authenticated tokens forgets it (10 s by default,
+    TokenSuccessCacheTTL in pkg/kubeapiserver/options/authentication.go; until then its
+    roles are gone: 403)."""
+    kubeconfig = agent_kubeconfig(cluster, tmp_path / "agent.kubeconfig")
+    assert cluster.kubectl("get", "node", NODE, kubeconfig=kubeconfig).returncode == 0
+    cluster.kubectl("delete", "-f", "-", input=node_rbac(NODE))
+    deadline = time.monotonic() + 30
+    while True:
+        out = await asyncio.to_thread(cluster.kubectl, "get", "node", NODE,
+                                      kubeconfig=kubeconfig, check=False)
+        assert out.returncode != 0 and ("(Forbidden)" in out.stderr
+                                        or "(Unauthorized)" in out.stderr), out.stderr
+        if "(Unauthorized)" in out.stderr:
+            break
+        assert time.monotonic() < deadline, "the deleted ServiceAccount's token still works"
+        await asyncio.sleep(0.5)
 
 
 async def test_a_right_missing_names_the_shipped_manifest(cluster: ControlPlane) -> None:
