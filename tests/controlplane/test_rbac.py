@@ -1,9 +1,12 @@
-"""The agent under deploy/rbac.yaml, against the real kube-apiserver: every call it
-makes is allowed, and every verb the manifest grants is one it makes.
+"""The agent under deploy/rbac.yaml and its node's deploy/rbac-node.yaml, against the
+real kube-apiserver: every call it makes is allowed, every verb the manifests grant is
+one it makes, and what a stolen token could do beyond its node and the pods on it is
+refused (by RBAC's resourceNames, or by the ValidatingAdmissionPolicies).
 
-The agent's credential is the ServiceAccount's token (kubectl create token), as on a
-real cluster; the lab's kubelet is played by the admin (pods on a node with no kubelet
-never finish terminating: the admin finishes what a kubelet would)."""
+The agent's credential is the token of the ServiceAccount named after its node
+(kubectl create token), as on a real cluster; the lab's kubelet is played by the admin
+(pods on a node with no kubelet never finish terminating: the admin finishes what a
+kubelet would)."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import asyncio
 import itertools
 import json
 import re
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,16 +29,32 @@ from tests.unit.kube_scaffold import FAST
 
 REPO = Path(__file__).resolve().parents[2]
 RBAC = REPO / "deploy" / "rbac.yaml"
+NODE_RBAC = REPO / "deploy" / "rbac-node.yaml"  # one host's: @NODE@ is its node's name
 NODE = "gpu-node"
+OTHER = "other-node"  # a node of the cluster that is not the agent's
+PLUGIN_LABELS = ("nvidia.com/gpu.deploy.device-plugin", "nvidia.com/gpu.deploy.dcgm-exporter",
+                 "nvidia.com/gpu.deploy.gpu-feature-discovery")
 PREFIX = "hostagent.io/"
 WORK = "work"  # the namespace of the running test's pods
+IDENTITY = f"system:serviceaccount:hostagent:{NODE}"  # the agent's user name
+
+
+def node_rbac(node: str) -> str:
+    """deploy/rbac-node.yaml for `node`, as README's sed makes it."""
+    return NODE_RBAC.read_text().replace("@NODE@", node)
+
+
+def roles() -> list[dict[str, Any]]:
+    """The ClusterRoles of both manifests (the node's made for NODE)."""
+    docs = [*yaml.safe_load_all(RBAC.read_text()), *yaml.safe_load_all(node_rbac(NODE))]
+    return [d for d in docs if d["kind"] == "ClusterRole"]
 
 
 def rules() -> set[tuple[str, str, str]]:
-    """(API group, resource, verb) of each rule of the manifest's ClusterRole."""
-    role = next(d for d in yaml.safe_load_all(RBAC.read_text()) if d["kind"] == "ClusterRole")
-    return {(group, resource, verb) for rule in role["rules"] for group in rule["apiGroups"]
-            for resource in rule["resources"] for verb in rule["verbs"]}
+    """(API group, resource, verb) of each rule of the manifests' ClusterRoles."""
+    return {(group, resource, verb) for role in roles() for rule in role["rules"]
+            for group in rule["apiGroups"] for resource in rule["resources"]
+            for verb in rule["verbs"]}
 
 
 # How each call of the kubernetes client in hostagent/cluster maps onto a rule. None lists
@@ -70,10 +90,26 @@ def test_every_verb_granted_is_one_the_agent_uses() -> None:
                                f"used, not granted: {needed - rules()}")
 
 
-def agent_kubeconfig(plane: ControlPlane, path: Path) -> Path:
-    """The agent's kubeconfig as README says to make it: the ServiceAccount's token."""
+def test_every_node_right_names_the_node() -> None:
+    """Nodes are reached by name alone: the agent's reads, list and watch included (a
+    list or watch whose fieldSelector is metadata.name=<node> counts as named for RBAC:
+    k8s.io/apiserver v0.35.4, pkg/endpoints/request/requestinfo.go)."""
+    node_rules = [rule for role in roles() for rule in role["rules"]
+                  if "nodes" in rule["resources"]]
+    assert node_rules and all(rule.get("resourceNames") == [NODE] for rule in node_rules)
+    watched = [c for c in WATCHED if CALLS[c][1] == "nodes"]
+    source = "\n".join(p.read_text() for p in (REPO / "hostagent" / "cluster").rglob("*.py"))
+    for call in watched:
+        found = re.findall(rf"{call}[\"]?,\s*(?:field_selector=)?f?\"([^\"]*)\"", source)
+        assert found and all(f == "metadata.name={node}" for f in found), (call, found)
+
+
+def agent_kubeconfig(plane: ControlPlane, path: Path, node: str = NODE) -> Path:
+    """The agent's kubeconfig as README says to make it: the token of the ServiceAccount
+    named after its node."""
     plane.kubectl("apply", "-f", str(RBAC))
-    token = plane.kubectl("create", "token", "hostagent", "-n", "hostagent",
+    plane.kubectl("apply", "-f", "-", input=node_rbac(node))
+    token = plane.kubectl("create", "token", node, "-n", "hostagent",
                           "--duration=1h").stdout.strip()
     path.write_text(json.dumps({
         "apiVersion": "v1", "kind": "Config", "current-context": "hostagent",
@@ -101,16 +137,21 @@ async def cluster(plane: ControlPlane) -> AsyncIterator[ControlPlane]:
     plane.kubectl("create", "-f", "-", input=manifest(
         "Node", NODE, status={"capacity": {"nvidia.com/gpu": "2", "pods": "110"}}))
     plane.namespace(WORK)
-    for name in ("trainer-1", "trainer-2"):
-        plane.kubectl("create", "-n", WORK, "-f", "-", input=json.dumps({
-            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-            "spec": {"nodeName": NODE, "containers": [{"name": "c", "image": "busybox"}],
-                     "terminationGracePeriodSeconds": 1}}))
+    for name, gpus in (("trainer-1", {"nvidia.com/gpu": "1"}), ("trainer-2", {})):
+        plane.kubectl("create", "-n", WORK, "-f", "-", input=a_pod(name, NODE, gpus))
     try:
         yield plane
     finally:
         plane.kubectl("delete", "namespace", WORK, "--wait=false", check=False)
-        plane.kubectl("delete", "node", NODE, check=False)
+        plane.kubectl("delete", "node", NODE, OTHER, "--ignore-not-found", check=False)
+
+
+def a_pod(name: str, node: str, limits: dict[str, str] | None = None,
+          **labels: str) -> str:
+    return json.dumps({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels},
+        "spec": {"nodeName": node, "terminationGracePeriodSeconds": 1, "containers": [
+            {"name": "c", "image": "busybox", "resources": {"limits": limits or {}}}]}})
 
 
 async def finish_terminating(plane: ControlPlane) -> None:
@@ -127,13 +168,28 @@ async def finish_terminating(plane: ControlPlane) -> None:
 
 async def test_the_agent_does_its_work_with_the_shipped_rbac_alone(
         cluster: ControlPlane, tmp_path: Path) -> None:
+    """Every call the agent makes passes: reads and watches of its node and of the pods
+    on it, the cordon, a drain's evictions, its annotations, label and taint (beside an
+    administrator's taint, which its read-modify-write keeps), NVIDIA's gpu.deploy
+    switches, a GPU pod's notice, Events, DRA's reads, a plugin pod's restart."""
     kubeconfig = agent_kubeconfig(cluster, tmp_path / "agent.kubeconfig")
+    cluster.kubectl("taint", "node", NODE, "example.com/maintenance=later:NoSchedule")
     kubelet = asyncio.get_running_loop().create_task(finish_terminating(cluster))
     try:
         async with await Kube.connect(kubeconfig, timing=FAST) as kube:
             assert (await kube.check_node(NODE, timeout=10)).exists
+            seen = asyncio.Event()
+            watch = asyncio.get_running_loop().create_task(kube.watch_node(
+                NODE, resources=["nvidia.com/gpu"], on_change=lambda view: seen.set()))
+            await asyncio.wait_for(seen.wait(), 20)
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
             result = await kube.cordon(NODE, marker_prefix=PREFIX, timeout=10)
             assert result.cordoned_by_us
+            when, told = await kube.notice_pods(
+                NODE, annotation=f"{PREFIX}reclaim-at", value=lambda grace: "soon",
+                reason="GPUReclaimNotice", message=lambda at: f"evicted from {at}", timeout=10)
+            assert told == [f"{WORK}/trainer-1"]
             report = await kube.drain(NODE, timeout=60, emptydir_ok=True, unmanaged_ok=True,
                                       on_timeout=DrainTimeoutAction.ABORT)
             assert sorted(str(p) for p in report.evicted) == [f"{WORK}/trainer-1",
@@ -141,12 +197,18 @@ async def test_the_agent_does_its_work_with_the_shipped_rbac_alone(
             await kube.annotate(NODE, {f"{PREFIX}state": "lent"},
                                 labels={"hostagent.io/borrowed": "true"},
                                 add_taints=[Taint(key="hostagent.io/borrowed")], timeout=10)
+            paused = dict.fromkeys(PLUGIN_LABELS, "paused-for-hostagent")
+            await kube.annotate(NODE, {}, labels=paused, timeout=10)
+            await kube.annotate(NODE, {}, labels=dict.fromkeys(PLUGIN_LABELS), timeout=10)
             await kube.post_event(NODE, reason="Lent", message="lent by hostagent", timeout=10)
             found = await kube.gpu_api_of(NODE, driver="gpu.nvidia.com",
                                           resource="nvidia.com/gpu", timeout=10)
             assert found is None or found[0] is False
             assert await kube.dra_holders(NODE, driver="gpu.nvidia.com", uuids=["GPU-1"],
                                           timeout=10) == frozenset()
+            cluster.kubectl("create", "-n", WORK, "-f", "-", input=a_pod(
+                "plugin", NODE, app="nvidia-device-plugin-daemonset"))
+            assert await kube.restart_plugins(NODE, timeout=10) == [f"{WORK}/plugin"]
             assert await kube.uncordon(NODE, marker_prefix=PREFIX, timeout=10)
             removed = await kube.unmark(NODE, marker_prefix=PREFIX,
                                         label="hostagent.io/borrowed",
@@ -157,6 +219,69 @@ async def test_the_agent_does_its_work_with_the_shipped_rbac_alone(
         await asyncio.gather(kubelet, return_exceptions=True)
     events = cluster.kubectl("get", "events", "-n", "default", "-o", "json").stdout
     assert "lent by hostagent" in events
+    node = cluster.get(f"/api/v1/nodes/{NODE}")
+    assert {"key": "example.com/maintenance", "value": "later", "effect": "NoSchedule"} in \
+        node["spec"]["taints"]
+    assert not set(PLUGIN_LABELS) & set(node["metadata"].get("labels") or {})
+
+
+def refused(plane: ControlPlane, kubeconfig: Path, *args: str, says: str) -> None:
+    """`kubectl args` as the agent is refused with a 403 that says `says`."""
+    out = plane.kubectl(*args, kubeconfig=kubeconfig, check=False)
+    assert out.returncode != 0, f"kubectl {' '.join(args)} was allowed: {out.stdout}"
+    assert "(Forbidden)" in out.stderr and says in out.stderr, out.stderr
+
+
+async def test_a_stolen_token_reaches_its_node_and_the_pods_on_it_alone(
+        cluster: ControlPlane, tmp_path: Path) -> None:
+    """What the token of one host's agent may not do, each refused by the API server:
+    run other code in a pod of its node (an image change), touch another node (its
+    taint) or a pod on another node, put a label, annotation or taint of another's on
+    its own node or take one off, or relabel a pod. The policy holds even where an
+    administrator granted more (a ClusterRole that may patch every node)."""
+    kubeconfig = agent_kubeconfig(cluster, tmp_path / "agent.kubeconfig")
+    cluster.kubectl("create", "-f", "-", input=manifest("Node", OTHER))
+    cluster.kubectl("create", "-n", WORK, "-f", "-", input=a_pod("elsewhere", OTHER))
+    cluster.kubectl("taint", "node", NODE, "example.com/maintenance=later:NoSchedule")
+    pod = ["-n", WORK, "pod"]
+    refused(cluster, kubeconfig, "get", "nodes",
+            says='cannot list resource "nodes" in API group "" at the cluster scope')
+    refused(cluster, kubeconfig, "patch", *pod, "trainer-1", "-p",  # strategic: by name
+            json.dumps({"spec": {"containers": [{"name": "c", "image": "evil:1"}]}}),
+            says="only hostagent.io/ annotations of a pod")
+    refused(cluster, kubeconfig, "label", *pod, "trainer-1", "app=evil",
+            says="only hostagent.io/ annotations of a pod")
+    refused(cluster, kubeconfig, "annotate", *pod, "trainer-1", "example.com/x=1",
+            says="only hostagent.io/ annotations of a pod")
+    refused(cluster, kubeconfig, "annotate", *pod, "elsewhere", f"{PREFIX}reclaim-at=1",
+            says="only the pods on its own node")
+    refused(cluster, kubeconfig, "delete", *pod, "elsewhere", "--wait=false",
+            says="only the pods on its own node")
+    refused(cluster, kubeconfig, "taint", "node", OTHER, "evil=1:NoExecute",
+            says='cannot get resource "nodes" in API group "" at the cluster scope')
+    refused(cluster, kubeconfig, "label", "node", NODE, "evil=1",
+            says="only hostagent.io/ labels")
+    refused(cluster, kubeconfig, "annotate", "node", NODE, "example.com/x=1",
+            says="only hostagent.io/ annotations on its node")
+    refused(cluster, kubeconfig, "taint", "node", NODE, "evil=1:NoExecute",
+            says="only hostagent.io/ taints")
+    refused(cluster, kubeconfig, "taint", "node", NODE, "example.com/maintenance-",
+            says="only hostagent.io/ taints")
+    # An administrator's mistake: a role that may patch every node. The policy still
+    # keeps the token to its own node.
+    cluster.kubectl("create", "clusterrole", "too-much", "--verb=get,patch", "--resource=nodes")
+    try:
+        cluster.kubectl("create", "clusterrolebinding", "too-much", "--clusterrole=too-much",
+                        f"--serviceaccount={IDENTITY.replace('system:serviceaccount:', '')}")
+        refused(cluster, kubeconfig, "taint", "node", OTHER, "evil=1:NoExecute",
+                says="only its own node")
+    finally:
+        cluster.kubectl("delete", "clusterrolebinding,clusterrole", "too-much",
+                        "--ignore-not-found")
+    assert (cluster.get(f"/api/v1/namespaces/{WORK}/pods/trainer-1")["spec"]["containers"][0]
+            ["image"]) == "busybox"
+    assert "taints" not in cluster.get(f"/api/v1/nodes/{OTHER}")["spec"]
+    assert "evil" not in (cluster.get(f"/api/v1/nodes/{NODE}")["metadata"].get("labels") or {})
 
 
 async def test_a_verb_the_manifest_does_not_grant_is_refused(
@@ -165,8 +290,29 @@ async def test_a_verb_the_manifest_does_not_grant_is_refused(
     kubeconfig = agent_kubeconfig(cluster, tmp_path / "agent.kubeconfig")
     denied = cluster.kubectl("delete", "node", NODE, kubeconfig=kubeconfig, check=False)
     assert denied.returncode != 0 and "forbidden" in denied.stderr
-    assert 'User "system:serviceaccount:hostagent:hostagent" cannot delete resource "nodes"' \
-        in denied.stderr
+    assert f'User "{IDENTITY}" cannot delete resource "nodes"' in denied.stderr
+
+
+async def test_the_identity_deleted_as_it_was_applied_ends_its_tokens(
+        cluster: ControlPlane, tmp_path: Path) -> None:
+    """README's uninstall: the node's manifest deleted, a token made before is refused
+    (401: the API server checks the ServiceAccount's UID, pkg/serviceaccount/claims.go)
+    once the API server's cache of authenticated tokens forgets it (10 s by default,
+    TokenSuccessCacheTTL in pkg/kubeapiserver/options/authentication.go; until then its
+    roles are gone: 403)."""
+    kubeconfig = agent_kubeconfig(cluster, tmp_path / "agent.kubeconfig")
+    assert cluster.kubectl("get", "node", NODE, kubeconfig=kubeconfig).returncode == 0
+    cluster.kubectl("delete", "-f", "-", input=node_rbac(NODE))
+    deadline = time.monotonic() + 30
+    while True:
+        out = await asyncio.to_thread(cluster.kubectl, "get", "node", NODE,
+                                      kubeconfig=kubeconfig, check=False)
+        assert out.returncode != 0 and ("(Forbidden)" in out.stderr
+                                        or "(Unauthorized)" in out.stderr), out.stderr
+        if "(Unauthorized)" in out.stderr:
+            break
+        assert time.monotonic() < deadline, "the deleted ServiceAccount's token still works"
+        await asyncio.sleep(0.5)
 
 
 async def test_a_right_missing_names_the_shipped_manifest(cluster: ControlPlane) -> None:

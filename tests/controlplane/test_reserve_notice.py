@@ -1,7 +1,8 @@
 """The notice of a reserved reclaim, against the real kube-apiserver under
-deploy/rbac.yaml alone: each GPU pod on the lendee's node gets the annotation
-hostagent.io/reclaim-at (RFC 3339) and an Event of its own, computed from the longest
-grace period among them; a pod without a GPU is left alone."""
+deploy/rbac.yaml and its node's deploy/rbac-node.yaml alone: each GPU pod on the
+lendee's node gets the annotation hostagent.io/reclaim-at (RFC 3339) and an Event of
+its own, computed from the longest grace period among them; a pod without a GPU is left
+alone."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def pod(name: str, *, gpu: bool, grace: int | None) -> str:
 
 async def test_the_gpu_pods_are_told_when_with_their_longest_grace(
         plane: ControlPlane, tmp_path: Path) -> None:
-    kubeconfig = agent_kubeconfig(plane, tmp_path / "agent.kubeconfig")
+    kubeconfig = agent_kubeconfig(plane, tmp_path / "agent.kubeconfig", NODE)
     plane.namespace(WORK)
     try:
         for name, gpu, grace in (("train", True, 600), ("infer", True, None),

@@ -9,8 +9,9 @@ GPU whose driver "fails" is not counted. On a DRA node (``dra=True``) those GPUs
 published, by UUID, in the node's ResourceSlice of gpu.nvidia.com instead, and the
 cluster has the driver's DeviceClass.
 
-The agent connects with the token of deploy/rbac.yaml's ServiceAccount and nothing
-more, as README says to make its kubeconfig, through the fault proxy
+The agent connects with the token of gpu-node's ServiceAccount (deploy/rbac.yaml and
+deploy/rbac-node.yaml) and nothing more, as README says to make its kubeconfig,
+through the fault proxy
 (tests/controlplane/proxy.py: `LabCluster.api`, whose faults a test calls with
 `LabCluster.call`). Each `lab_cluster` leaves the plane as it
 found it: its nodes, their Leases and slices, and every workload and Event in
@@ -53,7 +54,13 @@ def lab_plane(lab: Lab) -> ControlPlane:
         _planes[lab.root] = plane
         atexit.register(plane.stop)
         plane.kubectl("apply", "-f", str(REPO / "deploy" / "rbac.yaml"))
+        plane.kubectl("apply", "-f", "-", input=node_rbac(LENDEE))
     return plane
+
+
+def node_rbac(node: str) -> str:
+    """deploy/rbac-node.yaml for `node`, as README's sed makes it."""
+    return (REPO / "deploy" / "rbac-node.yaml").read_text().replace("@NODE@", node)
 
 
 def close(lab: Lab) -> None:
@@ -64,8 +71,8 @@ def close(lab: Lab) -> None:
 
 
 def agent_kubeconfig(plane: ControlPlane, path: Path) -> Path:
-    """The agent's kubeconfig: deploy/rbac.yaml's ServiceAccount's token, no more."""
-    token = plane.kubectl("create", "token", "hostagent", "-n", "hostagent",
+    """The agent's kubeconfig: the token of the lendee's ServiceAccount, no more."""
+    token = plane.kubectl("create", "token", LENDEE, "-n", "hostagent",
                           "--duration=12h").stdout.strip()
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps({

@@ -50,15 +50,15 @@ def test_the_first_real_swap_and_its_undo_as_readme_says(lab: Lab, tmp_path: Pat
         plane = lab_plane(lab)
         kubectl = f"{plane.labkube} kubectl --kubeconfig {plane.admin}"
 
-        # 1. The agent's permissions: the shipped RBAC, applied as README says.
-        apply = re.search(r"^kubectl (apply -f \S+)$",
-                          textwrap.dedent(block("Your first real swap", "sh", "apply -f")),
-                          re.M)
-        assert apply, "README applies the shipped RBAC"
-        out = subprocess.run(f"cd {README.parent} && {kubectl} {apply[1]}", shell=True,
-                             capture_output=True, text=True, check=False)
+        # 1. The agent's permissions: the shipped RBAC and this host's identity, applied
+        # as README says (its node is the lab's lendee).
+        apply = textwrap.dedent(block("Your first real swap", "sh", "apply -f"))
+        assert "kubectl apply -f deploy/rbac.yaml" in apply and f"/{LENDEE}/" in apply
+        out = subprocess.run(["bash", "-euo", "pipefail", "-c",
+                              f'kubectl() {{ {kubectl} "$@"; }}\n{apply}'],
+                             cwd=README.parent, capture_output=True, text=True, check=False)
         assert out.returncode == 0, out.stderr
-        assert "serviceaccount/hostagent" in out.stdout
+        assert f"serviceaccount/{LENDEE}" in out.stdout, out.stdout
 
         # 2. Its kubeconfig, by README's script: k3s's kubectl and k3s.yaml are the lab's.
         script = textwrap.dedent(block("Your first real swap", "sh", "create token"))

@@ -3,7 +3,8 @@ kube-apiserver (the session's `plane`), a lend verified by UUID in
 the node's ResourceSlices as NVIDIA's driver publishes them (tests/controlplane/nvidia.py),
 a GPU lost from them or tainted unhealthy while lent, the pods whose claims hold lent
 GPUs (when-idle's count, status, the metric, the node's annotation), and which API
-serves the node's GPUs. The agent connects as its ServiceAccount under deploy/rbac.yaml.
+serves the node's GPUs. The agent connects as its node's ServiceAccount (deploy/rbac.yaml,
+deploy/rbac-node.yaml).
 
 Here a claim is written as the scheduler leaves one (allocated, reserved for its pod,
 the pod bound to the node), which is quick; tests/controlplane/test_dra_cluster.py has
@@ -32,6 +33,7 @@ from tests.controlplane import ControlPlane, dralab
 from tests.controlplane.dralab import NODE, Accounts, Lab, dra_lab
 from tests.controlplane.kubelet import Pods
 from tests.controlplane.proxy import FaultProxy
+from tests.controlplane.test_rbac import agent_kubeconfig, node_rbac
 from tests.controlplane.nvidia import DEVICE_CLASS, DRIVER, gpu, health_taint, mig
 from tests.configs import UUID_A, UUID_B, UUID_C, lendee_toml  # UUID_C: the host's, never lent
 from tests.unit.kube_scaffold import FAST
@@ -502,12 +504,15 @@ async def test_a_slice_that_selects_the_node_by_a_node_selector_counts(lab: Lab)
 
 
 async def test_the_gpu_api_is_told_from_what_the_node_publishes_not_a_device_class(
-        lab: Lab, records: journal.ListSink) -> None:
+        lab: Lab, records: journal.ListSink, tmp_path: Path) -> None:
     """The cluster has the driver's DeviceClass and another node's slices, but this node
-    advertises nvidia.com/gpu: the device plugin serves it, and status says why."""
+    advertises nvidia.com/gpu: the device plugin serves it, and status says why. The
+    agent of that node is that node's ServiceAccount (deploy/rbac-node.yaml)."""
     plane = lab.plane
     plugin_node = plane.credential("kubelet-plugin-node", "system:node:plugin-node",
                                    "system:nodes")
+    kubeconfig = await asyncio.to_thread(agent_kubeconfig, plane,
+                                         tmp_path / "plugin-node.kubeconfig", "plugin-node")
     try:
         async with Pods(plugin_node, "plugin-node", ready=True):
             gpus = {"nvidia.com/gpu": "2", "pods": "110"}
@@ -515,13 +520,17 @@ async def test_the_gpu_api_is_told_from_what_the_node_publishes_not_a_device_cla
                               "--type=merge", "-p", json.dumps(
                                   {"status": {"capacity": gpus, "allocatable": gpus}}))
             await publish(lab, UUID_C)
-            cluster = lab.cluster(config(domain="plugin-node"))
-            await lab.kube.cordon("plugin-node", marker_prefix=PREFIX)
-            assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+            async with await Kube.connect(kubeconfig, timing=FAST) as kube:
+                cluster = KubeCluster(kube, config(domain="plugin-node"),
+                                      remember_cordon=lambda _: None)
+                await kube.cordon("plugin-node", marker_prefix=PREFIX)
+                assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
     finally:
         await lab.kubectl("delete", "node", "plugin-node", "--ignore-not-found")
         await lab.kubectl("delete", "lease", "-n", "kube-node-lease", "plugin-node",
                           "--ignore-not-found")
+        await lab.kubectl("delete", "--ignore-not-found", "-f", "-",
+                          input=node_rbac("plugin-node"))
     assert cluster.dra is None
     assert cluster.status()["gpu_api"] == "device-plugin"
     assert "advertises nvidia.com/gpu" in str(cluster.status()["gpu_api_from"])
@@ -545,19 +554,22 @@ async def test_a_node_with_slices_is_dra_without_a_device_class(lab: Lab) -> Non
 async def test_a_dra_api_refused_is_an_error_that_names_the_right_missing(
         lab: Lab, tmp_path: Path) -> None:
     """The node advertises no nvidia.com/gpu and the agent's ServiceAccount has no right
-    on resource.k8s.io (an older manifest, bound to a ClusterRole without its rules):
-    the return fails at once naming the right, instead of expecting the device plugin
-    and failing after timeouts.ready."""
-    role = json.loads(await lab.kubectl("get", "clusterrole", "hostagent", "-o", "json"))
-    role["rules"] = [r for r in role["rules"] if "resource.k8s.io" not in r["apiGroups"]]
+    on resource.k8s.io (an older manifest: one ServiceAccount, outside namespace
+    hostagent's policies, bound to a ClusterRole without those rules): the return fails
+    at once naming the right, instead of expecting the device plugin and failing after
+    timeouts.ready."""
+    rules = [rule for name in ("hostagent", f"hostagent:{NODE}") for rule in json.loads(
+        await lab.kubectl("get", "clusterrole", name, "-o", "json"))["rules"]]
     role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
-            "metadata": {"name": "hostagent-no-dra"}, "rules": role["rules"]}
+            "metadata": {"name": "hostagent-no-dra"},
+            "rules": [r for r in rules if "resource.k8s.io" not in r["apiGroups"]]}
     await lab.kubectl("apply", "-f", "-", input=json.dumps(role))
-    await lab.kubectl("create", "serviceaccount", "-n", "hostagent", "no-dra")
+    await lab.kubectl("create", "serviceaccount", "-n", lab.namespace, "no-dra")
     await lab.kubectl("create", "clusterrolebinding", "hostagent-no-dra",
-                      "--clusterrole=hostagent-no-dra", "--serviceaccount=hostagent:no-dra")
+                      "--clusterrole=hostagent-no-dra",
+                      f"--serviceaccount={lab.namespace}:no-dra")
     try:
-        token = (await lab.kubectl("create", "token", "no-dra", "-n", "hostagent")).strip()
+        token = (await lab.kubectl("create", "token", "no-dra", "-n", lab.namespace)).strip()
         kubeconfig = json.loads(lab.kubeconfig.read_text())
         kubeconfig["users"][0]["user"]["token"] = token
         path = tmp_path / "no-dra.kubeconfig"
@@ -571,8 +583,7 @@ async def test_a_dra_api_refused_is_an_error_that_names_the_right_missing(
         assert await lab.unschedulable()
     finally:
         for args in (("delete", "clusterrolebinding", "hostagent-no-dra"),
-                     ("delete", "clusterrole", "hostagent-no-dra"),
-                     ("delete", "serviceaccount", "-n", "hostagent", "no-dra")):
+                     ("delete", "clusterrole", "hostagent-no-dra")):
             await lab.kubectl(*args, "--ignore-not-found")
 
 
