@@ -4,6 +4,7 @@ the lab's real control plane, with k8s.io/cri-client/pkg/fake's runtime behind i
 
     node = RealKubelet(plane, "lab-node", root).start()   # registers, turns Ready
     node.devices("nvidia.com/gpu", ["gpu-0", "gpu-1"])   # a device plugin, real gRPC API
+    node.dra("gpu.nvidia.com", [("gpu-0", uuid)], plugins)  # a DRA kubelet plugin
     node.stop()
 
 Each kubelet runs as root in a mount namespace of its own (`unshare -m`, as the lab's
@@ -169,6 +170,26 @@ class RealKubelet:
             self.plugins[resource] = subprocess.Popen(
                 ["nsenter", "-t", str(self.proc.pid), "-m", str(labnode()),
                  "device-plugin", resource, str(listed)],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True)
+
+    def dra(self, driver: str, gpus: list[tuple[str, str]], kubeconfig: Path) -> None:
+        """Publish `gpus` ((device name, UUID) each) as `driver`'s pool for this node
+        through a DRA kubelet plugin registered with this kubelet, which prepares them
+        for pods (started the first time, its list rewritten after); `kubeconfig` is
+        the driver's own credential, for its ResourceSlices."""
+        key = f"dra:{driver}"
+        listed = self.root / f"{driver}.dra"
+        tmp = listed.with_suffix(".tmp")
+        tmp.write_text("".join(f"{name} {uuid_}\n" for name, uuid_ in gpus))
+        tmp.replace(listed)
+        if key in self.plugins and self.plugins[key].poll() is None:
+            return
+        assert self.proc is not None
+        with (self.root / f"plugin-{driver}.log").open("ab") as log:
+            self.plugins[key] = subprocess.Popen(
+                ["nsenter", "-t", str(self.proc.pid), "-m", str(labnode()), "dra-plugin",
+                 driver, self.name, str(kubeconfig), str(listed)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)
 

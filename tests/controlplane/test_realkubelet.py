@@ -1,8 +1,8 @@
 """The real kubelet of the lab's release as a lab node (tests/controlplane/realkubelet.py),
 against the real control plane: it registers and turns Ready with this boot's ID, runs
 pods on cri-client's fake runtime, takes a device plugin's devices over the real gRPC
-API, and after a restart behaves as a rebooted node's kubelet does (Kubernetes v1.35.4,
-pkg/kubelet). Skipped where labnode is not built (tests/controlplane/labnode/build.sh)."""
+API, prepares a pod's claim through a DRA kubelet plugin, and after a restart behaves as
+a rebooted node's kubelet does (Kubernetes v1.35.4, pkg/kubelet). Skipped where labnode is not built (tests/controlplane/labnode/build.sh)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tests.controlplane import ControlPlane
+from tests.controlplane import ControlPlane, nvidia
 from tests.controlplane.realkubelet import SYSCTLS, RealKubelet, missing
 
 NODE = "real-node"
@@ -63,8 +63,8 @@ def kubelet(plane: ControlPlane, tmp_path: Path) -> Iterator[RealKubelet]:
         yield real
     finally:
         real.stop()
-        plane.kubectl("delete", "pods", "--all", "-n", NAMESPACE, "--grace-period=0",
-                      "--force", check=False)
+        plane.kubectl("delete", "pods,resourceclaims", "--all", "-n", NAMESPACE,
+                      "--grace-period=0", "--force", check=False)
         plane.kubectl("delete", "node", NODE, "--ignore-not-found")
 
 
@@ -117,3 +117,30 @@ def test_after_a_reboot_a_pod_on_a_device_not_yet_served_again_fails_admission(
     assert status["reason"] == "UnexpectedAdmissionError", status
     kubelet.devices("nvidia.com/gpu", ["gpu-0"])
     until(lambda: gpus(plane) == "1", "the GPU allocatable again", timeout=30)
+
+
+def test_a_pod_with_a_resource_claim_runs_once_the_dra_plugin_prepared_its_gpu(
+        plane: ControlPlane, kubelet: RealKubelet) -> None:
+    until(lambda: ready(plane) == "True", "the node Ready")
+    plane.kubectl("apply", "-f", "-", input=json.dumps(nvidia.DEVICE_CLASS))
+    kubelet.dra(nvidia.DRIVER, [("gpu-0", "GPU-7a1c0de5-0000-4000-8000-0000000000a0")],
+                plane.admin)
+    until(lambda: plane.get("/apis/resource.k8s.io/v1/resourceslices",
+                            fieldSelector=f"spec.nodeName={NODE}")["items"],
+          "the plugin's ResourceSlice")
+    plane.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "one-gpu", "namespace": NAMESPACE},
+        "spec": {"devices": {"requests": [
+            {"name": "gpu", "exactly": {"deviceClassName": nvidia.DRIVER}}]}}}))
+    plane.kubectl("apply", "-f", "-", input=json.dumps({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "claims", "namespace": NAMESPACE},
+        "spec": {"nodeSelector": {"kubernetes.io/hostname": NODE},
+                 "resourceClaims": [{"name": "gpu", "resourceClaimName": "one-gpu"}],
+                 "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10",
+                                 "resources": {"claims": [{"name": "gpu"}]}}]}}))
+    until(lambda: pod(plane, "claims")["status"].get("phase") == "Running",
+          "the pod with a claim Running")
+    # The kubelet's DRA manager asked the plugin, which gave the GPU as a CDI device.
+    log = (kubelet.root / f"plugin-{nvidia.DRIVER}.log").read_text()
+    assert "k8s.gpu.nvidia.com/gpu=gpu-0" in log, log[-3000:]

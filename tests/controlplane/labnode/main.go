@@ -4,6 +4,8 @@
 //	labnode kubelet FLAGS...                the kubelet's own main (cmd/kubelet/kubelet.go)
 //	labnode cri SOCKET                      a fake CRI runtime on a Unix socket
 //	labnode device-plugin RESOURCE FILE     a device plugin serving the IDs listed in FILE
+//	labnode dra-plugin DRIVER NODE KUBECONFIG FILE
+//	                                        a DRA kubelet plugin publishing the devices in FILE
 //
 // The runtime is k8s.io/cri-client/pkg/fake's (v0.35.4, fake_runtime.go): the CRI's
 // gRPC services over cri-api's FakeRuntimeService and FakeImageService, which keep
@@ -16,6 +18,12 @@
 // registers with the kubelet's Registration service on kubelet.sock, and sends the
 // IDs in FILE (one a line) through ListAndWatch, again each time FILE changes, as
 // NVIDIA's plugin sends its GPUs (k8s-device-plugin v0.17, internal/plugin/server.go).
+//
+// The DRA plugin is k8s.io/dynamic-resource-allocation v0.35.4's kubeletplugin helper,
+// as NVIDIA's DRA driver uses it (k8s-dra-driver-gpu, cmd/gpu-kubelet-plugin/driver.go):
+// it registers through /var/lib/kubelet/plugins_registry, publishes one pool named after
+// the node in one ResourceSlice (each line of FILE a GPU: its name and UUID) and answers
+// the kubelet's NodePrepareResources with a CDI device per allocated GPU.
 package main
 
 import (
@@ -33,12 +41,19 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	resourceapi "k8s.io/api/resource/v1"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/clientcmd"
 	"k8s.io/component-base/cli"
 	_ "k8s.io/component-base/logs/json/register"
 	_ "k8s.io/component-base/metrics/prometheus/clientgo"
 	_ "k8s.io/component-base/metrics/prometheus/version"
 	runtimeapi "k8s.io/cri-api/pkg/apis/runtime/v1"
 	"k8s.io/cri-client/pkg/fake"
+	"k8s.io/dynamic-resource-allocation/kubeletplugin"
+	"k8s.io/dynamic-resource-allocation/resourceslice"
+	"k8s.io/klog/v2"
 	pluginapi "k8s.io/kubelet/pkg/apis/deviceplugin/v1beta1"
 	kubelet "k8s.io/kubernetes/cmd/kubelet/app"
 )
@@ -63,13 +78,19 @@ func main() {
 			usage()
 		}
 		exit(devicePlugin(args[0], args[1]))
+	case "dra-plugin":
+		if len(args) != 4 {
+			usage()
+		}
+		exit(draPlugin(args[0], args[1], args[2], args[3]))
 	default:
 		usage()
 	}
 }
 
 func usage() {
-	fmt.Fprintln(os.Stderr, "usage: labnode kubelet FLAGS... | cri SOCKET | device-plugin RESOURCE FILE")
+	fmt.Fprintln(os.Stderr, "usage: labnode kubelet FLAGS... | cri SOCKET | device-plugin RESOURCE FILE"+
+		" | dra-plugin DRIVER NODE KUBECONFIG FILE")
 	os.Exit(2)
 }
 
@@ -233,4 +254,103 @@ func registerOnce(ctx context.Context, resource, endpoint string) error {
 	_, err = pluginapi.NewRegistrationClient(conn).Register(ctx, &pluginapi.RegisterRequest{
 		Version: pluginapi.Version, Endpoint: endpoint, ResourceName: resource})
 	return err
+}
+
+type draDriver struct {
+	name string
+}
+
+// PrepareResourceClaims gives each GPU allocated to a claim as the CDI device NVIDIA's
+// driver names it (k8s.gpu.nvidia.com/gpu=<uuid>); the fake runtime takes it as given.
+func (d *draDriver) PrepareResourceClaims(_ context.Context, claims []*resourceapi.ResourceClaim) (map[types.UID]kubeletplugin.PrepareResult, error) {
+	result := map[types.UID]kubeletplugin.PrepareResult{}
+	for _, claim := range claims {
+		var devices []kubeletplugin.Device
+		if claim.Status.Allocation != nil {
+			for _, r := range claim.Status.Allocation.Devices.Results {
+				if r.Driver != d.name {
+					continue
+				}
+				devices = append(devices, kubeletplugin.Device{
+					Requests: []string{r.Request}, PoolName: r.Pool, DeviceName: r.Device,
+					CDIDeviceIDs: []string{"k8s." + d.name + "/gpu=" + r.Device}})
+			}
+		}
+		fmt.Fprintf(os.Stderr, "labnode: prepared claim %s/%s:", claim.Namespace, claim.Name)
+		for _, device := range devices {
+			fmt.Fprintf(os.Stderr, " %s", strings.Join(device.CDIDeviceIDs, ","))
+		}
+		fmt.Fprintln(os.Stderr)
+		result[claim.UID] = kubeletplugin.PrepareResult{Devices: devices}
+	}
+	return result, nil
+}
+
+func (d *draDriver) UnprepareResourceClaims(_ context.Context, claims []kubeletplugin.NamespacedObject) (map[types.UID]error, error) {
+	result := map[types.UID]error{}
+	for _, claim := range claims {
+		result[claim.UID] = nil
+	}
+	return result, nil
+}
+
+func (d *draDriver) HandleError(ctx context.Context, err error, msg string) {
+	klog.FromContext(ctx).Error(err, msg)
+}
+
+// draGPUs reads FILE: one GPU a line, its device name and UUID.
+func draGPUs(file string) []resourceapi.Device {
+	var devices []resourceapi.Device
+	for _, line := range readIDs(file) {
+		fields := strings.Fields(line)
+		if len(fields) != 2 {
+			continue
+		}
+		gpu, uuid := fields[0], fields[1]
+		devices = append(devices, resourceapi.Device{Name: gpu, Attributes: map[resourceapi.QualifiedName]resourceapi.DeviceAttribute{
+			"type": {StringValue: ptr("gpu")}, "uuid": {StringValue: ptr(uuid)}}})
+	}
+	return devices
+}
+
+func ptr[T any](v T) *T { return &v }
+
+func draPlugin(driver, node, kubeconfig, file string) error {
+	ctx := stopped()
+	config, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		return err
+	}
+	client, err := kubernetes.NewForConfig(config)
+	if err != nil {
+		return err
+	}
+	// The driver's own directory, which NVIDIA's DaemonSet mounts from the host with
+	// DirectoryOrCreate; the helper only listens in it.
+	if err := os.MkdirAll(filepath.Join(kubeletplugin.KubeletPluginsDir, driver), 0o750); err != nil {
+		return err
+	}
+	helper, err := kubeletplugin.Start(ctx, &draDriver{name: driver}, kubeletplugin.DriverName(driver),
+		kubeletplugin.NodeName(node), kubeletplugin.KubeClient(client))
+	if err != nil {
+		return err
+	}
+	defer helper.Stop()
+	var published []resourceapi.Device
+	first := true
+	for ctx.Err() == nil {
+		devices := draGPUs(file)
+		if first || fmt.Sprint(devices) != fmt.Sprint(published) {
+			if err := helper.PublishResources(ctx, resourceslice.DriverResources{Pools: map[string]resourceslice.Pool{
+				node: {Slices: []resourceslice.Slice{{Devices: devices}}}}}); err != nil {
+				return err
+			}
+			published, first = devices, false
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+	return nil
 }
