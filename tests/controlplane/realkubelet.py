@@ -113,13 +113,14 @@ class RealKubelet:
             (self.root / part).mkdir(parents=True, exist_ok=True)
         self.boot_id = str(uuid.uuid4())
         (self.root / "boot_id").write_text(self.boot_id + "\n")
-        mounts = [f"mount --bind {self.root / 'var-lib-kubelet'} /var/lib/kubelet",
-                  f"mount --bind {self.root / 'var-log'} /var/log",
-                  f"mount --bind {self.root / 'boot_id'} /proc/sys/kernel/random/boot_id"]
+        q = shlex.quote
+        mounts = [f"mount --bind {q(str(self.root / 'var-lib-kubelet'))} /var/lib/kubelet",
+                  f"mount --bind {q(str(self.root / 'var-log'))} /var/log",
+                  f"mount --bind {q(str(self.root / 'boot_id'))} /proc/sys/kernel/random/boot_id"]
         for key, value in SYSCTLS.items():
             held = self.root / "sysctl" / key.replace("/", ".")
             held.write_text(f"{value}\n")
-            mounts.append(f"mount --bind {held} /proc/sys/{key}")
+            mounts.append(f"mount --bind {q(str(held))} /proc/sys/{key}")
         credential = self.plane.credential(f"kubelet-{self.name}", f"system:node:{self.name}",
                                            "system:nodes")
         config = self.root / "kubelet.json"
@@ -129,9 +130,9 @@ class RealKubelet:
         # under root.
         script = " && ".join([
             "mkdir -p /var/lib/kubelet", *mounts,
-            f"{{ {shlex.quote(str(binary))} cri {cri} >{self.root / 'cri.log'} 2>&1 & }}",
-            f"exec {shlex.quote(str(binary))} kubelet --config={config} "
-            f"--kubeconfig={credential} --hostname-override={self.name} --v=2"])
+            f"{{ {q(str(binary))} cri {q(str(cri))} >{q(str(self.root / 'cri.log'))} 2>&1 & }}",
+            f"exec {q(str(binary))} kubelet --config={q(str(config))} "
+            f"--kubeconfig={q(str(credential))} --hostname-override={q(self.name)} --v=2"])
         with self.log_path.open("ab") as log:
             # A session of its own: stop() ends the kubelet and the runtime it started.
             self.proc = subprocess.Popen(
