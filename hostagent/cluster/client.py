@@ -284,6 +284,7 @@ class Client:
         self._api_client = api_client
         self._core = k8s.CoreV1Api(api_client)
         self._resource = k8s.ResourceV1Api(api_client)
+        self._apps = k8s.AppsV1Api(api_client)
         self.timing = timing or Timing()
         self.server = server or str(getattr(api_client.configuration, "host", ""))
         # Reads the credentials again (a fresh kubernetes-asyncio Configuration): after
@@ -341,6 +342,7 @@ class Client:
         self._api_client = k8s.ApiClient(configuration)
         self._core = k8s.CoreV1Api(self._api_client)
         self._resource = k8s.ResourceV1Api(self._api_client)
+        self._apps = k8s.AppsV1Api(self._api_client)
         log.info("read the Kubernetes credentials again after a 401 from %s", self.server)
         return True
 

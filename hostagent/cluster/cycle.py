@@ -294,22 +294,52 @@ class KubeCluster:
         return None
 
     async def withdraw(self, gpus: Collection[str]) -> str | None:
-        """A hot-unplug's part, once the GPUs' pods are gone: the node's GPU plugins are
-        stopped (their pods deleted). NVIDIA's device plugin enumerates GPUs only when it
-        starts (and on SIGHUP, or when the kubelet's socket is made anew) and its health
-        check keeps NVML events registered on every GPU it serves for as long as it
-        runs, so it holds the GPU open and would still offer it; the DaemonSet starts it
-        again, and the return after the detach restarts it once more to advertise the
-        rest. None, or why the reclaim by restart must run instead."""
+        """A hot-unplug's part, once the GPUs' pods are gone: the node's GPU plugins, and
+        every DaemonSet pod that honours `plugin_labels` (a DCGM exporter, GPU Feature
+        Discovery), kept off the node as NVIDIA's mig-manager does (`pause_plugins`):
+        they hold every GPU open while they run, and a deleted pod's DaemonSet makes a
+        new one at once. The labels stay paused until the node's return restores them
+        (every return does, whatever road it took). None, or why the reclaim by
+        restart must run instead."""
+        began = time.monotonic()
         try:
-            deleted = await self.kube.restart_plugins(
-                self.node, timeout=self.timeouts.ready, selectors=self.settings.plugin_selectors)
+            went = await self._pause_plugins()
         except KubeError as e:
-            return f"could not stop the GPU plugins on node {self.node}: {e}"
-        journal.record("hotplug", f"stopped {', '.join(deleted) or 'no plugin pod'} on node "
-                       f"{self.node}, which hold {', '.join(sorted(gpus))} open",
-                       vm=self.node, result="ok")
+            return f"could not keep the GPU plugins off node {self.node}: {e}"
+        journal.record("hotplug", f"paused {', '.join(went)} on node {self.node} in "
+                       f"{time.monotonic() - began:.1f}s: they held "
+                       f"{', '.join(sorted(gpus))} open", vm=self.node, result="ok")
         return None
+
+    async def plugins_pausable(self, *, timeout: float = 10) -> tuple[bool, str]:
+        """Whether the node's GPU plugins (`plugin_selectors`) can be kept off its GPUs
+        through `plugin_labels`, and why (see `Kube.plugins_pausable`): what a
+        hot-unplug needs of the cluster."""
+        try:
+            return await self.kube.plugins_pausable(
+                self.node, selectors=self.settings.plugin_selectors,
+                labels=self.settings.plugin_labels, timeout=timeout)
+        except KubeError as e:
+            return False, f"node {self.node}'s GPU plugins unread: {e}"
+
+    async def _pause_plugins(self) -> list[str]:
+        return await self.kube.pause_plugins(
+            self.node, selectors=self.settings.plugin_selectors,
+            labels=self.settings.plugin_labels, prefix=self.prefix,
+            timeout=self.timeouts.ready)
+
+    async def _resume_plugins(self) -> str | None:
+        """The labels a pause changed, put back as they were; what was, or None if
+        nothing was paused."""
+        restored = await self.kube.resume_plugins(self.node, labels=self.settings.plugin_labels,
+                                                  prefix=self.prefix, timeout=self.timeouts.ready)
+        if restored is None:
+            return None
+        said = ", ".join(f"{k}={v}" if v is not None else f"{k} (absent)"
+                         for k, v in sorted(restored.items())) or "no label"
+        journal.record("hotplug", f"restored {said} on node {self.node}: its GPU plugins "
+                       "start again", vm=self.node, result="ok")
+        return said
 
     # --- the lendee went down -------------------------------------------------------------
 
@@ -409,12 +439,26 @@ class KubeCluster:
             await asyncio.sleep(1.0)  # the node unread, or its watch cut: read again
 
     async def _restart_plugins(self, gpus: Iterable[str]) -> None:
-        """The node's GPU plugins started again, to advertise `gpus` (a live change)."""
+        """The node's GPU plugins started again, to advertise `gpus` (a live change):
+        paused until gone, then their labels restored, so that each starts anew and
+        enumerates the GPUs (pause and restore are no-ops where a withdraw paused them
+        already). Plugins that cannot be paused are deleted instead, for their
+        DaemonSet to start again: enough to enumerate, never to withdraw."""
+        if await self._resume_plugins() is not None:
+            return  # a withdraw paused them: restored, they start anew
+        pausable, why = await self.plugins_pausable()
+        if pausable:
+            went = await self._pause_plugins()
+            await self._resume_plugins()
+            journal.record("hotplug", f"restarted {', '.join(went)} on node {self.node} to "
+                           f"advertise {', '.join(gpus)}", vm=self.node, result="ok")
+            return
         deleted = await self.kube.restart_plugins(
             self.node, timeout=self.timeouts.ready, selectors=self.settings.plugin_selectors)
-        journal.record("hotplug", f"restarted {', '.join(deleted) or 'no plugin pod'} on "
-                       f"node {self.node} to advertise {', '.join(gpus)}",
-                       vm=self.node, result="ok")
+        journal.record("hotplug", f"deleted {', '.join(deleted) or 'no plugin pod'} on node "
+                       f"{self.node} for their DaemonSet to start again, to advertise "
+                       f"{', '.join(gpus)}: {why}", vm=self.node, result="warning",
+                       priority=journal.Priority.WARNING)
 
     async def give_back(self, lent: Collection[str] | int,
                         expected: ExpectedGpus | None = None, *,
@@ -435,6 +479,8 @@ class KubeCluster:
             self.expected = expected
             if restart_plugins:
                 await self._restart_plugins(expected.gpus)
+            else:  # a pause left by a hot-unplug that gave way to a restart, or by a crash
+                await self._resume_plugins()
             await self.kube.wait_ready(self.node, timeout=self.timeouts.ready)
             if self.dra is not None:
                 problem = await self._wait_devices(self.dra)

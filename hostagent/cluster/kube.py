@@ -19,6 +19,7 @@ here, once, into this tree (``raise … from e``)::
     │                      right (a 401 is retried once with credentials read afresh:
     │                      a rotated k3s client certificate, an exec plugin's new token)
     ├── NodeNotReady       the node was not Ready by wait_ready's deadline
+    ├── PluginsNotPaused   the GPU plugins could not be kept off the node's GPUs
     └── DrainAborted       the drain did not finish and on_timeout is "abort"; .report
 
 The adapter holds no policy: which pods may be evicted, how long each step may take
@@ -28,7 +29,8 @@ configuration by the caller.
 By concern: `client` (the connection, its retries and the errors), `drain` (read side
 by side with kubectl's drain.go), `cordon` (our cordon and its marker), `watches` (the
 node and its pods while lent), `returns` (Ready and the GPUs before the uncordon),
-`events` (what the Node's Events say). `Kube` is all of them.
+`events` (what the Node's Events say), `plugins` (the GPU plugins paused for a
+live change). `Kube` is all of them.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from hostagent.cluster.client import (
     NodeNotReady,
     Timing,
 )
-from hostagent.cluster.cordon import CordonResult, Cordons, MARKER_VALUE, Taint, cordon_marker
+from hostagent.cluster.cordon import CordonResult, MARKER_VALUE, Taint, cordon_marker
 from hostagent.cluster.drain import (
     DrainAborted,
     DrainPlan,
@@ -58,6 +60,7 @@ from hostagent.cluster.drain import (
     plan_drain,
 )
 from hostagent.cluster.events import Events
+from hostagent.cluster.plugins import ANNOTATION as PAUSED_PLUGINS, Plugins, PluginsNotPaused
 from hostagent.cluster.returns import ExpectedGpus, Returns, expected_gpus
 from hostagent.cluster.watches import NodeView, requests_gpu
 
@@ -81,6 +84,8 @@ __all__ = [
     "NodeCheck",
     "NodeView",
     "NodeNotReady",
+    "PAUSED_PLUGINS",
+    "PluginsNotPaused",
     "PodInfo",
     "PodRef",
     "Taint",
@@ -92,5 +97,5 @@ __all__ = [
 ]
 
 
-class Kube(Drains, Cordons, Returns, Events):
+class Kube(Drains, Plugins, Returns, Events):
     """A connection to the cluster. Create it with `connect` (or `from_config`); close it."""

@@ -21,7 +21,7 @@ from typing import Any
 
 
 from hostagent.cluster import dra
-from hostagent.core.config import PLUGIN_SELECTORS
+from hostagent.core.plugins import PLUGIN_SELECTORS
 from hostagent.core.text import clean
 from hostagent.cluster.client import (
     KubeAuthError,

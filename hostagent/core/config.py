@@ -103,8 +103,10 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
                                             # GPU Feature Discovery labels (time-slicing, MIG)
     grace_period = "30s"                    # evicted pods' grace; default: each pod's own
     skip_wait_for_delete_timeout = "10s"    # a pod this long past its deletion counts as gone
-    plugin_selectors = ["app=my-gpu-plugin"]  # the GPU plugins' pods, restarted after a live
-                                            # GPU change; default: NVIDIA's charts' labels
+    plugin_selectors = ["app=my-gpu-plugin"]  # the GPU plugins' pods, kept off the GPUs for
+                                            # a live change; default: NVIDIA's installs' labels
+    plugin_labels = ["nvidia.com/gpu.deploy.device-plugin"]  # set "false" meanwhile;
+                                            # default: gpu-operator's operands that hold GPUs
 
     [metrics]                               # Prometheus /metrics and /healthz; off without it
     listen = "127.0.0.1:9477"               # host:port ("[::1]:9477"; ":9477" = every address)
@@ -204,12 +206,13 @@ from pathlib import Path
 from hostagent.core.config_read import (  # the readers of each key
     TOP_LEVEL_KEYS, MQTT_VERBS, _GPU_REFS, _Problem, _READ, _absolute_path,
     _annotation_prefix, _bool, _broker, _build, _canonical_pci, _choice, _control_verbs,
-    _count, _duration, _expected, _gather, _group, _join, _key, _label_key_or_off,
+    _count, _duration, _expected, _gather, _group, _join, _key, _label_key, _label_key_or_off,
     _label_selector, _list, _listen, _listen_or_port, _mqtt_verb, _optional_duration,
     _optional_path, _pci, _port, _positive_duration, _raise_any, _section,
     _split_listen, _table_of, _taint, _text, _topic, parse_duration,
 )
 from hostagent.core.model import Hotplug, Regrow  # the machine's own policy values
+from hostagent.core.plugins import PLUGIN_LABELS, PLUGIN_SELECTORS
 
 
 __all__ = [
@@ -414,16 +417,6 @@ class GpuApi(enum.StrEnum):
     DRA = "dra"
 
 
-# The pods that advertise GPUs to the kubelet, as the common installs label them: the
-# GPU Operator's device plugin, NVIDIA's Helm chart of it, and the kubelet plugin of
-# NVIDIA's DRA driver (its chart's selector label, v25.12.0 to main at 22407113).
-PLUGIN_SELECTORS = (
-    "app=nvidia-device-plugin-daemonset",
-    "app.kubernetes.io/name=nvidia-device-plugin",
-    "nvidia-dra-driver-gpu-component=kubelet-plugin",
-)
-
-
 @dataclass(frozen=True, kw_only=True)
 class Kubernetes:
     """How to reach the cluster and how to drain the lendee's node."""
@@ -454,10 +447,15 @@ class Kubernetes:
     # kubelet is unreachable it would stay Terminating forever (kubectl drain
     # --skip-wait-for-delete-timeout). "0s": wait for every pod.
     skip_wait_for_delete_timeout: float = field(default=10.0, metadata=_key(_duration))
-    # The pods that advertise the node's GPUs, restarted after a live GPU change (they
-    # enumerate GPUs when they start): label selectors, each listed on the node.
+    # The pods that advertise the node's GPUs, kept off them for a live GPU change (they
+    # hold every GPU and enumerate them when they start): label selectors, each listed
+    # on the node.
     plugin_selectors: tuple[str, ...] = field(default=PLUGIN_SELECTORS,
                                               metadata=_key(_list(_label_selector)))
+    # The node labels set to "false" to keep them, and what else holds the GPUs, off
+    # the node meanwhile (hostagent.core.plugins), then restored as they were.
+    plugin_labels: tuple[str, ...] = field(default=PLUGIN_LABELS,
+                                           metadata=_key(_list(_label_key)))
 
 
 @dataclass(frozen=True, kw_only=True)

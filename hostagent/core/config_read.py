@@ -473,6 +473,14 @@ def _label_key_or_off(value: object, key: str) -> str | None:
     return label
 
 
+def _label_key(value: object, key: str) -> str:
+    label = _label_key_or_off(value, key)
+    if label is None:
+        raise _Problem(key, "an empty label key",
+                       'write e.g. "nvidia.com/gpu.deploy.device-plugin"')
+    return label
+
+
 _LABEL_KEY = (r"(?:[a-z0-9](?:[-a-z0-9.]*[a-z0-9])?/)?"
               r"[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 _LABEL_VALUE = r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?"

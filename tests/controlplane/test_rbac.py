@@ -72,13 +72,14 @@ CALLS = {
     "list_device_class": ("resource.k8s.io", "deviceclasses", "list"),
     "list_resource_slice": ("resource.k8s.io", "resourceslices", "list"),
     "read_namespaced_resource_claim": ("resource.k8s.io", "resourceclaims", "get"),
+    "read_namespaced_daemon_set": ("apps", "daemonsets", "get"),
 }
 WATCHED = {"list_node", "list_pod_for_all_namespaces", "list_resource_slice"}
 
 
 def calls_in_code() -> set[str]:
     source = "\n".join(p.read_text() for p in (REPO / "hostagent").rglob("*.py"))
-    return set(re.findall(r"self\._(?:core|resource)\.(\w+)", source)) | set(
+    return set(re.findall(r"self\._(?:core|resource|apps)\.(\w+)", source)) | set(
         re.findall(r'_follow\(\s*"(\w+)"', source))
 
 

@@ -1,16 +1,19 @@
 """Hot-unplug in the lab (``policy.hotplug = "both"``): a game takes its lab GPU from the
 running lendee (its disk, detached live from its root port) while a job on another GPU
-runs on; only the pod the kubelet's device checkpoint gives that GPU is evicted, the
-device plugin's stand-in in the guest holds every GPU open until its pod is deleted
-(hostagent stops it, sees no holder left, unbinds the GPU, then detaches it), and the
-lab kubelet follows the live set. A guest booted to ignore unplug requests keeps the
+runs on; only the pod the kubelet's device checkpoint gives that GPU is evicted. NVIDIA's
+device plugin runs under its real DaemonSet, which makes a new pod at once for one
+deleted, and every plugin pod's process in the guest holds every GPU open while the pod
+runs (tests/lab/plugins.py): hostagent keeps them off the node through their deploy
+label, sees no holder left, unbinds the GPU, detaches it, then restores the label as it
+was; the lab kubelet follows the live set. Both NVIDIA's static manifest (with README's
+affinity term) and gpu-operator's install (with a DCGM exporter holding every GPU and
+GPU Feature Discovery) are run. A guest booted to ignore unplug requests keeps the
 device: the detach times out, the journal says so, and the reclaim by restart runs
 instead. The two reclaims' times are printed side by side (figures, not assertions)."""
 
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +21,8 @@ from typing import Any
 import pytest
 
 from hostagent.service.hotplug import CHECKPOINT, DETACH_BOUND, HOLDERS
-from tests.lab.cluster import LabCluster, lab_cluster, pod
+from tests.lab.cluster import LabCluster, lab_cluster
+from tests.lab.plugins import OPERATOR_LABELS, GuestPlugins, daemonsets, operator_node
 from tests.lab.lab import GPUS, LENDEE, Lab, domain_xml
 from tests.lab.test_kube_lab import annotations, eventually, lends
 
@@ -27,7 +31,6 @@ pytestmark = pytest.mark.lab
 # What makes the lab's guest ignore an unplug request: no ACPI hot-plug driver, and
 # the PCIe ports without their native hot-plug service either.
 NEVER_LETS_GO = "acpiphp.disable=1 pcie_ports=compat"
-PLUGIN = "nvidia-device-plugin-daemonset"  # its pods' app label, which hostagent finds
 
 
 def define_lendee(lab: Lab, kernel_args: str = "") -> None:
@@ -60,52 +63,6 @@ def gpu_pods(lab: Lab, kc: LabCluster, pods: dict[str, str]) -> None:
     assert done.exitcode == 0, done
 
 
-# The lab's stand-in for NVIDIA's device plugin inside the guest: a process that holds
-# the device node of every lab GPU open (/dev/nvidiaN, N as the stand-in nvidia-smi's
-# minor_number) for as long as the plugin's pod runs, as the real plugin's NVML health
-# check does (k8s-device-plugin v0.17: internal/rm/health.go registers events on every
-# device it serves and keeps them until the plugin stops).
-PLUGIN_HOLDS = r"""
-i=0
-for b in /sys/block/vd*; do
-    set -- $(head -c 200 /dev/${b##*/} 2>/dev/null | head -n 1)
-    [ "$1" = LABGPU ] || continue
-    [ -e /dev/nvidia$i ] || mknod /dev/nvidia$i b $(tr : ' ' < $b/dev)
-    i=$((i+1))
-done
-setsid sh -c 'for n in /dev/nvidia[0-9]*; do exec 3<"$n"; eval "exec $((${n#/dev/nvidia}+4))<&3"; done
-    echo $$ > /run/labplugin.pid; while :; do sleep 1; done' </dev/null >/dev/null 2>&1 &
-sleep 0.5; cat /run/labplugin.pid
-"""
-
-
-def plugin_in_guest(lab: Lab, kc: LabCluster) -> Callable[[], bool]:
-    """The device plugin's pod on gpu-node and its process in the guest holding every lab
-    GPU open; the process ends when the pod is deleted. Returns whether it has ended."""
-    kc.create({"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": PLUGIN},
-               "spec": {"selector": {"matchLabels": {"app": PLUGIN}},
-                        "template": pod("", app=PLUGIN)}})
-    name = kc.running(PLUGIN)["metadata"]["name"]
-    pid = guest(lab, "/bin/sh", "-c", PLUGIN_HOLDS)
-    assert pid.isdigit(), pid
-    # hostagent's own look at the holders finds it: until the plugin stops, no detach.
-    holders = guest(lab, "/bin/sh", "-c", HOLDERS, "sh", "/dev/nvidia1").split()
-    assert [h for h in holders if h.startswith(f"{pid}/fd/")], holders
-    ended = threading.Event()
-
-    def follow() -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            found = kc.pod(name)
-            if found is None or found["metadata"].get("deletionTimestamp"):
-                guest(lab, "kill", pid)
-                ended.set()
-                return
-            time.sleep(0.2)
-    threading.Thread(target=follow, daemon=True).start()
-    return ended.is_set
-
-
 def guest(lab: Lab, *argv: str) -> str:
     return lab.guest_exec(LENDEE, *argv).stdout.strip()
 
@@ -114,15 +71,21 @@ def at(record: dict[str, Any]) -> float:
     return int(record["__REALTIME_TIMESTAMP"]) / 1e6
 
 
+def unplug_config(lab: Lab, kc: LabCluster) -> None:
+    lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig).replace(
+        "[policy]\n", '[policy]\nhotplug = "both"\n') + '\n[verify]\ntimeout = "10s"\n')
+
+
 def test_a_game_takes_its_gpu_live_and_a_guest_that_keeps_it_falls_back(
         lab: Lab, record_property: Callable[[str, object], None]) -> None:
-    with lab_cluster(lab, workloads=False) as kc:
-        lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig).replace(
-            "[policy]\n", '[policy]\nhotplug = "both"\n') + '\n[verify]\ntimeout = "10s"\n')
+    with lab_cluster(lab, workloads=False) as kc, \
+            GuestPlugins(lab, kc, daemonsets("static")).running() as plugins:
+        unplug_config(lab, kc)
         # The first boot ignores unplug requests; the next ones are the lab's own.
         define_lendee(lab, NEVER_LETS_GO)
         lab.start_agent()
         lends(lab, 1)
+        plugins.wait_holding(1)
         assert NEVER_LETS_GO in guest(lab, "cat", "/proc/cmdline")
         define_lendee(lab)
         gpu_pods(lab, kc, {"train-a": "gpu-a", "train-b": "gpu-b"})
@@ -150,7 +113,9 @@ def test_a_game_takes_its_gpu_live_and_a_guest_that_keeps_it_falls_back(
         domid = lab.virsh("domid", LENDEE).stdout.strip()
         boot = guest(lab, "cat", "/proc/sys/kernel/random/boot_id")
         gpu_pods(lab, kc, {"train-b2": "gpu-b", "train-c": "gpu-c"})
-        plugin_ended = plugin_in_guest(lab, kc)
+        [plugin] = plugins.wait_holding(1)
+        # hostagent's own look at the holders finds it: until the plugin goes, no detach.
+        assert guest(lab, "/bin/sh", "-c", HOLDERS, "sh", "/dev/nvidia0", "/dev/nvidia1")
         phases = len(lab.phases())
         asked = time.time()
         lab.ask("gaming2")
@@ -159,15 +124,17 @@ def test_a_game_takes_its_gpu_live_and_a_guest_that_keeps_it_falls_back(
         kc.delete_job("train-b2")  # evicted: its Job is done with
         assert [r["MESSAGE"] for r in lab.records(event="hotplug", result="ok")
                 if r["MESSAGE"].startswith(f"gpu-b detached from {LENDEE} in ")]
-        # The plugin held gpu-b open until hostagent stopped it; gpu-b left only after.
-        assert plugin_ended()
+        # The plugin held gpu-b open until its DaemonSet, told by the label, took it off
+        # the node: no new pod of it came until the label was restored, after the detach
+        # (a pod deleted is made again at once).
+        assert plugin in plugins.ended
         assert [r["MESSAGE"] for r in lab.records(event="hotplug", result="ok")
-                if r["MESSAGE"].startswith(f"stopped default/{PLUGIN}-")]
+                if r["MESSAGE"].startswith(f"paused default/{plugin} on node {LENDEE} in ")]
         assert lab.state("gaming2") == "running"
         # Same instance, same boot; only gpu-b's pod was evicted.
         assert lab.virsh("domid", LENDEE).stdout.strip() == domid
         assert guest(lab, "cat", "/proc/sys/kernel/random/boot_id") == boot
-        eventually(lambda: [a for a in kc.apps_on(LENDEE) if a != PLUGIN] == ["train-c"],
+        eventually(lambda: [a for a in kc.apps_on(LENDEE) if a] == ["train-c"],
                    "train-c is not the only job left on gpu-node")
         assert str(lab.gpu_image("gpu-b")) not in lab.virsh("dumpxml", LENDEE).stdout
         listed = guest(lab, "/usr/bin/nvidia-smi", "-L")
@@ -178,8 +145,43 @@ def test_a_game_takes_its_gpu_live_and_a_guest_that_keeps_it_falls_back(
         assert not node["spec"].get("unschedulable")
         assert node["status"]["allocatable"]["nvidia.com/gpu"] == "1"
         assert annotations(node)["hostagent.io/lent-gpus"] == "gpu-c"
+        # The label restored as it was (absent), and the plugin back, holding gpu-c.
+        assert "hostagent.io/paused-plugins" not in annotations(node)
+        assert not [k for k in node["metadata"]["labels"] if k.startswith("nvidia.com/gpu.deploy")]
+        assert plugins.wait_holding(1) != [plugin]
+        [*_, restored] = [r for r in lab.records(event="hotplug", result="ok")
+                          if r["MESSAGE"].startswith("restored ")]
+        later = [t for _, t in plugins.started[[p for p, _ in plugins.started].index(plugin) + 1:]]
+        assert later and min(later) > at(restored) - 0.5, (later, at(restored))
         record_property("figure", (
             f"reclaim of one GPU from the running lendee, the game's start to it running: "
             f"by hot-unplug {by_unplug:.1f}s, by restart {by_restart:.1f}s (drain, shutdown, "
             f"the game's start); a guest that keeps the GPU: {fallback:.1f}s in all, the "
             f"{DETACH_BOUND:g}s bound included"))
+
+
+def test_gpu_operators_plugin_and_dcgm_exporter_are_paused_and_restored_as_found(
+        lab: Lab) -> None:
+    """gpu-operator's device plugin and DCGM exporter hold every GPU, GPU Feature
+    Discovery opens them each minute; all select the node by their deploy label. The
+    hot-unplug sets those labels to "false", their DaemonSets take them off the node, and
+    the return puts back the labels as gpu-operator left them."""
+    with lab_cluster(lab, workloads=False) as kc:
+        operator_node(kc)
+        with GuestPlugins(lab, kc, daemonsets("operator")).running() as plugins:
+            unplug_config(lab, kc)
+            lab.start_agent()
+            lends(lab, 1)
+            gpu_pods(lab, kc, {"train-b": "gpu-b", "train-c": "gpu-c"})
+            held = plugins.wait_holding(3)
+            lab.ask("gaming2")
+            lab.wait_record(120, event="intent", vm="gaming2", to="done")
+            assert [r["MESSAGE"] for r in lab.records(event="hotplug", result="ok")
+                    if r["MESSAGE"].startswith(f"gpu-b detached from {LENDEE} in ")]
+            assert set(held) <= set(plugins.ended)
+            lends(lab, 2)
+            node = kc.node()
+            assert {k: v for k, v in node["metadata"]["labels"].items()
+                    if k.startswith("nvidia.com/gpu.deploy.")} == OPERATOR_LABELS
+            assert "hostagent.io/paused-plugins" not in annotations(node)
+            assert not set(plugins.wait_holding(3)) & set(held)

@@ -1,0 +1,247 @@
+"""The node's GPU plugins kept off its GPUs through their deploy labels, as NVIDIA's
+mig-manager pauses gpu-operator's operands: what honours the labels (no side effects),
+then, against the real control plane with its real DaemonSet controller and scheduler,
+the pause (pods gone, none made again), the restore as found (an absent label stays
+absent), a restore after the agent restarted mid-way, and which installs can be paused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import pytest
+from kubernetes_asyncio import client
+
+from hostagent.cluster.cycle import KubeCluster
+from hostagent.cluster.kube import Kube
+from hostagent.core import plugins as rules
+from hostagent.core.config import Config, parse
+from hostagent.core.plugins import AFFINITY_TERM, PAUSED, PLUGIN_LABELS, PLUGIN_SELECTORS
+from hostagent.host import journal
+from tests.configs import lendee_toml
+from tests.controlplane import ControlPlane
+from tests.controlplane.seed import SEEDED
+from tests.unit.kube_scaffold import Api, gpu_node_api
+
+DEVICE_PLUGIN, GFD, DCGM_EXPORTER = PLUGIN_LABELS[0], PLUGIN_LABELS[1], PLUGIN_LABELS[2]
+PREFIX = "hostagent.io/"
+NS = "gpu-operator"
+PAUSABLE = {"key": DEVICE_PLUGIN, "operator": "NotIn", "values": [PAUSED]}
+CHART_TERMS = [  # NVIDIA's chart's values.yaml, v0.17.4
+    [{"key": "feature.node.kubernetes.io/pci-10de.present", "operator": "In",
+      "values": ["true"]}],
+    [{"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}],
+]
+
+
+def affinity(*terms: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": t} for t in terms]}}}}
+
+
+# --- what honours the labels (no side effects) -------------------------------------------
+
+def test_gpu_operators_node_selector_is_honoured() -> None:
+    assert rules.honoured({"nodeSelector": {DEVICE_PLUGIN: "true"}}, PLUGIN_LABELS) == \
+        DEVICE_PLUGIN
+    assert rules.honoured({"nodeSelector": {"other": "x"}}, PLUGIN_LABELS) is None
+
+
+def test_the_static_manifest_honours_nothing_until_readmes_term_is_added() -> None:
+    assert rules.honoured({}, PLUGIN_LABELS) is None
+    assert rules.honoured(affinity([PAUSABLE]), PLUGIN_LABELS) == DEVICE_PLUGIN
+    assert AFFINITY_TERM == ('{key: nvidia.com/gpu.deploy.device-plugin, operator: NotIn, '
+                             'values: ["false"]}')
+
+
+def test_the_charts_terms_each_need_the_label_for_the_node_to_be_left() -> None:
+    assert rules.honoured(affinity(*CHART_TERMS), PLUGIN_LABELS) is None
+    half = affinity([*CHART_TERMS[0], PAUSABLE], CHART_TERMS[1])
+    assert rules.honoured(half, PLUGIN_LABELS) is None  # the second term still matches
+    whole = affinity(*([*t, PAUSABLE] for t in CHART_TERMS))
+    assert rules.honoured(whole, PLUGIN_LABELS) == DEVICE_PLUGIN
+
+
+@pytest.mark.parametrize(("expression", "honoured"), [
+    ({"key": DEVICE_PLUGIN, "operator": "In", "values": ["true"]}, True),
+    ({"key": DEVICE_PLUGIN, "operator": "In", "values": ["true", "false"]}, False),
+    ({"key": DEVICE_PLUGIN, "operator": "NotIn", "values": ["paused-for-mig-change"]}, False),
+    ({"key": DEVICE_PLUGIN, "operator": "Exists"}, False),
+    ({"key": DEVICE_PLUGIN, "operator": "DoesNotExist"}, True),
+    ({"key": "nvidia.com/other", "operator": "NotIn", "values": ["false"]}, False),
+])
+def test_an_affinity_expression_honours_the_label_where_false_fails_it(
+        expression: dict[str, Any], honoured: bool) -> None:
+    assert (rules.honoured(affinity([expression]), PLUGIN_LABELS) is not None) is honoured
+
+
+def test_what_is_remembered_is_only_the_labels_paused_and_the_first_pause_wins() -> None:
+    assert rules.remembered(None, PLUGIN_LABELS) is None
+    assert rules.remembered("{not json", PLUGIN_LABELS) is None
+    assert rules.remembered('["a"]', PLUGIN_LABELS) is None
+    text = json.dumps({DEVICE_PLUGIN: "true", GFD: None, "kubernetes.io/hostname": "x"})
+    assert rules.remembered(text, PLUGIN_LABELS) == {DEVICE_PLUGIN: "true", GFD: None}
+    kept = rules.to_remember({DEVICE_PLUGIN: PAUSED, DCGM_EXPORTER: "true"},
+                             [DEVICE_PLUGIN, DCGM_EXPORTER, GFD], {DEVICE_PLUGIN: "true"})
+    assert kept == {DEVICE_PLUGIN: "true", DCGM_EXPORTER: "true", GFD: None}
+
+
+def test_the_default_selectors_find_nvidias_static_manifest_chart_and_operator() -> None:
+    assert {"name=nvidia-device-plugin-ds", "app=nvidia-device-plugin-daemonset",
+            "app.kubernetes.io/name=nvidia-device-plugin"} <= set(PLUGIN_SELECTORS)
+
+
+# --- against the real control plane --------------------------------------------------------
+
+@pytest.fixture
+async def api(plane: ControlPlane) -> AsyncIterator[Api]:
+    """gpu-node, its kubelet running, and the namespace of the operands."""
+    async with gpu_node_api(plane) as api:
+        await api.seed.namespace(NS)
+        api.seed.namespaces.add(NS)
+        yield api
+
+
+@pytest.fixture
+async def kube(api: Api, tmp_path: Any) -> AsyncIterator[Kube]:
+    from tests.unit.kube_scaffold import FAST
+    async with await Kube.connect(api.write_kubeconfig(tmp_path / "kc"), timing=FAST) as k:
+        yield k
+
+
+@pytest.fixture(autouse=True)
+def records() -> Iterator[journal.ListSink]:
+    sink = journal.ListSink()
+    previous = journal.use_sink(sink)
+    yield sink
+    journal.use_sink(previous)
+
+
+def config() -> Config:
+    return parse(lendee_toml("gpu-node") + '[timeouts]\nready = "20s"\n[kubernetes]\n',
+                 "test.toml")
+
+
+async def daemonset(api: Api, name: str, labels: dict[str, str], **spec: Any) -> None:
+    """A DaemonSet of the real controller, its pods labelled `labels` (and SEEDED, so
+    that the seed's reset takes them)."""
+    apps: Any = client.AppsV1Api(api.seed.core.api_client)
+    pod_labels = {**labels, SEEDED: "true"}
+    await apps.create_namespaced_daemon_set(NS, {
+        "metadata": {"name": name, "labels": {SEEDED: "true"}},
+        "spec": {"selector": {"matchLabels": labels}, "template": {
+            "metadata": {"labels": pod_labels},
+            "spec": {"terminationGracePeriodSeconds": 30,
+                     "containers": [{"name": "main", "image": f"registry.lab/{name}:1"}],
+                     **spec}}}})
+
+
+async def on_node(api: Api, label: str) -> list[dict[str, Any]]:
+    """The pods of `label` on gpu-node that are not being deleted."""
+    pods = await api.seed.pods("gpu-node", NS)
+    return [p for p in pods if all(p["metadata"]["labels"].get(k) == v for k, v in
+                                   [label.split("=", 1)])
+            and not p["metadata"].get("deletionTimestamp")]
+
+
+async def until(condition: Callable[[], Any], what: str, timeout: float = 20) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (found := await condition()):
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.05)
+    return found
+
+
+async def operator(api: Api) -> None:
+    """gpu-operator's device plugin and DCGM exporter, on a node labelled as its node
+    labelling does (GFD's label left absent: the install has none here)."""
+    await api.seed.patch_node("gpu-node", {"metadata": {"labels": {
+        DEVICE_PLUGIN: "true", DCGM_EXPORTER: "true"}}})
+    await daemonset(api, "nvidia-device-plugin-daemonset",
+                    {"app": "nvidia-device-plugin-daemonset"},
+                    nodeSelector={DEVICE_PLUGIN: "true"})
+    await daemonset(api, "nvidia-dcgm-exporter", {"app": "nvidia-dcgm-exporter"},
+                    nodeSelector={DCGM_EXPORTER: "true"})
+    for label in ("app=nvidia-device-plugin-daemonset", "app=nvidia-dcgm-exporter"):
+        await until(lambda label=label: on_node(api, label), f"no {label} pod on gpu-node")
+
+
+def deploy_labels(node: dict[str, Any]) -> dict[str, str]:
+    return {k: v for k, v in node["metadata"]["labels"].items()
+            if k.startswith("nvidia.com/gpu.deploy.")}
+
+
+async def test_a_withdraw_leaves_no_plugin_pod_where_a_deletion_leaves_a_new_one(
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
+    """The DaemonSet controller makes a new pod for one deleted (the withdraw of old):
+    the pause takes the plugin and the exporter off the node, and none comes back while
+    paused; the return restores the labels exactly as they were, and the pods return."""
+    await operator(api)
+    [before] = await on_node(api, "app=nvidia-device-plugin-daemonset")
+    cluster = KubeCluster(kube, config(), remember_cordon=lambda _: None)
+    assert await cluster.withdraw({"gpu-a"}) is None
+    node = await api.seed.get_node("gpu-node")
+    assert deploy_labels(node) == {k: PAUSED for k in PLUGIN_LABELS}
+    assert json.loads(node["metadata"]["annotations"][f"{PREFIX}paused-plugins"]) == {
+        **{k: None for k in PLUGIN_LABELS}, DEVICE_PLUGIN: "true", DCGM_EXPORTER: "true"}
+    assert not await api.seed.pods("gpu-node", NS)  # gone, not merely being deleted
+    await asyncio.sleep(1.0)  # what a DaemonSet controller would have made by now
+    assert not await api.seed.pods("gpu-node", NS)
+    [paused] = [e.message for e in records.entries
+                if e.fields.get("HOSTAGENT_EVENT") == "hotplug"]
+    assert paused.startswith(f"paused {NS}/nvidia-dcgm-exporter-"), paused
+    assert f", {NS}/{before['metadata']['name']} on node" in paused
+    assert " on node gpu-node in " in paused and paused.endswith(": they held gpu-a open")
+
+    await cluster._restart_plugins(["gpu-b"])  # the return after the detach
+    node = await api.seed.get_node("gpu-node")
+    assert deploy_labels(node) == {DEVICE_PLUGIN: "true", DCGM_EXPORTER: "true"}
+    assert f"{PREFIX}paused-plugins" not in node["metadata"]["annotations"]
+    [after] = await until(lambda: on_node(api, "app=nvidia-device-plugin-daemonset"),
+                          "the plugin did not come back")
+    assert after["metadata"]["uid"] != before["metadata"]["uid"]
+
+
+async def test_a_pause_left_by_an_agent_restarted_mid_way_is_restored_by_the_return(
+        api: Api, kube: Kube) -> None:
+    await operator(api)
+    first = KubeCluster(kube, config(), remember_cordon=lambda _: None)
+    assert await first.withdraw({"gpu-a"}) is None
+    # A second withdraw (the agent restarted, the unplug tried again) keeps what the
+    # first found, not the "false" it left.
+    again = KubeCluster(kube, config(), remember_cordon=lambda _: None)
+    assert await again.withdraw({"gpu-a"}) is None
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    fresh = KubeCluster(kube, config(), remember_cordon=lambda _: None)
+    await fresh.give_back({"gpu-a"})  # whatever its verdict, the labels are put back
+    node = await api.seed.get_node("gpu-node")
+    assert deploy_labels(node) == {DEVICE_PLUGIN: "true", DCGM_EXPORTER: "true"}
+    assert f"{PREFIX}paused-plugins" not in node["metadata"]["annotations"]
+
+
+async def test_the_static_manifest_cannot_be_paused_until_readmes_term_is_added(
+        api: Api, kube: Kube) -> None:
+    selectors, labels = PLUGIN_SELECTORS, PLUGIN_LABELS
+    assert await kube.plugins_pausable("gpu-node", selectors=selectors, labels=labels) == (
+        False, "no GPU plugin pod on node gpu-node matches kubernetes.plugin_selectors "
+        f"({', '.join(selectors)}): set it to the labels of the pods that serve the node's GPUs")
+    await daemonset(api, "nvidia-device-plugin-daemonset", {"name": "nvidia-device-plugin-ds"})
+    [plugin] = await until(lambda: on_node(api, "name=nvidia-device-plugin-ds"), "no plugin")
+    name = f"{NS}/{plugin['metadata']['name']}"
+    pausable, why = await kube.plugins_pausable("gpu-node", selectors=selectors, labels=labels)
+    assert not pausable and why.startswith(f"the DaemonSet of GPU plugin pod {name} selects ")
+    assert AFFINITY_TERM in why
+    cluster = KubeCluster(kube, config(), remember_cordon=lambda _: None)
+    problem = await cluster.withdraw({"gpu-a"})
+    assert problem is not None and AFFINITY_TERM in problem
+    assert not deploy_labels(await api.seed.get_node("gpu-node"))  # nothing changed
+
+    apps: Any = client.AppsV1Api(api.seed.core.api_client)
+    await apps.patch_namespaced_daemon_set("nvidia-device-plugin-daemonset", NS, {
+        "spec": {"template": {"spec": affinity([PAUSABLE])}}})
+    pausable, why = await cluster.plugins_pausable()
+    assert pausable and why.endswith(f" ({DEVICE_PLUGIN}) leave node gpu-node while paused")
