@@ -24,6 +24,7 @@ import yaml  # type: ignore[import-untyped]
 
 from hostagent.cluster.kube import Kube, Taint
 from hostagent.core.config import DrainTimeoutAction
+from hostagent.core.plugins import PLUGIN_LABELS  # every label the agent pauses by default
 from tests.controlplane import ControlPlane
 from tests.unit.kube_scaffold import FAST
 
@@ -32,8 +33,6 @@ RBAC = REPO / "deploy" / "rbac.yaml"
 NODE_RBAC = REPO / "deploy" / "rbac-node.yaml"  # one host's: @NODE@ is its node's name
 NODE = "gpu-node"
 OTHER = "other-node"  # a node of the cluster that is not the agent's
-PLUGIN_LABELS = ("nvidia.com/gpu.deploy.device-plugin", "nvidia.com/gpu.deploy.dcgm-exporter",
-                 "nvidia.com/gpu.deploy.gpu-feature-discovery")
 PREFIX = "hostagent.io/"
 WORK = "work"  # the namespace of the running test's pods
 IDENTITY = f"system:serviceaccount:hostagent:{NODE}"  # the agent's user name
@@ -198,7 +197,7 @@ async def test_the_agent_does_its_work_with_the_shipped_rbac_alone(
             await kube.annotate(NODE, {f"{PREFIX}state": "lent"},
                                 labels={"hostagent.io/borrowed": "true"},
                                 add_taints=[Taint(key="hostagent.io/borrowed")], timeout=10)
-            paused = dict.fromkeys(PLUGIN_LABELS, "paused-for-hostagent")
+            paused = dict.fromkeys(PLUGIN_LABELS, "false")
             await kube.annotate(NODE, {}, labels=paused, timeout=10)
             await kube.annotate(NODE, {}, labels=dict.fromkeys(PLUGIN_LABELS), timeout=10)
             await kube.post_event(NODE, reason="Lent", message="lent by hostagent", timeout=10)
