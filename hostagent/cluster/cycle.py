@@ -16,7 +16,11 @@ reboot seen at start), the node is cordoned with our marker (`lendee_down`), so 
 it is verified before it takes work again; another's cordon is never touched.
 
 Return: decide once what the lent GPUs must make allocatable (`expect`: time-slicing
-replicas and MIG devices included), wait for the node to be Ready and to report it,
+replicas and MIG devices included); trust nothing from the previous boot — the node's
+``bootID`` must be the guest's own boot id (read once per boot, `_this_boot`) before
+its Ready, allocatable or slices count, and while they differ the journal and `status`
+say the return is waiting for the kubelet of this boot; wait for the node to be Ready
+and to report it,
 then put the lent taints, the borrowed label and our annotations on, and uncordon last
 (only if our marker says we cordoned): no pod lands on borrowed capacity without the
 taints in place. A node that comes back short stays cordoned, with an Event saying why.
@@ -44,6 +48,7 @@ from typing import Protocol
 
 from hostagent.cluster import dra
 from hostagent.host import journal
+from hostagent.host.verify import VerifyError
 from hostagent.core.config import Config, DrainTimeoutAction, GpuApi
 from hostagent.core.health import CheckFailed
 from hostagent.cluster.kube import (
@@ -64,6 +69,9 @@ from hostagent.cluster.kube import (
 log = logging.getLogger(__name__)
 # A hot-unplug's reading of which pods use its GPUs: their UIDs, or None and why not.
 PodsReader = Callable[[], Awaitable[tuple[Collection[str] | None, str]]]
+# The guest's boot id (/proc/sys/kernel/random/boot_id), read through the guest agent;
+# raises VerifyError.
+BootReader = Callable[[], Awaitable[str]]
 
 
 def parse_taint(text: str) -> Taint:
@@ -107,6 +115,10 @@ class KubeCluster:
         self.gpu_api_from = ""  # why the last lend's GPUs were told by that API
         self.holders: dict[str, str] = {}  # DRA: lent GPU -> the pods holding it, last seen
         self.trouble: str | None = None  # why the lent node is not whole (health fails)
+        # The running lendee's boot id, read once per boot (forgotten when it stops), and
+        # what the return waits for while the node still shows another boot's status.
+        self.boot_id: str | None = None
+        self.waiting: str | None = None
         # Seconds a hot-unplug's evictions took: the reclaim by restart after it, if it
         # gives way, drains within what they left of timeouts.drain, not one of its own
         # (the time the guest took to let go is no drain's).
@@ -150,6 +162,8 @@ class KubeCluster:
             "gpu_api_from": self.gpu_api_from,
             "holders": None if view is None or self.dra is None else self._holders(view),
             "trouble": self.trouble,
+            "boot_id": self.boot_id,
+            "waiting": self.waiting,
         }
 
     def _holders(self, view: NodeView) -> dict[str, str]:
@@ -318,6 +332,7 @@ class KubeCluster:
         so that its next return is verified before it takes work. An administrator's
         cordon stays theirs. Never raises: a failure is in the journal, and the return
         path cordons nothing but still only uncordons after verification."""
+        self.boot_id = None  # the next boot is another: its id is read afresh
         try:
             cordon = await self.kube.cordon(self.node, marker_prefix=self.prefix,
                                             timeout=self.timeouts.drain)
@@ -416,23 +431,82 @@ class KubeCluster:
                        f"node {self.node} to advertise {', '.join(gpus)}",
                        vm=self.node, result="ok")
 
+    async def _this_boot(self, read: BootReader | None) -> str | None:
+        """Invariant 14: wait until the node's ``status.nodeInfo.bootID`` is the
+        guest's boot id (read through `read` once per boot, kept until the lendee
+        stops), so that nothing the previous boot's kubelet posted counts. None when
+        it is, or why the node stays cordoned; journaled plainly while they differ.
+        `read` None: the boot id already read for this boot, if any, else nothing to
+        compare (no guest to ask)."""
+        if read is None and self.boot_id is None:
+            return None
+        deadline = time.monotonic() + self.timeouts.ready
+        while self.boot_id is None and read is not None:
+            try:
+                self.boot_id = await read()
+            except VerifyError as e:
+                if time.monotonic() >= deadline:
+                    problem = (f"the boot id of node {self.node}'s guest could not be read "
+                               f"({e}), so its status cannot be told from a previous "
+                               "boot's; it stays cordoned")
+                    self._event("ReturnFailed", problem, warning=True)
+                    return problem
+                await asyncio.sleep(1.0)
+        boot = self.boot_id
+        assert boot is not None
+        try:
+            shown = await self.kube.boot_of(self.node, timeout=10)
+        except NodeNotFound:
+            shown = ""  # deleted: it registers again when the kubelet of this boot starts
+        if shown == boot:
+            return None
+        self.waiting = (f"the kubelet of this boot: node {self.node} still shows bootID "
+                        f"{shown or '(none)'}, the guest's is {boot}")
+        journal.record("boot", f"node {self.node} still shows the status of another boot "
+                       f"(bootID {shown or '(none)'}; the guest's is {boot}): its Ready, "
+                       "allocatable and ResourceSlices do not count yet; waiting for the "
+                       "kubelet of this boot", vm=self.node, result="waiting",
+                       boot_id=boot)
+        try:
+            shown = await self.kube.wait_boot(self.node, boot,
+                                              timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            self.waiting = None
+        if shown == boot:
+            journal.record("boot", f"node {self.node}'s kubelet of this boot posted "
+                           f"(bootID {boot})", vm=self.node, result="ok", boot_id=boot)
+            return None
+        problem = (f"node {self.node}'s kubelet of this boot did not post within "
+                   f"{self.timeouts.ready:g} s: the node still shows bootID "
+                   f"{shown or '(none)'}, the guest's is {boot}, so its Ready and GPUs are "
+                   "another boot's; it stays cordoned. Is the kubelet (k3s) running in the "
+                   "guest, and does it reach the API server?")
+        self._event("ReturnFailed", problem, warning=True)
+        return problem
+
     async def give_back(self, lent: Collection[str] | int,
                         expected: ExpectedGpus | None = None, *,
-                        restart_plugins: bool = False) -> str | None:
-        """Wait Ready and the expected allocatable; then taints, label and annotations;
-        uncordon last. None when done, or why the node stays cordoned.
+                        restart_plugins: bool = False,
+                        boot_id: BootReader | None = None) -> str | None:
+        """Wait for this boot's kubelet, Ready and the expected allocatable; then taints,
+        label and annotations; uncordon last. None when done, or why the node stays
+        cordoned.
 
         `lent`: the labels of the GPUs this lend gave the lendee (an int, the count, is
         understood as every configured lendee GPU). `expected`: as `expect` decided it
         earlier for this lend; decided here if not given. `restart_plugins`: the lendee
         lost GPUs while it ran (a hot-unplug), and the GPU plugins, which enumerate GPUs
-        when they start, are restarted first to advertise the rest."""
+        when they start, are restarted first to advertise the rest. `boot_id`: reads the
+        guest's boot id, which the node's must equal before its status counts
+        (`_this_boot`)."""
         self.trouble = None
         self._vacate_spent = 0.0  # the hot-unplug before, if any, is over
         try:
             if expected is None or expected.gpus != self._labels(lent):
                 expected = await self.expect(lent)
             self.expected = expected
+            if (wrong_boot := await self._this_boot(boot_id)) is not None:
+                return wrong_boot
             if restart_plugins:
                 await self._restart_plugins(expected.gpus)
             await self.kube.wait_ready(self.node, timeout=self.timeouts.ready)
@@ -482,6 +556,8 @@ class KubeCluster:
         and what it must report too (the GPU added waits for the next restart)."""
         before = (self.expected, self.dra)
         try:
+            if (wrong_boot := await self._this_boot(None)) is not None:
+                return wrong_boot
             expected = await self.expect(lent)
             await self._restart_plugins(sorted(lent))
             if self.dra is not None:
