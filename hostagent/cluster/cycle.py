@@ -17,7 +17,7 @@ it is verified before it takes work again; another's cordon is never touched.
 
 Return: decide once what the lent GPUs must make allocatable (`expect`: time-slicing
 replicas and MIG devices included); trust nothing from the previous boot — the node's
-``bootID`` must be the guest's own boot id (read once per boot, `_this_boot`) before
+``bootID`` must be the guest's own boot id (read at each return, `_this_boot`) before
 its Ready, allocatable or slices count, and while they differ the journal and `status`
 say the return is waiting for the kubelet of this boot; wait for the node to be Ready
 and to report it,
@@ -115,8 +115,8 @@ class KubeCluster:
         self.gpu_api_from = ""  # why the last lend's GPUs were told by that API
         self.holders: dict[str, str] = {}  # DRA: lent GPU -> the pods holding it, last seen
         self.trouble: str | None = None  # why the lent node is not whole (health fails)
-        # The running lendee's boot id, read once per boot (forgotten when it stops), and
-        # what the return waits for while the node still shows another boot's status.
+        # The running lendee's boot id, read at each return (forgotten when it stops),
+        # and what the return waits for while the node still shows another boot's.
         self.boot_id: str | None = None
         self.waiting: str | None = None
         # Seconds a hot-unplug's evictions took: the reclaim by restart after it, if it
@@ -433,12 +433,16 @@ class KubeCluster:
 
     async def _this_boot(self, read: BootReader | None) -> str | None:
         """Invariant 14: wait until the node's ``status.nodeInfo.bootID`` is the
-        guest's boot id (read through `read` once per boot, kept until the lendee
-        stops), so that nothing the previous boot's kubelet posted counts. None when
-        it is, or why the node stays cordoned; journaled plainly while they differ.
-        `read` None: the boot id already read for this boot, if any, else nothing to
-        compare (no guest to ask)."""
-        if read is None and self.boot_id is None:
+        guest's boot id, so that nothing a previous boot's kubelet posted counts. None
+        when it is, or why the node stays cordoned; journaled plainly while they differ.
+
+        `read`: a return's, which reads the boot id afresh through it (a reclaim stops
+        the lendee without `lendee_down`: a boot id kept from before could be the very
+        one the stale status shows). None: a hot-add's, in the boot the last return
+        read, compared with that one (nothing to compare if none was read)."""
+        if read is not None:
+            self.boot_id = None
+        elif self.boot_id is None:
             return None
         deadline = time.monotonic() + self.timeouts.ready
         while self.boot_id is None and read is not None:
