@@ -16,7 +16,11 @@ reboot seen at start), the node is cordoned with our marker (`lendee_down`), so 
 it is verified before it takes work again; another's cordon is never touched.
 
 Return: decide once what the lent GPUs must make allocatable (`expect`: time-slicing
-replicas and MIG devices included), wait for the node to be Ready and to report it,
+replicas and MIG devices included); trust nothing from the previous boot — the node's
+``bootID`` must be the guest's own boot id (read at each return, `_this_boot`) before
+its Ready, allocatable or slices count, and while they differ the journal and `status`
+say the return is waiting for the kubelet of this boot; wait for the node to be Ready
+and to report it,
 then put the lent taints, the borrowed label and our annotations on, and uncordon last
 (only if our marker says we cordoned): no pod lands on borrowed capacity without the
 taints in place. A node that comes back short stays cordoned, with an Event saying why.
@@ -39,11 +43,12 @@ import asyncio
 import logging
 import time
 from datetime import UTC, datetime
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Collection, Iterable
 
 from hostagent.cluster import dra
+from hostagent.cluster.lent import Lent, Metrics
 from hostagent.host import journal
+from hostagent.host.verify import VerifyError
 from hostagent.core.config import Config, DrainTimeoutAction, GpuApi
 from hostagent.core.health import CheckFailed
 from hostagent.cluster.kube import (
@@ -64,6 +69,9 @@ from hostagent.cluster.kube import (
 log = logging.getLogger(__name__)
 # A hot-unplug's reading of which pods use its GPUs: their UIDs, or None and why not.
 PodsReader = Callable[[], Awaitable[tuple[Collection[str] | None, str]]]
+# The guest's boot id (/proc/sys/kernel/random/boot_id), read through the guest agent;
+# raises VerifyError.
+BootReader = Callable[[], Awaitable[str]]
 
 
 def parse_taint(text: str) -> Taint:
@@ -73,17 +81,7 @@ def parse_taint(text: str) -> Taint:
     return Taint(key=key, value=value, effect=effect)
 
 
-class Metrics(Protocol):
-    """What the cluster reports to `hostagent.surfaces.metrics.Metrics`."""
-
-    def node_gpu_pods(self, count: int | None) -> None: ...
-
-    def gpu_lost(self) -> None: ...
-
-    def lent_gpu_pods(self, holders: dict[str, str] | None) -> None: ...
-
-
-class KubeCluster:
+class KubeCluster(Lent):
     def __init__(self, kube: Kube, cfg: Config, *,
                  remember_cordon: Callable[[bool], None],
                  metrics: Metrics | None = None) -> None:
@@ -107,6 +105,10 @@ class KubeCluster:
         self.gpu_api_from = ""  # why the last lend's GPUs were told by that API
         self.holders: dict[str, str] = {}  # DRA: lent GPU -> the pods holding it, last seen
         self.trouble: str | None = None  # why the lent node is not whole (health fails)
+        # The running lendee's boot id, read at each return (forgotten when it stops),
+        # and what the return waits for while the node still shows another boot's.
+        self.boot_id: str | None = None
+        self.waiting: str | None = None
         # Seconds a hot-unplug's evictions took: the reclaim by restart after it, if it
         # gives way, drains within what they left of timeouts.drain, not one of its own
         # (the time the guest took to let go is no drain's).
@@ -150,13 +152,9 @@ class KubeCluster:
             "gpu_api_from": self.gpu_api_from,
             "holders": None if view is None or self.dra is None else self._holders(view),
             "trouble": self.trouble,
+            "boot_id": self.boot_id,
+            "waiting": self.waiting,
         }
-
-    def _holders(self, view: NodeView) -> dict[str, str]:
-        """Lent GPU label -> the pods holding it, from the claims the watch saw."""
-        assert self.dra is not None
-        return {label: view.holders[uuid] for label, uuid in sorted(self.dra.items())
-                if uuid and uuid in view.holders}
 
     # --- reclaim --------------------------------------------------------------------------
 
@@ -348,6 +346,7 @@ class KubeCluster:
         so that its next return is verified before it takes work. An administrator's
         cordon stays theirs. Never raises: a failure is in the journal, and the return
         path cordons nothing but still only uncordons after verification."""
+        self.boot_id = None  # the next boot is another: its id is read afresh
         try:
             cordon = await self.kube.cordon(self.node, marker_prefix=self.prefix,
                                             timeout=self.timeouts.drain)
@@ -460,23 +459,86 @@ class KubeCluster:
                        f"{', '.join(gpus)}: {why}", vm=self.node, result="warning",
                        priority=journal.Priority.WARNING)
 
+    async def _this_boot(self, read: BootReader | None) -> str | None:
+        """Invariant 14: wait until the node's ``status.nodeInfo.bootID`` is the
+        guest's boot id, so that nothing a previous boot's kubelet posted counts. None
+        when it is, or why the node stays cordoned; journaled plainly while they differ.
+
+        `read`: a return's, which reads the boot id afresh through it (a reclaim stops
+        the lendee without `lendee_down`: a boot id kept from before could be the very
+        one the stale status shows). None: a hot-add's, in the boot the last return
+        read, compared with that one (nothing to compare if none was read)."""
+        if read is not None:
+            self.boot_id = None
+        elif self.boot_id is None:
+            return None
+        deadline = time.monotonic() + self.timeouts.ready
+        while self.boot_id is None and read is not None:
+            try:
+                self.boot_id = await read()
+            except VerifyError as e:
+                if time.monotonic() >= deadline:
+                    problem = (f"the boot id of node {self.node}'s guest could not be read "
+                               f"({e}), so its status cannot be told from a previous "
+                               "boot's; it stays cordoned")
+                    self._event("ReturnFailed", problem, warning=True)
+                    return problem
+                await asyncio.sleep(1.0)
+        boot = self.boot_id
+        assert boot is not None
+        try:
+            shown = await self.kube.boot_of(self.node, timeout=10)
+        except NodeNotFound:
+            shown = ""  # deleted: it registers again when the kubelet of this boot starts
+        if shown == boot:
+            return None
+        self.waiting = (f"the kubelet of this boot: node {self.node} still shows bootID "
+                        f"{shown or '(none)'}, the guest's is {boot}")
+        journal.record("boot", f"node {self.node} still shows the status of another boot "
+                       f"(bootID {shown or '(none)'}; the guest's is {boot}): its Ready, "
+                       "allocatable and ResourceSlices do not count yet; waiting for the "
+                       "kubelet of this boot", vm=self.node, result="waiting",
+                       boot_id=boot)
+        try:
+            shown = await self.kube.wait_boot(self.node, boot,
+                                              timeout=max(1.0, deadline - time.monotonic()))
+        finally:
+            self.waiting = None
+        if shown == boot:
+            journal.record("boot", f"node {self.node}'s kubelet of this boot posted "
+                           f"(bootID {boot})", vm=self.node, result="ok", boot_id=boot)
+            return None
+        problem = (f"node {self.node}'s kubelet of this boot did not post within "
+                   f"{self.timeouts.ready:g} s: the node still shows bootID "
+                   f"{shown or '(none)'}, the guest's is {boot}, so its Ready and GPUs are "
+                   "another boot's; it stays cordoned. Is the kubelet (k3s) running in the "
+                   "guest, and does it reach the API server?")
+        self._event("ReturnFailed", problem, warning=True)
+        return problem
+
     async def give_back(self, lent: Collection[str] | int,
                         expected: ExpectedGpus | None = None, *,
-                        restart_plugins: bool = False) -> str | None:
-        """Wait Ready and the expected allocatable; then taints, label and annotations;
-        uncordon last. None when done, or why the node stays cordoned.
+                        restart_plugins: bool = False,
+                        boot_id: BootReader | None = None) -> str | None:
+        """Wait for this boot's kubelet, Ready and the expected allocatable; then taints,
+        label and annotations; uncordon last. None when done, or why the node stays
+        cordoned.
 
         `lent`: the labels of the GPUs this lend gave the lendee (an int, the count, is
         understood as every configured lendee GPU). `expected`: as `expect` decided it
         earlier for this lend; decided here if not given. `restart_plugins`: the lendee
         lost GPUs while it ran (a hot-unplug), and the GPU plugins, which enumerate GPUs
-        when they start, are restarted first to advertise the rest."""
+        when they start, are restarted first to advertise the rest. `boot_id`: reads the
+        guest's boot id, which the node's must equal before its status counts
+        (`_this_boot`)."""
         self.trouble = None
         self._vacate_spent = 0.0  # the hot-unplug before, if any, is over
         try:
             if expected is None or expected.gpus != self._labels(lent):
                 expected = await self.expect(lent)
             self.expected = expected
+            if (wrong_boot := await self._this_boot(boot_id)) is not None:
+                return wrong_boot
             if restart_plugins:
                 await self._restart_plugins(expected.gpus)
             else:  # a pause left by a hot-unplug that gave way to a restart, or by a crash
@@ -528,6 +590,8 @@ class KubeCluster:
         and what it must report too (the GPU added waits for the next restart)."""
         before = (self.expected, self.dra)
         try:
+            if (wrong_boot := await self._this_boot(None)) is not None:
+                return wrong_boot
             expected = await self.expect(lent)
             await self._restart_plugins(sorted(lent))
             if self.dra is not None:
@@ -573,144 +637,6 @@ class KubeCluster:
         self._event("ReturnFailed", problem, warning=True)
         return problem
 
-    # --- while lent -----------------------------------------------------------------------
-
-    async def watch_lent(self, on_view: Callable[[NodeView], None] | None = None) -> None:
-        """Follow the lent node until cancelled (cancel it when the reclaim starts);
-        never raises (credentials refused: health red, tried again every `auth_retry` s).
-
-        Sets ``hostagent_node_gpu_pods``; a node that loses expected GPUs or stops being
-        Ready is a journal error, an Event, the GPU-lost failure metric and a failing
-        "kubernetes" health check until it is whole again. `on_view` gets every change
-        (e.g. the agent deciding when a regrow is safe from `view.gpu_pods`)."""
-        expected = self.expected
-        resources = list(expected.resources) if expected is not None \
-            else [self.settings.gpu_resource]
-        lent_dra = self.dra
-        driver = self.settings.dra_driver if lent_dra is not None else None
-        was: list[NodeView] = []
-
-        def seen(view: NodeView) -> None:
-            before = was[0] if was else None
-            was[:] = [view]
-            self.view = view
-            if self.metrics is not None:
-                self.metrics.node_gpu_pods(view.gpu_pods)
-            self._judge(view, before, expected)
-            if lent_dra is not None and (before is None or before.holders != view.holders):
-                self._show_holders(view)
-            if on_view is not None:
-                on_view(view)
-
-        try:
-            while True:
-                try:
-                    await self.kube.watch_node(self.node, resources=resources, on_change=seen,
-                                               dra_driver=driver)
-                except KubeAuthError as e:
-                    # Health stays red until the credentials are fixed; tried again
-                    # meanwhile, so that fixing them is enough.
-                    trouble = f"kubernetes: cannot watch node {self.node}: {e}"
-                    if trouble != self.trouble:
-                        journal.record("watch", trouble, vm=self.node, result="unauthorized",
-                                       priority=journal.Priority.ERR)
-                    self.trouble = trouble
-                    was.clear()
-                    await asyncio.sleep(self.auth_retry)
-        finally:
-            self.view = None
-            if self.metrics is not None:
-                self.metrics.node_gpu_pods(None)
-                if lent_dra is not None:
-                    self.metrics.lent_gpu_pods(None)
-
-    def _show_holders(self, view: NodeView) -> None:
-        """Who holds which lent GPU: the metric, and the node's annotation (in the
-        background, like an Event: it never delays a step)."""
-        holders = self.holders = self._holders(view)
-        if self.metrics is not None:
-            self.metrics.lent_gpu_pods(holders)
-        text = ",".join(f"{gpu}={pods.replace(',', '+')}" for gpu, pods in holders.items())
-
-        async def annotate() -> None:
-            try:
-                await self.kube.annotate(self.node, {f"{self.prefix}gpu-holders": text or None},
-                                         timeout=10)
-            except KubeError as e:
-                log.warning("could not annotate node %s with its GPUs' holders: %s",
-                            self.node, e)
-        task = asyncio.get_running_loop().create_task(annotate())
-        self._events.add(task)
-        task.add_done_callback(self._events.discard)
-
-    def _judge(self, view: NodeView, before: NodeView | None,
-               expected: ExpectedGpus | None) -> None:
-        """What a change of the lent node means: trouble starts, or ends."""
-        problems = []
-        if not view.exists:
-            problems.append(f"node {self.node} was deleted while lent")
-        elif not view.ready:
-            problems.append(f"node {self.node} is not Ready while lent ({view.ready_detail})")
-        gone = self._gone(view)
-        lost = expected is not None and view.exists and (bool(gone) or any(
-            view.allocatable.get(r, 0) < n for r, n in expected.resources.items()))
-        if gone:
-            problems.append(f"node {self.node} lost GPUs while lent: {', '.join(gone)} left "
-                            f"its {self.settings.dra_driver} ResourceSlices (a GPU off the "
-                            "bus, a driver crash, the DRA driver's plugin restarting?)")
-        elif lost and expected is not None:
-            problems.append(f"node {self.node} lost GPUs while lent: it "
-                            f"{expected.shortfall(view.allocatable)} (a GPU off the bus, a "
-                            "driver crash, the device plugin restarting?)")
-        trouble = "; ".join(problems) or None
-        if trouble == self.trouble:
-            return
-        had_lost = before is not None and expected is not None and before.exists and (
-            bool(self._gone(before)) or any(
-                before.allocatable.get(r, 0) < n for r, n in expected.resources.items()))
-        self.trouble = trouble
-        if trouble is None:
-            journal.record("watch", f"node {self.node} is whole again: Ready, {expected}",
-                           vm=self.node, result="ok")
-            return
-        journal.record("watch", trouble, vm=self.node,
-                       result="gpu-lost" if lost else "not-ready",
-                       priority=journal.Priority.ERR)
-        if lost and not had_lost:
-            if self.metrics is not None:
-                self.metrics.gpu_lost()
-            self._event("GPULost", trouble, warning=True)
-
-    def _gone(self, view: NodeView) -> list[str]:
-        """DRA: the lent GPUs ("label (UUID)") the node's slices no longer list."""
-        if self.dra is None or view.devices is None or not view.exists:
-            return []
-        return [f"{label} ({uuid})" for label, uuid in sorted(self.dra.items())
-                if uuid and uuid not in view.devices]
-
-    async def watch_cordon(self) -> None:
-        """While the lendee is off or stuck (its node cordoned by us, for hours during a
-        game), follow the node until cancelled: a cordon of ours that someone lifts
-        (``kubectl uncordon``) loses our marker the moment it is seen, so that a cordon
-        they set later is never lifted by us (invariant 6). Never raises."""
-        while True:
-            try:
-                await self.kube.watch_cordon(self.node, marker_prefix=self.prefix)
-                return
-            except KubeAuthError as e:
-                log.warning("cannot watch node %s for a cordon lifted by hand: %s", self.node, e)
-                await asyncio.sleep(self.auth_retry)
-
-    def watch_gpu_pods(self) -> AsyncIterator[int]:
-        """The count of pods on the node that request a GPU: the current count, then each
-        change, while iterated. For deciding when restarting the lendee (a regrow) is safe:
-        ``async for n in cluster.watch_gpu_pods(): if n == 0: break``."""
-        resources = list(self.expected.resources) if self.expected is not None \
-            else [self.settings.gpu_resource]
-        return self.kube.watch_gpu_pods(
-            self.node, resources=resources,
-            dra_driver=self.settings.dra_driver if self.dra is not None else None)
-
     async def notice(self, when: Callable[[float], float],
                      message: Callable[[str], str]) -> tuple[float, list[str]]:
         resources = list(self.expected.resources) if self.expected is not None \
@@ -734,23 +660,3 @@ class KubeCluster:
                            f"their GPUs are taken back: {e}", vm=self.node,
                            result="notice-failed", priority=journal.Priority.WARNING)
             return at, []
-
-    # --- telling the cluster --------------------------------------------------------------
-
-    def _event(self, reason: str, message: str, *, warning: bool = False) -> None:
-        """Post an Event on the Node in the background (it never delays a step)."""
-        task = asyncio.get_running_loop().create_task(
-            self._post(reason, message, warning))
-        self._events.add(task)
-        task.add_done_callback(self._events.discard)
-
-    async def _post(self, reason: str, message: str, warning: bool) -> None:
-        try:
-            await self.kube.post_event(self.node, reason=reason, message=message,
-                                       warning=warning, timeout=10)
-        except KubeError as e:
-            log.warning("could not post the %s event on node %s: %s", reason, self.node, e)
-
-    async def flush_events(self) -> None:
-        """Wait for the Events being posted (tests, and before closing the adapter)."""
-        await asyncio.gather(*self._events, return_exceptions=True)

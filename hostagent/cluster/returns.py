@@ -1,8 +1,13 @@
 """The return and its verification: what a lend must show before the uncordon.
 
-The node Ready, then the lent GPUs: counted in its allocatable (the device plugin, with
-what GPU feature discovery's labels say of MIG and time-slicing, `expected_gpus`), or
-listed by UUID in a DRA driver's ResourceSlices (`wait_devices`).
+First this boot (invariant 14): the node's ``status.nodeInfo.bootID`` must be the
+guest's own boot id (`wait_boot`) before anything else of its status counts — the API
+keeps the previous boot's Ready and allocatable until the new kubelet posts (or the
+node monitor grace period ends), and the previous boot's ResourceSlices until the new
+kubelet wipes them. Then the node Ready, then the lent GPUs: counted in its
+allocatable (the device plugin, with what GPU feature discovery's labels say of MIG
+and time-slicing, `expected_gpus`), or listed by UUID in a DRA driver's
+ResourceSlices (`wait_devices`).
 """
 
 from __future__ import annotations
@@ -160,8 +165,26 @@ def expected_gpus(
     return ExpectedGpus(gpus, {resource: n}, f"{what}, one {resource} each")
 
 
+def boot_id_of(node: Any) -> str:
+    """The boot id the node's kubelet last posted ("" if none), cleaned and capped."""
+    info = node.status.node_info if node.status is not None else None
+    return clean(getattr(info, "boot_id", None) or "", 80)
+
+
 class Returns(Watches):
     """What a return waits for before the uncordon."""
+
+    async def wait_boot(self, node: str, boot_id: str, *, timeout: float) -> str:
+        """Follow `node` until its ``status.nodeInfo.bootID`` is `boot_id` (the kubelet
+        of that boot posted) or `timeout`; the boot id it last showed ("" if never
+        read). Raises nothing of its own: the caller says what the mismatch means."""
+        last, _ = await self._watch_node(node, lambda n: boot_id_of(n) == boot_id,
+                                         self._now() + timeout)
+        return "" if last is None else boot_id_of(last)
+
+    async def boot_of(self, node: str, *, timeout: float | None = None) -> str:
+        """The boot id `node` shows now. Raises NodeNotFound, KubeUnavailable."""
+        return boot_id_of(await self._read_node(node, self._deadline(timeout)))
 
     async def wait_ready(self, node: str, *, timeout: float) -> None:
         """Return once `node` is Ready; raise NodeNotReady after `timeout` seconds."""

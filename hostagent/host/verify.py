@@ -21,11 +21,18 @@ and capped here, where they come in (`hostagent.core.text`).
 Everything above `query` and `run_ssh` is pure: parsing and comparing, no side effects.
 The guest is reached by the agent (through the guest agent, `Libvirt.guest_exec`) or by
 `run_ssh`; `query` only calls the runner it is given.
+
+This boot (invariant 14): the guest's ``/proc/sys/kernel/random/boot_id``, a UUID the
+kernel makes afresh at each boot and the kubelet posts as its node's
+``status.nodeInfo.bootID`` (Kubernetes v1.35.4 pkg/kubelet/nodestatus/setters.go
+MachineInfo, from cadvisor's machine info), says whether the node's status is this
+boot's kubelet's or still the previous boot's (`parse_boot_id`, `boot_id`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import shlex
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -41,11 +48,14 @@ __all__ = [
     "Expected",
     "Outcome",
     "SeenGpu",
+    "BOOT_ID",
     "VerifyError",
+    "boot_id",
     "candidates",
     "combine",
     "compare",
     "outcome_of_run",
+    "parse_boot_id",
     "parse_query",
     "query",
     "run_ssh",
@@ -244,6 +254,34 @@ async def query(expected: Sequence[Expected], run: Callable[[str], Awaitable[Run
         if outcome is not None:
             return outcome
     return none_found(expected, attempts)
+
+
+# --- this boot --------------------------------------------------------------------------
+
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def parse_boot_id(text: str) -> str:
+    """The boot id in what ``cat BOOT_ID`` printed (one UUID, lower case, as the
+    kernel writes it); VerifyError, with what came instead cleaned and capped, when
+    it is not one. No side effects."""
+    found = text.strip().lower()
+    if not _UUID.fullmatch(found):
+        raise VerifyError(f"{BOOT_ID} in the guest is not a boot id: {clean(text, 80)!r}")
+    return found
+
+
+async def boot_id(run: Callable[[str, list[str]], Awaitable[Run]]) -> str:
+    """The guest's boot id, read with `run(path, args)` (the guest agent's exec);
+    VerifyError when it could not be read or is not one."""
+    try:
+        code, out, err = await run("cat", [BOOT_ID])
+    except Exception as e:  # whatever the runner raises, said as this read's failure
+        raise VerifyError(f"could not read {BOOT_ID} in the guest: {clean(e, 300)}") from e
+    if code != 0:
+        raise VerifyError(f"cat {BOOT_ID} in the guest exited {code}: {clean(err, 300)}")
+    return parse_boot_id(out[:200])
 
 
 # --- the one I/O function: asking over SSH ----------------------------------------------

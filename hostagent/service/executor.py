@@ -415,7 +415,8 @@ class Executor:
         if not self._current(ticket):
             return
         if problem is None:
-            problem = await self.cluster.give_back(lent, restart_plugins=restart_plugins)
+            problem = await self.cluster.give_back(lent, restart_plugins=restart_plugins,
+                                                   boot_id=self._guest_boot_id)
         if problem is None:
             self.apply(ReturnDone(at=clock.now(), ticket=ticket))
         else:
@@ -494,6 +495,15 @@ class Executor:
                        result="mismatch", method=method.value, priority=journal.Priority.ERR,
                        missing=",".join(g.label for g in outcome.missing) or ",".join(leaked))
         return summary
+
+    async def _guest_boot_id(self) -> str:
+        """The lendee's boot id, through the guest agent (invariant 14: the node's
+        status counts only once its bootID is this). Raises in_guest.VerifyError."""
+        async def run(path: str, args: list[str]) -> tuple[int, str, str]:
+            done = await self.libvirt.guest_exec(self.lendee, path, args, timeout=10)
+            return done.exitcode, done.stdout, done.stderr
+
+        return await in_guest.boot_id(run)
 
     async def _ask_guest(self, expected: list[in_guest.Expected],
                          timeout: float) -> in_guest.Outcome:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -103,10 +103,13 @@ class Cluster(Protocol):
         full grace period, may drain that long if it is longer than timeouts.drain."""
 
     async def give_back(self, lent: Collection[str], *,
-                        restart_plugins: bool = False) -> str | None:
-        """Wait Ready and the `lent` GPUs, uncordon; None when done, or why the node
-        stays cordoned. `restart_plugins`: after a hot-unplug, the GPU plugins' pods
-        restart first (they enumerate GPUs when they start)."""
+                        restart_plugins: bool = False,
+                        boot_id: Callable[[], Awaitable[str]] | None = None) -> str | None:
+        """Wait for the kubelet of this boot, Ready and the `lent` GPUs, uncordon; None
+        when done, or why the node stays cordoned. `restart_plugins`: after a
+        hot-unplug, the GPU plugins' pods restart first (they enumerate GPUs when they
+        start). `boot_id`: reads the guest's boot id, which the node's must equal
+        before its status counts (invariant 14)."""
 
     async def vacate(self, owners: list[str], gpus: Collection[str],
                      pods: PodsReader, *, until: float | None = None) -> str | None:
@@ -153,7 +156,8 @@ class NoCluster:
         return None
 
     async def give_back(self, lent: Collection[str], *,
-                        restart_plugins: bool = False) -> str | None:
+                        restart_plugins: bool = False,
+                        boot_id: Callable[[], Awaitable[str]] | None = None) -> str | None:
         return None
 
     async def vacate(self, owners: list[str], gpus: Collection[str],

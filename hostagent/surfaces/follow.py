@@ -155,6 +155,8 @@ def format_status(data: dict[str, Any]) -> str:
     if cluster.get("gpu_api_from"):
         lines.append(f"  its node's GPUs are served by {cluster.get('gpu_api')}: "
                      f"{cluster['gpu_api_from']}")
+    if cluster.get("waiting"):
+        lines.append(f"  its return is waiting for {cluster['waiting']}")
     holders = cluster.get("holders")
     if holders:
         lines.append("  its node's pods hold " + ", ".join(

@@ -11,6 +11,12 @@ are the part of tests/controlplane/machine.py's Kubelet, built on this one; with
 this one posts Ready itself (a node whose GPUs are DRA devices, which the node's
 status does not carry).
 
+Admission: each pod bound to the node is admitted once in each life of the kubelet
+(kubelet.go HandlePodAdditions: every pod there at its start, then each one bound);
+a pod refused fails as kubelet.go rejectPod writes it (phase Failed, its reason,
+"Pod was rejected: ..."). This one admits every pod; machine.py's adds the device
+manager's Allocate.
+
 DRA: a real kubelet's DRA manager (pkg/kubelet/cm/dra, manager.go prepareResources)
 reads each of a pod's ResourceClaims before its containers start, refuses to start it
 while a claim is missing, not made for it (one from a template must be owned by the
@@ -55,6 +61,10 @@ class Pods:
         self._task: asyncio.Task[None] | None = None
         self._registered = asyncio.Event()
         self._claims: Any = None
+        # The pods this kubelet admitted since it started (their UIDs), and the UIDs of
+        # the node's pods not yet finished, as the last look found them.
+        self._admitted: set[str] = set()
+        self._live: set[str] = set()
 
     async def __aenter__(self) -> Pods:
         self._task = asyncio.get_running_loop().create_task(self.run(), name=f"pods {self.node}")
@@ -97,8 +107,9 @@ class Pods:
                     log.debug("kubelet for %s: %r", self.node, e)
                 await asyncio.sleep(self.interval)
 
-    async def _register(self, core: Any) -> None:
-        with contextlib.suppress(ApiException):  # 409: registered before, as after a reboot
+    async def _register(self, core: Any) -> bool:
+        """Whether the node was created (False: registered before, as after a reboot)."""
+        try:
             await core.create_node({
                 "metadata": {"name": self.node, "labels": {"kubernetes.io/hostname": self.node,
                                                            "kubernetes.io/os": "linux"}},
@@ -109,6 +120,11 @@ class Pods:
                                         "containerRuntimeVersion": "lab://0",
                                         "operatingSystem": "linux", "architecture": "amd64"}},
             }, _request_timeout=5)
+        except ApiException as e:
+            if e.status != 409:
+                raise
+            return False
+        return True
 
     async def _post_ready(self, core: Any) -> None:
         stamp = _stamp()
@@ -134,8 +150,19 @@ class Pods:
         listed = await core.list_pod_for_all_namespaces(
             field_selector=f"spec.nodeName={self.node}", _request_timeout=5)
         now = datetime.now(UTC)
+        self._live = {p.metadata.uid for p in listed.items
+                      if p.status.phase in ("Pending", "Running")}
         for pod in listed.items:
             meta = pod.metadata
+            if (meta.deletion_timestamp is None and meta.uid in self._live
+                    and meta.uid not in self._admitted):
+                # Admission, once per pod in each life of the kubelet (kubelet.go
+                # HandlePodAdditions: at its start, every pod bound to the node).
+                rejected = await self._admit(pod)
+                if rejected is not None:
+                    await self._reject(core, pod, *rejected)
+                    continue
+                self._admitted.add(meta.uid)
             if meta.deletion_timestamp is not None:
                 grace = meta.deletion_grace_period_seconds or 0
                 started = meta.deletion_timestamp.timestamp() - grace
@@ -150,6 +177,17 @@ class Pods:
             elif (pod.status.phase == "Running" and not _ready(pod) and now.timestamp()
                   >= pod.status.start_time.timestamp() + _probe_delay(pod)):
                 await self._post(core, pod, ready=True)
+
+    async def _admit(self, pod: Any) -> tuple[str, str] | None:
+        """None if the pod is admitted, else (reason, message) of its rejection; this
+        one admits every pod (tests/controlplane/machine.py's adds the device manager)."""
+        return None
+
+    async def _reject(self, core: Any, pod: Any, reason: str, message: str) -> None:
+        """The pod failed, as kubelet.go rejectPod writes it (v1.35.4)."""
+        await core.patch_namespaced_pod_status(pod.metadata.name, pod.metadata.namespace, {
+            "status": {"phase": "Failed", "reason": reason,
+                       "message": f"Pod was rejected: {message}"}}, _request_timeout=5)
 
     async def _claims_ready(self, pod: Any) -> bool:
         """Whether each of the pod's ResourceClaims is there, made for it and reserved

@@ -7,10 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+
+from kubernetes_asyncio import client, config
+from kubernetes_asyncio import watch as k8s_watch
 
 from tests.controlplane import ControlPlane
 from tests.controlplane.machine import Kubelet
@@ -19,14 +23,23 @@ from tests.controlplane.nvidia import DRIVER
 NODE = "machine-node"
 UUID_A = "GPU-7a1c0de5-0000-4000-8000-00000000000a"
 UUID_B = "GPU-7a1c0de5-0000-4000-8000-00000000000b"
+START = 1.0  # seconds from the machine's start to its kubelet's
 
 
 class Machine:
-    """What the kubelet is asked: does the machine run, which GPUs does it see."""
+    """What the kubelet is asked: does the machine run, which GPUs does it see, which
+    boot is it (a new id at each `start`)."""
 
     def __init__(self) -> None:
         self.on = False
         self.gpus: list[tuple[str, str]] = []
+        self.boot = ""
+        self.started_at = 0.0
+
+    def start(self) -> str:
+        self.boot, self.started_at = str(uuid.uuid4()), time.monotonic()
+        self.on = True
+        return self.boot
 
 
 def get(plane: ControlPlane, *args: str) -> Any:
@@ -58,6 +71,7 @@ async def machine(plane: ControlPlane, request: pytest.FixtureRequest
     credential = plane.credential(f"kubelet-{NODE}", f"system:node:{NODE}", "system:nodes")
     dra = request.param == "dra"
     kubelet = Kubelet(credential, NODE, running=lambda: vm.on, plugins=plane.admin,
+                      boot_id=lambda: vm.boot or None, start_delay=START,
                       ready_delay=0.5, gpu_delay=0.1, gpu_recheck=0.2,
                       **({"devices_seen": lambda: list(vm.gpus)} if dra
                          else {"gpus_seen": lambda: len(vm.gpus)}))
@@ -65,7 +79,8 @@ async def machine(plane: ControlPlane, request: pytest.FixtureRequest
         async with kubelet:
             yield vm, kubelet
     finally:
-        for args in (("resourceslices", "--all"), ("node", NODE),
+        for args in (("resourceslices", "--all"), ("pods", "--all", "--force",
+                                                    "--grace-period=0"), ("node", NODE),
                      ("lease", "-n", "kube-node-lease", NODE)):
             await asyncio.to_thread(plane.kubectl, "delete", *args, "--ignore-not-found")
 
@@ -76,7 +91,7 @@ async def test_the_node_follows_the_machine(plane: ControlPlane,
     vm, _ = machine
     assert ready(plane) == "False"  # registered, as a node whose machine is off
     vm.gpus = [(UUID_A, "A"), (UUID_B, "B")]
-    vm.on = True
+    vm.start()
     await until(lambda: ready(plane) == "True", "Ready once the machine runs")
     await until(lambda: get(plane, "node", NODE)["status"]["allocatable"].get(
         "nvidia.com/gpu") == "2", "two GPUs allocatable")
@@ -94,7 +109,7 @@ async def test_the_node_follows_the_machine(plane: ControlPlane,
     assert get(plane, "lease", "-n", "kube-node-lease", NODE)["spec"]["renewTime"] == renewed
     assert next(c["lastHeartbeatTime"] for c in get(plane, "node", NODE)["status"][
         "conditions"] if c["type"] == "Ready") == heartbeat
-    vm.on = True  # a boot: NotReady at once, then Ready again
+    vm.start()  # a boot: NotReady once its kubelet starts, then Ready again
     await until(lambda: ready(plane) == "False", "NotReady when the machine boots again")
     await until(lambda: ready(plane) == "True", "Ready after the boot")
 
@@ -104,7 +119,7 @@ async def test_a_dra_node_publishes_what_the_machine_sees(
         plane: ControlPlane, machine: tuple[Machine, Kubelet]) -> None:
     vm, _ = machine
     vm.gpus = [(UUID_A, "A"), (UUID_B, "B")]
-    vm.on = True
+    vm.start()
     await until(lambda: uuids(plane) == [UUID_A, UUID_B], "both GPUs in the node's slice")
     node = get(plane, "node", NODE)
     assert "nvidia.com/gpu" not in node["status"].get("allocatable", {})
@@ -119,5 +134,115 @@ async def test_a_dra_node_publishes_what_the_machine_sees(
     await asyncio.sleep(1)
     assert uuids(plane) == [UUID_B]
     vm.gpus = []
-    vm.on = True
+    vm.start()
     await until(lambda: uuids(plane) == [], "the last boot's slices gone after a boot")
+
+
+# --- a boot, as the real kubelet goes through it ----------------------------------------------
+
+
+class Versions:
+    """Every version of the node from now on, as a watch sees them."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, dict[str, Any]]] = []  # (monotonic time, node)
+        self.reading = asyncio.Event()  # set once the version to follow from is read
+
+    async def follow(self, plane: ControlPlane) -> None:
+        configuration = client.Configuration()
+        await config.load_kube_config(config_file=str(plane.admin),
+                                      client_configuration=configuration)
+        async with client.ApiClient(configuration) as api:
+            core = client.CoreV1Api(api)
+            since = (await core.read_node(NODE)).metadata.resource_version
+            self.reading.set()
+            async with k8s_watch.Watch() as stream:
+                async for event in stream.stream(
+                        core.list_node, field_selector=f"metadata.name={NODE}",
+                        resource_version=since, timeout_seconds=60):
+                    self.seen.append((time.monotonic(),
+                                      api.sanitize_for_serialization(event["object"])))
+
+
+def status_of(node: dict[str, Any]) -> tuple[str, str, str | None, str | None]:
+    """(bootID, Ready, allocatable GPUs, capacity GPUs) of a node version."""
+    status = node["status"]
+    ready = next((c["status"] for c in status.get("conditions") or []
+                  if c["type"] == "Ready"), "")
+    return (status.get("nodeInfo", {}).get("bootID", ""), ready,
+            status.get("allocatable", {}).get("nvidia.com/gpu"),
+            status.get("capacity", {}).get("nvidia.com/gpu"))
+
+
+@pytest.mark.parametrize("machine", ["device plugin"], indirect=True)
+async def test_a_reboot_keeps_the_last_boots_status_until_the_kubelet_starts(
+        plane: ControlPlane, machine: tuple[Machine, Kubelet]) -> None:
+    """The previous boot's Ready and GPUs stay until the new kubelet's first post, which
+    brings a new bootID, NotReady and 0 GPUs (capacity too) until the plugin registers."""
+    vm, kubelet = machine
+    vm.gpus = [(UUID_A, "A"), (UUID_B, "B")]
+    first = vm.start()
+    await until(lambda: status_of(get(plane, "node", NODE)) == (first, "True", "2", "2"),
+                "this boot's id, Ready and both GPUs")
+    vm.on = False
+    await asyncio.sleep(0.5)  # the look the kubelet may have begun before, over
+    versions = Versions()
+    watching = asyncio.create_task(versions.follow(plane))
+    try:
+        async with asyncio.timeout(10):
+            await versions.reading.wait()
+        second = vm.start()
+        await until(lambda: status_of(get(plane, "node", NODE)) == (second, "True", "2", "2"),
+                    "the new boot's id, Ready and both GPUs again")
+    finally:
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+    assert first != second and kubelet.boots[-2:] == [first, second]
+    states = [(t, status_of(n)) for t, n in versions.seen]
+    posted = next(t for t, (boot, *_) in states if boot == second)
+    assert posted - vm.started_at >= START  # nothing before the kubelet started
+    assert all(s == (first, "True", "2", "2") for t, s in states if t < posted)
+    this_boot = [s for _, s in states if s[0] == second]
+    assert this_boot[0] == (second, "False", "0", "0")  # the checkpoint: 0 until registered
+    assert this_boot.index((second, "True", "2", "2")) > 0
+
+
+def pod(name: str, gpus: int) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": {
+        "nodeName": NODE, "restartPolicy": "Never", "containers": [{
+            "name": "job", "image": "registry.lab/job:1",
+            "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}]}}
+
+
+def pod_status(plane: ControlPlane, name: str) -> tuple[str, str, str]:
+    status = get(plane, "pod", name)["status"]
+    return status.get("phase", ""), status.get("reason", ""), status.get("message", "")
+
+
+@pytest.mark.parametrize("machine", ["device plugin"], indirect=True)
+async def test_a_pod_beyond_the_registered_gpus_fails_admission(
+        plane: ControlPlane, machine: tuple[Machine, Kubelet]) -> None:
+    vm, _ = machine
+    vm.gpus = [(UUID_A, "A")]
+    vm.start()
+    await until(lambda: get(plane, "node", NODE)["status"]["allocatable"].get(
+        "nvidia.com/gpu") == "1", "the plugin registered one GPU")
+    plane.kubectl("create", "-f", "-", input=json.dumps(
+        {"apiVersion": "v1", "kind": "List", "items": [pod("holds-one", 1),
+                                                       pod("wants-two", 2)]}))
+    await until(lambda: pod_status(plane, "holds-one")[0] == "Running", "one GPU: admitted")
+    await until(lambda: pod_status(plane, "wants-two")[0] == "Failed", "two GPUs: rejected")
+    assert pod_status(plane, "wants-two")[1:] == (
+        "UnexpectedAdmissionError", "Pod was rejected: Allocate failed due to requested "
+        "number of devices unavailable for nvidia.com/gpu. Requested: 2, Available: 0, "
+        "which is unexpected")  # the one GPU is holds-one's, admitted first (by name)
+    # A reboot: the kubelet admits the pod bound to it again, before the plugin registers.
+    vm.on = False
+    await asyncio.sleep(0.5)
+    vm.start()
+    await until(lambda: pod_status(plane, "holds-one")[0] == "Failed",
+                "the pod of the last boot rejected by the new kubelet")
+    assert pod_status(plane, "holds-one")[1:] == (
+        "UnexpectedAdmissionError", "Pod was rejected: Allocate failed due to no healthy "
+        "devices present; cannot allocate unhealthy devices nvidia.com/gpu, which is "
+        "unexpected")

@@ -3,7 +3,10 @@ started at its first use and stopped with the process; two nodes whose kubelet t
 lab plays (tests/controlplane/machine.py): gpu-node, the lendee, which follows the VM's
 real state, and cpu-node, always up; and, if asked, real workloads.
 
-gpu-node is Ready a moment after the VM runs, and reports as ``nvidia.com/gpu`` what
+gpu-node's kubelet starts `kubelet_start` seconds after the VM runs, once the guest's
+boot id can be read through the guest agent (`boot_seen`): until then the API keeps
+what the previous boot posted. It is Ready a moment later, and reports as
+``nvidia.com/gpu`` what
 the stand-in nvidia-smi *inside the guest* lists, read through the guest agent: a lab
 GPU whose driver "fails" is not counted. On a DRA node (``dra=True``) those GPUs are
 published, by UUID, in the node's ResourceSlice of gpu.nvidia.com instead, and the
@@ -265,6 +268,17 @@ def devices_seen(lab: Lab) -> list[tuple[str, str]]:
             if (m := re.fullmatch(r"GPU \d+: (.*) \(UUID: (\S+)\)", line.strip()))]
 
 
+def boot_seen(lab: Lab) -> str | None:
+    """The lendee's boot id (/proc/sys/kernel/random/boot_id), which its kubelet posts
+    as the node's bootID; None while the guest agent cannot tell it."""
+    try:
+        out = lab.guest_exec(LENDEE, "/bin/cat", "/proc/sys/kernel/random/boot_id", timeout=5)
+    except Exception:  # no agent yet, VM gone
+        return None
+    found = out.stdout.strip()
+    return found if re.fullmatch(r"[0-9a-f-]{36}", found) else None
+
+
 def lendee_running(lab: Lab) -> bool:
     """What the kubelet sees of its VM: not running while libvirtd is down too."""
     return lab.virsh("domstate", LENDEE, check=False).stdout.strip() == "running"
@@ -272,10 +286,13 @@ def lendee_running(lab: Lab) -> bool:
 
 @contextlib.contextmanager
 def lab_cluster(lab: Lab, *, workloads: bool = True, ready_delay: float = 1.0,
-                cordoned: bool = False, dra: bool = False) -> Iterator[LabCluster]:
+                kubelet_start: float = 2.0, cordoned: bool = False,
+                dra: bool = False) -> Iterator[LabCluster]:
     """The plane's nodes and their kubelets for `lab`; `workloads`: the usual ones
-    placed on gpu-node once it is lent; `cordoned`: an administrator cordoned the node
-    before hostagent ever ran; `dra`: the GPUs go through DRA, not the device plugin."""
+    placed on gpu-node once it is lent; `kubelet_start`: seconds from the lendee's
+    start to its kubelet's (at the soonest: the guest agent must answer too);
+    `cordoned`: an administrator cordoned the node before hostagent ever ran; `dra`:
+    the GPUs go through DRA, not the device plugin."""
     plane = lab_plane(lab)
     upstream = agent_kubeconfig(plane, plane.root / "agent.kubeconfig")
     if dra:  # the DeviceClass the driver's chart installs
@@ -287,15 +304,20 @@ def lab_cluster(lab: Lab, *, workloads: bool = True, ready_delay: float = 1.0,
     def run(work: Coroutine[Any, Any, Any]) -> Any:
         return asyncio.run_coroutine_threadsafe(work, loop).result(60)
 
-    def kubelet(node: str, running: Callable[[], bool], **gpus: Any) -> Kubelet:
+    def kubelet(node: str, running: Callable[[], bool], **knobs: Any) -> Kubelet:
         credential = plane.credential(f"kubelet-{node}", f"system:node:{node}", "system:nodes")
         return Kubelet(credential, node, running=running, plugins=plane.admin,
-                       ready_delay=ready_delay, grace_scale=0.02, **gpus)
+                       ready_delay=ready_delay, grace_scale=0.02, **knobs)
 
-    lendee = kubelet(LENDEE, lambda: lendee_running(lab),
+    # Its Lease renewed every 4 s, not 10: the lab's node monitor grace period is 20 s,
+    # not 50, and a stopped node's last status then stays 16 to 20 s, as a real one's
+    # stays 40 to 50 s (v1.35.4: pkg/kubelet/kubelet.go renews every 0.25 of its 40 s
+    # lease; pkg/controller/nodelifecycle/config/v1alpha1/defaults.go: 50 s).
+    lendee = kubelet(LENDEE, lambda: lendee_running(lab), boot_id=lambda: boot_seen(lab),
+                     start_delay=kubelet_start, lease_every=4.0,
                      **({"devices_seen": lambda: devices_seen(lab)} if dra
                         else {"gpus_seen": lambda: gpus_seen(lab)}))
-    spare = kubelet(SPARE, lambda: True)
+    spare = kubelet(SPARE, lambda: True, start_delay=0.0)  # up before the lab began
     proxy = FaultProxy(upstream)
     try:
         run(proxy.start())

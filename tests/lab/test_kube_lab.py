@@ -11,11 +11,14 @@ from typing import Any
 
 import pytest
 
-from tests.lab.cluster import LabCluster, lab_cluster, statefulset
+from tests.lab.cluster import LabCluster, boot_seen, lab_cluster, statefulset
 from tests.lab.lab import GPUS, LENDEE, Lab
 
 pytestmark = pytest.mark.lab
 MARKER = "hostagent.io/cordoned-by"
+# Seconds from a lendee's start to its kubelet's where the agent must not trust the
+# last boot's status: past the guest agent's answer and the in-guest check.
+LATE_KUBELET = 10.0
 
 
 def lends(lab: Lab, count: int, timeout: float = 90) -> None:
@@ -232,11 +235,14 @@ def test_regrow_when_idle_waits_for_the_gpu_job_then_takes_the_freed_gpu(lab: La
 def test_a_lendee_destroyed_by_hand_comes_back_cordoned_until_verified(lab: Lab) -> None:
     """Not a reclaim: `virsh destroy gpu-node` while lent. Its node is cordoned (as
     ours) at once, stays cordoned while gpu-node boots again, and is uncordoned only
-    once the return verified its GPUs."""
-    with lab_cluster(lab, workloads=False) as kc:
+    once the return verified its GPUs — on what this boot's kubelet posted: the API
+    still shows the last boot's Ready and GPUs when the guest answers, and the new
+    kubelet posts seconds later (invariant 14)."""
+    with lab_cluster(lab, workloads=False, kubelet_start=LATE_KUBELET) as kc:
         lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig))
         lab.start_agent()
         lends(lab, 1)
+        last_boot = kc.node()["status"]["nodeInfo"]["bootID"]
         lab.virsh("destroy", LENDEE)
         deadline = time.monotonic() + 20
         while not kc.node()["spec"].get("unschedulable"):
@@ -247,7 +253,12 @@ def test_a_lendee_destroyed_by_hand_comes_back_cordoned_until_verified(lab: Lab)
             assert time.monotonic() < deadline + 60, f"never booted again: {lab.phases()}"
             time.sleep(0.1)
         assert kc.node()["spec"].get("unschedulable") is True  # booted, not yet verified
+        while (node := kc.node())["spec"].get("unschedulable"):
+            assert time.monotonic() < deadline + 120, f"never uncordoned: {lab.phases()}"
+            time.sleep(0.1)
+        # The read that first shows the uncordon shows the status it was decided on.
+        assert node["status"]["nodeInfo"]["bootID"] == boot_seen(lab) != last_boot
         lends(lab, 2)
         assert lab.records(event="verify", result="ok")
-        node = kc.node()
-        assert not node["spec"].get("unschedulable") and MARKER not in annotations(node)
+        assert lab.records(event="boot", result="waiting")
+        assert MARKER not in annotations(kc.node())

@@ -223,6 +223,76 @@ async def test_a_node_short_of_its_expected_gpus_stays_cordoned(
     assert [r for t, r, _ in await events(api) if t == "Warning"] == ["ReturnFailed"]
 
 
+OLD_BOOT = "0b0e1d00-0000-4000-8000-000000000001"
+NEW_BOOT = "0b0e1d00-0000-4000-8000-000000000002"
+
+
+def boot_reader(boot: str, reads: list[str]) -> Callable[[], Awaitable[str]]:
+    """What the agent reads in the guest: `boot`, each read kept in `reads`."""
+    async def read() -> str:
+        reads.append(boot)
+        return boot
+    return read
+
+
+async def test_a_return_waits_for_the_kubelet_of_this_boot(
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
+    """The API still has the previous boot's Ready and both GPUs: none of it counts
+    until the node's bootID is the guest's, which the new kubelet posts late."""
+    await boot(api, 2)
+    await set_status(api, nodeInfo={"bootID": OLD_BOOT})
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    cluster, reads = cluster_for(kube), []
+    returned = asyncio.create_task(cluster.give_back(
+        ["gpu-a", "gpu-b"], boot_id=boot_reader(NEW_BOOT, reads)))
+    await until(lambda: any("waiting for the kubelet of this boot" in e.message
+                            for e in records.entries) or returned.done())
+    assert not returned.done(), f"returned on the previous boot's status: {returned.result()}"
+    assert (await node(api))["spec"]["unschedulable"] is True
+    assert "kubelet of this boot" in str(cluster.status()["waiting"])
+    # The new kubelet's first post: its bootID, the GPUs not registered yet; then the plugin.
+    await set_status(api, nodeInfo={"bootID": NEW_BOOT},
+                     allocatable={"nvidia.com/gpu": "0"}, capacity={"nvidia.com/gpu": "0"})
+    plugin = later(0.3, lambda: boot(api, 2))
+    assert await returned is None
+    await plugin
+    assert not (await node(api))["spec"].get("unschedulable")
+    assert reads == [NEW_BOOT] and cluster.status()["waiting"] is None
+
+
+async def test_a_node_that_keeps_another_boots_status_stays_cordoned(
+        api: Api, kube: Kube) -> None:
+    await boot(api, 2)
+    await set_status(api, nodeInfo={"bootID": OLD_BOOT})
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    cluster = cluster_for(kube)
+    problem = await cluster.give_back(["gpu-a", "gpu-b"],
+                                      boot_id=boot_reader(NEW_BOOT, []))
+    assert problem is not None and "kubelet of this boot did not post" in problem
+    assert OLD_BOOT in problem and NEW_BOOT in problem
+    assert (await node(api))["spec"]["unschedulable"] is True
+
+
+async def test_each_return_reads_the_boot_id_afresh(api: Api, kube: Kube) -> None:
+    """A reclaim stops the lendee with no `lendee_down`: the next return must not
+    compare the node with the boot id of the boot before, which its stale status shows."""
+    await boot(api, 2)
+    await set_status(api, nodeInfo={"bootID": OLD_BOOT})
+    cluster, reads = cluster_for(kube), []
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"],
+                                   boot_id=boot_reader(OLD_BOOT, reads)) is None
+    # Reclaimed and booted again; the node still shows the last boot's status.
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    problem = await cluster.give_back(["gpu-a", "gpu-b"],
+                                      boot_id=boot_reader(NEW_BOOT, reads))
+    assert reads == [OLD_BOOT, NEW_BOOT]
+    assert problem is not None and "kubelet of this boot did not post" in problem
+    # A hot-add in a boot compares the node with the id its return read.
+    assert cluster.boot_id == NEW_BOOT
+    assert "kubelet of this boot did not post" in str(await cluster.grow(["gpu-a", "gpu-b"]))
+
+
 async def test_the_taints_label_and_annotations_are_there_before_the_uncordon(
         api: Api, kube: Kube) -> None:
     await kube.cordon("gpu-node", marker_prefix=PREFIX)

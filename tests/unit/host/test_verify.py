@@ -290,3 +290,37 @@ def test_a_ppm_that_cannot_be_read_is_kept_as_it_came(tmp_path: Path, junk: byte
         screenshots.ppm_to_png(junk)
     path = screenshots.save(tmp_path, "gpu-node", "image/x-portable-pixmap", junk)
     assert path.suffix == ".ppm" and path.read_bytes() == junk
+
+
+# --- this boot's id -----------------------------------------------------------------------
+
+BOOT = "5d41402a-bc4b-4a76-b971-9d911017c592"
+
+
+def test_the_boot_id_is_one_uuid_from_the_guest() -> None:
+    assert verify.parse_boot_id(BOOT.upper() + "\n") == BOOT
+    for junk in ("", "not-a-uuid", BOOT + " " + BOOT, BOOT + "\x1b[2J", "x" * 10_000):
+        with pytest.raises(verify.VerifyError) as e:
+            verify.parse_boot_id(junk)
+        assert len(str(e.value)) < 200 and "\x1b" not in str(e.value)
+
+
+async def test_the_boot_id_is_read_with_cat_and_failures_are_verify_errors() -> None:
+    asked: list[tuple[str, list[str]]] = []
+
+    async def run(path: str, args: list[str]) -> tuple[int, str, str]:
+        asked.append((path, args))
+        return 0, BOOT + "\n", ""
+
+    assert await verify.boot_id(run) == BOOT
+    assert asked == [("cat", ["/proc/sys/kernel/random/boot_id"])]
+
+    async def refused(path: str, args: list[str]) -> tuple[int, str, str]:
+        raise OSError("guest-exec is disabled")
+
+    async def failed(path: str, args: list[str]) -> tuple[int, str, str]:
+        return 1, "", "cat: can't open"
+
+    for runner in (refused, failed):
+        with pytest.raises(verify.VerifyError, match="boot_id"):
+            await verify.boot_id(runner)

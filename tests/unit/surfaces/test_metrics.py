@@ -350,6 +350,17 @@ def test_status_shows_failed_checks() -> None:
     assert format_status(data).endswith("health: 2 checks pass")
 
 
+def test_status_says_a_return_waits_for_the_kubelet_of_this_boot() -> None:
+    data = {"lendee": {"domain": "gpu-node", "phase": "joining", "reason": None, "since": 0,
+                       "hold": False},
+            "gpus": [], "intents": [], "relend_in_s": None, "libvirt_connected": True,
+            "health": [],
+            "cluster": {"waiting": "the kubelet of this boot: node gpu-node still shows "
+                                   "bootID old, the guest's is new"}}
+    assert "  its return is waiting for the kubelet of this boot: node gpu-node still " \
+           "shows bootID old, the guest's is new" in format_status(data)
+
+
 def test_every_owner_of_a_shared_gpu_has_a_holder_series() -> None:
     topo = Topology(lendee="gpu-node", lendee_gpus=frozenset({"gpu-a"}),
                     owners={"gaming1": frozenset({"gpu-a"}),
