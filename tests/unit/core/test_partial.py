@@ -1248,14 +1248,17 @@ class World(RuleBasedStateMachine):
     @invariant()
     def the_live_set_never_meets_a_claim(self) -> None:
         """Lent, nothing an owner claims is the lendee's; but for the GPUs being detached
-        for the owners that wait for them."""
+        for the owners that wait for them, and, while a detach is under way, those of
+        owners queued behind it (a second player's GPU is detached live next, not by a
+        restart). Never a GPU of an owner that runs or starts (I2)."""
         s = self.state
         if s.phase in (Phase.BOOTING, Phase.JOINING, Phase.LENT):
-            kept = s.lent - s.detaching
+            queued = self.owned(set(s.waiting_owners)) if s.detaching else frozenset()
+            kept = s.lent - s.detaching - queued
             assert not kept & self.claimed(s), f"{s.phase} with {sorted(s.lent)}: {s}"
             assert not s.lent & self.owned(s.running_owners | s.starting_owners)
             world = self.owned(self.owners_up | self.owners_starting | set(s.waiting_owners))
-            assert self.live is not None and not (self.live - s.detaching) & world
+            assert self.live is not None and not (self.live - s.detaching - queued) & world
             assert not self.live & self.owned(self.owners_up | self.owners_starting)
 
     @invariant()
