@@ -77,12 +77,15 @@ class Lab:
         await self.stack.enter_async_context(Kubelet(
             kubeconfig, name, running=lambda: True, plugins=self.plane.admin,
             gpus_seen=lambda: gpus, ready_delay=0, gpu_delay=0, gpu_recheck=3600))
-        # Schedulable once the node lifecycle controller took its not-ready taint off.
-        await until(lambda: self._untainted(name), f"{name} schedulable")
+        # Schedulable once the node lifecycle controller took its not-ready taint off; and
+        # its GPUs posted, which the stand-in does in a later step than Ready (a test that
+        # reads them at once could find none).
+        await until(lambda: self._untainted(name, gpus), f"{name} schedulable, {gpus} GPU(s)")
 
-    async def _untainted(self, name: str) -> bool:
+    async def _untainted(self, name: str, gpus: int) -> bool:
         node = await self.kubectl.json("get", "node", name)
-        return not node["spec"].get("taints") and any(
+        posted = node["status"].get("allocatable", {}).get("nvidia.com/gpu", "0")
+        return not node["spec"].get("taints") and posted == str(gpus) and any(
             c["type"] == "Ready" and c["status"] == "True" for c in node["status"]["conditions"])
 
     async def on_node(self, node: str) -> list[str]:
