@@ -37,6 +37,7 @@ from hostagent.cluster.kube import (
 from tests.controlplane import ControlPlane
 from tests.controlplane.seed import ready_condition
 from tests.unit.kube_scaffold import Api, real_api
+from tests.waiting import until
 
 PREFIX = "hostagent.io/"
 MARKER = cordon_marker(PREFIX)
@@ -95,16 +96,6 @@ async def set_node_status(api: Api, node: str, **status: Any) -> None:
     await api.seed.node_status(node, **status)
 
 
-async def until(cond: Callable[[], bool | Awaitable[bool]], timeout: float = 10) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        got = cond()
-        if got if isinstance(got, bool) else await got:
-            return
-        assert asyncio.get_running_loop().time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
 class Clock:
     """The adapter's clock, which a test moves past every deadline once what it waits
     for has happened: a drain then meets its timeout on a condition, not after a few
@@ -114,9 +105,13 @@ class Clock:
         self.skew = 0.0
         monkeypatch.setattr(kube, "_now", lambda: asyncio.get_running_loop().time() + self.skew)
 
-    async def expire_when(self, cond: Callable[[], bool | Awaitable[bool]]) -> None:
-        await until(cond, timeout=60)
-        self.skew = 3600.0  # past any timeout a test gives
+    async def expire_when(self, cond: Callable[[], object], api: Api | None = None) -> None:
+        """Past every deadline set so far, once `cond()`; and with `api`, its open watches
+        ended, as the server ends one (the wait then looks at its deadline at once)."""
+        await until(cond, "what ends the wait")
+        self.skew += 3600.0  # past any timeout a test gives
+        if api is not None:
+            api.proxy.drop_watches(clean=True)
 
 
 def ours(node: dict[str, Any]) -> tuple[dict[str, str], list[tuple[str, str | None]]]:
@@ -529,12 +524,12 @@ async def test_two_budgets_on_one_pod_are_reported_as_misconfigured_at_once(
     await api.seed.pdb("web-a", match_labels={"app": "web"}, max_unavailable=1)
     await api.seed.pdb("web-b", match_labels={"app": "web"}, max_unavailable=1)
     report = await kube.drain(
-        "gpu-node", timeout=5, emptydir_ok=True, unmanaged_ok=False, on_timeout=PROCEED
+        "gpu-node", timeout=30, emptydir_ok=True, unmanaged_ok=False, on_timeout=PROCEED
     )
     assert [str(p) for p in report.left] == [
         "default/web-1 (misconfigured PodDisruptionBudget: more than one PodDisruptionBudget selects pod default/web-1)"
     ]
-    assert report.duration < 1  # no retry fixes it, so none is made
+    assert report.duration < 30  # no retry fixes it, so none is made: not held to the end
     assert len(api.proxy.requests_to("POST", "/eviction$")) == 1
 
 
@@ -631,12 +626,18 @@ async def test_wait_ready_watches_rather_than_polls(kube: Kube, api: Api) -> Non
     assert "watch=True" in watch and "fieldSelector=metadata.name%3Dgpu-node" in watch
 
 
-async def test_wait_ready_says_what_the_node_last_said(kube: Kube, api: Api) -> None:
+async def test_wait_ready_says_what_the_node_last_said(
+    kube: Kube, api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
     await set_node_status(api, "gpu-node", conditions=[ready_condition("Unknown")])
+    # The timeout passes once the node was read and is watched.
+    expiry = asyncio.create_task(Clock(kube, monkeypatch).expire_when(
+        lambda: watches(api) == 1, api))
     with pytest.raises(NodeNotReady) as caught:
-        await kube.wait_ready("gpu-node", timeout=0.3)
+        await kube.wait_ready("gpu-node", timeout=30)
+    await expiry
     assert str(caught.value) == (
-        "node gpu-node was not Ready within 0.3 s: Ready=Unknown "
+        "node gpu-node was not Ready within 30 s: Ready=Unknown "
         "(NodeStatusUnknown: Kubelet stopped posting node status.)"
     )
 
@@ -645,14 +646,14 @@ async def test_wait_ready_rides_out_an_api_outage(kube: Kube, api: Api) -> None:
     await set_node_status(api, "gpu-node", conditions=[ready_condition("False")])
 
     async def outage() -> None:
-        await asyncio.sleep(0.1)
+        await until(lambda: watches(api) == 1)  # down while the wait watches
         await api.proxy.down()
         await set_node_status(api, "gpu-node", conditions=[ready_condition("True")])
         await asyncio.sleep(0.4)
         await api.proxy.up()
 
     task = asyncio.create_task(outage())
-    await kube.wait_ready("gpu-node", timeout=3)
+    await kube.wait_ready("gpu-node", timeout=30)
     await task
 
 
@@ -691,12 +692,20 @@ async def test_wait_gpus_returns_when_the_count_is_there(kube: Kube, api: Api) -
     await more
 
 
-async def test_wait_gpus_reports_fewer_on_timeout(kube: Kube, api: Api) -> None:
+async def test_wait_gpus_reports_fewer_on_timeout(
+    kube: Kube, api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
     await set_node_status(api, "gpu-node", allocatable={"nvidia.com/gpu": "1"})
-    found = await kube.wait_gpus("gpu-node", expected=gpus(3), timeout=0.4)
+    # Each timeout passes once the node was read and is watched.
+    clock = Clock(kube, monkeypatch)
+    expiry = asyncio.create_task(clock.expire_when(lambda: watches(api) == 1, api))
+    found = await kube.wait_gpus("gpu-node", expected=gpus(3), timeout=30)
+    await expiry
     assert found == {"nvidia.com/gpu": 1}
     amd = ExpectedGpus(("a",), {"amd.com/gpu": 1}, "test")
-    assert await kube.wait_gpus("gpu-node", expected=amd, timeout=0.1) == {"amd.com/gpu": 0}
+    expiry = asyncio.create_task(clock.expire_when(lambda: watches(api) == 2, api))
+    assert await kube.wait_gpus("gpu-node", expected=amd, timeout=30) == {"amd.com/gpu": 0}
+    await expiry
 
 
 async def test_wait_gpus_with_the_api_down_reports_what_it_last_saw(kube: Kube, api: Api) -> None:
