@@ -22,6 +22,7 @@ from tests.faults.scenario import (
     DEFERRED,
     Scenario,
     count,
+    counted,
     wait_for,
     wait_lent,
 )
