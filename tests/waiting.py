@@ -21,7 +21,8 @@ BOUND = 60.0
 async def until(cond: Callable[[], object], what: str = "the condition", *,
                 timeout: float = BOUND, every: float = 0.02) -> None:
     """Until `cond()` (or what it returns, awaited) is true; an AssertionError saying
-    `what` after `timeout` seconds, a condition that hangs included."""
+    `what` after `timeout` seconds, a condition that hangs included. A condition that
+    costs a process (kubectl) is asked less often: a larger `every`."""
     try:
         async with asyncio.timeout(timeout):
             while True:
