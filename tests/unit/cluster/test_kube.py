@@ -557,7 +557,8 @@ async def test_an_api_down_for_the_whole_drain_is_bounded_by_its_timeout(
     )
     assert not report.complete
     assert report.error.startswith("could not list the pods on gpu-node: the API server at")
-    assert report.duration < 1
+    # Its deadline ends it (no hang); the margin is a busy machine's, as for the hook.
+    assert 0.4 <= report.duration < 0.4 + 2.0
     with pytest.raises(DrainAborted, match="could not drain gpu-node within 0.4 s"):
         await kube.drain(
             "gpu-node", timeout=0.4, emptydir_ok=True, unmanaged_ok=False, on_timeout=ABORT
