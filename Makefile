@@ -20,7 +20,7 @@ APT_PACKAGES := libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients \
 	python3-venv python3-dev cpio systemd util-linux openssh-client nix-bin mosquitto \
 	mosquitto-clients make flex bison bc libelf-dev xz-utils
 
-.PHONY: setup demo test check unit lab faults fuzz bench clean
+.PHONY: setup demo test check unit lab faults fuzz explore bench clean
 .DEFAULT_GOAL := test
 
 # The lab guest image is cached in .lab/image/ and rebuilt only when its inputs change;
@@ -71,7 +71,9 @@ demo: setup
 # each poll of a lab wait read the process's whole journal, which cost more CPU the
 # longer a run went; it reads only what is new now.) The fault suite's table, and the
 # figures tests measure, are printed at the end whatever process ran them, and the 15
-# slowest tests, so that a slow run says where its time went.
+# slowest tests, so that a slow run says where its time went; and every skip with its
+# reason (-rs). Hypothesis draws the same examples every run (tests/conftest.py's
+# profile): `make explore` searches at random.
 TEST_PROCESSES ?= 3
 test: setup
 	@echo "the lab's Kubernetes: kube-apiserver $$($$(GO=$(GO) tests/controlplane/build.sh) kube-apiserver --version | cut -d' ' -f2)"
@@ -79,7 +81,7 @@ test: setup
 	$(VENV)/bin/ruff check hostagent hooks/qemu tests bench
 	$(VENV)/bin/lint-imports
 	hass=$$(tests/integration/hass.sh) && HOSTAGENT_HASS=$$hass \
-	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(TEST_PROCESSES) --dist loadfile --durations=15 \
+	$(VENV)/bin/pytest -q -rs -p no:cacheprovider -n $(TEST_PROCESSES) --dist loadfile --durations=15 \
 	  --no-loadscope-reorder
 
 unit: setup
@@ -94,6 +96,16 @@ fuzz: setup
 	HOSTAGENT_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(VENV)/bin/pytest -q -p no:cacheprovider \
 	  --hypothesis-show-statistics tests/unit/*/test_fuzz_*.py tests/unit/host/test_libvirt_host.py \
 	  | grep -E '^(tests/|  - during generate|    - [0-9]+ passing|[0-9]+ passed)'
+
+# Every Hypothesis test (pytest's `hypothesis` mark) with random draws instead of make
+# test's fixed ones, EXPLORE_EXAMPLES each where a test does not set its own number
+# (the fuzzers take HOSTAGENT_FUZZ_EXAMPLES, as for fuzz). A failure prints the blob
+# that replays it (@reproduce_failure).
+EXPLORE_EXAMPLES ?= 20000
+explore: setup
+	HOSTAGENT_EXPLORE_EXAMPLES=$(EXPLORE_EXAMPLES) HOSTAGENT_FUZZ_EXAMPLES=$(EXPLORE_EXAMPLES) \
+	  $(VENV)/bin/pytest -q -rs -p no:cacheprovider --hypothesis-profile=explore \
+	  --hypothesis-show-statistics -m hypothesis tests/unit
 
 # The fault-injection suite alone, in the lab; it ends with its table of figures.
 faults: setup

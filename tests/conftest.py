@@ -14,10 +14,24 @@ from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from hostagent.host import journal
 from tests.controlplane import ControlPlane, missing
 from tests.lab.lab import Lab, need_lab
+
+# Hypothesis, in `make test` and any plain pytest run: the same examples every run, so a
+# failure is the code's and comes back on the next run, not a draw that a later run
+# misses; no per-example deadline and no too-slow health check, clocks that a loaded
+# machine fails. `make explore` selects "explore" (--hypothesis-profile): random draws,
+# many more of them, each failure printed with the blob that replays it. Settings that a
+# test gives itself (its number of examples) are made from the profile loaded here.
+settings.register_profile("ci", derandomize=True, database=None, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("explore", derandomize=False, database=None, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow], print_blob=True,
+                          max_examples=int(os.environ.get("HOSTAGENT_EXPLORE_EXAMPLES", "2000")))
+settings.load_profile("ci")
 
 # The fault suite's table and the figures tests measure, printed by whichever process
 # prints the summary.

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from hostagent.cluster.kube import Kube, Timing
 from tests.controlplane import ControlPlane
 from tests.controlplane.machine import Kubelet
 from tests.controlplane.nvidia import gpu
+from tests.waiting import until
 
 FAST = Timing(request_timeout=2.0, api_timeout=3.0, backoff_min=0.02, backoff_max=0.1,
               evict_retry=0.2, delete_poll=0.05, watch_timeout=5.0)  # fmt: skip
@@ -77,12 +77,16 @@ class Lab:
         await self.stack.enter_async_context(Kubelet(
             kubeconfig, name, running=lambda: True, plugins=self.plane.admin,
             gpus_seen=lambda: gpus, ready_delay=0, gpu_delay=0, gpu_recheck=3600))
-        # Schedulable once the node lifecycle controller took its not-ready taint off.
-        await until(lambda: self._untainted(name), f"{name} schedulable")
+        # Schedulable once the node lifecycle controller took its not-ready taint off; and
+        # its GPUs posted, which the stand-in does in a later step than Ready (a test that
+        # reads them at once could find none).
+        await until(lambda: self._untainted(name, gpus), f"{name} schedulable, {gpus} GPU(s)",
+                    every=0.2)
 
-    async def _untainted(self, name: str) -> bool:
+    async def _untainted(self, name: str, gpus: int) -> bool:
         node = await self.kubectl.json("get", "node", name)
-        return not node["spec"].get("taints") and any(
+        posted = node["status"].get("allocatable", {}).get("nvidia.com/gpu", "0")
+        return not node["spec"].get("taints") and posted == str(gpus) and any(
             c["type"] == "Ready" and c["status"] == "True" for c in node["status"]["conditions"])
 
     async def on_node(self, node: str) -> list[str]:
@@ -97,15 +101,7 @@ class Lab:
             pods = (await self.kubectl.json("get", "pods", "-n", NS))["items"]
             return len(pods) == count and all(p["status"].get("phase") == "Running"
                                               for p in pods)
-        await until(ready, f"{count} pods running")
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g}s: {what}")
-        await asyncio.sleep(0.2)
+        await until(ready, f"{count} pods running", every=0.2)
 
 
 @pytest.fixture
@@ -123,7 +119,7 @@ async def lab(plane: ControlPlane, tmp_path: Path) -> AsyncIterator[Lab]:
             # test starts from none of this.
             await kubectl("delete", "namespace", NS, "--wait=false")
             await kubectl("delete", "pods", "-n", NS, "--all", "--grace-period=0", "--force")
-            await until(lambda: _gone(kubectl), "the test's namespace deleted")
+            await until(lambda: _gone(kubectl), "the test's namespace deleted", every=0.2)
             await kubectl("delete", "deviceclass", "gpu.nvidia.com", "--ignore-not-found")
             await kubectl("delete", "resourceslices", "--all")
             await stack.aclose()
@@ -314,7 +310,7 @@ async def test_get_resourceslices_and_claims_prints_the_servers_columns(lab: Lab
                     ".attributes.uuid.string}")
     assert shown.split() == ["GPU-0", "GPU-1"]
     await k("delete", "pod", "-n", NS, "train-1", "--wait=true")
-    await until(lambda: _no_claims(k), "the claim deleted with its pod")
+    await until(lambda: _no_claims(k), "the claim deleted with its pod", every=0.2)
 
 
 async def _no_claims(k: Kubectl) -> bool:

@@ -430,7 +430,16 @@ def wait_for(cond: Any, timeout: float, what: str, every: float = 0.1) -> None:
 
 
 def count(lab: Lab, **match: str) -> int:
+    """The matching records journald has stored so far: for a count of none, or one
+    taken as a starting point. To assert that some were written, `counted`."""
     return len(lab.records(**match))
+
+
+def counted(lab: Lab, expected: int, timeout: float = 60, **match: str) -> int:
+    """The matching records once there are at least `expected` (one bound): the agent
+    writes a record after what the test waited for, and journald stores it later still,
+    so a count read at once can be short under load."""
+    return len(lab.wait_records(expected, timeout, **match))
 
 
 def wait_lent(lab: Lab, timeout: float = 60) -> None:

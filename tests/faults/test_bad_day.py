@@ -26,6 +26,7 @@ from tests.faults.scenario import (
     DEFERRED,
     Scenario,
     count,
+    counted,
     gpus_in_xml,
     power_cut,
     qemu_pids,
@@ -156,7 +157,7 @@ def test_clock_stepped_back(lab: Lab, fault: Scenario) -> None:
         assert asked.returncode != 0 and DEFERRED in asked.stderr, asked
         stamps = [int(line) for line in sent.read_text().split()]
         assert stamps and all(t < time.time_ns() - 300 * 86400 * 10**9 for t in stamps)
-        assert count(lab, event="intent", to="pending", vm="gaming1") == 1
+        assert counted(lab, 1, event="intent", to="pending", vm="gaming1") == 1
         lab.wait_game("gaming1")
         lab.wait_records(1, event="intent", to="done", vm="gaming1")
         fault.recovered()
@@ -241,7 +242,7 @@ def test_host_shutdown_and_boot(lab: Lab, fault: Scenario) -> None:
         fault.recovered()
         assert marker(kc) is None
         assert [r["HOSTAGENT_VM"] for r in lab.records(event="boot")] == ["gaming1"]
-        assert count(lab, event="intent", to="done", vm="gaming1") == 1
+        assert counted(lab, 1, event="intent", to="done", vm="gaming1") == 1
         live = gpus_in_xml(lab.virsh("dumpxml", LENDEE).stdout)
         assert live == {"gpu-b", "gpu-c"}, live
         lendee_boots = fault.boots(LENDEE) - boots_before

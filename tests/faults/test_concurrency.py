@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.faults.scenario import Scenario, count, wait_for, wait_lent
+from tests.faults.scenario import Scenario, counted, wait_for, wait_lent
 from tests.lab.lab import Lab
 
 pytestmark = pytest.mark.lab
@@ -36,7 +36,7 @@ def test_two_owners_within_100ms(lab: Lab, fault: Scenario) -> None:
     fault.recovered()
     assert lab.phases().count("lent>draining") == 1
     assert fault.shutdowns("gpu-node") == 1
-    assert count(lab, event="intent", to="done") == 2
+    assert counted(lab, 2, event="intent", to="done") == 2
 
 
 def test_owner_while_the_lendee_boots(lab: Lab, fault: Scenario) -> None:
@@ -77,7 +77,7 @@ def test_owner_started_and_stopped_20_times(lab: Lab, fault: Scenario) -> None:
     wait_lent(lab, timeout=60)
     fault.recovered()
     assert deferred >= 2  # the pauses met the lendee starting and booting
-    assert count(lab, event="intent", to="done") == deferred
+    assert counted(lab, deferred, event="intent", to="done") == deferred
     assert lab.status()["intents"] == []
     assert lab.state("gpu-node") == "running"
 

@@ -101,7 +101,9 @@ def test_spool_unwritable(lab: Lab, fault: Scenario, how: str) -> None:
         assert "agent did not take the event" in message
         assert "spool /var/lib/hostagent/spool unwritable" in message
         assert "event lost" in message
-        assert took < BUDGET + 0.5, f"the hook took {took:.2f}s"
+        # Bounds correctness (no hang), not speed: nsenter and an interpreter's start on a
+        # busy machine come on top of the budget (the unit tests' margin).
+        assert took < BUDGET + 2.0, f"the hook took {took:.2f}s"
         # And libvirt's own run of it lets the start go on.
         lab.virsh("start", "gaming1")
         fault.recovered()

@@ -22,6 +22,7 @@ from tests.faults.scenario import (
     DEFERRED,
     Scenario,
     count,
+    counted,
     wait_for,
     wait_lent,
 )
@@ -126,7 +127,7 @@ def test_repeated_requests(lab: Lab, fault: Scenario) -> None:
     fault.recovered()
     lab.wait_records(1, event="owner", to="running", vm="gaming1")
     assert count(lab, event="intent", to="pending", vm="gaming1") == 1
-    assert count(lab, event="intent", to="done", vm="gaming1") == 1
+    assert counted(lab, 1, event="intent", to="done", vm="gaming1") == 1
     assert count(lab, event="owner", to="running", vm="gaming1") == 1
     assert spooled(lab) == []
 
@@ -160,5 +161,5 @@ def test_control_flood(lab: Lab, fault: Scenario) -> None:
                    for e in lab.records(event="control"))
     # The reclaim's own records are all there.
     assert {"draining", "stopping", "off"} <= set(phases_since(lab, at_us))
-    assert count(lab, event="intent", to="done", vm="gaming1") == 1
+    assert counted(lab, 1, event="intent", to="done", vm="gaming1") == 1
     assert spooled(lab) == []

@@ -185,8 +185,9 @@ def test_owner_restarted_within_relend_delay_does_not_boot_the_lendee(lab: Lab) 
     lab.wait_record(event="owner", to="off")
     lab.virsh("start", "gaming1")  # within the delay: gpu-node runs without gpu-a
     assert lab.state("gaming1") == "running"
-    time.sleep(1)
-    # The first lend and the one with what gaming1 leaves: no regrow for a reboot.
+    # The first lend and the one with what gaming1 leaves (its record may come late) ...
+    lab.wait_records(2, event="phase", to="booting")
+    time.sleep(1)  # ... and no regrow for a reboot: none more within a second.
     assert lab.phases().count("off>booting") == 2
     assert lab.status()["relend_in_s"] is None
 

@@ -23,6 +23,7 @@ from hostagent.host import journal
 from hostagent.service.agent import Agent
 from hostagent.core.config import parse
 from tests.lab.lab import Lab
+from tests.waiting import until, wait_until
 
 CONFIG = """\
 [lendee]
@@ -102,12 +103,13 @@ async def test_watchdog_pings_come_from_the_event_loop_and_stop_while_it_is_bloc
     agent = Agent(parse(CONFIG))  # no libvirt connection is made until run()
     watchdog = asyncio.create_task(agent._watchdog(interval / 2))
     try:
-        await asyncio.sleep(0.5)
+        await until(lambda: len(listener.pings()) >= 3, "three pings")
         blocked_at = time.monotonic()
         # A libvirt call made on the loop thread by mistake, or any other hang.
         time.sleep(0.6)  # noqa: ASYNC251 -- blocking the loop is the point
         unblocked_at = time.monotonic()
-        await asyncio.sleep(0.5)
+        await until(lambda: len([t for t in listener.pings() if t >= unblocked_at]) >= 3,
+                    "three pings after the block")
     finally:
         watchdog.cancel()
         await asyncio.gather(watchdog, return_exceptions=True)
@@ -119,10 +121,12 @@ async def test_watchdog_pings_come_from_the_event_loop_and_stop_while_it_is_bloc
     after = [t for t in pings if t >= unblocked_at]
     assert len(before) >= 3 and len(after) >= 3, pings
     assert during == [], "pings arrived while the loop was blocked"
-    # What systemd would conclude: silent for longer than WatchdogSec only across the
-    # block (it would have killed us there), well within it everywhere else.
-    late = [g for g in gaps(pings) if g > interval]
-    assert len(late) == 1 and late[0] >= 0.6 - 0.05, gaps(pings)
+    # What systemd would conclude: silent across the block for longer than WatchdogSec
+    # (it would have killed us there), and there longest: elsewhere the loop pings on
+    # its own schedule, however late a busy machine lets it run.
+    across = before[-1], after[0]
+    longest = max(zip(pings, pings[1:], strict=False), key=lambda g: g[1] - g[0])
+    assert longest == across and across[1] - across[0] >= 0.6 - 0.05, gaps(pings)
 
 
 def test_notify_lines_reach_a_real_socket(listener: Listener) -> None:
@@ -151,8 +155,7 @@ def test_hostagent_run_tells_systemd_ready_status_and_pings(
     assert ready.startswith("READY=1\nSTATUS=gpu-node "), ready
     # All VMs are off, so the agent starts lending: the status follows the lendee.
     listener.wait_for("STATUS=gpu-node booting", 30)
-    time.sleep(1.2)
+    wait_until(lambda: len(listener.pings()) >= 3, "three watchdog pings")
     pings = listener.pings()
-    assert len(pings) >= 2, listener.messages()
     assert max(gaps(pings)) < 1.0, gaps(pings)
     assert lab.stop_agent(signal.SIGTERM) == 0

@@ -25,6 +25,7 @@ from tests.controlplane import ControlPlane
 from tests.controlplane.seed import gpu_status
 from tests.configs import lendee_toml
 from tests.unit.kube_scaffold import FAST, Api, real_api
+from tests.waiting import until
 
 PREFIX = "hostagent.io/"
 MARKER = cordon_marker(PREFIX)
@@ -124,16 +125,6 @@ async def node(api: Api) -> dict[str, Any]:
 
 async def events(api: Api) -> list[tuple[str, str, str]]:
     return [(e["type"], e["reason"], e["message"]) for e in await api.seed.events()]
-
-
-async def until(condition: Callable[[], Any], timeout: float = 3.0) -> None:
-    # Polled: the condition reads state that has no event to wait on.
-    async with asyncio.timeout(timeout):
-        while True:
-            got = condition()
-            if await got if asyncio.iscoroutine(got) else got:
-                return
-            await asyncio.sleep(0.02)
 
 
 # --- what a lend must show (no I/O) ---------------------------------------------------------
@@ -485,7 +476,7 @@ async def test_a_half_open_watch_is_given_up_and_the_node_listed_again(
             await until(lambda: api.proxy.watching("^/api/v1/nodes$") == 1)
             api.proxy.hold_watches()  # the node's and its pods', and any new one
             await set_status(api, allocatable={"nvidia.com/gpu": "1"})  # one fell off the bus
-            await until(lambda: views[-1].allocatable == {"nvidia.com/gpu": 1}, timeout=10)
+            await until(lambda: views[-1].allocatable == {"nvidia.com/gpu": 1})
             assert cluster.trouble is not None and "lost GPUs" in cluster.trouble
         finally:
             watch.cancel()

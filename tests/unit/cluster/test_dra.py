@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import functools
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -37,6 +37,7 @@ from tests.controlplane.test_rbac import agent_kubeconfig, node_rbac
 from tests.controlplane.nvidia import DEVICE_CLASS, DRIVER, gpu, health_taint, mig
 from tests.configs import UUID_A, UUID_B, UUID_C, lendee_toml  # UUID_C: the host's, never lent
 from tests.unit.kube_scaffold import FAST
+from tests.waiting import until
 
 PREFIX = "hostagent.io/"
 
@@ -91,23 +92,6 @@ async def lab(plane: ControlPlane, accounts: Accounts) -> AsyncIterator[Lab]:
 
 async def publish(lab: Lab, *uuids: str) -> None:
     await lab.driver.publish([gpu(i, u) for i, u in enumerate(uuids)])
-
-
-async def until(condition: Callable[[], object], timeout: float = 15.0) -> None:
-    # Polled: the condition reads state that has no event to wait on.
-    async with asyncio.timeout(timeout):
-        while True:
-            if condition():
-                return
-            await asyncio.sleep(0.02)
-
-
-async def until_async(condition: Callable[[], Awaitable[bool]], timeout: float = 15.0) -> None:
-    async with asyncio.timeout(timeout):
-        while True:
-            if await condition():
-                return
-            await asyncio.sleep(0.1)
 
 
 @contextlib.asynccontextmanager
@@ -332,12 +316,12 @@ async def test_pods_whose_claims_hold_lent_gpus_are_gpu_pods_and_named(lab: Lab)
             await until(lambda: seen[-1] == 1)
             await until(lambda: cluster.status()["holders"] == {"gpu-b": f"{ns}/train-1"})
             assert metrics.holders[-1] == {"gpu-b": f"{ns}/train-1"}
-            await until_async(lambda: _annotated(lab, f"gpu-b={ns}/train-1"))
+            await until(lambda: _annotated(lab, f"gpu-b={ns}/train-1"))
             await lab.kubectl("delete", "pod", "-n", ns, "train-1", "--wait=false")
             await asyncio.wait_for(counting, 10)
             await until(lambda: cluster.status()["holders"] == {})
-            await until_async(lambda: _annotated(lab, None))
-            await until_async(lambda: _no_claims(lab))  # deleted with its pod
+            await until(lambda: _annotated(lab, None))
+            await until(lambda: _no_claims(lab))  # deleted with its pod
     finally:
         counting.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -366,7 +350,7 @@ async def test_a_reclaim_names_the_pods_holding_lent_gpus_it_stops(
     named = [e for e in records.entries if e.fields.get("HOSTAGENT_RESULT") == "holders"]
     assert named and f"{lab.namespace}/train-1 (gpu-a)" in named[0].message
     assert await lab.pods() == []
-    await until_async(lambda: _no_claims(lab))
+    await until(lambda: _no_claims(lab))
     await cluster.flush_events()
     reclaimed = [e["message"] for e in await lab.events() if e["reason"] == "Reclaimed"]
     assert reclaimed and f"it stops {lab.namespace}/train-1 (gpu-a)" in reclaimed[0]

@@ -36,7 +36,7 @@ from tests.unit.kube_scaffold import plain_kubeconfig
 from tests.unit.surfaces.test_fuzz_protocols import _text, _value
 
 EXAMPLES = int(os.environ.get("HOSTAGENT_FUZZ_EXAMPLES", "3_000")) // 3  # HTTP round trips
-fuzz = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
+fuzz = settings(max_examples=EXAMPLES, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])
 FAST = Timing(request_timeout=5.0, api_timeout=10.0, backoff_min=0.0005, backoff_max=0.001,
               evict_retry=0.0005, delete_poll=0.0005, watch_timeout=1.0)

@@ -30,7 +30,7 @@ from hostagent.core.config import ConfigError
 # Derandomized: the same examples on every run, so a CI run need not repeat many. A
 # deeper search: HOSTAGENT_FUZZ_EXAMPLES=100000 make unit.
 EXAMPLES = int(os.environ.get("HOSTAGENT_FUZZ_EXAMPLES", "2_000"))
-fuzz = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
+fuzz = settings(max_examples=EXAMPLES, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow])
 
 assert config.__doc__ is not None

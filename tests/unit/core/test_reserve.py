@@ -4,7 +4,6 @@ verb over the control socket, SSH and MQTT, and the state file across a restart.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
@@ -38,6 +37,7 @@ from hostagent.core.reserve import BadReservation, Reservation, Timing
 from hostagent.surfaces.ssh import BadCommand, parse_command, reserve_args
 from tests.unit.surfaces.test_control import lent, make_agent
 from tests.unit.core.test_partial import AT, POLICY, A, B, C, S, gpus, go, run
+from tests.waiting import until
 
 ZONE = timezone(timedelta(hours=1))
 NOW = datetime(2026, 12, 4, 17, 30, tzinfo=ZONE)  # a Friday, 17:30 on the host's clock
@@ -252,14 +252,7 @@ async def test_an_unused_reservation_expires_and_its_gpu_is_lent_again(
         f"reserved again from {_hhmm(clock_at[0] + agent.reservations.timing.cooldown)}"]
     # Lent back: the lendee restarts with both (no [kubernetes]: the regrow does not wait).
     await until(lambda: agent.state.phase is Phase.LENT and agent.state.lent == {
-        "gpu-a", "gpu-b"}, timeout=10)
-
-
-async def until(cond: Any, timeout: float = 5) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
+        "gpu-a", "gpu-b"})
 
 
 async def until_phase(agent: Any, phase: Phase) -> None:

@@ -32,7 +32,7 @@ def harmless(text: str) -> bool:
 # --- the one helper --------------------------------------------------------------------
 
 
-@settings(max_examples=EXAMPLES, derandomize=True, database=None)
+@settings(max_examples=EXAMPLES)
 @given(st.text(alphabet=st.characters(codec=None, exclude_categories=())),
        st.none() | st.integers(0, 50))
 def test_clean_gives_one_printable_line_within_its_limit(text: str, limit: int | None) -> None:

@@ -109,7 +109,7 @@ _status = st.fixed_dictionaries({}, optional={
 _start = st.fixed_dictionaries({}, optional={"pid": st.integers() | _json}) | _json
 
 
-@settings(max_examples=600, derandomize=True, deadline=None, database=None,
+@settings(max_examples=600, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(start=_start, statuses=st.lists(_status | _json, min_size=1, max_size=3))
 def test_fuzzed_guest_exec_replies_give_a_result_or_a_host_error(
@@ -126,7 +126,7 @@ def test_fuzzed_guest_exec_replies_give_a_result_or_a_host_error(
     asyncio.run(run())
 
 
-@settings(max_examples=400, derandomize=True, deadline=None, database=None)
+@settings(max_examples=400, deadline=None)
 @given(reply=st.text(max_size=40) | _json.map(lambda v: json.dumps(v)))
 def test_fuzzed_agent_replies_give_a_value_or_a_host_error(reply: str) -> None:
     async def run() -> None:

@@ -28,6 +28,7 @@ from hostagent.surfaces.control import ControlError, ControlTimeout, Reply, requ
 from hostagent.surfaces.follow import follow, format_reply
 from hostagent.host.libvirt import HostError, Lifecycle
 from hostagent.core.model import Observed, Phase
+from tests.waiting import until
 
 log = logging.getLogger("test")
 
@@ -291,14 +292,6 @@ async def lent(agent: Agent, fake: FakeLibvirt) -> None:
     fake.running.add("gpu-node")
     agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
     await until(lambda: agent.state.phase is Phase.LENT)
-
-
-async def until(cond: Any, timeout: float = 20) -> None:
-    """Until `cond` holds: at once on an idle machine; the bound is for a loaded one."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 async def collect(agent: Agent, verb: str, **args: Any) -> list[Reply]:

@@ -1,7 +1,7 @@
 """Bad input, fuzzed: the hook and control protocols, parsed and served live.
 
-Each property runs 10,000 generated inputs, derandomized so that CI sees the same
-ones every time. The live servers run once per module on an event loop in a thread,
+Each property runs 10,000 generated inputs, derandomized (tests/conftest.py's
+profile) so that CI sees the same ones every time. The live servers run once per module on an event loop in a thread,
 and each example is one round trip over a real Unix socket, so that what is checked
 is what a client sees: no crash, no exception escaping the server, and every bad
 message answered with an error (and logged).
@@ -35,10 +35,10 @@ from hostagent.surfaces.inbox import (
     serve_hooks,
 )
 
-# Derandomized: the same examples on every run, so a CI run need not repeat many. A
-# deeper search: HOSTAGENT_FUZZ_EXAMPLES=100000 make unit.
+# Derandomized (tests/conftest.py): the same examples on every run, so a CI run need
+# not repeat many. A deeper search: `make fuzz`; a randomized one: `make explore`.
 EXAMPLES = int(os.environ.get("HOSTAGENT_FUZZ_EXAMPLES", "3_000"))
-fuzz = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
+fuzz = settings(max_examples=EXAMPLES, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -210,7 +210,7 @@ def test_parse_hook_line_raises_only_protocol_error(data: bytes) -> None:
 SPOOL_EXAMPLES = 500
 
 
-@settings(max_examples=SPOOL_EXAMPLES, derandomize=True, deadline=None, database=None,
+@settings(max_examples=SPOOL_EXAMPLES, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                  HealthCheck.function_scoped_fixture])
 @given(st.lists(messages(VALID_EVENT), min_size=1, max_size=4))

@@ -29,7 +29,7 @@ from hostagent.surfaces.ssh_keys import Grant
 from tests.unit.surfaces.test_homeassistant import CONFIG, status
 
 EXAMPLES = int(os.environ.get("HOSTAGENT_FUZZ_EXAMPLES", "3_000")) // 3
-fuzz = settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
+fuzz = settings(max_examples=EXAMPLES, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 VERBS = ("status", "play", "release", "hold", "lend", "reclaim")
