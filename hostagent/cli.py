@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import hostagent
 from hostagent.core import config as configuration
 from hostagent.host import journal
 from hostagent.surfaces.control import ControlError, request
@@ -89,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, default=configuration.DEFAULT_PATH,
                    help=f"configuration file (default {configuration.DEFAULT_PATH}); also "
                         "accepted after the command")
+    p.add_argument("--version", action="version", version=f"hostagent {hostagent.version()}")
     # Where the host's PCI devices are read (tests and the lab point it at a fake tree).
     p.add_argument("--sysfs", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -189,9 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hostagent: warning: {warning}", file=sys.stderr)
         return 0
     if args.command == "run":
-        # The journal record is the message itself; level and logger are fields of it.
-        logging.basicConfig(level=logging.INFO, format="%(message)s",
-                            handlers=[journal.LogHandler()])
+        log_to_journal(cfg)
         from hostagent.service import agent  # libvirt and friends only where needed
         return agent.run(cfg)
     if args.command in ("play", "release", "reclaim"):
@@ -219,6 +219,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command != "reserve":
             print(format_status(data))
     return 0
+
+
+def log_to_journal(cfg: configuration.Config) -> None:
+    """Log records go to the journal, the record being the message itself (level and
+    logger are fields of it); `log_level` sets hostagent's own loggers, while libraries
+    stay at info and above."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s",
+                        handlers=[journal.LogHandler()], force=True)
+    logging.getLogger("hostagent").setLevel(cfg.log_level.upper())
 
 
 def _config_problems(e: configuration.ConfigError) -> None:

@@ -332,8 +332,7 @@ class Agent:
             self._serve_mqtt()
             if replayed:
                 log.info("replayed %d hook event(s) spooled while the agent was down", replayed)
-            journal.record("agent", f"hostagent is running: {self.recorder.status_line()}",
-                           result="ready")
+            journal.record("agent", self.recorder.running_line(), result="ready")
             journal.notify(self.recorder.status_line(), ready=True)
             self.executor.spawn(self.reservations.run())
             watchdog = journal.watchdog_interval()

@@ -7,6 +7,7 @@ Each phase change of the lendee and each new intent becomes one record
 
 from __future__ import annotations
 
+import hostagent
 from hostagent.core import clock, machine
 from hostagent.host import journal
 from hostagent.core.model import (
@@ -133,6 +134,10 @@ class Recorder:
                        vm=intent.owner, to="pending", result="deferred", intent=intent.id)
         self.progress.publish("intent", f"{intent.owner} asked to start ({intent.source.value})",
                               {"vm": intent.owner, "intent": intent.id, "to": "pending"})
+
+    def running_line(self) -> str:
+        """The agent's start record: which hostagent runs (an upgrade shows), and how."""
+        return f"hostagent {hostagent.version()} is running: {self.status_line()}"
 
     def status_line(self) -> str:
         pending = ", ".join(self.view.state.waiting_owners)
