@@ -149,7 +149,7 @@ class Agent:
         self.lendee = cfg.lendee.domain
         # The state the parts read (`View`): only `apply` and `_load` write it.
         self.kept = Kept()
-        self.cordoned_by_us = False
+        self.cordoned_by_us = self.left_lent = False  # left_lent: see _load
         self.started_at = clock.now()
         self.boot_id = _boot_id()
         self.host_booted = False  # this is the agent's first start since the host booted
@@ -507,6 +507,7 @@ class Agent:
         if warning:
             journal.record("state", warning, result="rebuilt", priority=journal.Priority.ERR)
         self.cordoned_by_us = saved.cordoned_by_us
+        self.left_lent = saved.lendee_phase == Phase.LENT.value and not saved.cordoned_by_us
         intents = tuple(Intent(id=i.id, owner=i.owner, created_at=i.created.timestamp(),
                                source=i.source) for i in saved.intents)
         relend_at = saved.relend_at.timestamp() if saved.relend_at else None
@@ -609,9 +610,12 @@ class Agent:
                 lent = await asyncio.wait_for(self.libvirt.live_gpus(
                     self.lendee, self.executor.lendee_gpu_config()), 5)
             running = await self.libvirt.running_domains()
+        lent = lent & self.topo.lendee_gpus if lent and self.lendee in running else None
+        adopt = await self.executor.adoptable(lent, saved_lent=self.left_lent)
+        self.left_lent = False  # only the first read after a start finds the saved phase
         self.apply(Observed(at=clock.now(), lendee_running=self.lendee in running,
                             owners_running=frozenset(running & set(self.topo.owners)),
-                            lendee_gpus=lent & self.topo.lendee_gpus if lent else None))
+                            lendee_gpus=lent, adopt=adopt))
         self.executor.spawn(self.executor.groups())
 
     def _reconnected(self) -> None:

@@ -281,6 +281,9 @@ class Metrics:
         if self.lend_failure is not None:
             started, reason = self.lend_failure
             raise CheckFailed(f"the lend started at {_clock(started)} was not verified: {reason}")
+        if self.phase is Phase.LENT and self.lend_started_at is None:
+            # Lent before the agent started, and adopted: verified by the agent then.
+            return "lent since before the agent started (adopted)"
         if self.phase is Phase.LENT and (
                 self.verified_at is None
                 or (self.lend_started_at is not None and self.verified_at < self.lend_started_at)):
