@@ -573,15 +573,16 @@ class Agent:
         return f"{self.cfg.state_file} is up to date"
 
     async def _check_domains(self) -> None:
-        defined = await self.libvirt.defined_domains()
-        wanted = {"lendee.domain": self.lendee,
-                  **{f"owners.{d}": d for d in self.cfg.owners}}
-        for key, dom in wanted.items():
-            if dom not in defined:
-                raise StartupError(
-                    f"{self.cfg.source}: {key}: libvirt at {self.cfg.libvirt_uri} has no domain "
-                    f"{dom!r} (it has: {', '.join(sorted(defined)) or 'none'}); fix the name, "
-                    f"or define the VM first (virsh define)")
+        """A configured domain libvirt lacks is said, and health is red until it is
+        defined again; only what needs it waits (DESIGN.md invariant 13)."""
+        wanted = {"lendee.domain": self.lendee, **{f"owners.{d}": d for d in self.cfg.owners}}
+        probe = health.domains_defined(self.libvirt, wanted, self.cfg.source)
+        self.health.add("domains", probe)
+        try:
+            await probe()
+        except health.CheckFailed as e:
+            journal.record("config", f"{e}; hostagent goes on without it meanwhile",
+                           result="waiting", priority=journal.Priority.WARNING)
 
     async def _decide_hotplug(self) -> None:
         """policy.hotplug = "auto": what lint finds the lendee's definition can do."""
