@@ -361,39 +361,23 @@ class Agent:
                 await asyncio.wait_for(self.saver.flush(), EXIT_SAVE_BUDGET)
 
     async def _connect_cluster(self) -> Any:
-        """The Kubernetes adapter, if configured: a bad kubeconfig stops the agent with
-        the fix; a missing Node, an API server that is down or refused credentials are
-        said and only delay steps."""
+        """The Kubernetes adapter, if configured (`kubewait.connect`); a kubeconfig that
+        cannot be used yet makes the Kubernetes steps wait for it, health red."""
         if self.cfg.kubernetes is None or self.cluster_given:
             return None
         from hostagent.cluster.cycle import KubeCluster
-        from hostagent.cluster.kube import (
-            Kube,
-            KubeAuthError,
-            KubeConfigError,
-            KubeUnavailable,
-            Timing,
-        )
+        from hostagent.service import kubewait
+
+        def make(kube: Any) -> Cluster:
+            return KubeCluster(kube, self.cfg, remember_cordon=self._remember_cordon,
+                               metrics=self.metrics)
         try:
-            kube = await Kube.from_config(
-                self.cfg.kubernetes, timing=Timing(evict_retry=self.cfg.kubernetes.evict_retry))
-        except KubeConfigError as e:
-            raise StartupError(f"{self.cfg.source}: kubernetes.kubeconfig: {e}") from e
-        try:
-            check = await kube.check_node(self.cfg.lendee.node, timeout=10)
-            if not check.exists:
-                # Not fatal: a node deleted while its VM was off registers again when
-                # the lendee starts, and only a lend starts it.
-                log.warning("%s; it registers again when %s starts", check, self.lendee)
-        except KubeUnavailable as e:
-            log.warning("the Kubernetes API is not reachable yet (%s); steps will retry", e)
-        except KubeAuthError as e:
-            journal.record("kubernetes", f"the API server refuses hostagent's credentials: {e};"
-                           " every Kubernetes step fails until they are fixed",
-                           result="unauthorized", priority=journal.Priority.ERR)
-        self.cluster = KubeCluster(kube, self.cfg, remember_cordon=self._remember_cordon,
-                                   metrics=self.metrics)
-        self.health.add("kubernetes", health.kubernetes(self.cluster))
+            kube, self.cluster = await kubewait.connect(self.cfg, make)
+        except kubewait.KubeConfigError as e:
+            waiting = kubewait.WaitingCluster(f"{self.cfg.source}: kubernetes.kubeconfig: {e}")
+            self.cluster, kube = waiting, None
+            self.executor.spawn(waiting.run(self.cfg, make))
+        self.health.add("kubernetes", health.kubernetes(self.cluster))  # type: ignore[arg-type]
         return kube
 
     def _start_at_boot(self) -> None:
