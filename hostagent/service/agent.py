@@ -41,7 +41,7 @@ from hostagent.surfaces import metrics
 from hostagent.host import state as persisted
 from hostagent.core.backoff import keep_trying
 from hostagent.core.config import Config
-from hostagent.surfaces.control import serve_control
+from hostagent.surfaces.control import GroupAccess, serve_control
 from hostagent.service.executor import Executor
 from hostagent.surfaces.inbox import HookEvent, Inbox, Verdict, replay_spool, serve_hooks
 from hostagent.host.libvirt import HostError, Libvirt, Lifecycle
@@ -717,10 +717,15 @@ class Agent:
         try:
             return {"mode": 0o660, "group": grp.getgrnam(name).gr_gid, "group_name": name,
                     "group_verbs": self.cfg.control_verbs}
-        except KeyError:
-            raise StartupError(f"{self.cfg.source}: control_group: there is no group {name!r} "
-                               f"on this host; create it (groupadd {name}) or remove the "
-                               "key") from None
+        except KeyError:  # not fatal: taken up once it exists (DESIGN.md invariant 13)
+            waiting = GroupAccess(self.cfg.control_socket, name, self.cfg.control_verbs,
+                                  self.cfg.source)
+            self.health.add("control group", waiting.take_up)
+            self.executor.spawn(waiting.run())
+            journal.record("control", f"{self.cfg.source}: control_group: there is no group "
+                           f"{name!r} yet (groupadd {name}): the control socket is root's alone "
+                           "until it exists", result="waiting", priority=journal.Priority.WARNING)
+            return {"mode": 0o600, "access": waiting.rights}
 
     def _serve_mqtt(self) -> None:
         """The Home Assistant device when [mqtt] is configured (see hostagent.surfaces.mqtt): its

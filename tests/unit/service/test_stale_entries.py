@@ -13,7 +13,9 @@ import pytest
 from hostagent.core.config import parse
 from hostagent.host import journal
 
+from hostagent.service.agent import Agent
 from tests.unit.surfaces.test_control import (  # noqa: F401 (a fixture)
+    CONFIG,
     make_agent,
     no_step_outlives_its_test,
 )
@@ -96,3 +98,44 @@ async def test_a_missing_kubeconfig_makes_the_kubernetes_steps_wait(
     assert await waiting.health() == "node gpu-node is Ready"
     assert [e.fields["HOSTAGENT_RESULT"] for e in sink.entries
             if e.fields.get("HOSTAGENT_EVENT") == "kubernetes"] == ["waiting", "ready"]
+
+
+async def test_a_missing_control_group_is_taken_up_once_it_exists(
+        tmp_path: Path, sink: journal.ListSink, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not an exit: the control socket is root's alone meanwhile and health fails with
+    the fix; once the group exists (groupadd), the socket is the group's, no restart."""
+    import grp
+    import logging
+    import os
+    import stat
+
+    from hostagent.surfaces import control
+
+    cfg = parse('control_group = "players"\n' + CONFIG.format(root=tmp_path, relend="1s"),
+                "test.toml")
+    agent = Agent(cfg)
+    gid = os.getgid() if os.getuid() != 0 else 65534
+    groups: dict[str, int] = {}
+
+    def getgrnam(name: str) -> object:
+        if name not in groups:
+            raise KeyError(name)
+        return type("Group", (), {"gr_gid": groups[name]})()
+
+    monkeypatch.setattr(grp, "getgrnam", getgrnam)
+    access = agent._control_access()  # before: StartupError, exit status 2
+    server = await control.serve_control(cfg.control_socket, {}, log=logging.getLogger("t"),
+                                         **access)
+    try:
+        assert stat.S_IMODE(cfg.control_socket.stat().st_mode) == 0o600
+        checks = {r.check: r for r in await agent.health.check(max_age=0)}
+        assert not checks["control group"].ok
+        assert "groupadd players" in checks["control group"].detail
+        groups["players"] = gid
+        checks = {r.check: r for r in await agent.health.check(max_age=0)}
+        assert checks["control group"].ok
+        assert stat.S_IMODE(cfg.control_socket.stat().st_mode) == 0o660
+        assert cfg.control_socket.stat().st_gid == gid
+        assert access["access"]().group == gid
+    finally:
+        server.close()
