@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import socket
 import stat
 import sys
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import hostagent
 from hostagent.core import config as configuration
 from hostagent.host import journal
 from hostagent.surfaces.control import ControlError, request
@@ -89,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, default=configuration.DEFAULT_PATH,
                    help=f"configuration file (default {configuration.DEFAULT_PATH}); also "
                         "accepted after the command")
+    p.add_argument("--version", action="version", version=f"hostagent {hostagent.version()}")
     # Where the host's PCI devices are read (tests and the lab point it at a fake tree).
     p.add_argument("--sysfs", type=Path, default=Path("/sys"), help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -185,13 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.config}: OK ({len(cfg.gpus)} GPUs, {len(cfg.owners)} owners, "
               f"lendee {cfg.lendee.domain})")
         from hostagent.surfaces.homeassistant import collisions
-        for warning in path_warnings(cfg) + collisions(cfg, host=socket.gethostname()):
+        for warning in (path_warnings(cfg) + collisions(cfg, host=socket.gethostname())
+                        + host_warnings(cfg)):
             print(f"hostagent: warning: {warning}", file=sys.stderr)
         return 0
     if args.command == "run":
-        # The journal record is the message itself; level and logger are fields of it.
-        logging.basicConfig(level=logging.INFO, format="%(message)s",
-                            handlers=[journal.LogHandler()])
+        log_to_journal(cfg)
         from hostagent.service import agent  # libvirt and friends only where needed
         return agent.run(cfg)
     if args.command in ("play", "release", "reclaim"):
@@ -219,6 +221,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command != "reserve":
             print(format_status(data))
     return 0
+
+
+def log_to_journal(cfg: configuration.Config) -> None:
+    """Log records go to the journal, the record being the message itself (level and
+    logger are fields of it); `log_level` sets hostagent's own loggers, while libraries
+    stay at info and above."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s",
+                        handlers=[journal.LogHandler()], force=True)
+    logging.getLogger("hostagent").setLevel(cfg.log_level.upper())
 
 
 def _config_problems(e: configuration.ConfigError) -> None:
@@ -275,6 +286,46 @@ def path_warnings(cfg: configuration.Config) -> list[str]:
                     "(systemctl edit hostagent)")
         warnings.append(f'{key} = "{path}": ' + "; ".join(reasons) + f". Fix: {fix}.")
     return warnings + _read_warnings(cfg)
+
+
+def host_warnings(cfg: configuration.Config) -> list[str]:
+    """What the agent would wait for on this host rather than stop on (its health red):
+    a domain libvirt does not have, a control_group or a kubeconfig that is not there.
+    Not inside the Nix build sandbox (NIX_BUILD_TOP), which has none of the host."""
+    if "NIX_BUILD_TOP" in os.environ:
+        return []
+    warnings = []
+    import libvirt
+    libvirt.registerErrorHandler(lambda *_: None, None)  # said below, once
+    try:
+        conn = libvirt.openReadOnly(cfg.libvirt_uri)
+        try:
+            defined = {d.name() for d in conn.listAllDomains()}
+        finally:
+            conn.close()
+    except libvirt.libvirtError as e:
+        warnings.append(f"libvirt_uri: {cfg.libvirt_uri} cannot be read ({e}); the domains "
+                        "are not checked")
+    else:
+        for key, dom in {"lendee.domain": cfg.lendee.domain,
+                         **{f"owners.{d}": d for d in cfg.owners}}.items():
+            if dom not in defined:
+                warnings.append(f"{key}: libvirt at {cfg.libvirt_uri} has no domain {dom!r}: "
+                                "fix the name, define the VM (virsh define), or remove the "
+                                "entry; the agent runs without it meanwhile")
+    if cfg.control_group is not None:
+        import grp
+        try:
+            grp.getgrnam(cfg.control_group)
+        except KeyError:
+            warnings.append(f"control_group: there is no group {cfg.control_group!r} on this "
+                            f"host; create it (groupadd {cfg.control_group}): until then the "
+                            "control socket is root's alone")
+    kubeconfig = cfg.kubernetes.kubeconfig if cfg.kubernetes else None
+    if kubeconfig is not None and not kubeconfig.exists():
+        warnings.append(f"kubernetes.kubeconfig: {kubeconfig} does not exist; the Kubernetes "
+                        "steps wait for it")
+    return warnings
 
 
 # The unit's ProtectHome=tmpfs leaves the agent empty home directories but what

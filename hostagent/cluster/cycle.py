@@ -660,3 +660,35 @@ class KubeCluster(Lent):
                            f"their GPUs are taken back: {e}", vm=self.node,
                            result="notice-failed", priority=journal.Priority.WARNING)
             return at, []
+
+    # --- a restart of the agent while lent ---------------------------------------------------
+
+    async def adopt(self, lent: Collection[str]) -> str | None:
+        """The lendee runs with `lent` as the agent starts: None if its node is in service
+        as the last lend left it (Ready, uncordoned, marked lent with exactly `lent`, each
+        expected GPU advertised), this lend's expectations kept for the watch and
+        `status` as `give_back` keeps them; else why not (the lend is verified again)."""
+        gpus = ", ".join(sorted(lent))
+        try:
+            check = await self.kube.check_node(self.node, timeout=10)
+            if not check.exists or not check.ready or check.unschedulable:
+                return str(check)
+            _, annotations, _ = await self.kube.node_metadata(self.node, timeout=10)
+            marked = annotations.get(f"{self.prefix}lent-gpus", "")
+            if (annotations.get(f"{self.prefix}state") != "lent"
+                    or marked != ",".join(sorted(lent))):
+                return f"node {self.node} is not marked lent with {gpus} ({marked or 'none'})"
+            expected = await self.expect(lent)
+            if self.dra is not None:
+                lent_dra = self.dra
+                seen = await self.kube.wait_devices(
+                    self.node, driver=self.settings.dra_driver, timeout=5,
+                    done=lambda slices: dra.verdict(lent_dra, slices) is None)
+                return dra.verdict(lent_dra, seen, driver=self.settings.dra_driver,
+                                   node=f"node {self.node}")
+            found = await self.kube.wait_gpus(self.node, expected=expected, timeout=5)
+        except KubeError as e:
+            return f"node {self.node} could not be read: {e}"
+        if not expected.met_by(found):
+            return f"node {self.node} {expected.shortfall(found)} ({expected.how})"
+        return None

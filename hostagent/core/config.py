@@ -14,6 +14,7 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     control_group = "hostagent"             # may use control.sock (mode 0660); default: root only
     control_verbs = ["status", "hold", "resume"]  # what control_group may do (the default)
     state_dir = "/var/lib/hostagent"        # state.toml and spool/ live here
+    log_level = "info"                      # hostagent's own: "debug", "warning", "error"
 
     [lendee]                                # the Kubernetes worker VM that borrows GPUs
     domain = "gpu-node"                     # libvirt domain name
@@ -204,7 +205,7 @@ from pathlib import Path
 
 
 from hostagent.core.config_read import (  # the readers of each key
-    TOP_LEVEL_KEYS, MQTT_VERBS, _GPU_REFS, _Problem, _READ, _absolute_path,
+    TOP_LEVEL_KEYS, MQTT_VERBS, LogLevel, _GPU_REFS, _Problem, _READ, _absolute_path,
     _annotation_prefix, _bool, _broker, _build, _canonical_pci, _choice, _control_verbs,
     _count, _duration, _expected, _gather, _group, _join, _key, _label_key, _label_key_or_off,
     _label_selector, _list, _listen, _listen_or_port, _mqtt_verb, _optional_duration,
@@ -217,7 +218,7 @@ from hostagent.core.plugins import PLUGIN_LABELS, PLUGIN_SELECTORS
 
 __all__ = [
     "DEFAULT_PATH", "Config", "ConfigError", "DrainTimeoutAction", "Gpu", "Kubernetes",
-    "Lendee", "Metrics", "Mqtt", "Owner", "Policy", "Hotplug", "Regrow", "Ssh",
+    "Lendee", "LogLevel", "Metrics", "Mqtt", "Owner", "Policy", "Hotplug", "Regrow", "Ssh",
     "SshEndpoint", "Timeouts", "Verify", "VerifyMethod", "load", "parse",
     "parse_duration",
 ]
@@ -526,11 +527,8 @@ class Mqtt:
 class Config:
     """The whole configuration. GPU references are resolved to labels of `gpus`."""
 
-    lendee: Lendee = field(
-        metadata=_key(
-            _section(Lendee), example='[lendee] with domain = "gpu-node" and gpus = ["gpu-a"]'
-        )
-    )
+    lendee: Lendee = field(metadata=_key(
+        _section(Lendee), example='[lendee] with domain = "gpu-node" and gpus = ["gpu-a"]'))
     gpus: Mapping[str, Gpu] = field(default_factory=dict, metadata=_key(_table_of(Gpu, "label")))
     owners: Mapping[str, Owner] = field(
         default_factory=dict, metadata=_key(_table_of(Owner, "domain"))
@@ -559,6 +557,7 @@ class Config:
         default=frozenset({"status", "hold", "resume", "lend"}), metadata=_key(_control_verbs)
     )
     state_dir: Path = field(default=Path("/var/lib/hostagent"), metadata=_key(_absolute_path))
+    log_level: LogLevel = field(default=LogLevel.INFO, metadata=_key(_choice(LogLevel)))
     source: str = "<config>"  # where it was read from, for messages
 
     @property

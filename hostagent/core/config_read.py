@@ -43,6 +43,16 @@ def parse_duration(text: str) -> float:
     return sum(float(m.group(1)) * _UNITS[m.group(2)] for m in parts)
 
 
+class LogLevel(enum.StrEnum):
+    """``log_level``: the least severe of hostagent's own log records that reaches the
+    journal (libraries' records stay at "info" and above: their debug would flood it)."""
+
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
 # --- the reading machinery -------------------------------------------------------------
 #
 # Each configuration dataclass is its own schema: a field that appears in the file

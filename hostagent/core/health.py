@@ -172,6 +172,33 @@ def socket_answers(path: Path, what: str = "socket") -> Probe:
     return probe
 
 
+class _Domains(Protocol):
+    uri: str
+
+    async def defined_domains(self) -> set[str]: ...
+
+
+def domains_defined(libvirt: _Domains, wanted: dict[str, str], source: str) -> Probe:
+    """Every domain the configuration names (key -> domain) is defined in libvirt. One
+    that is not (someone ran `virsh undefine` on an old VM) stops only what needs it:
+    that owner's start, or lending; the agent goes on (DESIGN.md invariant 13)."""
+
+    async def probe() -> str:
+        try:
+            defined = await libvirt.defined_domains()
+        except Exception as e:
+            raise CheckFailed(f"domains: {e}") from e
+        missing = [f"{key} ({dom!r})" for key, dom in wanted.items() if dom not in defined]
+        if missing:
+            raise CheckFailed(
+                f"{source}: libvirt at {libvirt.uri} has no domain for {', '.join(missing)} "
+                f"(it has: {', '.join(sorted(defined)) or 'none'}): fix the name, define "
+                "the VM (virsh define), or remove the entry")
+        return f"the {len(wanted)} configured domain(s) are defined"
+
+    return probe
+
+
 class _Cluster(Protocol):
     async def health(self) -> str: ...
 

@@ -595,6 +595,9 @@ class Observed(Event):
     lendee_running: bool
     owners_running: frozenset[str]
     lendee_gpus: frozenset[str] | None = None  # its live set; None: its whole definition
+    # The lendee is in service as the previous agent left it: its node uncordoned, Ready
+    # and marked lent with exactly `lendee_gpus` (the adapters checked): adopt it.
+    adopt: bool = False
 
 
 # --- actions: requests to the executor -------------------------------------------------

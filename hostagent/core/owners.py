@@ -362,9 +362,10 @@ def _observed(state: State, event: Observed, ctx: _Ctx) -> _Outcome:
     - Intents whose owner runs are complete (it started while the agent was away);
       intents for a VM the configuration no longer names as an owner fail.
     - Lendee running: reclaim if anyone wants its GPUs (`Drain` of a drained node is
-      quick), else go through BOOTING again (`WaitAgent`, then `KubeReturn`, which
-      verifies the GPUs and uncordons only what we cordoned). Owners that need no lendee
-      GPU and still wait are started again.
+      quick); back to LENT at once if the adapters found it in service as it was lent
+      (`Observed.adopt`); else go through BOOTING again (`WaitAgent`, then
+      `KubeReturn`, which verifies the GPUs and uncordons only what we cordoned).
+      Owners that need no lendee GPU and still wait are started again.
     - Lendee off: start every waiting owner; if nobody wants the GPUs and lending is not
       on hold, relend at once, or when an earlier relend was due if that is later (the
       owner's reboot grace still applies).
@@ -401,7 +402,9 @@ def _observed(state: State, event: Observed, ctx: _Ctx) -> _Outcome:
         lent = ctx.topo.lendee_gpus if event.lendee_gpus is None else event.lendee_gpus
         # With hotplug, a live change may have been under way: the plugins re-enumerate.
         replug = ctx.policy.hotplug is not Hotplug.NONE
-        new, more = _rebuild_running(replace(new, agent_up=False, lent=lent, replug=replug), ctx)
+        adopt = event.at if event.adopt and event.lendee_gpus is not None else None
+        new, more = _rebuild_running(replace(new, agent_up=False, lent=lent, replug=replug), ctx,
+                                     adopt_at=adopt)
         # Owners whose GPUs it does not hold were started when they asked; that start
         # may have been lost with the previous agent.
         others = [

@@ -241,15 +241,20 @@ def _boot(state: State) -> _Outcome:
     return new, [WaitAgent(ticket=new.ticket)]
 
 
-def _rebuild_running(state: State, ctx: _Ctx) -> _Outcome:
+def _rebuild_running(state: State, ctx: _Ctx, *, adopt_at: float | None = None) -> _Outcome:
     """Resume a running lendee from the top of whichever road it is on.
 
     Each road is idempotent from its first step: `Drain` of a drained node returns at
     once, `WaitAgent` of an answering agent too, and `KubeReturn` re-verifies what it
     finds. So starting over is always correct, and never destroys anything. A reclaim
-    by hand is a road of its own: it goes on until the lendee is off.
+    by hand is a road of its own: it goes on until the lendee is off. `adopt_at`: the
+    lendee is in service as the last lend left it (`Observed.adopt`), so nothing of the
+    lend is done again: no swap, no plugin restart, no "lent" going off and on.
     """
     if state.reclaiming or _in_the_way(state, ctx.topo):
         return _reclaim(state)
+    if adopt_at is not None:
+        new = _enter(state, Phase.LENT, agent_up=True, replug=False, gpu_pods=None, reason=None)
+        return _schedule_relend(new, ctx, adopt_at + ctx.policy.relend_delay)
     return _boot(state)
 

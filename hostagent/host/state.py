@@ -36,7 +36,8 @@ in ``state.toml`` under ``state_dir``::
 The file is replaced atomically (temporary file, fsync, rename, fsync of the directory),
 so a crash leaves either the old state or the new one, never half of each. A file that
 cannot be read is moved aside, not trusted and not deleted: the agent starts fresh,
-says so loudly, and rebuilds from reality. Unknown keys are ignored.
+says so loudly, and rebuilds from reality. Unknown keys are ignored. A file of another
+version is migrated instead (`load_state`): a rollback keeps the holds and pending starts.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import tomli_w
 
@@ -70,6 +71,10 @@ __all__ = [
 ]
 
 STATE_VERSION = 1
+# How to read an older file: MIGRATIONS[n] turns a version-n document into version n+1.
+# The format that changes gets a new version and its migration here, never a set-aside.
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+T = TypeVar("T")
 
 
 class IntentStatus(enum.StrEnum):
@@ -120,9 +125,12 @@ class _Corrupt(Exception):
 
 
 def load_state(path: Path) -> tuple[State, str | None]:
-    """The state in `path`, and a warning to log loudly if it had to be thrown away.
+    """The state in `path`, and a warning to log loudly if not all of it could be kept.
 
-    A missing file is a fresh start (first run), not a warning.
+    A missing file is a fresh start (first run), not a warning. An older file goes
+    through `MIGRATIONS`; a newer one (a rollback) is read for what this version knows,
+    a copy kept beside it for the version that wrote it: a hold or a pending start
+    survives either way. Only a file that says nothing usable is set aside.
     """
     try:
         data = path.read_bytes()
@@ -131,9 +139,14 @@ def load_state(path: Path) -> tuple[State, str | None]:
     except OSError as e:
         return State(), _set_aside(path, f"cannot be read ({e.strerror})")
     try:
-        return _decode(data), None
+        doc, version = _document(data)
+        if version <= STATE_VERSION:
+            return _decode(_migrated(doc, version)), None
+        left_out: list[str] = []
+        state = _decode(doc, left_out)
     except _Corrupt as e:
         return State(), _set_aside(path, str(e))
+    return state, _newer(path, data, version, left_out)
 
 
 def _set_aside(path: Path, why: str) -> str:
@@ -152,7 +165,7 @@ def _set_aside(path: Path, why: str) -> str:
     )
 
 
-def _decode(data: bytes) -> State:
+def _document(data: bytes) -> tuple[dict[str, Any], int]:
     try:
         doc = tomllib.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
@@ -160,26 +173,89 @@ def _decode(data: bytes) -> State:
     version = doc.get("version")
     if version is None:
         raise _Corrupt("has no version number")
-    if type(version) is not int or version != STATE_VERSION:  # `true == 1` in Python
-        raise _Corrupt(f"has version {version!r}, this hostagent reads version {STATE_VERSION}")
-    intents = _get(doc, "intents", list, [])
-    state = State(
-        intents=tuple(_intent(entry, i) for i, entry in enumerate(intents)),
-        cordoned_by_us=_get(doc, "cordoned_by_us", bool, False),
-        hold=_get(doc, "hold", bool, False),
-        lendee_phase=_get(doc, "lendee_phase", str, None),
-        lendee_phase_since=_time(doc, "lendee_phase_since"),
-        last_verified=_time(doc, "last_verified"),
-        relend_at=_time(doc, "relend_at"),
-        reclaiming=_get(doc, "reclaiming", bool, False),
-        boot_id=_get(doc, "boot_id", str, None),
-        reservations=tuple(_reservation(entry, i) for i, entry in
-                           enumerate(_get(doc, "reservations", list, []))),
+    oldest = min(MIGRATIONS, default=STATE_VERSION)
+    if type(version) is not int or version < oldest:  # `true == 1` in Python
+        raise _Corrupt(f"has version {version!r}, this hostagent reads version "
+                       f"{STATE_VERSION} and migrates from {oldest}")
+    return doc, version
+
+
+def _migrated(doc: dict[str, Any], version: int) -> dict[str, Any]:
+    """`doc` (of `version`) brought to STATE_VERSION, one migration at a time."""
+    while version < STATE_VERSION:
+        doc, version = MIGRATIONS[version](doc), version + 1
+    return doc
+
+
+def _newer(path: Path, data: bytes, version: int, left_out: list[str]) -> str:
+    """Keep a newer version's file for a roll forward; say what this version could not read."""
+    copy = path.with_name(f"{path.name}.v{version}-{datetime.now(UTC):%Y%m%dT%H%M%S.%fZ}")
+    try:
+        copy.write_bytes(data)
+    except OSError as e:
+        kept = f"no copy of it could be kept at {copy} ({e.strerror})"
+    else:
+        kept = f"a copy of it is kept at {copy}"
+    lost = (f"; left out, as this version cannot read them: {', '.join(left_out)}"
+            if left_out else "")
+    return (f"state file {path} has version {version}, written by a newer hostagent; this "
+            f"one reads version {STATE_VERSION}: read for what it knows (holds, pending "
+            f"starts, reservations){lost}; {kept}")
+
+
+def _decode(doc: dict[str, Any], left_out: list[str] | None = None) -> State:
+    """The state in `doc`. Strict unless `left_out` is given (a newer version's file):
+    then a value this version cannot read is left out and named there, an intent's
+    unknown source or status read as a pending request re-read after a restart."""
+    def part(key: str, default: T, read: Callable[..., T], *args: Any) -> T:
+        try:
+            return read(*args)
+        except _Corrupt:
+            if left_out is None:
+                raise
+            left_out.append(key)
+            return default
+
+    intents: list[Intent] = []
+    listed: list[Any] = part("intents", [], _get, doc, "intents", list, [])
+    for i, entry in enumerate(listed):
+        if left_out is not None and isinstance(entry, dict):
+            entry = {**entry, "status": _known(entry.get("status"), IntentStatus.PENDING),
+                     "source": _known(entry.get("source"), IntentSource.RESUME)}
+        intent = part(f"intents[{i}]", None, _intent, entry, i)
+        if intent is None:
+            continue
+        if any(known.id == intent.id for known in intents):
+            if left_out is None:
+                raise _Corrupt("lists an intent id twice")
+            left_out.append(f"intents[{i}] (its id twice)")
+            continue
+        intents.append(intent)
+    listed = part("reservations", [], _get, doc, "reservations", list, [])
+    reservations = [part(f"reservations[{i}]", None, _reservation, entry, i)
+                    for i, entry in enumerate(listed)]
+
+    def flag(key: str) -> bool:
+        return bool(part(key, False, _get, doc, key, bool, False))
+
+    def text(key: str) -> str | None:
+        value: str | None = part(key, None, _get, doc, key, str, None)
+        return value
+
+    def when(key: str) -> datetime | None:
+        return part(key, None, _time, doc, key)
+
+    return State(
+        intents=tuple(intents), cordoned_by_us=flag("cordoned_by_us"), hold=flag("hold"),
+        lendee_phase=text("lendee_phase"), lendee_phase_since=when("lendee_phase_since"),
+        last_verified=when("last_verified"), relend_at=when("relend_at"),
+        reclaiming=flag("reclaiming"), boot_id=text("boot_id"),
+        reservations=tuple(r for r in reservations if r is not None),
     )
-    ids = [intent.id for intent in state.intents]
-    if len(set(ids)) != len(ids):
-        raise _Corrupt("lists an intent id twice")
-    return state
+
+
+def _known(value: object, default: enum.StrEnum) -> object:
+    return value if value in {str(m) for m in type(default)} else default.value
 
 
 def _get(table: dict[str, Any], key: str, kind: type, default: Any) -> Any:

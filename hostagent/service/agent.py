@@ -41,7 +41,7 @@ from hostagent.surfaces import metrics
 from hostagent.host import state as persisted
 from hostagent.core.backoff import keep_trying
 from hostagent.core.config import Config
-from hostagent.surfaces.control import serve_control
+from hostagent.surfaces.control import GroupAccess, serve_control
 from hostagent.service.executor import Executor
 from hostagent.surfaces.inbox import HookEvent, Inbox, Verdict, replay_spool, serve_hooks
 from hostagent.host.libvirt import HostError, Libvirt, Lifecycle
@@ -149,7 +149,7 @@ class Agent:
         self.lendee = cfg.lendee.domain
         # The state the parts read (`View`): only `apply` and `_load` write it.
         self.kept = Kept()
-        self.cordoned_by_us = False
+        self.cordoned_by_us = self.left_lent = False  # left_lent: see _load
         self.started_at = clock.now()
         self.boot_id = _boot_id()
         self.host_booted = False  # this is the agent's first start since the host booted
@@ -332,8 +332,7 @@ class Agent:
             self._serve_mqtt()
             if replayed:
                 log.info("replayed %d hook event(s) spooled while the agent was down", replayed)
-            journal.record("agent", f"hostagent is running: {self.recorder.status_line()}",
-                           result="ready")
+            journal.record("agent", self.recorder.running_line(), result="ready")
             journal.notify(self.recorder.status_line(), ready=True)
             self.executor.spawn(self.reservations.run())
             watchdog = journal.watchdog_interval()
@@ -362,39 +361,23 @@ class Agent:
                 await asyncio.wait_for(self.saver.flush(), EXIT_SAVE_BUDGET)
 
     async def _connect_cluster(self) -> Any:
-        """The Kubernetes adapter, if configured: a bad kubeconfig stops the agent with
-        the fix; a missing Node, an API server that is down or refused credentials are
-        said and only delay steps."""
+        """The Kubernetes adapter, if configured (`kubewait.connect`); a kubeconfig that
+        cannot be used yet makes the Kubernetes steps wait for it, health red."""
         if self.cfg.kubernetes is None or self.cluster_given:
             return None
         from hostagent.cluster.cycle import KubeCluster
-        from hostagent.cluster.kube import (
-            Kube,
-            KubeAuthError,
-            KubeConfigError,
-            KubeUnavailable,
-            Timing,
-        )
+        from hostagent.service import kubewait
+
+        def make(kube: Any) -> Cluster:
+            return KubeCluster(kube, self.cfg, remember_cordon=self._remember_cordon,
+                               metrics=self.metrics)
         try:
-            kube = await Kube.from_config(
-                self.cfg.kubernetes, timing=Timing(evict_retry=self.cfg.kubernetes.evict_retry))
-        except KubeConfigError as e:
-            raise StartupError(f"{self.cfg.source}: kubernetes.kubeconfig: {e}") from e
-        try:
-            check = await kube.check_node(self.cfg.lendee.node, timeout=10)
-            if not check.exists:
-                # Not fatal: a node deleted while its VM was off registers again when
-                # the lendee starts, and only a lend starts it.
-                log.warning("%s; it registers again when %s starts", check, self.lendee)
-        except KubeUnavailable as e:
-            log.warning("the Kubernetes API is not reachable yet (%s); steps will retry", e)
-        except KubeAuthError as e:
-            journal.record("kubernetes", f"the API server refuses hostagent's credentials: {e};"
-                           " every Kubernetes step fails until they are fixed",
-                           result="unauthorized", priority=journal.Priority.ERR)
-        self.cluster = KubeCluster(kube, self.cfg, remember_cordon=self._remember_cordon,
-                                   metrics=self.metrics)
-        self.health.add("kubernetes", health.kubernetes(self.cluster))
+            kube, self.cluster = await kubewait.connect(self.cfg, make)
+        except kubewait.KubeConfigError as e:
+            waiting = kubewait.WaitingCluster(f"{self.cfg.source}: kubernetes.kubeconfig: {e}")
+            self.cluster, kube = waiting, None
+            self.executor.spawn(waiting.run(self.cfg, make))
+        self.health.add("kubernetes", health.kubernetes(self.cluster))  # type: ignore[arg-type]
         return kube
 
     def _start_at_boot(self) -> None:
@@ -508,6 +491,7 @@ class Agent:
         if warning:
             journal.record("state", warning, result="rebuilt", priority=journal.Priority.ERR)
         self.cordoned_by_us = saved.cordoned_by_us
+        self.left_lent = saved.lendee_phase == Phase.LENT.value and not saved.cordoned_by_us
         intents = tuple(Intent(id=i.id, owner=i.owner, created_at=i.created.timestamp(),
                                source=i.source) for i in saved.intents)
         relend_at = saved.relend_at.timestamp() if saved.relend_at else None
@@ -573,15 +557,16 @@ class Agent:
         return f"{self.cfg.state_file} is up to date"
 
     async def _check_domains(self) -> None:
-        defined = await self.libvirt.defined_domains()
-        wanted = {"lendee.domain": self.lendee,
-                  **{f"owners.{d}": d for d in self.cfg.owners}}
-        for key, dom in wanted.items():
-            if dom not in defined:
-                raise StartupError(
-                    f"{self.cfg.source}: {key}: libvirt at {self.cfg.libvirt_uri} has no domain "
-                    f"{dom!r} (it has: {', '.join(sorted(defined)) or 'none'}); fix the name, "
-                    f"or define the VM first (virsh define)")
+        """A configured domain libvirt lacks is said, and health is red until it is
+        defined again; only what needs it waits (DESIGN.md invariant 13)."""
+        wanted = {"lendee.domain": self.lendee, **{f"owners.{d}": d for d in self.cfg.owners}}
+        probe = health.domains_defined(self.libvirt, wanted, self.cfg.source)
+        self.health.add("domains", probe)
+        try:
+            await probe()
+        except health.CheckFailed as e:
+            journal.record("config", f"{e}; hostagent goes on without it meanwhile",
+                           result="waiting", priority=journal.Priority.WARNING)
 
     async def _decide_hotplug(self) -> None:
         """policy.hotplug = "auto": what lint finds the lendee's definition can do."""
@@ -610,9 +595,12 @@ class Agent:
                 lent = await asyncio.wait_for(self.libvirt.live_gpus(
                     self.lendee, self.executor.lendee_gpu_config()), 5)
             running = await self.libvirt.running_domains()
+        lent = lent & self.topo.lendee_gpus if lent and self.lendee in running else None
+        adopt = await self.executor.adoptable(lent, saved_lent=self.left_lent)
+        self.left_lent = False  # only the first read after a start finds the saved phase
         self.apply(Observed(at=clock.now(), lendee_running=self.lendee in running,
                             owners_running=frozenset(running & set(self.topo.owners)),
-                            lendee_gpus=lent & self.topo.lendee_gpus if lent else None))
+                            lendee_gpus=lent, adopt=adopt))
         self.executor.spawn(self.executor.groups())
 
     def _reconnected(self) -> None:
@@ -729,10 +717,15 @@ class Agent:
         try:
             return {"mode": 0o660, "group": grp.getgrnam(name).gr_gid, "group_name": name,
                     "group_verbs": self.cfg.control_verbs}
-        except KeyError:
-            raise StartupError(f"{self.cfg.source}: control_group: there is no group {name!r} "
-                               f"on this host; create it (groupadd {name}) or remove the "
-                               "key") from None
+        except KeyError:  # not fatal: taken up once it exists (DESIGN.md invariant 13)
+            waiting = GroupAccess(self.cfg.control_socket, name, self.cfg.control_verbs,
+                                  self.cfg.source)
+            self.health.add("control group", waiting.take_up)
+            self.executor.spawn(waiting.run())
+            journal.record("control", f"{self.cfg.source}: control_group: there is no group "
+                           f"{name!r} yet (groupadd {name}): the control socket is root's alone "
+                           "until it exists", result="waiting", priority=journal.Priority.WARNING)
+            return {"mode": 0o600, "access": waiting.rights}
 
     def _serve_mqtt(self) -> None:
         """The Home Assistant device when [mqtt] is configured (see hostagent.surfaces.mqtt): its

@@ -408,6 +408,27 @@ class Executor:
         return {label: self.cfg.gpus[label] for label in self.topo.lendee_gpus
                 if label in self.cfg.gpus}
 
+    async def adoptable(self, lent: frozenset[str] | None, *, saved_lent: bool) -> bool:
+        """Whether the running lendee, with `lent` (its live set), is in service as the
+        last lend left it (`Observed.adopt`): it was lent then (`saved_lent`: the phase
+        saved, with no cordon of ours; or the phase before a libvirt reconnect, with no
+        live change under way) and its node says so now. Why not is journaled: the lend
+        is then verified again."""
+        state = self.view.state
+        was_lent = saved_lent or (state.phase is Phase.LENT and not state.attaching
+                                  and not state.detaching)
+        if not was_lent or not lent:
+            return False
+        try:
+            why = await asyncio.wait_for(self.cluster.adopt(lent), 30)
+        except TimeoutError:
+            why = "the cluster did not answer within 30s"
+        if why is not None:
+            journal.record("adopt", f"{self.lendee} runs with {self.topo.gpu_names(lent)} but "
+                           f"is not taken back as lent: {clean(why, 500)}; its lend is "
+                           "verified again", vm=self.lendee, result="replayed")
+        return why is None
+
     async def _give_back(self, ticket: int, restart_plugins: bool = False) -> None:
         # What the driver in the guest sees comes first: the cluster's return uncordons.
         lent = self.view.state.lent

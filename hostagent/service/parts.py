@@ -146,6 +146,10 @@ class Cluster(Protocol):
     def status(self) -> dict[str, object] | None:
         """What `hostagent status` shows of the cluster."""
 
+    async def adopt(self, lent: Collection[str]) -> str | None:
+        """The agent starts with the lendee running `lent`: None if its node is in service
+        as the last lend left it, else why not (the lend is verified again)."""
+
     async def flush_events(self) -> None:
         """Post the Kubernetes Events still queued (at exit)."""
 
@@ -184,6 +188,9 @@ class NoCluster:
         return when(0.0), []
 
     def status(self) -> dict[str, object] | None:
+        return None
+
+    async def adopt(self, lent: Collection[str]) -> str | None:
         return None
 
     async def flush_events(self) -> None:

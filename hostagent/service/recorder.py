@@ -7,6 +7,7 @@ Each phase change of the lendee and each new intent becomes one record
 
 from __future__ import annotations
 
+import hostagent
 from hostagent.core import clock, machine
 from hostagent.host import journal
 from hostagent.core.model import (
@@ -16,6 +17,7 @@ from hostagent.core.model import (
     GpusDetached,
     Intent,
     IntentSource,
+    Observed,
     Phase,
     Policy,
     Regrow,
@@ -86,10 +88,14 @@ class Recorder:
             Phase.OFF: f"{lendee} is off: its GPUs are free",
             Phase.FAILED: f"{lendee} needs attention: {new.reason}",
         }
+        adopted = isinstance(event, Observed) and new.phase is Phase.LENT
+        if adopted:
+            messages[Phase.LENT] = (f"{lendee} runs lent with {gpus}{others}, its node in "
+                                    "service as the last lend left it: adopted as it is")
         failed = new.phase is Phase.FAILED
         journal.record("phase", messages[new.phase], vm=lendee, from_=old.phase.value,
-                       to=new.phase.value, duration_ms=took,
-                       result="failed" if failed else "ok", cause=type(event).__name__,
+                       to=new.phase.value, duration_ms=took, cause=type(event).__name__,
+                       result="failed" if failed else "adopted" if adopted else "ok",
                        holders=self.holders(),
                        priority=journal.Priority.ERR if failed else journal.Priority.INFO)
         self.progress.publish("phase", messages[new.phase], {"vm": lendee,
@@ -133,6 +139,10 @@ class Recorder:
                        vm=intent.owner, to="pending", result="deferred", intent=intent.id)
         self.progress.publish("intent", f"{intent.owner} asked to start ({intent.source.value})",
                               {"vm": intent.owner, "intent": intent.id, "to": "pending"})
+
+    def running_line(self) -> str:
+        """The agent's start record: which hostagent runs (an upgrade shows), and how."""
+        return f"hostagent {hostagent.version()} is running: {self.status_line()}"
 
     def status_line(self) -> str:
         pending = ", ".join(self.view.state.waiting_owners)

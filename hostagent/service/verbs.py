@@ -19,6 +19,7 @@ from datetime import datetime
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import hostagent
 from hostagent.core import clock, machine, reserve
 from hostagent.host import journal, lint
 from hostagent.core.config import Config
@@ -107,6 +108,7 @@ class Verbs:
             "libvirt_connected": self.libvirt.connected,
             "cluster": self.cluster.status(),
             "health": [r.as_dict() for r in self.health.last],
+            "version": hostagent.version(),
         }
 
     async def _status(self, args: dict[str, Any]) -> AsyncIterator[Reply]:

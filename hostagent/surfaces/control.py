@@ -249,6 +249,47 @@ def parse_request(line: bytes) -> tuple[str, dict[str, Any]]:
     return verb, args
 
 
+class GroupAccess:
+    """control_group's access to the control socket when the group did not exist as the
+    agent started: the socket is root's alone until it does, then the group's (0660,
+    `verbs`) with no restart (DESIGN.md invariant 13). `take_up` looks (a health check,
+    and `run` every `RETRY` seconds); `rights` is what `serve_control(access=)` asks."""
+
+    RETRY = 10.0
+
+    def __init__(self, path: Path, name: str, verbs: Collection[str], source: str) -> None:
+        self.path, self.name, self.verbs, self.source = path, name, frozenset(verbs), source
+        self.current = Rights()
+
+    def rights(self) -> Rights:
+        return self.current
+
+    async def take_up(self) -> str:
+        """The health check: the group's access once it exists, else CheckFailed."""
+        from hostagent.core.health import CheckFailed
+        if self.current.group is None:
+            import grp
+            try:  # NSS may ask a directory server: not on the loop
+                gid = (await asyncio.to_thread(grp.getgrnam, self.name)).gr_gid
+            except KeyError:
+                raise CheckFailed(
+                    f"{self.source}: control_group: there is no group {self.name!r} on this "
+                    f"host; create it (groupadd {self.name}) or remove the key; until then the "
+                    "control socket is root's alone") from None
+            os.chown(self.path, -1, gid)
+            os.chmod(self.path, 0o660)
+            self.current = Rights(group=gid, group_name=self.name, group_verbs=self.verbs)
+            journal.record("control", f"control_group {self.name!r} exists now: its members "
+                           f"may use {', '.join(sorted(self.verbs))}", result="ready")
+        return f"members of {self.name!r} may use the control socket"
+
+    async def run(self) -> None:
+        while self.current.group is None:
+            await asyncio.sleep(self.RETRY)
+            with contextlib.suppress(Exception):  # said by the health check
+                await self.take_up()
+
+
 async def serve_control(path: Path, verbs: Mapping[str, VerbHandler], *, mode: int = 0o600,
                         group: int | None = None, log: logging.Logger,
                         group_verbs: Collection[str] | None = None,
@@ -257,10 +298,12 @@ async def serve_control(path: Path, verbs: Mapping[str, VerbHandler], *, mode: i
                         max_connections: int = MAX_CONNECTIONS,
                         max_per_caller: int = MAX_PER_CALLER,
                         owners: Collection[str] = (),
+                        access: Callable[[], Rights] | None = None,
                         clock: Callable[[], float] = time.monotonic) -> asyncio.Server:
     """Serve `verbs` on `path`. `group` (a gid) may connect (mode 0660) and use
     `group_verbs` (default `GROUP_VERBS`); root and the agent's user may use all.
-    `owners`: the VM names a request's record may carry (see `VM_VERBS`)."""
+    `owners`: the VM names a request's record may carry (see `VM_VERBS`). `access`:
+    the rights asked at each request instead (a `GroupAccess` waiting for its group)."""
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
@@ -352,11 +395,12 @@ async def serve_control(path: Path, verbs: Mapping[str, VerbHandler], *, mode: i
                 writer.write(_line({"type": "result", "ok": False, "error":
                                     f"unknown verb {verb!r}; known: {', '.join(sorted(verbs))}"}))
                 return
-            denied = rights.may(caller, verb, args.get("vm"))
+            now = rights if access is None else access()
+            denied = now.may(caller, verb, args.get("vm"))
             if denied is not None:
                 refuse(writer, caller, f"denied: {denied}", f"denied {verb}")
                 return
-            caller = replace(caller, cancel_any=rights.may(
+            caller = replace(caller, cancel_any=now.may(
                 caller, CANCEL_ANY, args.get("vm")) is None)
             # status is polled; the rest change something
             if verb != "status" and journaled(caller, verb):

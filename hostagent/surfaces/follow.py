@@ -207,6 +207,8 @@ def format_status(data: dict[str, Any]) -> str:
         lines += [f"  {c['check']}: {c['detail']}" for c in failed]
     elif data.get("health"):
         lines.append(f"health: {len(data['health'])} checks pass")
+    if data.get("version"):
+        lines.append(f"hostagent {data['version']}")
     return "\n".join(clean(line, None) for line in lines)
 
 

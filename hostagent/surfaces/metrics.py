@@ -21,11 +21,14 @@ The metrics (Prometheus naming: ``hostagent_`` prefix, base units, ``_total`` co
     hostagent_pending_intents                        owner start requests waiting
     hostagent_hook_events_total{op,sub}              libvirt hook calls received
     hostagent_last_verification_timestamp_seconds    last lend whose GPUs were verified
-                                                     (0: none since the agent started)
+                                                     (absent: none since the agent started)
     hostagent_node_gpu_pods                          pods on the lent node that request
                                                      GPUs (absent until the cluster says)
-    hostagent_lent_gpu_pod{gpu,pod}                  DRA: 1 for each pod holding a lent
+    hostagent_lent_gpu_pod{gpu,namespace,pod}        DRA: 1 for each pod holding a lent
                                                      GPU, from its ResourceClaims
+    hostagent_player_wait_seconds                    histogram: an owner's start request
+                                                     to the owner running
+    hostagent_build_info{version}                    1, with the running version
     hostagent_health_check_success{check}            1 if the check passed at this scrape
 
 The HTTP side is deliberately tiny (one request per connection, GET and HEAD, three
@@ -57,6 +60,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+import hostagent
 from hostagent.core import machine
 from hostagent.core.health import CheckFailed, CheckResult, Health
 from hostagent.core.ratelimit import Summarised
@@ -141,9 +145,16 @@ class Metrics:
         self._hooks = Counter("hostagent_hook_events",
                               "libvirt hook calls received, by operation and sub-operation",
                               ["op", "sub"], registry=r)
-        self._verified = Gauge("hostagent_last_verification_timestamp_seconds",
-                               "When a lend's GPUs were last verified (unix time; 0: not since "
-                               "the agent started)", registry=r)
+        # Absent until known: 0 would say "verified in 1970", and an alert on its age
+        # would fire at every start of the agent.
+        self._verified = _Optional("hostagent_last_verification_timestamp_seconds",
+                                   "When a lend's GPUs were last verified (unix time)")
+        r.register(self._verified)
+        self._player_wait = Histogram("hostagent_player_wait_seconds",
+                                      "From an owner's start request to the owner running",
+                                      buckets=DURATION_BUCKETS, registry=r)
+        Gauge("hostagent_build_info", "1, labelled with the running hostagent's version",
+              ["version"], registry=r).labels(hostagent.version()).set(1)
         self._checks = Gauge("hostagent_health_check_success",
                              "1 if the health check passed when last run, 0 if it failed",
                              ["check"], registry=r)
@@ -152,7 +163,8 @@ class Metrics:
         r.register(self._gpu_pods)
         self._lent_gpu_pod = Gauge("hostagent_lent_gpu_pod",
                                    "1 for each pod that holds a lent GPU (DRA: from the "
-                                   "ResourceClaims)", ["gpu", "pod"], registry=r)
+                                   "ResourceClaims)", ["gpu", "namespace", "pod"],
+                                   registry=r)
         # Every series exists from the start: a rate() needs the zero it starts from.
         for kind in ("lend", "reclaim"):
             self._swaps.labels(kind)
@@ -178,6 +190,10 @@ class Metrics:
                 self._phase_seconds.labels(old.phase.value).observe(max(0.0, at - self.phase_since))
             self.phase_since = at
             self._phase_change(old.phase, new, at)
+        for intent in old.intents:
+            # Its request answered: the player's game runs (a failed start leaves it off).
+            if intent not in new.intents and intent.owner in new.running_owners:
+                self._player_wait.observe(max(0.0, at - intent.created_at))
         kind = FAILURE_KINDS.get(type(event))
         if kind is not None:
             self._failures.labels(kind).inc()
@@ -216,7 +232,7 @@ class Metrics:
         and what the driver in the guest sees agree. Call it when the check passes."""
         self.verified_at = max(at, self.verified_at or 0.0)
         self.lend_failure = None
-        self._verified.set(self.verified_at)
+        self._verified.value = self.verified_at
 
     def node_gpu_pods(self, count: int | None) -> None:
         """How many pods on the lendee's node request a GPU (in requests or limits), as the
@@ -228,11 +244,13 @@ class Metrics:
 
     def lent_gpu_pods(self, holders: dict[str, str] | None) -> None:
         """DRA: which pods hold which lent GPU (label -> "ns/name", comma-separated);
-        None or {} when none does or it is unknown."""
+        None or {} when none does or it is unknown. Namespace and name are labels apart,
+        as kube-state-metrics has them, so that a query can join or group on them."""
         self._lent_gpu_pod.clear()
         for gpu, pods in (holders or {}).items():
             for pod in pods.split(","):
-                self._lent_gpu_pod.labels(gpu, pod).set(1)
+                namespace, _, name = pod.rpartition("/")
+                self._lent_gpu_pod.labels(gpu, namespace, name).set(1)
 
     def gpu_lost(self) -> None:
         """The lent node lost GPUs it had (allocatable dropped below what was lent):
@@ -263,6 +281,9 @@ class Metrics:
         if self.lend_failure is not None:
             started, reason = self.lend_failure
             raise CheckFailed(f"the lend started at {_clock(started)} was not verified: {reason}")
+        if self.phase is Phase.LENT and self.lend_started_at is None:
+            # Lent before the agent started, and adopted: verified by the agent then.
+            return "lent since before the agent started (adopted)"
         if self.phase is Phase.LENT and (
                 self.verified_at is None
                 or (self.lend_started_at is not None and self.verified_at < self.lend_started_at)):
@@ -417,7 +438,8 @@ async def _respond(method: str, path: str, metrics: Metrics,
         results = await health.check()
         metrics.health(results)
         ok = all(r.ok for r in results)
-        body: dict[str, Any] = {"ok": ok, "checks": [r.as_dict() for r in results]}
+        body: dict[str, Any] = {"ok": ok, "version": hostagent.version(),
+                                "checks": [r.as_dict() for r in results]}
         return (200 if ok else 503), "application/json", (json.dumps(body) + "\n").encode()
     if path == "/":
         return 200, "text/plain", _INDEX

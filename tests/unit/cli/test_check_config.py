@@ -20,6 +20,13 @@ REPO = Path(__file__).resolve().parents[3]
 LENDEE = '[lendee]\ndomain = "gpu-node"\ngpus = ["0000:01:00.0"]\n'
 
 
+@pytest.fixture(autouse=True)
+def file_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file's checks alone, as in the Nix build sandbox: this host's libvirt, groups
+    and kubeconfig are test_check_host.py's."""
+    monkeypatch.setenv("NIX_BUILD_TOP", "/build")
+
+
 def check(tmp_path: Path, capsys: pytest.CaptureFixture[str], top: str) -> list[str]:
     path = tmp_path / "config.toml"
     path.write_text(top + LENDEE)

@@ -123,7 +123,7 @@ GOOD_INTENT = (
         (b"\x00\x17\xff garbage \xfe", "not valid TOML"),
         (b"version = 1\ncordoned_by_us = tr", "not valid TOML"),  # truncated mid-write
         (b'version = 1\n[[intents]]\nid = "a"\nowner = "gam', "not valid TOML"),
-        (b"version = 2\n", "version 2"),
+        (b"version = 0\n", "version 0"),  # older than any format (newer: migrated)
         (b'version = "1"\n', "version '1'"),
         (b"version = true\n", "version True"),
         (b"cordoned_by_us = false\n", "no version number"),

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import hostagent
 from hostagent.core import config, health, machine
 from hostagent.surfaces import metrics
 from hostagent.surfaces.follow import format_status
@@ -70,7 +71,7 @@ def test_a_cycle_moves_every_metric() -> None:
     assert d.value("hostagent_lendee_phase", phase="off") == 1
     assert d.value("hostagent_gpu_holder", gpu="gpu-a", vm="gpu-node") == 0
     assert d.value("hostagent_swaps_total", kind="lend") == 0
-    assert d.value("hostagent_last_verification_timestamp_seconds") == 0
+    assert d.value("hostagent_last_verification_timestamp_seconds") is None
     d.lend(100.0)
     assert d.value("hostagent_lendee_phase", phase="lent") == 1
     assert d.value("hostagent_lendee_phase", phase="off") == 0
@@ -121,12 +122,13 @@ def test_node_gpu_pods_is_absent_until_known() -> None:
 def test_lent_gpu_pod_names_each_holder_and_forgets_those_gone() -> None:
     d = Driver()
     d.metrics.lent_gpu_pods({"gpu-a": "ml/train-1,ml/train-2", "gpu-b": "ml/eval"})
-    assert d.value("hostagent_lent_gpu_pod", gpu="gpu-a", pod="ml/train-2") == 1
-    assert d.value("hostagent_lent_gpu_pod", gpu="gpu-b", pod="ml/eval") == 1
+    assert d.value("hostagent_lent_gpu_pod", gpu="gpu-a", namespace="ml", pod="train-2") == 1
+    assert d.value("hostagent_lent_gpu_pod", gpu="gpu-b", namespace="ml", pod="eval") == 1
     d.metrics.lent_gpu_pods({"gpu-b": "ml/eval"})
-    assert d.value("hostagent_lent_gpu_pod", gpu="gpu-a", pod="ml/train-1") is None
+    assert d.value("hostagent_lent_gpu_pod", gpu="gpu-a", namespace="ml",
+                   pod="train-1") is None
     d.metrics.lent_gpu_pods(None)
-    assert d.value("hostagent_lent_gpu_pod", gpu="gpu-b", pod="ml/eval") is None
+    assert d.value("hostagent_lent_gpu_pod", gpu="gpu-b", namespace="ml", pod="eval") is None
 
 async def test_last_lend_verified_follows_the_lends() -> None:
     d = Driver()
@@ -298,7 +300,7 @@ async def test_http_serves_metrics_and_healthz() -> None:
         assert b'hostagent_lendee_phase{phase="off"} 1.0' in body
         status, ctype, body = await asyncio.to_thread(get, "/healthz")
         assert (status, ctype) == (200, "application/json")
-        assert json.loads(body) == {"ok": True, "checks": [
+        assert json.loads(body) == {"ok": True, "version": hostagent.version(), "checks": [
             {"check": "libvirt", "ok": True, "detail": "fine"}]}
         ok = False
         status, _, body = await asyncio.to_thread(get, "/healthz")
