@@ -199,10 +199,24 @@ class Stuck(str):
     """Why a hot-unplug gave way, when the guest ran past a deadline in its part (a
     driver that hangs an unbind hangs nvidia-smi, and the guest's shutdown, with it)."""
 QUERY = ("--query-gpu=uuid,pci.bus_id,minor_number", "--format=csv,noheader")
-# Each "PID/fd/N" of the guest whose link is one of the device nodes given.
-HOLDERS = ('for f in /proc/[0-9]*/fd/*; do l=$(readlink "$f") || continue; '
-           'for n; do [ "$l" = "$n" ] && echo "${f#/proc/}"; done; done; true')
-UNBIND = 'for a; do echo "$a" > "/sys/bus/pci/devices/$a/driver/unbind" || exit 1; done'
+# Each "PID/fd/N" of the guest whose link is one of the device nodes given, by one scan
+# of /proc: one `ls -l` reads every link in itself (a readlink per open file was one
+# process each, thousands on a real node, past RELEASE_BOUND on their own) and awk keeps
+# the holders, at most HOLDERS_SHOWN of them (the answer is the guest's: bounded). By
+# link text, as the kernel writes it from the holder's root: a container's own /dev
+# node (runc mknods the CDI spec's device nodes) reads /dev/nvidiaN too. busybox's ls
+# and awk (the lab's guest) and GNU's write the same long listing.
+HOLDERS_SHOWN = 64
+HOLDERS = (f"ls -l /proc/[0-9]*/fd 2>/dev/null | awk -v want=\"$*\" -v most={HOLDERS_SHOWN} '"
+           'BEGIN { n = split(want, w, " "); for (i = 1; i <= n; i++) node[w[i]] = 1 }\n'
+           '/^\\/proc\\/[0-9]+\\/fd:$/ { split($0, p, "/"); pid = p[3]; next }\n'
+           '{ i = index($0, " -> "); if (!i || pid == "" || !(substr($0, i + 4) in node)) next\n'
+           '  m = split(substr($0, 1, i - 1), f, " "); print pid "/fd/" f[m]\n'
+           "  if (++shown >= most) exit }'")
+# Each PCI address given, unbound from its driver; one no driver has (NVML removed it, or
+# none bound it) is left as it is.
+UNBIND = ('for a; do d="/sys/bus/pci/devices/$a/driver"; [ -e "$d" ] || continue; '
+          'echo "$a" > "$d/unbind" || exit 1; done')
 
 
 async def hot_unplug(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
@@ -294,20 +308,39 @@ async def _withdraw(ex: Step, gpus: frozenset[str], _uuids: frozenset[str]) -> s
     return await ex.cluster.withdraw(gpus)
 
 
-async def _release(ex: Step, gpus: frozenset[str], uuids: frozenset[str]) -> str | None:
+async def _release(ex: Step, gpus: frozenset[str], uuids: frozenset[str], *,
+                   absent_ok: bool = False) -> str | None:
     """Part 3, in the guest and within one deadline: find each GPU's PCI address and
     device node, wait until no process holds a node open (any holder: a pod's process,
-    a plugin, an exporter, persistenced), then unbind each from its driver. None, or
-    why in doubt; `Stuck` when the guest ran past the deadline."""
+    a plugin, an exporter, persistenced), then let the driver go of each: through NVML's
+    drain state and removal where the guest's nvidia-smi has them (`drain_supported`),
+    else the unbind from its driver. None, or why in doubt; `Stuck` only when a driver
+    call (nvidia-smi, the unbind) ran past the deadline. `absent_ok` (a failed hot-add's
+    undo): a GPU nvidia-smi does not list has no driver to let go of, and is skipped."""
     deadline = time.monotonic() + RELEASE_BOUND
-    found, problem = await _locate(ex, uuids, deadline)
+    found, problem = await _locate(ex, uuids, deadline, absent_ok=absent_ok)
     if found is None:
         return problem
-    nodes = [node for _, node in found]
+    if not found:
+        return None
+    command, gpus_found = found
+    nodes = [node for _, node in gpus_found]
+    addresses = [address for address, _ in gpus_found]
+    draining, why = await _drain_command(ex, command, deadline)
+    if why is not None:
+        return why
+    if draining:
+        # NVML: persistence mode counts as a client and must be off before the drain
+        # state is changed (nvidia-persistenced lets go of the device when asked so).
+        for address in addresses:
+            problem = await _nvidia_smi(ex, command, ["-i", address, "-pm", "0"], deadline)
+            if problem is not None:
+                return problem
     while True:
-        done, problem = await _run(ex, "/bin/sh", ["-c", HOLDERS, "sh", *nodes], deadline)
+        done, problem = await _run(ex, "/bin/sh", ["-c", HOLDERS, "sh", *nodes], deadline,
+                                   driver=False)
         if done is None:
-            return problem
+            return problem or "no /bin/sh in the guest to look for the GPU's holders"
         holders = sorted({line.split("/")[0] for line in done.stdout.splitlines()
                           if line.split("/")[0].isdigit()})
         if not holders:
@@ -317,19 +350,81 @@ async def _release(ex: Step, gpus: frozenset[str], uuids: frozenset[str]) -> str
                     f"{', '.join(nodes)} ({', '.join(sorted(gpus))}) {RELEASE_BOUND:g}s "
                     "after the evictions")
         await asyncio.sleep(0.5)
-    addresses = [address for address, _ in found]
+    if draining:
+        # nvidia-smi drain (NVML's nvmlDeviceModifyDrainState, then nvmlDeviceRemoveGpu):
+        # a GPU a client still holds answers "In use by another client" and stays
+        # draining, where a sysfs unbind would wait for it (some drivers hang there).
+        for address in addresses:
+            for args in (["drain", "-p", address, "-m", "1"], ["drain", "-p", address, "-r"]):
+                problem = await _nvidia_smi(ex, command, args, deadline)
+                if problem is not None:
+                    return problem
+    # Whatever the driver still has bound (all of them where NVML could not remove it).
     done, problem = await _run(ex, "/bin/sh", ["-c", UNBIND, "sh", *addresses], deadline)
     if done is None:
-        return problem
+        return problem or "no /bin/sh in the guest to unbind the GPU"
     if done.exitcode != 0:
         return (f"could not unbind {', '.join(addresses)} in {ex.lendee}: "
                 f"{clean(done.stderr or done.stdout, 200) or done.exitcode}")
     return None
 
 
-async def _locate(ex: Step, uuids: frozenset[str],
-                  deadline: float) -> tuple[list[tuple[str, str]] | None, str | None]:
-    """The guest's PCI address and device node of each of `uuids`, by nvidia-smi."""
+async def _nvidia_smi(ex: Step, command: str, args: list[str], deadline: float) -> str | None:
+    """`command args` in the guest within `deadline`: None when it exited 0, else why."""
+    done, problem = await _run(ex, command, args, deadline)
+    if done is None:
+        return problem or f"{command} is gone from {ex.lendee}"
+    if done.exitcode != 0:
+        return (f"{command} {' '.join(args)} in {ex.lendee} exited {done.exitcode}: "
+                f"{clean(done.stdout + done.stderr, 200)}")
+    return None
+
+
+# What says that nvidia-smi has NVML's drain state and removal: its drain verb's help.
+DRAIN_HELP = ("drain", "-h")
+DRAIN_OPTIONS = ("--modify", "--remove")
+
+
+async def _drain_command(ex: Step, command: str,
+                         deadline: float) -> tuple[bool, str | None]:
+    """Whether `command` (nvidia-smi in the guest) has the drain verb; and why in doubt
+    (`Stuck` when its help hung past `deadline`)."""
+    done, problem = await _run(ex, command, list(DRAIN_HELP), deadline)
+    if done is None:
+        return False, problem
+    text = done.stdout + done.stderr
+    return done.exitcode == 0 and all(o in text for o in DRAIN_OPTIONS), None
+
+
+async def drain_supported(ex: Step) -> tuple[bool, str]:
+    """Whether the lendee's nvidia-smi can take a GPU out through NVML's drain state and
+    removal (``nvidia-smi drain``), and why: said by `status` and `lint`, and the hot-
+    unplug's choice between it and the sysfs unbind. Asks the running guest."""
+    deadline = time.monotonic() + RELEASE_BOUND
+    for command in in_guest.candidates(ex.cfg.verify.command):
+        try:
+            done = await ex.libvirt.guest_exec(ex.lendee, command, list(DRAIN_HELP),
+                                               timeout=max(0.1, deadline - time.monotonic()))
+        except HostError as e:
+            if in_guest.not_there(e):
+                continue
+            return False, f"{command} {' '.join(DRAIN_HELP)} in {ex.lendee}: {clean(e, 200)}"
+        if in_guest.not_there((done.exitcode, done.stdout, done.stderr)):
+            continue
+        text = done.stdout + done.stderr
+        if done.exitcode == 0 and all(o in text for o in DRAIN_OPTIONS):
+            return True, (f"{command} in {ex.lendee} has NVML's drain state and removal "
+                          "(nvidia-smi drain)")
+        return False, (f"{command} in {ex.lendee} has no drain verb (nvidia-smi drain -h "
+                       f"exited {done.exitcode}: {clean(text, 120)})")
+    return False, f"nvidia-smi not found in {ex.lendee}"
+
+
+async def _locate(ex: Step, uuids: frozenset[str], deadline: float, *,
+                  absent_ok: bool = False
+                  ) -> tuple[tuple[str, list[tuple[str, str]]] | None, str | None]:
+    """The guest's PCI address and device node of each of `uuids`, by nvidia-smi, and
+    the nvidia-smi that answered. `absent_ok`: those it does not list are left out."""
     for command in in_guest.candidates(ex.cfg.verify.command):
         done, problem = await _run(ex, command, list(QUERY), deadline)
         if done is None:
@@ -337,6 +432,8 @@ async def _locate(ex: Step, uuids: frozenset[str],
                 continue  # not there: the next place
             return None, problem
         if done.exitcode != 0:
+            if absent_ok and "No devices were found" in done.stdout:
+                return (command, []), None
             return None, (f"{command} {QUERY[0]} exited {done.exitcode}: "
                           f"{clean(done.stderr or done.stdout, 200)}")
         found: dict[str, tuple[str, str]] = {}
@@ -347,17 +444,21 @@ async def _locate(ex: Step, uuids: frozenset[str],
             domain, _, rest = fields[1].partition(":")
             if fields[0] in uuids:  # nvidia-smi writes an 8-digit domain, sysfs 4
                 found[fields[0]] = (f"{domain[-4:]}:{rest}".lower(), f"/dev/nvidia{fields[2]}")
-        if set(found) != uuids:
+        if set(found) != uuids and not absent_ok:
             return None, (f"{command} in {ex.lendee} does not list "
                           f"{', '.join(sorted(uuids - set(found)))}")
-        return [found[u] for u in sorted(found)], None
+        return (command, [found[u] for u in sorted(found)]), None
+    if absent_ok:
+        return (ex.cfg.verify.command, []), None  # no driver tools: nothing holds it
     return None, "nvidia-smi not found in the guest: which device the GPU is is unknown"
 
 
-async def _run(ex: Step, path: str, args: list[str],
-               deadline: float) -> tuple[ExecResult | None, str | None]:
+async def _run(ex: Step, path: str, args: list[str], deadline: float, *,
+               driver: bool = True) -> tuple[ExecResult | None, str | None]:
     """`path` run in the guest within `deadline`: its result, or None and why not (None
-    and None: no such command there). Past the deadline, why is `Stuck`."""
+    and None: no such command there). Past the deadline, why is `Stuck` for a `driver`
+    call (nvidia-smi, the unbind: a driver that hangs hangs them); the holder scan
+    reads /proc alone, and one past it is a plain doubt."""
     left = deadline - time.monotonic()
     try:
         if left <= 0:
@@ -367,6 +468,8 @@ async def _run(ex: Step, path: str, args: list[str],
         if in_guest.not_there(e):
             return None, None
         why = f"{path} in {ex.lendee}: {clean(e, 200)}"
+        if not driver:
+            return None, f"the look for the GPU's holders in {ex.lendee} did not end: {why}"
         return None, Stuck(why) if time.monotonic() >= deadline else why
     if in_guest.not_there((done.exitcode, done.stdout, done.stderr)):
         return None, None
