@@ -355,7 +355,8 @@ async def _release(ex: Step, gpus: frozenset[str], uuids: frozenset[str], *,
         # a GPU a client still holds answers "In use by another client" and stays
         # draining, where a sysfs unbind would wait for it (some drivers hang there).
         for address in addresses:
-            for args in (["drain", "-p", address, "-m", "1"], ["drain", "-p", address, "-r"]):
+            for args in (["drain", "--pciid", address, "--modify", "1"],
+                         ["drain", "--pciid", address, "--remove"]):
                 problem = await _nvidia_smi(ex, command, args, deadline)
                 if problem is not None:
                     return problem
