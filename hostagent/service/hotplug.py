@@ -119,6 +119,9 @@ async def hot_add(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
     if problem is None and ex.view.state.ticket == ticket:
         problem = await ex._verify_gpus(ticket, ex.view.state.lent)
     if problem is None and ex.view.state.ticket == ticket:
+        problem = await _refresh_cdi(ex)
+    grown = problem is None and ex.view.state.ticket == ticket
+    if grown:
         problem = await ex.cluster.grow(ex.view.state.lent)
     if ex.view.state.ticket != ticket:
         return  # the machine moved on (a reclaim): nobody waits for this report
@@ -127,7 +130,7 @@ async def hot_add(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
                        vm=lendee, result="ok", gpus=",".join(sorted(gpus)))
         ex.apply(GpusAttached(at=clock.now(), ticket=ticket, gpus=gpus))
         return
-    held = await _undo(ex, gpus) if settled else gpus
+    held = await _undo(ex, gpus, grown=grown) if settled else gpus
     kept = (f"; {lendee} keeps {', '.join(sorted(held))} until it restarts" if held else
             f"; {names} wait for {lendee}'s next restart")
     journal.record("hotplug", f"could not add {names} to {lendee} live: {problem}{kept}",
@@ -161,22 +164,61 @@ async def _attach(ex: Step, gpus: frozenset[str]) -> tuple[str | None, bool]:
         return str(e), True
 
 
-async def _undo(ex: Step, gpus: frozenset[str]) -> frozenset[str]:
+# How long the guest's CDI refresh (lendee.cdi_refresh) may take: nvidia-ctk cdi
+# generate reads every GPU through NVML, a second or so each.
+CDI_BOUND = 60.0
+
+
+async def _refresh_cdi(ex: Step) -> str | None:
+    """Part 2b, after the guest's driver sees the GPU and before the plugins come back:
+    the guest's CDI spec made anew by `lendee.cdi_refresh` (the spec a boot wrote lists
+    that boot's GPUs, and a container asking for one it lacks is refused: "unresolvable
+    CDI devices"). None, or why not; nothing to do where it is "" (the default)."""
+    command = ex.cfg.lendee.cdi_refresh
+    if not command:
+        return None
+    try:
+        done = await ex.libvirt.guest_exec(ex.lendee, "/bin/sh", ["-c", command],
+                                           timeout=CDI_BOUND)
+    except HostError as e:
+        return f"lendee.cdi_refresh in {ex.lendee}: {clean(e, 200)}"
+    if done.exitcode != 0:
+        return (f"lendee.cdi_refresh ({clean(command, 80)}) in {ex.lendee} exited "
+                f"{done.exitcode}: {clean(done.stderr or done.stdout, 200)}")
+    journal.record("hotplug", f"{ex.lendee}'s CDI spec made anew ({clean(command, 80)})",
+                   vm=ex.lendee, result="ok")
+    return None
+
+
+async def _undo(ex: Step, gpus: frozenset[str], *, grown: bool) -> frozenset[str]:
     """After a failed hot-add, the live definition is read and what it holds of `gpus`
-    detached again, so that what the lendee has is what is lent: a GPU left attached but
-    not lent shows in the guest at every later return, whose check then fails. Returns
-    what it still holds (only the lendee's stop frees those), all of `gpus` in doubt."""
+    taken out again as an unplug takes a GPU: the GPU plugins stopped where they were
+    restarted with it present (`grown`: they hold every GPU they serve), the guest's
+    driver let go of it (drain or unbind, no holder left; one nvidia-smi does not list
+    has none to let go of), then the live detach; so that what the lendee has is what is
+    lent: a GPU left attached but not lent shows in the guest at every later return,
+    whose check then fails. Returns what it still holds (only the lendee's stop frees
+    those), all of `gpus` in doubt."""
     try:
         attached = await ex.libvirt.live_gpus(ex.lendee, ex.lendee_gpu_config()) & gpus
-        if attached:
+        if not attached:
+            return attached
+        uuids = frozenset(gpu.uuid for label in attached for gpu in [ex.cfg.gpus.get(label)]
+                          if gpu is not None and gpu.uuid)
+        problem = None if len(uuids) == len(attached) else (
+            "a GPU with no uuid configured: which device it is in the guest is unknown")
+        if problem is None and grown:
+            problem = await ex.cluster.withdraw(attached)
+        if problem is None:
+            problem = await _release(ex, attached, uuids, absent_ok=True)
+        if problem is None:
             problem = await _detach(ex, attached, frozenset())
-            if problem is not None:
-                journal.record("hotplug", f"could not detach {', '.join(sorted(attached))} "
-                               f"from {ex.lendee} after the failed hot-add: {problem}",
-                               vm=ex.lendee, result="failed", gpus=",".join(sorted(attached)),
-                               priority=journal.Priority.WARNING)
-            attached = await ex.libvirt.live_gpus(ex.lendee, ex.lendee_gpu_config()) & gpus
-        return attached
+        if problem is not None:
+            journal.record("hotplug", f"could not take {', '.join(sorted(attached))} from "
+                           f"{ex.lendee} again after the failed hot-add: {problem}",
+                           vm=ex.lendee, result="failed", gpus=",".join(sorted(attached)),
+                           priority=journal.Priority.WARNING)
+        return await ex.libvirt.live_gpus(ex.lendee, ex.lendee_gpu_config()) & gpus
     except HostError:
         return gpus  # in doubt, the lendee holds them: only its stop frees them for sure
 
@@ -321,9 +363,9 @@ async def _release(ex: Step, gpus: frozenset[str], uuids: frozenset[str], *,
     found, problem = await _locate(ex, uuids, deadline, absent_ok=absent_ok)
     if found is None:
         return problem
-    if not found:
-        return None
     command, gpus_found = found
+    if not gpus_found:
+        return None  # the driver has none of them (only with absent_ok)
     nodes = [node for _, node in gpus_found]
     addresses = [address for address, _ in gpus_found]
     draining, why = await _drain_command(ex, command, deadline)
