@@ -17,11 +17,16 @@ none is attached and the machine hears `GroupsHeld`, no failure):
    they enumerate the GPUs anew (`Cluster.grow`, `Kube.restart_plugins`);
 4. only then is the GPU lent (`GpusAttached`).
 
+Between 2 and 3, `lendee.cdi_refresh` (when set) makes the guest's CDI spec anew: the
+one its boot wrote lists that boot's GPUs alone.
+
 A part that fails within its bound reports `AttachFailed` with the reason journaled,
-once the live definition is read again and what it holds of the GPUs detached (a GPU
-attached but not lent fails every later return's check in the guest); those the guest
-keeps, or all when libvirt's attach has not ended, stay with the lendee (only its stop
-frees them), the others wait for a regrow by restart.
+once the live definition is read again and what it holds of the GPUs taken out as an
+unplug takes them (`_undo`: the plugins stopped if they came back with it, the driver
+made to let go, the detach; a GPU attached but not lent fails every later return's
+check in the guest); those the guest keeps, or all when libvirt's attach has not ended,
+stay with the lendee (only its stop frees them), the others wait for a regrow by
+restart.
 
 Hot-unplug (``policy.hotplug = "both"``, experimental): an owner's GPU leaves the
 running lendee (`DetachGpus`), in bounded parts, each of which must hold:
@@ -35,9 +40,11 @@ running lendee (`DetachGpus`), in bounded parts, each of which must hold:
    NVIDIA's device plugin holds every GPU it serves open for as long as it runs;
 3. in the guest, within `RELEASE_BOUND` all in all: each GPU's PCI address and device
    node (nvidia-smi's ``pci.bus_id`` and ``minor_number``), no process holding the node
-   (any holder, through /proc/*/fd: a DCGM exporter or persistenced as much as a job),
-   and the unbind from its driver: NVIDIA does not support hot-unplug of its GPUs, and
-   some drivers hang an unbind begun while a client holds the GPU;
+   (any holder, by one scan of /proc/*/fd: a DCGM exporter or persistenced as much as
+   a job), then the driver lets go: through NVML's drain state and removal where the
+   guest's nvidia-smi has them (`drain_supported`; an in-use GPU answers so), else the
+   unbind from its driver: NVIDIA does not support hot-unplug of its GPUs, and some
+   drivers hang an unbind begun while a client holds the GPU;
 4. libvirt detaches every function live and the live XML must lose them within
    `DETACH_BOUND` (libvirt's device-removed event wakes the wait);
 5. only then does the owner start (`GpusDetached`); the node, verified with the rest
