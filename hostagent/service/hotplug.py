@@ -381,9 +381,11 @@ async def _release(ex: Step, gpus: frozenset[str], uuids: frozenset[str], *,
     if draining:
         # NVML: persistence mode counts as a client and must be off before the drain
         # state is changed (nvidia-persistenced lets go of the device when asked so).
+        # A GPU that refuses is no doubt yet: a holder left shows in the scan below, and
+        # the removal says "in use"; only a hung nvidia-smi ends the part here.
         for address in addresses:
             problem = await _nvidia_smi(ex, command, ["-i", address, "-pm", "0"], deadline)
-            if problem is not None:
+            if isinstance(problem, Stuck):
                 return problem
     while True:
         done, problem = await _run(ex, "/bin/sh", ["-c", HOLDERS, "sh", *nodes], deadline,

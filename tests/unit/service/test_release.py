@@ -150,6 +150,7 @@ class Draining(Guest):
         super().__init__(step)
         self.in_use = False
         self.help = (0, DRAIN_HELP_TEXT)
+        self.persistence_code = 0
 
     async def guest_exec(self, name: str, path: str, args: list[str], *,
                          timeout: float = 30) -> ExecResult:
@@ -158,6 +159,9 @@ class Draining(Guest):
             return ExecResult(self.help[0], self.help[1], "")
         if path == "nvidia-smi" and args == ["-i", "0000:05:00.0", "-pm", "0"]:
             order.append("persistence off")
+            if self.persistence_code:
+                return ExecResult(self.persistence_code, "Unable to set persistence mode for "
+                                  "GPU 00000000:05:00.0: Not Supported\n", "")
             return ExecResult(0, "Disabled persistence mode for GPU 00000000:05:00.0.\n", "")
         if path == "nvidia-smi" and args[:3] == ["drain", "--pciid", "0000:05:00.0"]:
             if args[3:] == ["--modify", "1"]:
@@ -181,8 +185,13 @@ def draining_step() -> FakeStep:
     return step
 
 
-async def test_the_gpu_leaves_through_nvml_drain_where_nvidia_smi_has_it() -> None:
+@pytest.mark.parametrize("persistence", [0, 3], ids=["persistence off", "refused"])
+async def test_the_gpu_leaves_through_nvml_drain_where_nvidia_smi_has_it(
+        persistence: int) -> None:
+    # A GPU that refuses to change its persistence mode is no doubt by itself: a holder
+    # left would show in the scan, and the removal would say "in use".
     step = draining_step()
+    step.libvirt.persistence_code = persistence  # type: ignore[attr-defined]
     await unplug(step)
     assert step.cluster.order == ["cordon", "checkpoint", "withdraw", "query",
                                   "persistence off", "holders", "drain", "remove",
