@@ -433,6 +433,13 @@ async def _nvidia_smi(ex: Step, command: str, args: list[str], deadline: float) 
 
 
 # What says that nvidia-smi has NVML's drain state and removal: its drain verb's help.
+# The verb wraps nvmlDeviceModifyDrainState and nvmlDeviceRemoveGpu (NVML API reference,
+# "Drain states": removal fails with NVML_ERROR_IN_USE, "In use by another client",
+# while a client is attached, persistence mode included, and the GPU stays draining;
+# nvidia-ml-py's bindings carry no docstrings). Its options, --pciid, --modify 0|1 and
+# --remove, are as administrators' scripts use them; a real nvidia-smi's `drain -h` was
+# not read for this (no GPU machine could be had), so what it answers is checked here
+# before it is relied on, and the lab's stand-in is the only one these tests ran.
 DRAIN_HELP = ("drain", "-h")
 DRAIN_OPTIONS = ("--modify", "--remove")
 
