@@ -119,12 +119,13 @@ bench: setup
 	@set -e; out=bench/.RESULTS.md.tmp; trap 'rm -f $$out' EXIT; \
 	{ echo "# Benchmark results"; echo; \
 	  echo "Measured $$(date -u '+%Y-%m-%d %H:%M UTC') at commit $$(git describe --always --dirty --abbrev=12 2>/dev/null || echo unknown) on $$(nproc) CPUs ($$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //')), $$(free -g | awk '/^Mem:/ {print $$2}') GiB, $$(uname -sr); libvirt $$(libvirtd --version | awk '{print $$NF}'), $$(qemu-system-x86_64 --version | head -1); the lab's guests run under TCG."; \
-	  echo; echo "What each figure measures, and between which boundaries: the docstrings of bench/hook.py, bench/cycle.py, bench/agent.py, bench/capacity.py and bench/dra.py."; } > $$out; \
+	  echo; echo "What each figure measures, and between which boundaries: the docstrings of bench/hook.py, bench/cycle.py, bench/agent.py, bench/capacity.py, bench/dra.py and bench/hotplug.py."; } > $$out; \
 	$(VENV)/bin/python bench/hook.py --runs 500 --markdown $$out; \
 	$(VENV)/bin/python -m bench.cycle --cycles 5 --markdown $$out; \
 	$(VENV)/bin/python -m bench.agent --markdown $$out; \
 	$(VENV)/bin/python -m bench.capacity --markdown $$out; \
 	$(VENV)/bin/python -m bench.dra --markdown $$out; \
+	$(VENV)/bin/python -m bench.hotplug --markdown $$out; \
 	mv -f $$out bench/RESULTS.md; \
 	echo; echo "written to bench/RESULTS.md"
 

@@ -21,6 +21,8 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     node = "gpu-node"                       # Kubernetes node name; defaults to domain
     gpus = ["gpu-a", "gpu-b", "gpu-c"]      # every GPU it may borrow: labels or PCI addresses
     min_gpus = 1                            # fewer free than this: the lendee stays off
+    cdi_refresh = "systemctl restart nvidia-container-toolkit-cdi-generator"  # run in it
+                                            # after a hot-add (its CDI spec); "": none
 
     [gpus.gpu-a]                            # a label of your choosing
     pci = "0000:01:00.0"                    # the GPU function; every function of its
@@ -162,7 +164,8 @@ Rules beyond the types:
   lendee shows it can hot-unplug, else ``"none"``; ``status`` and ``lint`` say why.
   ``"add"`` attaches the GPUs a game freed to the running lendee
   (its live definition only) instead of that restart; a hot-add that fails leaves
-  them to the regrow. ``"none"``: every change is a restart.
+  them to the regrow (undone as an unplug is). ``"none"``: every change is a restart.
+  After a hot-add, ``lendee.cdi_refresh`` runs in the guest before the plugins restart.
   ``"both"`` (experimental) also takes a game's GPU from the running lendee live when
   it keeps ``min_gpus`` without it: only the pods using it are evicted, and a detach
   that fails or is in doubt falls back to the reclaim by restart. NVIDIA does not
@@ -207,7 +210,8 @@ from pathlib import Path
 from hostagent.core.config_read import (  # the readers of each key
     TOP_LEVEL_KEYS, MQTT_VERBS, LogLevel, _GPU_REFS, _Problem, _READ, _absolute_path,
     _annotation_prefix, _bool, _broker, _build, _canonical_pci, _choice, _control_verbs,
-    _count, _duration, _expected, _gather, _group, _join, _key, _label_key, _label_key_or_off,
+    _count, _duration, _expected, _gather, _group, _guest_command, _join, _key, _label_key,
+    _label_key_or_off,
     _label_selector, _list, _listen, _listen_or_port, _mqtt_verb, _optional_duration,
     _optional_path, _pci, _port, _positive_duration, _raise_any, _section,
     _split_listen, _table_of, _taint, _text, _topic, parse_duration,
@@ -229,16 +233,8 @@ DEFAULT_PATH = Path("/etc/hostagent/config.toml")
 class ConfigError(Exception):
     """A configuration file hostagent cannot use, and what to do about it."""
 
-    def __init__(
-        self,
-        *,
-        source: str,
-        problem: str,
-        fix: str = "",
-        key: str | None = None,
-        line: int | None = None,
-        column: int | None = None,
-    ) -> None:
+    def __init__(self, *, source: str, problem: str, fix: str = "", key: str | None = None,
+                 line: int | None = None, column: int | None = None) -> None:
         self.source = source
         self.key = key
         self.problem = problem
@@ -313,6 +309,9 @@ class Lendee:
     gpus: tuple[str, ...] = field(metadata=_key(_GPU_REFS, example='["gpu-a"]'))
     # Below this many free GPUs a boot is not worth its drain: the lendee stays off.
     min_gpus: int = field(default=1, metadata=_key(_count))
+    # Run in the guest (sh -c) after a hot-add, before its plugins come back: the CDI
+    # spec a container asks its GPUs by lists those of the boot alone. "": none.
+    cdi_refresh: str = field(default="", metadata=_key(_guest_command))
 
     def __post_init__(self) -> None:
         # Most setups name the node after the VM, so that is the default.

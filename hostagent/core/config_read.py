@@ -230,6 +230,19 @@ def _text(value: object, key: str) -> str:
     return value
 
 
+def _guest_command(value: object, key: str) -> str:
+    """A command line the lendee's guest runs (``sh -c``); "" for none."""
+    if not isinstance(value, str):
+        raise _wrong_type(key, value, "a string", "put the command line in double quotes")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise _Problem(key, "is not one command line (a newline or control character)",
+                       "write one line; join commands with && or put them in a script")
+    if len(value) > 1000:
+        raise _Problem(key, f"is {len(value)} characters long (at most 1000)",
+                       "put the commands in a script in the guest and name it here")
+    return value.strip()
+
+
 def _absolute_path(value: object, key: str) -> Path:
     path = Path(_text(value, key))
     if not path.is_absolute():

@@ -155,7 +155,8 @@ def _assemble(pkg: Path, root: Path) -> None:
     shutil.copy2(pkg / "bin/busybox", root / "bin/busybox")
     shutil.copy2(GUEST / "init", root / "init")
     shutil.copy2(GUEST / "shutdown", root / "sbin/shutdown")
-    shutil.copy2(GUEST / "nvidia-smi", root / "usr/bin/nvidia-smi")
+    for stand_in in ("nvidia-smi", "nvidia-ctk", "nvidia-persistenced"):
+        shutil.copy2(GUEST / stand_in, root / "usr/bin" / stand_in)
     qga = pkg / "usr/sbin/qemu-ga"
     shutil.copy2(qga, root / "usr/sbin/qemu-ga")
     # qemu-ga is dynamically linked: bring the host's copies of its libraries,

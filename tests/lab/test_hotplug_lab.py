@@ -3,7 +3,9 @@ a game freed to the running lendee (its disk, into the root port its live defini
 left empty), the stand-in nvidia-smi lists it, the lab's kubelet on the real control
 plane follows the live set,
 and the GPU is lent with no drain and no restart while a GPU job runs on the node; a
-hot-add whose GPU the guest does not see is journaled and leaves it to the next restart."""
+hot-add whose GPU the guest does not see is journaled and leaves it to the next restart.
+After the hot-add, lendee.cdi_refresh makes the guest's CDI spec anew (its boot's lists
+the GPUs of that boot alone) before the plugins come back."""
 
 from __future__ import annotations
 
@@ -18,15 +20,23 @@ from tests.lab.test_readme_commands_lab import journalctl
 
 pytestmark = pytest.mark.lab
 
+CDI = "/var/run/cdi/nvidia.yaml"
+# As gpu-operator's toolkit writes it (the lab's nvidia-ctk stands in).
+CDI_REFRESH = f"/usr/bin/nvidia-ctk cdi generate --output={CDI}"
+
 
 def test_a_regrow_by_hot_add_lends_the_freed_gpu_without_a_restart(lab: Lab) -> None:
     with lab_cluster(lab, workloads=False) as kc:
         lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig).replace(
-            "[policy]\n", '[policy]\nhotplug = "add"\n') + '\n[verify]\ntimeout = "10s"\n')
+            "[policy]\n", '[policy]\nhotplug = "add"\n').replace(
+            "[lendee]\n", f'[lendee]\ncdi_refresh = "{CDI_REFRESH}"\n')
+            + '\n[verify]\ntimeout = "10s"\n')
         lab.start_agent()
         lends(lab, 1)
         lab.play("gaming1")
         lends(lab, 2)
+        # The CDI spec gpu-node's boot wrote lists the GPUs of that boot alone.
+        assert GPUS["gpu-a"][0] not in lab.guest_exec(LENDEE, "cat", CDI).stdout
         persistent = lab.virsh("dumpxml", "--inactive", LENDEE).stdout
         kc.add_gpu_job("train")
         eventually(lambda: kc.apps_on(LENDEE) == ["train"], "the job never ran on gpu-node")
@@ -48,6 +58,10 @@ def test_a_regrow_by_hot_add_lends_the_freed_gpu_without_a_restart(lab: Lab) -> 
         assert lab.virsh("dumpxml", "--inactive", LENDEE).stdout == persistent
         listed = lab.guest_exec(LENDEE, "/usr/bin/nvidia-smi", "-L").stdout
         assert all(uuid in listed for uuid, _ in GPUS.values()), listed
+        # lendee.cdi_refresh made the spec anew: a container may ask for gpu-a by name.
+        spec = lab.guest_exec(LENDEE, "cat", CDI).stdout
+        assert all(uuid in spec for uuid, _ in GPUS.values()), spec
+        assert any("CDI spec made anew" in step for step in steps)
         seen = lab.records(event="verify", result="ok")[-1]["HOSTAGENT_GPUS"].split(",")
         assert sorted(seen) == sorted(uuid for uuid, _ in GPUS.values())
         # The node's annotation follows the hot-add's record (a PATCH after it).

@@ -119,6 +119,9 @@ NOT_RUN: list[tuple[str, str]] = [
     (r"systemctl (enable --now hostagent|restart libvirtd|stop hostagent|edit hostagent|"
      r"show -p Requires libvirt-guests|is-system-running)"
      r"|systemctl stop hostagent && hostagent unmark-node", f"it {MACHINE_SYSTEMD}."),
+    (r"systemctl restart nvidia-container-toolkit-cdi-generator\.service",
+     "a value for lendee.cdi_refresh, run in a NixOS lendee's guest with NVIDIA's toolkit; "
+     "tests/lab/test_hotplug_lab.py runs the lab's nvidia-ctk cdi generate there instead."),
     (r"rm -rf /etc/hostagent /var/lib/hostagent", "removes the machine's own /etc/hostagent "
      "and /var/lib/hostagent."),
     (r"nixos-rebuild switch", "switches the machine's own NixOS system; this is Debian."),

@@ -592,3 +592,15 @@ def test_control_verbs_says_what_control_group_may_do() -> None:
 )
 def test_control_verbs_mistakes(text: str, expected: str) -> None:
     assert error(text) == expected
+
+
+def test_the_cdi_refresh_is_one_command_line_run_in_the_lendee() -> None:
+    base = '[lendee]\ndomain = "gpu-node"\ngpus = ["0000:01:00.0"]\n'
+    assert parse(base, "t.toml").lendee.cdi_refresh == ""
+    command = "nvidia-ctk cdi generate --output=/var/run/cdi/nvidia.yaml"
+    assert parse(base + f'cdi_refresh = "{command}"\n', "t.toml").lendee.cdi_refresh == command
+    for bad, said in (('"a\\nb"', "not one command line"), ("1", "expected a string"),
+                      (f'"{"x" * 1001}"', "at most 1000")):
+        with pytest.raises(ConfigError) as info:
+            parse(base + f"cdi_refresh = {bad}\n", "t.toml")
+        assert info.value.key == "lendee.cdi_refresh" and said in str(info.value)

@@ -16,6 +16,7 @@ from hostagent.host import lint
 from hostagent.cluster.cycle import KubeCluster
 from hostagent.core.config import Config, ConfigError, parse
 from hostagent.cluster.kube import Kube
+from hostagent.host.libvirt import ExecResult, HostError
 from hostagent.surfaces.metrics import Metrics
 from hostagent.core.machine import IllegalTransition, still_wanted, verdict
 from hostagent.core.model import (
@@ -36,7 +37,7 @@ from hostagent.core.model import (
 from tests.controlplane import ControlPlane
 from tests.controlplane.nvidia import Driver
 from tests.controlplane.nvidia import gpu as gpu_device
-from tests.configs import UUID_A, UUID_B, lendee_toml
+from tests.configs import UUID_A, UUID_B, UUID_C, lendee_toml
 from tests.unit.kube_scaffold import Api, gpu_node_api
 from tests.unit.machine_scaffold import AT, LENDEE, T, wants
 from tests.unit.core.test_partial import POLICY, TOPO, B, C, S, gpus, go, run, vms
@@ -379,7 +380,8 @@ def test_a_failed_hot_add_is_counted_as_a_failure() -> None:
 
 class AddStep:
     """What of the executor `hotplug.hot_add` uses: libvirt with the lendee's live GPUs,
-    a guest whose driver does not see gpu-a, a node that advertises what it is told."""
+    a guest whose driver does not see gpu-a (its nvidia-smi lists gpu-b and gpu-c), a
+    node that advertises what it is told."""
 
     lendee = LENDEE
     topo = TOPO
@@ -387,6 +389,7 @@ class AddStep:
     def __init__(self) -> None:
         self.cfg = parse('[lendee]\ndomain = "gpu-node"\ngpus = ["gpu-a", "gpu-b", "gpu-c"]\n'
                          + "".join(f'[gpus.gpu-{x}]\npci = "0000:0{i}:00.0"\n'
+                                   f'uuid = "{UUID_A[:-1]}{x}"\n'
                                    for i, x in enumerate("abc", 1))
                          + '[owners.gaming1]\ngpus = ["gpu-a"]\n[policy]\nhotplug = "add"\n',
                          "t.toml")
@@ -421,6 +424,15 @@ class AddStep:
 
     async def grow(self, lent: object) -> str | None:
         return None
+
+    async def guest_exec(self, name: str, path: str, args: list[str], *,
+                         timeout: float = 30) -> ExecResult:
+        if path == "nvidia-smi" and args == list(hotplug.QUERY):
+            return ExecResult(0, f"{UUID_B}, 00000000:06:00.0, 1\n"
+                                 f"{UUID_C}, 00000000:07:00.0, 2\n", "")
+        if path == "/bin/sh" and args[:2] == ["-c", hotplug.UNBIND]:
+            return ExecResult(0, "", "")
+        raise HostError(f"guest agent of {name}: {path}: Failed to execute child process")
 
     def lendee_gpu_config(self) -> dict[str, object]:
         return dict(self.cfg.gpus)
