@@ -138,6 +138,14 @@ async def hot_add(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
         ex.apply(GpusAttached(at=clock.now(), ticket=ticket, gpus=gpus))
         return
     held = await _undo(ex, gpus, grown=grown) if settled else gpus
+    if grown and ex.view.state.ticket == ticket:
+        # The undo paused the GPU plugins (they held the GPU): they come back, to
+        # advertise what stays lent, as after any live change.
+        back = await ex.cluster.grow((ex.view.state.lent - gpus) | held)
+        if back is not None:
+            journal.record("hotplug", f"the GPU plugins on {lendee}'s node did not come back "
+                           f"whole after the failed hot-add: {back}", vm=lendee,
+                           result="failed", priority=journal.Priority.WARNING)
     kept = (f"; {lendee} keeps {', '.join(sorted(held))} until it restarts" if held else
             f"; {names} wait for {lendee}'s next restart")
     journal.record("hotplug", f"could not add {names} to {lendee} live: {problem}{kept}",

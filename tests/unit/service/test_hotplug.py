@@ -479,3 +479,34 @@ def test_an_agent_restarted_mid_attach_lends_what_libvirt_says_is_attached(
     new, _ = go(attaching(), Observed(at=AT, lendee_running=True, owners_running=frozenset(),
                                       lendee_gpus=live), ADD)
     assert (new.lent, new.attaching) == (live, frozenset())
+
+
+class NodeFails(AddStep):
+    """A hot-add the guest takes but whose node never advertises the GPU: the undo
+    pauses the GPU plugins (they were restarted with the GPU present)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grown: list[frozenset[str]] = []
+        self.withdrawn: list[frozenset[str]] = []
+
+    async def _verify_gpus(self, ticket: int, lent: frozenset[str]) -> str | None:
+        return None
+
+    async def grow(self, lent: object) -> str | None:
+        self.grown.append(frozenset(lent))  # type: ignore[arg-type]
+        return "node gpu-node advertises 2 nvidia.com/gpu of 3" if len(self.grown) == 1 else None
+
+    async def withdraw(self, gpus: object) -> str | None:
+        self.withdrawn.append(frozenset(gpus))  # type: ignore[arg-type]
+        return None
+
+
+async def test_the_plugins_an_undo_paused_come_back_for_what_stays_lent() -> None:
+    # Paused by the undo and left so, they would keep every GPU of the node unadvertised.
+    step = NodeFails()
+    await hotplug.hot_add(step, T + 1, gpus(A))  # type: ignore[arg-type]
+    [event] = step.applied
+    assert isinstance(event, AttachFailed) and event.held == frozenset()
+    assert step.withdrawn == [gpus(A)] and step.detached == [gpus(A)]
+    assert step.grown == [gpus(A, B, C), gpus(B, C)]
