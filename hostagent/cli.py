@@ -295,18 +295,24 @@ def host_warnings(cfg: configuration.Config) -> list[str]:
     if "NIX_BUILD_TOP" in os.environ:
         return []
     warnings = []
-    import libvirt
-    libvirt.registerErrorHandler(lambda *_: None, None)  # said below, once
+    defined: set[str] | None = None  # None: the domains could not be listed
     try:
-        conn = libvirt.openReadOnly(cfg.libvirt_uri)
-        try:
-            defined = {d.name() for d in conn.listAllDomains()}
-        finally:
-            conn.close()
-    except libvirt.libvirtError as e:
-        warnings.append(f"libvirt_uri: {cfg.libvirt_uri} cannot be read ({e}); the domains "
-                        "are not checked")
+        import libvirt
+    except ImportError as e:  # the config is still checked: libvirt-python is built apart
+        warnings.append(f"libvirt_uri: the domains are not checked: libvirt-python is not "
+                        f"installed ({e})")
     else:
+        libvirt.registerErrorHandler(lambda *_: None, None)  # said below, once
+        try:
+            conn = libvirt.openReadOnly(cfg.libvirt_uri)
+            try:
+                defined = {d.name() for d in conn.listAllDomains()}
+            finally:
+                conn.close()
+        except libvirt.libvirtError as e:
+            warnings.append(f"libvirt_uri: {cfg.libvirt_uri} cannot be read ({e}); the "
+                            "domains are not checked")
+    if defined is not None:
         for key, dom in {"lendee.domain": cfg.lendee.domain,
                          **{f"owners.{d}": d for d in cfg.owners}}.items():
             if dom not in defined:

@@ -6,6 +6,7 @@ in one run, as warnings (the agent runs with them, its health red)."""
 from __future__ import annotations
 
 import grp
+import sys
 from pathlib import Path
 
 import libvirt
@@ -66,3 +67,20 @@ def test_the_nix_build_sandbox_is_not_the_host(
     path.write_text(CONFIG.format(kubeconfig=tmp_path / "k3s.yaml"))
     assert cli.main(["--config", str(path), "check-config"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("host")
+def test_without_libvirt_python_the_domains_are_said_unchecked(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An install without libvirt-python (its binding is a build of its own) still
+    checks the configuration: the domains are said to be unchecked and why, the other
+    host checks still run."""
+    monkeypatch.setitem(sys.modules, "libvirt", None)  # import libvirt: ModuleNotFoundError
+    path = tmp_path / "config.toml"
+    path.write_text(CONFIG.format(kubeconfig=tmp_path / "k3s.yaml"))
+    assert cli.main(["--config", str(path), "check-config"]) == 0
+    err = capsys.readouterr().err
+    assert "hostagent: warning: libvirt_uri: the domains are not checked: libvirt-python " \
+           "is not installed" in err
+    assert "hostagent: warning: control_group: there is no group 'players'" in err
