@@ -205,6 +205,8 @@ HEALTH = {
     "hook socket": "the hook socket accepts a connection",
     "last lend verified": "the last lend was verified",
     "state file": "the state file takes saves",
+    "domains": "every domain the configuration names is defined",
+    "control group": "the `control_group` exists",
     "kubernetes": "the Kubernetes API answers",
 }
 
