@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml  # type: ignore[import-untyped]
 
+import hostagent
 from hostagent.surfaces import ssh
 from tests.packaging.test_readme import README, block, section
 
@@ -42,6 +43,8 @@ HERE = "tests/packaging/test_readme_commands.py"
 RUN: list[tuple[str, str, str]] = [
     (r"hostagent (COMMAND )?--help", f"{HERE}::test_each_help_page_is_the_programs",
      '"--help"'),
+    (r"hostagent --version", f"{HERE}::test_the_version_is_the_installed_programs",
+     '"--version"'),
     (r"hostagent run", README_LAB, "lab.start_agent()"),
     (r"hostagent status", README_LAB, '"status"'),
     (r"hostagent play( VM| gaming1)?", README_LAB, '"play", "gaming1"'),
@@ -131,6 +134,13 @@ NOT_RUN: list[tuple[str, str]] = [
      "runtime and GPUs; the lab's cluster has neither."),
     (r"make test", "it is the whole suite, these tests among them."),
     (r"make setup", "make test runs it before every run of the suite."),
+    (r"make explore", "its draws are random and many, so it runs for long and differs every "
+     "run; make test runs the same property tests with fixed draws."),
+    (r"make fuzz", "runs each parser's fuzzer for 50,000 examples, many minutes; make test "
+     "runs the same fuzzers with fewer examples."),
+    (r"virsh undefine", "it names what a reader may have done to an old VM, not a step "
+     "to take; tests/unit/service/test_stale_entries.py checks what follows an owner "
+     "libvirt no longer has."),
     (r"make bench", "runs for many minutes and rewrites bench/RESULTS.md; "
      "test_readme.py::test_the_figures_measure_the_code_of_head checks it measured HEAD."),
     (r"make demo|\.venv/bin/python -m tests\.lab\.demo --svg docs/timeline\.svg",
@@ -271,6 +281,15 @@ def test_each_help_page_is_the_programs() -> None:
                               timeout=60, check=False)
         assert page.returncode == 0 and page.stdout.startswith(f"usage: hostagent {name}"), (
             name, page.stdout[:200], page.stderr)
+
+
+def test_the_version_is_the_installed_programs() -> None:
+    """`hostagent --version`, the installed program: the package's version, as the start
+    record and `hostagent status` say it."""
+    out = subprocess.run([str(VENV / "bin" / "hostagent"), "--version"], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"hostagent {hostagent.version()}\n", out.stdout
 
 
 def test_the_pydoc_command_shows_the_module_with_the_installed_interpreter() -> None:
