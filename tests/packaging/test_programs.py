@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 # program -> the Debian packages that may provide it (a tuple), or why none needs to be
 # installed by make setup (a string: the tests that need it skip saying so).
 PROGRAMS: dict[str, tuple[str, ...] | str] = {
-    "bash": ("bash",), "sh": ("dash",), "umount": ("mount",),
+    "bash": ("bash",), "sh": ("dash",), "/bin/sh": ("dash",), "umount": ("mount",),
     "setpriv": ("util-linux",), "unshare": ("util-linux",), "nsenter": ("util-linux",),
     "journalctl": ("systemd",), "systemd-journald": ("systemd",),
     "systemd-analyze": ("systemd",), "dpkg-query": ("dpkg",), "dpkg": ("dpkg",), "cpio": ("cpio",),
