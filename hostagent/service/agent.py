@@ -42,6 +42,7 @@ from hostagent.host import state as persisted
 from hostagent.core.backoff import keep_trying
 from hostagent.core.config import Config
 from hostagent.surfaces.control import GroupAccess, serve_control
+from hostagent.service import hotplug
 from hostagent.service.executor import Executor
 from hostagent.surfaces.inbox import HookEvent, Inbox, Verdict, replay_spool, serve_hooks
 from hostagent.host.libvirt import HostError, Libvirt, Lifecycle
@@ -146,6 +147,10 @@ class Agent:
                              hotplug=Hotplug.NONE if hotplug is Hotplug.AUTO else hotplug,
                              hotplug_why=f"policy.hotplug = \"{hotplug}\"")
         self.cluster_given = cluster is not None
+        # "auto": what the definition allows (`_decide_hotplug`), and whether this boot
+        # was asked for hot-unplug (`hotplug.unplug_policy`).
+        self.by_definition = (self.policy.hotplug, self.policy.hotplug_why)
+        self.unplug_asked = False
         self.lendee = cfg.lendee.domain
         # The state the parts read (`View`): only `apply` and `_load` write it.
         self.kept = Kept()
@@ -255,10 +260,16 @@ class Agent:
             # A step of LENT: it ends with the phase (see _supervise), and a hot-add or
             # a hot-unplug, which enter LENT anew, end it too: the node's count changes.
             self.executor.spawn(self.cluster.watch_lent(on_view=self._node_view), ticket=new.ticket)
+            if not self.unplug_asked:  # once a boot: "auto" asks the guest and the node
+                self.executor.spawn(self._decide_unplug(), ticket=new.ticket)
         if new.phase in (Phase.OFF, Phase.FAILED) and old.ticket != new.ticket:
             # Its node cordoned by us for long (a game, a human asked to look): a step
             # of the phase, which drops our marker if someone lifts the cordon meanwhile.
             self.executor.spawn(self.cluster.watch_cordon(), ticket=new.ticket)
+        if new.phase is Phase.OFF and old.phase is not Phase.OFF and self.unplug_asked:
+            self.unplug_asked = False  # the next boot is asked again; until then, its definition
+            self.policy = replace(self.policy, hotplug=self.by_definition[0],
+                                  hotplug_why=self.by_definition[1])
         if new.phase is Phase.OFF and old.phase not in (Phase.OFF, Phase.DRAINING,
                                                         Phase.STOPPING):
             # Down, and not by a reclaim (which cordoned it): a crash, a shutdown by
@@ -579,9 +590,14 @@ class Agent:
             how, why = Hotplug.NONE, f"{self.lendee}'s definition could not be read: {e}"
         self.policy = replace(self.policy, hotplug=how,
                               hotplug_why=f'policy.hotplug = "auto": {why}')
+        self.by_definition = (how, self.policy.hotplug_why)
         changes = lint.changes(how, self.policy.regrow, self.policy.regrow_max_wait)
         journal.record("policy", f"{self.lendee}'s GPUs change {changes} ({why})",
                        vm=self.lendee, result=how.value)
+
+    async def _decide_unplug(self) -> None:
+        self.policy = await hotplug.unplug_policy(self.executor, self.policy)
+        self.unplug_asked = True
 
     async def _observe(self) -> None:
         running = await self.libvirt.running_domains()

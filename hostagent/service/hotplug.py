@@ -67,11 +67,13 @@ from collections.abc import Collection
 from typing import Any, Protocol
 
 from hostagent.core import clock
-from hostagent.host import journal
+from hostagent.host import journal, lint
 from hostagent.host import verify as in_guest
 from hostagent.core.config import Config
 from hostagent.host.libvirt import ExecResult, HostError, Libvirt
 from hostagent.core.model import (
+    Hotplug,
+    Policy,
     AttachFailed,
     DetachFailed,
     GpusAttached,
@@ -485,6 +487,26 @@ async def drain_supported(ex: Step) -> tuple[bool, str]:
         return False, (f"{command} in {ex.lendee} has no drain verb (nvidia-smi drain -h "
                        f"exited {done.exitcode}: {clean(text, 120)})")
     return False, f"nvidia-smi not found in {ex.lendee}"
+
+
+async def unplug_policy(ex: Step, policy: Policy) -> Policy:
+    """Under ``policy.hotplug = "auto"``, once the lendee runs lent: hot-unplug too
+    ("both") where its node's GPU plugins can be kept off it through their deploy label
+    (`Cluster.plugins_pausable`) and its nvidia-smi has NVML's drain (`drain_supported`),
+    else hot-add alone (`lint.unplug_at_run_time` decides); journaled when it changes.
+    Asked at each boot: another boot may run another driver, or another plugin."""
+    if ex.cfg.policy.hotplug is not Hotplug.AUTO or policy.hotplug is Hotplug.NONE:
+        return policy
+    drain, drain_why = await drain_supported(ex)
+    pausable, pause_why = await ex.cluster.plugins_pausable()
+    new = lint.unplug_at_run_time(ex.cfg, policy, plugins_pausable=pausable,
+                                  drain_supported=drain)
+    if new.hotplug is not policy.hotplug:
+        changes = lint.changes(new.hotplug, new.regrow, new.regrow_max_wait)
+        journal.record("policy", f"{ex.lendee}'s GPUs change {changes} ({new.hotplug_why}: "
+                       f"{clean(pause_why, 300)}; {clean(drain_why, 300)})", vm=ex.lendee,
+                       result=new.hotplug.value)
+    return new
 
 
 async def _locate(ex: Step, uuids: frozenset[str], deadline: float, *,

@@ -128,6 +128,9 @@ class WaitingCluster:
     async def grow(self, lent: Collection[str]) -> str | None:
         return await (await self._cluster()).grow(lent)
 
+    async def plugins_pausable(self, *, timeout: float = 10) -> tuple[bool, str]:
+        return await (await self._cluster()).plugins_pausable(timeout=timeout)
+
     async def watch_lent(self, on_view: Callable[[Any], None] | None = None) -> None:
         await (await self._cluster()).watch_lent(on_view)
 

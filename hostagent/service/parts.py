@@ -126,6 +126,10 @@ class Cluster(Protocol):
         """A hot-add: wait until the node, lent all along, advertises the `lent` GPUs;
         None when it does, or why not."""
 
+    async def plugins_pausable(self, *, timeout: float = 10) -> tuple[bool, str]:
+        """Whether the node's GPU plugins can be kept off it through their deploy
+        labels (what a hot-unplug needs under ``policy.hotplug = "auto"``), and why."""
+
     async def lendee_down(self, *, why: str) -> None:
         """Cordon (as ours) the node of a lendee that went down, whatever stopped it."""
 
@@ -173,6 +177,9 @@ class NoCluster:
 
     async def grow(self, lent: Collection[str]) -> str | None:
         return None
+
+    async def plugins_pausable(self, *, timeout: float = 10) -> tuple[bool, str]:
+        return False, "no cluster is configured: no GPU plugins to pause"
 
     async def lendee_down(self, *, why: str) -> None:
         return None

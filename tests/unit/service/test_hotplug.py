@@ -30,6 +30,7 @@ from hostagent.core.model import (
     Observed,
     OwnerStopped,
     Phase,
+    Policy,
     RelendDue,
     ScheduleRelend,
     State,
@@ -510,3 +511,40 @@ async def test_the_plugins_an_undo_paused_come_back_for_what_stays_lent() -> Non
     assert isinstance(event, AttachFailed) and event.held == frozenset()
     assert step.withdrawn == [gpus(A)] and step.detached == [gpus(A)]
     assert step.grown == [gpus(A, B, C), gpus(B, C)]
+
+
+class Running(AddStep):
+    """A lent lendee under ``policy.hotplug = "auto"``, asked whether it can hot-unplug:
+    its nvidia-smi has `drain` or not, its node's plugins can be paused or not."""
+
+    def __init__(self, *, drain: bool, pausable: bool) -> None:
+        super().__init__()
+        self.cfg = replace(self.cfg, policy=replace(self.cfg.policy, hotplug=Hotplug.AUTO))
+        self.drain, self.pausable = drain, pausable
+
+    async def guest_exec(self, name: str, path: str, args: list[str], *,
+                         timeout: float = 30) -> ExecResult:
+        if path == "nvidia-smi" and args == list(hotplug.DRAIN_HELP):
+            return ExecResult(0, "drain -- Display and modify the GPU drain states.\n"
+                                 "  -p, --pciid  -m, --modify  -r, --remove\n"
+                              if self.drain else "", "" if self.drain else "Invalid option")
+        return await super().guest_exec(name, path, args, timeout=timeout)
+
+    async def plugins_pausable(self, *, timeout: float = 10) -> tuple[bool, str]:
+        return self.pausable, "nvidia-device-plugin-ds honours it" if self.pausable else \
+            "its DaemonSet selects nodes by no deploy label"
+
+
+@pytest.mark.parametrize(("drain", "pausable", "how"), [
+    (True, True, Hotplug.BOTH), (True, False, Hotplug.ADD), (False, True, Hotplug.ADD)])
+async def test_auto_hot_unplugs_only_where_the_guest_drains_and_the_plugins_pause(
+        drain: bool, pausable: bool, how: Hotplug) -> None:
+    step = Running(drain=drain, pausable=pausable)
+    added = Policy(hotplug=Hotplug.ADD, hotplug_why='policy.hotplug = "auto": hot-add')
+    decided = await hotplug.unplug_policy(step, added)  # type: ignore[arg-type]
+    assert decided.hotplug is how
+    if how is Hotplug.ADD:
+        assert "hot-adds only" in decided.hotplug_why
+    # Set by hand, or no hot-add at all: never changed.
+    none = replace(added, hotplug=Hotplug.NONE)
+    assert await hotplug.unplug_policy(step, none) == none  # type: ignore[arg-type]
