@@ -446,10 +446,13 @@ async def _nvidia_smi(ex: Step, command: str, args: list[str], deadline: float) 
 # The verb wraps nvmlDeviceModifyDrainState and nvmlDeviceRemoveGpu (NVML API reference,
 # "Drain states": removal fails with NVML_ERROR_IN_USE, "In use by another client",
 # while a client is attached, persistence mode included, and the GPU stays draining;
-# nvidia-ml-py's bindings carry no docstrings). Its options, --pciid, --modify 0|1 and
-# --remove, are as administrators' scripts use them; a real nvidia-smi's `drain -h` was
-# not read for this (no GPU machine could be had), so what it answers is checked here
-# before it is relied on, and the lab's stand-in is the only one these tests ran.
+# nvidia-ml-py's bindings carry no docstrings). Read on an H200 with driver 580.159.04:
+# `nvidia-smi drain -h` exits 0 and lists [-p | --pciid], [-m | --modify] (0 or 1;
+# "Persistence mode must be disabled"), [-q | --query], [-r | --remove] ("The GPU must
+# have already been put in a drain state using -m and persistence mode for this GPU
+# must be disabled") and [-d | --discover]: the options and order used here. What the
+# real verb answers for a GPU in use was not tried (it would take the machine's GPU
+# away); the lab's stand-in answers as the NVML reference says.
 DRAIN_HELP = ("drain", "-h")
 DRAIN_OPTIONS = ("--modify", "--remove")
 
