@@ -18,7 +18,8 @@ from hostagent.service.hotplug import HOLDERS, RELEASE_BOUND
 from tests.lab.cluster import lab_cluster
 from tests.lab.lab import GPUS, LENDEE, Lab
 from tests.lab.test_kube_lab import eventually, lends
-from tests.lab.test_unplug_lab import define_lendee, gpu_pods, guest, plugin_in_guest
+from tests.lab.plugins import GuestPlugins, daemonsets, operator_node
+from tests.lab.test_unplug_lab import define_lendee, gpu_pods, guest
 
 pytestmark = pytest.mark.lab
 
@@ -107,25 +108,30 @@ def test_a_busy_guest_holds_its_gpus_as_a_real_node_does(
 
 def test_a_hot_unplug_in_a_busy_guest_is_live(lab: Lab) -> None:
     # Before: the holder scan alone ran past RELEASE_BOUND in such a guest, the unplug
-    # was reported as a stuck driver, and the lendee restarted.
+    # was reported as a stuck driver, and the lendee restarted. The node as a real one
+    # under gpu-operator: the device plugin's DaemonSet, a DCGM exporter holding every
+    # GPU and GPU Feature Discovery, each pod's process in the guest holding the GPUs.
     with lab_cluster(lab, workloads=False) as kc:
-        lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig).replace(
-            "[policy]\n", '[policy]\nhotplug = "both"\n') + '\n[verify]\ntimeout = "10s"\n')
-        define_lendee(lab, f"hostagent.busy={BUSY}")
-        lab.start_agent()
-        lends(lab, 1, timeout=180)
-        eventually(lambda: open_fds(lab) >= BUSY, f"{BUSY} open files in the guest",
-                   timeout=120)
-        domid = lab.virsh("domid", LENDEE).stdout.strip()
-        gpu_pods(lab, kc, {"train-a": "gpu-a", "train-c": "gpu-c"})
-        plugin_ended = plugin_in_guest(lab, kc)
-        lab.ask("gaming1")
-        lab.wait_record(180, event="intent", vm="gaming1", to="done")
-        assert not lab.records(event="hotplug", result="failed"), [
-            r["MESSAGE"] for r in lab.records(event="hotplug", result="failed")]
-        assert [r["MESSAGE"] for r in lab.records(event="hotplug", result="ok")
-                if r["MESSAGE"].startswith(f"gpu-a detached from {LENDEE} in ")]
-        assert plugin_ended() and lab.state("gaming1") == "running"
-        assert lab.virsh("domid", LENDEE).stdout.strip() == domid  # no restart
-        listed = guest(lab, "/usr/bin/nvidia-smi", "-L")
-        assert GPUS["gpu-c"][0] in listed and GPUS["gpu-a"][0] not in listed, listed
+        operator_node(kc)
+        with GuestPlugins(lab, kc, daemonsets("operator")).running() as plugins:
+            lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig).replace(
+                "[policy]\n", '[policy]\nhotplug = "both"\n') + '\n[verify]\ntimeout = "10s"\n')
+            define_lendee(lab, f"hostagent.busy={BUSY}")
+            lab.start_agent()
+            lends(lab, 1, timeout=180)
+            eventually(lambda: open_fds(lab) >= BUSY, f"{BUSY} open files in the guest",
+                       timeout=120)
+            domid = lab.virsh("domid", LENDEE).stdout.strip()
+            gpu_pods(lab, kc, {"train-a": "gpu-a", "train-c": "gpu-c"})
+            held = plugins.wait_holding(3)
+            lab.ask("gaming1")
+            lab.wait_record(180, event="intent", vm="gaming1", to="done")
+            assert not lab.records(event="hotplug", result="failed"), [
+                r["MESSAGE"] for r in lab.records(event="hotplug", result="failed")]
+            assert [r["MESSAGE"] for r in lab.records(event="hotplug", result="ok")
+                    if r["MESSAGE"].startswith(f"gpu-a detached from {LENDEE} in ")]
+            assert set(held) <= set(plugins.ended)
+            assert lab.state("gaming1") == "running"
+            assert lab.virsh("domid", LENDEE).stdout.strip() == domid  # no restart
+            listed = guest(lab, "/usr/bin/nvidia-smi", "-L")
+            assert GPUS["gpu-c"][0] in listed and GPUS["gpu-a"][0] not in listed, listed
