@@ -24,7 +24,8 @@ from hostagent.cluster.cycle import KubeCluster
 from hostagent.core.config import parse
 from hostagent.surfaces.inbox import HookEvent
 from hostagent.cluster.kube import Kube, cordon_marker
-from hostagent.host.libvirt import Lifecycle
+from hostagent.host.libvirt import ExecResult, HostError, Lifecycle
+from hostagent.host.verify import BOOT_ID
 from hostagent.core.model import IntentSource, Observed, OwnerWants, Phase
 from tests.controlplane import ControlPlane
 from tests.unit.kube_scaffold import FAST
@@ -43,6 +44,18 @@ KUBE_CONFIG = (CONFIG.replace('"{relend}"', '"60s"')
 
 
 NODE = "gpu-node"
+BOOT = "0f1e2d3c-4b5a-4978-8a9b-0c1d2e3f4a5b"  # the guest's boot id, as its kubelet posts it
+
+
+class Guest(FakeLibvirt):
+    """The lab-less lendee, whose guest agent reads its boot id: a return counts the
+    node's status only once its bootID is this boot's (invariant 14)."""
+
+    async def guest_exec(self, name: str, path: str, args: list[str], *,
+                         timeout: float = 30) -> ExecResult:
+        if path == "cat" and args == [BOOT_ID]:
+            return ExecResult(0, BOOT + "\n", "")
+        raise HostError(f"guest agent of {name}: {path}: Failed to execute child process")
 
 
 class Node:
@@ -67,7 +80,8 @@ class Node:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         await asyncio.to_thread(self.plane.kubectl, "patch", "node", NODE,
                                 "--subresource=status", "--type=merge", "-p", json.dumps(
-            {"status": {"conditions": [{"type": "Ready", "status": "True",
+            {"status": {"nodeInfo": {"bootID": BOOT},
+                        "conditions": [{"type": "Ready", "status": "True",
                                         "reason": "KubeletReady", "lastHeartbeatTime": stamp,
                                         "lastTransitionTime": stamp}]}}))
 
@@ -100,7 +114,7 @@ async def kube(plane: ControlPlane) -> AsyncIterator[Kube]:
 async def test_a_stale_return_never_uncordons_the_node_a_new_drain_cordoned(
         node: Node, kube: Kube, tmp_path: Path) -> None:
     agent = Agent(parse(KUBE_CONFIG.format(root=tmp_path), "test.toml"))
-    fake = FakeLibvirt(agent)
+    fake = Guest(agent)
     agent.libvirt = fake  # type: ignore[assignment]
     agent._fatal = asyncio.get_running_loop().create_future()
     agent.cluster = KubeCluster(kube, agent.cfg, remember_cordon=agent._remember_cordon)
@@ -127,7 +141,7 @@ async def test_a_cordon_of_ours_lifted_by_hand_is_ours_no_more(
     administrator cordons the node: the next return leaves their cordon in place."""
     text = KUBE_CONFIG.replace('"60s"', '"0.2s"').format(root=tmp_path)
     agent = Agent(parse(text, "test.toml"))
-    fake = FakeLibvirt(agent)
+    fake = Guest(agent)
     agent.libvirt = fake  # type: ignore[assignment]
     agent._fatal = asyncio.get_running_loop().create_future()
     agent.cluster = KubeCluster(kube, agent.cfg, remember_cordon=agent._remember_cordon)

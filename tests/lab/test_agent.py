@@ -240,14 +240,16 @@ def test_libvirtd_restart_mid_game_reconnects_and_lends_back(lab: Lab) -> None:
     assert lab.state("gpu-node") == "running"
 
 
-def test_unknown_domain_in_config_is_a_clear_startup_error(lab: Lab) -> None:
+def test_an_unknown_domain_in_config_is_said_and_the_rest_goes_on(lab: Lab) -> None:
+    # An owner undefined by hand stopped the agent for good once (exit 2): the lendee
+    # kept the GPUs and every other owner's start failed on libvirt's busy device.
     lab.write_config(lab.config_text().replace("[owners.gaming2]", "[owners.gaming3]"))
     proc = lab.start_agent()
-    assert proc.wait(30) == 2
-    for text in ((lab.root / "agent.log").read_text(),
-                 lab.wait_record(event="agent", result="failed")["MESSAGE"]):
-        assert "owners.gaming3: libvirt" in text and "has no domain 'gaming3'" in text
-        assert "virsh define" in text
+    text = lab.wait_record(event="config", result="waiting")["MESSAGE"]
+    assert "owners.gaming3: libvirt" in text and "has no domain 'gaming3'" in text
+    assert "virsh define" in text
+    wait_lent(lab)
+    assert proc.poll() is None
 
 
 def test_garbage_state_file_is_kept_and_rebuilt_from_reality(lab: Lab) -> None:

@@ -96,7 +96,8 @@ def test_metrics_health_and_history_follow_a_cycle(lab: Lab, tmp_path: Path) -> 
     status, health = scrape.healthz()
     assert status == 200, health
     assert [c["check"] for c in health["checks"]] == ["libvirt", "hook socket",
-                                                      "last lend verified", "state file"]
+                                                      "last lend verified", "state file",
+                                                      "domains"]
     assert value(m, "hostagent_health_check_success", check="libvirt") == 1
 
     # gaming1 is started through libvirt: deferred, reclaimed, started by the agent.
