@@ -246,7 +246,7 @@ def test_an_unknown_domain_in_config_is_said_and_the_rest_goes_on(lab: Lab) -> N
     lab.write_config(lab.config_text().replace("[owners.gaming2]", "[owners.gaming3]"))
     proc = lab.start_agent()
     text = lab.wait_record(event="config", result="waiting")["MESSAGE"]
-    assert "owners.gaming3: libvirt" in text and "has no domain 'gaming3'" in text
+    assert "has no domain for owners.gaming3 ('gaming3')" in text
     assert "virsh define" in text
     wait_lent(lab)
     assert proc.poll() is None
