@@ -32,7 +32,8 @@ from pathlib import Path
 from hostagent.service.hotplug import HOLDERS, RELEASE_BOUND
 from tests.lab.cluster import lab_cluster
 from tests.lab.lab import LENDEE, Lab, need_lab
-from tests.lab.test_unplug_lab import define_lendee, gpu_pods, plugin_in_guest
+from tests.lab.plugins import GuestPlugins, daemonsets, operator_node
+from tests.lab.test_unplug_lab import define_lendee, gpu_pods
 
 BUSY = 5000
 # The scan hostagent ran before: a readlink per open file of the guest.
@@ -74,35 +75,38 @@ def run(runs: int) -> tuple[list[float], float, int, list[str]]:
         lab.up()
         lab.reset()
         with lab_cluster(lab, workloads=False) as kc:
-            lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig).replace(
-                "[policy]\n", '[policy]\nhotplug = "both"\n') + '\n[verify]\ntimeout = "10s"\n')
-            define_lendee(lab, f"hostagent.busy={BUSY}")
-            lab.start_agent()
-            wait_for(lambda: lab.records(event="phase", to="lent"), 300, "gpu-node lent")
-            wait_for(lambda: open_fds(lab) >= BUSY, 120, f"{BUSY} open files in the guest")
-            fds = open_fds(lab)
-            new = [timed(lab, HOLDERS) for _ in range(5)]
-            old = timed(lab, PER_FD)
-            print(f"holder scan at {fds} fds: one scan median {statistics.median(new):.2f}s, "
-                  f"per fd {old:.1f}s", file=sys.stderr)
-            plugin_in_guest(lab, kc)
-            for n in range(runs):
-                wait_for(lambda: lent_all(lab), 300, "gpu-node lent all three GPUs")
-                jobs = {f"train-a{n}": "gpu-a", f"train-c{n}": "gpu-c"}
-                gpu_pods(lab, kc, jobs)
-                before = len(lab.records(event="hotplug", result="failed"))
-                lab.ask("gaming1")
-                lab.wait_record(300, event="intent", vm="gaming1", to="done")
-                failed = lab.records(event="hotplug", result="failed")[before:]
-                outcomes.append("restart" if failed else "live")
-                print(f"run {n + 1}/{runs}: gpu-a left gpu-node "
-                      f"{'by restart: ' + failed[0]['MESSAGE'] if failed else 'live'}",
-                      file=sys.stderr)
-                for job in jobs:
-                    kc.delete_job(job)
-                lab.wait_agent("gaming1", timeout=120)
-                lab.virsh("shutdown", "--mode", "agent", "gaming1")
-                lab.wait_state("gaming1", "shut off", timeout=60)
+            # The node as gpu-operator makes it: the device plugin's DaemonSet, a DCGM
+            # exporter and GFD, each pod's process in the guest holding the GPUs.
+            operator_node(kc)
+            with GuestPlugins(lab, kc, daemonsets("operator")).running():
+                lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig).replace(
+                    "[policy]\n", '[policy]\nhotplug = "both"\n') + '\n[verify]\ntimeout = "10s"\n')
+                define_lendee(lab, f"hostagent.busy={BUSY}")
+                lab.start_agent()
+                wait_for(lambda: lab.records(event="phase", to="lent"), 300, "gpu-node lent")
+                wait_for(lambda: open_fds(lab) >= BUSY, 120, f"{BUSY} open files in the guest")
+                fds = open_fds(lab)
+                new = [timed(lab, HOLDERS) for _ in range(5)]
+                old = timed(lab, PER_FD)
+                print(f"holder scan at {fds} fds: one scan median {statistics.median(new):.2f}s, "
+                      f"per fd {old:.1f}s", file=sys.stderr)
+                for n in range(runs):
+                    wait_for(lambda: lent_all(lab), 300, "gpu-node lent all three GPUs")
+                    jobs = {f"train-a{n}": "gpu-a", f"train-c{n}": "gpu-c"}
+                    gpu_pods(lab, kc, jobs)
+                    before = len(lab.records(event="hotplug", result="failed"))
+                    lab.ask("gaming1")
+                    lab.wait_record(300, event="intent", vm="gaming1", to="done")
+                    failed = lab.records(event="hotplug", result="failed")[before:]
+                    outcomes.append("restart" if failed else "live")
+                    print(f"run {n + 1}/{runs}: gpu-a left gpu-node "
+                          f"{'by restart: ' + failed[0]['MESSAGE'] if failed else 'live'}",
+                          file=sys.stderr)
+                    for job in jobs:
+                        kc.delete_job(job)
+                    lab.wait_agent("gaming1", timeout=120)
+                    lab.virsh("shutdown", "--mode", "agent", "gaming1")
+                    lab.wait_state("gaming1", "shut off", timeout=60)
     finally:
         lab.down()
     return new, old, fds, outcomes
