@@ -132,19 +132,24 @@ async def test_the_former_base_topic_is_cleared_once(
     cfg = kept_in(broker, state, default=True)
     old = homeassistant.surface(device_config(broker), version="0")
     new = "homeassistant/device/hostagent_tower/config"
-    async with running(cfg, Host(), hostname="tower"):
-        async with watching(broker) as ha:
-            await ha.client.publish(old.device_topic, '{"o": "old"}', qos=1, retain=True)
+    # Watched, and the old host's message there, before the agent's first connection:
+    # its clearing cannot come before either.
+    async with watching(broker) as ha:
+        await ha.client.publish(old.device_topic, '{"o": "old"}', qos=1, retain=True)
+        await ha.until(old.device_topic, b'{"o": "old"}')
+        async with running(cfg, Host(), hostname="tower"):
             await ha.until(new)
             await ha.until(old.device_topic, b"")
-        assert (state / FORMER_CLEARED).exists()
-        # The broker restarts (it keeps nothing); the old host publishes again before the
-        # agent is back (its backoff), and the agent, back, leaves it alone.
+    assert (state / FORMER_CLEARED).exists()
+    # The broker restarts (it keeps nothing); the old host publishes again before the
+    # agent is back (its backoff), and the agent, back, leaves it alone.
+    async with running(cfg, Host(), hostname="tower"):
+        await connections(sink, 2)
         broker.stop()
         broker.start()
         async with watching(broker) as ha:
             await ha.client.publish(old.device_topic, '{"o": "old"}', qos=1, retain=True)
-            await connections(sink, 2)
+            await connections(sink, 3)
             await ha.until(new)  # its discovery comes after any clearing
             await ha.until(old.device_topic, b'{"o": "old"}')
             assert (old.device_topic, b"") not in ha.seen
@@ -152,6 +157,6 @@ async def test_the_former_base_topic_is_cleared_once(
     async with watching(broker) as ha:
         await ha.until(old.device_topic, b'{"o": "old"}')
         async with running(cfg, Host(), hostname="tower"):
-            await connections(sink, 3)
+            await connections(sink, 4)
             await ha.until(new)
         assert (old.device_topic, b"") not in ha.seen
