@@ -83,6 +83,16 @@ def missing() -> str | None:
     return None
 
 
+def former_slice(node: str) -> dict[str, Any]:
+    """A ResourceSlice of gpu.nvidia.com on `node`, as a former boot's DRA plugin left
+    it: the kubelet's start must delete it."""
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+            "metadata": {"name": f"{node}-gpu.nvidia.com-old"},
+            "spec": {"driver": "gpu.nvidia.com", "nodeName": node,
+                     "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                     "devices": [{"name": "gpu-0"}]}}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

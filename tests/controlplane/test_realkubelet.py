@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.controlplane import ControlPlane, nvidia
-from tests.controlplane.realkubelet import SYSCTLS, RealKubelet, missing
+from tests.controlplane.realkubelet import SYSCTLS, RealKubelet, former_slice, missing
 
 NODE = "real-node"
 NAMESPACE = "realkubelet"
@@ -95,12 +95,7 @@ def test_after_a_reboot_a_pod_on_a_device_not_yet_served_again_fails_admission(
             "name": "main", "image": "registry.k8s.io/pause:3.10",
             "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}))
     until(lambda: pod(plane, "gpu")["status"].get("phase") == "Running", "the GPU pod Running")
-    plane.kubectl("apply", "-f", "-", input=json.dumps({
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-        "metadata": {"name": f"{NODE}-gpu.nvidia.com-old"},
-        "spec": {"driver": "gpu.nvidia.com", "nodeName": NODE,
-                 "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1},
-                 "devices": [{"name": "gpu-0"}]}}))
+    plane.kubectl("apply", "-f", "-", input=json.dumps(former_slice(NODE)))
     before = kubelet.boot_id
 
     kubelet.stop()

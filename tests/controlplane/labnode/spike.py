@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.controlplane import ControlPlane
-from tests.controlplane.realkubelet import RealKubelet, missing
+from tests.controlplane.realkubelet import RealKubelet, former_slice, missing
 
 NODE = "lab-node"
 T0 = time.monotonic()
@@ -156,12 +156,7 @@ def run(plane: ControlPlane, kubelet: RealKubelet, idle: float) -> None:
             "/api/v1/namespaces/default/pods")["items"]))
     say(f"  ({time.monotonic() - began:.2f} s)")
 
-    plane.kubectl("apply", "-f", "-", input=json.dumps({
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
-        "metadata": {"name": f"{NODE}-gpu.nvidia.com-old"},
-        "spec": {"driver": "gpu.nvidia.com", "nodeName": NODE,
-                 "pool": {"name": NODE, "generation": 1, "resourceSliceCount": 1},
-                 "devices": [{"name": "gpu-0"}]}}))
+    plane.kubectl("apply", "-f", "-", input=json.dumps(former_slice(NODE)))
     old_boot = kubelet.boot_id
     kubelet.stop()
     say("kubelet stopped (a power-off); restarting it as a new boot")
