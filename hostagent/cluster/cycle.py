@@ -454,7 +454,12 @@ class KubeCluster(Lent):
             return
         deleted = await self.kube.restart_plugins(
             self.node, timeout=self.timeouts.ready, selectors=self.settings.plugin_selectors)
-        journal.record("hotplug", f"deleted {', '.join(deleted) or 'no plugin pod'} on node "
+        if not deleted:  # nothing will advertise the GPUs: the setting is wrong
+            journal.record("hotplug", f"nothing advertises {', '.join(gpus)} on node "
+                           f"{self.node}: {why}", vm=self.node, result="error",
+                           priority=journal.Priority.ERR)
+            return
+        journal.record("hotplug", f"deleted {', '.join(deleted)} on node "
                        f"{self.node} for their DaemonSet to start again, to advertise "
                        f"{', '.join(gpus)}: {why}", vm=self.node, result="warning",
                        priority=journal.Priority.WARNING)

@@ -245,3 +245,16 @@ async def test_the_static_manifest_cannot_be_paused_until_readmes_term_is_added(
         "spec": {"template": {"spec": affinity([PAUSABLE])}}})
     pausable, why = await cluster.plugins_pausable()
     assert pausable and why.endswith(f" ({DEVICE_PLUGIN}) leave node gpu-node while paused")
+
+
+async def test_a_hot_add_on_a_node_with_no_plugin_pod_is_an_error_naming_the_selectors(
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
+    """No pod matches `plugin_selectors`: nothing will advertise the added GPU, which a
+    configured lendee's plugins should: an error that says which setting to fix, not a
+    warning that "deleted no plugin pod"."""
+    cluster = KubeCluster(kube, config(), remember_cordon=lambda _: None)
+    await cluster._restart_plugins(["gpu-b"])
+    [entry] = [e for e in records.entries if e.fields.get("HOSTAGENT_EVENT") == "hotplug"]
+    assert entry.priority == journal.Priority.ERR, entry
+    assert "kubernetes.plugin_selectors" in entry.message and "gpu-b" in entry.message
+    assert entry.fields.get("HOSTAGENT_RESULT") == "error", entry.fields
