@@ -408,8 +408,8 @@ class Replay:
             case AttachGpus(ticket=t, gpus=gpus):
                 if self.measured():
                     self.f.hot_adds += 1
-                self.at(now + d.hot_add, self.deliver,
-                        GpusAttached(at=now + d.hot_add, ticket=t, gpus=gpus))
+                done = now + d.hot_add  # one reading: scheduled and stamped alike
+                self.at(done, self.deliver, GpusAttached(at=done, ticket=t, gpus=gpus))
             case DetachGpus(ticket=t, gpus=gpus):
                 if self.measured():
                     self.f.hot_unplugs += 1
@@ -417,11 +417,12 @@ class Replay:
                 self.at(now + took, self.deliver,
                         GpusDetached(at=now + took, ticket=t, gpus=gpus))
             case KubeReturn(ticket=t):
-                self.at(now + d.kube_return, self.deliver,
-                        ReturnDone(at=now + d.kube_return, ticket=t))
+                done = now + d.kube_return
+                self.at(done, self.deliver, ReturnDone(at=done, ticket=t))
             case Drain(ticket=t):
                 self.evict()
-                self.at(now + d.drain, self.deliver, Drained(at=now + d.drain, ticket=t))
+                done = now + d.drain
+                self.at(done, self.deliver, Drained(at=done, ticket=t))
             case ShutdownLendee():
                 self.at(now + d.shutdown, self.lendee_stops)
             case StartOwner(owner=o):

@@ -19,7 +19,7 @@ from bench.capacity import (
     sessions,
     varied_week,
 )
-from hostagent.core.model import Hotplug, Policy
+from hostagent.core.model import Event, Hotplug, Policy
 
 
 def test_each_reading_of_a_jittered_duration_strays_within_its_spread() -> None:
@@ -89,3 +89,25 @@ def test_a_no_show_holds_its_gpu_until_the_reservation_expires_then_it_is_lent_a
     assert f.no_show_killed <= f.jobs_killed
     played = Replay(policy, d, jobs(14), reserved=1.0).run()
     assert played.no_shows == 0 and played.no_show_idle_gs == 0
+
+
+class _Stamps(Replay):
+    """A replay that notes every event delivered at another time than its stamp."""
+
+    late: list[tuple[float, float, str]]
+
+    def deliver(self, event: Event) -> None:
+        if abs(event.at - self.now) > 1e-9:
+            self.late.append((self.now, event.at, type(event).__name__))
+        super().deliver(event)
+
+
+def test_each_event_is_stamped_with_the_time_it_is_delivered_at() -> None:
+    # A jittered duration is one reading: the event that ends a step must be scheduled
+    # and stamped with the same one, or the machine reads a drain's end at another time
+    # than the clock it arrived on.
+    for policy in (Policy(), Policy(hotplug=Hotplug.BOTH)):
+        r = _Stamps(policy, Durations(), jobs(14), spread=0.5, seed=3)
+        r.late = []
+        r.run()
+        assert r.late == []
