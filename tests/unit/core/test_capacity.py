@@ -173,7 +173,9 @@ def test_the_model_is_the_same_twice_and_the_goals_say_where_they_miss() -> None
     assert (a.share, a.killed, a.gpu_waits) == (b.share, b.killed, b.gpu_waits)
     assert 0 < a.share <= 1 and a.job_hours > 0
     r = Run(PER_GPU, [(w, a)], [])
-    share, outside, wait = (goal_cell(r, g) for g in GOALS)
+    share, outside, wait, _ = (goal_cell(r, g) for g in GOALS)
     assert outside == "met"
-    assert wait.startswith("MISSED") and "medium" in wait  # the guest's shutdown, ~30 s
+    # Its band and its schedule (the other groups have no week here): the guest's
+    # shutdown, ~30 s.
+    assert wait.startswith("MISSED in 2 of 7, worst ")
     assert share == "met" or share.startswith("MISSED")
