@@ -71,8 +71,9 @@ class Durations:
                             "behind a PodDisruptionBudget (bench/RESULTS.md), and the issue's "
                             "2 s on an idle node")
     drain_tail: Dist = Dist(2.0, 0.3, source="after a pod's grace period: the kubelet's SIGKILL, "
-                            "its status and the pod's deletion seen (kubectl drain polls each "
-                            "second); 30 s grace + this is the issue's 32 s")
+                            "its status and the pod's deletion seen (hostagent.cluster.drain "
+                            "reads each second as kubectl drain does, and at a watch's event); "
+                            "30 s grace + this is the issue's 32 s")
     accept: Dist = Dist(0.3, 0.3, source="virsh start to the evictions accepted by the API "
                         "server: the lab, 131 ms median to the first (bench/RESULTS.md)")
     shutdown: Dist = Dist(30.0, 0.3, tail_p=0.05, tail=90.0, source="a k3s guest's "
