@@ -100,7 +100,10 @@ class Config:
     policy: Policy = Policy()
     grace: float | None = None  # the eviction grace of an unplanned start's drain
     precordon: bool = False  # cordon ahead of the owner's usual start
-    early_shutdown: bool = False  # the guest's shutdown begins once evictions are accepted
+    # The guest's shutdown begins once the evictions are accepted, and runs beside them:
+    # taken to end the pods' containers by their grace's end (a guest whose containerd
+    # leaves them to systemd's final kill would wait up to 90 s for one ignoring SIGTERM).
+    early_shutdown: bool = False
     power_off: bool = False  # not built: the drained lendee powered off, not shut down
     fallback: float = 0.0  # the share of live detaches that fail (a restart follows)
 
