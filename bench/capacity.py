@@ -279,7 +279,8 @@ def main() -> int:
     note = (f"Capacity: {len(ws)} weeks ({len(SEEDS)} per schedule and load) replayed "
             f"through the machine on a real host's step durations (bench/capacity.py, "
             f"bench/capacity_inputs.py); the wait is for the GPU (asked → libvirt starts "
-            f"the VM); live detaches fail at the rate each column names.")
+            f"the VM); live detaches fail at the rate each column names (a column without "
+            f"hot-unplug detaches nothing live: no rate applies to it).")
     print(note)
     if opts.markdown:
         with opts.markdown.open("a") as f:
