@@ -330,53 +330,41 @@ def test_the_latest_benchmarks_are_bench_results() -> None:
     assert f"commit {measured[2]}" in text
 
 
-def test_the_capacity_paragraph_is_bench_results() -> None:
-    t = results()["capacity: per week"]
-    columns = t[""][1:]
+def capacity_tables() -> list[list[list[str]]]:
+    """README's capacity tables, as bench/RESULTS.md has the model's: the goals by
+    configuration, and the lent share and the unplanned wait per load."""
+    t = results()
+    goals = next(v for k, v in t.items() if k.startswith("capacity: goals"))
+    names = goals[""][1:]
+    first = ["configuration (10 % fallback)", *(row for row in goals if row)]
+    by_config = [first] + [[name, *(goals[row][1 + i] for row in goals if row)]
+                           for i, name in enumerate(names)]
+    bands = [next(v for k, v in t.items() if k.startswith(f"capacity: {band} load"))
+             for band in ("light", "medium", "saturated")]
+    share, wait = "lent share: median / 10th percentile", "unplanned wait for the GPU: median / 90th"
+    outside = "outside the reclaimed GPU: median / 90th (all weeks)"
+    columns = bands[0][""][1:]
+    loads = [["configuration", "lent share, light / medium / saturated (median / 10th)",
+              "wait for the GPU, light / medium / saturated (median / 90th)",
+              "jobs killed outside the reclaimed GPU, 60 weeks"]]
+    for i, name in enumerate(columns):
+        killed = sum(int(re.search(r"\((\d+)\)", b[outside][1 + i])[1])  # type: ignore[index]
+                     for b in bands)
+        loads.append([name, "; ".join(b[share][1 + i] for b in bands),
+                      "; ".join(b[wait][1 + i] for b in bands), str(killed)])
+    return [by_config, loads]
 
-    def cell(row: str, column: str) -> str:
-        return t[row][1 + columns.index(column)]
 
-    named = re.search(r"budget: the default \((.*?)\) lends", RESULTS.read_text())
-    assert named, "bench/RESULTS.md says which column is the default"
-    default = named[1]
-    share = "lent share (GPU-s lent ÷ GPU-s no owner holds)"
-    killed = "GPU jobs killed in all (each starts over)"
-    restarts = "restarts that killed a running GPU job"
-    paragraph = section("Partial lending: the lendee keeps every GPU no game needs")
-    paragraph = paragraph[paragraph.index("What it is worth"):]
-    said = " ".join(paragraph.split())
-    for column in ("all or nothing", "partial, always", "when-idle, no limit", default):
-        assert f"{cell(share, column)}" in said, (column, cell(share, column))
-        assert f"kills {cell(killed, column)} " in said, (column, cell(killed, column))
-    by_regrow = re.fullmatch(r"(\d+) \((\d+) by a regrow\)", cell(restarts, "partial, always"))
-    assert by_regrow and f"{by_regrow[2]} of its {by_regrow[1]} restarts that killed" in said
-    assert f"waits {cell('a regrow waiting for the node to be idle', 'when-idle, no limit')}" \
-        in said
-    weeks = next(r for r in t if r.endswith("budget met"))
-    assert f"{cell(weeks, default)} weeks" in said
-    budget = "budget: lent share ≥ 99 %"
-    verdict = {"met": "meets the budget", "MISSED": "short of the budget"}
-    assert f"{cell(share, default)}, {verdict[cell(budget, default)]}" in said
-    capped = "when-idle ≤ 2 min"
-    assert (f"lends {cell(share, capped)} and {verdict[cell(budget, capped)]} in "
-            f"{cell(weeks, capped)} weeks") in said
-    assert f"kills {cell(killed, capped)} jobs" in said
-    hotplug = "default, hot-add + hot-unplug"
-    assert f"the default lends {cell(share, hotplug)} with no restart and kills " \
-        f"{cell(killed, hotplug)} jobs" in said
-    # Hot-unplug's sentence, against hot-add alone.
-    both, add = "default, hot-add + hot-unplug", "default, hot-add"
-    unplug = section("Partial lending: the lendee keeps every GPU no game needs")
-    unplug = " ".join(unplug[unplug.index("### Hot-unplug on reclaim"):].split())
-    mean = next(r for r in t if r.endswith("GPU jobs killed, mean per week"))
-    wait = "longest wait of a player"
-    assert (f"lends {cell(share, both)} of the GPU time no game uses with no restart of the "
-            f"lendee, and kills {cell(killed, both)} GPU jobs") in unplug
-    assert cell("lendee restarts", both) == "0"
-    assert f"({cell(mean, both)} a week over 30 weeks" in unplug
-    assert f"against {cell(mean, add)} with hot-add alone" in unplug
-    assert f"is {cell(wait, both)} against {cell(wait, add)}" in unplug
+def markdown_table(rows: list[list[str]]) -> str:
+    return "\n".join([f"| {' | '.join(rows[0])} |", "|---" * len(rows[0]) + "|",
+                      *(f"| {' | '.join(r)} |" for r in rows[1:])])
+
+
+def test_the_capacity_tables_are_bench_results() -> None:
+    text = section("Benchmarks")
+    for table in capacity_tables():
+        assert markdown_table(table) in text, (
+            "README's capacity table, from bench/RESULTS.md:\n" + markdown_table(table))
 
 
 def test_the_timeline_is_a_partial_swap() -> None:
