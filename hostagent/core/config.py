@@ -359,7 +359,7 @@ class Policy:
     partial: bool = field(default=True, metadata=_key(_bool))
     regrow: Regrow = field(default=Regrow.WHEN_IDLE, metadata=_key(_choice(Regrow)))
     # A when-idle regrow restarts the lendee anyway after this long, killing the GPU jobs
-    # that run; None: never. Waiting leaves the freed GPUs idle: bench/capacity.py weighs it.
+    # that run; None: never. Waiting leaves the freed GPUs idle meanwhile.
     regrow_max_wait: float | None = field(default=None, metadata=_key(_optional_duration))
     # "add": GPUs a game freed are attached to the running lendee, no drain, no restart;
     # "both": an owner's GPUs are detached live too, the restart its fallback; "auto":
