@@ -122,9 +122,11 @@ def host_slug(host: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", host.split(".")[0]) or "_"
 
 
-def surface(cfg: Config, *, version: str, host: str = "", base: str | None = None) -> Surface:
+def surface(cfg: Config, *, version: str, host: str = "", base: str | None = None,
+            node: str | None = None) -> Surface:
     """The device of `cfg` (which has an [mqtt] section) on `host`; `base`: under that
-    base topic instead of the configuration's."""
+    base topic instead of the configuration's; `node`: with that device id instead of
+    the one the base topic makes (the id kept when the host was renamed)."""
     mqtt = cfg.mqtt
     assert mqtt is not None
     base = base or mqtt.base_topic
@@ -136,7 +138,7 @@ def surface(cfg: Config, *, version: str, host: str = "", base: str | None = Non
             raise ValueError("mqtt.base_topic is not set: the host's name makes the default")
         base = f"{FORMER_BASE}/{host_slug(host)}"
     owners = list(cfg.owners)
-    node = re.sub(r"[^A-Za-z0-9_-]", "_", base)
+    node = node or re.sub(r"[^A-Za-z0-9_-]", "_", base)
     return Surface(prefix=mqtt.discovery_prefix, base=base, node=node, name=name,
                    version=version, lendee=cfg.lendee.domain, owners=_slugs(owners),
                    gpus=_slugs(sorted(set(cfg.lendee.gpus).union(
