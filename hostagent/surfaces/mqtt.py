@@ -37,6 +37,8 @@ the state directory (``mqtt-client-id``, mode 0600): a broker user who knew the 
 could connect with it, and the broker would drop the agent and publish its will. What
 the former default base topic (``hostagent``) held is cleared once per install (the
 marker ``mqtt-former-cleared``), not at each connection.
+The device id in use is kept with the base topic (`mqtt_kept`), so renaming the host
+keeps Home Assistant's device and entities; a publish the broker refuses is journaled.
 
 Availability is the client's last will: ``<base>/availability`` is ``offline`` when the
 agent stops or its connection dies, ``online`` while it is connected. When Home
