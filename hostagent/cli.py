@@ -138,6 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     li.add_argument("--sysfs", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     un = _command(sub, "unmark-node")
     un.add_argument("--dry-run", action="store_true", help="say what it would take off")
+    un.add_argument("--kubeconfig", type=Path, metavar="PATH",
+                    help="the cluster's kubeconfig, instead of the configuration's (NixOS: "
+                         "the unit's credential is gone once it stops; give kubeconfigFile)")
     cf = _command(sub, "config")
     cf_sub = cf.add_subparsers(dest="config_command", required=True, metavar="COMMAND")
     ini = _command(cf_sub, "init")
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"hostagent: warning: {warning}", file=sys.stderr)
         return 2
     if args.command == "unmark-node":
-        return _unmark_node(cfg, dry_run=args.dry_run)
+        return _unmark_node(cfg, dry_run=args.dry_run, kubeconfig=args.kubeconfig)
     if args.command == "check-config":
         print(f"{args.config}: OK ({len(cfg.gpus)} GPUs, {len(cfg.owners)} owners, "
               f"lendee {cfg.lendee.domain})")
@@ -519,7 +522,8 @@ def _history(args: argparse.Namespace) -> int:
     return 0
 
 
-def _unmark_node(cfg: configuration.Config, *, dry_run: bool) -> int:
+def _unmark_node(cfg: configuration.Config, *, dry_run: bool,
+                 kubeconfig: Path | None = None) -> int:
     """`hostagent unmark-node`: for an uninstall, or a node that leaves hostagent's care."""
     if cfg.kubernetes is None:
         print("hostagent: the configuration has no [kubernetes] section: hostagent put "
@@ -542,6 +546,9 @@ def _unmark_node(cfg: configuration.Config, *, dry_run: bool) -> int:
     from hostagent.cluster.cycle import parse_taint
     from hostagent.cluster.kube import Kube, KubeError
     k = cfg.kubernetes
+    if kubeconfig is not None:
+        import dataclasses
+        k = dataclasses.replace(k, kubeconfig=kubeconfig.absolute())
 
     async def unmark() -> list[str]:
         async with await Kube.from_config(k) as kube:
@@ -553,6 +560,11 @@ def _unmark_node(cfg: configuration.Config, *, dry_run: bool) -> int:
         removed = asyncio.run(unmark())
     except KubeError as e:
         print(f"hostagent: {clean(str(e), None)}", file=sys.stderr)
+        if kubeconfig is None and k.kubeconfig is not None and not k.kubeconfig.exists():
+            # NixOS's kubeconfigFile is a credential of the unit, removed when it stops.
+            print("hostagent: give the cluster's kubeconfig with --kubeconfig PATH (on "
+                  "NixOS the file services.hostagent.kubeconfigFile names: the unit's "
+                  "credential is gone once it stops)", file=sys.stderr)
         return 1
     verb = "would take off" if dry_run else "took off"
     if not removed:

@@ -121,7 +121,8 @@ NOT_RUN: list[tuple[str, str]] = [
      "leave as it was (tests/lab/test_lab.py checks)."),
     (r"systemctl (enable --now hostagent|restart libvirtd|stop hostagent|edit hostagent|"
      r"show -p Requires libvirt-guests|is-system-running)"
-     r"|systemctl stop hostagent && hostagent unmark-node", f"it {MACHINE_SYSTEMD}."),
+     r"|systemctl stop hostagent && hostagent unmark-node( --kubeconfig \S+)?",
+     f"it {MACHINE_SYSTEMD}."),
     (r"systemctl restart nvidia-container-toolkit-cdi-generator\.service",
      "a value for lendee.cdi_refresh, run in a NixOS lendee's guest with NVIDIA's toolkit; "
      "tests/lab/test_hotplug_lab.py runs the lab's nvidia-ctk cdi generate there instead."),
