@@ -101,6 +101,7 @@ class Verbs:
             "gpus": gpus,
             "verified": self.facts.verified,
             "owners": {o: o in state.running_owners for o in sorted(topo.owners)},
+            "starting": sorted(state.starting_owners),  # libvirt starts them now
             "intents": [{"id": i.id, "owner": i.owner, "source": i.source.value,
                          "age_s": round(now - i.created_at, 1)} for i in state.intents],
             "reservations": self.reservations.status(),
