@@ -112,6 +112,10 @@ def _parser() -> argparse.ArgumentParser:
     when.add_argument("--at", metavar="TIME", help=(
         "HH:MM (the next time the clock shows it) or a date and time, 2026-12-04T20:00"))
     when.add_argument("--cancel", action="store_true", help="drop its reservation")
+    rs.add_argument("--every", metavar="DAYS", help=(
+        "with --at HH:MM, again and again: daily, weekdays, weekends or mon,wed,fri"))
+    rs.add_argument("--all", action="store_true",
+                    help="with --cancel: the whole series, not only its next occurrence")
     rs.add_argument("--json", action="store_true", help="machine-readable output")
     _command(sub, "check-config")
     hi = _command(sub, "history")
@@ -165,7 +169,10 @@ def _following(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "reserve" and (args.all and not args.cancel or args.every and args.cancel):
+        parser.error("reserve: --every goes with --at, --all with --cancel")
     # These work before there is a configuration (config init writes the first one).
     if args.command == "gpus":
         return _gpus(args)
@@ -204,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         return follow(cfg.control_socket, args.command,
                       {"vm": args.vm} if args.command != "reclaim" else {},
                       json_lines=args.json, timeout=args.timeout)
-    verb_args = ({"vm": args.vm, **({"cancel": True} if args.cancel else {"at": args.at})}
-                 if args.command == "reserve" else {})
+    verb_args = _reserve_args(args) if args.command == "reserve" else {}
     try:
         reply = _last(request(cfg.control_socket, args.command, verb_args))
     except ControlError as e:
@@ -572,6 +578,14 @@ def _unmark_node(cfg: configuration.Config, *, dry_run: bool,
     for what in removed:
         print(f"{cfg.lendee.node}: {verb} {clean(what, None)}")
     return 0
+
+
+def _reserve_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The reserve verb's arguments: a time (of a series, with --every), or a cancel (of
+    the whole series, with --all)."""
+    if args.cancel:
+        return {"vm": args.vm, "cancel": True, **({"every": True} if args.all else {})}
+    return {"vm": args.vm, "at": args.at, **({"every": args.every} if args.every else {})}
 
 
 def _last(replies: Any) -> dict[str, Any]:
