@@ -19,10 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from hostagent.core import config
 from hostagent.host import journal
 from hostagent.surfaces.mqtt import DEVICE_FILE
 from tests.mosquitto import ACL, MISSING, Mosquitto
-from tests.unit.surfaces.test_mqtt import WAIT, Host, recorded, running, watching
+from tests.unit.surfaces.test_homeassistant import CONFIG
+from tests.unit.surfaces.test_mqtt import (
+    WAIT, Host, device_config, recorded, running, watching)
 from tests.unit.surfaces.test_mqtt_trust import kept_in
 
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
@@ -106,3 +109,25 @@ async def test_a_publish_the_broker_refuses_is_journaled_with_its_reason(
     assert "hostagent/phase/state" in refused[0].message
     assert "Not authorized" in refused[0].message and "0x87" in refused[0].message
     assert refused[0].priority == journal.Priority.WARNING
+
+
+async def test_a_base_topic_changed_by_hand_is_a_new_device_and_the_former_one_is_cleared(
+        broker: Mosquitto, sink: journal.ListSink, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+
+    state.mkdir()
+
+    def by_hand(base: str) -> config.Config:
+        return device_config(broker, text=f'state_dir = "{state}"\n' + CONFIG.replace(
+            'base_topic = "hostagent"', f'base_topic = "{base}"'))
+
+    async with watching(broker) as ha:
+        async with running(by_hand("hostagent/tower"), Host(), hostname="tower"):
+            await ha.until("homeassistant/device/hostagent_tower/config")
+            await ha.until("hostagent/tower/phase/state", b"off")
+        async with running(by_hand("hostagent/attic"), Host(), hostname="tower"):
+            await ha.until("homeassistant/device/hostagent_attic/config")
+            await ha.until("homeassistant/device/hostagent_tower/config", b"")
+            await ha.until("hostagent/tower/phase/state", b"")
+    renamed = [e.message for e in sink.entries if e.fields.get("HOSTAGENT_RESULT") == "renamed"]
+    assert renamed and "is a new device (hostagent_attic" in renamed[0]
