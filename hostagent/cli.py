@@ -112,6 +112,10 @@ def _parser() -> argparse.ArgumentParser:
     when.add_argument("--at", metavar="TIME", help=(
         "HH:MM (the next time the clock shows it) or a date and time, 2026-12-04T20:00"))
     when.add_argument("--cancel", action="store_true", help="drop its reservation")
+    rs.add_argument("--every", metavar="DAYS", help=(
+        "with --at HH:MM, again and again: daily, weekdays, weekends or mon,wed,fri"))
+    rs.add_argument("--all", action="store_true",
+                    help="with --cancel: the whole series, not only its next occurrence")
     rs.add_argument("--json", action="store_true", help="machine-readable output")
     _command(sub, "check-config")
     hi = _command(sub, "history")
@@ -138,6 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     li.add_argument("--sysfs", type=Path, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     un = _command(sub, "unmark-node")
     un.add_argument("--dry-run", action="store_true", help="say what it would take off")
+    un.add_argument("--kubeconfig", type=Path, metavar="PATH",
+                    help="the cluster's kubeconfig, instead of the configuration's (NixOS: "
+                         "the unit's credential is gone once it stops; give kubeconfigFile)")
     cf = _command(sub, "config")
     cf_sub = cf.add_subparsers(dest="config_command", required=True, metavar="COMMAND")
     ini = _command(cf_sub, "init")
@@ -162,7 +169,10 @@ def _following(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command == "reserve" and (args.all and not args.cancel or args.every and args.cancel):
+        parser.error("reserve: --every goes with --at, --all with --cancel")
     # These work before there is a configuration (config init writes the first one).
     if args.command == "gpus":
         return _gpus(args)
@@ -183,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"hostagent: warning: {warning}", file=sys.stderr)
         return 2
     if args.command == "unmark-node":
-        return _unmark_node(cfg, dry_run=args.dry_run)
+        return _unmark_node(cfg, dry_run=args.dry_run, kubeconfig=args.kubeconfig)
     if args.command == "check-config":
         print(f"{args.config}: OK ({len(cfg.gpus)} GPUs, {len(cfg.owners)} owners, "
               f"lendee {cfg.lendee.domain})")
@@ -201,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         return follow(cfg.control_socket, args.command,
                       {"vm": args.vm} if args.command != "reclaim" else {},
                       json_lines=args.json, timeout=args.timeout)
-    verb_args = ({"vm": args.vm, **({"cancel": True} if args.cancel else {"at": args.at})}
-                 if args.command == "reserve" else {})
+    verb_args = _reserve_args(args) if args.command == "reserve" else {}
     try:
         reply = _last(request(cfg.control_socket, args.command, verb_args))
     except ControlError as e:
@@ -519,7 +528,8 @@ def _history(args: argparse.Namespace) -> int:
     return 0
 
 
-def _unmark_node(cfg: configuration.Config, *, dry_run: bool) -> int:
+def _unmark_node(cfg: configuration.Config, *, dry_run: bool,
+                 kubeconfig: Path | None = None) -> int:
     """`hostagent unmark-node`: for an uninstall, or a node that leaves hostagent's care."""
     if cfg.kubernetes is None:
         print("hostagent: the configuration has no [kubernetes] section: hostagent put "
@@ -542,6 +552,9 @@ def _unmark_node(cfg: configuration.Config, *, dry_run: bool) -> int:
     from hostagent.cluster.cycle import parse_taint
     from hostagent.cluster.kube import Kube, KubeError
     k = cfg.kubernetes
+    if kubeconfig is not None:
+        import dataclasses
+        k = dataclasses.replace(k, kubeconfig=kubeconfig.absolute())
 
     async def unmark() -> list[str]:
         async with await Kube.from_config(k) as kube:
@@ -553,6 +566,11 @@ def _unmark_node(cfg: configuration.Config, *, dry_run: bool) -> int:
         removed = asyncio.run(unmark())
     except KubeError as e:
         print(f"hostagent: {clean(str(e), None)}", file=sys.stderr)
+        if kubeconfig is None and k.kubeconfig is not None and not k.kubeconfig.exists():
+            # NixOS's kubeconfigFile is a credential of the unit, removed when it stops.
+            print("hostagent: give the cluster's kubeconfig with --kubeconfig PATH (on "
+                  "NixOS the file services.hostagent.kubeconfigFile names: the unit's "
+                  "credential is gone once it stops)", file=sys.stderr)
         return 1
     verb = "would take off" if dry_run else "took off"
     if not removed:
@@ -560,6 +578,14 @@ def _unmark_node(cfg: configuration.Config, *, dry_run: bool) -> int:
     for what in removed:
         print(f"{cfg.lendee.node}: {verb} {clean(what, None)}")
     return 0
+
+
+def _reserve_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The reserve verb's arguments: a time (of a series, with --every), or a cancel (of
+    the whole series, with --all)."""
+    if args.cancel:
+        return {"vm": args.vm, "cancel": True, **({"every": True} if args.all else {})}
+    return {"vm": args.vm, "at": args.at, **({"every": args.every} if args.every else {})}
 
 
 def _last(replies: Any) -> dict[str, Any]:

@@ -20,6 +20,31 @@ let
   format = pkgs.formats.toml { };
 
   configPath = "/etc/hostagent/config.toml";
+
+  # The port of a `listen` setting (a port number, "host:port", "[v6]:port" or ":port"),
+  # or null where it listens on loopback alone or is not set (TOML has no null).
+  listenPort =
+    listen:
+    let
+      parts = if builtins.isString listen then builtins.match "(.*):([0-9]+)" listen else null;
+      loopback = parts != null && builtins.elem (lib.toLower (builtins.head parts)) [
+        "127.0.0.1"
+        "[::1]"
+        "localhost"
+      ];
+    in
+    if builtins.isInt listen then
+      listen
+    else if parts == null || loopback then
+      null
+    else
+      lib.toInt (builtins.elemAt parts 1);
+  openPorts = builtins.filter (p: p != null) (
+    map listenPort [
+      (cfg.settings.ssh.listen or null)
+      (cfg.settings.metrics.listen or null)
+    ]
+  );
   # Where systemd puts the kubeconfig it reads for the service (LoadCredential=).
   kubeconfigCredential = "/run/credentials/hostagent.service/kubeconfig";
   # And the MQTT broker's password ([mqtt] password_file).
@@ -85,11 +110,19 @@ in
   options.services.hostagent = {
     enable = lib.mkEnableOption "hostagent, which lends idle passthrough GPUs to a Kubernetes worker VM";
 
-    package = mkOption {
-      type = types.package;
-      default = pkgs.hostagent or (pkgs.callPackage ./package.nix { });
-      defaultText = lib.literalExpression "pkgs.callPackage ./nix/package.nix { }";
-      description = "The hostagent package. The libvirt hook comes from it too.";
+    # pkgs.hostagent where the flake's overlay adds it, else this checkout's package.
+    package = lib.mkPackageOption (pkgs // { hostagent = pkgs.hostagent or (pkgs.callPackage ./package.nix { }); }) "hostagent" {
+      extraDescription = "The libvirt hook comes from it too. Without `pkgs.hostagent` (the flake's `overlays.default` adds it), the package of `nix/package.nix` beside this module.";
+    };
+
+    openFirewall = mkOption {
+      type = types.bool;
+      default = false;
+      description = ''
+        Open the TCP ports of the SSH endpoint (`settings.ssh.listen`) and of the
+        metrics (`settings.metrics.listen`) in the NixOS firewall, which is on by
+        default; a listener on loopback alone (`127.0.0.1`, `[::1]`) needs none.
+      '';
     };
 
     settings = mkOption {
@@ -399,6 +432,7 @@ in
     environment.etc."hostagent/qemu-hook".source = "${cfg.package}/libexec/hostagent/qemu-hook";
 
     environment.etc."hostagent/config.toml".source = configFile;
+    networking.firewall.allowedTCPPorts = lib.mkIf cfg.openFirewall openPorts;
     environment.systemPackages = [ cfg.package ];
 
     users.groups = lib.mkIf (cfg.controlSocketGroup != null) { ${cfg.controlSocketGroup} = { }; };

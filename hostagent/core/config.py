@@ -132,6 +132,10 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     vms = ["gaming1"]                       # the owners it may start and stop; default: all
     per_entity = false                      # true: one discovery message per entity
 
+    [notify]                                # a POST before each drain; off without it
+    url = "https://hooks.lan/gaming-host"   # http(s), a JSON body: event, node, for, ...
+    timeout = "2s"                          # the drain waits this long at most (<= 10s)
+
 Rules beyond the types:
 
 - A GPU reference (in ``lendee.gpus`` or ``owners.*.gpus``) is a label from ``[gpus]``,
@@ -206,16 +210,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from hostagent.core.config_read import (  # the readers of each key
     TOP_LEVEL_KEYS, MQTT_VERBS, LogLevel, _GPU_REFS, _Problem, _READ, _absolute_path,
     _annotation_prefix, _bool, _broker, _build, _canonical_pci, _choice, _control_verbs,
     _count, _duration, _expected, _gather, _group, _guest_command, _join, _key, _label_key,
-    _label_key_or_off,
-    _label_selector, _list, _listen, _listen_or_port, _mqtt_verb, _optional_duration,
-    _optional_path, _pci, _port, _positive_duration, _raise_any, _section,
+    _label_key_or_off, _label_selector, _list, _listen, _listen_or_port, _mqtt_verb,
+    _optional_duration, _optional_path, _pci, _port, _positive_duration, _raise_any, _section,
     _split_listen, _table_of, _taint, _text, _topic, parse_duration,
 )
+from hostagent.core.config_notify import Notify
 from hostagent.core.model import Hotplug, Regrow  # the machine's own policy values
 from hostagent.core.plugins import PLUGIN_LABELS, PLUGIN_SELECTORS
 
@@ -542,6 +545,7 @@ class Config:
     ssh: SshEndpoint | None = field(default=None, metadata=_key(_section(SshEndpoint)))
     # None: no [mqtt] section, no Home Assistant device.
     mqtt: Mqtt | None = field(default=None, metadata=_key(_section(Mqtt)))
+    notify: Notify | None = field(default=None, metadata=_key(_section(Notify)))
     libvirt_uri: str = field(default="qemu:///system", metadata=_key(_text))
     hook_socket: Path = field(
         default=Path("/run/hostagent/hook.sock"), metadata=_key(_absolute_path)

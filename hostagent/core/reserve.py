@@ -46,14 +46,17 @@ __all__ = [
     "At",
     "BadReservation",
     "Due",
+    "Every",
     "Reservation",
     "Timing",
     "due",
     "evict_time",
     "held",
+    "next_occurrence",
     "next_wake",
     "parse_at",
     "read_at",
+    "read_every",
     "rfc3339",
 ]
 
@@ -83,6 +86,7 @@ class Reservation:
     principal: str = ""
     yielding: bool = False
     yields_from: float | None = None
+    every: str | None = None  # one of a series (`Every`, as its str shows it)
 
     @property
     def yields_at(self) -> float:
@@ -111,6 +115,71 @@ class At:
 
     when: datetime
     note: str | None = None
+
+
+_DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+_SETS = {"daily": frozenset(range(7)), "weekdays": frozenset(range(5)),
+         "weekends": frozenset({5, 6})}
+
+
+@dataclass(frozen=True)
+class Every:
+    """The days of the week (0 Monday to 6 Sunday) and the wall time of a series."""
+
+    days: frozenset[int]
+    hour: int
+    minute: int
+
+    def __str__(self) -> str:
+        named = next((n for n, d in _SETS.items() if d == self.days), None)
+        days = named or ",".join(_DAYS[d] for d in sorted(self.days))
+        return f"{days} {self.hour:02}:{self.minute:02}"
+
+
+def read_every(text: str) -> Every:
+    """A series as people write it: days (daily, weekdays, weekends, or day names joined
+    by commas: mon,wed,fri), an optional "at", and HH:MM."""
+    words = text.strip()[:64].split()
+    if len(words) == 3 and words[1].lower() == "at":
+        words = [words[0], words[2]]
+    if len(words) != 2:
+        raise BadReservation(f"{text[:64]!r} is not a series: give days and a time, "
+                             '"weekdays 20:00", "daily 07:30" or "mon,fri 21:00"')
+    days_text, time_text = words[0].lower(), words[1]
+    days = _SETS.get(days_text)
+    if days is None:
+        names = days_text.split(",")
+        if not all(n in _DAYS for n in names):
+            raise BadReservation(f"{days_text!r} are not days: daily, weekdays, weekends, "
+                                 "or day names joined by commas (mon,wed,fri)")
+        days = frozenset(_DAYS.index(n) for n in names)
+    clock = _CLOCK.fullmatch(time_text)
+    if clock is None or int(clock[1]) > 23 or int(clock[2]) > 59:
+        raise BadReservation(f"{time_text!r} is not a time of day for a series: HH:MM, "
+                             "00:00 to 23:59")
+    return Every(days=days, hour=int(clock[1]), minute=int(clock[2]))
+
+
+def next_occurrence(every: Every, after: float, zone: tzinfo) -> tuple[float, list[str]]:
+    """The first occurrence of `every` strictly after `after`, at its wall time with
+    `zone`'s rules for that date; and the days (ISO dates) passed over because the
+    clock skips that time there."""
+    start = datetime.fromtimestamp(after, zone).date()
+    skipped = []
+    for n in range(15):  # a week, and a week more for a day skipped
+        day = start + timedelta(days=n)
+        if day.weekday() not in every.days:
+            continue
+        when = datetime(day.year, day.month, day.day, every.hour, every.minute,
+                        tzinfo=zone, fold=0)
+        try:
+            _local_time(when, zone)
+        except BadReservation:
+            skipped.append(day.isoformat())
+            continue
+        if when.timestamp() > after:
+            return when.timestamp(), skipped
+    raise BadReservation(f"{every} has no day in the next two weeks")
 
 
 def parse_at(text: str, now: datetime) -> datetime:

@@ -32,6 +32,7 @@ in ``state.toml`` under ``state_dir``::
     principal = "ssh key SHA256:…"      # who may cancel it (besides cancel-any)
     yielding = false                    # past its time, unused: another owner may start
     yields_from = 2026-01-10T22:00:00+00:00  # when it yields, if not at (it replaced one)
+    every = "weekdays 22:00"            # one of a series: the next takes its place
 
 The file is replaced atomically (temporary file, fsync, rename, fsync of the directory),
 so a crash leaves either the old state or the new one, never half of each. A file that
@@ -308,7 +309,8 @@ def _reservation(entry: object, index: int) -> Reservation:
                        holding=_get(entry, "holding", bool, False),
                        principal=_get(entry, "principal", str, ""),
                        yielding=_get(entry, "yielding", bool, False),
-                       yields_from=yields_from.timestamp() if yields_from else None)
+                       yields_from=yields_from.timestamp() if yields_from else None,
+                       every=_get(entry, "every", str, None))
 
 
 # --- writing ---------------------------------------------------------------------------
@@ -339,7 +341,8 @@ def _encode(state: State) -> dict[str, Any]:
         {"vm": r.vm, "at": _stamp(r.at), "by": r.by, "made": _stamp(r.made),
          "holding": r.holding, **({"evict_at": _stamp(r.evict_at)} if r.evict_at else {}),
          "principal": r.principal, "yielding": r.yielding,
-         **({"yields_from": _stamp(r.yields_from)} if r.yields_from is not None else {})}
+         **({"yields_from": _stamp(r.yields_from)} if r.yields_from is not None else {}),
+         **({"every": r.every} if r.every else {})}
         for r in state.reservations
     ]
     return doc

@@ -15,14 +15,17 @@ import asyncio
 import contextlib
 import logging
 import random
+import socket
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from hostagent.core import clock, machine
 from hostagent.service import hotplug
+from hostagent.surfaces import notify
 from hostagent.host import iommu, journal, lint, screenshots
 from hostagent.host import gpus as inventory
 from hostagent.host import verify as in_guest
@@ -196,6 +199,12 @@ class Executor:
     async def _drain(self, ticket: int, regrow: bool) -> None:
         state = self.view.state
         owners = [*state.waiting_owners, *(f"{o}'s reservation" for o in sorted(state.reserved))]
+        if self.cfg.notify is not None:  # told first, the drain waiting a moment at most
+            await notify.before_drain(self.cfg.notify, {
+                "event": "drain", "host": socket.gethostname(), "node": self.cfg.lendee.node,
+                "lendee": self.lendee, "for": list(state.waiting_owners),
+                "reservations": sorted(state.reserved), "regrow": regrow,
+                "time": datetime.now(UTC).isoformat(timespec="seconds")})
         held = [r.at for r in state.reservations if r.holding]
         if held and not state.waiting_owners and not regrow:
             # For reservations alone: their pods were told, and may take their full

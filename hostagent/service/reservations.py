@@ -2,7 +2,9 @@
 says what each is and decides when). One task of the agent's (`run`) sleeps until the
 next moment due or a change of state (an owner started: a reservation used), does
 what is due, and tells the machine the new list (`Reserve`), which is persisted with
-the state. Each change is one journal record (``HOSTAGENT_EVENT=reserve``)."""
+the state. Each change is one journal record (``HOSTAGENT_EVENT=reserve``). A
+reservation of a series (``every``) that ends, used, expired, yielded or cancelled
+alone, has the series' next occurrence put in its place."""
 
 from __future__ import annotations
 
@@ -95,7 +97,8 @@ class Reservations:
         return cancel_any or (bool(principal) and r.principal == principal)
 
     async def reserve(self, vm: str, at: float, *, by: str, principal: str = "",
-                      cancel_any: bool = True, note: str | None = None) -> tuple[bool, str]:
+                      cancel_any: bool = True, note: str | None = None,
+                      every: str | None = None) -> tuple[bool, str]:
         """`vm` is played from `at` (checked by the caller): (taken, one sentence saying
         what happens when, or why not). Taken only once on disk: until then the timeline
         leaves it alone, and a save that fails takes it back. Replacing a reservation
@@ -109,7 +112,8 @@ class Reservations:
         if until is not None:
             return False, (f"{vm} cannot be reserved again before {_hhmm(until)}: its last "
                            "reservation held its GPUs and went unused (policy.reserve_cooldown)")
-        new = Reservation(vm=vm, at=at, by=by, made=clock.now(), principal=principal)
+        new = Reservation(vm=vm, at=at, by=by, made=clock.now(), principal=principal,
+                          every=every)
         listed = plan.put(self.now, new)
         new = next(r for r in listed if r.vm == vm)
         self._unsaved.add(vm)
@@ -134,40 +138,56 @@ class Reservations:
                    f"period); unused by {_hhmm(at + self.timing.expiry)}, it is lent again")
         if note:
             message += f" ({note})"
+        if every:
+            message += (f"; every {every}, each occurrence reserved once the one before "
+                        "ends (--cancel drops one, --cancel --all the series)")
         if replaced is not None:
             message += f" (it replaces the one for {_hhmm(replaced.at)})"
         journal.record("reserve", message, vm=vm, result="reserved", at=_hhmm(at), by=by)
         return True, message
 
     async def cancel(self, vm: str, *, by: str, principal: str = "",
-                     cancel_any: bool = True) -> tuple[bool, str]:
+                     cancel_any: bool = True, series: bool = False) -> tuple[bool, str]:
         """Drop `vm`'s reservation, once that is on disk: (done, what happens then, or why
-        not). Only who reserved it, or a caller granted `cancel_any`, may."""
+        not); of a series, its next occurrence takes its place unless `series` (the
+        whole series is dropped). Only who reserved it, or `cancel_any`, may."""
         mine = next((r for r in self.now if r.vm == vm), None)
         if mine is None:
             return False, f"{vm} has no reservation to cancel"
         if not self._owned(mine, principal, cancel_any):
             return False, (f"{vm}'s reservation for {_hhmm(mine.at)} was made by {mine.by}: "
                            "only they, or a caller granted cancel-any, may cancel it")
-        if not self._set(plan.without(self.now, [mine])):
+        following = None
+        if mine.every and not series:
+            following = self._following(mine, await asyncio.to_thread(local_zone))
+        listed = plan.without(self.now, [mine])
+        if following is not None:
+            listed = plan.put(listed, following)
+        if not self._set(listed):
             return False, (f"{vm}'s reservation is not cancelled: the agent refused the "
                            "change (journalctl -u hostagent says why)")
         unsaved = await self.durable()
         if unsaved is not None:
-            if not any(r.vm == vm for r in self.now):  # nobody reserved it meanwhile
+            now = [r for r in self.now if r.vm == vm]
+            if now in ([], [following]):  # nobody reserved it meanwhile
                 self._set(plan.put(self.now, mine))
             return False, (f"{vm}'s reservation is not cancelled: the change could not be "
                            f"recorded ({unsaved}); ask again")
         self._cool(mine)
         message = (f"{vm}'s reservation for {_hhmm(mine.at)} is cancelled by {by}"
                    + ("; its GPUs are lent again" if mine.holding else ""))
+        if following is not None:
+            message += (f"; the next of every {mine.every} is {_hhmm(following.at)} "
+                        "(--cancel --all ends the series)")
+        elif mine.every:
+            message += f", and with it the series every {mine.every}"
         journal.record("reserve", message, vm=vm, result="cancelled", by=by)
         return True, message
 
     def status(self) -> list[dict[str, Any]]:
         return [{"vm": r.vm, "at": r.at, "by": r.by, "holding": r.holding,
                  "yielding": r.yielding, "evict_at": r.evict_at,
-                 "expires_at": r.at + self.timing.expiry}
+                 "expires_at": r.at + self.timing.expiry, "every": r.every}
                 for r in self.now]
 
     async def run(self) -> None:
@@ -216,6 +236,15 @@ class Reservations:
             self._cool(r)
         if used or ended:
             self._set(plan.without(self.now, [*used, *ended]))
+        series = [r for r in (*used, *ended) if r.every]
+        zone = await asyncio.to_thread(local_zone) if series else UTC
+        for r in series:
+            following = self._following(r, zone)
+            if following is not None and not any(x.vm == r.vm for x in self.now):
+                self._set(plan.put(self.now, following))
+                journal.record("reserve", f"{r.vm} is reserved for {_hhmm(following.at)} by "
+                               f"{r.by}: the next of every {r.every}", vm=r.vm,
+                               result="reserved", at=_hhmm(following.at), by=r.by)
         for r in due.notify:
             await self._notify(r)
         for r in plan.due(self._live(), clock.now(), self.timing).hold:
@@ -231,6 +260,24 @@ class Reservations:
                            "its time: another owner of its GPUs may start now, which ends "
                            f"it; else it keeps them from {self.lendee} until "
                            f"{_hhmm(r.at + self.timing.expiry)}", vm=r.vm, result="yielding")
+
+    def _following(self, r: Reservation, zone: tzinfo) -> Reservation | None:
+        """The occurrence of `r`'s series after `r` (and after now), or None (journaled)
+        where its series cannot be read (a state file written by hand)."""
+        assert r.every is not None
+        try:
+            every = plan.read_every(r.every)
+            at, skipped = plan.next_occurrence(every, max(r.at, clock.now()), zone)
+        except plan.BadReservation as e:
+            journal.record("reserve", f"{r.vm}'s series every {r.every[:64]!r} ends: {e}",
+                           vm=r.vm, result="dropped", priority=journal.Priority.WARNING)
+            return None
+        for day in skipped:
+            journal.record("reserve", f"{r.vm}'s series every {every} passes over {day}: "
+                           "the host's clock skips that time then (daylight saving)",
+                           vm=r.vm, result="skipped")
+        return Reservation(vm=r.vm, at=at, by=r.by, made=clock.now(), principal=r.principal,
+                           every=str(every))
 
     def _live(self) -> tuple[Reservation, ...]:
         """The reservations on disk: those `reserve` is still saving wait for it."""

@@ -101,6 +101,7 @@ class Verbs:
             "gpus": gpus,
             "verified": self.facts.verified,
             "owners": {o: o in state.running_owners for o in sorted(topo.owners)},
+            "starting": sorted(state.starting_owners),  # libvirt starts them now
             "intents": [{"id": i.id, "owner": i.owner, "source": i.source.value,
                          "age_s": round(now - i.created_at, 1)} for i in state.intents],
             "reservations": self.reservations.status(),
@@ -142,8 +143,9 @@ class Verbs:
         principal = caller.principal if caller else ""
         cancel_any = (caller.cancel_any or caller.privileged) if caller else True
         if args.get("cancel") is True:
-            ok, message = await self.reservations.cancel(vm, by=by, principal=principal,
-                                                         cancel_any=cancel_any)
+            ok, message = await self.reservations.cancel(
+                vm, by=by, principal=principal, cancel_any=cancel_any,
+                series=args.get("every") is True)
             yield ({"ok": True, "data": {"vm": vm, "message": message}} if ok else
                    {"ok": False, "error": message})
             return
@@ -154,14 +156,24 @@ class Verbs:
             return
         # The zone's rules for the target date, not today's offset (daylight saving).
         zone = await asyncio.to_thread(local_zone)
+        every = args.get("every")
         try:
-            at = reserve.read_at(text, datetime.fromtimestamp(clock.now(), zone))
+            if every is not None:  # a series: its first occurrence (`reserve.Every`)
+                if not isinstance(every, str):
+                    raise reserve.BadReservation("every takes days: daily, weekdays, "
+                                                 "weekends or mon,wed,fri")
+                series = reserve.read_every(f"{every} {text}")
+                first, _ = reserve.next_occurrence(series, clock.now(), zone)
+                at = reserve.At(when=datetime.fromtimestamp(first, zone))
+                every = str(series)
+            else:
+                at = reserve.read_at(text, datetime.fromtimestamp(clock.now(), zone))
         except reserve.BadReservation as e:
             yield {"ok": False, "error": f"cannot reserve {vm}: {e}"}
             return
         ok, message = await self.reservations.reserve(vm, at.when.timestamp(), by=by,
                                                       note=at.note, principal=principal,
-                                                      cancel_any=cancel_any)
+                                                      cancel_any=cancel_any, every=every)
         if not ok:
             yield {"ok": False, "error": message}
             return

@@ -196,7 +196,8 @@ def format_status(data: dict[str, Any]) -> str:
         held = ("its GPUs held for it now" if r["holding"] else
                 f"its GPUs taken back from {_clock(r['evict_at'])}" if r.get("evict_at")
                 else "the pods on its GPUs not told yet")
-        lines.append(f"reserved: {r['vm']} at {_clock(r['at'])} by {r['by']}: {held}; "
+        every = f" (every {r['every']})" if r.get("every") else ""
+        lines.append(f"reserved: {r['vm']} at {_clock(r['at'])}{every} by {r['by']}: {held}; "
                      f"unused, it expires at {_clock(r['expires_at'])}")
     if not data.get("libvirt_connected", True):
         lines.append("libvirt: NOT connected (reconnecting)")

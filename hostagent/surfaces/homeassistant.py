@@ -12,6 +12,8 @@ Under ``base_topic`` (``<base>``), every state retained:
 
     <base>/availability               online / offline (the client's last will)
     <base>/owner/<vm>/state, /set     ON / OFF: the VM runs; ON = play, OFF = release
+    <base>/owner/<vm>/player          what its player sees (`PLAYER_STATES`): off,
+                                      reserved, waiting for the GPU, starting, running
     <base>/owner/<vm>/reserved, /reserve   a text: the time the VM is reserved for
                                       (YYYY-MM-DDTHH:MM, "" for none); HH:MM or a date
                                       and time reserves (hostagent reserve), the word
@@ -43,10 +45,11 @@ from typing import Any
 from hostagent.core.config import Config
 from hostagent.core.model import Phase
 
-__all__ = ["FORMER_BASE", "MIGRATE", "Command", "Refused", "Surface", "cleared",
+__all__ = ["FORMER_BASE", "MIGRATE", "PLAYER_STATES", "Command", "Refused", "Surface",
+           "cleared",
            "collisions", "command", "command_topics", "components", "device_config",
-           "entity_configs", "entity_topics", "former", "host_slug", "migrating", "removals",
-           "reservation",
+           "entity_configs", "entity_topics", "former", "host_slug", "migrating", "player_state",
+           "removals", "reservation",
            "sentence", "stale_entity", "states", "surface"]
 
 ON, OFF, PRESS = "ON", "OFF", "PRESS"
@@ -60,8 +63,12 @@ MIGRATE = b'{"migrate_discovery": true}'  # Home Assistant's hand-over of an ent
 MAX_REMOVED = 64
 # The entity ids `components` makes, whatever the configuration: only those can be an
 # earlier configuration's of this device.
-_OUR_ID = re.compile(r"(owner|gpu|reserve)_[A-Za-z0-9_-]{1,52}|lent|phase|live_gpus|"
+_OUR_ID = re.compile(r"(owner|gpu|reserve|player)_[A-Za-z0-9_-]{1,52}|lent|phase|live_gpus|"
                      r"transition|hold|reclaim|lend")
+# An owner's state as its player sees it, in the order a start goes through them: a
+# reservation holds its GPUs, a start waits while the lendee gives them back, libvirt
+# starts the VM, the game runs.
+PLAYER_STATES = ("off", "reserved", "waiting for the GPU", "starting", "running")
 _PLATFORMS = frozenset({"switch", "binary_sensor", "sensor", "text", "button"})
 _WHEN = re.compile(r"[0-9][0-9T:+.Z-]{3,31}")  # a reservation's time, checked by the verb
 
@@ -122,9 +129,11 @@ def host_slug(host: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "_", host.split(".")[0]) or "_"
 
 
-def surface(cfg: Config, *, version: str, host: str = "", base: str | None = None) -> Surface:
+def surface(cfg: Config, *, version: str, host: str = "", base: str | None = None,
+            node: str | None = None) -> Surface:
     """The device of `cfg` (which has an [mqtt] section) on `host`; `base`: under that
-    base topic instead of the configuration's."""
+    base topic instead of the configuration's; `node`: with that device id instead of
+    the one the base topic makes (the id kept when the host was renamed)."""
     mqtt = cfg.mqtt
     assert mqtt is not None
     base = base or mqtt.base_topic
@@ -136,7 +145,7 @@ def surface(cfg: Config, *, version: str, host: str = "", base: str | None = Non
             raise ValueError("mqtt.base_topic is not set: the host's name makes the default")
         base = f"{FORMER_BASE}/{host_slug(host)}"
     owners = list(cfg.owners)
-    node = re.sub(r"[^A-Za-z0-9_-]", "_", base)
+    node = node or re.sub(r"[^A-Za-z0-9_-]", "_", base)
     return Surface(prefix=mqtt.discovery_prefix, base=base, node=node, name=name,
                    version=version, lendee=cfg.lendee.domain, owners=_slugs(owners),
                    gpus=_slugs(sorted(set(cfg.lendee.gpus).union(
@@ -163,6 +172,9 @@ def components(s: Surface) -> dict[str, dict[str, Any]]:
         else:
             add(f"owner_{slug}", "binary_sensor", vm, stat_t=state, pl_on=ON, pl_off=OFF,
                 dev_cla="running")
+    for slug, vm in s.owners.items():
+        add(f"player_{slug}", "sensor", f"{vm} state", stat_t=s.topic("owner", slug, "player"),
+            dev_cla="enum", ops=list(PLAYER_STATES), ic="mdi:account-clock")
     for slug, label in s.gpus.items():
         add(f"gpu_{slug}", "sensor", f"GPU {label}", stat_t=s.topic("gpu", slug, "state"),
             json_attr_t=s.topic("gpu", slug, "attributes"), ic="mdi:expansion-card")
@@ -304,10 +316,25 @@ def states(s: Surface, status: Mapping[str, Any], transition: str) -> dict[str, 
     out[s.topic("hold", "state")] = _onoff(lendee["hold"])
     reserved = {r.get("vm"): r.get("at") for r in status.get("reservations", ())}
     for slug, vm in s.owners.items():
+        out[s.topic("owner", slug, "player")] = player_state(vm, status)
+    for slug, vm in s.owners.items():
         at = reserved.get(vm)
         out[s.topic("owner", slug, "reserved")] = datetime.fromtimestamp(at).strftime(
             "%Y-%m-%dT%H:%M") if isinstance(at, (int, float)) else ""
     return out
+
+
+def player_state(vm: str, status: Mapping[str, Any]) -> str:
+    """`vm`'s state among `PLAYER_STATES`, from `hostagent status`'s data."""
+    if status.get("owners", {}).get(vm):
+        return "running"
+    if vm in status.get("starting", ()):
+        return "starting"
+    if any(i.get("owner") == vm for i in status.get("intents", ())):
+        return "waiting for the GPU"
+    if any(r.get("vm") == vm and r.get("holding") for r in status.get("reservations", ())):
+        return "reserved"
+    return "off"
 
 
 def sentence(old: Mapping[str, Any] | None, new: Mapping[str, Any]) -> str | None:

@@ -37,6 +37,8 @@ the state directory (``mqtt-client-id``, mode 0600): a broker user who knew the 
 could connect with it, and the broker would drop the agent and publish its will. What
 the former default base topic (``hostagent``) held is cleared once per install (the
 marker ``mqtt-former-cleared``), not at each connection.
+The device id in use is kept with the base topic (`mqtt_kept`), so renaming the host
+keeps Home Assistant's device and entities; a publish the broker refuses is journaled.
 
 Availability is the client's last will: ``<base>/availability`` is ``offline`` when the
 agent stops or its connection dies, ``online`` while it is connected. When Home
@@ -64,15 +66,18 @@ import aiomqtt
 
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from paho.mqtt.reasoncodes import ReasonCode
 
 from hostagent.surfaces import homeassistant as ha
 from hostagent.host import journal, trusted
 from hostagent.core.config import Config
+from hostagent.surfaces.mqtt_kept import DEVICE_FILE, Client, keep_device, kept_device
+from hostagent.surfaces.mqtt_kept import write_private as _write
 from hostagent.surfaces.control import CANCEL_ANY, Caller, Reply, VerbHandler, serving
 from hostagent.core.ratelimit import Summarised
 from hostagent.core.text import bounded_json, clean
 
-__all__ = ["COMMANDS_PER_S", "Device"]
+__all__ = ["COMMANDS_PER_S", "DEVICE_FILE", "Device"]
 
 log = logging.getLogger("hostagent")
 
@@ -151,22 +156,6 @@ def client_suffix(state_dir: Path) -> tuple[str, str | None]:
     return suffix, None
 
 
-def _write(path: Path, text: str) -> None:
-    """`text` in `path`, whole or not at all (a temporary file, fsync, rename)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="ascii") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _mark(path: Path) -> None:
     """A marker file; a state directory that cannot take it only means doing it again."""
     try:
@@ -225,6 +214,9 @@ class Device:
         self._host = host
         self.client_id = f"hostagent-{host}"
         self._former_cleared = False  # the former base topic's, once per install
+        self._cfg = cfg
+        self._renamed: ha.Surface | None = None  # the base in use before, to clear
+        self._keep = False  # the device id and base in use are to be kept (DEVICE_FILE)
         self._state_dir = cfg.state_dir
         self._status = status
         self._handlers = handlers
@@ -249,6 +241,8 @@ class Device:
         self.junk = 0  # messages refused as malformed or unexpected
         self.drops = Summarised(self._dropped_record, interval=10.0, burst=3,
                                 what="messages dropped")
+        self.denied = Summarised(self._denied_record, interval=10.0, burst=3,
+                                 what="publishes refused by the broker")
 
     @property
     def pending(self) -> Mapping[str, str]:
@@ -306,12 +300,34 @@ class Device:
         if self._former is not None:
             self._former_cleared = await asyncio.to_thread(
                 (state_dir / FORMER_CLEARED).exists)
+        self._adopt(await asyncio.to_thread(kept_device, state_dir))
         try:
             with self._follow() as updates:
                 await self._connections(updates)
         finally:
             for task in list(self._running):
                 await _stop(task)
+
+    def _adopt(self, kept: tuple[str, str] | None) -> None:
+        """Take the device id kept from an earlier run (`mqtt_kept`): on the default base
+        topic it stays when the host's name changes, so Home Assistant keeps the device
+        and its entities; a base topic that changed is cleared at the next connection."""
+        s = self.surface
+        if kept is None:
+            self._keep = True
+            return
+        base, node = kept
+        if self.settings.base_topic is None and node != s.node:
+            s = self.surface = ha.surface(self._cfg, version=_version(), host=self._host,
+                                          node=node)
+        if base != s.base:
+            self._renamed = ha.surface(self._cfg, version=_version(), base=base, node=node)
+            kept_id = "keeps its device and entities" if node == s.node else \
+                f"is a new device ({s.node}; mqtt.base_topic changed)"
+            journal.record("mqtt", f"the base topic was {base} and is now {s.base}: what "
+                           f"{base} held is cleared, and Home Assistant's device {node} "
+                           f"{kept_id}", result="renamed")
+        self._keep = kept != (s.base, s.node)
 
     async def _connections(self, updates: asyncio.Queue[Reply]) -> None:
         delay, failures = 1.0, 0
@@ -353,8 +369,9 @@ class Device:
         host, port = self.settings.address
         connect = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
         connect.MaximumPacketSize = MAX_PACKET
-        async with aiomqtt.Client(
+        async with Client(
                 host, port, username=self.settings.username, password=password,
+                refused=self._publish_refused,
                 identifier=self.client_id, keepalive=KEEPALIVE, timeout=10,
                 will=aiomqtt.Will(s.availability, ha.OFFLINE, qos=1, retain=True),
                 tls_context=tls, max_queued_incoming_messages=MAX_INCOMING, queue_type=_Inbound,
@@ -373,6 +390,7 @@ class Device:
                     await client.publish(topic, payload, qos=1, retain=True, timeout=10)
                 self._former_cleared = True
                 await asyncio.to_thread(_mark, self._state_dir / FORMER_CLEARED)
+            await self._clear_renamed(client)
             publisher = asyncio.get_running_loop().create_task(self._publish(client))
             try:
                 await client.subscribe([(t, 1) for t in (
@@ -394,6 +412,35 @@ class Device:
                         await asyncio.wait_for(client.publish(
                             s.availability, ha.OFFLINE, qos=1, retain=True), 2)
         raise aiomqtt.MqttError("the broker closed the connection")
+
+    async def _clear_renamed(self, client: aiomqtt.Client) -> None:
+        """What the base topic in use before held, deleted (not what this device still
+        publishes: the device message's topic is the same when the id was kept); then
+        the base and id in use are kept for the next start."""
+        if self._renamed is not None:
+            s = self.surface
+            current = {s.availability, *self._discovery(), *self._states}
+            for topic, payload in ha.cleared(self._renamed, self._status()).items():
+                if topic not in current:
+                    await client.publish(topic, payload, qos=1, retain=True, timeout=10)
+            self._renamed = None
+        if self._keep:
+            problem = await asyncio.to_thread(keep_device, self._state_dir,
+                                              base=self.surface.base, node=self.surface.node)
+            self._keep = False
+            if problem is not None:
+                journal.record("mqtt", f"the device id in use cannot be kept: {problem}; "
+                               "if the host is renamed, Home Assistant gets a new device",
+                               result="device-id", priority=journal.Priority.WARNING)
+
+    def _publish_refused(self, topic: str, reason: ReasonCode) -> None:
+        """The broker's acknowledgement refused a publish: it never reaches Home
+        Assistant, and only the broker's own log would say so."""
+        self.denied(clean(f"the broker {self.settings.broker} refused the message on "
+                          f"{topic}: {reason} (0x{int(reason.value):02X}); Home Assistant "
+                          "does not get it. Fix: the broker's ACL lets the agent's user "
+                          f"write {self.surface.base}/# and {self.surface.prefix}/#", 600),
+                    "refused")
 
     async def _publish(self, client: aiomqtt.Client) -> None:
         """Send what is pending, oldest first; a value replaced meanwhile goes once."""
@@ -535,6 +582,11 @@ class Device:
     @staticmethod
     def _dropped_record(message: str, count: int, reasons: dict[str, int]) -> None:
         journal.record("mqtt", message, result="dropped", count=count,
+                       priority=journal.Priority.WARNING)
+
+    @staticmethod
+    def _denied_record(message: str, count: int, reasons: dict[str, int]) -> None:
+        journal.record("mqtt", message, result="publish-refused", count=count,
                        priority=journal.Priority.WARNING)
 
     @staticmethod

@@ -332,3 +332,43 @@ def registered(home: Path) -> list[dict[str, Any]]:
     """The MQTT entities of Home Assistant's registry, as last saved."""
     registry = stored(home, "core.entity_registry")
     return [e for e in (registry or {}).get("entities", []) if e["platform"] == "mqtt"]
+
+
+def mqtt_devices(home: Path) -> dict[str, list[list[str]]]:
+    """Home Assistant's id of each MQTT device in its registry -> its identifiers."""
+    registry = stored(home, "core.device_registry")
+    return {d["id"]: d["identifiers"] for d in (registry or {}).get("devices", [])
+            if any(i[0] == "mqtt" for i in d["identifiers"])}
+
+
+async def test_renaming_the_host_keeps_the_device_and_entity_ids(
+        tmp_path: Path, sink: journal.ListSink) -> None:
+    """On the default base_topic (hostagent/<host>) the device id and the unique ids were
+    made from the host's name: renamed, the host became a new device with new entities
+    (switch.hostagent_gaming1_2). The id in use is kept in the state directory, and Home
+    Assistant follows the states to their new topics on the same device and entities."""
+    state = tmp_path / "state"
+    state.mkdir()
+    async with home_assistant_on_a_broker(tmp_path) as hass:
+        home = hass.home
+        on_default = device_config(hass.broker, text=f'state_dir = "{state}"\n' + CONFIG.replace(
+            'base_topic = "hostagent"\n', ""))
+        async with running(on_default, Host(), hostname="tower"):
+            async with asyncio.timeout(WAIT):
+                while len(registered(home)) < 12 or not mqtt_devices(home):
+                    hass.alive()
+                    await asyncio.sleep(0.5)
+        before, devices = registered(home), mqtt_devices(home)
+        den = Host()
+        den.status["lendee"]["phase"] = "draining"  # published on den's topics only
+        async with running(on_default, den, hostname="den"):
+            async with asyncio.timeout(WAIT):
+                while "phase draining" not in seen(tmp_path):
+                    hass.alive()
+                    await asyncio.sleep(0.5)
+            await hass.stop()
+    after = registered(home)
+    assert sorted((e["entity_id"], e["unique_id"], e["device_id"]) for e in after) == sorted(
+        (e["entity_id"], e["unique_id"], e["device_id"]) for e in before)
+    assert "switch.hostagent_gaming1" in [e["entity_id"] for e in after]
+    assert mqtt_devices(home) == devices

@@ -79,6 +79,7 @@ let
       check = etc.buildCommand;
       config = builtins.fromJSON etc.configFile.value;
       groups = builtins.attrNames c.users.groups;
+      ports = c.networking.firewall.allowedTCPPorts;
     };
 
   # An option type as the comparison with hostagent/core/config.py needs it.
@@ -257,6 +258,58 @@ in
       };
     }
   ]);
+
+  # openFirewall: the SSH button's port and the metrics' (a port number, ":port"), and
+  # nothing for a listener on loopback alone.
+  firewall = outcome (evalNixos [
+    module
+    {
+      virtualisation.libvirtd.enable = true;
+      services.hostagent = {
+        enable = true;
+        openFirewall = true;
+        settings = {
+          lendee = {
+            domain = "gpu-node";
+            gpus = [ "gpu-a" ];
+          };
+          gpus = { inherit gpu-a; };
+          ssh.listen = 2222;
+          metrics.listen = ":9477";
+        };
+      };
+    }
+  ]);
+  firewallLoopback = outcome (evalNixos [
+    module
+    {
+      virtualisation.libvirtd.enable = true;
+      services.hostagent = {
+        enable = true;
+        openFirewall = true;
+        settings = {
+          lendee = {
+            domain = "gpu-node";
+            gpus = [ "gpu-a" ];
+          };
+          gpus = { inherit gpu-a; };
+          ssh.listen = "[::]:2022";
+          metrics.listen = "127.0.0.1:9477";
+        };
+      };
+    }
+  ]);
+
+  # The package option as lib.mkPackageOption makes it.
+  package =
+    let
+      o = (evalNixos [ module ]).sys.options.services.hostagent.package;
+    in
+    {
+      defaultText = o.defaultText.text;
+      inherit (o) description;
+      type = o.type.name;
+    };
 
   assertions = mapAttrs (_: e: assertions e.sys) cases;
 

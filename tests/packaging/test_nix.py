@@ -215,6 +215,42 @@ def test_the_mqtt_password_is_a_credential(evaluated: dict[str, Any]) -> None:
 
 
 @needs_nixos
+def test_open_firewall_opens_the_ssh_buttons_and_the_metrics_ports(
+        evaluated: dict[str, Any]) -> None:
+    """The NixOS firewall is on by default: the SSH button and the metrics listened on a
+    port nobody could reach. openFirewall opens each that listens beyond loopback."""
+    assert evaluated["firewall"]["failed"] == []
+    assert sorted(evaluated["firewall"]["ports"]) == [2222, 9477]
+    assert evaluated["firewallLoopback"]["ports"] == [2022]
+    assert evaluated["readme"]["ports"] == []  # off by default
+
+
+@needs_nixos
+def test_the_package_option_is_mk_package_option(evaluated: dict[str, Any]) -> None:
+    package = evaluated["package"]
+    assert package["defaultText"] == "pkgs.hostagent"
+    assert package["description"].startswith("The hostagent package to use.")
+    assert package["type"] == "package"
+
+
+@needs_nixos
+def test_the_readmes_nixos_uninstall_reaches_the_cluster(evaluated: dict[str, Any]) -> None:
+    """The unit's kubeconfig is a credential systemd removes once the unit stops: README's
+    NixOS uninstall (stop, then unmark-node) gives unmark-node the file the credential
+    came from, the README example's kubeconfigFile."""
+    unit = evaluated["readme"]["unit"]
+    credential = re.search(r"^LoadCredential=kubeconfig:(\S+)$", unit, re.M)
+    assert credential is not None, unit
+    assert evaluated["readme"]["config"]["kubernetes"]["kubeconfig"].startswith(
+        "/run/credentials/")
+    text = README.read_text()
+    uninstall = text[text.index("\n## Uninstalling\n"):]
+    line = next(p for p in uninstall.split("\n\n") if p.startswith("On NixOS"))
+    assert (f"systemctl stop hostagent && hostagent unmark-node --kubeconfig "
+            f"{credential.group(1)}") in " ".join(line.split()), line
+
+
+@needs_nixos
 def test_every_assertion_fires_with_its_message(evaluated: dict[str, Any]) -> None:
     cases = evaluated["assertions"]
     failed = [m for case in cases.values() for m in case["failed"]]

@@ -51,6 +51,9 @@ RUN: list[tuple[str, str, str]] = [
     (r"hostagent release (VM|gaming1)", README_LAB, '"release", "gaming1"'),
     (r"hostagent (hold|resume|lend|reclaim)", HOLD, '"reclaim"'),
     (r"hostagent reserve (VM|gaming1 --at 20:00|gaming1 --cancel)", HOLD, '"--cancel"'),
+    (r"hostagent reserve gaming1 (--at 20:00 --every weekdays|--cancel --all)",
+     "tests/unit/cli/test_cli.py::test_reserve_takes_a_series_and_cancels_one_or_all",
+     '"--every", "weekdays"'),
     (r"hostagent check-config", README_LAB, '"check-config"'),
     (r"hostagent lint( \[DOMAIN \.\.\.\]| \[VM…\])?", README_LAB, '"lint"'),
     (r"hostagent gpus( \[--json\])?",
@@ -121,7 +124,8 @@ NOT_RUN: list[tuple[str, str]] = [
      "leave as it was (tests/lab/test_lab.py checks)."),
     (r"systemctl (enable --now hostagent|restart libvirtd|stop hostagent|edit hostagent|"
      r"show -p Requires libvirt-guests|is-system-running)"
-     r"|systemctl stop hostagent && hostagent unmark-node", f"it {MACHINE_SYSTEMD}."),
+     r"|systemctl stop hostagent && hostagent unmark-node( --kubeconfig \S+)?",
+     f"it {MACHINE_SYSTEMD}."),
     (r"systemctl restart nvidia-container-toolkit-cdi-generator\.service",
      "a value for lendee.cdi_refresh, run in a NixOS lendee's guest with NVIDIA's toolkit; "
      "tests/lab/test_hotplug_lab.py runs the lab's nvidia-ctk cdi generate there instead."),

@@ -65,3 +65,28 @@ def test_config_is_taken_before_or_after_the_command(
     assert cli.main(["--config", str(good), "check-config", "--config", str(missing)]) == 2
     assert str(missing) in capsys.readouterr().err
     assert cli.main(["--config", str(missing), "check-config"]) == 2
+
+
+def test_reserve_takes_a_series_and_cancels_one_or_all(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """hostagent reserve VM --at HH:MM --every DAYS; --cancel (the next occurrence) and
+    --cancel --all (the series): the verb's arguments, as the control socket carries them."""
+    from hostagent import cli
+    path = tmp_path / "config.toml"
+    path.write_text('[lendee]\ndomain = "gpu-node"\ngpus = ["0000:01:00.0"]\n'
+                    '[owners.gaming1]\ngpus = ["0000:01:00.0"]\n')
+    sent: list[dict[str, object]] = []
+
+    def request(socket: object, verb: str, args: dict[str, object]) -> list[dict[str, object]]:
+        sent.append(args)
+        return [{"ok": True, "data": {"message": "done"}}]
+    monkeypatch.setattr(cli, "request", request)
+    base = ["--config", str(path), "reserve", "gaming1"]
+    assert cli.main([*base, "--at", "20:00", "--every", "weekdays"]) == 0
+    assert cli.main([*base, "--cancel"]) == 0
+    assert cli.main([*base, "--cancel", "--all"]) == 0
+    assert sent == [{"vm": "gaming1", "at": "20:00", "every": "weekdays"},
+                    {"vm": "gaming1", "cancel": True},
+                    {"vm": "gaming1", "cancel": True, "every": True}]
+    with pytest.raises(SystemExit):
+        cli.main([*base, "--at", "20:00", "--all"])

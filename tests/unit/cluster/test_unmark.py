@@ -121,3 +121,29 @@ async def test_the_verb_takes_the_marks_off(api: Api, tmp_path: Path,
     n = await node(api)
     assert not n["spec"].get("unschedulable")
     assert taints(n) == ["dedicated"]
+
+
+async def test_the_kubeconfig_may_be_given_once_the_units_credential_is_gone(
+        api: Api, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """NixOS's module points the configuration at the unit's credential
+    (/run/credentials/hostagent.service/kubeconfig), which systemd removes once the unit
+    stops: README's uninstall (stop, then unmark-node) could not reach the cluster.
+    --kubeconfig names the file the credential came from (kubeconfigFile)."""
+    kc = api.write_kubeconfig(tmp_path / "kc")
+    async with await Kube.connect(kc, timing=FAST) as k:
+        await lend_marks(k)
+    gone = tmp_path / "credentials" / "hostagent.service" / "kubeconfig"
+    path = tmp_path / "config.toml"
+    path.write_text(f'control_socket = "{tmp_path}/control.sock"\n'
+                    '[lendee]\ndomain = "gpu-node"\ngpus = ["0000:01:00.0"]\n'
+                    f'[kubernetes]\nkubeconfig = "{gone}"\n')
+    code = await asyncio.to_thread(cli.main, ["--config", str(path), "unmark-node"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert str(gone) in err and "--kubeconfig" in err, err
+    code = await asyncio.to_thread(cli.main, ["--config", str(path), "unmark-node",
+                                              "--kubeconfig", str(kc)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "gpu-node: took off its cordon (set by hostagent)" in out
+    assert not (await node(api))["spec"].get("unschedulable")

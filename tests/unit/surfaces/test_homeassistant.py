@@ -143,7 +143,8 @@ def test_the_device_message_follows_the_schema() -> None:
                      "gpu_gpu-a": "sensor", "gpu_gpu-b": "sensor", "gpu_gpu-c": "sensor",
                      "lent": "binary_sensor", "phase": "sensor", "live_gpus": "sensor",
                      "transition": "sensor", "hold": "switch", "reclaim": "button",
-                     "lend": "button", "reserve_gaming1": "text", "reserve_gaming_2": "text"}
+                     "lend": "button", "reserve_gaming1": "text", "reserve_gaming_2": "text",
+                     "player_gaming1": "sensor", "player_gaming_2": "sensor"}
     gaming2 = message["cmps"]["owner_gaming_2"]
     assert (gaming2["name"], gaming2["cmd_t"]) == ("gaming/2", "hostagent/owner/gaming_2/set")
     reserve = message["cmps"]["reserve_gaming_2"]
@@ -185,7 +186,8 @@ def test_a_removed_owner_loses_its_entity() -> None:
     _, before = ha.device_config(s)
     fewer = surface(CONFIG.replace('[owners."gaming/2"]\ngpus = ["gpu-b"]\n', ""))
     removed = ha.removals(fewer, json.loads(before))
-    assert removed == {"owner_gaming_2": "switch", "reserve_gaming_2": "text"}
+    assert removed == {"owner_gaming_2": "switch", "reserve_gaming_2": "text",
+                       "player_gaming_2": "sensor"}
     topic, after = ha.device_config(fewer, removed)
     message = check_device_message(topic, after)
     assert message["cmps"]["owner_gaming_2"] == {"p": "switch"}
@@ -217,6 +219,8 @@ def test_states() -> None:
         "hostagent/hold/state": "OFF",
         "hostagent/owner/gaming1/reserved": "",
         "hostagent/owner/gaming_2/reserved": "",
+        "hostagent/owner/gaming1/player": "running",
+        "hostagent/owner/gaming_2/player": "off",
     }
     at = datetime(2026, 12, 4, 20, 0).timestamp()  # the host's zone, as the state says it
     reserved = ha.states(s, {**status(), "reservations": [{"vm": "gaming/2", "at": at}]}, "")
