@@ -238,7 +238,8 @@ def sessions() -> list[tuple[float, float, str]]:
 def jobs(seed: int) -> list[tuple[float, float]]:
     """(arrival, duration) of the cluster's GPU jobs, the same for every policy."""
     rng = random.Random(seed)
-    out, t = [], -WARMUP
+    out: list[tuple[float, float]] = []
+    t = -WARMUP
     while True:
         t += rng.uniform(2 * HOUR, 6 * HOUR)
         if t >= WEEK:
@@ -830,12 +831,15 @@ def table(results: dict[str, Figures], weeks: dict[str, Weeks],
     def row(name: str, fn: Callable[[Figures], str]) -> list[str]:
         return [name, *(fn(f) for f in results.values())]
 
+    def lent_of(gpu: str) -> Callable[[Figures], str]:
+        return lambda f: pct(f.per_gpu_lent.get(gpu, 0) / f.per_gpu_free[gpu])
+
     n = len(WEEKS)
     rows = [
         ["per week", *results],
         row("lent share (GPU-s lent ÷ GPU-s no owner holds)", lambda f: pct(f.share)),
         *(row(f"  of {gpu} ({', '.join(owners) or 'owned by nobody'})",
-              lambda f, g=gpu: pct(f.per_gpu_lent.get(g, 0) / f.per_gpu_free[g]))
+              lent_of(gpu))
           for gpu in sorted(TOPO.lendee_gpus)
           for owners in [[o for o, gs in TOPO.owners.items() if gpu in gs]]),
         row("GPU-hours not lent (of those no owner holds)",

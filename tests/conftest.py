@@ -93,7 +93,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     guess: dict[str, float] = {}
     for item in items:
         name = _file(item.nodeid)
-        guess[name] = guess.get(name, 0.0) + (30.0 if "lab" in item.fixturenames else 0.01)
+        guess[name] = guess.get(name, 0.0) + (30.0 if "lab" in getattr(item, "fixturenames", ()) else 0.01)
     weight = {name: measured.get(name, guess[name]) for name in guess}
     order = {name: rank for rank, name in enumerate(sorted(weight, key=lambda n: -weight[n]))}
     items.sort(key=lambda item: order[_file(item.nodeid)])

@@ -29,12 +29,12 @@ from hostagent.host.verify import BOOT_ID
 from hostagent.core.model import IntentSource, Observed, OwnerWants, Phase
 from tests.controlplane import ControlPlane
 from tests.unit.kube_scaffold import FAST
-from tests.unit.surfaces.test_control import (  # noqa: F401 (a fixture)
+from tests.unit.agents import (  # noqa: F401 (a fixture)
     CONFIG,
     FakeLibvirt,
     no_step_outlives_its_test,
-    until,
 )
+from tests.waiting import until
 
 pytestmark = pytest.mark.usefixtures("sink")
 

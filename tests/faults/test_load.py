@@ -19,14 +19,13 @@ import pytest
 
 from hostagent.surfaces.control import REQUESTS_BURST, REQUESTS_INTERVAL
 from tests.faults.scenario import (
-    DEFERRED,
     Scenario,
     count,
     counted,
     wait_for,
     wait_lent,
 )
-from tests.lab.lab import REPO, Lab
+from tests.lab.lab import DEFERRED, REPO, Lab
 
 pytestmark = pytest.mark.lab
 

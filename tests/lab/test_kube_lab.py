@@ -42,7 +42,7 @@ def config(lab: Lab, kc: LabCluster, **timeouts: str) -> None:
     lab.write_config(text)
 
 
-def annotations(node: dict[str, Any]) -> dict[str, str]:
+def annotations_of(node: dict[str, Any]) -> dict[str, str]:
     return node["metadata"].get("annotations") or {}
 
 
@@ -63,15 +63,15 @@ def test_reclaim_drains_like_kubectl_and_the_return_uncordons(lab: Lab) -> None:
         kc.wait_placed()
         node = kc.node()
         assert not node["spec"].get("unschedulable")
-        assert annotations(node).get("hostagent.io/state") == "lent"
+        assert annotations_of(node).get("hostagent.io/state") == "lent"
         assert {"key": "hostagent.io/borrowed", "value": "true", "effect": "NoSchedule"} \
             in node["spec"]["taints"]
 
         lab.play("gaming1")
         node = kc.node()
         assert node["spec"]["unschedulable"] is True
-        assert annotations(node)[MARKER] == "hostagent"
-        assert annotations(node)["hostagent.io/holder"] == "gaming1"
+        assert annotations_of(node)[MARKER] == "hostagent"
+        assert annotations_of(node)["hostagent.io/holder"] == "gaming1"
         assert not any(t["key"] == "hostagent.io/borrowed" for t in node["spec"].get("taints", []))
         # Evicted through the API (the PDB let the trainers go one at a time); the
         # DaemonSet's pod was left alone, as kubectl drain does.
@@ -84,10 +84,10 @@ def test_reclaim_drains_like_kubectl_and_the_return_uncordons(lab: Lab) -> None:
         lends(lab, 2)
         node = kc.node()
         assert not node["spec"].get("unschedulable")
-        assert MARKER not in annotations(node)
-        assert annotations(node).get("hostagent.io/state") == "lent"
+        assert MARKER not in annotations_of(node)
+        assert annotations_of(node).get("hostagent.io/state") == "lent"
         # As many as this lend gave (partial lending: fewer while an owner plays).
-        lent = annotations(node)["hostagent.io/lent-gpus"].split(",")
+        lent = annotations_of(node)["hostagent.io/lent-gpus"].split(",")
         assert node["status"]["allocatable"]["nvidia.com/gpu"] == str(len(lent))
         assert 1 <= len(lent) <= len(GPUS)
 
@@ -101,7 +101,7 @@ def test_an_administrators_cordon_survives_a_full_cycle(lab: Lab) -> None:
         lends(lab, 2)
         node = kc.node()
         assert node["spec"]["unschedulable"] is True
-        assert MARKER not in annotations(node)
+        assert MARKER not in annotations_of(node)
 
 
 def test_a_node_back_short_of_gpus_stays_cordoned_with_an_error(lab: Lab) -> None:
@@ -156,7 +156,7 @@ def test_our_cordon_is_still_ours_after_an_agent_restart_mid_drain(lab: Lab) -> 
         lab.ask("gaming1")
         lab.wait_record(event="cordon")
         lab.stop_agent(signal.SIGKILL)
-        assert annotations(kc.node())[MARKER] == "hostagent"
+        assert annotations_of(kc.node())[MARKER] == "hostagent"
         lab.start_agent()
         lab.wait_game("gaming1")
         lab.wait_agent("gaming1")
@@ -224,13 +224,13 @@ def test_regrow_when_idle_waits_for_the_gpu_job_then_takes_the_freed_gpu(lab: La
         assert "1 pod(s) on its node request a GPU" in waiting["MESSAGE"]
         time.sleep(2)
         assert lab.phases()[-1] == "joining>lent"  # not restarted under the job
-        assert annotations(kc.node())["hostagent.io/lent-gpus"] == "gpu-b,gpu-c"
+        assert annotations_of(kc.node())["hostagent.io/lent-gpus"] == "gpu-b,gpu-c"
         kc.delete_job("train")
         lends(lab, 3)
         regrow = lab.records(event="phase", to="draining")[-1]
         assert "no pod on its node requests a GPU" in regrow["MESSAGE"]
         node = kc.node()
-        assert annotations(node)["hostagent.io/lent-gpus"] == "gpu-a,gpu-b,gpu-c"
+        assert annotations_of(node)["hostagent.io/lent-gpus"] == "gpu-a,gpu-b,gpu-c"
         assert not node["spec"].get("unschedulable")
 
 
@@ -250,7 +250,7 @@ def test_a_lendee_destroyed_by_hand_comes_back_cordoned_until_verified(lab: Lab)
         while not kc.node()["spec"].get("unschedulable"):
             assert time.monotonic() < deadline, "never cordoned after the destroy"
             time.sleep(0.1)
-        assert annotations(kc.node())[MARKER] == "hostagent"
+        assert annotations_of(kc.node())[MARKER] == "hostagent"
         while len(lab.records(event="phase", to="joining")) < 2:
             assert time.monotonic() < deadline + 60, f"never booted again: {lab.phases()}"
             time.sleep(0.1)
@@ -263,4 +263,4 @@ def test_a_lendee_destroyed_by_hand_comes_back_cordoned_until_verified(lab: Lab)
         lends(lab, 2)
         assert lab.records(event="verify", result="ok")
         assert lab.records(event="boot", result="waiting")
-        assert MARKER not in annotations(kc.node())
+        assert MARKER not in annotations_of(kc.node())

@@ -24,7 +24,7 @@ from hostagent.service.hotplug import CHECKPOINT, DETACH_BOUND, HOLDERS
 from tests.lab.cluster import LabCluster, lab_cluster
 from tests.lab.plugins import OPERATOR_LABELS, GuestPlugins, daemonsets, operator_node
 from tests.lab.lab import GPUS, LENDEE, Lab, domain_xml
-from tests.lab.test_kube_lab import annotations, eventually, lends
+from tests.lab.test_kube_lab import annotations_of, eventually, lends
 
 pytestmark = pytest.mark.lab
 
@@ -144,9 +144,9 @@ def test_a_game_takes_its_gpu_live_and_a_guest_that_keeps_it_falls_back(
         node = kc.node()
         assert not node["spec"].get("unschedulable")
         assert node["status"]["allocatable"]["nvidia.com/gpu"] == "1"
-        assert annotations(node)["hostagent.io/lent-gpus"] == "gpu-c"
+        assert annotations_of(node)["hostagent.io/lent-gpus"] == "gpu-c"
         # The label restored as it was (absent), and the plugin back, holding gpu-c.
-        assert "hostagent.io/paused-plugins" not in annotations(node)
+        assert "hostagent.io/paused-plugins" not in annotations_of(node)
         assert not [k for k in node["metadata"]["labels"] if k.startswith("nvidia.com/gpu.deploy")]
         assert plugins.wait_holding(1) != [plugin]
         [*_, restored] = [r for r in lab.records(event="hotplug", result="ok")
@@ -183,5 +183,5 @@ def test_gpu_operators_plugin_and_dcgm_exporter_are_paused_and_restored_as_found
             node = kc.node()
             assert {k: v for k, v in node["metadata"]["labels"].items()
                     if k.startswith("nvidia.com/gpu.deploy.")} == OPERATOR_LABELS
-            assert "hostagent.io/paused-plugins" not in annotations(node)
+            assert "hostagent.io/paused-plugins" not in annotations_of(node)
             assert not set(plugins.wait_holding(3)) & set(held)

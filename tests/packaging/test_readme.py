@@ -28,7 +28,8 @@ from hostagent.service import agent
 from hostagent import cli
 from hostagent.core import config, health
 from hostagent.surfaces import control, metrics, ssh
-from hostagent.core.machine import Phase, State, Topology, verdict
+from hostagent.core.machine import verdict
+from hostagent.core.model import Phase, State, Topology
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 NIX = shutil.which("nix-instantiate")

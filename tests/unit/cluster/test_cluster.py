@@ -233,7 +233,7 @@ async def test_a_return_waits_for_the_kubelet_of_this_boot(
     await boot(api, 2)
     await set_status(api, nodeInfo={"bootID": OLD_BOOT})
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    cluster, reads = cluster_for(kube), []
+    cluster, reads = cluster_for(kube), list[str]()
     returned = asyncio.create_task(cluster.give_back(
         ["gpu-a", "gpu-b"], boot_id=boot_reader(NEW_BOOT, reads)))
     await until(lambda: any("waiting for the kubelet of this boot" in e.message
@@ -269,7 +269,7 @@ async def test_each_return_reads_the_boot_id_afresh(api: Api, kube: Kube) -> Non
     compare the node with the boot id of the boot before, which its stale status shows."""
     await boot(api, 2)
     await set_status(api, nodeInfo={"bootID": OLD_BOOT})
-    cluster, reads = cluster_for(kube), []
+    cluster, reads = cluster_for(kube), list[str]()
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
     assert await cluster.give_back(["gpu-a", "gpu-b"],
                                    boot_id=boot_reader(OLD_BOOT, reads)) is None

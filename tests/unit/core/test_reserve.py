@@ -35,8 +35,9 @@ from hostagent.core.model import (
 from hostagent.service.reservations import _hhmm
 from hostagent.core.reserve import BadReservation, Reservation, Timing
 from hostagent.surfaces.ssh import BadCommand, parse_command, reserve_args
-from tests.unit.surfaces.test_control import lent, make_agent
-from tests.unit.core.test_partial import AT, POLICY, A, B, C, S, gpus, go, run
+from tests.unit.agents import lent, make_agent
+from tests.unit.core.test_partial import POLICY, A, B, C, S, gpus, go, run
+from tests.unit.machine_scaffold import AT, wants
 from tests.waiting import until
 
 ZONE = timezone(timedelta(hours=1))
@@ -239,10 +240,13 @@ async def test_an_unused_reservation_expires_and_its_gpu_is_lent_again(
     await until_phase(agent, Phase.OFF)
     await until(lambda: agent.state.phase is Phase.LENT)  # with gpu-b alone
     assert agent.state.lent == {"gpu-b"}
-    records: list[tuple[str, str]] = []
+    records: list[tuple[object, str]] = []
     record = journal.record
-    monkeypatch.setattr(journal, "record", lambda event, message, **fields: (
-        records.append((fields.get("result"), message)), record(event, message, **fields)))
+    def recorded(event: str, message: str, **fields: Any) -> None:
+        records.append((fields.get("result"), message))
+        record(event, message, **fields)
+
+    monkeypatch.setattr(journal, "record", recorded)
     clock_at[0] = at + agent.reservations.timing.expiry
     await agent.reservations.step()
     assert agent.state.reservations == ()
@@ -310,7 +314,7 @@ def test_mqtt_reserve_topic() -> None:
 
 def test_another_owner_of_a_reserved_card_is_refused_while_the_reservation_holds() -> None:
     from hostagent.core.machine import IllegalTransition, verdict
-    from tests.unit.core.test_partial import TOPO, wants
+    from tests.unit.core.test_partial import TOPO
     state = S(lent=gpus(B, C), reservations=holding("gaming1"))
     assert verdict(state, "gaming-win", topo=TOPO) == (
         "refuse", "gpu-a is reserved for gaming1 (by me) (follow with: journalctl -u "

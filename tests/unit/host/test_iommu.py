@@ -35,13 +35,13 @@ from hostagent.core.model import (
     VmStopped,
 )
 from tests.sysfs import FakeSysfs
-from tests.unit.surfaces.test_control import (  # noqa: F401 (a fixture)
+from tests.unit.agents import (  # noqa: F401 (a fixture)
     AGENT_XML,
     FakeLibvirt,
     make_agent,
     no_step_outlives_its_test,
-    until,
 )
+from tests.waiting import until
 from tests.unit.service.test_hotplug import A, AddStep
 from tests.unit.service.test_hotplug import ADD as ADD_POLICY
 from tests.unit.core.test_partial import (

@@ -14,12 +14,12 @@ import pytest
 from hostagent.service.agent import Agent, StartupError
 from hostagent.core.config import parse
 from hostagent.host.lock import AlreadyRunning, lock_agent
-from tests.unit.surfaces.test_control import (  # noqa: F401 (a fixture)
+from tests.unit.agents import (  # noqa: F401 (a fixture)
     CONFIG,
     FakeLibvirt,
     no_step_outlives_its_test,
-    until,
 )
+from tests.waiting import until
 
 HOLD = """
 import sys, time

@@ -17,7 +17,7 @@ from hostagent.service.agent import Agent
 from hostagent.core.config import parse
 from hostagent.host.libvirt import ExecResult
 from hostagent.host.verify import Expected, SeenGpu
-from tests.unit.surfaces.test_control import CONFIG, FakeLibvirt, lent
+from tests.unit.agents import CONFIG, FakeLibvirt, lent
 
 A = Expected(label="gpu-a", uuid="GPU-aaaa", name="RTX 3050")
 B = Expected(label="gpu-b", uuid="GPU-bbbb", name="GTX 960")

@@ -23,6 +23,7 @@ import pytest
 from hostagent.host import journal
 from hostagent.host import state as persisted
 from hostagent.service.agent import Agent
+from hostagent.service.parts import NoCluster
 from hostagent.core.config import parse
 from hostagent.surfaces.inbox import HookEvent, Inbox, serve_hooks
 from hostagent.host.libvirt import Lifecycle
@@ -37,20 +38,20 @@ from hostagent.core.model import (
     Regrow,
     Resume,
 )
-from tests.unit.surfaces.test_control import (  # noqa: F401 (a fixture)
+from tests.unit.agents import (  # noqa: F401 (a fixture)
     CONFIG,
     FakeLibvirt,
     make_agent,
     no_step_outlives_its_test,
-    until,
 )
+from tests.waiting import until
 from tests.unit.surfaces.test_hook import HOOK, Place, run_hook
 
 
 pytestmark = pytest.mark.usefixtures("sink")  # journal records in memory (conftest)
 
 
-class HeldCluster:
+class HeldCluster(NoCluster):
     """Records cordon/uncordon as the node would see them; each step waits for a go."""
 
     def __init__(self) -> None:
@@ -61,7 +62,8 @@ class HeldCluster:
         self.down_go.set()
         self.returns = 0
 
-    async def reclaim(self, owners: list[str], *, regrow: bool = False) -> str | None:
+    async def reclaim(self, owners: list[str], *, regrow: bool = False,
+                      until: float | None = None) -> str | None:
         self.node.append("cordon")
         await self.drain_go.wait()
         self.node.append("drained")
@@ -76,18 +78,6 @@ class HeldCluster:
     async def lendee_down(self, *, why: str) -> None:
         await self.down_go.wait()
         self.node.append("cordon (down)")
-
-    async def watch_lent(self, on_view: object = None) -> None:
-        return None
-
-    async def watch_cordon(self) -> None:
-        return None
-
-    def status(self) -> None:
-        return None
-
-    async def flush_events(self) -> None:
-        return None
 
 
 def agent_with(tmp_path: Path, cluster: HeldCluster) -> tuple[Agent, FakeLibvirt]:
@@ -500,7 +490,7 @@ async def test_a_slow_disk_never_keeps_a_hook_from_its_answer(
         await changer
         assert place.spooled() == [] and [r.returncode for r in runs] == [0, 0, 0], runs
         assert asked.returncode != 0 and "could not record the request" in asked.stderr, asked
-        assert agent.state.intents == ()
+        assert [i.owner for i in agent.state.intents] == []
         monkeypatch.setattr(os, "fsync", fsync)
         await agent.saver.flush()
         again = await run_hook(place, "gaming1", "prepare", "begin", "-")

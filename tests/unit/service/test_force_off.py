@@ -10,7 +10,8 @@ from pathlib import Path
 from hostagent.core.model import ForceOff, Hold
 from hostagent.host import journal
 from hostagent.host.libvirt import HostError
-from tests.unit.surfaces.test_control import lent, make_agent, until
+from tests.waiting import until
+from tests.unit.agents import lent, make_agent
 
 STUCK = ("gpu-node did not shut down after its driver hung letting a GPU go; powering it "
          "off now that its node is drained, so that gaming1 can start")

@@ -5,7 +5,7 @@ hot-add that fails leaves them to the regrow by restart."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,8 +23,10 @@ from hostagent.core.model import (
     AttachFailed,
     AttachGpus,
     Drain,
+    Event,
     GpuPods,
     GpusAttached,
+    GroupsHeld,
     Hotplug,
     LendeeStopped,
     Observed,
@@ -396,7 +398,7 @@ class AddStep:
                          "t.toml")
         self.view, self.libvirt, self.cluster = self, self, self
         self.state = attaching()
-        self.applied: list[object] = []
+        self.applied: list[Event] = []
         self.live = {B, C}
         self.attach_after = 0.0  # seconds before libvirt's attach lands (its thread goes on)
         self.detached: list[frozenset[str]] = []
@@ -423,7 +425,7 @@ class AddStep:
     async def _verify_gpus(self, ticket: int, lent: frozenset[str]) -> str | None:
         return None if A not in lent else "nvidia-smi in gpu-node lists 2 GPUs of 3"
 
-    async def grow(self, lent: object) -> str | None:
+    async def grow(self, lent: Collection[str]) -> str | None:
         return None
 
     async def guest_exec(self, name: str, path: str, args: list[str], *,
@@ -442,10 +444,10 @@ class AddStep:
                           gpus: frozenset[str]) -> tuple[dict[str, str], str]:
         return {}, ""  # no other VM holds part of a GPU's IOMMU group (test_iommu.py)
 
-    async def report_held(self, event: object) -> None:
+    async def report_held(self, event: GroupsHeld) -> None:
         self.apply(event)
 
-    def apply(self, event: object) -> bool:
+    def apply(self, event: Event) -> bool:
         self.applied.append(event)
         return True
 
@@ -494,12 +496,12 @@ class NodeFails(AddStep):
     async def _verify_gpus(self, ticket: int, lent: frozenset[str]) -> str | None:
         return None
 
-    async def grow(self, lent: object) -> str | None:
-        self.grown.append(frozenset(lent))  # type: ignore[arg-type]
+    async def grow(self, lent: Collection[str]) -> str | None:
+        self.grown.append(frozenset(lent))
         return "node gpu-node advertises 2 nvidia.com/gpu of 3" if len(self.grown) == 1 else None
 
-    async def withdraw(self, gpus: object) -> str | None:
-        self.withdrawn.append(frozenset(gpus))  # type: ignore[arg-type]
+    async def withdraw(self, gpus: Collection[str]) -> str | None:
+        self.withdrawn.append(frozenset(gpus))
         return None
 
 

@@ -28,7 +28,8 @@ from hostagent.service.reservations import _hhmm
 from hostagent.core.reserve import BadReservation, Reservation
 from hostagent.surfaces.control import Caller, Rights, serving
 from tests.unit.core.test_partial import TOPO, S, gpus, A, B, C
-from tests.unit.surfaces.test_control import CONFIG, FakeLibvirt, lent, until
+from tests.waiting import until
+from tests.unit.agents import CONFIG, FakeLibvirt, lent
 
 BERLIN = zoneinfo.ZoneInfo("Europe/Berlin")
 

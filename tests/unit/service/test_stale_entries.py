@@ -14,7 +14,7 @@ from hostagent.core.config import parse
 from hostagent.host import journal
 
 from hostagent.service.agent import Agent
-from tests.unit.surfaces.test_control import (  # noqa: F401 (a fixture)
+from tests.unit.agents import (  # noqa: F401 (a fixture)
     CONFIG,
     make_agent,
     no_step_outlives_its_test,

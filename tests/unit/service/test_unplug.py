@@ -54,7 +54,7 @@ from tests.controlplane.nvidia import gpu as gpu_device
 from tests.configs import UUID_A, UUID_B, UUID_C, lendee_toml
 from tests.unit.kube_scaffold import Api, gpu_node_api
 from tests.unit.machine_scaffold import Stepper
-from tests.unit.surfaces.test_control import make_agent
+from tests.unit.agents import make_agent
 from tests.unit.service.test_hotplug import LINT_CONFIG, gone, hot_add_findings, lendee_xml
 from tests.unit.machine_scaffold import AT, LENDEE, T, wants
 from tests.unit.core.test_partial import POLICY, TOPO, B, C, S, gpus

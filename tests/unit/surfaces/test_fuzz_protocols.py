@@ -17,7 +17,7 @@ import random
 import socket
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -159,7 +159,7 @@ class Records(logging.Handler):
 class Live:
     """A server started by `start` on an event loop that runs in a thread."""
 
-    def __init__(self, start: Callable[[], Awaitable[asyncio.Server]]) -> None:
+    def __init__(self, start: Callable[[], Coroutine[Any, Any, asyncio.Server]]) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="fuzz-server")
         self.thread.start()

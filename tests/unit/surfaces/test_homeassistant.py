@@ -97,7 +97,7 @@ def check_device_message(topic: str, payload: str) -> dict[str, Any]:
     prefix, kind, node, last = topic.split("/")
     assert (prefix, kind, last) == ("homeassistant", "device", "config")
     assert node.replace("_", "").replace("-", "").isalnum()
-    message = json.loads(payload)
+    message: dict[str, Any] = json.loads(payload)
     assert {"dev", "o", "cmps"} <= set(message)
     device = {DEVICE[k]: v for k, v in message["dev"].items()}
     assert device["identifiers"] and device["name"]

@@ -8,6 +8,7 @@ import logging
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -250,7 +251,7 @@ async def test_socket_check_connects(tmp_path: Path) -> None:
         await probe()
     server = await asyncio.start_unix_server(lambda r, w: w.close(), path=str(path))
     async with server:
-        assert "accepts connections" in await probe()
+        assert "accepts connections" in str(await probe())
 
 
 async def test_libvirt_check_says_what_is_wrong() -> None:
@@ -338,7 +339,7 @@ def test_metrics_listen_mistakes_name_the_key(listen: str) -> None:
 
 
 def test_status_shows_failed_checks() -> None:
-    data = {"lendee": {"domain": "gpu-node", "phase": "lent", "reason": None, "since": 0,
+    data: dict[str, Any] = {"lendee": {"domain": "gpu-node", "phase": "lent", "reason": None, "since": 0,
                        "hold": False},
             "gpus": [], "intents": [], "relend_in_s": None, "libvirt_connected": True,
             "health": [{"check": "libvirt", "ok": True, "detail": "connected"},
@@ -353,7 +354,7 @@ def test_status_shows_failed_checks() -> None:
 
 
 def test_status_says_a_return_waits_for_the_kubelet_of_this_boot() -> None:
-    data = {"lendee": {"domain": "gpu-node", "phase": "joining", "reason": None, "since": 0,
+    data: dict[str, Any] = {"lendee": {"domain": "gpu-node", "phase": "joining", "reason": None, "since": 0,
                        "hold": False},
             "gpus": [], "intents": [], "relend_in_s": None, "libvirt_connected": True,
             "health": [],

@@ -595,7 +595,8 @@ async def test_the_agent_tells_the_device_each_change_and_runs_its_commands(
     state follows."""
     from hostagent.service.agent import Agent
     from hostagent.core.model import Phase
-    from tests.unit.surfaces.test_control import CONFIG as AGENT, FakeLibvirt, lent, until
+    from tests.waiting import until
+    from tests.unit.agents import CONFIG as AGENT, FakeLibvirt, lent
 
     cfg = config.parse(AGENT.format(root=tmp_path, relend="60s") + (
         f'\n[mqtt]\nbroker = "mqtt://127.0.0.1:{broker.port}"\nusername = "hostagent"\n'
