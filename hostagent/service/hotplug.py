@@ -70,7 +70,7 @@ from hostagent.core import clock
 from hostagent.host import journal, lint
 from hostagent.host import verify as in_guest
 from hostagent.core.config import Config
-from hostagent.host.libvirt import ExecResult, HostError, Libvirt
+from hostagent.host.libvirt import Domains, ExecResult, HostError
 from hostagent.core.model import (
     Hotplug,
     Policy,
@@ -93,7 +93,7 @@ class Step(Protocol):
     topo: Topology
     view: View
     apply: Apply
-    libvirt: Libvirt
+    libvirt: Domains
     cluster: Cluster
     device_removed: asyncio.Event
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from hostagent.core.model import Observed, Phase
 from hostagent.host.libvirt import HostError, Lifecycle
 from hostagent.service.agent import Agent
 from hostagent.surfaces.control import Reply
+from tests.fakes import LibvirtStub
 from tests.waiting import until
 
 AGENT_XML = "<domain><devices><channel type='unix'><target type='virtio' " \
@@ -25,7 +26,7 @@ AGENT_XML = "<domain><devices><channel type='unix'><target type='virtio' " \
 PLAIN_XML = "<domain><devices/></domain>"
 
 
-class FakeLibvirt:
+class FakeLibvirt(LibvirtStub):
     """Starts and stops at once; tells the agent as libvirt's lifecycle events would."""
 
     def __init__(self, agent: Agent) -> None:
@@ -52,7 +53,7 @@ class FakeLibvirt:
         self.live_drop = drop
         await self.start(name)
 
-    async def live_gpus(self, name: str, gpus: dict[str, object]) -> frozenset[str]:
+    async def live_gpus(self, name: str, gpus: Mapping[str, object]) -> frozenset[str]:
         return frozenset(gpus) if name in self.running else frozenset()
 
     async def _stop(self, name: str, how: str) -> None:
@@ -144,8 +145,8 @@ def make_agent(tmp_path: Path, relend: str = "0.2s") -> tuple[Agent, FakeLibvirt
     cfg = parse(CONFIG.format(root=tmp_path, relend=relend), "test.toml")
     agent = Agent(cfg)
     fake = FakeLibvirt(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
-    agent._fatal = asyncio.get_running_loop().create_future()
+    agent.libvirt = fake
+    agent.start()
     return agent, fake
 
 
@@ -161,4 +162,4 @@ async def collect(agent: Agent, verb: str, **args: Any) -> list[Reply]:
 
 
 def healthy(agent: Agent) -> None:
-    assert agent._fatal is not None and not agent._fatal.done(), agent._fatal
+    assert agent.ended is None, agent.ended

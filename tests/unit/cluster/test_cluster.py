@@ -21,6 +21,7 @@ from hostagent.core.config import Config, parse
 from hostagent.core.health import CheckFailed
 from hostagent.cluster.kube import Kube, KubeAuthError, Timing, cordon_marker, expected_gpus
 from kubernetes_asyncio import watch as k8s_watch
+from tests.fakes import FakeMetrics
 from tests.controlplane import ControlPlane
 from tests.controlplane.seed import gpu_status
 from tests.configs import lendee_toml
@@ -50,22 +51,6 @@ lent_taints = ["{TAINT}"]
 
 def result_of(records: journal.ListSink, result: str) -> list[journal.Entry]:
     return [e for e in records.entries if e.fields.get("HOSTAGENT_RESULT") == result]
-
-
-class FakeMetrics:
-    def __init__(self) -> None:
-        self.gpu_pods: list[int | None] = []
-        self.lost = 0
-        self.holders: dict[str, str] | None = None
-
-    def node_gpu_pods(self, count: int | None) -> None:
-        self.gpu_pods.append(count)
-
-    def gpu_lost(self) -> None:
-        self.lost += 1
-
-    def lent_gpu_pods(self, holders: dict[str, str] | None) -> None:
-        self.holders = holders
 
 
 @pytest.fixture(autouse=True)

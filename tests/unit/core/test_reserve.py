@@ -8,6 +8,7 @@ import time
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -167,8 +168,9 @@ async def test_reserve_over_the_control_socket_then_notice_hold_use(
     monkeypatch.setattr(clock, "now", lambda: clock_at[0])
     told: list[float] = []
 
-    class Pods:
-        async def notice(self, when: Any, message: Any) -> tuple[float, list[str]]:
+    class Pods(NoCluster):
+        async def notice(self, when: Callable[[float], float],
+                         message: Callable[[str], str]) -> tuple[float, list[str]]:
             at = when(90.0)  # the longest grace period on the node: 90 s
             told.append(at)
             assert "checkpoint" in message("20:00")
@@ -183,7 +185,7 @@ async def test_reserve_over_the_control_socket_then_notice_hold_use(
             return None
 
     agent.cluster = Drains()
-    agent.reservations.cluster = Pods()  # type: ignore[assignment]
+    agent.reservations.cluster = Pods()
     handlers = agent.verbs.handlers()
 
     async def reserve(**args: Any) -> dict[str, Any]:
@@ -334,7 +336,6 @@ async def test_a_restarted_agent_holds_what_its_reservations_held(tmp_path: Path
                        evict_at=now, holding=True)
     persisted.save_state(agent.cfg.state_file, persisted.State(reservations=(held,)))
     again, fake = make_agent(tmp_path)
-    again._load()
     assert again.state.reservations == (held,) and again.state.reserved == {"gaming1"}
     # Found running with gpu-a: the reclaim goes on, as for a waiting owner's.
     fake.running.add("gpu-node")
@@ -361,7 +362,7 @@ async def test_a_reservation_of_a_vm_no_longer_configured_is_dropped(tmp_path: P
     kept = (Reservation(vm="gaming1", at=now + 3600, by="me", made=now),
             Reservation(vm="old-game", at=now + 3600, by="me", made=now))
     persisted.save_state(agent.cfg.state_file, persisted.State(reservations=kept))
-    agent._load()
+    agent.start()  # as a restart reads it
     # Every change of the list is refused while it names a VM that is not an owner.
     assert not agent.apply(Reserve(at=now, reservations=kept))
     await agent.reservations.step()

@@ -155,8 +155,8 @@ async def test_a_driver_loading_after_the_guest_agent_is_asked_again_within_the_
         'method = "none"', 'method = "guest-agent"\ntimeout = "2s"')
     agent = Agent(parse(text, "test.toml"))
     fake = DriverLoadingLate(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
-    agent._fatal = asyncio.get_running_loop().create_future()
+    agent.libvirt = fake
+    agent.start()
     try:
         await lent(agent, fake)
     finally:  # the agent's steps end with the test

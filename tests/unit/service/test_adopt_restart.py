@@ -36,7 +36,6 @@ def phases(sink: journal.ListSink) -> list[tuple[str, str, str]]:
 
 async def restarted(tmp_path: Path) -> Agent:
     agent, fake = make_agent(tmp_path)
-    agent._load()
     fake.running.add("gpu-node")
     await agent._observe()
     return agent

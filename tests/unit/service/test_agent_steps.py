@@ -191,7 +191,7 @@ async def test_release_racing_the_agents_own_start_answers_the_truth(
     runs it, the verb says it cannot be withdrawn, and gaming1 runs."""
     agent, _ = agent_with(tmp_path, HeldCluster())
     fake = GatedLibvirt(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
+    agent.libvirt = fake
     policy = dataclasses.replace(agent.cfg.policy, lint_before_start=True)
     agent.cfg = dataclasses.replace(agent.cfg, policy=policy)
     agent.apply(Observed(at=time.time(), lendee_running=False, owners_running=frozenset()))
@@ -227,7 +227,7 @@ async def test_a_start_is_reported_only_for_a_domain_that_runs(
     request fails with the reason instead of "gaming1 is running"."""
     agent, _ = agent_with(tmp_path, HeldCluster())
     fake = DiesAtOnce(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
+    agent.libvirt = fake
     agent.apply(Observed(at=time.time(), lendee_running=False, owners_running=frozenset()))
     assert agent.apply(OwnerWants(at=time.time(), owner="gaming1", intent_id="p1",
                                   source=IntentSource.CONTROL))
@@ -296,8 +296,8 @@ async def test_a_second_owner_of_a_gpu_is_refused_with_one_sentence(tmp_path: Pa
     refused at once, and nothing is recorded (no reclaim, no wait on the game)."""
     agent = Agent(parse(TWO_OWNERS.format(root=tmp_path), "test.toml"))
     fake = FakeLibvirt(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
-    agent._fatal = asyncio.get_running_loop().create_future()
+    agent.libvirt = fake
+    agent.start()
     fake.running.add("gaming1")
     agent.apply(Observed(at=time.time(), lendee_running=False,
                          owners_running=frozenset({"gaming1"})))
@@ -343,9 +343,8 @@ async def test_an_owner_starts_at_boot_once(tmp_path: Path) -> None:
 
     def agent() -> Agent:
         made = Agent(parse(text, "test.toml"))
-        made.libvirt = FakeLibvirt(made)  # type: ignore[assignment]
-        made._fatal = asyncio.get_running_loop().create_future()
-        made._load()
+        made.libvirt = FakeLibvirt(made)
+        made.start()
         return made
 
     first = agent()
@@ -374,14 +373,14 @@ async def test_a_metrics_port_in_use_is_retried_not_fatal(tmp_path: Path) -> Non
     port = squatter.getsockname()[1]
     text = TWO_OWNERS.format(root=tmp_path) + f'\n[metrics]\nlisten = "127.0.0.1:{port}"\n'
     agent = Agent(parse(text, "test.toml"))
-    agent._fatal = asyncio.get_running_loop().create_future()
+    agent.start()
     await agent._serve_metrics()  # returns: it keeps trying in the background
     assert agent._exporter is None
     squatter.close()
     await until(lambda: agent._exporter is not None, timeout=10)
     assert agent._exporter is not None
     agent._exporter.close()
-    assert not agent._fatal.done()
+    assert agent.ended is None, agent.ended
     for task in list(agent.executor.tasks):
         task.cancel()
 

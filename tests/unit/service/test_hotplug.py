@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from hostagent.service import hotplug
+from hostagent.service.parts import Apply, Cluster, NoCluster, View
 from hostagent.host import lint
 from hostagent.cluster.cycle import KubeCluster
 from hostagent.core.config import Config, ConfigError, parse
 from hostagent.cluster.kube import Kube
-from hostagent.host.libvirt import ExecResult, HostError
+from hostagent.host.libvirt import Domains, ExecResult, HostError
 from hostagent.surfaces.metrics import Metrics
 from hostagent.core.machine import IllegalTransition, still_wanted, verdict
 from hostagent.core.model import (
@@ -38,6 +39,7 @@ from hostagent.core.model import (
     State,
 )
 from tests.controlplane import ControlPlane
+from tests.fakes import LibvirtStub
 from tests.controlplane.nvidia import Driver
 from tests.controlplane.nvidia import gpu as gpu_device
 from tests.configs import UUID_A, UUID_B, UUID_C, lendee_toml
@@ -257,7 +259,7 @@ async def test_the_agent_takes_the_default_hotplug_from_lint_and_status_says_why
         tmp_path: Path, xml: str, how: Hotplug, changes: str) -> None:
     from hostagent.service.agent import Agent
 
-    class Definitions:
+    class Definitions(LibvirtStub):
         connected = True
 
         async def inactive_xml(self, name: str) -> str:
@@ -269,7 +271,7 @@ async def test_the_agent_takes_the_default_hotplug_from_lint_and_status_says_why
             + "[kubernetes]\n")
     agent = Agent(parse(text, "test.toml"))
     assert agent.policy.hotplug is Hotplug.NONE  # until the lendee's XML is read
-    agent.libvirt = Definitions()  # type: ignore[assignment]
+    agent.libvirt = Definitions()
     await agent._decide_hotplug()
     assert agent.policy.hotplug is how
     assert agent.verbs.policy.hotplug is how and agent.recorder.policy is agent.policy
@@ -381,13 +383,15 @@ def test_a_failed_hot_add_is_counted_as_a_failure() -> None:
 # --- the step: a failed hot-add leaves the live definition as the lend has it ----------------
 
 
-class AddStep:
-    """What of the executor `hotplug.hot_add` uses: libvirt with the lendee's live GPUs,
-    a guest whose driver does not see gpu-a (its nvidia-smi lists gpu-b and gpu-c), a
-    node that advertises what it is told."""
+class AddStep(LibvirtStub, NoCluster):
+    """What of the executor `hotplug.hot_add` uses (`hotplug.Step`, all in one): libvirt
+    with the lendee's live GPUs, a guest whose driver does not see gpu-a (its nvidia-smi
+    lists gpu-b and gpu-c), a node that advertises what it is told."""
 
     lendee = LENDEE
     topo = TOPO
+    phase_since = 0.0
+    save_failed: str | None = None
 
     def __init__(self) -> None:
         self.cfg = parse('[lendee]\ndomain = "gpu-node"\ngpus = ["gpu-a", "gpu-b", "gpu-c"]\n'
@@ -396,7 +400,10 @@ class AddStep:
                                    for i, x in enumerate("abc", 1))
                          + '[owners.gaming1]\ngpus = ["gpu-a"]\n[policy]\nhotplug = "add"\n',
                          "t.toml")
-        self.view, self.libvirt, self.cluster = self, self, self
+        self.view: View = self
+        self.libvirt: Domains = self
+        self.cluster: Cluster = self
+        self.apply: Apply = self._apply
         self.state = attaching()
         self.applied: list[Event] = []
         self.live = {B, C}
@@ -404,19 +411,19 @@ class AddStep:
         self.detached: list[frozenset[str]] = []
         self.device_removed = asyncio.Event()
 
-    async def attach_live(self, name: str, labels: frozenset[str], gpus: object) -> None:
+    async def attach_live(self, name: str, labels: Collection[str], gpus: object) -> None:
         done = asyncio.get_running_loop().create_future()
 
         def land() -> None:
-            self.live |= labels
+            self.live |= set(labels)
             if not done.done():
                 done.set_result(None)
         asyncio.get_running_loop().call_later(self.attach_after, land)
         await done
 
-    async def detach_live(self, name: str, labels: frozenset[str], gpus: object) -> None:
+    async def detach_live(self, name: str, labels: Collection[str], gpus: object) -> None:
         self.detached.append(frozenset(labels))
-        self.live -= labels
+        self.live -= set(labels)
         self.device_removed.set()
 
     async def live_gpus(self, name: str, gpus: object) -> frozenset[str]:
@@ -447,7 +454,7 @@ class AddStep:
     async def report_held(self, event: GroupsHeld) -> None:
         self.apply(event)
 
-    def apply(self, event: Event) -> bool:
+    def _apply(self, event: Event) -> bool:
         self.applied.append(event)
         return True
 
@@ -455,7 +462,7 @@ class AddStep:
 async def test_a_hot_add_that_fails_in_the_guest_detaches_what_it_attached() -> None:
     # Left attached and lent, gpu-a would fail the guest's check at every later return.
     step = AddStep()
-    await hotplug.hot_add(step, T + 1, gpus(A))  # type: ignore[arg-type]
+    await hotplug.hot_add(step, T + 1, gpus(A))
     [event] = step.applied
     assert isinstance(event, AttachFailed) and event.held == frozenset()
     assert step.detached == [gpus(A)] and step.live == {B, C}
@@ -468,7 +475,7 @@ async def test_an_attach_past_its_bound_counts_its_gpus_as_held(
     monkeypatch.setattr(hotplug, "ATTACH_BOUND", 0.1)
     step = AddStep()
     step.attach_after = 0.3
-    await hotplug.hot_add(step, T + 1, gpus(A))  # type: ignore[arg-type]
+    await hotplug.hot_add(step, T + 1, gpus(A))
     [event] = step.applied
     assert isinstance(event, AttachFailed) and event.held == gpus(A)
     await asyncio.sleep(0.3)
@@ -508,7 +515,7 @@ class NodeFails(AddStep):
 async def test_the_plugins_an_undo_paused_come_back_for_what_stays_lent() -> None:
     # Paused by the undo and left so, they would keep every GPU of the node unadvertised.
     step = NodeFails()
-    await hotplug.hot_add(step, T + 1, gpus(A))  # type: ignore[arg-type]
+    await hotplug.hot_add(step, T + 1, gpus(A))
     [event] = step.applied
     assert isinstance(event, AttachFailed) and event.held == frozenset()
     assert step.withdrawn == [gpus(A)] and step.detached == [gpus(A)]
@@ -543,10 +550,10 @@ async def test_auto_hot_unplugs_only_where_the_guest_drains_and_the_plugins_paus
         drain: bool, pausable: bool, how: Hotplug) -> None:
     step = Running(drain=drain, pausable=pausable)
     added = Policy(hotplug=Hotplug.ADD, hotplug_why='policy.hotplug = "auto": hot-add')
-    decided = await hotplug.unplug_policy(step, added)  # type: ignore[arg-type]
+    decided = await hotplug.unplug_policy(step, added)
     assert decided.hotplug is how
     if how is Hotplug.ADD:
         assert "hot-adds only" in decided.hotplug_why
     # Set by hand, or no hot-add at all: never changed.
     none = replace(added, hotplug=Hotplug.NONE)
-    assert await hotplug.unplug_policy(step, none) == none  # type: ignore[arg-type]
+    assert await hotplug.unplug_policy(step, none) == none

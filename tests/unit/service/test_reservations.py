@@ -5,10 +5,9 @@ that say what was kept (`hostagent.core.reserve`, `hostagent.service.reservation
 
 from __future__ import annotations
 
-import asyncio
 import time
 import zoneinfo
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -24,6 +23,7 @@ from hostagent.core.model import Reserve
 from hostagent.host import journal
 from hostagent.host import state as persisted
 from hostagent.service.agent import Agent
+from hostagent.service.parts import NoCluster
 from hostagent.service.reservations import _hhmm
 from hostagent.core.reserve import BadReservation, Reservation
 from hostagent.surfaces.control import Caller, Rights, serving
@@ -102,8 +102,8 @@ def make_agent(tmp_path: Path, extra: str = "") -> tuple[Agent, FakeLibvirt]:
     cfg = parse(SHARED.format(root=tmp_path, relend="0.2s") + extra, "test.toml")
     agent = Agent(cfg)
     fake = FakeLibvirt(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
-    agent._fatal = asyncio.get_running_loop().create_future()
+    agent.libvirt = fake
+    agent.start()
     return agent, fake
 
 
@@ -112,14 +112,15 @@ async def reserve(agent: Agent, **args: Any) -> dict[str, Any]:
     return replies[-1]
 
 
-class Pods:
+class Pods(NoCluster):
     """The cluster's notice, counted: no pod may hear of a reservation not kept."""
 
     def __init__(self) -> None:
         self.told: list[float] = []
 
-    async def notice(self, when: Any, message: Any) -> tuple[float, list[str]]:
-        at: float = when(30.0)
+    async def notice(self, when: Callable[[float], float],
+                     message: Callable[[str], str]) -> tuple[float, list[str]]:
+        at = when(30.0)
         self.told.append(at)
         return at, ["ml/train-0"]
 
@@ -168,7 +169,7 @@ async def test_an_unused_reservation_yields_to_another_owners_start_then_cools_d
     await lent(agent, fake)
     now = [time.time()]
     monkeypatch.setattr(clock, "now", lambda: now[0])
-    agent.reservations.cluster = Pods()  # type: ignore[assignment]
+    agent.reservations.cluster = Pods()
     at = now[0] + 60
     assert (await agent.reservations.reserve("gaming1", at, by="ssh key kid",
                                              principal="ssh key SHA256:kid"))[0]
@@ -272,7 +273,7 @@ async def test_a_reservation_that_cannot_be_saved_is_not_taken(
     agent, fake = make_agent(tmp_path)
     await lent(agent, fake)
     pods = Pods()
-    agent.reservations.cluster = pods  # type: ignore[assignment]
+    agent.reservations.cluster = pods
     seen: list[tuple[Reservation, ...]] = []
 
     async def broken() -> OSError:
@@ -314,7 +315,7 @@ async def test_a_reservation_the_machine_refused_is_never_answered_ok(
     now = float(int(time.time()))
     stale = Reservation(vm="old-game", at=now + 3600, by="me", made=now)
     persisted.save_state(agent.cfg.state_file, persisted.State(reservations=(stale,)))
-    agent._load()
+    agent.start()  # as a restart reads it
     assert not agent.apply(Reserve(at=now, reservations=(stale,)))  # the machine refuses
     at = datetime.fromtimestamp(now + 7200).astimezone().isoformat()
     answer = await reserve(agent, vm="gaming1", at=at)

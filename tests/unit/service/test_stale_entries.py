@@ -25,15 +25,15 @@ pytestmark = pytest.mark.usefixtures("sink")
 
 
 async def test_an_undefined_owner_makes_health_red_not_an_exit(
-        tmp_path: Path, sink: journal.ListSink) -> None:
+        tmp_path: Path, sink: journal.ListSink, monkeypatch: pytest.MonkeyPatch) -> None:
     agent, fake = make_agent(tmp_path)
     defined = {"gpu-node", "gaming1"}  # gaming2 was undefined
 
     async def defined_domains() -> set[str]:
         return set(defined)
 
-    fake.defined_domains = defined_domains  # type: ignore[attr-defined]
-    fake.uri = "qemu:///system"  # type: ignore[attr-defined]
+    monkeypatch.setattr(fake, "defined_domains", defined_domains)
+    fake.uri = "qemu:///system"
     await agent._check_domains()
     said = [e for e in sink.entries if e.fields.get("HOSTAGENT_RESULT") == "waiting"]
     assert len(said) == 1 and "owners.gaming2" in said[0].message

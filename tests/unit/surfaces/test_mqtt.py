@@ -604,8 +604,8 @@ async def test_the_agent_tells_the_device_each_change_and_runs_its_commands(
         "test.toml")
     agent = Agent(cfg)
     fake = FakeLibvirt(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
-    agent._fatal = asyncio.get_running_loop().create_future()
+    agent.libvirt = fake
+    agent.start()
     try:
         async with watching(broker) as ha:
             agent._serve_mqtt()
@@ -626,7 +626,7 @@ async def test_the_agent_tells_the_device_each_change_and_runs_its_commands(
         for task in list(agent.executor.tasks):
             task.cancel()
         await asyncio.gather(*agent.executor.tasks, return_exceptions=True)
-    assert agent._fatal is not None and not agent._fatal.done()
+    assert agent.ended is None, agent.ended
     assert [e.message for e in sink.entries if e.fields.get("HOSTAGENT_VIA") == "mqtt"
             and e.fields.get("HOSTAGENT_RESULT") == "allowed"] == ["mqtt asked for play gaming1"]
 
