@@ -50,8 +50,11 @@ needs_nix = pytest.mark.skipif(
 NIXOS_EVAL = Path(os.environ.get("HOSTAGENT_NIXOS_EVAL", REPO.parent / "shared" / "nixos-eval"))
 needs_nixos = pytest.mark.skipif(
     NIX is None or not (NIXOS_EVAL / "eval.nix").is_file(),
-    reason=f"no NixOS tree to evaluate the module in: {NIXOS_EVAL}/eval.nix is absent "
-    "(or nix-instantiate is not installed)",
+    reason="nix-instantiate is not installed (Debian package nix-bin)" if NIX is None else
+    f"no NixOS tree to evaluate the module in: {NIXOS_EVAL}/eval.nix is absent. Provide "
+    "one there, or point HOSTAGENT_NIXOS_EVAL at a directory holding it: a NixOS tree "
+    "(24.11) whose eval.nix takes `modules` and returns `sys`, its eval-config.nix "
+    "evaluation, as ../shared/nixos-eval/README.md describes",
 )
 README = REPO / "README.md"
 
