@@ -127,7 +127,9 @@ class _Accepted(asyncio.Protocol):
         except Exception:  # cut mid-handshake, or no TLS client: its connection goes
             transport.abort()
             return
-        assert tls is not None
+        if tls is None:  # closed during the handshake
+            transport.abort()
+            return
         handler.connection_made(tls)
 
 

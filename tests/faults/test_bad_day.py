@@ -31,7 +31,7 @@ from tests.faults.scenario import (
     qemu_pids,
     wait_for,
 )
-from tests.faults.test_kubernetes import cordoned, marker
+from tests.faults.helpers import cordoned, marker
 from tests.lab.cluster import lab_cluster
 from tests.lab.lab import DEFERRED, HOOK, LENDEE, REPO, Lab
 

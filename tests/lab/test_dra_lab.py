@@ -12,9 +12,9 @@ import pytest
 
 from tests.lab.cluster import LabCluster, devices_seen, lab_cluster
 from tests.lab.lab import GPUS, LENDEE, Lab
-from tests.lab.test_kube_lab import annotations_of, eventually, lends
-from tests.packaging.test_readme import README
-from tests.packaging.test_readme_commands import commands
+from tests.lab.helpers import annotations_of, eventually, lends
+from tests.packaging.readme import README
+from tests.packaging.readme import commands
 
 pytestmark = pytest.mark.lab
 UUID = {gpu: uuid for gpu, (uuid, _) in GPUS.items()}

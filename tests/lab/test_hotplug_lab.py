@@ -15,8 +15,8 @@ import pytest
 
 from tests.lab.cluster import lab_cluster
 from tests.lab.lab import GPUS, LENDEE, Lab
-from tests.lab.test_kube_lab import annotations_of, eventually, lends
-from tests.lab.test_readme_commands_lab import journalctl
+from tests.lab.helpers import annotations_of, eventually, lends
+from tests.lab.helpers import journalctl
 
 pytestmark = pytest.mark.lab
 

@@ -6,26 +6,22 @@ from __future__ import annotations
 import re
 import signal
 import time
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 
 from tests.lab.cluster import LabCluster, boot_seen, lab_cluster, statefulset
 from tests.lab.lab import GPUS, LENDEE, Lab
+from tests.lab.helpers import (
+    annotations_of,
+    eventually,
+    lends,
+)
 
 pytestmark = pytest.mark.lab
 MARKER = "hostagent.io/cordoned-by"
 # Seconds from a lendee's start to its kubelet's where the agent must not trust the
 # last boot's status: past the guest agent's answer and the in-guest check.
 LATE_KUBELET = 10.0
-
-
-def lends(lab: Lab, count: int, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while len(lab.records(event="phase", to="lent")) < count:
-        assert time.monotonic() < deadline, f"not lent {count}x; phases: {lab.phases()}"
-        time.sleep(0.2)
 
 
 def play_and_stop(lab: Lab, owner: str = "gaming1") -> None:
@@ -40,17 +36,6 @@ def config(lab: Lab, kc: LabCluster, **timeouts: str) -> None:
     for key, value in timeouts.items():
         text = text.replace(f'\n{key} = "', f'\n{key} = "{value}"  # was "', 1)
     lab.write_config(text)
-
-
-def annotations_of(node: dict[str, Any]) -> dict[str, str]:
-    return node["metadata"].get("annotations") or {}
-
-
-def eventually(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
 
 
 def test_reclaim_drains_like_kubectl_and_the_return_uncordons(lab: Lab) -> None:

@@ -13,58 +13,25 @@ instead. The two reclaims' times are printed side by side (figures, not assertio
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from hostagent.service.hotplug import CHECKPOINT, DETACH_BOUND, HOLDERS
+from hostagent.service.hotplug import DETACH_BOUND, HOLDERS
 from tests.lab.cluster import LabCluster, lab_cluster
 from tests.lab.plugins import OPERATOR_LABELS, GuestPlugins, daemonsets, operator_node
-from tests.lab.lab import GPUS, LENDEE, Lab, domain_xml
-from tests.lab.test_kube_lab import annotations_of, eventually, lends
+from tests.lab.lab import GPUS, LENDEE, Lab
+from tests.lab.helpers import annotations_of, eventually, lends
+from tests.lab.helpers import (
+    define_lendee,
+    gpu_pods,
+    guest,
+    NEVER_LETS_GO,
+)
 
 pytestmark = pytest.mark.lab
-
-# What makes the lab's guest ignore an unplug request: no ACPI hot-plug driver, and
-# the PCIe ports without their native hot-plug service either.
-NEVER_LETS_GO = "acpiphp.disable=1 pcie_ports=compat"
-
-
-def define_lendee(lab: Lab, kernel_args: str = "") -> None:
-    """gpu-node's persistent definition, as the lab's, with more on its kernel command
-    line (a running instance keeps its own until it restarts)."""
-    assert lab.guest is not None
-    xml = domain_xml(LENDEE, lab.guest, [lab.gpu_image(g) for g in sorted(GPUS)],
-                     console=lab.root / "console" / f"{LENDEE}.log")
-    xml = xml.replace("<cmdline>console=ttyS0", f"<cmdline>{kernel_args} console=ttyS0")
-    path = lab.root / f"{LENDEE}.xml"
-    path.write_text(xml)
-    lab.virsh("define", str(path))
-
-
-def gpu_pods(lab: Lab, kc: LabCluster, pods: dict[str, str]) -> None:
-    """Pods of Jobs on gpu-node, each using one lab GPU (name -> GPU label), and the
-    kubelet's device checkpoint in the guest saying which, as the device plugin's IDs."""
-    for name in pods:
-        kc.add_gpu_job(name)
-    entries = []
-    for name, gpu in pods.items():
-        running = kc.running(name)
-        entries.append({"PodUID": running["metadata"]["uid"], "ContainerName": "main",
-                        "ResourceName": "nvidia.com/gpu",
-                        "DeviceIDs": {"0": [GPUS[gpu][0]]}, "AllocResp": ""})
-    text = json.dumps({"Data": {"PodDeviceEntries": entries, "RegisteredDevices": {
-        "nvidia.com/gpu": [uuid for uuid, _ in GPUS.values()]}}, "Checksum": 0})
-    done = lab.guest_exec(LENDEE, "/bin/sh", "-c", 'mkdir -p "${1%/*}" && printf %s "$2" > "$1"',
-                          "sh", CHECKPOINT, text)
-    assert done.exitcode == 0, done
-
-
-def guest(lab: Lab, *argv: str) -> str:
-    return lab.guest_exec(LENDEE, *argv).stdout.strip()
 
 
 def at(record: dict[str, Any]) -> float:

@@ -39,8 +39,8 @@ import pytest
 import tomli_w
 
 from hostagent.core import config, config_read
-from tests.packaging.test_unit_file import EXPOSURE, exposure, needs_analyze, stub_root
-from tests.packaging.test_unit_file import settings as unit_settings
+from tests.packaging.units import EXPOSURE, exposure, needs_analyze, stub_root
+from tests.packaging.units import settings as unit_settings
 
 REPO = Path(__file__).resolve().parents[2]
 NIX = shutil.which("nix-instantiate")

@@ -34,7 +34,7 @@ from tests.controlplane import ControlPlane, dralab
 from tests.controlplane.dralab import NODE, Accounts, Lab, dra_lab
 from tests.controlplane.kubelet import Pods
 from tests.controlplane.proxy import FaultProxy
-from tests.controlplane.test_rbac import agent_kubeconfig, node_rbac
+from tests.controlplane.rbac import agent_kubeconfig, node_rbac
 from tests.controlplane.nvidia import DEVICE_CLASS, DRIVER, gpu, health_taint, mig
 from tests.configs import UUID_A, UUID_B, UUID_C, lendee_toml  # UUID_C: the host's, never lent
 from tests.unit.kube_scaffold import FAST

@@ -37,7 +37,7 @@ from hostagent.service.reservations import _hhmm
 from hostagent.core.reserve import BadReservation, Reservation, Timing
 from hostagent.surfaces.ssh import BadCommand, parse_command, reserve_args
 from tests.unit.agents import lent, make_agent
-from tests.unit.core.test_partial import POLICY, A, B, C, S, gpus, go, run
+from tests.unit.partial_world import POLICY, A, B, C, S, gpus, go, run
 from tests.unit.machine_scaffold import AT, wants
 from tests.waiting import until
 
@@ -299,7 +299,7 @@ def test_ssh_reserve_lines_refused(line: str) -> None:
 
 
 def test_mqtt_reserve_topic() -> None:
-    from tests.unit.surfaces.test_homeassistant import surface
+    from tests.unit.homeassistant_scaffold import surface
     s = surface()
     assert s.topic("owner", "+", "reserve") in ha.command_topics(s)
     asked = ha.command(s, "hostagent/owner/gaming1/reserve", b"20:00")
@@ -316,7 +316,7 @@ def test_mqtt_reserve_topic() -> None:
 
 def test_another_owner_of_a_reserved_card_is_refused_while_the_reservation_holds() -> None:
     from hostagent.core.machine import IllegalTransition, verdict
-    from tests.unit.core.test_partial import TOPO
+    from tests.unit.partial_world import TOPO
     state = S(lent=gpus(B, C), reservations=holding("gaming1"))
     assert verdict(state, "gaming-win", topo=TOPO) == (
         "refuse", "gpu-a is reserved for gaming1 (by me) (follow with: journalctl -u "

@@ -43,9 +43,10 @@ from tests.unit.agents import (  # noqa: F401 (a fixture)
     no_step_outlives_its_test,
 )
 from tests.waiting import until
-from tests.unit.service.test_hotplug import A, AddStep
-from tests.unit.service.test_hotplug import ADD as ADD_POLICY
-from tests.unit.core.test_partial import (
+from tests.unit.hotplug_scaffold import AddStep
+from tests.unit.partial_world import A
+from tests.unit.hotplug_scaffold import ADD as ADD_POLICY
+from tests.unit.partial_world import (
     ALL,
     ALL_OR_NOTHING,
     POLICY,

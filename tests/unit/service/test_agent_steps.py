@@ -45,7 +45,7 @@ from tests.unit.agents import (  # noqa: F401 (a fixture)
     no_step_outlives_its_test,
 )
 from tests.waiting import until
-from tests.unit.surfaces.test_hook import HOOK, Place, run_hook
+from tests.unit.hook_scaffold import HOOK, Place, run_hook
 
 
 pytestmark = pytest.mark.usefixtures("sink")  # journal records in memory (conftest)

@@ -6,7 +6,7 @@ from hostagent.host import journal
 from hostagent.core.model import Phase, State
 from hostagent.service.parts import Kept, Progress
 from hostagent.service.recorder import Recorder
-from tests.unit.core.test_machine import G1, POLICY, TOPO, _observed, go
+from tests.unit.machine_world import G1, POLICY, TOPO, _observed, go
 
 
 def test_a_reclaim_resumed_at_start_says_who_wants_which_gpu(sink: journal.ListSink) -> None:

@@ -21,10 +21,11 @@ from hostagent.host.libvirt import ExecResult, HostError
 from hostagent.host import journal
 from hostagent.service import hotplug
 from tests.configs import UUID_A, UUID_B, UUID_C
-from tests.unit.core.test_partial import B, C, gpus
+from tests.unit.partial_world import B, C, gpus
 from tests.unit.machine_scaffold import T
-from tests.unit.service.test_hotplug import AddStep
-from tests.unit.service.test_unplug import A, FakeStep, Guest, unplug
+from tests.unit.hotplug_scaffold import AddStep
+from tests.unit.hotplug_scaffold import FakeStep, Guest, unplug
+from tests.unit.partial_world import A
 
 # A process of a busy node: `count` files open, and the "device node" at argv[2] once,
 # whose fd number it prints; it lives until its stdin closes.

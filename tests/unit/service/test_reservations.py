@@ -27,7 +27,7 @@ from hostagent.service.parts import NoCluster
 from hostagent.service.reservations import _hhmm
 from hostagent.core.reserve import BadReservation, Reservation
 from hostagent.surfaces.control import Caller, Rights, serving
-from tests.unit.core.test_partial import TOPO, S, gpus, A, B, C
+from tests.unit.partial_world import TOPO, S, gpus, A, B, C
 from tests.waiting import until
 from tests.unit.agents import CONFIG, FakeLibvirt, lent
 

@@ -19,7 +19,7 @@ from tests.unit.agents import (  # noqa: F401 (a fixture)
     make_agent,
     no_step_outlives_its_test,
 )
-from tests.unit.surfaces.test_metrics import MINIMAL
+from tests.unit.metrics_scaffold import MINIMAL
 
 pytestmark = pytest.mark.usefixtures("sink")
 

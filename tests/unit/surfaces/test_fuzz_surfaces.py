@@ -26,7 +26,7 @@ from hostagent.host import journal
 from hostagent.surfaces import ssh
 from hostagent.surfaces.mqtt import Device
 from hostagent.surfaces.ssh_keys import Grant
-from tests.unit.surfaces.test_homeassistant import CONFIG, status
+from tests.unit.homeassistant_scaffold import CONFIG, status
 
 EXAMPLES = int(os.environ.get("HOSTAGENT_FUZZ_EXAMPLES", "3_000")) // 3
 fuzz = settings(max_examples=EXAMPLES, deadline=None,

@@ -21,8 +21,8 @@ from hostagent.host import journal
 from hostagent.surfaces import homeassistant
 from hostagent.surfaces.mqtt import CLIENT_ID_FILE, FORMER_CLEARED
 from tests.mosquitto import MISSING, USERS, Mosquitto
-from tests.unit.surfaces.test_homeassistant import CONFIG
-from tests.unit.surfaces.test_mqtt import WAIT, Host, device_config, running, watching
+from tests.unit.homeassistant_scaffold import CONFIG
+from tests.unit.homeassistant_scaffold import WAIT, Host, device_config, running, watching
 
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 

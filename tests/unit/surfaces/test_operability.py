@@ -21,7 +21,7 @@ from hostagent.core.model import IntentSource, Observed, OwnerStarted, OwnerWant
 from hostagent.surfaces import metrics
 from hostagent.surfaces.follow import format_status
 
-from tests.unit.surfaces.test_metrics import MINIMAL, Driver
+from tests.unit.metrics_scaffold import MINIMAL, Driver
 
 
 def test_version_is_the_installed_distributions() -> None:
