@@ -149,6 +149,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         message = ("the labs of this run left processes running (now killed):\n  "
                    + "\n  ".join(left))
         if reporter is not None:
+            reporter.ensure_newline()
             reporter.write_line(message, red=True, bold=True)
         else:
             print(message, file=sys.stderr)
