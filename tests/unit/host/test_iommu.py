@@ -200,7 +200,7 @@ async def test_a_hot_add_refused_for_a_held_group_restarts_nothing(sysfs: FakeSy
 
 
 async def test_a_holder_that_stopped_before_the_refusal_landed_holds_nothing(
-        sysfs: FakeSysfs) -> None:
+        sysfs: FakeSysfs, monkeypatch: pytest.MonkeyPatch) -> None:
     # Its stop came before the machine knew of the hold: the GPU must not stay held.
     step = HeldStep(sysfs)
     real = step.running_domains
@@ -210,7 +210,7 @@ async def test_a_holder_that_stopped_before_the_refusal_landed_holds_nothing(
         nonlocal calls
         calls += 1
         return await real() if calls == 1 else {LENDEE}
-    step.running_domains = stops_after_the_check  # type: ignore[method-assign]
+    monkeypatch.setattr(step, "running_domains", stops_after_the_check)
     await hotplug.hot_add(step, T + 1, gpus(A))
     [event] = step.applied
     assert isinstance(event, GroupsHeld) and not event.held

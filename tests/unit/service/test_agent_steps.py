@@ -357,7 +357,8 @@ async def test_an_owner_starts_at_boot_once(tmp_path: Path) -> None:
     booted._start_at_boot()
     assert [i.owner for i in booted.state.intents] == ["gaming1"]
     fake = booted.libvirt
-    await until(lambda: "gaming1" in fake.running)  # type: ignore[attr-defined]
+    assert isinstance(fake, FakeLibvirt)
+    await until(lambda: "gaming1" in fake.running)
     await booted.saver.flush()  # what an agent does before it exits
     assert not agent().host_booted
 
