@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from hostagent.cluster.cycle import PodsReader
 
 from hostagent.core.config import Config, parse
 from hostagent.core.model import Event, GroupsHeld, Hotplug, Phase, RelendDue, State, Topology
@@ -185,7 +187,7 @@ hotplug = "both"
 """
 
 
-class Guest:
+class Guest(LibvirtStub):
     """The lendee as libvirt and its guest agent show it: its live GPUs, the files and
     commands the step reads and runs in it (nvidia-smi, the holders of a device node
     through /proc/*/fd, the unbind), and whether it lets a device go when asked. gpu-a
@@ -231,12 +233,12 @@ class Guest:
             return ExecResult(0, "", "")
         raise HostError(f"guest agent of {name}: {path}: Failed to execute child process")
 
-    async def detach_live(self, name: str, labels: frozenset[str], gpus: object) -> None:
+    async def detach_live(self, name: str, labels: Collection[str], gpus: object) -> None:
         self.step.cluster.order.append("detach")
         self.detached.append(frozenset(labels))
         if self.lets_go and not self.bound:  # the driver lets go of an unbound device only
             def removed() -> None:
-                self.live -= labels
+                self.live -= set(labels)
                 self.step.device_removed.set()
             asyncio.get_running_loop().call_later(0.05, removed)
 
@@ -244,7 +246,7 @@ class Guest:
         return frozenset(self.live)
 
 
-class Vacating:
+class Vacating(NoCluster):
     """`Cluster.vacate` as the step calls it: what it was given, and its answer; it
     cordons (``order``) before it reads which pods use the GPUs, as the real one does."""
 
@@ -254,8 +256,7 @@ class Vacating:
         self.until: list[float | None] = []
         self.guest: Guest
 
-    async def vacate(self, owners: list[str], gpus: frozenset[str],
-                     pods: Callable[[], Awaitable[tuple[frozenset[str] | None, str]]],
+    async def vacate(self, owners: list[str], gpus: Collection[str], pods: PodsReader,
                      *, until: float | None = None) -> str | None:
         self.until.append(until)
         self.order.append("cordon")
@@ -263,7 +264,7 @@ class Vacating:
         self.calls.append((owners, frozenset(gpus), None if read is None else frozenset(read)))
         return f"which pods use gpu-a is unknown ({why})" if read is None else None
 
-    async def withdraw(self, gpus: frozenset[str]) -> str | None:
+    async def withdraw(self, gpus: Collection[str]) -> str | None:
         self.order.append("withdraw")
         self.guest.holders.discard("812/fd/7")  # the plugin's process is gone
         return None
@@ -280,11 +281,24 @@ class FakeStep:
     device_removed: asyncio.Event = field(default_factory=asyncio.Event)
     cluster: Vacating = field(default_factory=Vacating)
 
+    phase_since: float = 0.0
+    save_failed: str | None = None
+
     def __post_init__(self) -> None:
         self.libvirt = Guest(self)
         self.cluster.guest = self.libvirt
         self.view = self
         self.state = detaching()
+
+    async def held_groups(self, vm: str,
+                          gpus: frozenset[str]) -> tuple[dict[str, str], str]:
+        raise AssertionError("a hot-unplug reads no IOMMU group")
+
+    async def report_held(self, event: GroupsHeld) -> None:
+        raise AssertionError("a hot-unplug reports no held group")
+
+    async def _verify_gpus(self, ticket: int, lent: frozenset[str]) -> str | None:
+        raise AssertionError("a hot-unplug verifies nothing in the guest")
 
     def apply(self, event: Event) -> bool:
         self.applied.append(event)
@@ -295,7 +309,7 @@ class FakeStep:
 
 
 async def unplug(step: FakeStep) -> None:
-    await hotplug.hot_unplug(step, T + 1, gpus(A))  # type: ignore[arg-type]
+    await hotplug.hot_unplug(step, T + 1, gpus(A))
 
 
 def checkpoint(*entries: tuple[str, str, object]) -> str:

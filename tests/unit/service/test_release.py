@@ -229,7 +229,7 @@ async def test_drain_supported_says_whether_and_why(
         step.libvirt.guest_exec = nothing  # type: ignore[method-assign]
     else:
         step.libvirt.help = answer  # type: ignore[attr-defined]
-    ok, why = await hotplug.drain_supported(step)  # type: ignore[arg-type]
+    ok, why = await hotplug.drain_supported(step)
     assert ok is supported and why
     assert ("not found" in why) if answer is None else True
 
