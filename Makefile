@@ -63,7 +63,8 @@ $(STAMPS)/venv: pyproject.toml $(STAMPS)/apt
 demo: setup
 	$(VENV)/bin/python -m tests.lab.demo
 
-# mypy, ruff and lint-imports (the layers' contract in pyproject.toml) first: they take
+# mypy (hostagent/ and tests/, whose fakes it checks against what they stand in for),
+# ruff and lint-imports (the layers' contract in pyproject.toml) first: they take
 # seconds and fail fast. Then every test, whole files spread over TEST_PROCESSES
 # processes (pytest-xdist): a lab test mostly waits on its TCG guests, so on 2 cores
 # three labs at once (each process's lab is private: its own libvirtd, journald, control

@@ -247,8 +247,8 @@ def idle(lab: Lab, scratch: Path) -> Iterator[str]:
 def ssh_session_flood(lab: Lab, scratch: Path) -> Iterator[str]:
     """A listed status-only key asks for 4,500 sessions on each of its connections, and
     connects again as each is closed (tests/faults/test_ssh_attacks.py)."""
-    from tests.faults.test_ssh_attacks import SESSION_FLOOD
-    from tests.lab.test_control_lab import free_port, keygen, public
+    from tests.faults.helpers import SESSION_FLOOD
+    from tests.lab.helpers import free_port, keygen, public
 
     port = free_port()
     key = keygen(scratch / "dashboard", "dashboard")
@@ -315,7 +315,7 @@ def control(lab: Lab, verb: str, *, hang_up: bool = False, **args: str) -> None:
 def slow_fsync(lab: Lab, scratch: Path) -> Iterator[str]:
     """Every fsync of the agent takes a second (an SD card, a busy disk) while its state
     changes every 0.2 s: hold, then lend, each a save (tests/faults/test_load.py)."""
-    from tests.faults.test_load import slow_disk
+    from tests.faults.helpers import slow_disk
 
     with slow_disk(lab, 1.0):
         start_lent(lab)
@@ -376,7 +376,7 @@ def journal_flood(lab: Lab, scratch: Path) -> Iterator[str]:
     """Any local user sends forged hostagent records to journald as fast as it can, from
     two processes (tests/faults/test_untrusted.py): the agent writes each of its records
     to the same journald, from its event loop."""
-    from tests.faults.test_untrusted import FORGED
+    from tests.faults.helpers import FORGED
 
     start_lent(lab)
     send = ("import json, sys, systemd.journal as j\nf = json.loads(sys.argv[1])\n"

@@ -33,7 +33,7 @@ from hostagent.service.hotplug import HOLDERS, RELEASE_BOUND
 from tests.lab.cluster import lab_cluster
 from tests.lab.lab import LENDEE, Lab, need_lab
 from tests.lab.plugins import GuestPlugins, daemonsets, operator_node
-from tests.lab.test_unplug_lab import define_lendee, gpu_pods
+from tests.lab.helpers import define_lendee, gpu_pods
 
 BUSY = 5000
 # The scan hostagent ran before: a readlink per open file of the guest.

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Generator, Iterator
@@ -18,6 +20,7 @@ from hypothesis import HealthCheck, settings
 
 from hostagent.host import journal
 from tests.controlplane import ControlPlane, missing
+from tests.lab import leftovers
 from tests.lab.lab import Lab, need_lab
 
 # Hypothesis, in `make test` and any plain pytest run: the same examples every run, so a
@@ -93,7 +96,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     guess: dict[str, float] = {}
     for item in items:
         name = _file(item.nodeid)
-        guess[name] = guess.get(name, 0.0) + (30.0 if "lab" in item.fixturenames else 0.01)
+        guess[name] = guess.get(name, 0.0) + (30.0 if "lab" in getattr(item, "fixturenames", ()) else 0.01)
     weight = {name: measured.get(name, guess[name]) for name in guess}
     order = {name: rank for rank, name in enumerate(sorted(weight, key=lambda n: -weight[n]))}
     items.sort(key=lambda item: order[_file(item.nodeid)])
@@ -115,10 +118,42 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _spent[name] = _spent.get(name, 0.0) + report.duration
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The run's registry of labs (tests/lab/leftovers.py), made by the process that
+    controls the run; its test processes (pytest-xdist's workers) inherit it."""
+    if not hasattr(config, "workerinput"):
+        run = Path(tempfile.mkdtemp(prefix="hostagent-labs-"))
+        os.environ[leftovers.RUN] = str(run)
+        config.stash[_RUN] = run
+
+
+_RUN = pytest.StashKey[Path]()
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's, which waits for its workers to end
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    if os.environ.get("HOSTAGENT_TEST_TIMES") and not hasattr(session.config, "workerinput"):
+    if hasattr(session.config, "workerinput"):
+        return
+    if os.environ.get("HOSTAGENT_TEST_TIMES"):
         TIMES.write_text(json.dumps({name: round(seconds, 1) for name, seconds
                                      in sorted(_spent.items())}, indent=0) + "\n")
+    # A lab leaves nothing running, however its test ended, its process included: what
+    # one left fails the run, and is ended here.
+    run = session.config.stash.get(_RUN, None)
+    if run is None:
+        return
+    left = leftovers.check_run(run)
+    shutil.rmtree(run, ignore_errors=True)
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = ("the labs of this run left processes running (now killed):\n  "
+                   + "\n  ".join(left))
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line(message, red=True, bold=True)
+        else:
+            print(message, file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(wrapper=True)

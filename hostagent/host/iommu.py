@@ -21,7 +21,7 @@ from pathlib import Path
 from hostagent.host import gpus as inventory
 from hostagent.host import lint
 from hostagent.core.config import Gpu
-from hostagent.host.libvirt import HostError, Libvirt
+from hostagent.host.libvirt import Domains, HostError
 
 
 def group_members(gpus: Mapping[str, Gpu],
@@ -39,7 +39,7 @@ def group_members(gpus: Mapping[str, Gpu],
     return members
 
 
-async def holders(libvirt: Libvirt, vm: str, gpus: Mapping[str, Gpu],
+async def holders(libvirt: Domains, vm: str, gpus: Mapping[str, Gpu],
                   sysfs: Path = inventory.SYSFS) -> dict[str, tuple[str, str]]:
     """Those of `gpus` that `vm` may not take now, by label, each with the other running
     domain that holds a member of its IOMMU group and a sentence that says so. What

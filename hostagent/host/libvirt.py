@@ -37,7 +37,7 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import libvirt
 import libvirtaio
@@ -117,6 +117,60 @@ def _register_event_impl() -> None:
         # where they matter (an agent that is not up yet is an expected answer).
         libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
         _event_impl_registered = True
+
+
+class Domains(Protocol):
+    """What the agent's parts ask of libvirt. `Libvirt` is it; the tests' stand-ins
+    implement it too (tests/fakes.py), so that a signature changed here fails their
+    type check instead of letting them drift."""
+
+    uri: str
+
+    @property
+    def connected(self) -> bool: ...
+
+    async def connect(self, *, attempts: int | None = None) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def defined_domains(self) -> set[str]: ...
+
+    async def running_domains(self) -> set[str]: ...
+
+    async def is_running(self, name: str) -> bool: ...
+
+    async def xml(self, name: str) -> str: ...
+
+    async def inactive_xml(self, name: str) -> str: ...
+
+    async def live_gpus(self, name: str, gpus: Mapping[str, Gpu]) -> frozenset[str]: ...
+
+    async def start(self, name: str) -> None: ...
+
+    async def start_with(self, name: str, *, drop: Collection[str],
+                         gpus: Mapping[str, Gpu]) -> None: ...
+
+    async def attach_live(self, name: str, labels: Collection[str],
+                          gpus: Mapping[str, Gpu]) -> None: ...
+
+    async def detach_live(self, name: str, labels: Collection[str],
+                          gpus: Mapping[str, Gpu]) -> None: ...
+
+    async def shutdown_via_agent(self, name: str) -> None: ...
+
+    async def shutdown_via_acpi(self, name: str) -> None: ...
+
+    async def destroy(self, name: str) -> None: ...
+
+    async def agent_command(self, name: str, command: dict[str, Any], *,
+                            timeout: int = 5) -> Any: ...
+
+    async def ping_agent(self, name: str, *, timeout: int = 3) -> bool: ...
+
+    async def guest_exec(self, name: str, path: str, args: list[str], *,
+                         timeout: float = 30) -> ExecResult: ...
+
+    async def screenshot(self, name: str, *, screen: int = 0) -> tuple[str, bytes]: ...
 
 
 class Libvirt:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from hostagent.core import clock, devices, health, machine
 from hostagent.host import journal, lint
@@ -45,7 +45,7 @@ from hostagent.surfaces.control import GroupAccess, serve_control
 from hostagent.service import hotplug
 from hostagent.service.executor import Executor
 from hostagent.surfaces.inbox import HookEvent, Inbox, Verdict, replay_spool, serve_hooks
-from hostagent.host.libvirt import HostError, Libvirt, Lifecycle
+from hostagent.host.libvirt import Domains, HostError, Libvirt, Lifecycle
 from hostagent.host.lock import AlreadyRunning, lock_agent
 from hostagent.core.model import (
     Event,
@@ -65,14 +65,13 @@ from hostagent.core.model import (
     Regrow,
     State,
 )
-from hostagent.service.parts import Cluster, Kept, NoCluster, Progress
+from hostagent.service.parts import Cluster, Kept, NoCluster, Progress, Shared
 from hostagent.service.recorder import Recorder
 from hostagent.service.reservations import Reservations
 from hostagent.core.topology import topology
 from hostagent.service.verbs import Verbs
 
 log = logging.getLogger("hostagent")
-T = TypeVar("T")
 
 
 class StartupError(Exception):
@@ -109,29 +108,11 @@ def _persisted(state: State) -> tuple[object, ...]:
             state.reservations)
 
 
-class _Shared(Generic[T]):
-    """An attribute of the agent that its parts were given too: replacing it (the
-    cluster once connected, a stand-in) replaces it in each part that has it."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, agent: Agent, owner: type) -> T:
-        value: T = agent.__dict__[self.name]
-        return value
-
-    def __set__(self, agent: Agent, value: T) -> None:
-        agent.__dict__[self.name] = value
-        for part in agent.__dict__.get("parts", ()):
-            if hasattr(part, self.name):
-                setattr(part, self.name, value)
-
-
 class Agent:
-    cfg: _Shared[Config] = _Shared()
-    policy: _Shared[Policy] = _Shared()
-    libvirt: _Shared[Libvirt] = _Shared()
-    cluster: _Shared[Cluster] = _Shared()
+    cfg: Shared[Config] = Shared()
+    policy: Shared[Policy] = Shared()
+    libvirt: Shared[Domains] = Shared()
+    cluster: Shared[Cluster] = Shared()
 
     def __init__(self, cfg: Config, *, cluster: Cluster | None = None) -> None:
         self.cfg = cfg
@@ -471,6 +452,17 @@ class Agent:
     def stop(self) -> None:
         if self._fatal is not None and not self._fatal.done():
             self._fatal.set_exception(asyncio.CancelledError())
+
+    def start(self) -> None:
+        """The saved state read and events taken until `stop` or `fail`, nothing served:
+        what `run` does first, for a test that drives the agent itself."""
+        self._fatal = asyncio.get_running_loop().create_future()
+        self._load()
+
+    @property
+    def ended(self) -> BaseException | None:
+        """Why the agent stopped (`stop`, `fail`); None while it goes on."""
+        return self._fatal.exception() if self._fatal and self._fatal.done() else None
 
     async def _serve_metrics(self) -> None:
         """/metrics and /healthz; a port that cannot be bound yet (in use, an address

@@ -31,7 +31,7 @@ from hostagent.host import gpus as inventory
 from hostagent.host import verify as in_guest
 from hostagent.core.config import Config, VerifyMethod
 from hostagent.core.text import clean
-from hostagent.host.libvirt import DomainNotFound, HookRefused, HostError, Libvirt, Lifecycle
+from hostagent.host.libvirt import DomainNotFound, Domains, HookRefused, HostError, Lifecycle
 from hostagent.core.model import (
     Action,
     AgentTimeout,
@@ -77,7 +77,7 @@ class Executor:
     sysfs: Path = inventory.SYSFS  # where the IOMMU groups are read (`iommu.holders`)
 
     def __init__(self, cfg: Config, topo: Topology, view: View, apply: Apply, *,
-                 libvirt: Libvirt, cluster: Cluster, progress: Progress,
+                 libvirt: Domains, cluster: Cluster, progress: Progress,
                  lifecycle: Callable[[str, Lifecycle], None],
                  fail: Callable[[BaseException], None], serving: asyncio.Event) -> None:
         self.cfg, self.topo, self.view, self.apply = cfg, topo, view, apply

@@ -70,7 +70,7 @@ from hostagent.core import clock
 from hostagent.host import journal, lint
 from hostagent.host import verify as in_guest
 from hostagent.core.config import Config
-from hostagent.host.libvirt import ExecResult, HostError, Libvirt
+from hostagent.host.libvirt import Domains, ExecResult, HostError
 from hostagent.core.model import (
     Hotplug,
     Policy,
@@ -88,14 +88,24 @@ from hostagent.core.text import clean
 class Step(Protocol):
     """What of the executor a hot-add uses (`hostagent.service.executor.Executor`)."""
 
-    lendee: str
-    cfg: Config
-    topo: Topology
-    view: View
-    apply: Apply
-    libvirt: Libvirt
-    cluster: Cluster
-    device_removed: asyncio.Event
+    # Read-only: a step reads them, never replaces them (and a test's stand-in may be
+    # of a narrower type).
+    @property
+    def lendee(self) -> str: ...
+    @property
+    def cfg(self) -> Config: ...
+    @property
+    def topo(self) -> Topology: ...
+    @property
+    def view(self) -> View: ...
+    @property
+    def apply(self) -> Apply: ...
+    @property
+    def libvirt(self) -> Domains: ...
+    @property
+    def cluster(self) -> Cluster: ...
+    @property
+    def device_removed(self) -> asyncio.Event: ...
 
     def lendee_gpu_config(self) -> dict[str, Any]: ...
 

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from hostagent.core import clock
 from hostagent.surfaces.control import Reply
@@ -28,6 +28,25 @@ if TYPE_CHECKING:  # the cluster's, which imports kubernetes-asyncio: only with 
     from hostagent.cluster.cycle import PodsReader
 
 Apply = Callable[[Event], bool]  # the agent's: step the machine; False if stale
+T = TypeVar("T")
+
+
+class Shared(Generic[T]):
+    """An attribute of the agent that its parts were given too: replacing it (the
+    cluster once connected, a stand-in) replaces it in each of its `parts` that has it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, agent: object, owner: type) -> T:
+        value: T = agent.__dict__[self.name]
+        return value
+
+    def __set__(self, agent: object, value: T) -> None:
+        agent.__dict__[self.name] = value
+        for part in agent.__dict__.get("parts", ()):
+            if hasattr(part, self.name):
+                setattr(part, self.name, value)
 
 
 class View(Protocol):

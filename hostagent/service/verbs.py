@@ -25,7 +25,7 @@ from hostagent.host import journal, lint
 from hostagent.core.config import Config
 from hostagent.surfaces.control import Reply, VerbHandler, current_caller
 from hostagent.core.health import Health
-from hostagent.host.libvirt import HostError, Libvirt, Lifecycle
+from hostagent.host.libvirt import Domains, HostError, Lifecycle
 from hostagent.core.model import (
     CancelIntent,
     Hold,
@@ -59,7 +59,7 @@ class Verbs:
 
     def __init__(self, cfg: Config, topo: Topology, policy: Policy, view: View, apply: Apply,
                  *, request: Callable[[OwnerWants], Awaitable[bool]],
-                 libvirt: Libvirt, cluster: Cluster, health: Health, facts: Facts,
+                 libvirt: Domains, cluster: Cluster, health: Health, facts: Facts,
                  progress: Progress, lifecycle: Callable[[str, Lifecycle], None],
                  reservations: Reservations) -> None:
         self.cfg, self.topo, self.policy, self.view = cfg, topo, policy, view

@@ -26,7 +26,7 @@ from hostagent.cluster.kube import Kube
 from tests.controlplane import ControlPlane
 from tests.controlplane.kubelet import Pods
 from tests.controlplane.nvidia import DEVICE_CLASS, DRIVER, Driver
-from tests.controlplane.test_rbac import agent_kubeconfig
+from tests.controlplane.rbac import agent_kubeconfig
 from tests.unit.kube_scaffold import FAST
 
 NODE = "gpu-node"

@@ -109,7 +109,7 @@ class _Accepted(asyncio.Protocol):
     before its TLS handshake is over, which asyncio's own TLS server cannot reach), then
     upgraded to TLS and handed to the web server's protocol."""
 
-    def __init__(self, accepted: weakref.WeakSet[asyncio.BaseTransport],
+    def __init__(self, accepted: weakref.WeakSet[asyncio.Transport],
                  context: ssl.SSLContext, web_server: web.Server) -> None:
         self.accepted, self.context, self.web_server = accepted, context, web_server
 
@@ -125,6 +125,9 @@ class _Accepted(asyncio.Protocol):
             tls = await asyncio.get_running_loop().start_tls(
                 transport, handler, self.context, server_side=True, ssl_handshake_timeout=10)
         except Exception:  # cut mid-handshake, or no TLS client: its connection goes
+            transport.abort()
+            return
+        if tls is None:  # closed during the handshake
             transport.abort()
             return
         handler.connection_made(tls)
@@ -166,7 +169,7 @@ class FaultProxy:
         self._session: aiohttp.ClientSession | None = None
         self._outages: set[asyncio.Task[None]] = set()
         # Every accepted connection, from before its TLS handshake: down() cuts them all.
-        self._accepted: weakref.WeakSet[asyncio.BaseTransport] = weakref.WeakSet()
+        self._accepted: weakref.WeakSet[asyncio.Transport] = weakref.WeakSet()
         self._released = asyncio.Event()  # set and replaced by clear_faults: held answers go
 
     @property
@@ -240,9 +243,9 @@ class FaultProxy:
         if self._listener is not None:
             return
         self._web = web.Server(self._handle, handler_cancellation=True)
-        serving = self._serving()
+        serving, web_server = self._serving(), self._web
         self._listener = await asyncio.get_running_loop().create_server(
-            lambda: _Accepted(self._accepted, serving, self._web), self.host, self.port,
+            lambda: _Accepted(self._accepted, serving, web_server), self.host, self.port,
             backlog=self.max_connections)
         self.port = self._listener.sockets[0].getsockname()[1]
 

@@ -29,12 +29,12 @@ from hostagent.host.verify import BOOT_ID
 from hostagent.core.model import IntentSource, Observed, OwnerWants, Phase
 from tests.controlplane import ControlPlane
 from tests.unit.kube_scaffold import FAST
-from tests.unit.surfaces.test_control import (  # noqa: F401 (a fixture)
+from tests.unit.agents import (  # noqa: F401 (a fixture)
     CONFIG,
     FakeLibvirt,
     no_step_outlives_its_test,
-    until,
 )
+from tests.waiting import until
 
 pytestmark = pytest.mark.usefixtures("sink")
 
@@ -115,8 +115,8 @@ async def test_a_stale_return_never_uncordons_the_node_a_new_drain_cordoned(
         node: Node, kube: Kube, tmp_path: Path) -> None:
     agent = Agent(parse(KUBE_CONFIG.format(root=tmp_path), "test.toml"))
     fake = Guest(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
-    agent._fatal = asyncio.get_running_loop().create_future()
+    agent.libvirt = fake
+    agent.start()
     agent.cluster = KubeCluster(kube, agent.cfg, remember_cordon=agent._remember_cordon)
     fake.running.add("gpu-node")
     agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
@@ -142,8 +142,8 @@ async def test_a_cordon_of_ours_lifted_by_hand_is_ours_no_more(
     text = KUBE_CONFIG.replace('"60s"', '"0.2s"').format(root=tmp_path)
     agent = Agent(parse(text, "test.toml"))
     fake = Guest(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
-    agent._fatal = asyncio.get_running_loop().create_future()
+    agent.libvirt = fake
+    agent.start()
     agent.cluster = KubeCluster(kube, agent.cfg, remember_cordon=agent._remember_cordon)
     await node.ready()
     fake.running.add("gpu-node")

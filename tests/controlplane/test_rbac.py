@@ -27,20 +27,18 @@ from hostagent.core.config import DrainTimeoutAction
 from hostagent.core.plugins import PLUGIN_LABELS  # every label the agent pauses by default
 from tests.controlplane import ControlPlane
 from tests.unit.kube_scaffold import FAST
+from tests.controlplane.rbac import (
+    agent_kubeconfig,
+    NODE,
+    node_rbac,
+    RBAC,
+    REPO,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-RBAC = REPO / "deploy" / "rbac.yaml"
-NODE_RBAC = REPO / "deploy" / "rbac-node.yaml"  # one host's: @NODE@ is its node's name
-NODE = "gpu-node"
 OTHER = "other-node"  # a node of the cluster that is not the agent's
 PREFIX = "hostagent.io/"
 WORK = "work"  # the namespace of the running test's pods
 IDENTITY = f"system:serviceaccount:hostagent:{NODE}"  # the agent's user name
-
-
-def node_rbac(node: str) -> str:
-    """deploy/rbac-node.yaml for `node`, as README's sed makes it."""
-    return NODE_RBAC.read_text().replace("@NODE@", node)
 
 
 def roles() -> list[dict[str, Any]]:
@@ -102,23 +100,6 @@ def test_every_node_right_names_the_node() -> None:
     for call in watched:
         found = re.findall(rf"{call}[\"]?,\s*(?:field_selector=)?f?\"([^\"]*)\"", source)
         assert found and all(f == "metadata.name={node}" for f in found), (call, found)
-
-
-def agent_kubeconfig(plane: ControlPlane, path: Path, node: str = NODE) -> Path:
-    """The agent's kubeconfig as README says to make it: the token of the ServiceAccount
-    named after its node."""
-    plane.kubectl("apply", "-f", str(RBAC))
-    plane.kubectl("apply", "-f", "-", input=node_rbac(node))
-    token = plane.kubectl("create", "token", node, "-n", "hostagent",
-                          "--duration=1h").stdout.strip()
-    path.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "hostagent",
-        "clusters": [{"name": "lab", "cluster": {
-            "server": plane.server, "certificate-authority": str(plane.pki / "ca.crt")}}],
-        "users": [{"name": "hostagent", "user": {"token": token}}],
-        "contexts": [{"name": "hostagent", "context": {"cluster": "lab",
-                                                        "user": "hostagent"}}]}))
-    return path
 
 
 def manifest(kind: str, name: str, **spec: Any) -> str:

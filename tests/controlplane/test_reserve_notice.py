@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hostagent.cluster.kube import Kube
 from tests.controlplane import ControlPlane
-from tests.controlplane.test_rbac import agent_kubeconfig
+from tests.controlplane.rbac import agent_kubeconfig
 from tests.unit.kube_scaffold import FAST
 
 NODE = "gpu-node-reserved"

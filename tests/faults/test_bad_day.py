@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 from tests.faults.scenario import (
-    DEFERRED,
     Scenario,
     count,
     counted,
@@ -32,9 +31,9 @@ from tests.faults.scenario import (
     qemu_pids,
     wait_for,
 )
-from tests.faults.test_kubernetes import cordoned, marker
+from tests.faults.helpers import cordoned, marker
 from tests.lab.cluster import lab_cluster
-from tests.lab.lab import HOOK, LENDEE, REPO, Lab
+from tests.lab.lab import DEFERRED, HOOK, LENDEE, REPO, Lab
 
 pytestmark = pytest.mark.lab
 

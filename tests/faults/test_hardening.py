@@ -20,7 +20,7 @@ import pytest
 
 from tests.faults.scenario import Scenario, wait_lent
 from tests.lab.lab import REPO, Lab
-from tests.lab.test_control_lab import free_port, keygen, public
+from tests.lab.helpers import free_port, keygen, public
 
 pytestmark = pytest.mark.lab
 

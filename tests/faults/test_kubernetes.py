@@ -25,10 +25,13 @@ from tests.faults.scenario import (
 )
 from tests.lab.cluster import LabCluster, lab_cluster, statefulset
 from tests.lab.lab import GPUS, LENDEE, Lab
+from tests.faults.helpers import (
+    cordoned,
+    marker,
+)
 
 pytestmark = pytest.mark.lab
 
-MARKER = "hostagent.io/cordoned-by"
 NODE = rf"^/api/v1/nodes/{LENDEE}(\?.*)?$"
 
 
@@ -38,15 +41,6 @@ def kube_config(lab: Lab, kc: LabCluster, *, policy: str = "proceed", **timeouts
         assert f'\n{key} = "' in text, key
         text = text.replace(f'\n{key} = "', f'\n{key} = "{value}"  # was "', 1)
     lab.write_config(text.replace("[policy]", f'[policy]\non_drain_timeout = "{policy}"'))
-
-
-def cordoned(kc: LabCluster) -> bool:
-    return bool(kc.node()["spec"].get("unschedulable"))
-
-
-def marker(kc: LabCluster) -> str | None:
-    annotations: dict[str, str] = kc.node()["metadata"].get("annotations") or {}
-    return annotations.get(MARKER)
 
 
 def hold_the_drain(kc: LabCluster) -> None:

@@ -8,38 +8,28 @@ Each is a row of the table; they need no Kubernetes.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from hostagent.surfaces.control import REQUESTS_BURST, REQUESTS_INTERVAL
 from tests.faults.scenario import (
-    DEFERRED,
     Scenario,
     count,
     counted,
     wait_for,
     wait_lent,
 )
-from tests.lab.lab import REPO, Lab
+from tests.lab.lab import DEFERRED, REPO, Lab
+from tests.faults.helpers import (
+    slow_disk,
+)
 
 pytestmark = pytest.mark.lab
 
-# Loaded by the agent's interpreter (a sitecustomize on its PYTHONPATH): every fsync
-# waits first, as on an SD card or a disk busy with something else.
-SLOW_FSYNC = """\
-import os, time
-_fsync = os.fsync
-def _slow(fd):
-    time.sleep({seconds})
-    _fsync(fd)
-os.fsync = _slow
-"""
 
 # One user's client in a loop: malformed lines, and verbs naming VMs that do not exist
 # (with a terminal escape for good measure), each on a connection of its own, for
@@ -61,23 +51,6 @@ while time.monotonic() < end:
     sent += 1
 print(sent, flush=True)
 """
-
-
-@contextlib.contextmanager
-def slow_disk(lab: Lab, seconds: float) -> Iterator[None]:
-    """Agents started inside wait `seconds` in each fsync, for their whole life."""
-    shim = lab.root / "slow-disk"
-    shim.mkdir(exist_ok=True)
-    (shim / "sitecustomize.py").write_text(SLOW_FSYNC.format(seconds=seconds))
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(shim), before) if p)
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
 
 
 def spooled(lab: Lab) -> list[str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.lab.lab import Lab
-from tests.lab.test_control_lab import OpenSsh, free_port, keygen, public
+from tests.lab.helpers import OpenSsh, free_port, keygen, public
 
 pytestmark = pytest.mark.lab
 

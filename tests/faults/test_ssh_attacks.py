@@ -17,39 +17,16 @@ import pytest
 
 from tests.faults.scenario import Scenario, wait_for, wait_lent
 from tests.lab.lab import DEFERRED, Lab
-from tests.lab.test_control_lab import OpenSsh, free_port, keygen, public
+from tests.lab.helpers import OpenSsh, free_port, keygen, public
+from tests.faults.helpers import (
+    known_hosts,
+    SESSION_FLOOD,
+)
 
 pytestmark = pytest.mark.lab
 
 NOBODY = 65534
 
-# A listed key's client gone wrong, or turned: on each connection it asks for `per`
-# sessions at once, each running `status`; when the connection ends it connects again.
-# After each connection it writes "connections commands-run" to `stats`.
-SESSION_FLOOD = r"""
-import asyncio, os, sys
-import asyncssh
-port, key, known, per, stats = int(sys.argv[1]), *sys.argv[2:4], int(sys.argv[4]), sys.argv[5]
-
-async def main():
-    connections = ran = 0
-    while True:
-        try:
-            async with asyncssh.connect("127.0.0.1", port, username="hostagent",
-                                        client_keys=[key], known_hosts=known,
-                                        agent_path=None, config=None) as conn:
-                connections += 1
-                results = await asyncio.gather(*(conn.run("status") for _ in range(per)),
-                                               return_exceptions=True)
-                ran += sum(getattr(r, "exit_status", None) == 0 for r in results)
-        except (OSError, asyncssh.Error):
-            await asyncio.sleep(0.01)
-        with open(stats + ".tmp", "w") as f:
-            f.write(f"{connections} {ran}\n")
-        os.replace(stats + ".tmp", stats)
-
-asyncio.run(main())
-"""
 
 # Another user's link flipped as fast as it goes between a file root wrote and one of
 # their own, while their key knocks (`n` connections, each trying `status`): a check by stat() and a read by name in between
@@ -105,14 +82,6 @@ def ssh_on(lab: Lab, tmp_path: Path) -> Iterator[tuple[int, Path]]:
                      + f'\n[ssh]\nlisten = "127.0.0.1:{port}"\nauthorized_keys = "{keys}"\n')
     yield port, keys
     keys.unlink(missing_ok=True)
-
-
-def known_hosts(lab: Lab, port: int, tmp_path: Path) -> Path:
-    host_key = lab.path("/var/lib/hostagent/ssh_host_ed25519_key.pub")
-    wait_for(host_key.exists, 30, "the SSH host key")
-    known = tmp_path / "known_hosts"
-    known.write_text(f"[127.0.0.1]:{port} {host_key.read_text()}")
-    return known
 
 
 def test_ssh_session_flood_during_a_reclaim(lab: Lab, fault: Scenario, tmp_path: Path,

@@ -22,9 +22,9 @@ import pytest
 from hostagent.surfaces.ssh import PEER_BURST, PEER_INTERVAL
 
 from tests.faults.scenario import Scenario, wait_for, wait_lent
-from tests.faults.test_ssh_attacks import known_hosts
+from tests.faults.helpers import known_hosts
 from tests.lab.lab import DEFERRED, Lab
-from tests.lab.test_control_lab import free_port, keygen, public
+from tests.lab.helpers import free_port, keygen, public
 
 pytestmark = pytest.mark.lab
 

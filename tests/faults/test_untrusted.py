@@ -16,14 +16,12 @@ import pytest
 
 from tests.faults.scenario import wait_lent
 from tests.lab.lab import GPUS, Lab
+from tests.faults.helpers import (
+    FORGED,
+)
 
 pytestmark = pytest.mark.lab
 
-# An owner's start, as the agent records it: what `hostagent history` draws as gaming.
-FORGED = {"MESSAGE": "gaming1: off to running", "SYSLOG_IDENTIFIER": "hostagent",
-          "HOSTAGENT_EVENT": "owner", "HOSTAGENT_VM": "gaming1", "HOSTAGENT_FROM": "off",
-          "HOSTAGENT_TO": "running", "HOSTAGENT_RESULT": "ok",
-          "HOSTAGENT_HOLDERS": "gpu-a=gaming1,gpu-b=-,gpu-c=-"}
 SEND = "import json, sys, systemd.journal as j; j.send(**json.loads(sys.argv[1]))"
 
 

@@ -32,8 +32,11 @@ import pytest
 from hostagent.core import config
 from hostagent.host import journal
 from tests.mosquitto import MISSING, USERS, Mosquitto
-from tests.unit.surfaces.test_homeassistant import CONFIG
-from tests.unit.surfaces.test_mqtt import Host, device_config, running
+from tests.unit.homeassistant_scaffold import CONFIG
+from tests.unit.homeassistant_scaffold import Host, device_config, running
+from tests.unit.homeassistant_scaffold import (
+    ENTITIES,
+)
 
 HASS = os.environ.get("HOSTAGENT_HASS") or shutil.which("hass")
 pytestmark = [
@@ -101,18 +104,6 @@ shell_command:
   seen: /bin/sh -c "echo {{ what }} >> SEEN"
 """
 
-# What a real discovery creates, README's dashboard card among them
-# (tests/packaging/test_readme.py checks that the card names only these): the owner
-# "gaming/2" of the unit tests' configuration, and README's gaming2 beside it.
-ENTITIES = {
-    "switch.hostagent_gaming1", "switch.hostagent_gaming_2", "switch.hostagent_gaming2",
-    "sensor.hostagent_gpu_gpu_a", "sensor.hostagent_gpu_gpu_b", "sensor.hostagent_gpu_gpu_c",
-    "binary_sensor.hostagent_gpu_node_lent", "sensor.hostagent_gpu_node_phase",
-    "sensor.hostagent_gpu_node_gpus", "sensor.hostagent_last_transition",
-    "switch.hostagent_hold_lending", "button.hostagent_reclaim_gpus",
-    "button.hostagent_lend_gpus",
-}
-
 
 # What Home Assistant's MQTT integration logs (homeassistant/components/mqtt/entity.py):
 # an entity handed over to device discovery, unloaded from its old topic once that is
@@ -139,7 +130,6 @@ def home_assistant(root: Path, broker: Mosquitto) -> Path:
         {"version": 1, "minor_version": 5, "key": "core.config_entries",
          "data": {"entries": [entry]}}))
     return config
-
 
 
 @dataclass

@@ -33,7 +33,7 @@ import libvirt
 import libvirt_qemu
 
 from hostagent.surfaces import control
-from tests.lab import image
+from tests.lab import image, leftovers
 from tests.sysfs import FakeSysfs
 
 REPO = Path(__file__).resolve().parents[2]
@@ -171,6 +171,9 @@ class Lab:
     mark_us: int = 0
     holder: subprocess.Popen[bytes] | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    # The lab's mount namespace (readlink /proc/<holder>/ns/mnt), for `down` to find what
+    # runs in it after the holder is gone.
+    namespace: str | None = None
     # policy.partial in the configurations below: the product's default, unless a suite
     # that tests other roads sets it off (see tests/faults/conftest.py).
     partial: bool = True
@@ -215,6 +218,7 @@ class Lab:
         self.host_before = host_fingerprint()
         self.guest = image.build(self.cache)
         self.root.mkdir(parents=True, exist_ok=True)
+        leftovers.register(self.root)  # before anything starts: the run's check finds it
         self.sysfs = lab_host(self.root / "sysfs")
         for name in BINDS.values():
             (self.root / name).mkdir(exist_ok=True)
@@ -240,10 +244,15 @@ class Lab:
         return self
 
     def down(self) -> None:
-        """Stop every lab process; the namespace, and so every mount, dies with the holder."""
-        if self.holder is not None and self.holder.poll() is None and self._libvirtd_alive():
-            for dom in self.running():
-                self.virsh("destroy", dom, check=False)
+        """Stop every lab process, guests included, whatever a test left: a libvirtd killed
+        or hung, a guest or an agent that ignores SIGTERM. The namespace, and so every
+        mount, dies with the last of them. Raises if a process outlives a bounded wait."""
+        try:
+            if self.holder is not None and self.holder.poll() is None and self._libvirtd_alive():
+                for dom in self.running():
+                    self.virsh("destroy", dom, check=False)
+        except Exception as e:  # a lab in any state comes down: what is left is killed below
+            print(f"lab: destroying the guests failed ({e}); killing them", file=sys.stderr)
         if self._conn is not None:
             with contextlib.suppress(libvirt.libvirtError):
                 self._conn.close()
@@ -251,17 +260,17 @@ class Lab:
         for proc in reversed(list(self.procs.values())):
             _stop(proc)
         self.procs.clear()
-        # QEMU processes are libvirtd's children, re-parented when it dies: find them
-        # by the lab path on their command line.
-        for pid in self.pids_using_lab():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        # QEMU guests are libvirtd's, daemonized: they outlive it. Every process the lab
+        # started is found by its marks (tests/lab/leftovers.py) and killed.
+        left = leftovers.end(self.pids_using_lab())
         if self.holder is not None:
             _stop(self.holder)
             self.holder = None
+        left += leftovers.end(self.pids_using_lab())
         remove_cgroup(self.cgroup)
+        if left:
+            raise RuntimeError("lab: processes outlived SIGKILL: "
+                               + "; ".join(leftovers.describe(pid) for pid in left))
 
     def reset(self) -> None:
         """No agent, every VM off, lab GPUs as new, no agent state or spool: the state
@@ -291,18 +300,8 @@ class Lab:
                 shutil.rmtree(f) if f.is_dir() else f.unlink()
 
     def pids_using_lab(self) -> list[int]:
-        found = []
-        marker = str(self.root).encode()
-        for p in Path("/proc").iterdir():
-            if not p.name.isdigit() or int(p.name) == os.getpid():
-                continue
-            try:
-                cmdline = (p / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if marker in cmdline:
-                found.append(int(p.name))
-        return found
+        """The processes the lab started that run (tests/lab/leftovers.py)."""
+        return leftovers.lab_pids(self.root, namespace=self.namespace)
 
     def _start_namespace(self) -> None:
         script = ["set -e"]
@@ -329,15 +328,20 @@ class Lab:
             (self.root / db).write_text(text)
             script.append(f"mount --bind {self.root / db} /etc/{db}")
         script.append("echo ready")
-        script.append(f"exec sleep infinity # hostagent-lab {self.root}")
+        # The holder outlives the process that owns the lab only to end it: a test process
+        # killed before its teardown leaves no guest, libvirtd or agent behind.
+        script.append(f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done")
+        script.append(f"exec {sys.executable} -I -S {leftovers.__file__} {self.root}")
         self.holder = subprocess.Popen(
             ["unshare", "--mount", "--propagation", "private", "sh", "-c", "\n".join(script)],
-            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+            env={**os.environ, leftovers.MARKER: str(self.root)})
         assert self.holder.stdout is not None
         with self.holder.stdout:
             ready = self.holder.stdout.readline().strip() == b"ready"
         if not ready:
             raise RuntimeError("could not set up the lab's mount namespace (are you root?)")
+        self.namespace = os.readlink(f"/proc/{self.holder.pid}/ns/mnt")
 
     def nsenter(self, *argv: str) -> list[str]:
         """The command line that runs argv inside the lab's mount namespace."""
@@ -345,6 +349,7 @@ class Lab:
         return ["nsenter", f"--mount=/proc/{self.holder.pid}/ns/mnt", "--", *argv]
 
     def spawn(self, name: str, argv: list[str], **kw: Any) -> subprocess.Popen[bytes]:
+        kw["env"] = {**(kw.get("env") or os.environ), leftovers.MARKER: str(self.root)}
         with open(self.root / f"{name}.log", "ab") as log:
             proc = subprocess.Popen(self.nsenter(*argv), stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, **kw)

@@ -17,9 +17,9 @@ import pytest
 from hostagent.service.hotplug import HOLDERS, RELEASE_BOUND
 from tests.lab.cluster import lab_cluster
 from tests.lab.lab import GPUS, LENDEE, Lab
-from tests.lab.test_kube_lab import eventually, lends
+from tests.lab.helpers import eventually, lends
 from tests.lab.plugins import GuestPlugins, daemonsets, operator_node
-from tests.lab.test_unplug_lab import define_lendee, gpu_pods, guest
+from tests.lab.helpers import define_lendee, gpu_pods, guest
 
 pytestmark = pytest.mark.lab
 

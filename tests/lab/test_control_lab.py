@@ -26,7 +26,14 @@ import pytest
 from hostagent.surfaces.ssh import PEER_INTERVAL
 
 from tests.lab.lab import Lab
-from tests.packaging.test_readme_commands import commands, readme_ssh
+from tests.packaging.readme import commands, readme_ssh
+from tests.lab.helpers import (
+    free_port,
+    keygen,
+    OpenSsh,
+    public,
+    wait_lent,
+)
 
 pytestmark = pytest.mark.lab
 
@@ -42,54 +49,6 @@ INJECTIONS = [
     "play gaming2\nrm -rf /",
     "play " + "g" * 300,
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def keygen(path: Path, comment: str) -> Path:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f",
-                    str(path)], check=True)
-    return path
-
-
-def public(key: Path) -> str:
-    return " ".join(key.with_suffix(".pub").read_text().split()[:2])
-
-
-def wait_lent(lab: Lab, after: int = 0, timeout: float = 60) -> None:
-    """Wait for the (after+1)-th LENT record."""
-    deadline = time.monotonic() + timeout
-    while len(lab.records(event="phase", to="lent")) <= after:
-        assert time.monotonic() < deadline, f"never lent; phases: {lab.phases()}"
-        time.sleep(0.2)
-
-
-class OpenSsh:
-    """Debian's ssh client, host key pinned, no agent, no config, no questions."""
-
-    def __init__(self, port: int, known_hosts: Path) -> None:
-        self.port = port
-        self.options = ["-F", "/dev/null", "-o", "StrictHostKeyChecking=yes",
-                        "-o", f"UserKnownHostsFile={known_hosts}", "-o", "BatchMode=yes",
-                        "-o", "IdentitiesOnly=yes", "-o", "IdentityAgent=none",
-                        "-o", "ConnectTimeout=10"]
-
-    def __call__(self, key: Path, *args: str, timeout: float = 90
-                 ) -> subprocess.CompletedProcess[str]:
-        *flags, command = args if args else ("",)
-        argv = ["ssh", "-i", str(key), "-p", str(self.port), *self.options, *flags,
-                "hostagent@127.0.0.1"] + ([command] if command else [])
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL, check=False)
-
-    def sftp(self, key: Path) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["sftp", "-i", str(key), "-P", str(self.port), *self.options,
-                               "-b", "/dev/null", "hostagent@127.0.0.1"],
-                              capture_output=True, text=True, timeout=30, check=False)
 
 
 def test_home_automation_over_ssh_with_openssh_and_asyncssh(lab: Lab, tmp_path: Path) -> None:

@@ -12,9 +12,9 @@ import pytest
 
 from tests.lab.cluster import LabCluster, devices_seen, lab_cluster
 from tests.lab.lab import GPUS, LENDEE, Lab
-from tests.lab.test_kube_lab import annotations, eventually, lends
-from tests.packaging.test_readme import README
-from tests.packaging.test_readme_commands import commands
+from tests.lab.helpers import annotations_of, eventually, lends
+from tests.packaging.readme import README
+from tests.packaging.readme import commands
 
 pytestmark = pytest.mark.lab
 UUID = {gpu: uuid for gpu, (uuid, _) in GPUS.items()}
@@ -30,7 +30,7 @@ def kubectl_uuids(kc: LabCluster) -> list[str]:
 def holders(kc: LabCluster) -> str:
     """The node's holders annotation, each pod's generated suffix as -*."""
     return re.sub(r"-[a-z0-9]{5}\b", "-*",
-                  annotations(kc.node()).get("hostagent.io/gpu-holders", ""))
+                  annotations_of(kc.node()).get("hostagent.io/gpu-holders", ""))
 
 
 def test_a_dra_node_through_reclaim_partial_lend_and_regrow(lab: Lab) -> None:
@@ -76,7 +76,7 @@ def test_a_dra_node_through_reclaim_partial_lend_and_regrow(lab: Lab) -> None:
                                    named[0]["MESSAGE"])
         kc.delete_job("train-1")  # its owner gives up on it: no pod waits for gpu-a
         lends(lab, 2)
-        assert annotations(kc.node())["hostagent.io/lent-gpus"] == "gpu-b,gpu-c"
+        assert annotations_of(kc.node())["hostagent.io/lent-gpus"] == "gpu-b,gpu-c"
         assert kubectl_uuids(kc) == sorted([UUID["gpu-b"], UUID["gpu-c"]])
 
         # When idle: the regrow waits for the job whose claim holds gpu-b.
@@ -90,7 +90,7 @@ def test_a_dra_node_through_reclaim_partial_lend_and_regrow(lab: Lab) -> None:
         assert len(lab.records(event="phase", to="lent")) == 2  # not restarted under it
         kc.delete_job("train-2")
         lends(lab, 3)
-        assert annotations(kc.node())["hostagent.io/lent-gpus"] == "gpu-a,gpu-b,gpu-c"
+        assert annotations_of(kc.node())["hostagent.io/lent-gpus"] == "gpu-a,gpu-b,gpu-c"
         assert kubectl_uuids(kc) == sorted(UUID.values())
 
         # gpu-c does not come up after the next boot: the node stays cordoned, gpu-c named.

@@ -6,7 +6,7 @@ import asyncio
 import json
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Set
 from pathlib import Path
 
 import pytest
@@ -19,7 +19,7 @@ log = logging.getLogger("test.inbox")
 
 
 class Recorder:
-    def __init__(self, defer: set[tuple[str, str, str]] = frozenset()) -> None:
+    def __init__(self, defer: Set[tuple[str, str, str]] = frozenset()) -> None:
         self.events: list[HookEvent] = []
         self.defer = defer
 

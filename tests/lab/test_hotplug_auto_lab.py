@@ -14,7 +14,7 @@ from hostagent.core import config
 from hostagent.host import lint
 from hostagent.core.model import Hotplug
 from tests.lab.lab import LENDEE, Lab
-from tests.lab.test_unplug_lab import NEVER_LETS_GO, define_lendee
+from tests.lab.helpers import NEVER_LETS_GO, define_lendee
 
 pytestmark = pytest.mark.lab
 

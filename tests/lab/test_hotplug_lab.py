@@ -15,8 +15,8 @@ import pytest
 
 from tests.lab.cluster import lab_cluster
 from tests.lab.lab import GPUS, LENDEE, Lab
-from tests.lab.test_kube_lab import annotations, eventually, lends
-from tests.lab.test_readme_commands_lab import journalctl
+from tests.lab.helpers import annotations_of, eventually, lends
+from tests.lab.helpers import journalctl
 
 pytestmark = pytest.mark.lab
 
@@ -65,7 +65,7 @@ def test_a_regrow_by_hot_add_lends_the_freed_gpu_without_a_restart(lab: Lab) -> 
         seen = lab.records(event="verify", result="ok")[-1]["HOSTAGENT_GPUS"].split(",")
         assert sorted(seen) == sorted(uuid for uuid, _ in GPUS.values())
         # The node's annotation follows the hot-add's record (a PATCH after it).
-        eventually(lambda: annotations(kc.node()).get("hostagent.io/lent-gpus")
+        eventually(lambda: annotations_of(kc.node()).get("hostagent.io/lent-gpus")
                    == "gpu-a,gpu-b,gpu-c", "the node's lent-gpus after the hot-add")
         node = kc.node()
         assert not node["spec"].get("unschedulable")
@@ -93,4 +93,4 @@ def test_a_regrow_by_hot_add_lends_the_freed_gpu_without_a_restart(lab: Lab) -> 
         assert str(lab.gpu_image("gpu-a")) not in lab.virsh("dumpxml", LENDEE).stdout
         status = json.loads(lab.hostagent("status", "--json").stdout)
         assert status["lendee"]["lent"] == ["gpu-b", "gpu-c"]
-        assert annotations(kc.node())["hostagent.io/lent-gpus"] == "gpu-b,gpu-c"
+        assert annotations_of(kc.node())["hostagent.io/lent-gpus"] == "gpu-b,gpu-c"

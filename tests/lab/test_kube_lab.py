@@ -6,26 +6,22 @@ from __future__ import annotations
 import re
 import signal
 import time
-from collections.abc import Callable
-from typing import Any
 
 import pytest
 
 from tests.lab.cluster import LabCluster, boot_seen, lab_cluster, statefulset
 from tests.lab.lab import GPUS, LENDEE, Lab
+from tests.lab.helpers import (
+    annotations_of,
+    eventually,
+    lends,
+)
 
 pytestmark = pytest.mark.lab
 MARKER = "hostagent.io/cordoned-by"
 # Seconds from a lendee's start to its kubelet's where the agent must not trust the
 # last boot's status: past the guest agent's answer and the in-guest check.
 LATE_KUBELET = 10.0
-
-
-def lends(lab: Lab, count: int, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while len(lab.records(event="phase", to="lent")) < count:
-        assert time.monotonic() < deadline, f"not lent {count}x; phases: {lab.phases()}"
-        time.sleep(0.2)
 
 
 def play_and_stop(lab: Lab, owner: str = "gaming1") -> None:
@@ -42,17 +38,6 @@ def config(lab: Lab, kc: LabCluster, **timeouts: str) -> None:
     lab.write_config(text)
 
 
-def annotations(node: dict[str, Any]) -> dict[str, str]:
-    return node["metadata"].get("annotations") or {}
-
-
-def eventually(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
-
-
 def test_reclaim_drains_like_kubectl_and_the_return_uncordons(lab: Lab) -> None:
     with lab_cluster(lab) as kc:
         lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig).replace(
@@ -63,15 +48,15 @@ def test_reclaim_drains_like_kubectl_and_the_return_uncordons(lab: Lab) -> None:
         kc.wait_placed()
         node = kc.node()
         assert not node["spec"].get("unschedulable")
-        assert annotations(node).get("hostagent.io/state") == "lent"
+        assert annotations_of(node).get("hostagent.io/state") == "lent"
         assert {"key": "hostagent.io/borrowed", "value": "true", "effect": "NoSchedule"} \
             in node["spec"]["taints"]
 
         lab.play("gaming1")
         node = kc.node()
         assert node["spec"]["unschedulable"] is True
-        assert annotations(node)[MARKER] == "hostagent"
-        assert annotations(node)["hostagent.io/holder"] == "gaming1"
+        assert annotations_of(node)[MARKER] == "hostagent"
+        assert annotations_of(node)["hostagent.io/holder"] == "gaming1"
         assert not any(t["key"] == "hostagent.io/borrowed" for t in node["spec"].get("taints", []))
         # Evicted through the API (the PDB let the trainers go one at a time); the
         # DaemonSet's pod was left alone, as kubectl drain does.
@@ -84,10 +69,10 @@ def test_reclaim_drains_like_kubectl_and_the_return_uncordons(lab: Lab) -> None:
         lends(lab, 2)
         node = kc.node()
         assert not node["spec"].get("unschedulable")
-        assert MARKER not in annotations(node)
-        assert annotations(node).get("hostagent.io/state") == "lent"
+        assert MARKER not in annotations_of(node)
+        assert annotations_of(node).get("hostagent.io/state") == "lent"
         # As many as this lend gave (partial lending: fewer while an owner plays).
-        lent = annotations(node)["hostagent.io/lent-gpus"].split(",")
+        lent = annotations_of(node)["hostagent.io/lent-gpus"].split(",")
         assert node["status"]["allocatable"]["nvidia.com/gpu"] == str(len(lent))
         assert 1 <= len(lent) <= len(GPUS)
 
@@ -101,7 +86,7 @@ def test_an_administrators_cordon_survives_a_full_cycle(lab: Lab) -> None:
         lends(lab, 2)
         node = kc.node()
         assert node["spec"]["unschedulable"] is True
-        assert MARKER not in annotations(node)
+        assert MARKER not in annotations_of(node)
 
 
 def test_a_node_back_short_of_gpus_stays_cordoned_with_an_error(lab: Lab) -> None:
@@ -156,7 +141,7 @@ def test_our_cordon_is_still_ours_after_an_agent_restart_mid_drain(lab: Lab) -> 
         lab.ask("gaming1")
         lab.wait_record(event="cordon")
         lab.stop_agent(signal.SIGKILL)
-        assert annotations(kc.node())[MARKER] == "hostagent"
+        assert annotations_of(kc.node())[MARKER] == "hostagent"
         lab.start_agent()
         lab.wait_game("gaming1")
         lab.wait_agent("gaming1")
@@ -224,13 +209,13 @@ def test_regrow_when_idle_waits_for_the_gpu_job_then_takes_the_freed_gpu(lab: La
         assert "1 pod(s) on its node request a GPU" in waiting["MESSAGE"]
         time.sleep(2)
         assert lab.phases()[-1] == "joining>lent"  # not restarted under the job
-        assert annotations(kc.node())["hostagent.io/lent-gpus"] == "gpu-b,gpu-c"
+        assert annotations_of(kc.node())["hostagent.io/lent-gpus"] == "gpu-b,gpu-c"
         kc.delete_job("train")
         lends(lab, 3)
         regrow = lab.records(event="phase", to="draining")[-1]
         assert "no pod on its node requests a GPU" in regrow["MESSAGE"]
         node = kc.node()
-        assert annotations(node)["hostagent.io/lent-gpus"] == "gpu-a,gpu-b,gpu-c"
+        assert annotations_of(node)["hostagent.io/lent-gpus"] == "gpu-a,gpu-b,gpu-c"
         assert not node["spec"].get("unschedulable")
 
 
@@ -250,7 +235,7 @@ def test_a_lendee_destroyed_by_hand_comes_back_cordoned_until_verified(lab: Lab)
         while not kc.node()["spec"].get("unschedulable"):
             assert time.monotonic() < deadline, "never cordoned after the destroy"
             time.sleep(0.1)
-        assert annotations(kc.node())[MARKER] == "hostagent"
+        assert annotations_of(kc.node())[MARKER] == "hostagent"
         while len(lab.records(event="phase", to="joining")) < 2:
             assert time.monotonic() < deadline + 60, f"never booted again: {lab.phases()}"
             time.sleep(0.1)
@@ -263,4 +248,4 @@ def test_a_lendee_destroyed_by_hand_comes_back_cordoned_until_verified(lab: Lab)
         lends(lab, 2)
         assert lab.records(event="verify", result="ok")
         assert lab.records(event="boot", result="waiting")
-        assert MARKER not in annotations(kc.node())
+        assert MARKER not in annotations_of(kc.node())

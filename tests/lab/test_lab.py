@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.lab.lab import GPUS, LIBVIRTD_PATIENCE, Lab, host_fingerprint, need_lab
+from tests.lab import leftovers
+from tests.lab.lab import GPUS, LIBVIRTD_PATIENCE, REPO, Lab, host_fingerprint, need_lab
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.lab
 
@@ -93,6 +97,62 @@ def test_teardown_leaves_no_process_or_mount_behind() -> None:
                 assert os.readlink(p / "ns/mnt") != ns
             except OSError:
                 pass
+
+
+def test_teardown_ends_the_guests_of_a_libvirtd_killed_abruptly() -> None:
+    """libvirtd daemonizes its guests: killed, it leaves them running (two guests and
+    their agent were once found so after a run). The lab's teardown ends them all."""
+    reason = need_lab()
+    if reason:
+        pytest.skip(reason)
+    lab = Lab(Path(tempfile.mkdtemp(prefix="hostagent-lab-")))
+    try:
+        lab.up()
+        lab.virsh("start", "gaming1")
+        lab.write_config()
+        lab.start_agent()
+        pidfile = lab.root / "run-libvirt" / "qemu" / "gaming1.pid"
+        guest = int(pidfile.read_text())
+        assert b"qemu" in Path(f"/proc/{guest}/cmdline").read_bytes()
+        lab.procs["libvirtd"].kill()
+        lab.procs["libvirtd"].wait(10)
+        assert leftovers.running(guest)  # the guest outlives its libvirtd
+    finally:
+        lab.down()
+    assert not leftovers.running(guest)  # gone, or a zombie its new parent has not reaped
+    assert lab.pids_using_lab() == []
+
+
+ABANDONED = """
+import os, sys, tempfile
+from pathlib import Path
+from tests.lab.lab import Lab
+lab = Lab(Path(tempfile.mkdtemp(prefix="hostagent-lab-")))
+lab.up()
+lab.virsh("start", "gaming1")
+print(lab.root, flush=True)
+os._exit(9)  # killed, as by a timeout: no teardown runs
+"""
+
+
+def test_a_lab_whose_test_process_dies_ends_by_itself(tmp_path: Path) -> None:
+    """The lab's holder waits on the process that owns the lab: gone without taking the
+    lab down, the holder ends every process of it."""
+    reason = need_lab()
+    if reason:
+        pytest.skip(reason)
+    # Output to files, not pipes: the lab's processes inherit them, and a pipe kept open
+    # would keep the dead process from being reaped, which is what the holder waits for.
+    out, err = tmp_path / "out", tmp_path / "err"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        died = subprocess.run([sys.executable, "-c", ABANDONED], cwd=REPO, stdout=stdout,
+                              stderr=stderr, timeout=LIBVIRTD_PATIENCE + 120, check=False)
+    assert died.returncode == 9, err.read_text()
+    root = Path(out.read_text().strip())
+    try:
+        wait_until(lambda: leftovers.lab_pids(root) == [], "the abandoned lab to end")
+    finally:
+        leftovers.end(leftovers.lab_pids(root))
 
 
 def test_a_dead_or_hung_libvirtd_is_brought_back_by_the_next_reset(

@@ -21,9 +21,12 @@ from pathlib import Path
 import pytest
 
 from tests.lab.lab import Lab
-from tests.lab.test_control_lab import wait_lent
+from tests.lab.helpers import wait_lent
 from tests.mosquitto import MISSING, USERS, Mosquitto
-from tests.unit.surfaces.test_homeassistant import check_device_message
+from tests.unit.homeassistant_scaffold import check_device_message
+from tests.lab.helpers import (
+    publish,
+)
 
 pytestmark = [pytest.mark.lab, pytest.mark.skipif(MISSING is not None, reason=MISSING or "")]
 DEVICE = "homeassistant/device/hostagent/config"
@@ -69,13 +72,6 @@ class Dashboard:
         while self.last(topic) != payload:
             assert time.monotonic() < deadline, (topic, payload, self.last(topic))
             time.sleep(0.1)
-
-
-def publish(broker: Mosquitto, topic: str, payload: str, user: str = "ha") -> None:
-    pub = shutil.which("mosquitto_pub")
-    assert pub is not None
-    subprocess.run([pub, "-p", str(broker.port), "-u", user, "-P", USERS[user], "-q", "1",
-                    "-t", topic, "-m", payload], check=True, timeout=30)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -50,13 +51,15 @@ class Scraper:
                 for family in text_string_to_metric_families(body.decode())
                 for s in family.samples}
 
-    def healthz(self) -> tuple[int, dict]:
+    def healthz(self) -> tuple[int, dict[str, Any]]:
         status, body = self.get("/healthz")
         return status, json.loads(body)
 
 
-def value(samples: dict, name: str, **labels: str) -> float | None:
-    return samples.get((name, frozenset(labels.items())))
+def value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str,
+          **labels: str) -> float:
+    """The sample's value; NaN where there is none, which no comparison holds for."""
+    return samples.get((name, frozenset(labels.items())), float("nan"))
 
 
 def lent_count(lab: Lab) -> int:

@@ -22,11 +22,14 @@ import pytest
 
 from tests.lab.cluster import lab_cluster
 from tests.lab.lab import LENDEE, REPO, Lab, need_lab
-from tests.lab.test_agent import wait_lent
-from tests.lab.test_mqtt_lab import publish
+from tests.lab.helpers import wait_lent
+from tests.lab.helpers import publish
 from tests.mosquitto import Mosquitto, free_port
-from tests.packaging.test_readme import block
-from tests.packaging.test_readme_commands import commands, readme_ssh
+from tests.packaging.readme import block
+from tests.packaging.readme import commands, readme_ssh
+from tests.lab.helpers import (
+    journalctl,
+)
 
 pytestmark = pytest.mark.lab
 
@@ -85,19 +88,6 @@ def test_a_lab_by_hand_comes_up_and_goes_down_as_readme_says(tmp_path: Path) -> 
             proc.wait()
     assert _pids_naming(root) == []
     assert root.is_dir() and any(root.iterdir())
-
-
-def journalctl(lab: Lab, command: str) -> list[str]:
-    """README's `journalctl` line as written, against the lab's journald (`-D` its
-    directory, from the test's start): the messages it prints."""
-    assert command in commands(), f"README shows no {command!r}"
-    argv = command.split()
-    assert argv[0] == "journalctl" and "-f" not in argv
-    out = subprocess.run(["journalctl", "-D", str(lab.root / "journal"), "--no-pager",
-                          f"--since=@{lab.mark_us / 1e6:.6f}", *argv[1:]],
-                         capture_output=True, text=True, timeout=60, check=False)
-    assert out.returncode == 0, out.stderr
-    return [line.split("]: ", 1)[1] for line in out.stdout.splitlines() if "]: " in line]
 
 
 def run(argv: list[str]) -> subprocess.CompletedProcess[str]:

@@ -17,7 +17,7 @@ import pytest
 
 from tests.lab.cluster import lab_cluster, lab_plane
 from tests.lab.lab import LENDEE, Lab
-from tests.packaging.test_readme import README, block, section
+from tests.packaging.readme import README, block, section
 
 pytestmark = pytest.mark.lab
 GPU_LIST = re.compile(r"\bgpu-[a-z]\b(?:, gpu-[a-z]\b)*")

@@ -13,7 +13,7 @@ from datetime import datetime
 import pytest
 
 from tests.lab.lab import Lab
-from tests.lab.test_agent import wait_lent
+from tests.lab.helpers import wait_lent
 
 pytestmark = pytest.mark.lab
 

@@ -13,58 +13,25 @@ instead. The two reclaims' times are printed side by side (figures, not assertio
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from hostagent.service.hotplug import CHECKPOINT, DETACH_BOUND, HOLDERS
+from hostagent.service.hotplug import DETACH_BOUND, HOLDERS
 from tests.lab.cluster import LabCluster, lab_cluster
 from tests.lab.plugins import OPERATOR_LABELS, GuestPlugins, daemonsets, operator_node
-from tests.lab.lab import GPUS, LENDEE, Lab, domain_xml
-from tests.lab.test_kube_lab import annotations, eventually, lends
+from tests.lab.lab import GPUS, LENDEE, Lab
+from tests.lab.helpers import annotations_of, eventually, lends
+from tests.lab.helpers import (
+    define_lendee,
+    gpu_pods,
+    guest,
+    NEVER_LETS_GO,
+)
 
 pytestmark = pytest.mark.lab
-
-# What makes the lab's guest ignore an unplug request: no ACPI hot-plug driver, and
-# the PCIe ports without their native hot-plug service either.
-NEVER_LETS_GO = "acpiphp.disable=1 pcie_ports=compat"
-
-
-def define_lendee(lab: Lab, kernel_args: str = "") -> None:
-    """gpu-node's persistent definition, as the lab's, with more on its kernel command
-    line (a running instance keeps its own until it restarts)."""
-    assert lab.guest is not None
-    xml = domain_xml(LENDEE, lab.guest, [lab.gpu_image(g) for g in sorted(GPUS)],
-                     console=lab.root / "console" / f"{LENDEE}.log")
-    xml = xml.replace("<cmdline>console=ttyS0", f"<cmdline>{kernel_args} console=ttyS0")
-    path = lab.root / f"{LENDEE}.xml"
-    path.write_text(xml)
-    lab.virsh("define", str(path))
-
-
-def gpu_pods(lab: Lab, kc: LabCluster, pods: dict[str, str]) -> None:
-    """Pods of Jobs on gpu-node, each using one lab GPU (name -> GPU label), and the
-    kubelet's device checkpoint in the guest saying which, as the device plugin's IDs."""
-    for name in pods:
-        kc.add_gpu_job(name)
-    entries = []
-    for name, gpu in pods.items():
-        running = kc.running(name)
-        entries.append({"PodUID": running["metadata"]["uid"], "ContainerName": "main",
-                        "ResourceName": "nvidia.com/gpu",
-                        "DeviceIDs": {"0": [GPUS[gpu][0]]}, "AllocResp": ""})
-    text = json.dumps({"Data": {"PodDeviceEntries": entries, "RegisteredDevices": {
-        "nvidia.com/gpu": [uuid for uuid, _ in GPUS.values()]}}, "Checksum": 0})
-    done = lab.guest_exec(LENDEE, "/bin/sh", "-c", 'mkdir -p "${1%/*}" && printf %s "$2" > "$1"',
-                          "sh", CHECKPOINT, text)
-    assert done.exitcode == 0, done
-
-
-def guest(lab: Lab, *argv: str) -> str:
-    return lab.guest_exec(LENDEE, *argv).stdout.strip()
 
 
 def at(record: dict[str, Any]) -> float:
@@ -144,9 +111,9 @@ def test_a_game_takes_its_gpu_live_and_a_guest_that_keeps_it_falls_back(
         node = kc.node()
         assert not node["spec"].get("unschedulable")
         assert node["status"]["allocatable"]["nvidia.com/gpu"] == "1"
-        assert annotations(node)["hostagent.io/lent-gpus"] == "gpu-c"
+        assert annotations_of(node)["hostagent.io/lent-gpus"] == "gpu-c"
         # The label restored as it was (absent), and the plugin back, holding gpu-c.
-        assert "hostagent.io/paused-plugins" not in annotations(node)
+        assert "hostagent.io/paused-plugins" not in annotations_of(node)
         assert not [k for k in node["metadata"]["labels"] if k.startswith("nvidia.com/gpu.deploy")]
         assert plugins.wait_holding(1) != [plugin]
         [*_, restored] = [r for r in lab.records(event="hotplug", result="ok")
@@ -183,5 +150,5 @@ def test_gpu_operators_plugin_and_dcgm_exporter_are_paused_and_restored_as_found
             node = kc.node()
             assert {k: v for k, v in node["metadata"]["labels"].items()
                     if k.startswith("nvidia.com/gpu.deploy.")} == OPERATOR_LABELS
-            assert "hostagent.io/paused-plugins" not in annotations(node)
+            assert "hostagent.io/paused-plugins" not in annotations_of(node)
             assert not set(plugins.wait_holding(3)) & set(held)

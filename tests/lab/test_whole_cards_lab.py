@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.lab.lab import OWNERS, Lab
-from tests.lab.test_agent import wait_lent
+from tests.lab.helpers import wait_lent
 from tests.sysfs import FakeSysfs
 
 pytestmark = pytest.mark.lab

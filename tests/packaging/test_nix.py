@@ -38,9 +38,9 @@ from typing import Any
 import pytest
 import tomli_w
 
-from hostagent.core import config
-from tests.packaging.test_unit_file import EXPOSURE, exposure, needs_analyze, stub_root
-from tests.packaging.test_unit_file import settings as unit_settings
+from hostagent.core import config, config_read
+from tests.packaging.units import EXPOSURE, exposure, needs_analyze, stub_root
+from tests.packaging.units import settings as unit_settings
 
 REPO = Path(__file__).resolve().parents[2]
 NIX = shutil.which("nix-instantiate")
@@ -50,8 +50,11 @@ needs_nix = pytest.mark.skipif(
 NIXOS_EVAL = Path(os.environ.get("HOSTAGENT_NIXOS_EVAL", REPO.parent / "shared" / "nixos-eval"))
 needs_nixos = pytest.mark.skipif(
     NIX is None or not (NIXOS_EVAL / "eval.nix").is_file(),
-    reason=f"no NixOS tree to evaluate the module in: {NIXOS_EVAL}/eval.nix is absent "
-    "(or nix-instantiate is not installed)",
+    reason="nix-instantiate is not installed (Debian package nix-bin)" if NIX is None else
+    f"no NixOS tree to evaluate the module in: {NIXOS_EVAL}/eval.nix is absent. Provide "
+    "one there, or point HOSTAGENT_NIXOS_EVAL at a directory holding it: a NixOS tree "
+    "(24.11) whose eval.nix takes `modules` and returns `sys`, its eval-config.nix "
+    "evaluation, as ../shared/nixos-eval/README.md describes",
 )
 README = REPO / "README.md"
 
@@ -423,11 +426,11 @@ BASE: dict[str, Any] = {
 }
 
 
-def reads(read: Any, value: object, key: str) -> config._Problem | None:
+def reads(read: Any, value: object, key: str) -> config_read._Problem | None:
     """The agent's complaint about `value` at `key`, or None if it takes it."""
     try:
         read(value, key)
-    except config._Problem as p:
+    except config_read._Problem as p:
         return p
     return None
 
@@ -455,7 +458,7 @@ def takes(read: Any, value: object, key: str) -> bool:
 
 def agent_kinds(read: Any, key: str, wrap: Any = lambda v: v, at: str = "") -> set[str]:
     """The TOML kinds the agent's reader takes at `key` (a wrong one is "expected ...")."""
-    def refused(p: config._Problem | None) -> bool:
+    def refused(p: config_read._Problem | None) -> bool:
         return p is not None and p.key == key + at and p.problem.startswith("expected ")
     return {kind for kind, sample in SAMPLES.items() if not refused(reads(read, wrap(sample),
                                                                           key))}
@@ -479,7 +482,7 @@ def bare(hint: Any) -> Any:
 
 def compare(options: dict[str, Any], cls: type, prefix: str) -> list[str]:
     """What the module's typed options under `prefix` say that dataclass `cls` does not."""
-    fields = {f.name: f for f in dataclasses.fields(cls) if config._READ in f.metadata}
+    fields = {f.name: f for f in dataclasses.fields(cls) if config_read._READ in f.metadata}
     hints = typing.get_type_hints(cls)
     problems = []
     for name, option in options.items():
@@ -489,10 +492,10 @@ def compare(options: dict[str, Any], cls: type, prefix: str) -> list[str]:
             problems.append(f"{where}: typed in the module, unknown to hostagent/core/config.py")
             continue
         f = fields[name]
-        read = f.metadata[config._READ]
+        read = f.metadata[config_read._READ]
         required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         default = None if required else (
-            f.default if f.default is not dataclasses.MISSING else f.default_factory())  # type: ignore[misc]
+            f.default if f.default is not dataclasses.MISSING else f.default_factory())  # type: ignore[operator]
         hint = bare(hints[name])
 
         # Optionality.

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.packaging.test_services import essential, makefile_list
+from tests.packaging.debian import essential, makefile_list
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -28,29 +28,16 @@ from hostagent.service import agent
 from hostagent import cli
 from hostagent.core import config, health
 from hostagent.surfaces import control, metrics, ssh
-from hostagent.core.machine import Phase, State, Topology, verdict
+from hostagent.core.machine import verdict
+from hostagent.core.model import Phase, State, Topology
+from tests.packaging.readme import (
+    block,
+    blocks,
+    README,
+    section,
+)
 
-README = Path(__file__).resolve().parents[2] / "README.md"
 NIX = shutil.which("nix-instantiate")
-
-
-def section(title: str) -> str:
-    text = README.read_text()
-    start = text.index(f"\n## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start : end if end != -1 else len(text)]
-
-
-def blocks(language: str, text: str | None = None) -> list[str]:
-    return [str(b) for b in re.findall(rf"^ *```{language}\n(.*?)^ *```",
-                                       README.read_text() if text is None else text,
-                                       re.S | re.M)]
-
-
-def block(title: str, language: str, containing: str = "") -> str:
-    found = [b for b in blocks(language, section(title)) if containing in b]
-    assert len(found) == 1, f"expected one {language} block under {title!r}"
-    return found[0]
 
 
 def toml_example() -> dict[str, Any]:
@@ -348,8 +335,11 @@ def capacity_tables() -> list[list[list[str]]]:
               "wait for the GPU, light / medium / saturated (median / 90th)",
               "jobs killed outside the reclaimed GPU, 60 weeks"]]
     for i, name in enumerate(columns):
-        killed = sum(int(re.search(r"\((\d+)\)", b[outside][1 + i])[1])  # type: ignore[index]
-                     for b in bands)
+        killed = 0
+        for b in bands:
+            found = re.search(r"\((\d+)\)", b[outside][1 + i])
+            assert found, b[outside]
+            killed += int(found[1])
         loads.append([name, "; ".join(b[share][1 + i] for b in bands),
                       "; ".join(b[wait][1 + i] for b in bands), str(killed)])
     return [by_config, loads]
@@ -454,7 +444,7 @@ def test_the_dashboard_card_names_what_a_real_discovery_creates() -> None:
     """README's card had ids no Home Assistant made; they are those that a real one
     (2025.4) creates from the device's discovery in tests/integration, which make test
     runs."""
-    from tests.integration.test_home_assistant import ENTITIES
+    from tests.unit.homeassistant_scaffold import ENTITIES
     card = block("Home Assistant over MQTT", "yaml", "type: entities")
     named = re.findall(r"entity: (\S+)", card)
     assert named and set(named) <= ENTITIES, sorted(set(named) - ENTITIES)

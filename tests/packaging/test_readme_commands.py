@@ -15,24 +15,18 @@ from __future__ import annotations
 import ast
 import re
 import subprocess
-import textwrap
-from functools import cache
 from pathlib import Path
 
-import yaml  # type: ignore[import-untyped]
 
 import hostagent
 from hostagent.surfaces import ssh
-from tests.packaging.test_readme import README, block, section
+from tests.packaging.readme import README, block, section
+from tests.packaging.readme import (
+    commands,
+)
 
 REPO = README.parent
 VENV = REPO / ".venv"
-PROGRAMS = frozenset({
-    "hostagent", "virsh", "journalctl", "make", "systemctl", "kubectl", "k3s", "ssh",
-    "ssh-keygen", "pydoc", "helm", "nix", "nixos-rebuild", "apt-get", "git", "chmod", "rm",
-    "groupadd", "editor", ".venv/bin/python", "/opt/hostagent/bin/python",
-})
-FENCE = re.compile(r"^ *```(\w*)\n(.*?)^ *```", re.S | re.M)
 
 README_LAB = "tests/lab/test_readme_lab.py::test_the_first_real_swap_and_its_undo_as_readme_says"
 COMMANDS_LAB = "tests/lab/test_readme_commands_lab.py"
@@ -154,48 +148,6 @@ NOT_RUN: list[tuple[str, str]] = [
 ]
 
 
-def _block_commands(language: str, body: str) -> list[str]:
-    body = textwrap.dedent(body)
-    if language == "yaml":
-        if "shell_command:" not in body:
-            return []
-        return [" ".join(str(v).split()) for v in yaml.safe_load(body)["shell_command"].values()]
-    if language in ("sh", "bash", "console"):
-        lines = body.splitlines()
-    elif language == "":
-        lines = [line[2:] for line in body.splitlines() if line.startswith("$ ")]
-    else:
-        return []
-    found: list[str] = []
-    heredoc, line = "", ""
-    for raw in lines:
-        if heredoc:
-            heredoc = "" if raw.strip() == heredoc else heredoc
-            continue
-        line += raw
-        if line.endswith("\\"):
-            line = line[:-1] + " "
-            continue
-        opened = re.search(r"<<-?'?(\w+)'?", line)
-        heredoc = opened[1] if opened else ""
-        command = " ".join(re.sub(r"(^|\s)#.*$", "", line).split())
-        line = ""
-        if command:
-            found.append(command)
-    return found
-
-
-@cache
-def commands() -> tuple[str, ...]:
-    text = README.read_text()
-    found = [c for m in FENCE.finditer(text) for c in _block_commands(m[1], m[2])]
-    for span in re.findall(r"`([^`]+)`", FENCE.sub("", text)):
-        words = span.split()
-        if len(words) > 1 and words[0] in PROGRAMS:
-            found.append(" ".join(words))
-    return tuple(dict.fromkeys(found))
-
-
 def _entries() -> list[tuple[str, str]]:
     return [(p, f"runs in {t}") for p, t, _ in RUN] + [(p, f"not run: {r}") for p, r in NOT_RUN]
 
@@ -247,20 +199,6 @@ def test_each_command_run_names_a_test_that_runs_it() -> None:
 def test_each_reason_is_a_plain_sentence() -> None:
     for pattern, reason in NOT_RUN:
         assert reason.endswith(".") and ". " not in reason and "\n" not in reason, pattern
-
-
-def readme_ssh(command: str, port: int, keys: dict[str, Path], known_hosts: Path) -> list[str]:
-    """One of README's ssh lines, its key, port, host and known_hosts the lab's; the
-    options README leaves to the reader's ssh configuration made explicit."""
-    assert command in commands(), f"README shows no {command!r}"
-    for name, key in keys.items():
-        command = command.replace(name, str(key))
-    command = (command.replace("-p 2222", f"-p {port}")
-               .replace("/config/ssh/known_hosts", str(known_hosts))
-               .replace("@gaming-host.lan ", "@127.0.0.1 ").replace("@host ", "@127.0.0.1 "))
-    argv = command.split()
-    return [argv[0], "-F", "/dev/null", "-o", "BatchMode=yes", "-o", "IdentityAgent=none",
-            "-o", f"UserKnownHostsFile={known_hosts}", *argv[1:]]
 
 
 # --- the commands that need no guest ---------------------------------------------------

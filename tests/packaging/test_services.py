@@ -11,20 +11,16 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+from tests.packaging.debian import (
+    DPKG_INFO,
+    essential,
+    makefile_list,
+)
 
 REPO = Path(__file__).resolve().parents[2]
-DPKG_INFO = Path("/var/lib/dpkg/info")
-
-
-def makefile_list(name: str) -> set[str]:
-    text = (REPO / "Makefile").read_text().replace("\\\n", " ")
-    m = re.search(rf"^{name}\s*:=(.*)$", text, re.M)
-    assert m, f"the Makefile sets {name}"
-    return {w for w in m[1].split() if re.fullmatch(r"[a-z0-9][a-z0-9.+-]+", w)}
 
 
 def enabled_services(package: str) -> set[str]:
@@ -35,13 +31,6 @@ def enabled_services(package: str) -> set[str]:
             return set(re.findall(r"deb-systemd-helper enable '([^']+)\.service'",
                                   script.read_text(errors="replace")))
     return set()
-
-
-def essential(package: str) -> bool:
-    """Essential or required packages are on every Debian 12 before ours come."""
-    out = subprocess.run(["dpkg-query", "-W", "-f=${Essential} ${Priority}", package],
-                         capture_output=True, text=True).stdout
-    return out.startswith("yes") or out.endswith("required")
 
 
 @pytest.mark.skipif(shutil.which("dpkg-query") is None, reason="not a Debian machine: no dpkg")

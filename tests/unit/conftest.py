@@ -4,7 +4,8 @@ seeded as that module needs: tests/unit/kube_scaffold.py)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,3 +25,13 @@ def sysfs(tmp_path: Path) -> FakeSysfs:
 async def kube(api: Api, tmp_path: Path) -> AsyncIterator[Kube]:
     async with await Kube.connect(api.write_kubeconfig(tmp_path / "kc"), timing=FAST) as k:
         yield k
+
+
+@pytest.fixture
+def berlin(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The host's zone is Europe/Berlin for the C library and for zoneinfo."""
+    monkeypatch.setenv("TZ", "Europe/Berlin")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()

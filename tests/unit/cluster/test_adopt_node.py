@@ -10,7 +10,7 @@ import pytest
 
 from hostagent.cluster.kube import Kube
 from tests.controlplane import ControlPlane
-from tests.unit.cluster.test_cluster import PREFIX, boot, cluster_for, set_status
+from tests.unit.cluster_scaffold import PREFIX, boot, cluster_for, set_status
 from tests.unit.kube_scaffold import Api, real_api
 
 pytestmark = pytest.mark.usefixtures("sink")  # journal records in memory (conftest)

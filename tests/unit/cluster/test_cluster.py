@@ -16,56 +16,26 @@ from typing import Any
 import pytest
 
 from hostagent.host import journal
-from hostagent.cluster.cycle import KubeCluster
-from hostagent.core.config import Config, parse
 from hostagent.core.health import CheckFailed
-from hostagent.cluster.kube import Kube, KubeAuthError, Timing, cordon_marker, expected_gpus
+from hostagent.cluster.kube import Kube, KubeAuthError, Timing, expected_gpus
 from kubernetes_asyncio import watch as k8s_watch
+from tests.fakes import FakeMetrics
 from tests.controlplane import ControlPlane
 from tests.controlplane.seed import gpu_status
-from tests.configs import lendee_toml
 from tests.unit.kube_scaffold import FAST, Api, real_api
 from tests.waiting import until
-
-PREFIX = "hostagent.io/"
-MARKER = cordon_marker(PREFIX)
-TAINT = "hostagent.io/borrowed=true:NoSchedule"
-
-
-def config(extra: str = 'skip_wait_for_delete_timeout = "1s"',
-           policy: str = "proceed") -> Config:
-    return parse(lendee_toml(uuids=False) + f"""
-[timeouts]
-drain = "5s"
-ready = "3s"
-
-[policy]
-on_drain_timeout = "{policy}"
-
-[kubernetes]
-lent_taints = ["{TAINT}"]
-{extra}
-""", "test.toml")
+from tests.unit.cluster_scaffold import (
+    boot,
+    cluster_for,
+    config,
+    MARKER,
+    PREFIX,
+    set_status,
+)
 
 
 def result_of(records: journal.ListSink, result: str) -> list[journal.Entry]:
     return [e for e in records.entries if e.fields.get("HOSTAGENT_RESULT") == result]
-
-
-class FakeMetrics:
-    def __init__(self) -> None:
-        self.gpu_pods: list[int | None] = []
-        self.lost = 0
-        self.holders: dict[str, str] | None = None
-
-    def node_gpu_pods(self, count: int | None) -> None:
-        self.gpu_pods.append(count)
-
-    def gpu_lost(self) -> None:
-        self.lost += 1
-
-    def lent_gpu_pods(self, holders: dict[str, str] | None) -> None:
-        self.holders = holders
 
 
 @pytest.fixture(autouse=True)
@@ -84,29 +54,6 @@ async def api(plane: ControlPlane) -> AsyncIterator[Api]:
         await api.seed.node("cpu-node")
         async with api.seed.kubelet("gpu-node"):
             yield api
-
-
-def cluster_for(kube: Kube, cfg: Config | None = None,
-                metrics: FakeMetrics | None = None) -> KubeCluster:
-    return KubeCluster(kube, cfg or config(), remember_cordon=lambda _: None, metrics=metrics)
-
-
-async def set_status(api: Api, node: str = "gpu-node", **status: Any) -> None:
-    await api.seed.node_status(node, **status)
-
-
-async def relabel(api: Api, labels: dict[str, str], node: str = "gpu-node") -> None:
-    """The node's nvidia.com/ labels replaced by `labels`, as GFD writes them."""
-    old = (await api.seed.get_node(node))["metadata"]["labels"]
-    gone: dict[str, str | None] = {k: None for k in old if k.startswith("nvidia.com/")}
-    await api.seed.patch_node(node, {"metadata": {"labels": gone | labels}})
-
-
-async def boot(api: Api, gpus: int, **knobs: Any) -> None:
-    """The lendee booted with `gpus` GPUs: the device plugin and GFD publish them."""
-    labels, allocatable = gpu_status(gpus, **knobs)
-    await relabel(api, labels)
-    await set_status(api, allocatable=allocatable, capacity=allocatable)
 
 
 def later(seconds: float, fn: Callable[[], Awaitable[Any]]) -> asyncio.Task[None]:
@@ -233,7 +180,7 @@ async def test_a_return_waits_for_the_kubelet_of_this_boot(
     await boot(api, 2)
     await set_status(api, nodeInfo={"bootID": OLD_BOOT})
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    cluster, reads = cluster_for(kube), []
+    cluster, reads = cluster_for(kube), list[str]()
     returned = asyncio.create_task(cluster.give_back(
         ["gpu-a", "gpu-b"], boot_id=boot_reader(NEW_BOOT, reads)))
     await until(lambda: any("waiting for the kubelet of this boot" in e.message
@@ -269,7 +216,7 @@ async def test_each_return_reads_the_boot_id_afresh(api: Api, kube: Kube) -> Non
     compare the node with the boot id of the boot before, which its stale status shows."""
     await boot(api, 2)
     await set_status(api, nodeInfo={"bootID": OLD_BOOT})
-    cluster, reads = cluster_for(kube), []
+    cluster, reads = cluster_for(kube), list[str]()
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
     assert await cluster.give_back(["gpu-a", "gpu-b"],
                                    boot_id=boot_reader(OLD_BOOT, reads)) is None

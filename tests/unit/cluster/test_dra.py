@@ -29,11 +29,12 @@ from hostagent.surfaces.follow import format_status
 from hostagent.core.config import Config, parse
 from hostagent.core.health import CheckFailed
 from hostagent.cluster.kube import Kube
+from tests.fakes import FakeMetrics
 from tests.controlplane import ControlPlane, dralab
 from tests.controlplane.dralab import NODE, Accounts, Lab, dra_lab
 from tests.controlplane.kubelet import Pods
 from tests.controlplane.proxy import FaultProxy
-from tests.controlplane.test_rbac import agent_kubeconfig, node_rbac
+from tests.controlplane.rbac import agent_kubeconfig, node_rbac
 from tests.controlplane.nvidia import DEVICE_CLASS, DRIVER, gpu, health_taint, mig
 from tests.configs import UUID_A, UUID_B, UUID_C, lendee_toml  # UUID_C: the host's, never lent
 from tests.unit.kube_scaffold import FAST
@@ -52,22 +53,6 @@ ready = "2s"
 gpu_api = "{gpu_api}"
 drain_unmanaged = true
 """, "test.toml")
-
-
-class FakeMetrics:
-    def __init__(self) -> None:
-        self.gpu_pods: list[int | None] = []
-        self.holders: list[dict[str, str] | None] = []
-        self.lost = 0
-
-    def node_gpu_pods(self, count: int | None) -> None:
-        self.gpu_pods.append(count)
-
-    def gpu_lost(self) -> None:
-        self.lost += 1
-
-    def lent_gpu_pods(self, holders: dict[str, str] | None) -> None:
-        self.holders.append(holders)
 
 
 @pytest.fixture(autouse=True)

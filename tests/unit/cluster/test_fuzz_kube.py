@@ -33,7 +33,7 @@ from hostagent.host import journal
 from hostagent.core.config import DrainTimeoutAction
 from hostagent.cluster.kube import Kube, KubeError, KubeRequestError, Taint, Timing
 from tests.unit.kube_scaffold import plain_kubeconfig
-from tests.unit.surfaces.test_fuzz_protocols import _text, _value
+from tests.unit.fuzz_scaffold import _text, _value
 
 EXAMPLES = int(os.environ.get("HOSTAGENT_FUZZ_EXAMPLES", "3_000")) // 3  # HTTP round trips
 fuzz = settings(max_examples=EXAMPLES, deadline=None,

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from hostagent.cluster.kube import (
 from tests.controlplane import ControlPlane
 from tests.controlplane.seed import ready_condition
 from tests.unit.kube_scaffold import Api, real_api
+from tests.users import unprivileged
 from tests.waiting import until
 
 PREFIX = "hostagent.io/"
@@ -203,11 +205,18 @@ async def test_a_directory_or_garbage_is_not_a_kubeconfig(tmp_path: Path) -> Non
         await Kube.connect(garbage)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
 async def test_an_unreadable_kubeconfig_says_so(kubeconfig: Path) -> None:
-    kubeconfig.chmod(0)
-    with pytest.raises(KubeConfigError, match="permission denied"):
-        await Kube.connect(kubeconfig)
+    # Root reads any file: read as nobody (tests/users.py), from a directory anyone may
+    # enter, so that what is refused is the file itself.
+    shared = Path(tempfile.mkdtemp(prefix="kubeconfig-"))
+    try:
+        shared.chmod(0o755)
+        unreadable = Path(shutil.copy(kubeconfig, shared / "kubeconfig"))
+        unreadable.chmod(0)
+        with unprivileged(), pytest.raises(KubeConfigError, match="permission denied"):
+            await Kube.connect(unreadable)
+    finally:
+        shutil.rmtree(shared)
 
 
 async def test_a_node_that_does_not_exist_is_reported_not_raised(kube: Kube, api: Api) -> None:

@@ -8,6 +8,7 @@ absent), a restore after the agent restarted mid-way, and which installs can be 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -167,7 +168,7 @@ async def operator(api: Api) -> None:
     await daemonset(api, "nvidia-dcgm-exporter", {"app": "nvidia-dcgm-exporter"},
                     nodeSelector={DCGM_EXPORTER: "true"})
     for label in ("app=nvidia-device-plugin-daemonset", "app=nvidia-dcgm-exporter"):
-        await until(lambda label=label: on_node(api, label), f"no {label} pod on gpu-node")
+        await until(functools.partial(on_node, api, label), f"no {label} pod on gpu-node")
 
 
 def deploy_labels(node: dict[str, Any]) -> dict[str, str]:

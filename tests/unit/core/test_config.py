@@ -58,6 +58,7 @@ def test_docstring_example_parses() -> None:
     cfg = parse(textwrap.dedent(example), "example")
     assert cfg.lendee.gpus == ("gpu-a", "gpu-b", "gpu-c")
     assert cfg.gpus["gpu-a"].name == "RTX 3050"
+    assert cfg.kubernetes is not None
     assert cfg.kubernetes.kubeconfig == Path("/etc/rancher/k3s/k3s.yaml")
 
 
@@ -149,6 +150,7 @@ def test_every_key_set() -> None:
 def test_empty_strings_mean_unset() -> None:
     cfg = parse(MINIMAL + '[policy]\nforce_off_after = ""\n[kubernetes]\nkubeconfig = ""\n')
     assert cfg.policy.force_off_after is None
+    assert cfg.kubernetes is not None
     assert cfg.kubernetes.kubeconfig is None
 
 

@@ -37,7 +37,7 @@ from hostagent.core.model import (
     State,
 )
 from hostagent.core.reserve import Reservation
-from tests.unit.core.test_partial import POLICY, TOPO, A, B, C, S, gpus
+from tests.unit.partial_world import POLICY, TOPO, A, B, C, S, gpus
 from tests.unit.machine_scaffold import AT, LENDEE, Stepper, T, wants
 
 BOTH = replace(POLICY, hotplug=Hotplug.BOTH)

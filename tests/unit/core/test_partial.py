@@ -84,74 +84,41 @@ from hostagent.core.model import (
     StartLendee,
     StartOwner,
     State,
-    Topology,
     WaitAgent,
+)
+from tests.unit.partial_world import (
+    A,
+    B,
+    C,
+    Z,
+    TOPO,
+    OWNERS,
+    ALL,
+    POLICY,
+    UNBOUNDED,
+    ALWAYS,
+    NEVER,
+    MIN2,
+    ALL_OR_NOTHING,
+    gpus,
+    vms,
+    go,
+    run,
+    S,
+    done,
+    cancelled,
+    G1,
+    G2,
 )
 from tests.unit.machine_scaffold import (
     AT,
     FAILED_WHY,
     LENDEE,
     T,
-    Stepper,
-    built,
     intent,
     wants,
 )
 
-A, B, C, Z = "gpu-a", "gpu-b", "gpu-c", "gpu-z"
-# The seeds' machine, plus a second owner of one card: gaming1 and gaming-win share
-# gpu-a (a Linux and a Windows game on one card), gaming2 owns gpu-b, gaming3 owns a GPU
-# the lendee never borrows, and nobody owns gpu-c (the GTX 960).
-TOPO = Topology(
-    lendee=LENDEE,
-    lendee_gpus=frozenset({A, B, C}),
-    owners={
-        "gaming1": frozenset({A}),
-        "gaming2": frozenset({B}),
-        "gaming-win": frozenset({A}),
-        "gaming3": frozenset({Z}),
-    },
-)
-OWNERS = ("gaming1", "gaming2", "gaming-win", "gaming3")
-ALL = TOPO.lendee_gpus
-# Partial, regrow when idle (here ≤ 2 min, which kills the jobs then), min_gpus 1.
-POLICY = Policy(relend_delay=30.0, regrow_max_wait=120.0)
-UNBOUNDED = replace(POLICY, regrow_max_wait=None)  # when idle, however long that takes
-ALWAYS = replace(POLICY, regrow=Regrow.ALWAYS)
-NEVER = replace(POLICY, regrow=Regrow.NEVER)
-MIN2 = replace(POLICY, min_gpus=2)
-ALL_OR_NOTHING = replace(POLICY, partial=False)
-
-
-def gpus(*labels: str) -> frozenset[str]:
-    return frozenset(labels)
-
-
-def vms(*names: str) -> frozenset[str]:
-    return frozenset(names)
-
-
-STEPPER = Stepper(TOPO, POLICY)
-go, run = STEPPER.go, STEPPER.run
-
-
-def S(phase: Phase = Phase.OFF, **changes: object) -> State:  # a state, built like one
-    """A state in `phase` at ticket T. A running (or starting) lendee holds every GPU
-    unless ``lent`` says which; an off one holds none."""
-    lent = ALL if phase.lendee_running or changes.get("lendee_starting") else frozenset()
-    return built(phase, **{"lent": lent} | changes)
-
-
-def done(owner: str) -> CompleteIntent:
-    return CompleteIntent(intent_id=f"i-{owner}", owner=owner)
-
-
-def cancelled(owner: str, by: str = "alice") -> FailIntent:
-    return FailIntent(intent_id=f"i-{owner}", owner=owner, reason=f"cancelled by {by}")
-
-
-G1 = (intent("gaming1"),)
-G2 = (intent("gaming2"),)
 
 
 # --- one row per transition with subsets -----------------------------------------------

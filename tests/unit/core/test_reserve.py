@@ -8,6 +8,7 @@ import time
 from dataclasses import replace
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -35,8 +36,9 @@ from hostagent.core.model import (
 from hostagent.service.reservations import _hhmm
 from hostagent.core.reserve import BadReservation, Reservation, Timing
 from hostagent.surfaces.ssh import BadCommand, parse_command, reserve_args
-from tests.unit.surfaces.test_control import lent, make_agent
-from tests.unit.core.test_partial import AT, POLICY, A, B, C, S, gpus, go, run
+from tests.unit.agents import lent, make_agent
+from tests.unit.partial_world import POLICY, A, B, C, S, gpus, go, run
+from tests.unit.machine_scaffold import AT, wants
 from tests.waiting import until
 
 ZONE = timezone(timedelta(hours=1))
@@ -166,8 +168,9 @@ async def test_reserve_over_the_control_socket_then_notice_hold_use(
     monkeypatch.setattr(clock, "now", lambda: clock_at[0])
     told: list[float] = []
 
-    class Pods:
-        async def notice(self, when: Any, message: Any) -> tuple[float, list[str]]:
+    class Pods(NoCluster):
+        async def notice(self, when: Callable[[float], float],
+                         message: Callable[[str], str]) -> tuple[float, list[str]]:
             at = when(90.0)  # the longest grace period on the node: 90 s
             told.append(at)
             assert "checkpoint" in message("20:00")
@@ -182,7 +185,7 @@ async def test_reserve_over_the_control_socket_then_notice_hold_use(
             return None
 
     agent.cluster = Drains()
-    agent.reservations.cluster = Pods()  # type: ignore[assignment]
+    agent.reservations.cluster = Pods()
     handlers = agent.verbs.handlers()
 
     async def reserve(**args: Any) -> dict[str, Any]:
@@ -239,10 +242,13 @@ async def test_an_unused_reservation_expires_and_its_gpu_is_lent_again(
     await until_phase(agent, Phase.OFF)
     await until(lambda: agent.state.phase is Phase.LENT)  # with gpu-b alone
     assert agent.state.lent == {"gpu-b"}
-    records: list[tuple[str, str]] = []
+    records: list[tuple[object, str]] = []
     record = journal.record
-    monkeypatch.setattr(journal, "record", lambda event, message, **fields: (
-        records.append((fields.get("result"), message)), record(event, message, **fields)))
+    def recorded(event: str, message: str, **fields: Any) -> None:
+        records.append((fields.get("result"), message))
+        record(event, message, **fields)
+
+    monkeypatch.setattr(journal, "record", recorded)
     clock_at[0] = at + agent.reservations.timing.expiry
     await agent.reservations.step()
     assert agent.state.reservations == ()
@@ -293,7 +299,7 @@ def test_ssh_reserve_lines_refused(line: str) -> None:
 
 
 def test_mqtt_reserve_topic() -> None:
-    from tests.unit.surfaces.test_homeassistant import surface
+    from tests.unit.homeassistant_scaffold import surface
     s = surface()
     assert s.topic("owner", "+", "reserve") in ha.command_topics(s)
     asked = ha.command(s, "hostagent/owner/gaming1/reserve", b"20:00")
@@ -310,7 +316,7 @@ def test_mqtt_reserve_topic() -> None:
 
 def test_another_owner_of_a_reserved_card_is_refused_while_the_reservation_holds() -> None:
     from hostagent.core.machine import IllegalTransition, verdict
-    from tests.unit.core.test_partial import TOPO, wants
+    from tests.unit.partial_world import TOPO
     state = S(lent=gpus(B, C), reservations=holding("gaming1"))
     assert verdict(state, "gaming-win", topo=TOPO) == (
         "refuse", "gpu-a is reserved for gaming1 (by me) (follow with: journalctl -u "
@@ -330,7 +336,6 @@ async def test_a_restarted_agent_holds_what_its_reservations_held(tmp_path: Path
                        evict_at=now, holding=True)
     persisted.save_state(agent.cfg.state_file, persisted.State(reservations=(held,)))
     again, fake = make_agent(tmp_path)
-    again._load()
     assert again.state.reservations == (held,) and again.state.reserved == {"gaming1"}
     # Found running with gpu-a: the reclaim goes on, as for a waiting owner's.
     fake.running.add("gpu-node")
@@ -357,7 +362,7 @@ async def test_a_reservation_of_a_vm_no_longer_configured_is_dropped(tmp_path: P
     kept = (Reservation(vm="gaming1", at=now + 3600, by="me", made=now),
             Reservation(vm="old-game", at=now + 3600, by="me", made=now))
     persisted.save_state(agent.cfg.state_file, persisted.State(reservations=kept))
-    agent._load()
+    agent.start()  # as a restart reads it
     # Every change of the list is refused while it names a VM that is not an owner.
     assert not agent.apply(Reserve(at=now, reservations=kept))
     await agent.reservations.step()

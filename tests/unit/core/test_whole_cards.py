@@ -31,7 +31,7 @@ from hostagent.core.model import (
     State,
     Topology,
 )
-from tests.unit.host.test_lint import CHANNEL, hostdev
+from tests.unit.domain_scaffold import CHANNEL, hostdev
 
 CONFIG = """
 [lendee]

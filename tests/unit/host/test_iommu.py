@@ -6,6 +6,7 @@ started or lent without it, and the usual regrow takes it once the VM has stoppe
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,16 +36,17 @@ from hostagent.core.model import (
     VmStopped,
 )
 from tests.sysfs import FakeSysfs
-from tests.unit.surfaces.test_control import (  # noqa: F401 (a fixture)
+from tests.unit.agents import (  # noqa: F401 (a fixture)
     AGENT_XML,
     FakeLibvirt,
     make_agent,
     no_step_outlives_its_test,
-    until,
 )
-from tests.unit.service.test_hotplug import A, AddStep
-from tests.unit.service.test_hotplug import ADD as ADD_POLICY
-from tests.unit.core.test_partial import (
+from tests.waiting import until
+from tests.unit.hotplug_scaffold import AddStep
+from tests.unit.partial_world import A
+from tests.unit.hotplug_scaffold import ADD as ADD_POLICY
+from tests.unit.partial_world import (
     ALL,
     ALL_OR_NOTHING,
     POLICY,
@@ -88,7 +90,7 @@ async def test_an_owner_is_not_started_while_another_vm_holds_part_of_its_gpus_g
         tmp_path: Path, sysfs: FakeSysfs, sink: journal.ListSink) -> None:
     agent, _ = make_agent(tmp_path)
     fake = WithUsbVm(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
+    agent.libvirt = fake
     agent.executor.sysfs = shared_group(sysfs).root
     fake.running.add("usbvm")
     agent.apply(Observed(at=time.time(), lendee_running=False, owners_running=frozenset()))
@@ -107,7 +109,7 @@ async def test_the_lendee_is_started_without_a_gpu_whose_group_another_vm_holds(
         tmp_path: Path, sysfs: FakeSysfs, sink: journal.ListSink) -> None:
     agent, _ = make_agent(tmp_path, relend="0.05s")
     fake = WithUsbVm(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
+    agent.libvirt = fake
     agent.executor.sysfs = shared_group(sysfs).root
     fake.running.add("usbvm")
     agent.apply(Observed(at=time.time(), lendee_running=False, owners_running=frozenset()))
@@ -126,7 +128,7 @@ async def test_a_lendee_that_cannot_do_without_the_gpu_starts_when_the_holder_st
     agent, _ = make_agent(tmp_path, relend="0.05s")
     agent.policy = replace(agent.policy, min_gpus=2)
     fake = WithUsbVm(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
+    agent.libvirt = fake
     agent.executor.sysfs = shared_group(sysfs).root
     fake.running.add("usbvm")
     agent.apply(Observed(at=time.time(), lendee_running=False, owners_running=frozenset()))
@@ -144,7 +146,7 @@ async def test_a_vm_that_starts_holding_part_of_a_gpus_group_takes_it_from_the_l
         tmp_path: Path, sysfs: FakeSysfs, sink: journal.ListSink) -> None:
     agent, _ = make_agent(tmp_path)
     fake = WithUsbVm(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
+    agent.libvirt = fake
     agent.executor.sysfs = shared_group(sysfs).root
     fake.running.add("usbvm")
     agent.lifecycle("usbvm", Lifecycle.STARTED)
@@ -171,14 +173,14 @@ class HeldStep(AddStep):
     async def xml(self, name: str) -> str:
         return USB_VM_XML if name == "usbvm" else AGENT_XML
 
-    async def attach_live(self, name: str, labels: frozenset[str], gpus: object) -> None:
+    async def attach_live(self, name: str, labels: Collection[str], gpus: object) -> None:
         raise AssertionError("attached a GPU whose group usbvm holds")
 
 
 async def test_a_gpu_whose_group_another_vm_holds_is_not_attached_live(
         sysfs: FakeSysfs) -> None:
     step = HeldStep(sysfs)
-    await hotplug.hot_add(step, T + 1, gpus(A))  # type: ignore[arg-type]
+    await hotplug.hot_add(step, T + 1, gpus(A))
     [event] = step.applied
     assert isinstance(event, GroupsHeld) and dict(event.held) == {A: "usbvm"}
     assert "usbvm holds 0000:0c:00.0" in event.reason and "IOMMU group 10" in event.reason
@@ -188,7 +190,7 @@ async def test_a_gpu_whose_group_another_vm_holds_is_not_attached_live(
 async def test_a_hot_add_refused_for_a_held_group_restarts_nothing(sysfs: FakeSysfs) -> None:
     # The restart would drain the node and stop its jobs, only to be refused again.
     step = HeldStep(sysfs)
-    await hotplug.hot_add(step, T + 1, gpus(A))  # type: ignore[arg-type]
+    await hotplug.hot_add(step, T + 1, gpus(A))
     [event] = step.applied
     state, actions = go(step.state, event, ADD_POLICY)
     assert (state.phase, state.lent, state.hotadd_failed) == (Phase.LENT, gpus(B, C), False)
@@ -198,7 +200,7 @@ async def test_a_hot_add_refused_for_a_held_group_restarts_nothing(sysfs: FakeSy
 
 
 async def test_a_holder_that_stopped_before_the_refusal_landed_holds_nothing(
-        sysfs: FakeSysfs) -> None:
+        sysfs: FakeSysfs, monkeypatch: pytest.MonkeyPatch) -> None:
     # Its stop came before the machine knew of the hold: the GPU must not stay held.
     step = HeldStep(sysfs)
     real = step.running_domains
@@ -208,8 +210,8 @@ async def test_a_holder_that_stopped_before_the_refusal_landed_holds_nothing(
         nonlocal calls
         calls += 1
         return await real() if calls == 1 else {LENDEE}
-    step.running_domains = stops_after_the_check  # type: ignore[method-assign]
-    await hotplug.hot_add(step, T + 1, gpus(A))  # type: ignore[arg-type]
+    monkeypatch.setattr(step, "running_domains", stops_after_the_check)
+    await hotplug.hot_add(step, T + 1, gpus(A))
     [event] = step.applied
     assert isinstance(event, GroupsHeld) and not event.held
     state, actions = go(step.state, event, ADD_POLICY)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import io
+import json
 import logging
 import os
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +21,7 @@ import pytest
 
 from hostagent.host import journal
 from hostagent.host.journal import Entry, ListSink, Priority, record
+from tests.waiting import BOUND
 
 
 
@@ -195,10 +201,67 @@ def test_journal_sink_falls_back_to_stderr(capsys: pytest.CaptureFixture[str]) -
     assert capsys.readouterr().err == "hostagent: m [event=e]\n"
 
 
-@pytest.mark.skipif(journal.JOURNAL_SOCKET.exists(), reason="would write to this host's journal")
-def test_journal_sink_with_the_real_module_does_not_raise() -> None:
-    # Without journald the library drops the record quietly; the lab tests the real one.
-    journal.JournalSink().write(Entry(message="unit test", fields={"HOSTAGENT_EVENT": "test"}))
+JOURNALD = next((p for p in ("/lib/systemd/systemd-journald", "/usr/lib/systemd/systemd-journald")
+                 if Path(p).exists()), None)
+# Run in a mount namespace of its own, where /run is private and a standalone journald
+# (as the lab runs it, tests/lab/lab.py) listens on the socket the library writes to:
+# first with no journald there, then with it.
+PRIVATE_JOURNAL = """
+import json, subprocess, sys, time
+from hostagent.host import journal
+from hostagent.host.journal import Entry
+journal_dir, conf = sys.argv[1:3]
+subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755", "journal-test", "/run"], check=True)
+subprocess.run(["mkdir", "-p", "/run/log/journal"], check=True)
+subprocess.run(["mount", "--bind", journal_dir, "/run/log/journal"], check=True)
+subprocess.run(["mount", "--bind", conf, "/etc/systemd/journald.conf"], check=False)
+# No journald: the library drops the record quietly.
+journal.JournalSink().write(Entry(message="dropped", fields={"HOSTAGENT_EVENT": "none"}))
+journald = subprocess.Popen([sys.argv[3]])
+deadline = time.monotonic() + float(sys.argv[4])
+try:
+    while not journal.JOURNAL_SOCKET.exists():
+        assert time.monotonic() < deadline and journald.poll() is None, "journald did not start"
+        time.sleep(0.05)
+    journal.JournalSink().write(Entry(message="unit test", fields={"HOSTAGENT_EVENT": "test"},
+                                      priority=journal.Priority.WARNING))
+    while True:  # journald stores the record a moment after the write returns
+        out = subprocess.run(["journalctl", "-D", "/run/log/journal", "-o", "json",
+                              "SYSLOG_IDENTIFIER=hostagent"], capture_output=True, text=True)
+        if out.stdout.strip():
+            print(out.stdout, end="")
+            break
+        assert time.monotonic() < deadline, "the record never reached the journal"
+        time.sleep(0.05)
+finally:
+    journald.kill()
+    journald.wait()
+"""
+
+
+def test_journal_sink_with_the_real_module_reaches_journald(tmp_path: Path) -> None:
+    if JOURNALD is None:
+        pytest.skip("systemd-journald is not installed (Debian package systemd)")
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the test's journald runs in a mount namespace of its own")
+    (tmp_path / "journal").mkdir()
+    (tmp_path / "journald.conf").write_text("[Journal]\nStorage=volatile\nReadKMsg=no\n"
+                                            "ForwardToSyslog=no\nForwardToWall=no\n")
+    with subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", sys.executable, "-c",
+             PRIVATE_JOURNAL, str(tmp_path / "journal"), str(tmp_path / "journald.conf"),
+             JOURNALD, str(BOUND)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=BOUND + 30)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its journald too, whatever happened
+    assert proc.returncode == 0, err
+    entries = [json.loads(line) for line in out.splitlines()]
+    assert [(e["MESSAGE"], e["HOSTAGENT_EVENT"], e["PRIORITY"]) for e in entries] == [
+        ("unit test", "test", str(int(Priority.WARNING)))]
 
 
 # --- logging -------------------------------------------------------------------------

@@ -29,7 +29,7 @@ HOOK_MESSAGE = (
     "gpu-node waits: gpu-a is in use by gaming1.\n")
 
 
-class Refused(libvirt.libvirtError):
+class Refused(libvirt.libvirtError):  # type: ignore[misc]  # libvirt-python has no types
     def __init__(self) -> None:
         Exception.__init__(self, HOOK_MESSAGE)
 

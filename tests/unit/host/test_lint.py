@@ -14,6 +14,11 @@ from hostagent.host import lint
 from hostagent.core.config import Config, parse
 from hostagent.core.model import Hotplug, Policy
 from hostagent.host.lint import Check, Severity
+from tests.unit.domain_scaffold import (
+    domain,
+    gpu,
+    hostdev,
+)
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -39,60 +44,6 @@ gpus = ["gpu-a"]
 
 [owners.gaming2]
 gpus = ["gpu-b"]
-"""
-
-CHANNEL = """<channel type='unix'>
-      <target type='virtio' name='org.qemu.guest_agent.0'/>
-    </channel>"""
-
-
-def hostdev(address: str, *, managed: str = "yes", rom_off: bool = True) -> str:
-    domain, bus, rest = address.split(":")
-    slot, function = rest.split(".")
-    rom = "\n      <rom bar='off'/>" if rom_off else ""
-    return f"""<hostdev mode='subsystem' type='pci' managed='{managed}'>
-      <source>
-        <address domain='0x{domain}' bus='0x{bus}' slot='0x{slot}' function='0x{function}'/>
-      </source>{rom}
-      <address type='pci' domain='0x0000' bus='0x07' slot='0x00' function='0x0'/>
-    </hostdev>"""
-
-
-def gpu(bus: str, **kw: Any) -> list[str]:
-    return [hostdev(f"0000:{bus}:00.0", **kw), hostdev(f"0000:{bus}:00.1", **kw)]
-
-
-DISK = """<disk type='file' device='disk'>
-      <source file='/var/lib/libvirt/images/{name}.qcow2'/>
-      <target dev='vda' bus='virtio'/>
-      <boot order='{disk}'/>
-    </disk>"""
-CDROM = """<disk type='file' device='cdrom'>
-      {media}
-      <target dev='sda' bus='sata'/>
-      <readonly/>
-      <boot order='{cdrom}'/>
-    </disk>"""
-
-
-def domain(name: str, devices: list[str], *, machine: str = "pc-q35-7.2",
-           firmware: str = " firmware='efi'", channel: bool = True, disk: int = 1,
-           cdrom: int = 2, media: bool = False) -> str:
-    """A domain as virt-install writes one, with `devices` added."""
-    parts = [DISK.format(name=name, disk=disk),
-             CDROM.format(cdrom=cdrom, media="<source file='/iso/nixos.iso'/>" if media else ""),
-             *devices, *([CHANNEL] if channel else [])]
-    body = "\n    ".join(parts)
-    return f"""<domain type='kvm'>
-  <name>{name}</name>
-  <memory unit='GiB'>16</memory>
-  <os{firmware}>
-    <type arch='x86_64' machine='{machine}'>hvm</type>
-  </os>
-  <devices>
-    {body}
-  </devices>
-</domain>
 """
 
 
@@ -451,7 +402,7 @@ def test_reset_is_checked_for_the_lendee_only(sysfs: Any, cfg: Config) -> None:
 
 
 def test_auto_is_hot_add_at_most_and_needs_a_64_bit_window() -> None:
-    from tests.unit.service.test_hotplug import LINT_CONFIG, hot_add_findings, lendee_xml
+    from tests.unit.hotplug_scaffold import LINT_CONFIG, hot_add_findings, lendee_xml
     auto = LINT_CONFIG.replace('hotplug = "add"', "")
     how, why = lint.hotplug_capability(lint.parse_domain(lendee_xml()), parse(auto))
     assert how is Hotplug.ADD and why.endswith(
@@ -476,7 +427,7 @@ def test_auto_is_hot_add_at_most_and_needs_a_64_bit_window() -> None:
 def test_the_running_lendee_turns_auto_into_hot_unplug_or_not() -> None:
     """The seam for the agent: once it has seen that the lendee's GPU plugins honour
     their node label and its nvidia-smi supports drain, "auto" takes hot-unplug too."""
-    from tests.unit.service.test_hotplug import LINT_CONFIG, lendee_xml
+    from tests.unit.hotplug_scaffold import LINT_CONFIG, lendee_xml
     auto = parse(LINT_CONFIG.replace('hotplug = "add"', ""))
     how, why = lint.hotplug_capability(lint.parse_domain(lendee_xml()), auto)
     policy = Policy(hotplug=how, hotplug_why=f'policy.hotplug = "auto": {why}')

@@ -14,12 +14,12 @@ import pytest
 from hostagent.service.agent import Agent, StartupError
 from hostagent.core.config import parse
 from hostagent.host.lock import AlreadyRunning, lock_agent
-from tests.unit.surfaces.test_control import (  # noqa: F401 (a fixture)
+from tests.unit.agents import (  # noqa: F401 (a fixture)
     CONFIG,
     FakeLibvirt,
     no_step_outlives_its_test,
-    until,
 )
+from tests.waiting import until
 
 HOLD = """
 import sys, time
@@ -72,7 +72,7 @@ def test_a_symlink_is_not_followed(tmp_path: Path) -> None:
 class RunningLibvirt(FakeLibvirt):
     """The control tests' fake libvirt, with what `Agent.run` asks of it at start."""
 
-    async def connect(self) -> None:
+    async def connect(self, *, attempts: int | None = None) -> None:
         return None
 
     async def defined_domains(self) -> set[str]:
@@ -87,7 +87,7 @@ async def test_a_second_agent_with_another_state_dir_leaves_the_hook_socket_alon
     """Two configurations that differ only in state_dir share the hook socket (the hook
     knows one path): the second agent is refused before it unlinks and rebinds it."""
     first = Agent(parse(CONFIG.format(root=tmp_path, relend="60s"), "first.toml"))
-    first.libvirt = RunningLibvirt(first)  # type: ignore[assignment]
+    first.libvirt = RunningLibvirt(first)
     running = asyncio.get_running_loop().create_task(first.run())
     try:
         await until(lambda: first.serving.is_set() and first.cfg.hook_socket.exists())
@@ -95,7 +95,7 @@ async def test_a_second_agent_with_another_state_dir_leaves_the_hook_socket_alon
         text = CONFIG.format(root=tmp_path, relend="60s").replace(
             f'state_dir = "{tmp_path}/state"', f'state_dir = "{tmp_path}/other"')
         second = Agent(parse(text, "second.toml"))
-        second.libvirt = RunningLibvirt(second)  # type: ignore[assignment]
+        second.libvirt = RunningLibvirt(second)
         other = asyncio.get_running_loop().create_task(second.run())
         # Refused at once; one that got through rebinds the socket within its start.
         await until(lambda: other.done()

@@ -17,7 +17,7 @@ from hostagent.service.agent import Agent
 from hostagent.core.config import parse
 from hostagent.host.libvirt import ExecResult
 from hostagent.host.verify import Expected, SeenGpu
-from tests.unit.surfaces.test_control import CONFIG, FakeLibvirt, lent
+from tests.unit.agents import CONFIG, FakeLibvirt, lent
 
 A = Expected(label="gpu-a", uuid="GPU-aaaa", name="RTX 3050")
 B = Expected(label="gpu-b", uuid="GPU-bbbb", name="GTX 960")
@@ -155,8 +155,8 @@ async def test_a_driver_loading_after_the_guest_agent_is_asked_again_within_the_
         'method = "none"', 'method = "guest-agent"\ntimeout = "2s"')
     agent = Agent(parse(text, "test.toml"))
     fake = DriverLoadingLate(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
-    agent._fatal = asyncio.get_running_loop().create_future()
+    agent.libvirt = fake
+    agent.start()
     try:
         await lent(agent, fake)
     finally:  # the agent's steps end with the test

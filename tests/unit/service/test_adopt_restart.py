@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from hostagent.core.model import Phase
+from hostagent.service.agent import Agent
 from hostagent.host import journal
 from hostagent.host import state as persisted
 
-from tests.unit.surfaces.test_control import (  # noqa: F401 (a fixture)
+from tests.unit.agents import (  # noqa: F401 (a fixture)
     make_agent,
     no_step_outlives_its_test,
 )
@@ -33,9 +34,8 @@ def phases(sink: journal.ListSink) -> list[tuple[str, str, str]]:
             for e in sink.entries if e.fields.get("HOSTAGENT_EVENT") == "phase"]
 
 
-async def restarted(tmp_path: Path) -> object:
+async def restarted(tmp_path: Path) -> Agent:
     agent, fake = make_agent(tmp_path)
-    agent._load()
     fake.running.add("gpu-node")
     await agent._observe()
     return agent

@@ -24,7 +24,7 @@ from hostagent.host import journal
 from hostagent.host import state as persisted
 from hostagent.service.agent import Agent
 from hostagent.core.config import parse
-from hostagent.surfaces.inbox import HookEvent, Inbox, serve_hooks
+from hostagent.surfaces.inbox import Inbox, serve_hooks
 from hostagent.host.libvirt import Lifecycle
 from hostagent.core.model import (
     GpuPods,
@@ -37,57 +37,20 @@ from hostagent.core.model import (
     Regrow,
     Resume,
 )
-from tests.unit.surfaces.test_control import (  # noqa: F401 (a fixture)
+from tests.unit.agents import (  # noqa: F401 (a fixture)
     CONFIG,
     FakeLibvirt,
+    HeldCluster,
+    ask,
+    hook,
     make_agent,
     no_step_outlives_its_test,
-    until,
 )
-from tests.unit.surfaces.test_hook import HOOK, Place, run_hook
+from tests.waiting import until
+from tests.unit.hook_scaffold import HOOK, Place, run_hook
 
 
 pytestmark = pytest.mark.usefixtures("sink")  # journal records in memory (conftest)
-
-
-class HeldCluster:
-    """Records cordon/uncordon as the node would see them; each step waits for a go."""
-
-    def __init__(self) -> None:
-        self.node: list[str] = []  # what reached the node, in order
-        self.return_go = asyncio.Event()
-        self.drain_go = asyncio.Event()
-        self.down_go = asyncio.Event()  # set: the cordon after a stop goes through at once
-        self.down_go.set()
-        self.returns = 0
-
-    async def reclaim(self, owners: list[str], *, regrow: bool = False) -> str | None:
-        self.node.append("cordon")
-        await self.drain_go.wait()
-        self.node.append("drained")
-        return None
-
-    async def give_back(self, lent: object, **_: object) -> str | None:
-        self.returns += 1
-        await self.return_go.wait()
-        self.node.append("uncordon")
-        return None
-
-    async def lendee_down(self, *, why: str) -> None:
-        await self.down_go.wait()
-        self.node.append("cordon (down)")
-
-    async def watch_lent(self, on_view: object = None) -> None:
-        return None
-
-    async def watch_cordon(self) -> None:
-        return None
-
-    def status(self) -> None:
-        return None
-
-    async def flush_events(self) -> None:
-        return None
 
 
 def agent_with(tmp_path: Path, cluster: HeldCluster) -> tuple[Agent, FakeLibvirt]:
@@ -95,21 +58,6 @@ def agent_with(tmp_path: Path, cluster: HeldCluster) -> tuple[Agent, FakeLibvirt
     agent.cluster = cluster
     agent.cluster_given = True
     return agent, fake
-
-
-def hook(vm: str, *, at: float, id: str = "h1") -> HookEvent:
-    return HookEvent(id=id, time=at, domain=vm, op="prepare", sub="begin", extra="-",
-                     xml="<domain/>")
-
-
-async def ask(agent: Agent, vm: str) -> None:
-    """The start of `vm` through the hook, asked again as a player would while the agent
-    could not record it in time (a save slower than the hook's budget beside other work;
-    the refusal says to start again)."""
-    for _ in range(3):
-        verdict = await agent._on_hook(hook(vm, at=time.time()))
-        if "could not record the request" not in verdict.message:
-            return
 
 
 async def test_a_stale_return_never_uncordons_the_node_mid_drain(tmp_path: Path) -> None:
@@ -201,7 +149,7 @@ async def test_release_racing_the_agents_own_start_answers_the_truth(
     runs it, the verb says it cannot be withdrawn, and gaming1 runs."""
     agent, _ = agent_with(tmp_path, HeldCluster())
     fake = GatedLibvirt(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
+    agent.libvirt = fake
     policy = dataclasses.replace(agent.cfg.policy, lint_before_start=True)
     agent.cfg = dataclasses.replace(agent.cfg, policy=policy)
     agent.apply(Observed(at=time.time(), lendee_running=False, owners_running=frozenset()))
@@ -237,7 +185,7 @@ async def test_a_start_is_reported_only_for_a_domain_that_runs(
     request fails with the reason instead of "gaming1 is running"."""
     agent, _ = agent_with(tmp_path, HeldCluster())
     fake = DiesAtOnce(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
+    agent.libvirt = fake
     agent.apply(Observed(at=time.time(), lendee_running=False, owners_running=frozenset()))
     assert agent.apply(OwnerWants(at=time.time(), owner="gaming1", intent_id="p1",
                                   source=IntentSource.CONTROL))
@@ -306,8 +254,8 @@ async def test_a_second_owner_of_a_gpu_is_refused_with_one_sentence(tmp_path: Pa
     refused at once, and nothing is recorded (no reclaim, no wait on the game)."""
     agent = Agent(parse(TWO_OWNERS.format(root=tmp_path), "test.toml"))
     fake = FakeLibvirt(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
-    agent._fatal = asyncio.get_running_loop().create_future()
+    agent.libvirt = fake
+    agent.start()
     fake.running.add("gaming1")
     agent.apply(Observed(at=time.time(), lendee_running=False,
                          owners_running=frozenset({"gaming1"})))
@@ -353,9 +301,8 @@ async def test_an_owner_starts_at_boot_once(tmp_path: Path) -> None:
 
     def agent() -> Agent:
         made = Agent(parse(text, "test.toml"))
-        made.libvirt = FakeLibvirt(made)  # type: ignore[assignment]
-        made._fatal = asyncio.get_running_loop().create_future()
-        made._load()
+        made.libvirt = FakeLibvirt(made)
+        made.start()
         return made
 
     first = agent()
@@ -368,7 +315,8 @@ async def test_an_owner_starts_at_boot_once(tmp_path: Path) -> None:
     booted._start_at_boot()
     assert [i.owner for i in booted.state.intents] == ["gaming1"]
     fake = booted.libvirt
-    await until(lambda: "gaming1" in fake.running)  # type: ignore[attr-defined]
+    assert isinstance(fake, FakeLibvirt)
+    await until(lambda: "gaming1" in fake.running)
     await booted.saver.flush()  # what an agent does before it exits
     assert not agent().host_booted
 
@@ -384,14 +332,14 @@ async def test_a_metrics_port_in_use_is_retried_not_fatal(tmp_path: Path) -> Non
     port = squatter.getsockname()[1]
     text = TWO_OWNERS.format(root=tmp_path) + f'\n[metrics]\nlisten = "127.0.0.1:{port}"\n'
     agent = Agent(parse(text, "test.toml"))
-    agent._fatal = asyncio.get_running_loop().create_future()
+    agent.start()
     await agent._serve_metrics()  # returns: it keeps trying in the background
     assert agent._exporter is None
     squatter.close()
     await until(lambda: agent._exporter is not None, timeout=10)
     assert agent._exporter is not None
     agent._exporter.close()
-    assert not agent._fatal.done()
+    assert agent.ended is None, agent.ended
     for task in list(agent.executor.tasks):
         task.cancel()
 
@@ -500,7 +448,7 @@ async def test_a_slow_disk_never_keeps_a_hook_from_its_answer(
         await changer
         assert place.spooled() == [] and [r.returncode for r in runs] == [0, 0, 0], runs
         assert asked.returncode != 0 and "could not record the request" in asked.stderr, asked
-        assert agent.state.intents == ()
+        assert [i.owner for i in agent.state.intents] == []
         monkeypatch.setattr(os, "fsync", fsync)
         await agent.saver.flush()
         again = await run_hook(place, "gaming1", "prepare", "begin", "-")

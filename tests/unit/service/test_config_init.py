@@ -15,7 +15,7 @@ from hostagent.service import config_init
 from hostagent.host import lint
 from hostagent.core.config import parse
 from hostagent.host.gpus import NvmlGpu
-from tests.unit.host.test_lint import domain, gpu, hostdev
+from tests.unit.domain_scaffold import domain, gpu, hostdev
 
 REPO = Path(__file__).resolve().parents[3]
 

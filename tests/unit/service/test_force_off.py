@@ -7,10 +7,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
+
 from hostagent.core.model import ForceOff, Hold
 from hostagent.host import journal
 from hostagent.host.libvirt import HostError
-from tests.unit.surfaces.test_control import lent, make_agent, until
+from tests.waiting import until
+from tests.unit.agents import lent, make_agent
 
 STUCK = ("gpu-node did not shut down after its driver hung letting a GPU go; powering it "
          "off now that its node is drained, so that gaming1 can start")
@@ -40,7 +43,7 @@ async def test_the_policys_power_off_cites_force_off_after(
 
 
 async def test_a_power_off_that_fails_says_the_gpus_stay_held(
-        tmp_path: Path, sink: journal.ListSink) -> None:
+        tmp_path: Path, sink: journal.ListSink, monkeypatch: pytest.MonkeyPatch) -> None:
     """A QEMU hung in the kernel letting a device go cannot be destroyed: the journal
     says so and what is left to do, rather than nothing while a player waits."""
     agent, fake = make_agent(tmp_path)
@@ -50,7 +53,7 @@ async def test_a_power_off_that_fails_says_the_gpus_stay_held(
     async def refuses(name: str) -> None:
         raise HostError(f"Failed to terminate process 4242 with SIGKILL: {name} busy")
 
-    fake.destroy = refuses  # type: ignore[method-assign]
+    monkeypatch.setattr(fake, "destroy", refuses)
     agent.executor.execute(ForceOff(ticket=agent.state.ticket, reason=STUCK))
     await until(lambda: any(e.fields.get("HOSTAGENT_RESULT") == "failed"
                             for e in sink.entries))

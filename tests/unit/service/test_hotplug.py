@@ -5,7 +5,7 @@ hot-add that fails leaves them to the regrow by restart."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,7 +16,7 @@ from hostagent.host import lint
 from hostagent.cluster.cycle import KubeCluster
 from hostagent.core.config import Config, ConfigError, parse
 from hostagent.cluster.kube import Kube
-from hostagent.host.libvirt import ExecResult, HostError
+from hostagent.host.libvirt import ExecResult
 from hostagent.surfaces.metrics import Metrics
 from hostagent.core.machine import IllegalTransition, still_wanted, verdict
 from hostagent.core.model import (
@@ -33,29 +33,27 @@ from hostagent.core.model import (
     Policy,
     RelendDue,
     ScheduleRelend,
-    State,
 )
 from tests.controlplane import ControlPlane
+from tests.fakes import LibvirtStub
 from tests.controlplane.nvidia import Driver
 from tests.controlplane.nvidia import gpu as gpu_device
-from tests.configs import UUID_A, UUID_B, UUID_C, lendee_toml
+from tests.configs import UUID_A, UUID_B, lendee_toml
 from tests.unit.kube_scaffold import Api, gpu_node_api
 from tests.unit.machine_scaffold import AT, LENDEE, T, wants
-from tests.unit.core.test_partial import POLICY, TOPO, B, C, S, gpus, go, run, vms
+from tests.unit.partial_world import POLICY, TOPO, B, C, S, gpus, go, run, vms
+from tests.unit.hotplug_scaffold import (
+    ADD,
+    AddStep,
+    attaching,
+    freed,
+    gone,
+    hot_add_findings,
+    lendee_xml,
+    LINT_CONFIG,
+)
 
-ADD = replace(POLICY, hotplug=Hotplug.ADD)
 A = "gpu-a"
-
-
-def freed() -> State:
-    """gaming1 played on gpu-a and stopped: the lendee runs with gpu-b and gpu-c, two GPU
-    pods on its node, and the regrow's timer is due."""
-    return S(Phase.LENT, lent=gpus(B, C), gpu_pods=2, relend_at=AT)
-
-
-def attaching() -> State:
-    new, _ = go(freed(), RelendDue(at=AT), ADD)
-    return new
 
 
 def test_a_regrow_by_hot_add_attaches_the_freed_gpu_while_gpu_pods_run() -> None:
@@ -138,50 +136,6 @@ def test_the_configuration_takes_hotplug() -> None:
 
 # --- lint: can this lendee take a GPU live? ---------------------------------------------
 
-LINT_CONFIG = """
-[lendee]
-domain = "gpu-node"
-gpus = ["gpu-a", "gpu-b"]
-[gpus.gpu-a]
-pci = "0000:01:00.0"
-functions = ["0000:01:00.1"]
-[gpus.gpu-b]
-pci = "0000:02:00.0"
-[owners.gaming1]
-gpus = ["gpu-a"]
-[policy]
-hotplug = "add"
-"""
-
-
-def lendee_xml(*, machine: str = "q35", buses: tuple[int, int] = (1, 2),
-               multifunction: bool = False, hotplug_off: bool = False,
-               pref64: bool = True) -> str:
-    def hostdev(host_bus: int, function: int, guest_bus: int) -> str:
-        multi = " multifunction='on'" if multifunction and function == 0 else ""
-        return (f"<hostdev mode='subsystem' type='pci' managed='yes'><source>"
-                f"<address domain='0x0000' bus='{host_bus:#x}' slot='0x00' "
-                f"function='{function:#x}'/></source>"
-                f"<address type='pci' domain='0x0000' bus='{guest_bus:#04x}' slot='0x00' "
-                f"function='{function if multifunction else 0:#x}'{multi}/></hostdev>")
-    target = "<target hotplug='off'/>" if hotplug_off else ""
-    ports = "".join(f"<controller type='pci' index='{i}' model='pcie-root-port'>{target}"
-                    "</controller>" for i in (1, 2, 3))
-    qemu = ("<qemu:commandline><qemu:arg value='-global'/>"
-            "<qemu:arg value='pcie-root-port.pref64-reserve=64G'/></qemu:commandline>"
-            if pref64 else "")
-    return (f"<domain type='kvm' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>"
-            f"<name>gpu-node</name><os><type machine='{machine}'>hvm</type></os><devices>"
-            f"<controller type='pci' index='0' model='pcie-root'/>{ports}"
-            f"{hostdev(1, 0, buses[0])}{hostdev(1, 1, buses[1])}{hostdev(2, 0, 3)}"
-            "<channel type='unix'><target type='virtio' name='org.qemu.guest_agent.0'/>"
-            f"</channel></devices>{qemu}</domain>")
-
-
-def hot_add_findings(xml: str, config: str = LINT_CONFIG) -> list[str]:
-    found = lint.lint([lint.parse_domain(xml)], config=parse(config))
-    return [f"{f.severity}: {f.what}" for f in found if f.check is lint.Check.HOTPLUG]
-
 
 def test_lint_a_lendee_ready_for_hot_add_has_no_finding() -> None:
     assert hot_add_findings(lendee_xml()) == []
@@ -255,7 +209,7 @@ async def test_the_agent_takes_the_default_hotplug_from_lint_and_status_says_why
         tmp_path: Path, xml: str, how: Hotplug, changes: str) -> None:
     from hostagent.service.agent import Agent
 
-    class Definitions:
+    class Definitions(LibvirtStub):
         connected = True
 
         async def inactive_xml(self, name: str) -> str:
@@ -267,7 +221,7 @@ async def test_the_agent_takes_the_default_hotplug_from_lint_and_status_says_why
             + "[kubernetes]\n")
     agent = Agent(parse(text, "test.toml"))
     assert agent.policy.hotplug is Hotplug.NONE  # until the lendee's XML is read
-    agent.libvirt = Definitions()  # type: ignore[assignment]
+    agent.libvirt = Definitions()
     await agent._decide_hotplug()
     assert agent.policy.hotplug is how
     assert agent.verbs.policy.hotplug is how and agent.recorder.policy is agent.policy
@@ -301,11 +255,6 @@ hotplug = "add"
 [kubernetes]
 gpu_api = "dra"
 """, "test.toml")
-
-
-async def gone(api: Api, namespace: str, name: str) -> bool:
-    pod = await api.seed.get_pod(namespace, name)
-    return pod is None or bool(pod["metadata"].get("deletionTimestamp"))
 
 
 async def test_only_the_gpu_plugins_pods_on_the_node_are_restarted(
@@ -379,81 +328,10 @@ def test_a_failed_hot_add_is_counted_as_a_failure() -> None:
 # --- the step: a failed hot-add leaves the live definition as the lend has it ----------------
 
 
-class AddStep:
-    """What of the executor `hotplug.hot_add` uses: libvirt with the lendee's live GPUs,
-    a guest whose driver does not see gpu-a (its nvidia-smi lists gpu-b and gpu-c), a
-    node that advertises what it is told."""
-
-    lendee = LENDEE
-    topo = TOPO
-
-    def __init__(self) -> None:
-        self.cfg = parse('[lendee]\ndomain = "gpu-node"\ngpus = ["gpu-a", "gpu-b", "gpu-c"]\n'
-                         + "".join(f'[gpus.gpu-{x}]\npci = "0000:0{i}:00.0"\n'
-                                   f'uuid = "{UUID_A[:-1]}{x}"\n'
-                                   for i, x in enumerate("abc", 1))
-                         + '[owners.gaming1]\ngpus = ["gpu-a"]\n[policy]\nhotplug = "add"\n',
-                         "t.toml")
-        self.view, self.libvirt, self.cluster = self, self, self
-        self.state = attaching()
-        self.applied: list[object] = []
-        self.live = {B, C}
-        self.attach_after = 0.0  # seconds before libvirt's attach lands (its thread goes on)
-        self.detached: list[frozenset[str]] = []
-        self.device_removed = asyncio.Event()
-
-    async def attach_live(self, name: str, labels: frozenset[str], gpus: object) -> None:
-        done = asyncio.get_running_loop().create_future()
-
-        def land() -> None:
-            self.live |= labels
-            if not done.done():
-                done.set_result(None)
-        asyncio.get_running_loop().call_later(self.attach_after, land)
-        await done
-
-    async def detach_live(self, name: str, labels: frozenset[str], gpus: object) -> None:
-        self.detached.append(frozenset(labels))
-        self.live -= labels
-        self.device_removed.set()
-
-    async def live_gpus(self, name: str, gpus: object) -> frozenset[str]:
-        return frozenset(self.live)
-
-    async def _verify_gpus(self, ticket: int, lent: frozenset[str]) -> str | None:
-        return None if A not in lent else "nvidia-smi in gpu-node lists 2 GPUs of 3"
-
-    async def grow(self, lent: object) -> str | None:
-        return None
-
-    async def guest_exec(self, name: str, path: str, args: list[str], *,
-                         timeout: float = 30) -> ExecResult:
-        if path == "nvidia-smi" and args == list(hotplug.QUERY):
-            return ExecResult(0, f"{UUID_B}, 00000000:06:00.0, 1\n"
-                                 f"{UUID_C}, 00000000:07:00.0, 2\n", "")
-        if path == "/bin/sh" and args[:2] == ["-c", hotplug.UNBIND]:
-            return ExecResult(0, "", "")
-        raise HostError(f"guest agent of {name}: {path}: Failed to execute child process")
-
-    def lendee_gpu_config(self) -> dict[str, object]:
-        return dict(self.cfg.gpus)
-
-    async def held_groups(self, vm: str,
-                          gpus: frozenset[str]) -> tuple[dict[str, str], str]:
-        return {}, ""  # no other VM holds part of a GPU's IOMMU group (test_iommu.py)
-
-    async def report_held(self, event: object) -> None:
-        self.apply(event)
-
-    def apply(self, event: object) -> bool:
-        self.applied.append(event)
-        return True
-
-
 async def test_a_hot_add_that_fails_in_the_guest_detaches_what_it_attached() -> None:
     # Left attached and lent, gpu-a would fail the guest's check at every later return.
     step = AddStep()
-    await hotplug.hot_add(step, T + 1, gpus(A))  # type: ignore[arg-type]
+    await hotplug.hot_add(step, T + 1, gpus(A))
     [event] = step.applied
     assert isinstance(event, AttachFailed) and event.held == frozenset()
     assert step.detached == [gpus(A)] and step.live == {B, C}
@@ -466,7 +344,7 @@ async def test_an_attach_past_its_bound_counts_its_gpus_as_held(
     monkeypatch.setattr(hotplug, "ATTACH_BOUND", 0.1)
     step = AddStep()
     step.attach_after = 0.3
-    await hotplug.hot_add(step, T + 1, gpus(A))  # type: ignore[arg-type]
+    await hotplug.hot_add(step, T + 1, gpus(A))
     [event] = step.applied
     assert isinstance(event, AttachFailed) and event.held == gpus(A)
     await asyncio.sleep(0.3)
@@ -494,19 +372,19 @@ class NodeFails(AddStep):
     async def _verify_gpus(self, ticket: int, lent: frozenset[str]) -> str | None:
         return None
 
-    async def grow(self, lent: object) -> str | None:
-        self.grown.append(frozenset(lent))  # type: ignore[arg-type]
+    async def grow(self, lent: Collection[str]) -> str | None:
+        self.grown.append(frozenset(lent))
         return "node gpu-node advertises 2 nvidia.com/gpu of 3" if len(self.grown) == 1 else None
 
-    async def withdraw(self, gpus: object) -> str | None:
-        self.withdrawn.append(frozenset(gpus))  # type: ignore[arg-type]
+    async def withdraw(self, gpus: Collection[str]) -> str | None:
+        self.withdrawn.append(frozenset(gpus))
         return None
 
 
 async def test_the_plugins_an_undo_paused_come_back_for_what_stays_lent() -> None:
     # Paused by the undo and left so, they would keep every GPU of the node unadvertised.
     step = NodeFails()
-    await hotplug.hot_add(step, T + 1, gpus(A))  # type: ignore[arg-type]
+    await hotplug.hot_add(step, T + 1, gpus(A))
     [event] = step.applied
     assert isinstance(event, AttachFailed) and event.held == frozenset()
     assert step.withdrawn == [gpus(A)] and step.detached == [gpus(A)]
@@ -541,10 +419,10 @@ async def test_auto_hot_unplugs_only_where_the_guest_drains_and_the_plugins_paus
         drain: bool, pausable: bool, how: Hotplug) -> None:
     step = Running(drain=drain, pausable=pausable)
     added = Policy(hotplug=Hotplug.ADD, hotplug_why='policy.hotplug = "auto": hot-add')
-    decided = await hotplug.unplug_policy(step, added)  # type: ignore[arg-type]
+    decided = await hotplug.unplug_policy(step, added)
     assert decided.hotplug is how
     if how is Hotplug.ADD:
         assert "hot-adds only" in decided.hotplug_why
     # Set by hand, or no hot-add at all: never changed.
     none = replace(added, hotplug=Hotplug.NONE)
-    assert await hotplug.unplug_policy(step, none) == none  # type: ignore[arg-type]
+    assert await hotplug.unplug_policy(step, none) == none

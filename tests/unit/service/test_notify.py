@@ -20,13 +20,14 @@ from hostagent.core.config import ConfigError, parse
 from hostagent.core.model import Observed
 from hostagent.host import journal
 from hostagent.service.agent import Agent
-from tests.unit.service.test_agent_steps import HeldCluster, ask
-from tests.unit.surfaces.test_control import (  # noqa: F401 (a fixture)
+from tests.unit.agents import (  # noqa: F401 (a fixture)
+    HeldCluster,
+    ask,
     CONFIG,
     FakeLibvirt,
     no_step_outlives_its_test,
-    until,
 )
+from tests.waiting import until
 
 WAIT = 10.0  # a bound, never a measure
 
@@ -98,10 +99,11 @@ class OrderedCluster(HeldCluster):
         self.return_go.set()
         self.cordoned_at = 0.0
 
-    async def reclaim(self, owners: list[str], *, regrow: bool = False) -> str | None:
+    async def reclaim(self, owners: list[str], *, regrow: bool = False,
+                      until: float | None = None) -> str | None:
         self.order.append("cordon")
         self.cordoned_at = time.monotonic()
-        return await super().reclaim(owners, regrow=regrow)
+        return await super().reclaim(owners, regrow=regrow, until=until)
 
 
 def agent_notifying(tmp_path: Path, port: int, cluster: HeldCluster,
@@ -112,8 +114,8 @@ def agent_notifying(tmp_path: Path, port: int, cluster: HeldCluster,
         f'timeout = "{timeout}"\n'), "test.toml")
     agent = Agent(cfg)
     fake = FakeLibvirt(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
-    agent._fatal = asyncio.get_running_loop().create_future()
+    agent.libvirt = fake
+    agent.start()
     agent.cluster = cluster
     agent.cluster_given = True
     return agent, fake

@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 from hostagent.host import journal
-from hostagent.core.machine import Phase, State
-from hostagent.service.parts import Progress
+from hostagent.core.model import Phase, State
+from hostagent.service.parts import Kept, Progress
 from hostagent.service.recorder import Recorder
-from tests.unit.core.test_machine import G1, POLICY, TOPO, _observed, go
-
-
-class Kept:
-    """The agent's view of its state, as the recorder reads it."""
-
-    def __init__(self, state: State) -> None:
-        self.state, self.phase_since = state, 0.0
+from tests.unit.machine_world import G1, POLICY, TOPO, _observed, go
 
 
 def test_a_reclaim_resumed_at_start_says_who_wants_which_gpu(sink: journal.ListSink) -> None:
@@ -23,5 +16,5 @@ def test_a_reclaim_resumed_at_start_says_who_wants_which_gpu(sink: journal.ListS
     old = State(intents=G1)
     new, _ = go(old, _observed(True))
     assert new.phase is Phase.DRAINING
-    Recorder(TOPO, POLICY, Kept(new), Progress()).phase(old, new, _observed(True))
+    Recorder(TOPO, POLICY, Kept(new, phase_since=0.0), Progress()).phase(old, new, _observed(True))
     assert [e.message for e in sink.entries] == ["gaming1 wants gpu-a: draining gpu-node"]

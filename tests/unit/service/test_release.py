@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,10 +21,11 @@ from hostagent.host.libvirt import ExecResult, HostError
 from hostagent.host import journal
 from hostagent.service import hotplug
 from tests.configs import UUID_A, UUID_B, UUID_C
-from tests.unit.core.test_partial import B, C, gpus
+from tests.unit.partial_world import B, C, gpus
 from tests.unit.machine_scaffold import T
-from tests.unit.service.test_hotplug import AddStep
-from tests.unit.service.test_unplug import A, FakeStep, Guest, unplug
+from tests.unit.hotplug_scaffold import AddStep
+from tests.unit.hotplug_scaffold import FakeStep, Guest, unplug
+from tests.unit.partial_world import A
 
 # A process of a busy node: `count` files open, and the "device node" at argv[2] once,
 # whose fd number it prints; it lives until its stdin closes.
@@ -227,7 +229,7 @@ async def test_drain_supported_says_whether_and_why(
         step.libvirt.guest_exec = nothing  # type: ignore[method-assign]
     else:
         step.libvirt.help = answer  # type: ignore[attr-defined]
-    ok, why = await hotplug.drain_supported(step)  # type: ignore[arg-type]
+    ok, why = await hotplug.drain_supported(step)
     assert ok is supported and why
     assert ("not found" in why) if answer is None else True
 
@@ -255,11 +257,11 @@ class Added(AddStep):
         self.order.append("grow")
         return self.grow_says
 
-    async def withdraw(self, gpus: frozenset[str]) -> str | None:
+    async def withdraw(self, gpus: Collection[str]) -> str | None:
         self.order.append("withdraw")
         return None
 
-    async def detach_live(self, name: str, labels: frozenset[str], gpus: object) -> None:
+    async def detach_live(self, name: str, labels: Collection[str], gpus: object) -> None:
         self.order.append("detach")
         await super().detach_live(name, labels, gpus)
 
@@ -289,7 +291,7 @@ async def test_a_failed_hot_add_is_undone_as_an_unplug() -> None:
     # The plugins came back with the GPU present and hold it open; the guest's driver
     # has it bound: a bare detach then hangs in the guest or leaves the GPU in doubt.
     step = Added()
-    await hotplug.hot_add(step, T + 1, gpus(A))  # type: ignore[arg-type]
+    await hotplug.hot_add(step, T + 1, gpus(A))
     [event] = step.applied
     assert isinstance(event, AttachFailed) and event.held == frozenset()
     # Then the plugins come back, for what stays lent.
@@ -303,13 +305,13 @@ async def test_the_cdi_spec_is_made_anew_before_the_plugins_come_back(
     command = "nvidia-ctk cdi generate --output=/var/run/cdi/nvidia.yaml"
     step = Added(refresh=command)
     step.grow_says = None
-    await hotplug.hot_add(step, T + 1, gpus(A))  # type: ignore[arg-type]
+    await hotplug.hot_add(step, T + 1, gpus(A))
     assert [type(e) for e in step.applied] == [GpusAttached]
     assert step.order == ["verify", "cdi", "grow"]
     assert any("CDI spec made anew" in e.message for e in sink.entries)
     # A refresh that fails is a failed hot-add: the plugins never came back with it.
     step = Added(refresh=command, refresh_code=1)
-    await hotplug.hot_add(step, T + 1, gpus(A))  # type: ignore[arg-type]
+    await hotplug.hot_add(step, T + 1, gpus(A))
     [event] = step.applied
     assert isinstance(event, AttachFailed) and "lendee.cdi_refresh" in event.reason
     assert step.order == ["verify", "cdi", "query", "holders", "unbind", "detach"]

@@ -5,10 +5,7 @@ that say what was kept (`hostagent.core.reserve`, `hostagent.service.reservation
 
 from __future__ import annotations
 
-import asyncio
 import time
-import zoneinfo
-from collections.abc import Iterator
 from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
@@ -27,23 +24,13 @@ from hostagent.service.agent import Agent
 from hostagent.service.reservations import _hhmm
 from hostagent.core.reserve import BadReservation, Reservation
 from hostagent.surfaces.control import Caller, Rights, serving
-from tests.unit.core.test_partial import TOPO, S, gpus, A, B, C
-from tests.unit.surfaces.test_control import CONFIG, FakeLibvirt, lent, until
-
-BERLIN = zoneinfo.ZoneInfo("Europe/Berlin")
-
+from tests.unit.partial_world import TOPO, S, gpus, A, B, C
+from tests.waiting import until
+from tests.unit.agents import lent
+from tests.unit.reserve_scaffold import (
+    BERLIN, SHARED, Pods, make_agent, reserve)
 
 # --- daylight saving ----------------------------------------------------------------------
-
-
-@pytest.fixture
-def berlin(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The host's zone is Europe/Berlin for the C library and for zoneinfo."""
-    monkeypatch.setenv("TZ", "Europe/Berlin")
-    time.tzset()
-    yield
-    monkeypatch.undo()
-    time.tzset()
 
 
 def test_a_time_of_day_takes_the_offset_of_its_own_date() -> None:
@@ -91,38 +78,6 @@ async def test_reserve_on_the_eve_of_a_change_lands_at_that_days_time(
 
 # --- the agent, with two owners of one card -----------------------------------------------
 
-SHARED = CONFIG + """
-[owners.gaming-win]
-gpus = ["gpu-a"]
-"""
-
-
-def make_agent(tmp_path: Path, extra: str = "") -> tuple[Agent, FakeLibvirt]:
-    cfg = parse(SHARED.format(root=tmp_path, relend="0.2s") + extra, "test.toml")
-    agent = Agent(cfg)
-    fake = FakeLibvirt(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
-    agent._fatal = asyncio.get_running_loop().create_future()
-    return agent, fake
-
-
-async def reserve(agent: Agent, **args: Any) -> dict[str, Any]:
-    replies = [r async for r in agent.verbs.handlers()["reserve"](args)]
-    return replies[-1]
-
-
-class Pods:
-    """The cluster's notice, counted: no pod may hear of a reservation not kept."""
-
-    def __init__(self) -> None:
-        self.told: list[float] = []
-
-    async def notice(self, when: Any, message: Any) -> tuple[float, list[str]]:
-        at: float = when(30.0)
-        self.told.append(at)
-        return at, ["ml/train-0"]
-
-
 def records(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str | None, str, dict[str, Any]]]:
     kept: list[tuple[str | None, str, dict[str, Any]]] = []
     record = journal.record
@@ -167,7 +122,7 @@ async def test_an_unused_reservation_yields_to_another_owners_start_then_cools_d
     await lent(agent, fake)
     now = [time.time()]
     monkeypatch.setattr(clock, "now", lambda: now[0])
-    agent.reservations.cluster = Pods()  # type: ignore[assignment]
+    agent.reservations.cluster = Pods()
     at = now[0] + 60
     assert (await agent.reservations.reserve("gaming1", at, by="ssh key kid",
                                              principal="ssh key SHA256:kid"))[0]
@@ -271,7 +226,7 @@ async def test_a_reservation_that_cannot_be_saved_is_not_taken(
     agent, fake = make_agent(tmp_path)
     await lent(agent, fake)
     pods = Pods()
-    agent.reservations.cluster = pods  # type: ignore[assignment]
+    agent.reservations.cluster = pods
     seen: list[tuple[Reservation, ...]] = []
 
     async def broken() -> OSError:
@@ -313,7 +268,7 @@ async def test_a_reservation_the_machine_refused_is_never_answered_ok(
     now = float(int(time.time()))
     stale = Reservation(vm="old-game", at=now + 3600, by="me", made=now)
     persisted.save_state(agent.cfg.state_file, persisted.State(reservations=(stale,)))
-    agent._load()
+    agent.start()  # as a restart reads it
     assert not agent.apply(Reserve(at=now, reservations=(stale,)))  # the machine refuses
     at = datetime.fromtimestamp(now + 7200).astimezone().isoformat()
     answer = await reserve(agent, vm="gaming1", at=at)

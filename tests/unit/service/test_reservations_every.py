@@ -19,8 +19,8 @@ from hostagent.core import reserve as plan
 from hostagent.core.reserve import BadReservation, Reservation
 from hostagent.host import state as persisted
 from hostagent.surfaces.follow import format_status
-from tests.unit.service.test_reservations import (
-    BERLIN, Pods, berlin, make_agent, reserve)  # noqa: F401 (a fixture)
+from tests.unit.reserve_scaffold import (
+    BERLIN, Pods, make_agent, reserve)
 
 NEW_YORK = zoneinfo.ZoneInfo("America/New_York")
 
@@ -94,7 +94,7 @@ async def test_a_series_is_reserved_listed_kept_and_goes_on_after_each_occurrenc
     agent, _ = make_agent(tmp_path)
     now = [datetime(2026, 12, 4, 12, 0, tzinfo=BERLIN).timestamp()]  # a Friday
     monkeypatch.setattr(clock, "now", lambda: now[0])
-    agent.reservations.cluster = Pods()  # type: ignore[assignment]
+    agent.reservations.cluster = Pods()
     done = await reserve(agent, vm="gaming1", at="20:00", every="weekdays")
     assert done["ok"] is True, done
     assert done["data"]["at"] == "2026-12-04T20:00+01:00"

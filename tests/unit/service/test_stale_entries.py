@@ -14,26 +14,26 @@ from hostagent.core.config import parse
 from hostagent.host import journal
 
 from hostagent.service.agent import Agent
-from tests.unit.surfaces.test_control import (  # noqa: F401 (a fixture)
+from tests.unit.agents import (  # noqa: F401 (a fixture)
     CONFIG,
     make_agent,
     no_step_outlives_its_test,
 )
-from tests.unit.surfaces.test_metrics import MINIMAL
+from tests.unit.metrics_scaffold import MINIMAL
 
 pytestmark = pytest.mark.usefixtures("sink")
 
 
 async def test_an_undefined_owner_makes_health_red_not_an_exit(
-        tmp_path: Path, sink: journal.ListSink) -> None:
+        tmp_path: Path, sink: journal.ListSink, monkeypatch: pytest.MonkeyPatch) -> None:
     agent, fake = make_agent(tmp_path)
     defined = {"gpu-node", "gaming1"}  # gaming2 was undefined
 
     async def defined_domains() -> set[str]:
         return set(defined)
 
-    fake.defined_domains = defined_domains  # type: ignore[attr-defined]
-    fake.uri = "qemu:///system"  # type: ignore[attr-defined]
+    monkeypatch.setattr(fake, "defined_domains", defined_domains)
+    fake.uri = "qemu:///system"
     await agent._check_domains()
     said = [e for e in sink.entries if e.fields.get("HOSTAGENT_RESULT") == "waiting"]
     assert len(said) == 1 and "owners.gaming2" in said[0].message

@@ -5,10 +5,9 @@ once libvirt has removed it, and anything else takes the reclaim's road."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,9 @@ import pytest
 from hostagent.service import hotplug
 from hostagent.host import journal, lint
 from hostagent.cluster.cycle import KubeCluster
-from hostagent.core.config import Config, parse
+from hostagent.core.config import parse
 from hostagent.cluster.kube import Kube
-from hostagent.host.libvirt import ExecResult, HostError, Lifecycle
+from hostagent.host.libvirt import Lifecycle
 from hostagent.core.machine import IllegalTransition, still_wanted, verdict
 from hostagent.surfaces.metrics import Metrics
 from hostagent.core.reserve import Reservation
@@ -30,7 +29,6 @@ from hostagent.core.model import (
     DetachFailed,
     DetachGpus,
     Drain,
-    Event,
     GpuPods,
     GpusDetached,
     Hold,
@@ -46,32 +44,31 @@ from hostagent.core.model import (
     ScheduleRelend,
     StartOwner,
     State,
-    Topology,
 )
 from tests.controlplane import ControlPlane
 from tests.controlplane.nvidia import Driver
 from tests.controlplane.nvidia import gpu as gpu_device
-from tests.configs import UUID_A, UUID_B, UUID_C, lendee_toml
+from tests.configs import UUID_A, UUID_B, UUID_C
 from tests.unit.kube_scaffold import Api, gpu_node_api
 from tests.unit.machine_scaffold import Stepper
-from tests.unit.surfaces.test_control import make_agent
-from tests.unit.service.test_hotplug import LINT_CONFIG, gone, hot_add_findings, lendee_xml
+from tests.unit.agents import make_agent
+from tests.unit.hotplug_scaffold import LINT_CONFIG, gone, hot_add_findings, lendee_xml
 from tests.unit.machine_scaffold import AT, LENDEE, T, wants
-from tests.unit.core.test_partial import POLICY, TOPO, B, C, S, gpus
+from tests.unit.partial_world import POLICY, TOPO, B, C, S, gpus
+from tests.unit.hotplug_scaffold import (
+    BOTH,
+    detaching,
+    FakeStep,
+    lent,
+    unplug,
+    UNPLUG_CONFIG,
+)
+from tests.unit.hotplug_scaffold import (
+    checkpoint,
+)
 
 A = "gpu-a"
-BOTH = replace(POLICY, hotplug=Hotplug.BOTH)
 go, run = Stepper(TOPO, BOTH).go, Stepper(TOPO, BOTH).run
-
-
-def lent(*labels: str) -> State:
-    return S(Phase.LENT, lent=gpus(*labels) if labels else gpus(A, B, C))
-
-
-def detaching() -> State:
-    """gaming1 asked for gpu-a while gpu-node is lent all three: it is being detached."""
-    new, _ = go(lent(), wants("gaming1"))
-    return new
 
 
 def test_a_game_takes_its_gpu_from_the_running_lendee_by_hot_unplug() -> None:
@@ -224,13 +221,6 @@ def test_a_failed_hot_unplug_is_counted_as_a_failure() -> None:
 
 # --- the executor's step, with fakes at its seams ------------------------------------------
 
-def checkpoint(*entries: tuple[str, str, object]) -> str:
-    """The kubelet's device checkpoint: (pod UID, resource, device IDs) each."""
-    return json.dumps({"Data": {"PodDeviceEntries": [
-        {"PodUID": uid, "ContainerName": "main", "ResourceName": resource,
-         "DeviceIDs": ids, "AllocResp": "e30="} for uid, resource, ids in entries],
-        "RegisteredDevices": {"nvidia.com/gpu": [UUID_A, UUID_B]}}, "Checksum": 1})
-
 
 def test_the_checkpoint_names_the_pods_on_a_gpu_by_uuid_or_replica() -> None:
     text = checkpoint(("p1", "nvidia.com/gpu", {"0": [UUID_A]}),
@@ -250,127 +240,6 @@ def test_the_checkpoint_names_the_pods_on_a_gpu_by_uuid_or_replica() -> None:
 def test_a_checkpoint_that_cannot_tell_for_sure_is_doubt(text: str) -> None:
     with pytest.raises(ValueError):
         hotplug.checkpoint_pods(text, {UUID_A}, {UUID_A, UUID_B})
-
-
-UNPLUG_CONFIG = lendee_toml(gpus=("gpu-a", "gpu-b", "gpu-c")) + """
-[owners.gaming1]
-gpus = ["gpu-a"]
-[policy]
-hotplug = "both"
-"""
-
-
-class Guest:
-    """The lendee as libvirt and its guest agent show it: its live GPUs, the files and
-    commands the step reads and runs in it (nvidia-smi, the holders of a device node
-    through /proc/*/fd, the unbind), and whether it lets a device go when asked. gpu-a
-    is /dev/nvidia0 at 0000:05:00.0 in the guest; NVIDIA's device plugin (pid 812)
-    holds it open until the plugin is stopped."""
-
-    def __init__(self, step: FakeStep) -> None:
-        self.step = step
-        self.live = {A, B, C}
-        self.checkpoint: tuple[int, str] = (0, checkpoint(
-            ("pod-a", "nvidia.com/gpu", {"0": [UUID_A]}),
-            ("pod-b", "nvidia.com/gpu", {"0": [UUID_B]})))
-        self.holders = {"812/fd/7"}  # "PID/fd/N" of /dev/nvidia0
-        self.bound = True
-        self.lets_go = True
-        self.hangs = False  # nvidia-smi never ends: the driver is stuck
-        self.timeouts: list[float] = []
-        self.detached: list[frozenset[str]] = []
-
-    async def guest_exec(self, name: str, path: str, args: list[str], *,
-                         timeout: float = 30) -> ExecResult:
-        order = self.step.cluster.order
-        if path == "cat":
-            order.append("checkpoint")
-            code, text = self.checkpoint
-            return ExecResult(code, text if code == 0 else "", "" if code == 0 else "No such file")
-        self.timeouts.append(timeout)  # those of the release, under RELEASE_BOUND
-        if path == "nvidia-smi" and args == list(hotplug.QUERY):
-            order.append("query")
-            if self.hangs:  # as host.libvirt.guest_exec answers a command that never ends
-                await asyncio.sleep(timeout)
-                raise HostError(f"{path} in {name} did not finish within {timeout:g}s")
-            return ExecResult(0, f"{UUID_A}, 00000000:05:00.0, 0\n"
-                                 f"{UUID_B}, 00000000:06:00.0, 1\n", "")
-        if path == "/bin/sh" and args[:2] == ["-c", hotplug.HOLDERS]:
-            order.append("holders")
-            assert args[3:] == ["/dev/nvidia0"]
-            return ExecResult(0, "".join(f"{h}\n" for h in sorted(self.holders)), "")
-        if path == "/bin/sh" and args[:2] == ["-c", hotplug.UNBIND]:
-            order.append("unbind")
-            assert args[3:] == ["0000:05:00.0"] and not self.holders
-            self.bound = False
-            return ExecResult(0, "", "")
-        raise HostError(f"guest agent of {name}: {path}: Failed to execute child process")
-
-    async def detach_live(self, name: str, labels: frozenset[str], gpus: object) -> None:
-        self.step.cluster.order.append("detach")
-        self.detached.append(frozenset(labels))
-        if self.lets_go and not self.bound:  # the driver lets go of an unbound device only
-            def removed() -> None:
-                self.live -= labels
-                self.step.device_removed.set()
-            asyncio.get_running_loop().call_later(0.05, removed)
-
-    async def live_gpus(self, name: str, gpus: object) -> frozenset[str]:
-        return frozenset(self.live)
-
-
-class Vacating:
-    """`Cluster.vacate` as the step calls it: what it was given, and its answer; it
-    cordons (``order``) before it reads which pods use the GPUs, as the real one does."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[list[str], frozenset[str], frozenset[str] | None]] = []
-        self.order: list[str] = []
-        self.until: list[float | None] = []
-        self.guest: Guest
-
-    async def vacate(self, owners: list[str], gpus: frozenset[str],
-                     pods: Callable[[], Awaitable[tuple[frozenset[str] | None, str]]],
-                     *, until: float | None = None) -> str | None:
-        self.until.append(until)
-        self.order.append("cordon")
-        read, why = await pods()
-        self.calls.append((owners, frozenset(gpus), None if read is None else frozenset(read)))
-        return f"which pods use gpu-a is unknown ({why})" if read is None else None
-
-    async def withdraw(self, gpus: frozenset[str]) -> str | None:
-        self.order.append("withdraw")
-        self.guest.holders.discard("812/fd/7")  # the plugin's process is gone
-        return None
-
-
-@dataclass
-class FakeStep:
-    """What of the executor `hotplug.hot_unplug` uses."""
-
-    cfg: Config = field(default_factory=lambda: parse(UNPLUG_CONFIG, "test.toml"))
-    lendee: str = LENDEE
-    topo: Topology = TOPO
-    applied: list[Event] = field(default_factory=list)
-    device_removed: asyncio.Event = field(default_factory=asyncio.Event)
-    cluster: Vacating = field(default_factory=Vacating)
-
-    def __post_init__(self) -> None:
-        self.libvirt = Guest(self)
-        self.cluster.guest = self.libvirt
-        self.view = self
-        self.state = detaching()
-
-    def apply(self, event: Event) -> bool:
-        self.applied.append(event)
-        return True
-
-    def lendee_gpu_config(self) -> dict[str, Any]:
-        return dict(self.cfg.gpus)
-
-
-async def unplug(step: FakeStep) -> None:
-    await hotplug.hot_unplug(step, T + 1, gpus(A))  # type: ignore[arg-type]
 
 
 def hotplug_records(sink: journal.ListSink) -> list[tuple[str, str]]:

@@ -9,13 +9,14 @@ executor, persistence and the progress stream are the real ones.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import logging
 import os
 import socket
 import stat
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,19 @@ import pytest
 
 from hostagent.host import state as persisted
 from hostagent.service.agent import Agent
-from hostagent.core.config import parse
 from hostagent.surfaces.control import ControlError, ControlTimeout, Reply, request, serve_control
 from hostagent.surfaces.follow import follow, format_reply
-from hostagent.host.libvirt import HostError, Lifecycle
+from hostagent.host.libvirt import Lifecycle
 from hostagent.core.model import Observed, Phase
+from tests.unit.agents import (  # noqa: F401 (a fixture)
+    AGENT_XML,
+    FakeLibvirt,
+    collect,
+    healthy,
+    lent,
+    make_agent,
+    no_step_outlives_its_test,
+)
 from tests.waiting import until
 
 log = logging.getLogger("test")
@@ -116,7 +125,8 @@ async def test_a_client_that_hangs_up_stops_only_its_waiting(tmp_path: Path) -> 
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(str(path))
             s.sendall(b'{"v":1,"verb":"forever"}\n')
-            return json.loads(s.makefile("rb").readline())
+            line: dict[str, Any] = json.loads(s.makefile("rb").readline())
+            return line
 
     try:
         first = await asyncio.to_thread(hang_up_after_the_first_line)
@@ -156,150 +166,6 @@ async def test_request_deadline_and_idle_ticks(tmp_path: Path) -> None:
 
 
 # --- the verbs, in an agent with a fake libvirt ----------------------------------------------
-
-
-AGENT_XML = "<domain><devices><channel type='unix'><target type='virtio' " \
-            "name='org.qemu.guest_agent.0'/></channel></devices></domain>"
-PLAIN_XML = "<domain><devices/></domain>"
-
-
-class FakeLibvirt:
-    """Starts and stops at once; tells the agent as libvirt's lifecycle events would."""
-
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
-        self.running: set[str] = set()
-        self.calls: list[tuple[str, str]] = []
-        self.guest_agent = True  # the lendee's agent answers
-        self.no_agent_channel: set[str] = set()
-        self.ignores_shutdown: set[str] = set()
-        # Powers off before its guest agent answers the shutdown: libvirt reports an error.
-        self.agent_dies_answering: set[str] = set()
-        self.connected = True
-
-    def _event(self, vm: str, kind: Lifecycle, delay: float = 0.01) -> None:
-        asyncio.get_running_loop().call_later(delay, self.agent.lifecycle, vm, kind)
-
-    async def start(self, name: str) -> None:
-        self.calls.append(("start", name))
-        if name not in self.running:
-            self.running.add(name)
-            self._event(name, Lifecycle.STARTED)
-
-    async def start_with(self, name: str, *, drop: object, gpus: object) -> None:
-        self.live_drop = drop
-        await self.start(name)
-
-    async def live_gpus(self, name: str, gpus: dict[str, object]) -> frozenset[str]:
-        return frozenset(gpus) if name in self.running else frozenset()
-
-    async def _stop(self, name: str, how: str) -> None:
-        self.calls.append((how, name))
-        if name in self.running and name not in self.ignores_shutdown:
-            self.running.discard(name)
-            self._event(name, Lifecycle.STOPPED, 0.05)
-
-    async def shutdown_via_agent(self, name: str) -> None:
-        await self._stop(name, "agent shutdown")
-        if name in self.agent_dies_answering:
-            raise HostError(f"shut down {name} through its guest agent: Guest agent is not "
-                            "responding: QEMU guest agent is not connected")
-
-    async def shutdown_via_acpi(self, name: str) -> None:
-        if name not in self.running:  # as libvirt answers for a domain that is off
-            raise HostError(f"shut down {name} through ACPI: Requested operation is not "
-                            "valid: domain is not running")
-        await self._stop(name, "acpi shutdown")
-
-    async def destroy(self, name: str) -> None:
-        await self._stop(name, "destroy")
-
-    async def is_running(self, name: str) -> bool:
-        return name in self.running
-
-    async def running_domains(self) -> set[str]:
-        return set(self.running)
-
-    async def ping_agent(self, name: str, *, timeout: int = 3) -> bool:
-        return self.guest_agent and name in self.running
-
-    async def xml(self, name: str) -> str:
-        return PLAIN_XML if name in self.no_agent_channel else AGENT_XML
-
-    async def inactive_xml(self, name: str) -> str:  # no q35: policy.hotplug "auto" is "none"
-        return await self.xml(name)
-
-
-CONFIG = """\
-control_socket = "{root}/control.sock"
-hook_socket = "{root}/hook.sock"
-state_dir = "{root}/state"
-
-[lendee]
-domain = "gpu-node"
-gpus = ["gpu-a", "gpu-b"]
-
-[gpus.gpu-a]
-pci = "0000:0a:00.0"
-name = "RTX A"
-
-[gpus.gpu-b]
-pci = "0000:0b:00.0"
-
-[owners.gaming1]
-gpus = ["gpu-a"]
-
-[owners.gaming2]
-gpus = ["gpu-b"]
-
-[timeouts]
-guest_agent = "1s"
-shutdown = "1s"
-start = "2s"
-
-[policy]
-relend_delay = "{relend}"
-lint_before_start = false
-
-[verify]
-method = "none"
-"""
-
-
-@pytest.fixture(autouse=True)
-async def no_step_outlives_its_test() -> AsyncIterator[None]:
-    """The agent's steps run as tasks: each test's are cancelled and awaited at its end,
-    as the agent does when it stops, before the event loop closes."""
-    yield
-    me = asyncio.current_task()
-    left = [t for t in asyncio.all_tasks() if t is not me]
-    for task in left:
-        task.cancel()
-    await asyncio.gather(*left, return_exceptions=True)
-
-
-def make_agent(tmp_path: Path, relend: str = "0.2s") -> tuple[Agent, FakeLibvirt]:
-    cfg = parse(CONFIG.format(root=tmp_path, relend=relend), "test.toml")
-    agent = Agent(cfg)
-    fake = FakeLibvirt(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
-    agent._fatal = asyncio.get_running_loop().create_future()
-    return agent, fake
-
-
-async def lent(agent: Agent, fake: FakeLibvirt) -> None:
-    """Start the world with the lendee running, and wait until it is lent."""
-    fake.running.add("gpu-node")
-    agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
-    await until(lambda: agent.state.phase is Phase.LENT)
-
-
-async def collect(agent: Agent, verb: str, **args: Any) -> list[Reply]:
-    return [r async for r in agent.verbs.handlers()[verb](args)]
-
-
-def healthy(agent: Agent) -> None:
-    assert agent._fatal is not None and not agent._fatal.done(), agent._fatal
 
 
 async def test_play_persists_the_intent_then_streams_every_step_until_it_runs(
@@ -356,6 +222,7 @@ async def test_a_client_gone_mid_play_does_not_cancel_the_intent(tmp_path: Path)
     agent, fake = make_agent(tmp_path)
     await lent(agent, fake)
     stream = agent.verbs.handlers()["play"]({"vm": "gaming1"})
+    assert isinstance(stream, AsyncGenerator)
     first = await stream.__anext__()
     assert first["to"] == "pending"
     await stream.aclose()  # what the control socket does when the client hangs up
@@ -385,6 +252,7 @@ async def test_play_and_hang_up_in_a_loop_adds_nothing_to_keep_or_write(
     await agent.saver.flush()
     assert agent.cfg.state_file.stat().st_ino == saved
     stream = agent.verbs.handlers()["play"]({"vm": "gaming1"})
+    assert isinstance(stream, AsyncGenerator)
     fake.ignores_shutdown.clear()
     fake.running.discard("gpu-node")
     agent.lifecycle("gpu-node", Lifecycle.STOPPED)
@@ -396,6 +264,7 @@ async def test_play_and_hang_up_in_a_loop_adds_nothing_to_keep_or_write(
 async def _until_pending(agent: Agent) -> AsyncIterator[Reply]:
     """`play gaming1` until its first line (the request pending), then hang up."""
     stream = agent.verbs.handlers()["play"]({"vm": "gaming1"})
+    assert isinstance(stream, AsyncGenerator)
     try:
         reply = await stream.__anext__()
         assert reply.get("to") == "pending", reply
@@ -499,19 +368,17 @@ async def test_reclaim_takes_the_gpus_back_and_lend_gives_them_again(tmp_path: P
 # --- the terminal side -------------------------------------------------------------------
 
 
-class Tty:
-    def __init__(self) -> None:
-        self.text = ""
+class Tty(io.StringIO):
+    """A terminal's output, kept (`text`)."""
 
-    def write(self, s: str) -> int:
-        self.text += s
-        return len(s)
+    tty = True
 
-    def flush(self) -> None:
-        pass
+    @property
+    def text(self) -> str:
+        return self.getvalue()
 
     def isatty(self) -> bool:
-        return True
+        return self.tty
 
 
 async def test_follow_draws_one_line_on_a_tty_plain_lines_or_json_otherwise(
@@ -528,7 +395,7 @@ async def test_follow_draws_one_line_on_a_tty_plain_lines_or_json_otherwise(
     server = await _serve(path, play=play)
     try:
         tty, err = Tty(), Tty()
-        code = await asyncio.to_thread(follow, path, "play", {"vm": "gaming1"}, out=tty,  # type: ignore[arg-type]
+        code = await asyncio.to_thread(follow, path, "play", {"vm": "gaming1"}, out=tty,
                                        err=err)
         assert code == 0
         frames = tty.text.split("\r\x1b[K")
@@ -537,8 +404,8 @@ async def test_follow_draws_one_line_on_a_tty_plain_lines_or_json_otherwise(
         assert frames[-1] == "gaming1 is running (0.9s)\n"
 
         plain, err = Tty(), Tty()
-        plain.isatty = lambda: False  # type: ignore[method-assign]
-        assert await asyncio.to_thread(follow, path, "play", {"vm": "gaming1"}, out=plain,  # type: ignore[arg-type]
+        plain.tty = False
+        assert await asyncio.to_thread(follow, path, "play", {"vm": "gaming1"}, out=plain,
                                        err=err) == 0
         assert plain.text.splitlines() == [
             "[   0.1s] draining gpu-node (waiting for gpu-node's node to drain)",
@@ -546,13 +413,13 @@ async def test_follow_draws_one_line_on_a_tty_plain_lines_or_json_otherwise(
             "gaming1 is running (0.9s)"]
 
         lines = Tty()
-        assert await asyncio.to_thread(follow, path, "play", {"vm": "gaming1"},  # type: ignore[arg-type]
+        assert await asyncio.to_thread(follow, path, "play", {"vm": "gaming1"},
                                        json_lines=True, out=lines, err=err) == 0
         events = [json.loads(x) for x in lines.text.splitlines()]
         assert [e["type"] for e in events] == ["progress", "progress", "result"]
 
         late, err = Tty(), Tty()
-        assert await asyncio.to_thread(follow, path, "play", {"vm": "gaming1"}, out=late,  # type: ignore[arg-type]
+        assert await asyncio.to_thread(follow, path, "play", {"vm": "gaming1"}, out=late,
                                        err=err, timeout=0.3) == 3
         assert err.text == ("hostagent: stopped waiting after 0.3s (--timeout); gaming1 still "
                             "starts by itself: follow it with `hostagent status`\n")

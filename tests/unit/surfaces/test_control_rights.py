@@ -156,7 +156,7 @@ async def test_root_may_do_everything(sock: Path) -> None:
     server = await serve_control(sock, seen.verbs(), mode=0o660, group=GROUP, log=log)
     try:
         for verb in VERBS:
-            replies = await asyncio.to_thread(lambda v=verb: list(request(sock, v)))
+            replies = await asyncio.to_thread(lambda v: list(request(sock, v)), verb)
             assert replies[-1]["ok"] is True
     finally:
         server.close()

@@ -478,7 +478,7 @@ async def test_idle_offers_of_a_listed_key_never_lock_a_key_holder_out(tmp_path:
         await asyncio.Event().wait()
         return b""
 
-    pair.sign_async = never  # type: ignore[method-assign]
+    pair.sign_async = never  # type: ignore[attr-defined]
 
     async def offerer(source: str) -> None:
         while not stop.is_set():

@@ -17,7 +17,7 @@ import random
 import socket
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,10 @@ from hostagent.surfaces.inbox import (
     parse_hook_line,
     replay_spool,
     serve_hooks,
+)
+from tests.unit.fuzz_scaffold import (
+    _text,
+    _value,
 )
 
 # Derandomized (tests/conftest.py): the same examples on every run, so a CI run need
@@ -53,33 +57,6 @@ def _dumps(value: Any) -> bytes:
     # allow_nan: NaN and Infinity are what a sloppy client sends, and JSON has neither.
     return json.dumps(value, allow_nan=True, ensure_ascii=False,
                       default=str).encode("utf-8", "surrogatepass")
-
-
-def _text(rng: random.Random) -> str:
-    pools = ("abc-_ 01", "\x00\t\"\\\u00e9\u2028\ufeff\U0001f600", "\ud800\udfff")
-    pool = rng.choices(pools, weights=(10, 5, 1))[0]  # lone surrogates: invalid UTF-8
-    return "".join(rng.choice(pool) for _ in range(rng.randrange(12)))
-
-
-def _value(rng: random.Random, depth: int = 0) -> Any:
-    kinds = ["null", "bool", "int", "float", "text"] + ["list", "object"] * (depth < 3)
-    match rng.choice(kinds):
-        case "null":
-            return None
-        case "bool":
-            return rng.random() < 0.5
-        case "int":
-            # 10**400: an integer no float holds (it once escaped as OverflowError).
-            return rng.choice([0, 1, -1, 2, 2**63, -(2**64), 10**400, -(10**400),
-                               rng.randrange(-1000, 1000)])
-        case "float":
-            return rng.choice([0.5, -0.0, 1e308, float("nan"), float("inf"), float("-inf")])
-        case "text":
-            return _text(rng)
-        case "list":
-            return [_value(rng, depth + 1) for _ in range(rng.randrange(3))]
-        case _:
-            return {_text(rng): _value(rng, depth + 1) for _ in range(rng.randrange(3))}
 
 
 def _mutate(rng: random.Random, valid: dict[str, Any]) -> bytes:
@@ -159,7 +136,7 @@ class Records(logging.Handler):
 class Live:
     """A server started by `start` on an event loop that runs in a thread."""
 
-    def __init__(self, start: Callable[[], Awaitable[asyncio.Server]]) -> None:
+    def __init__(self, start: Callable[[], Coroutine[Any, Any, asyncio.Server]]) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="fuzz-server")
         self.thread.start()

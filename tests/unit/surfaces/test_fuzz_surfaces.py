@@ -15,7 +15,7 @@ import os
 import random
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiomqtt
 from hypothesis import HealthCheck, given, settings
@@ -26,7 +26,7 @@ from hostagent.host import journal
 from hostagent.surfaces import ssh
 from hostagent.surfaces.mqtt import Device
 from hostagent.surfaces.ssh_keys import Grant
-from tests.unit.surfaces.test_homeassistant import CONFIG, status
+from tests.unit.homeassistant_scaffold import CONFIG, status
 
 EXAMPLES = int(os.environ.get("HOSTAGENT_FUZZ_EXAMPLES", "3_000")) // 3
 fuzz = settings(max_examples=EXAMPLES, deadline=None,
@@ -165,7 +165,8 @@ def test_any_mqtt_message_is_taken_refused_or_dropped(seed: int, n: int) -> None
         for loop in _loop():
             async def messages() -> None:
                 device = _device(calls)
-                client = _Client()
+                # What the handler uses of aiomqtt's client, and nothing more.
+                client = cast(aiomqtt.Client, _Client())
                 for i in range(n):
                     topic = rng.choice(_TOPICS) if rng.random() < 0.7 else _text(rng, 3)
                     # What a broker delivers: a topic name, no wildcard, no NUL.

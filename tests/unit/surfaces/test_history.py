@@ -146,7 +146,9 @@ def test_svg_is_xml_with_one_row_per_gpu() -> None:
     swaps = rows[0].findall(f"{SVG}g[@class='swap']")
     assert len(swaps) == 1 and "swap 5.0s" in "".join(swaps[0].itertext())
     assert not rows[1].findall(f"{SVG}g[@class='swap']")
-    legend = "".join(root.find(f".//{SVG}g[@class='legend']").itertext())
+    found = root.find(f".//{SVG}g[@class='legend']")
+    assert found is not None
+    legend = "".join(found.itertext())
     assert "gpu-node (lent)" in legend and "gaming1 (gaming)" in legend and "idle" in legend
     assert root.findall(f".//{SVG}g[@class='axis']/{SVG}text")
 

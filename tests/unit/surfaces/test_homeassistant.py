@@ -9,128 +9,17 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import Any
 
 import pytest
 
-from hostagent.core import config
 from hostagent.surfaces import homeassistant as ha
-
-CONFIG = """
-[lendee]
-domain = "gpu-node"
-gpus = ["gpu-a", "gpu-b", "gpu-c"]
-
-[gpus.gpu-a]
-pci = "0000:01:00.0"
-name = "RTX 3050"
-
-[gpus.gpu-b]
-pci = "0000:02:00.0"
-
-[gpus.gpu-c]
-pci = "0000:03:00.0"
-
-[owners.gaming1]
-gpus = ["gpu-a"]
-
-[owners."gaming/2"]
-gpus = ["gpu-b"]
-
-[mqtt]
-broker = "mqtt://127.0.0.1"
-base_topic = "hostagent"
-"""
-
-# Home Assistant's abbreviations (homeassistant/components/mqtt/abbreviations.py) for
-# the keys used here, and the device's and origin's.
-ABBREVIATIONS = {
-    "avty_t": "availability_topic", "cmd_t": "command_topic", "dev_cla": "device_class",
-    "ic": "icon", "json_attr_t": "json_attributes_topic", "ops": "options",
-    "pl_avail": "payload_available", "pl_not_avail": "payload_not_available",
-    "pl_off": "payload_off", "pl_on": "payload_on", "pl_prs": "payload_press",
-    "stat_t": "state_topic", "uniq_id": "unique_id", "name": "name", "qos": "qos",
-    "p": "platform", "min": "min", "max": "max",
-}
-DEVICE = {"ids": "identifiers", "name": "name", "mf": "manufacturer", "mdl": "model",
-          "sw": "sw_version"}
-ORIGIN = {"name": "name", "sw": "sw_version", "url": "support_url"}
-COMMON = {"name", "unique_id", "icon", "availability_topic", "payload_available",
-          "payload_not_available", "qos", "json_attributes_topic", "platform"}
-# Each platform's own keys (the MQTT integration's documentation, one page per platform).
-PLATFORMS = {
-    "switch": {"state_topic", "command_topic", "payload_on", "payload_off", "device_class"},
-    "binary_sensor": {"state_topic", "payload_on", "payload_off", "device_class"},
-    "sensor": {"state_topic", "device_class", "options"},
-    "button": {"command_topic", "payload_press", "device_class"},
-    "text": {"state_topic", "command_topic", "min", "max", "mode", "pattern"},
-}
-DEVICE_CLASSES = {"binary_sensor": {"running", "problem", "connectivity"},
-                  "sensor": {"enum"}, "switch": {"switch", "outlet"}, "button": {"restart"}}
-
-
-def check_topic(topic: object, *, wildcards: bool = False) -> None:
-    assert isinstance(topic, str) and topic and len(topic.encode()) < 65536
-    assert "\0" not in topic
-    if not wildcards:
-        assert "+" not in topic and "#" not in topic, topic
-
-
-def check_component(cmp: dict[str, Any]) -> None:
-    """One entity's config, abbreviations expanded, as Home Assistant validates it."""
-    full = {ABBREVIATIONS[k]: v for k, v in cmp.items()}  # KeyError: a key HA does not know
-    platform = full["platform"]
-    assert set(full) <= COMMON | PLATFORMS[platform], set(full) - COMMON - PLATFORMS[platform]
-    assert isinstance(full["unique_id"], str) and full["unique_id"]
-    if platform in ("switch", "button", "text"):
-        check_topic(full["command_topic"])
-    if platform != "button":
-        check_topic(full["state_topic"])
-    if "device_class" in full:
-        assert full["device_class"] in DEVICE_CLASSES[platform]
-    if full.get("device_class") == "enum":
-        assert isinstance(full["options"], list) and full["options"]
-
-
-def check_device_message(topic: str, payload: str) -> dict[str, Any]:
-    """A device-based discovery message: <prefix>/device/<id>/config with dev, o, cmps."""
-    prefix, kind, node, last = topic.split("/")
-    assert (prefix, kind, last) == ("homeassistant", "device", "config")
-    assert node.replace("_", "").replace("-", "").isalnum()
-    message = json.loads(payload)
-    assert {"dev", "o", "cmps"} <= set(message)
-    device = {DEVICE[k]: v for k, v in message["dev"].items()}
-    assert device["identifiers"] and device["name"]
-    origin = {ORIGIN[k]: v for k, v in message["o"].items()}
-    assert origin["name"] == "hostagent"
-    shared = {ABBREVIATIONS[k] for k in message if k not in ("dev", "o", "cmps")}
-    assert shared <= COMMON
-    check_topic(message["avty_t"])
-    for cmp in message["cmps"].values():
-        if set(cmp) != {"p"}:  # a removal
-            check_component(cmp)
-    uniques = [c["uniq_id"] for c in message["cmps"].values() if "uniq_id" in c]
-    assert len(uniques) == len(set(uniques))
-    return message
-
-
-def surface(text: str = CONFIG, **mqtt: Any) -> ha.Surface:
-    cfg = config.parse(text + "".join(f"{k} = {json.dumps(v)}\n" for k, v in mqtt.items()))
-    return ha.surface(cfg, version="0.1.0")
-
-
-def status(**lendee: Any) -> dict[str, Any]:
-    return {
-        "lendee": {"domain": "gpu-node", "phase": "lent", "hold": False,
-                   "lent": ["gpu-b", "gpu-c"], **lendee},
-        "gpus": [{"gpu": "gpu-a", "name": "RTX 3050", "pci": "0000:01:00.0",
-                  "owners": ["gaming1"], "holder": "gaming1"},
-                 {"gpu": "gpu-b", "name": None, "pci": "0000:02:00.0",
-                  "owners": ["gaming/2"], "holder": "gpu-node"},
-                 {"gpu": "gpu-c", "name": None, "pci": "0000:03:00.0", "owners": [],
-                  "holder": "gpu-node"}],
-        "owners": {"gaming1": True, "gaming/2": False},
-    }
+from tests.unit.homeassistant_scaffold import (
+    check_component,
+    check_device_message,
+    CONFIG,
+    status,
+    surface,
+)
 
 
 def test_the_device_message_follows_the_schema() -> None:

@@ -15,37 +15,23 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hostagent.surfaces.inbox import HookEvent, Inbox, Verdict, parse_hook_line, replay_spool, serve_hooks
+from tests.unit.hook_scaffold import (
+    HOOK,
+    Place,
+    run_hook,
+    XML,
+)
 
-HOOK = Path(__file__).resolve().parents[3] / "hooks" / "qemu"
 BUDGET = 0.3
 # Generous: this bounds correctness (the hook must not hang), it is not a benchmark.
 MARGIN = 2.0
-XML = "<domain type='kvm'><name>gaming1</name><description>été</description></domain>\n"
 log = logging.getLogger("test.hook")
-
-
-@dataclass
-class Run:
-    rc: int
-    stdout: bytes
-    stderr: str
-    elapsed: float
-
-
-@dataclass
-class Place:
-    socket: Path
-    spool: Path
-
-    def spooled(self) -> list[Path]:
-        return sorted(self.spool.glob("*.json")) if self.spool.is_dir() else []
 
 
 @pytest.fixture
@@ -53,39 +39,6 @@ def place() -> Iterator[Place]:
     # Not tmp_path: a Unix socket path must stay under about 100 bytes.
     with tempfile.TemporaryDirectory(prefix="hk-") as d:
         yield Place(Path(d) / "hook.sock", Path(d) / "spool")
-
-
-async def run_hook(
-    place: Place,
-    *args: str,
-    xml: str = XML,
-    budget: float | str | None = None,
-    spool: Path | None = None,
-    argv0: list[str] | None = None,
-) -> Run:
-    env = {
-        "PATH": "/usr/bin:/bin",  # libvirt gives hooks a fixed, short PATH
-        "HOSTAGENT_SOCKET": str(place.socket),
-        "HOSTAGENT_SPOOL": str(spool or place.spool),
-    }
-    if budget is not None:
-        env["HOSTAGENT_HOOK_BUDGET"] = str(budget)
-    cmd = argv0 if argv0 is not None else [sys.executable, "-I", "-S", str(HOOK)]
-    start = time.monotonic()
-    proc = await asyncio.create_subprocess_exec(
-        *cmd,
-        *args,
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env=env,
-    )
-    out, err = await proc.communicate(xml.encode())
-    elapsed = time.monotonic() - start
-    assert proc.returncode is not None
-    # libvirt reads a hook's stdout as replacement XML for migrate/restore.
-    assert out == b"", out
-    return Run(proc.returncode, out, err.decode(), elapsed)
 
 
 class Recorder:

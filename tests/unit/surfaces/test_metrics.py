@@ -8,6 +8,7 @@ import logging
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,7 +20,6 @@ from hostagent.core.health import CheckFailed, Health
 from hostagent.core.model import (
     AgentUp,
     Drained,
-    Event,
     IntentSource,
     LendeeStarted,
     LendeeStopped,
@@ -29,40 +29,14 @@ from hostagent.core.model import (
     OwnerWants,
     Policy,
     RelendDue,
-    ReturnDone,
     ReturnFailed,
     State,
     Topology,
 )
-
-TOPO = Topology(lendee="gpu-node", lendee_gpus=frozenset({"gpu-a", "gpu-b"}),
-                owners={"gaming1": frozenset({"gpu-a"}), "gaming2": frozenset({"gpu-b"})})
-MINIMAL = '[lendee]\ndomain = "gpu-node"\ngpus = ["gpu-a"]\n[gpus.gpu-a]\npci = "0000:01:00.0"\n'
-
-
-class Driver:
-    """The machine and the metrics, stepped together as `Agent.apply` does."""
-
-    def __init__(self) -> None:
-        self.state = State()
-        self.metrics = metrics.Metrics(TOPO)
-
-    def __call__(self, make: type[Event], at: float, **kw: object) -> None:
-        if "ticket" in make.__dataclass_fields__:
-            kw["ticket"] = self.state.ticket
-        event = make(at=at, **kw)
-        new, _ = machine.step(self.state, event, topo=TOPO, policy=Policy(relend_delay=0))
-        old, self.state = self.state, new
-        self.metrics.transition(old, new, event)
-
-    def value(self, name: str, **labels: str) -> float | None:
-        return self.metrics.registry.get_sample_value(name, labels)
-
-    def lend(self, at: float) -> None:
-        self(RelendDue, at)
-        self(LendeeStarted, at + 1)
-        self(AgentUp, at + 6)
-        self(ReturnDone, at + 10)
+from tests.unit.metrics_scaffold import (
+    Driver,
+    MINIMAL,
+)
 
 
 def test_a_cycle_moves_every_metric() -> None:
@@ -116,7 +90,6 @@ def test_node_gpu_pods_is_absent_until_known() -> None:
     assert d.value("hostagent_node_gpu_pods") == 3
     d.metrics.node_gpu_pods(None)
     assert d.value("hostagent_node_gpu_pods") is None
-
 
 
 def test_lent_gpu_pod_names_each_holder_and_forgets_those_gone() -> None:
@@ -250,7 +223,7 @@ async def test_socket_check_connects(tmp_path: Path) -> None:
         await probe()
     server = await asyncio.start_unix_server(lambda r, w: w.close(), path=str(path))
     async with server:
-        assert "accepts connections" in await probe()
+        assert "accepts connections" in str(await probe())
 
 
 async def test_libvirt_check_says_what_is_wrong() -> None:
@@ -338,7 +311,7 @@ def test_metrics_listen_mistakes_name_the_key(listen: str) -> None:
 
 
 def test_status_shows_failed_checks() -> None:
-    data = {"lendee": {"domain": "gpu-node", "phase": "lent", "reason": None, "since": 0,
+    data: dict[str, Any] = {"lendee": {"domain": "gpu-node", "phase": "lent", "reason": None, "since": 0,
                        "hold": False},
             "gpus": [], "intents": [], "relend_in_s": None, "libvirt_connected": True,
             "health": [{"check": "libvirt", "ok": True, "detail": "connected"},
@@ -353,7 +326,7 @@ def test_status_shows_failed_checks() -> None:
 
 
 def test_status_says_a_return_waits_for_the_kubelet_of_this_boot() -> None:
-    data = {"lendee": {"domain": "gpu-node", "phase": "joining", "reason": None, "since": 0,
+    data: dict[str, Any] = {"lendee": {"domain": "gpu-node", "phase": "joining", "reason": None, "since": 0,
                        "hold": False},
             "gpus": [], "intents": [], "relend_in_s": None, "libvirt_connected": True,
             "health": [],

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import copy
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +21,18 @@ import pytest
 from hostagent.core import config
 from hostagent.host import journal
 from hostagent.surfaces import homeassistant
-from hostagent.surfaces.control import Reply
 from hostagent.surfaces.mqtt import COMMANDS_BURST, MAX_PACKET, Device
 from tests.mosquitto import MISSING, USERS, Mosquitto
-from tests.unit.surfaces.test_homeassistant import CONFIG, check_device_message, status
+from tests.unit.homeassistant_scaffold import CONFIG, check_device_message, recorded, status
+from tests.unit.homeassistant_scaffold import (
+    device_config,
+    Host,
+    running,
+    WAIT,
+    watching,
+)
 
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
-WAIT = 30.0  # a bound, never a measure
 
 
 @pytest.fixture
@@ -38,115 +43,9 @@ def broker(tmp_path: Path) -> Iterator[Mosquitto]:
     m.stop()
 
 
-class Host:
-    """The agent as the device sees it: a status, the verbs, the progress of each."""
-
-    def __init__(self) -> None:
-        self.status = status(phase="off", lent=[])
-        self.status["owners"]["gaming1"] = False
-        self.calls: list[tuple[str, dict[str, Any]]] = []
-        self.called = asyncio.Event()
-        self.followers: set[asyncio.Queue[Reply]] = set()
-
-    def handlers(self) -> dict[str, Any]:
-        def verb(name: str) -> Any:
-            async def run(args: dict[str, Any]) -> AsyncIterator[Reply]:
-                self.calls.append((name, args))
-                self.called.set()
-                yield {"ok": True, "data": {"message": f"{name} done"}}
-            return run
-        return {v: verb(v) for v in ("status", "play", "release", "hold", "lend", "reclaim",
-                                     "reserve")}
-
-    @contextlib.contextmanager
-    def following(self) -> Iterator[asyncio.Queue[Reply]]:
-        queue: asyncio.Queue[Reply] = asyncio.Queue()
-        self.followers.add(queue)
-        try:
-            yield queue
-        finally:
-            self.followers.discard(queue)
-
-    def progress(self, message: str) -> None:
-        for queue in self.followers:
-            queue.put_nowait({"event": "phase", "message": message})
-
-
-def device_config(broker: Mosquitto, *, text: str = CONFIG, **mqtt: Any) -> config.Config:
-    extra = "".join(f"{k} = {json.dumps(v)}\n" for k, v in mqtt.items())
-    return config.parse(text.replace('broker = "mqtt://127.0.0.1"',
-                                     f'broker = "mqtt://127.0.0.1:{broker.port}"\n'
-                                     'username = "hostagent"\n'
-                                     f'password_file = "{broker.root / "agent-password"}"')
-                        + extra)
-
-
 def on_the_default(broker: Mosquitto) -> config.Config:
     """device_config with base_topic left to its default (hostagent/<host>)."""
     return device_config(broker, text=CONFIG.replace('base_topic = "hostagent"\n', ""))
-
-
-async def recorded(sink: journal.ListSink, result: str) -> None:
-    """Until the journal has a record with HOSTAGENT_RESULT `result` (bounded)."""
-    async with asyncio.timeout(WAIT):
-        # The sink has no event to wait on.
-        while result not in [e.fields.get("HOSTAGENT_RESULT") for e in sink.entries]:  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-
-
-@contextlib.asynccontextmanager
-async def running(cfg: config.Config, host: Host, **kw: Any) -> AsyncIterator[Device]:
-    device = Device(cfg, status=lambda: copy.deepcopy(host.status), handlers=host.handlers(),
-                    follow=host.following, **kw)
-    device.changed()
-    task = asyncio.get_running_loop().create_task(device.run())
-    try:
-        yield device
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-
-class Watcher:
-    """A client of the broker as `user`, keeping the last payload of each topic."""
-
-    def __init__(self, client: aiomqtt.Client) -> None:
-        self.client = client
-        self.last: dict[str, bytes] = {}
-        self.seen: list[tuple[str, bytes]] = []  # every message, in order
-        self.changed = asyncio.Event()
-
-    async def read(self) -> None:
-        async for message in self.client.messages:
-            assert isinstance(message.payload, bytes | bytearray)
-            self.last[message.topic.value] = bytes(message.payload)
-            self.seen.append((message.topic.value, bytes(message.payload)))
-            self.changed.set()
-
-    async def until(self, topic: str, payload: bytes | None = None) -> bytes:
-        """The payload of `topic` once it is there (and `payload`, if given)."""
-        async with asyncio.timeout(WAIT):
-            while topic not in self.last or payload is not None and self.last[topic] != payload:
-                self.changed.clear()
-                await self.changed.wait()
-        return self.last[topic]
-
-
-@contextlib.asynccontextmanager
-async def watching(broker: Mosquitto, user: str = "ha",
-                   topics: tuple[str, ...] = ("hostagent/#", "homeassistant/#")
-                   ) -> AsyncIterator[Watcher]:
-    async with aiomqtt.Client("127.0.0.1", broker.port, username=user,
-                              password=USERS[user], identifier=f"test-{user}") as client:
-        for topic in topics:
-            await client.subscribe(topic, qos=1)
-        watcher = Watcher(client)
-        reader = asyncio.get_running_loop().create_task(watcher.read())
-        try:
-            yield watcher
-        finally:
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
 
 
 async def test_discovery_and_states_are_published_and_follow_changes(
@@ -595,7 +494,8 @@ async def test_the_agent_tells_the_device_each_change_and_runs_its_commands(
     state follows."""
     from hostagent.service.agent import Agent
     from hostagent.core.model import Phase
-    from tests.unit.surfaces.test_control import CONFIG as AGENT, FakeLibvirt, lent, until
+    from tests.waiting import until
+    from tests.unit.agents import CONFIG as AGENT, FakeLibvirt, lent
 
     cfg = config.parse(AGENT.format(root=tmp_path, relend="60s") + (
         f'\n[mqtt]\nbroker = "mqtt://127.0.0.1:{broker.port}"\nusername = "hostagent"\n'
@@ -603,8 +503,8 @@ async def test_the_agent_tells_the_device_each_change_and_runs_its_commands(
         "test.toml")
     agent = Agent(cfg)
     fake = FakeLibvirt(agent)
-    agent.libvirt = fake  # type: ignore[assignment]
-    agent._fatal = asyncio.get_running_loop().create_future()
+    agent.libvirt = fake
+    agent.start()
     try:
         async with watching(broker) as ha:
             agent._serve_mqtt()
@@ -625,7 +525,7 @@ async def test_the_agent_tells_the_device_each_change_and_runs_its_commands(
         for task in list(agent.executor.tasks):
             task.cancel()
         await asyncio.gather(*agent.executor.tasks, return_exceptions=True)
-    assert agent._fatal is not None and not agent._fatal.done()
+    assert agent.ended is None, agent.ended
     assert [e.message for e in sink.entries if e.fields.get("HOSTAGENT_VIA") == "mqtt"
             and e.fields.get("HOSTAGENT_RESULT") == "allowed"] == ["mqtt asked for play gaming1"]
 

@@ -23,10 +23,8 @@ from hostagent.core import config
 from hostagent.host import journal
 from hostagent.surfaces.mqtt import DEVICE_FILE
 from tests.mosquitto import ACL, MISSING, Mosquitto
-from tests.unit.surfaces.test_homeassistant import CONFIG
-from tests.unit.surfaces.test_mqtt import (
-    WAIT, Host, device_config, recorded, running, watching)
-from tests.unit.surfaces.test_mqtt_trust import kept_in
+from tests.unit.homeassistant_scaffold import (
+    CONFIG, WAIT, Host, device_config, kept_in, recorded, running, watching)
 
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 

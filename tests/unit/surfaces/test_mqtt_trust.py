@@ -16,13 +16,12 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
-from hostagent.core import config
 from hostagent.host import journal
 from hostagent.surfaces import homeassistant
 from hostagent.surfaces.mqtt import CLIENT_ID_FILE, FORMER_CLEARED
 from tests.mosquitto import MISSING, USERS, Mosquitto
-from tests.unit.surfaces.test_homeassistant import CONFIG
-from tests.unit.surfaces.test_mqtt import WAIT, Host, device_config, running, watching
+from tests.unit.homeassistant_scaffold import (
+    WAIT, Host, device_config, kept_in, running, watching)
 
 pytestmark = pytest.mark.skipif(MISSING is not None, reason=MISSING or "")
 
@@ -33,13 +32,6 @@ def broker(tmp_path: Path) -> Mosquitto:  # type: ignore[misc]
     m.start()
     yield m
     m.stop()
-
-
-def kept_in(broker: Mosquitto, state: Path, *, default: bool = False) -> config.Config:
-    """device_config with a state directory (base_topic its default with `default`)."""
-    state.mkdir(exist_ok=True)
-    text = CONFIG.replace('base_topic = "hostagent"\n', "") if default else CONFIG
-    return device_config(broker, text=f'state_dir = "{state}"\n' + text)
 
 
 async def connections(sink: journal.ListSink, n: int) -> None:

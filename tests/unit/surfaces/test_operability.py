@@ -9,6 +9,7 @@ import json
 import logging
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,7 @@ from hostagent.core.model import IntentSource, Observed, OwnerStarted, OwnerWant
 from hostagent.surfaces import metrics
 from hostagent.surfaces.follow import format_status
 
-from tests.unit.surfaces.test_metrics import MINIMAL, Driver
+from tests.unit.metrics_scaffold import MINIMAL, Driver
 
 
 def test_version_is_the_installed_distributions() -> None:
@@ -90,7 +91,7 @@ def test_the_players_wait_from_request_to_game_running() -> None:
 
 
 def test_status_says_the_version() -> None:
-    data = {"lendee": {"domain": "gpu-node", "phase": "off", "reason": None, "since": 0,
+    data: dict[str, Any] = {"lendee": {"domain": "gpu-node", "phase": "off", "reason": None, "since": 0,
                        "hold": False},
             "gpus": [], "intents": [], "relend_in_s": None, "health": [],
             "version": "1.2.3"}
@@ -111,7 +112,7 @@ async def test_healthz_says_the_version() -> None:
 
 
 async def test_the_start_record_and_status_json_say_the_version(tmp_path: Path) -> None:
-    from tests.unit.surfaces.test_control import make_agent
+    from tests.unit.agents import make_agent
     agent, _ = make_agent(tmp_path)
     assert agent.recorder.running_line().startswith(f"hostagent {hostagent.version()} is "
                                                     "running: gpu-node ")

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from hostagent.surfaces import homeassistant as ha
-from tests.unit.surfaces.test_homeassistant import check_device_message, status, surface
+from tests.unit.homeassistant_scaffold import check_device_message, status, surface
 
 
 def player(extra: dict[str, Any], vm: str = "gaming/2") -> str:
@@ -43,7 +43,7 @@ def test_the_state_follows_a_start_from_the_request_to_the_game() -> None:
 
 
 async def test_status_lists_the_owners_libvirt_is_starting(tmp_path: Path) -> None:
-    from tests.unit.surfaces.test_control import make_agent
+    from tests.unit.agents import make_agent
     agent, _ = make_agent(tmp_path)
     assert agent.verbs.status()["starting"] == []
     agent.state = dataclasses.replace(agent.state, starting_owners=frozenset({"gaming1"}))

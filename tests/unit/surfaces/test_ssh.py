@@ -16,6 +16,7 @@ import pytest
 
 from hostagent.host import journal
 from hostagent.surfaces import ssh
+from hostagent.surfaces import ssh_keys
 from hostagent.surfaces.ssh import BadCommand, KeysError, parse_authorized_keys, parse_command
 
 VERBS = frozenset({"status", "play", "release", "hold", "resume", "lend", "reclaim"})
@@ -382,7 +383,7 @@ async def test_a_keys_file_not_owned_by_root_is_refused(tmp_path: Path) -> None:
         server.close()
         await server.wait_closed()
     with pytest.raises(KeysError, match=rf"owned by uid 65534, not root.*chown root {keys}"):
-        ssh._KeyFile(keys, VERBS)._read()
+        ssh_keys._KeyFile(keys, VERBS)._read()
 
 
 async def test_a_port_that_cannot_be_bound_is_transient(tmp_path: Path) -> None:
@@ -432,7 +433,7 @@ def test_a_host_key_others_may_read_is_refused_with_the_fix(tmp_path: Path) -> N
 
 
 def grants_of(keys: Path) -> tuple[list[str], str | None]:
-    found = ssh._KeyFile(keys, VERBS)
+    found = ssh_keys._KeyFile(keys, VERBS)
     return [g.comment for g in found.grants], found.problem
 
 
