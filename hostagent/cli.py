@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         return _unmark_node(cfg, dry_run=args.dry_run)
     if args.command == "check-config":
         print(f"{args.config}: OK ({len(cfg.gpus)} GPUs, {len(cfg.owners)} owners, "
-              f"lendee {cfg.lendee.domain})")
+              f"lendee{'s' * (len(cfg.lendees) > 1)} {', '.join(cfg.lendees)})")
         from hostagent.surfaces.homeassistant import collisions
         for warning in (path_warnings(cfg) + collisions(cfg, host=socket.gethostname())
                         + host_warnings(cfg)):
@@ -194,6 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "run":
         log_to_journal(cfg)
+        if len(cfg.lendees) > 1:  # the machines' coordinator is not wired to a service yet
+            print(f"hostagent: cannot start: {args.config}: lendees: {', '.join(cfg.lendees)}: "
+                  "this agent runs one lendee; keep one until it runs several", file=sys.stderr)
+            return 2
         from hostagent.service import agent  # libvirt and friends only where needed
         return agent.run(cfg)
     if args.command in ("play", "release", "reclaim"):
