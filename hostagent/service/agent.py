@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import grp
 import logging
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,9 +38,8 @@ from hostagent.core import clock, devices, health, machine
 from hostagent.host import journal, lint
 from hostagent.surfaces import metrics
 from hostagent.host import state as persisted
-from hostagent.core.backoff import keep_trying
 from hostagent.core.config import Config
-from hostagent.surfaces.control import GroupAccess, serve_control
+from hostagent.surfaces.control import serve_control
 from hostagent.service import hotplug
 from hostagent.service.executor import Executor
 from hostagent.surfaces.inbox import HookEvent, Inbox, Verdict, replay_spool, serve_hooks
@@ -69,14 +67,11 @@ from hostagent.service.parts import Cluster, Kept, NoCluster, Progress
 from hostagent.service.recorder import Recorder
 from hostagent.service.reservations import Reservations
 from hostagent.core.topology import topology
+from hostagent.service.serving import Endpoints, StartupError
 from hostagent.service.verbs import Verbs
 
 log = logging.getLogger("hostagent")
 T = TypeVar("T")
-
-
-class StartupError(Exception):
-    """The agent cannot start; the message says what is wrong and how to fix it."""
 
 
 # Of the hook's 0.3 s budget for an answer: the rest is its own start and the exchange.
@@ -169,8 +164,6 @@ class Agent:
         self._save_retry: asyncio.TimerHandle | None = None
         self._fatal: asyncio.Future[BaseException] | None = None
         self.metrics = metrics.Metrics(self.topo)
-        self._exporter: asyncio.Server | None = None
-        self._endpoint: Any = None  # the SSH endpoint's server, once bound
         # Told after each change of state, on the loop, with no I/O (the MQTT device).
         self.watchers: list[Callable[[], None]] = []
         # Set while the hook socket is served (`run` clears it until then): a lend waits
@@ -202,6 +195,9 @@ class Agent:
         self.recorder = Recorder(self.topo, self.policy, self.kept, self.progress)
         self.cluster = cluster
         self.parts = (self.executor, self.verbs, self.recorder, self.reservations)
+        # /metrics, /healthz, the SSH endpoint and the control socket's access.
+        self.endpoints = Endpoints(cfg, health=self.health, metrics=self.metrics,
+                                   handlers=self.verbs.handlers, spawn=self.executor.spawn)
 
     # The state, as the parts read it through `kept`.
     @property
@@ -338,8 +334,8 @@ class Agent:
                                       owners=self.topo.owners, **self._control_access())
         try:
             replayed += await replay_spool(self.cfg.spool_dir, inbox, log=log)
-            await self._serve_ssh()
-            await self._serve_metrics()
+            await self.endpoints.serve_ssh()
+            await self.endpoints.serve_metrics()
             self._serve_mqtt()
             if replayed:
                 log.info("replayed %d hook event(s) spooled while the agent was down", replayed)
@@ -357,11 +353,8 @@ class Agent:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.cluster.flush_events(), 5)
             hooks.close()
-            if self._exporter is not None:
-                self._exporter.close()
+            self.endpoints.close()
             control.close()
-            if self._endpoint is not None:
-                self._endpoint.close()
             for task in list(self.executor.tasks):
                 task.cancel()
             await asyncio.gather(*self.executor.tasks, return_exceptions=True)
@@ -471,31 +464,6 @@ class Agent:
     def stop(self) -> None:
         if self._fatal is not None and not self._fatal.done():
             self._fatal.set_exception(asyncio.CancelledError())
-
-    async def _serve_metrics(self) -> None:
-        """/metrics and /healthz; a port that cannot be bound yet (in use, an address
-        not up at boot) is tried again in the background, never a reason to exit."""
-        address = self.cfg.metrics.address
-        if address is None:
-            return
-
-        async def bind() -> None:
-            self._exporter = await keep_trying(
-                lambda: metrics.serve(address, self.metrics, self.health, log=log),
-                what=f"the metrics endpoint on {self.cfg.metrics.listen}",
-                transient=(OSError,), record=journal.retry)
-
-        await self._bind_soon(bind)
-
-    async def _bind_soon(self, bind: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        """Run `bind` now; if its first attempt does not succeed at once, leave it
-        retrying in the background (its own record says so) and go on."""
-        task = asyncio.get_running_loop().create_task(bind())
-        done, _ = await asyncio.wait({task}, timeout=1.0)
-        if task in done:
-            task.result()  # a StartupError: a person must fix the configuration
-            return
-        self.executor.spawn(asyncio.wait_for(task, None))
 
     def _load(self) -> None:
         saved, warning = persisted.load_state(self.cfg.state_file)
@@ -723,25 +691,8 @@ class Agent:
             journal.notify(watchdog=True)
             await asyncio.sleep(interval)
 
-    # ---- control: its socket's access and the SSH endpoint (the verbs: hostagent.service.verbs)
     def _control_access(self) -> dict[str, Any]:
-        """control.sock's mode, group and what the group may do: 0660 for control_group,
-        else root's alone."""
-        name = self.cfg.control_group
-        if name is None:
-            return {"mode": 0o600}
-        try:
-            return {"mode": 0o660, "group": grp.getgrnam(name).gr_gid, "group_name": name,
-                    "group_verbs": self.cfg.control_verbs}
-        except KeyError:  # not fatal: taken up once it exists (DESIGN.md invariant 13)
-            waiting = GroupAccess(self.cfg.control_socket, name, self.cfg.control_verbs,
-                                  self.cfg.source)
-            self.health.add("control group", waiting.take_up)
-            self.executor.spawn(waiting.run())
-            journal.record("control", f"{self.cfg.source}: control_group: there is no group "
-                           f"{name!r} yet (groupadd {name}): the control socket is root's alone "
-                           "until it exists", result="waiting", priority=journal.Priority.WARNING)
-            return {"mode": 0o600, "access": waiting.rights}
+        return self.endpoints.control_access()
 
     def _serve_mqtt(self) -> None:
         """The Home Assistant device when [mqtt] is configured (see hostagent.surfaces.mqtt): its
@@ -754,25 +705,6 @@ class Agent:
         self.watchers.append(device.changed)
         device.changed()
         self.executor.spawn(device.run())
-
-    async def _serve_ssh(self) -> None:
-        """The SSH endpoint when [ssh] is configured (see hostagent.surfaces.ssh), else None."""
-        if self.cfg.ssh is None or self.cfg.ssh_host_key is None:
-            return None
-        from hostagent.surfaces import ssh  # asyncssh only where it is used
-        endpoint, key = self.cfg.ssh, self.cfg.ssh_host_key
-
-        async def bind() -> None:
-            try:
-                self._endpoint = await keep_trying(
-                    lambda: ssh.serve(endpoint.address, key, endpoint.authorized_keys,
-                                      self.verbs.handlers()),
-                    what=f"the SSH endpoint on {endpoint.listen}", transient=(ssh.Transient,),
-                    record=journal.retry)
-            except ssh.EndpointError as e:
-                raise StartupError(f"{self.cfg.source}: [ssh]: {e}") from e
-
-        await self._bind_soon(bind)
 
 
 def run(cfg: Config) -> int:
