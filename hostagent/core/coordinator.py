@@ -58,7 +58,7 @@ from hostagent.core.model import (
 )
 from hostagent.core.rules import IllegalTransition, conflict
 
-__all__ = ["Fleet", "Routed", "World", "step", "verdict"]
+__all__ = ["Fleet", "Routed", "World", "routed_by_event", "step", "verdict"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +88,11 @@ class World:
         or the first lendee for an owner none does); () for a VM that is no owner."""
         return tuple(name for name, topo in self.topos.items() if topo.is_owner(owner))
 
+    def home(self, owner: str) -> str | None:
+        """The lendee whose executor starts `owner` and answers its requests: the first
+        that keeps it, so that whoever follows a request hears its whole story there."""
+        return next(iter(self.concerned(owner)), None)
+
     def lendee(self, domain: str) -> str | None:
         """The lendee named `domain`, if it is one."""
         return domain if domain in self.topos else None
@@ -111,6 +116,13 @@ class Routed:
 
     lendee: str
     action: Action
+
+
+def routed_by_event(event: Event, world: World) -> bool:
+    """Whether `event` is routed by what it is about (an owner's, or one for every
+    lendee), rather than belonging to the lendee whose part reports it."""
+    return _owner_of(event, world) is not None or isinstance(
+        event, Hold | Resume | Reclaim | Reserve)
 
 
 def _owner_of(event: Event, world: World) -> str | None:
@@ -211,13 +223,13 @@ def _settle(fleet: Fleet, emitted: list[Routed], event: Event,
                     asked.append(o)
             case CompleteIntent(intent_id=i) | FailIntent(intent_id=i) if i in ended:
                 continue
-            case CompleteIntent(intent_id=i):
+            case CompleteIntent(intent_id=i, owner=o):
                 ended.add(i)
-                out.append(routed)
+                out.append(Routed(world.home(o) or routed.lendee, routed.action))
             case FailIntent(intent_id=i, owner=o):
                 ended.add(i)
                 failed.add(o)
-                out.append(routed)
+                out.append(Routed(world.home(o) or routed.lendee, routed.action))
             case _:
                 out.append(routed)
         if not queue:
@@ -236,7 +248,7 @@ def _settle(fleet: Fleet, emitted: list[Routed], event: Event,
         if ready.get(o, set()) >= set(concerned) and all(
                 still_wanted(states[n], StartOwner(owner=o), topo=world.topos[n])
                 for n in concerned):
-            out.append(Routed(concerned[0], StartOwner(owner=o)))
+            out.append(Routed(concerned[0], StartOwner(owner=o)))  # its home
     # The gate lives as long as the request: once no machine keeps one, it is gone.
     kept = {o: frozenset(ls) for o, ls in ready.items()
             if any(states[n].intents_of(o) for n in world.concerned(o))}

@@ -26,13 +26,12 @@ import asyncio
 import contextlib
 import logging
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 from hostagent.core import clock, devices, health, machine
 from hostagent.host import journal, lint
@@ -46,6 +45,7 @@ from hostagent.surfaces.inbox import HookEvent, Inbox, Verdict, replay_spool, se
 from hostagent.host.libvirt import HostError, Libvirt, Lifecycle
 from hostagent.host.lock import AlreadyRunning, lock_agent
 from hostagent.core.model import (
+    Action,
     Event,
     GpuPods,
     Hotplug,
@@ -63,11 +63,12 @@ from hostagent.core.model import (
     Regrow,
     State,
 )
-from hostagent.service.parts import Cluster, Kept, NoCluster, Progress
+from hostagent.service.parts import Cluster, Kept, NoCluster, Progress, Shared
 from hostagent.service.recorder import Recorder
 from hostagent.service.reservations import Reservations
 from hostagent.core.topology import topology
-from hostagent.service.serving import Endpoints, StartupError
+from hostagent.service.fleet import Fleet, spread
+from hostagent.service.serving import Endpoints, StartupError, boot_id, host_stopping
 from hostagent.service.verbs import Verbs
 
 log = logging.getLogger("hostagent")
@@ -80,56 +81,28 @@ HOOK_SAVE_BUDGET = 0.15
 EXIT_SAVE_BUDGET = 10.0
 
 
-def _boot_id() -> str | None:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return None
-
-
-def _host_stopping() -> bool:
-    """Whether the host is shutting down (systemd says "stopping"), as opposed to only
-    hostagent being stopped or restarted."""
-    try:
-        out = subprocess.run(["systemctl", "is-system-running"], capture_output=True,
-                             text=True, timeout=2, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.stdout.strip() == "stopping"
-
-
 def _persisted(state: State) -> tuple[object, ...]:
     """What of a state goes to the state file (a change of it is saved)."""
     return (state.intents, state.phase, state.hold, state.relend_at, state.reclaiming,
             state.reservations)
 
 
-class _Shared(Generic[T]):
-    """An attribute of the agent that its parts were given too: replacing it (the
-    cluster once connected, a stand-in) replaces it in each part that has it."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, agent: Agent, owner: type) -> T:
-        value: T = agent.__dict__[self.name]
-        return value
-
-    def __set__(self, agent: Agent, value: T) -> None:
-        agent.__dict__[self.name] = value
-        for part in agent.__dict__.get("parts", ()):
-            if hasattr(part, self.name):
-                setattr(part, self.name, value)
-
-
 class Agent:
-    cfg: _Shared[Config] = _Shared()
-    policy: _Shared[Policy] = _Shared()
-    libvirt: _Shared[Libvirt] = _Shared()
-    cluster: _Shared[Cluster] = _Shared()
+    cfg: Shared[Config] = Shared()
+    policy: Shared[Policy] = Shared()
+    libvirt: Shared[Libvirt] = Shared()
+    cluster: Shared[Cluster] = Shared()
 
-    def __init__(self, cfg: Config, *, cluster: Cluster | None = None) -> None:
+    def __init__(self, cfg: Config, *, cluster: Cluster | None = None,
+                 whole: Config | None = None, primary: Agent | None = None) -> None:
         self.cfg = cfg
+        # With several lendees (`hostagent.service.fleet`): `cfg` is this lendee's view,
+        # `whole` the file, `fleet` steps every machine, and a lendee after the first
+        # shares the `primary`'s connection, progress and watchers; else both are `cfg`.
+        self.whole = whole or cfg
+        self.fleet: Fleet | None = None
+        self.state_file = (cfg.state_file if primary is None else
+                           cfg.state_dir / "lendees" / f"{cfg.lendee.domain}.toml")
         self.topo = topology(cfg)
         regrow = cfg.policy.regrow
         if cfg.kubernetes is None and regrow is Regrow.WHEN_IDLE:
@@ -151,21 +124,21 @@ class Agent:
         self.kept = Kept()
         self.cordoned_by_us = self.left_lent = False  # left_lent: see _load
         self.started_at = clock.now()
-        self.boot_id = _boot_id()
+        self.boot_id = boot_id()
         self.host_booted = False  # this is the agent's first start since the host booted
-        self.libvirt = Libvirt(cfg.libvirt_uri, on_lifecycle=self.lifecycle,
-                               on_reconnect=self._reconnected)
+        self.libvirt = primary.libvirt if primary else Libvirt(
+            cfg.libvirt_uri, on_lifecycle=self.lifecycle, on_reconnect=self._reconnected)
         # The state file is written from a worker thread (its fsyncs may take seconds
         # on a busy disk, and nothing on the loop may wait for them); see `request`.
-        self.saver = persisted.Saver(cfg.state_file)
+        self.saver = persisted.Saver(self.state_file)
         # Intents of requests waiting to be on disk before they are taken: every save
         # meanwhile includes them, so none overwrites them.
         self._unconfirmed: tuple[Intent, ...] = ()
         self._save_retry: asyncio.TimerHandle | None = None
         self._fatal: asyncio.Future[BaseException] | None = None
         self.metrics = metrics.Metrics(self.topo)
-        # Told after each change of state, on the loop, with no I/O (the MQTT device).
-        self.watchers: list[Callable[[], None]] = []
+        # Told after each change of state, on the loop, with no I/O (MQTT).
+        self.watchers: list[Callable[[], None]] = primary.watchers if primary else []
         # Set while the hook socket is served (`run` clears it until then): a lend waits
         # for it, so that the lendee's own prepare hook gets an answer.
         self.serving = asyncio.Event()
@@ -179,7 +152,7 @@ class Agent:
         # The parts, each given what it uses: actions to effects, the control verbs,
         # the journal record of each transition; progress flows from the last two to the
         # verbs' waiting callers.
-        self.progress = Progress()
+        self.progress: Progress = primary.progress if primary else Progress()
         cluster = cluster or NoCluster()
         self.executor = Executor(cfg, self.topo, self.kept, self.apply, libvirt=self.libvirt,
                                  cluster=cluster, progress=self.progress,
@@ -197,7 +170,7 @@ class Agent:
         self.parts = (self.executor, self.verbs, self.recorder, self.reservations)
         # /metrics, /healthz, the SSH endpoint and the control socket's access.
         self.endpoints = Endpoints(cfg, health=self.health, metrics=self.metrics,
-                                   handlers=self.verbs.handlers, spawn=self.executor.spawn)
+                                   handlers=self.handlers, spawn=self.executor.spawn)
 
     # The state, as the parts read it through `kept`.
     @property
@@ -230,11 +203,18 @@ class Agent:
     # ---- the one place where state changes -----------------------------------------
     def apply(self, event: Event) -> bool:
         """Step the machine; persist, journal and act. False if the event was stale."""
+        if self.fleet is not None:
+            return self.fleet.apply(event, self.lendee)
         try:
             new, actions = machine.step(self.state, event, topo=self.topo, policy=self.policy)
         except machine.IllegalTransition as e:
             log.debug("ignored: %s", e)
             return False
+        self.take(event, new, actions)
+        return True
+
+    def take(self, event: Event, new: State, actions: list[Action]) -> None:
+        """`new`, the machine's step on `event`, and its `actions`: persist, journal, act."""
         old = self.state
         self.state = new
         self.metrics.transition(old, new, event)
@@ -281,7 +261,6 @@ class Agent:
             journal.notify(self.recorder.status_line())
         for watch in self.watchers:
             watch()
-        return True
 
     # ---- start-up --------------------------------------------------------------------
     async def run(self) -> None:
@@ -305,33 +284,53 @@ class Agent:
                                        f"{directory / 'agent.lock'}: {e.strerror or e}") from e
             await self._run(loop)
 
+    def _members(self) -> list[Agent]:
+        """Every lendee's agent, this one (the primary) first; [self] with one lendee."""
+        if self.fleet is None:
+            return [self]
+        return [m for m in self.fleet.members.values() if isinstance(m, Agent)]
+
     async def _run(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.serving.clear()
-        self._load()
+        members = self._members()
+        for m in members:
+            m.serving.clear()
+            m._fatal = self._fatal  # a bug in any lendee's step ends the agent
+            m._load()
+        if self.fleet is not None:  # each request to the lendees that keep its owner
+            spread_out = spread({m.lendee: m.state for m in members},
+                                {m.lendee: m.topo for m in members})
+            for m in members:
+                m.state = spread_out[m.lendee]
         await self.libvirt.connect()
         await self._check_domains()
-        await self._decide_hotplug()
-        kube = await self._connect_cluster()
+        kubes = []
+        for m in members:
+            await m._decide_hotplug()
+            kubes.append(await m._connect_cluster())
         if self.host_booted:
             # Asked before reality is read, so that the first lend leaves their GPUs
             # out instead of booting the lendee with them only to reclaim them at once.
             self._start_at_boot()
         # Reality first: until the machine knows what runs, its verdicts would be guesses.
-        await self._observe()
-        if not self.state.phase.lendee_running:
-            # Off at start (a host reboot, a crash while the agent was down): its node
-            # must not take work before the next lend is verified.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.cluster.lendee_down(
-                    why=f"{self.lendee} was found off at start"), 15)
+        for m in members:
+            await m._observe()
+            if not m.state.phase.lendee_running:
+                # Off at start (a host reboot, a crash while the agent was down): its
+                # node must not take work before the next lend is verified.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(m.cluster.lendee_down(
+                        why=f"{m.lendee} was found off at start"), 15)
         inbox = Inbox(self._on_hook)
         # What happened while the agent was down comes before anything live; a hook that
         # spooled in the moment before the socket existed is picked up by the second pass.
         replayed = await replay_spool(self.cfg.spool_dir, inbox, log=log)
         hooks = await serve_hooks(self.cfg.hook_socket, inbox, log=log)
-        self.serving.set()
-        control = await serve_control(self.cfg.control_socket, self.verbs.handlers(), log=log,
-                                      owners=self.topo.owners, **self._control_access())
+        for m in members:
+            m.serving.set()
+        control = await serve_control(
+            self.cfg.control_socket, self.handlers(), log=log, owners=(
+                self.fleet.owners() if self.fleet is not None else self.topo.owners),
+            **self._control_access())
         try:
             replayed += await replay_spool(self.cfg.spool_dir, inbox, log=log)
             await self.endpoints.serve_ssh()
@@ -348,21 +347,26 @@ class Agent:
             assert self._fatal is not None
             raise await self._fatal
         finally:
-            if self.host_stopping():
-                await self._drain_for_shutdown()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.cluster.flush_events(), 5)
+            stopping = self.host_stopping()
+            for m in members:
+                if stopping:
+                    await m._drain_for_shutdown()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(m.cluster.flush_events(), 5)
             hooks.close()
             self.endpoints.close()
             control.close()
-            for task in list(self.executor.tasks):
-                task.cancel()
-            await asyncio.gather(*self.executor.tasks, return_exceptions=True)
+            for m in members:
+                for task in list(m.executor.tasks):
+                    task.cancel()
+                await asyncio.gather(*m.executor.tasks, return_exceptions=True)
             await self.libvirt.close()
-            if kube is not None:
-                await kube.close()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.saver.flush(), EXIT_SAVE_BUDGET)
+            for kube in kubes:
+                if kube is not None:
+                    await kube.close()
+            for m in members:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(m.saver.flush(), EXIT_SAVE_BUDGET)
 
     async def _connect_cluster(self) -> Any:
         """The Kubernetes adapter, if configured (`kubewait.connect`); a kubeconfig that
@@ -388,14 +392,14 @@ class Agent:
         """The host booted: start the owners configured to start at boot, through the
         same road as a player's request (their GPUs are reclaimed first if need be)."""
         self._save()  # the boot id: once per boot, even if the agent restarts
-        for vm, owner in sorted(self.cfg.owners.items()):
+        for vm, owner in sorted(self.whole.owners.items()):
             if owner.start_at_boot and vm not in self.state.running_owners:
                 journal.record("boot", f"the host booted: starting {vm} ([owners.{vm}] "
                                "start_at_boot)", vm=vm, result="ok")
                 self.apply(OwnerWants(at=clock.now(), owner=vm, intent_id=f"boot-{vm}",
                                       source=IntentSource.CONTROL))
 
-    host_stopping = staticmethod(_host_stopping)
+    host_stopping = staticmethod(host_stopping)
 
     async def _drain_for_shutdown(self) -> None:
         """The host is going down with the lendee lent: cordon and drain its node now,
@@ -436,24 +440,31 @@ class Agent:
         write was under way); the next save replaces it, and a crash before that starts
         the owner at the next start, which is what its caller asked for."""
         try:
-            new, _ = machine.step(self.state, event, topo=self.topo, policy=self.policy)
+            if self.fleet is not None:
+                added = tuple({i.id: i for each in self.fleet.added(event).values()
+                               for i in each}.values())
+            else:
+                new, _ = machine.step(self.state, event, topo=self.topo, policy=self.policy)
+                added = tuple(i for i in new.intents if i not in self.state.intents)
         except machine.IllegalTransition:
             return self.apply(event)  # says why, and changes nothing
-        added = tuple(i for i in new.intents if i not in self.state.intents)
         if not added:
             return self.apply(event)
-        self._unconfirmed += added
-        durable = self._save()
+        # With several lendees the primary's file keeps every request (`_save`), so its
+        # save is the one the request waits for.
+        keeper = self if self.fleet is None else self._primary()
+        keeper._unconfirmed += added
+        durable = keeper._save()
         try:
             error = await asyncio.wait_for(asyncio.shield(durable), within)
         except TimeoutError:
-            self.save_failed = (f"the disk did not take {self.cfg.state_file} within "
+            self.save_failed = (f"the disk did not take {self.state_file} within "
                                 f"{within:g}s")
             return False
         finally:
-            self._unconfirmed = tuple(i for i in self._unconfirmed if i not in added)
+            keeper._unconfirmed = tuple(i for i in keeper._unconfirmed if i not in added)
             if not durable.done():  # given up on: a state without it takes its place
-                self._save()
+                keeper._save()
         return error is None and self.apply(event)
 
     def fail(self, error: BaseException) -> None:
@@ -466,7 +477,7 @@ class Agent:
             self._fatal.set_exception(asyncio.CancelledError())
 
     def _load(self) -> None:
-        saved, warning = persisted.load_state(self.cfg.state_file)
+        saved, warning = persisted.load_state(self.state_file)
         if warning:
             journal.record("state", warning, result="rebuilt", priority=journal.Priority.ERR)
         self.cordoned_by_us = saved.cordoned_by_us
@@ -488,7 +499,12 @@ class Agent:
         reported once in the journal and in health, and retried every few seconds.
         """
         state = state or self.state
-        intents = (*state.intents, *(i for i in self._unconfirmed if i not in state.intents))
+        listed, reservations = state.intents, state.reservations
+        if self.fleet is not None and self._primary() is not self:
+            self._primary()._save()  # it keeps this lendee's requests too
+        elif self.fleet is not None:
+            listed, reservations = self.fleet.intents(), self.fleet.reservations()
+        intents = (*listed, *(i for i in self._unconfirmed if i not in listed))
         snapshot = persisted.State(
             intents=tuple(persisted.Intent(
                 id=i.id, owner=i.owner, source=i.source,
@@ -500,12 +516,18 @@ class Agent:
             boot_id=self.boot_id,
             relend_at=(datetime.fromtimestamp(state.relend_at, UTC)
                        if state.relend_at is not None else None),
-            reservations=state.reservations,
+            reservations=reservations,
             lendee_phase=state.phase.value,
             lendee_phase_since=datetime.fromtimestamp(self.phase_since, UTC))
         durable = self.saver.submit(snapshot)
         durable.add_done_callback(self._saved)
         return durable
+
+    def _primary(self) -> Agent:
+        """The agent that serves the endpoints and keeps every request on disk."""
+        primary = self.fleet.primary if self.fleet is not None else self
+        assert isinstance(primary, Agent)
+        return primary
 
     def _saved(self, durable: asyncio.Future[OSError | None]) -> None:
         if durable.cancelled() or durable.exception() is not None:
@@ -513,10 +535,10 @@ class Agent:
         error = durable.result()
         if error is None:
             if self.save_failed is not None:
-                journal.record("state", f"{self.cfg.state_file} is written again", result="ok")
+                journal.record("state", f"{self.state_file} is written again", result="ok")
                 self.save_failed = None
             return
-        why = f"cannot write {self.cfg.state_file}: {error.strerror or error}"
+        why = f"cannot write {self.state_file}: {error.strerror or error}"
         if why != self.save_failed:
             journal.record("state", f"{why}; requests that cannot be recorded are refused "
                            "and the save is retried (free space on its filesystem?)",
@@ -533,12 +555,14 @@ class Agent:
         """Health: fails while the state file refuses saves."""
         if self.save_failed is not None:
             raise health.CheckFailed(self.save_failed)
-        return f"{self.cfg.state_file} is up to date"
+        return f"{self.state_file} is up to date"
 
     async def _check_domains(self) -> None:
         """A configured domain libvirt lacks is said, and health is red until it is
         defined again; only what needs it waits (DESIGN.md invariant 13)."""
-        wanted = {"lendee.domain": self.lendee, **{f"owners.{d}": d for d in self.cfg.owners}}
+        lendees = ({"lendee.domain": self.lendee} if self.fleet is None else
+                   {f"lendees.{n}": n for n in self.fleet.members})
+        wanted = {**lendees, **{f"owners.{d}": d for d in self.whole.owners}}
         probe = health.domains_defined(self.libvirt, wanted, self.cfg.source)
         self.health.add("domains", probe)
         try:
@@ -588,7 +612,8 @@ class Agent:
         self.executor.spawn(self.executor.groups())
 
     def _reconnected(self) -> None:
-        self.executor.spawn(self._observe())
+        for m in self._members():
+            m.executor.spawn(m._observe())
 
     # ---- inputs ----------------------------------------------------------------------
     async def _on_hook(self, event: HookEvent) -> Verdict:
@@ -610,13 +635,17 @@ class Agent:
     async def _prepare(self, event: HookEvent) -> Verdict:
         """libvirt's ``prepare begin``: the machine's verdict, and what it implies."""
         vm = event.domain
+        home = self._home(vm)
+        if home is not self:
+            return await home._prepare(event)
         gpus = None
         if vm == self.lendee:
             # The definition being started says whether it is the agent's own start.
             with contextlib.suppress(ValueError):
                 gpus = devices.gpus_in(event.xml, self.executor.lendee_gpu_config())
-        decision, message = machine.verdict(self.state, vm, topo=self.topo, gpus=gpus,
-                                            policy=self.policy)
+        decision, message = (self.fleet.verdict(vm, gpus) if self.fleet is not None else
+                             machine.verdict(self.state, vm, topo=self.topo, gpus=gpus,
+                                             policy=self.policy))
         if decision == "refuse":
             journal.record("refuse", f"refused the start of {vm}: {message}", vm=vm,
                            result="refused")
@@ -643,7 +672,27 @@ class Agent:
                        result="deferred")
         return Verdict("defer", message)
 
+    def _home(self, domain: str) -> Agent:
+        """The agent that handles `domain` (`Fleet.home`): this one with one lendee."""
+        home = self.fleet.home(domain) if self.fleet is not None else self
+        assert isinstance(home, Agent)
+        return home
+
     def lifecycle(self, domain: str, kind: Lifecycle) -> None:
+        if self.fleet is not None and self._primary() is self:
+            # Each event to the agent it concerns (a lendee's, an owner's home); another
+            # VM's to every lendee (IOMMU groups), a stop to every executor waiting.
+            home = self._home(domain)
+            members = [m for m in self.fleet.members.values() if isinstance(m, Agent)]
+            if kind is Lifecycle.STOPPED:
+                for m in members[1:]:
+                    m.executor.facts.stopped.setdefault(domain, asyncio.Event()).set()
+            if home is not self:
+                home.lifecycle(domain, kind)
+                return
+            if domain not in self.fleet.members and not self.topo.is_owner(domain):
+                for m in members[1:]:
+                    m.lifecycle(domain, kind)
         now = clock.now()
         if kind is Lifecycle.STOPPED:
             self.executor.facts.stopped.setdefault(domain, asyncio.Event()).set()
@@ -691,6 +740,12 @@ class Agent:
             journal.notify(watchdog=True)
             await asyncio.sleep(interval)
 
+    def handlers(self) -> dict[str, Any]:
+        """The verbs the control socket, SSH and MQTT serve (`Fleet.handlers`)."""
+        mine: dict[str, Any] = dict(self.verbs.handlers())
+        return mine if self.fleet is None else self.fleet.handlers(mine, lambda vm: dict(
+            self._home(vm).verbs.handlers()))
+
     def _control_access(self) -> dict[str, Any]:
         return self.endpoints.control_access()
 
@@ -700,16 +755,29 @@ class Agent:
         if self.cfg.mqtt is None:
             return
         from hostagent.surfaces.mqtt import Device  # aiomqtt only where it is used
-        device = Device(self.cfg, status=self.verbs.status, handlers=self.verbs.handlers(),
+        device = Device(self.cfg, status=self.verbs.status, handlers=self.handlers(),
                         follow=self.progress.following)
         self.watchers.append(device.changed)
         device.changed()
         self.executor.spawn(device.run())
 
 
+def build(cfg: Config, *, cluster: Callable[[str], Cluster | None] = lambda name: None,
+          ) -> Agent:
+    """The agent for `cfg`: with several lendees, the primary of a `Fleet` (its module
+    says how they share the work). `cluster`: a stand-in by lendee, for tests."""
+    views = [cfg.view(name) for name in cfg.lendees]
+    primary = Agent(views[0], cluster=cluster(views[0].lendee.domain), whole=cfg)
+    others = [Agent(v, cluster=cluster(v.lendee.domain), whole=cfg, primary=primary)
+              for v in views[1:]]
+    if others:
+        Fleet({a.lendee: a for a in (primary, *others)})  # sets each one's `fleet`
+    return primary
+
+
 def run(cfg: Config) -> int:
     """`hostagent run`: the service's main; returns the process exit status."""
-    agent = Agent(cfg)
+    agent = build(cfg)
 
     async def main() -> None:
         import signal

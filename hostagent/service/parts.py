@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from hostagent.core import clock
 from hostagent.surfaces.control import Reply
@@ -202,3 +202,24 @@ class NoCluster:
 
     async def flush_events(self) -> None:
         return None
+
+
+T = TypeVar("T")
+
+
+class Shared(Generic[T]):
+    """An attribute of the agent that its parts were given too: replacing it (the
+    cluster once connected, a stand-in) replaces it in each part that has it."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, agent: Any, owner: type) -> T:
+        value: T = agent.__dict__[self.name]
+        return value
+
+    def __set__(self, agent: Any, value: T) -> None:
+        agent.__dict__[self.name] = value
+        for part in agent.__dict__.get("parts", ()):
+            if hasattr(part, self.name):
+                setattr(part, self.name, value)

@@ -3,14 +3,17 @@ the SSH endpoint for home automation, and the control socket's access. Each is b
 start; one that cannot be bound yet (a port in use, an address not up at boot, a group
 not made yet) is retried in the background, said once, never a reason to exit
 (DESIGN.md invariant 13): only a mistake a person must fix ends the start
-(`StartupError`)."""
+(`StartupError`). And what the host says at the agent's start and stop: its boot id, and
+whether it is shutting down."""
 
 from __future__ import annotations
 
 import asyncio
 import grp
 import logging
+import subprocess
 from collections.abc import Callable, Coroutine, Mapping
+from pathlib import Path
 from typing import Any
 
 from hostagent.core import health
@@ -110,3 +113,21 @@ class Endpoints:
             task.result()  # a StartupError: a person must fix the configuration
             return
         self.spawn(asyncio.wait_for(task, None))
+
+
+def boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def host_stopping() -> bool:
+    """Whether the host is shutting down (systemd says "stopping"), as opposed to only
+    hostagent being stopped or restarted."""
+    try:
+        out = subprocess.run(["systemctl", "is-system-running"], capture_output=True,
+                             text=True, timeout=2, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.stdout.strip() == "stopping"
