@@ -194,10 +194,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "run":
         log_to_journal(cfg)
-        if len(cfg.lendees) > 1:  # the machines' coordinator is not wired to a service yet
-            print(f"hostagent: cannot start: {args.config}: lendees: {', '.join(cfg.lendees)}: "
-                  "this agent runs one lendee; keep one until it runs several", file=sys.stderr)
-            return 2
         from hostagent.service import agent  # libvirt and friends only where needed
         return agent.run(cfg)
     if args.command in ("play", "release", "reclaim"):

@@ -67,7 +67,7 @@ from hostagent.service.parts import Cluster, Kept, NoCluster, Progress, Shared
 from hostagent.service.recorder import Recorder
 from hostagent.service.reservations import Reservations
 from hostagent.core.topology import topology
-from hostagent.service.fleet import Fleet, spread
+from hostagent.service.fleet import Fleet
 from hostagent.service.serving import Endpoints, StartupError, boot_id, host_stopping
 from hostagent.service.verbs import Verbs
 
@@ -296,11 +296,8 @@ class Agent:
             m.serving.clear()
             m._fatal = self._fatal  # a bug in any lendee's step ends the agent
             m._load()
-        if self.fleet is not None:  # each request to the lendees that keep its owner
-            spread_out = spread({m.lendee: m.state for m in members},
-                                {m.lendee: m.topo for m in members})
-            for m in members:
-                m.state = spread_out[m.lendee]
+        if self.fleet is not None:
+            self.fleet.spread()  # each request to the lendees that keep its owner
         await self.libvirt.connect()
         await self._check_domains()
         kubes = []

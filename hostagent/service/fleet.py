@@ -43,8 +43,7 @@ class Member(Protocol):
     def topo(self) -> Topology: ...
     @property
     def policy(self) -> Policy: ...
-    @property
-    def state(self) -> State: ...
+    state: State
 
     fleet: Any  # set to the fleet it belongs to
 
@@ -135,6 +134,14 @@ class Fleet:
             for owner, gpus in member.topo.owners.items():
                 out[owner] = out.get(owner, frozenset()) | gpus
         return out
+
+    def spread(self) -> None:
+        """Each lendee's requests and reservations, as loaded, handed to the lendees that
+        keep their owners (`spread`)."""
+        states = spread({n: m.state for n, m in self.members.items()},
+                        {n: m.topo for n, m in self.members.items()})
+        for name, member in self.members.items():
+            member.state = states[name]
 
     def intents(self) -> tuple[Intent, ...]:
         """Every pending request of every lendee, each once, the oldest first."""
