@@ -741,7 +741,8 @@ class Agent:
         """The verbs the control socket, SSH and MQTT serve (`Fleet.handlers`)."""
         mine: dict[str, Any] = dict(self.verbs.handlers())
         return mine if self.fleet is None else self.fleet.handlers(mine, lambda vm: dict(
-            self._home(vm).verbs.handlers()))
+            self._home(vm).verbs.handlers()), lambda: {
+                m.lendee: m.verbs.status() for m in self._members()})
 
     def _control_access(self) -> dict[str, Any]:
         return self.endpoints.control_access()

@@ -20,7 +20,7 @@ requests are handed to the lendees that hold their owners' GPUs (`spread`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -114,18 +114,50 @@ class Fleet:
         home = self.world().home(domain)
         return self.members[home] if home is not None else self.primary
 
-    def handlers(self, mine: dict[str, Any],
-                 verbs_of: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+    def handlers(self, mine: dict[str, Any], verbs_of: Callable[[str], dict[str, Any]],
+                 statuses: Callable[[], dict[str, dict[str, Any]]]) -> dict[str, Any]:
         """The primary's verbs (`mine`), those that name a VM (play, release, reserve)
         run by its home's verbs (`verbs_of`), which follow its requests; hold, resume,
-        lend and reclaim reach every lendee through `apply`."""
+        lend and reclaim reach every lendee through `apply`; status tells of each lendee
+        (`statuses`: each one's own status, by lendee)."""
         def routed(verb: str) -> Any:
             def handler(args: dict[str, Any]) -> Any:
                 vm = args.get("vm")
                 return (verbs_of(vm) if isinstance(vm, str) else mine)[verb](args)
             return handler
-        return {verb: routed(verb) if verb in ("play", "release", "reserve") else handler
-                for verb, handler in mine.items()}
+
+        async def status(args: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+            async for reply in mine["status"](args):  # the primary's, its health checked
+                if reply.get("ok"):
+                    reply = {**reply, "data": self.status(statuses())}
+                yield reply
+        out = {verb: routed(verb) if verb in ("play", "release", "reserve") else handler
+               for verb, handler in mine.items()}
+        return {**out, "status": status}
+
+    def status(self, statuses: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+        """One status of several lendees: the first lendee's, its keys as with one
+        lendee (what reads them keeps working), and ``lendees``, each lendee's own part
+        (its phase, what it runs with, its node, its relend); each GPU's row is from the
+        lendee that lends it and names it (``lendee``), requests and owners from all."""
+        first = statuses[self.primary.lendee]
+        rows: dict[str, dict[str, Any]] = {}
+        for name, each in statuses.items():
+            lent = self.members[name].topo.lendee_gpus
+            for row in each["gpus"]:
+                if row["gpu"] in lent or row["gpu"] not in rows:
+                    rows[row["gpu"]] = {**row, "lendee": name if row["gpu"] in lent else None}
+        intents: dict[str, Any] = {}
+        owners: dict[str, bool] = {}
+        for each in statuses.values():
+            intents.update((i["id"], i) for i in each["intents"])
+            for owner, running in each["owners"].items():
+                owners[owner] = owners.get(owner, False) or running
+        lendees = [{**each["lendee"], "relend_in_s": each["relend_in_s"],
+                    "verified": each["verified"], "cluster": each["cluster"]}
+                   for each in statuses.values()]
+        return {**first, "gpus": [rows[g] for g in sorted(rows)], "owners": owners,
+                "intents": list(intents.values()), "lendees": lendees}
 
     def owners(self) -> dict[str, frozenset[str]]:
         """Every owner and its GPUs, across the lendees."""

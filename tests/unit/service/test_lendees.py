@@ -16,6 +16,7 @@ from hostagent.host import state as persisted
 from hostagent.host.libvirt import Lifecycle
 from hostagent.service import agent as service
 from hostagent.service.agent import Agent
+from hostagent.surfaces.follow import format_status
 from hostagent.surfaces.inbox import HookEvent
 from tests.unit.surfaces.test_control import (  # noqa: F401 (a fixture)
     FakeLibvirt,
@@ -147,3 +148,21 @@ async def test_a_pending_start_on_the_other_lendee_survives_a_restart(tmp_path: 
     again.fleet.spread()
     assert [(m.lendee, [i.owner for i in m.state.intents]) for m in members] == [
         ("node-a", []), ("node-b", ["gaming2"])]
+
+
+async def test_status_tells_of_each_lendee(tmp_path: Path) -> None:
+    a, b, fake = await two_lent(tmp_path)
+    fake.ignores_shutdown.add("node-b")
+    await a._on_hook(hook("gaming2", "h4"))
+    await until(lambda: b.state.phase is Phase.STOPPING)
+    replies = [r async for r in a.handlers()["status"]({})]
+    data = replies[-1]["data"]
+    assert data["lendee"]["domain"] == "node-a"  # as with one lendee: the first's
+    assert [(s["domain"], s["phase"]) for s in data["lendees"]] == [
+        ("node-a", "lent"), ("node-b", "stopping")]
+    assert [(g["gpu"], g["lendee"], g["holder"]) for g in data["gpus"]] == [
+        ("gpu-a", "node-a", "node-a"), ("gpu-b", "node-b", "node-b")]
+    assert [i["owner"] for i in data["intents"]] == ["gaming2"]
+    assert set(data["owners"]) == {"gaming1", "gaming2", "coop"}
+    text = format_status(data)
+    assert "lendee node-a: lent for" in text and "lendee node-b: stopping for" in text
