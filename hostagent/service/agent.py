@@ -770,6 +770,7 @@ def build(cfg: Config, *, cluster: Callable[[str], Cluster | None] = lambda name
               for v in views[1:]]
     if others:
         Fleet({a.lendee: a for a in (primary, *others)})  # sets each one's `fleet`
+        primary.metrics.several = {a.lendee: a.metrics for a in (primary, *others)}
     return primary
 
 

@@ -166,3 +166,21 @@ async def test_status_tells_of_each_lendee(tmp_path: Path) -> None:
     assert set(data["owners"]) == {"gaming1", "gaming2", "coop"}
     text = format_status(data)
     assert "lendee node-a: lent for" in text and "lendee node-b: stopping for" in text
+
+
+async def test_metrics_have_a_lendee_label_per_lendee(tmp_path: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+    a, b, _ = await two_lent(tmp_path)
+    await a._on_hook(hook("gaming1", "h5"))
+    await until(lambda: "gaming1" in a.state.running_owners)
+    families = {f.name: f for f in text_string_to_metric_families(a.metrics.render().decode())}
+    phase = {(s.labels["lendee"], s.labels["phase"]) for s in families[
+        "hostagent_lendee_phase"].samples if s.value == 1}
+    assert phase == {("node-a", "off"), ("node-b", "lent")}
+    swaps = {(s.labels["lendee"], s.labels["kind"]): s.value
+             for s in families["hostagent_swaps"].samples if s.name.endswith("_total")}
+    assert swaps[("node-a", "reclaim")] == 1 and swaps[("node-b", "reclaim")] == 0
+    # The agent's own: once, unlabelled.
+    hooks = families["hostagent_hook_events"].samples
+    assert hooks and all("lendee" not in s.labels for s in hooks)
+    assert len(families["hostagent_build_info"].samples) == 1
