@@ -149,9 +149,8 @@ class Agent:
         self.health.add("hook socket", health.socket_answers(cfg.hook_socket, "hook socket"))
         self.health.add("last lend verified", self.metrics.lend_verified)
         self.health.add("state file", self._state_saved)
-        # The parts, each given what it uses: actions to effects, the control verbs,
-        # the journal record of each transition; progress flows from the last two to the
-        # verbs' waiting callers.
+        # The parts, each given what it uses: actions to effects, the control verbs, the
+        # journal record of each transition; progress flows from the last two to callers.
         self.progress: Progress = primary.progress if primary else Progress()
         cluster = cluster or NoCluster()
         self.executor = Executor(cfg, self.topo, self.kept, self.apply, libvirt=self.libvirt,
@@ -522,9 +521,7 @@ class Agent:
 
     def _primary(self) -> Agent:
         """The agent that serves the endpoints and keeps every request on disk."""
-        primary = self.fleet.primary if self.fleet is not None else self
-        assert isinstance(primary, Agent)
-        return primary
+        return self._home(self.fleet.primary.lendee) if self.fleet is not None else self
 
     def _saved(self, durable: asyncio.Future[OSError | None]) -> None:
         if durable.cancelled() or durable.exception() is not None:
@@ -741,8 +738,12 @@ class Agent:
         """The verbs the control socket, SSH and MQTT serve (`Fleet.handlers`)."""
         mine: dict[str, Any] = dict(self.verbs.handlers())
         return mine if self.fleet is None else self.fleet.handlers(mine, lambda vm: dict(
-            self._home(vm).verbs.handlers()), lambda: {
-                m.lendee: m.verbs.status() for m in self._members()})
+            self._home(vm).verbs.handlers()), self._status)
+
+    def _status(self) -> dict[str, Any]:
+        """status' data: with several lendees, of each one (`Fleet.status`)."""
+        return self.verbs.status() if self.fleet is None else self.fleet.status(
+            {m.lendee: m.verbs.status() for m in self._members()})
 
     def _control_access(self) -> dict[str, Any]:
         return self.endpoints.control_access()
@@ -753,7 +754,7 @@ class Agent:
         if self.cfg.mqtt is None:
             return
         from hostagent.surfaces.mqtt import Device  # aiomqtt only where it is used
-        device = Device(self.cfg, status=self.verbs.status, handlers=self.handlers(),
+        device = Device(self.whole, status=self._status, handlers=self.handlers(),
                         follow=self.progress.following)
         self.watchers.append(device.changed)
         device.changed()

@@ -115,11 +115,11 @@ class Fleet:
         return self.members[home] if home is not None else self.primary
 
     def handlers(self, mine: dict[str, Any], verbs_of: Callable[[str], dict[str, Any]],
-                 statuses: Callable[[], dict[str, dict[str, Any]]]) -> dict[str, Any]:
+                 status_now: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """The primary's verbs (`mine`), those that name a VM (play, release, reserve)
         run by its home's verbs (`verbs_of`), which follow its requests; hold, resume,
         lend and reclaim reach every lendee through `apply`; status tells of each lendee
-        (`statuses`: each one's own status, by lendee)."""
+        (`status_now`: `status` of each one's own)."""
         def routed(verb: str) -> Any:
             def handler(args: dict[str, Any]) -> Any:
                 vm = args.get("vm")
@@ -129,7 +129,7 @@ class Fleet:
         async def status(args: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
             async for reply in mine["status"](args):  # the primary's, its health checked
                 if reply.get("ok"):
-                    reply = {**reply, "data": self.status(statuses())}
+                    reply = {**reply, "data": status_now()}
                 yield reply
         out = {verb: routed(verb) if verb in ("play", "release", "reserve") else handler
                for verb, handler in mine.items()}
