@@ -116,10 +116,12 @@ class Fleet:
 
     def handlers(self, mine: dict[str, Any], verbs_of: Callable[[str], dict[str, Any]],
                  status_now: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """The primary's verbs (`mine`), those that name a VM (play, release, reserve)
-        run by its home's verbs (`verbs_of`), which follow its requests; hold, resume,
-        lend and reclaim reach every lendee through `apply`; status tells of each lendee
-        (`status_now`: `status` of each one's own)."""
+        """The primary's verbs (`mine`), play and release of an owner run by its home's
+        verbs (`verbs_of`), which follow its requests; hold, resume, lend and reclaim
+        reach every lendee through `apply`; status tells of each lendee (`status_now`:
+        `status` of each one's own). Reservations are the primary's: its part plans
+        them, and each lendee's machine gets those of its owners (so a reservation is
+        for an owner of the first lendee's GPUs, on others' too)."""
         def routed(verb: str) -> Any:
             def handler(args: dict[str, Any]) -> Any:
                 vm = args.get("vm")
@@ -131,7 +133,7 @@ class Fleet:
                 if reply.get("ok"):
                     reply = {**reply, "data": status_now()}
                 yield reply
-        out = {verb: routed(verb) if verb in ("play", "release", "reserve") else handler
+        out = {verb: routed(verb) if verb in ("play", "release") else handler
                for verb, handler in mine.items()}
         return {**out, "status": status}
 
