@@ -13,6 +13,8 @@ owner's::
     [lendees.gpu-node-b]
     gpus = ["gpu-b", "gpu-c"]
     min_gpus = 2
+    kubeconfig = "/etc/hostagent/gpu-node-b.kubeconfig"  # its node's ServiceAccount's;
+                                            # default: [kubernetes] kubeconfig
 
 The single ``[lendee]`` section stays as it was: it is the lendee named by its domain
 (``[lendee] domain = "gpu-node"`` is ``[lendees.gpu-node]``), and may stand beside
@@ -30,11 +32,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from hostagent.core.config_read import (
-    _GPU_REFS, _Problem, _build, _count, _guest_command, _join, _key, _raise_any, _text,
-    _wrong_type,
+    _GPU_REFS, _Problem, _build, _count, _guest_command, _join, _key, _optional_path,
+    _raise_any, _text, _wrong_type,
 )
 
 __all__ = ["Lendee", "lendee_of", "read_lendees", "view"]
@@ -52,6 +55,10 @@ class Lendee:
     # Run in the guest (sh -c) after a hot-add, before its plugins come back: the CDI
     # spec a container asks its GPUs by lists those of the boot alone. "": none.
     cdi_refresh: str = field(default="", metadata=_key(_guest_command))
+    # Its node's credentials, where [kubernetes] kubeconfig is another node's: the
+    # shipped RBAC (deploy/rbac-node.yaml) gives each node's ServiceAccount that node
+    # alone. None: [kubernetes] kubeconfig.
+    kubeconfig: Path | None = field(default=None, metadata=_key(_optional_path))
 
     def __post_init__(self) -> None:
         # Most setups name the node after the VM, so that is the default.
@@ -108,6 +115,8 @@ class _Config(Protocol):
     def owners(self) -> Mapping[str, _Owner]: ...
     @property
     def gpus(self) -> Mapping[str, _Gpu]: ...
+    @property
+    def kubernetes(self) -> Any: ...
 
 
 _C = TypeVar("_C", bound=_Config)
@@ -193,8 +202,12 @@ def view(cfg: _C, name: str) -> _C:
     with another owner is refused by libvirt, not beforehand.
     """
     lendee = cfg.lendees[name]
+    kubernetes = cfg.kubernetes
+    if lendee.kubeconfig is not None and kubernetes is not None:
+        kubernetes = dataclasses.replace(kubernetes, kubeconfig=lendee.kubeconfig)
     if len(cfg.lendees) == 1:
-        return cfg
+        return cfg if kubernetes is cfg.kubernetes else dataclasses.replace(  # type: ignore[type-var]
+            cfg, kubernetes=kubernetes)
     reach = _reach(cfg, lendee.gpus)
     lent = frozenset().union(*(_reach(cfg, other.gpus) for other in cfg.lendees.values()))
     first = name == next(iter(cfg.lendees))
@@ -207,4 +220,4 @@ def view(cfg: _C, name: str) -> _C:
         owners.update({domain: owner for domain, owner in cfg.owners.items()
                        if not set(owner.gpus) & lent})
     return dataclasses.replace(  # type: ignore[type-var]  # a dataclass, as Config is
-        cfg, lendee=lendee, lendees={name: lendee}, owners=owners)
+        cfg, lendee=lendee, lendees={name: lendee}, owners=owners, kubernetes=kubernetes)

@@ -156,3 +156,20 @@ def test_a_bad_lendee_section_is_not_also_said_missing() -> None:
     assert any(p.startswith("t.toml: lendee.domain: missing") for p in said), said
     assert any(p.startswith("t.toml: timeouts.drain:") for p in said), said
     assert not any(p.startswith("t.toml: lendee: missing") for p in said), said
+
+
+def test_each_lendee_may_reach_the_cluster_as_its_own_node() -> None:
+    """deploy/rbac-node.yaml gives each node's ServiceAccount that node alone: a lendee's
+    kubeconfig is its view's [kubernetes] kubeconfig; without one, the shared one."""
+    cfg = parse(TWO.replace('node = "k8s-b"\n', 'node = "k8s-b"\nkubeconfig = "/etc/b.kubeconfig"\n')
+                + '\n[kubernetes]\nkubeconfig = "/etc/a.kubeconfig"\n')
+    a, b = cfg.view("node-a").kubernetes, cfg.view("node-b").kubernetes
+    assert a is not None and b is not None
+    assert (str(a.kubeconfig), str(b.kubeconfig)) == ("/etc/a.kubeconfig", "/etc/b.kubeconfig")
+    single = parse('[lendee]\ndomain = "n"\ngpus = ["gpu-a"]\nkubeconfig = "/etc/n.kubeconfig"\n'
+                   + GPUS + '\n[kubernetes]\n')
+    assert single.kubernetes is not None and single.kubernetes.kubeconfig is None
+    viewed = single.view("n").kubernetes
+    assert viewed is not None and str(viewed.kubeconfig) == "/etc/n.kubeconfig"
+    assert problems('[lendees.node-a]\ngpus = ["gpu-a"]\nkubeconfig = "b.kubeconfig"\n' + GPUS)[0] \
+        .startswith('t.toml: lendees.node-a.kubeconfig: "b.kubeconfig" is a relative path')
