@@ -679,7 +679,7 @@ class Agent:
             home = self._home(domain)
             members = [m for m in self.fleet.members.values() if isinstance(m, Agent)]
             if kind is Lifecycle.STOPPED:
-                for m in members[1:]:
+                for m in members:
                     m.executor.facts.stopped.setdefault(domain, asyncio.Event()).set()
             if home is not self:
                 home.lifecycle(domain, kind)

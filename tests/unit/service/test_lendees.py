@@ -184,3 +184,13 @@ async def test_metrics_have_a_lendee_label_per_lendee(tmp_path: Path) -> None:
     hooks = families["hostagent_hook_events"].samples
     assert hooks and all("lendee" not in s.labels for s in hooks)
     assert len(families["hostagent_build_info"].samples) == 1
+
+
+async def test_a_stop_reaches_every_lendees_executor(tmp_path: Path) -> None:
+    """What an executor may wait for (a VM's stop): told to every lendee's, whichever
+    agent the VM belongs to."""
+    a, b, _ = await two_lent(tmp_path)
+    for vm in ("gaming2", "node-b", "some-vm"):
+        a.lifecycle(vm, Lifecycle.STOPPED)
+        assert all(vm in x.executor.facts.stopped and x.executor.facts.stopped[vm].is_set()
+                   for x in (a, b)), vm
