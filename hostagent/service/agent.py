@@ -311,8 +311,7 @@ class Agent:
         for m in members:
             await m._observe()
             if not m.state.phase.lendee_running:
-                # Off at start (a host reboot, a crash while the agent was down): its
-                # node must not take work before the next lend is verified.
+                # Off at start (a reboot, a crash): no work before a verified lend.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(m.cluster.lendee_down(
                         why=f"{m.lendee} was found off at start"), 15)
@@ -763,8 +762,7 @@ class Agent:
 
 def build(cfg: Config, *, cluster: Callable[[str], Cluster | None] = lambda name: None,
           ) -> Agent:
-    """The agent for `cfg`: with several lendees, the primary of a `Fleet` (its module
-    says how they share the work). `cluster`: a stand-in by lendee, for tests."""
+    """The agent for `cfg`, with several lendees a `Fleet`'s primary; `cluster`: tests'."""
     views = [cfg.view(name) for name in cfg.lendees]
     primary = Agent(views[0], cluster=cluster(views[0].lendee.domain), whole=cfg)
     others = [Agent(v, cluster=cluster(v.lendee.domain), whole=cfg, primary=primary)
@@ -772,6 +770,8 @@ def build(cfg: Config, *, cluster: Callable[[str], Cluster | None] = lambda name
     if others:
         Fleet({a.lendee: a for a in (primary, *others)})  # sets each one's `fleet`
         primary.metrics.several = {a.lendee: a.metrics for a in (primary, *others)}
+    for a in others:  # /healthz and status: each lendee's checks, one check each
+        primary.health.add(f"lendee {a.lendee}", health.of_lendee(a.health))
     return primary
 
 

@@ -194,3 +194,13 @@ async def test_a_stop_reaches_every_lendees_executor(tmp_path: Path) -> None:
         a.lifecycle(vm, Lifecycle.STOPPED)
         assert all(vm in x.executor.facts.stopped and x.executor.facts.stopped[vm].is_set()
                    for x in (a, b)), vm
+
+
+async def test_health_tells_of_each_lendee(tmp_path: Path) -> None:
+    a, b, _ = await two_lent(tmp_path)
+    results = {r.check: r for r in await a.health.check(max_age=0)}
+    assert results["lendee node-b"].ok, results["lendee node-b"]
+    b.save_failed = "cannot write it: disk full"
+    results = {r.check: r for r in await a.health.check(max_age=0)}
+    assert not results["lendee node-b"].ok
+    assert "state file: cannot write it: disk full" in results["lendee node-b"].detail
