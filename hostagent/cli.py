@@ -98,14 +98,18 @@ def _parser() -> argparse.ArgumentParser:
     _command(sub, "run")
     st = _command(sub, "status")
     st.add_argument("--json", action="store_true", help="machine-readable output")
-    _command(sub, "hold")
-    _command(sub, "resume")
+    on_one = ("with several lendees: this one alone (its domain, lendees.NAME); "
+              "default: every lendee")
+    _command(sub, "hold").add_argument("--lendee", metavar="NAME", help=on_one)
+    _command(sub, "resume").add_argument("--lendee", metavar="NAME", help=on_one)
     for verb in ("play", "release"):
         pl = _command(sub, verb)
         pl.add_argument("vm", metavar="VM", help="an owner VM (owners.* in the configuration)")
         _following(pl)
-    _command(sub, "lend")
-    _following(_command(sub, "reclaim"))
+    _command(sub, "lend").add_argument("--lendee", metavar="NAME", help=on_one)
+    reclaim = _command(sub, "reclaim")
+    reclaim.add_argument("--lendee", metavar="NAME", help=on_one)
+    _following(reclaim)
     rs = _command(sub, "reserve")
     rs.add_argument("vm", metavar="VM", help="an owner VM (owners.* in the configuration)")
     when = rs.add_mutually_exclusive_group(required=True)
@@ -199,10 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("play", "release", "reclaim"):
         from hostagent.surfaces.follow import follow
         return follow(cfg.control_socket, args.command,
-                      {"vm": args.vm} if args.command != "reclaim" else {},
+                      {"vm": args.vm} if args.command != "reclaim" else _lendee_arg(args),
                       json_lines=args.json, timeout=args.timeout)
     verb_args = ({"vm": args.vm, **({"cancel": True} if args.cancel else {"at": args.at})}
-                 if args.command == "reserve" else {})
+                 if args.command == "reserve" else _lendee_arg(args))
     try:
         reply = _last(request(cfg.control_socket, args.command, verb_args))
     except ControlError as e:
@@ -221,6 +225,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command != "reserve":
             print(format_status(data))
     return 0
+
+
+def _lendee_arg(args: argparse.Namespace) -> dict[str, str]:
+    """hold, resume, lend and reclaim: {"lendee": NAME} where --lendee names one."""
+    lendee = getattr(args, "lendee", None)
+    return {} if lendee is None else {"lendee": lendee}
 
 
 def log_to_journal(cfg: configuration.Config) -> None:

@@ -144,6 +144,10 @@ def _targets(event: Event, world: World, lendee: str | None) -> tuple[str, ...]:
     if owner is not None:
         return world.concerned(owner)
     match event:
+        case Hold(lendee=str(named)) | Resume(lendee=str(named)) | Reclaim(lendee=str(named)):
+            if named not in world.topos:
+                raise ValueError(f"{named} is not a lendee")
+            return (named,)
         case StartFailed(vm=vm):
             return (vm,)
         case Hold() | Resume() | Reclaim() | Reserve():

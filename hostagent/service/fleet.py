@@ -28,6 +28,7 @@ from hostagent.core import coordinator
 from hostagent.core.model import Action, Event, Intent, Policy, State, Topology
 from hostagent.core.reserve import Reservation
 from hostagent.core.rules import IllegalTransition
+from hostagent.core.text import clean
 
 log = logging.getLogger("hostagent")
 
@@ -119,7 +120,8 @@ class Fleet:
         """The primary's verbs (`mine`), play and release of an owner run by its home's
         verbs (`verbs_of`), which follow its requests; hold, resume, lend and reclaim
         reach every lendee through `apply`; status tells of each lendee (`status_now`:
-        `status` of each one's own). Reservations are the primary's: its part plans
+        `status` of each one's own), or the lendee a "lendee" argument names alone, by its
+        verbs (`verbs_of` that lendee). Reservations are the primary's: its part plans
         them, and each lendee's machine gets those of its owners (so a reservation is
         for an owner of the first lendee's GPUs, on others' too)."""
         def routed(verb: str) -> Any:
@@ -128,12 +130,25 @@ class Fleet:
                 return (verbs_of(vm) if isinstance(vm, str) else mine)[verb](args)
             return handler
 
+        def named(verb: str) -> Any:
+            async def handler(args: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+                lendee = args.get("lendee")
+                if lendee is not None and lendee not in self.members:
+                    yield {"ok": False, "error": f"{clean(str(lendee), 64)} is not a lendee "
+                                                 f"(lendees: {', '.join(self.members)})"}
+                    return
+                verbs = mine if lendee is None else verbs_of(lendee)
+                async for reply in verbs[verb](args):
+                    yield reply
+            return handler
+
         async def status(args: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
             async for reply in mine["status"](args):  # the primary's, its health checked
                 if reply.get("ok"):
                     reply = {**reply, "data": status_now()}
                 yield reply
-        out = {verb: routed(verb) if verb in ("play", "release") else handler
+        out = {verb: routed(verb) if verb in ("play", "release") else
+               named(verb) if verb in ("hold", "resume", "lend", "reclaim") else handler
                for verb, handler in mine.items()}
         return {**out, "status": status}
 

@@ -204,3 +204,22 @@ async def test_health_tells_of_each_lendee(tmp_path: Path) -> None:
     results = {r.check: r for r in await a.health.check(max_age=0)}
     assert not results["lendee node-b"].ok
     assert "state file: cannot write it: disk full" in results["lendee node-b"].detail
+
+
+async def test_hold_and_reclaim_one_lendee_or_every_lendee(tmp_path: Path) -> None:
+    a, b, fake = await two_lent(tmp_path)
+    handlers = a.handlers()
+    replies = [r async for r in handlers["hold"]({"lendee": "node-b"})]
+    assert replies[-1]["ok"] and "node-b is not lent again" in replies[-1]["data"]["message"]
+    assert b.state.hold and not a.state.hold
+    replies = [r async for r in handlers["hold"]({"lendee": "node-c"})]
+    assert replies == [{"ok": False, "error": "node-c is not a lendee (lendees: node-a, node-b)"}]
+    replies = [r async for r in handlers["reclaim"]({"lendee": "node-b"})]
+    assert replies[-1]["ok"], replies[-1]
+    assert b.state.phase is Phase.OFF and a.state.phase is Phase.LENT
+    assert ("agent shutdown", "node-b") in fake.calls and ("agent shutdown", "node-a") not in \
+        fake.calls
+    replies = [r async for r in handlers["resume"]({})]  # every lendee
+    assert not a.state.hold and not b.state.hold
+    assert [r async for r in b.verbs.handlers()["hold"]({"lendee": "node-a"})] == [
+        {"ok": False, "error": "node-a is not a lendee here (node-b is)"}]
