@@ -551,24 +551,26 @@ def _unmark_node(cfg: configuration.Config, *, dry_run: bool) -> int:
 
     from hostagent.cluster.cycle import parse_taint
     from hostagent.cluster.kube import Kube, KubeError
-    k = cfg.kubernetes
 
-    async def unmark() -> list[str]:
+    async def unmark(view: configuration.Config) -> list[str]:
+        k = view.kubernetes  # each lendee's node, with its own credentials (lendees.NAME)
+        assert k is not None
         async with await Kube.from_config(k) as kube:
             return await kube.unmark(
-                cfg.lendee.node, marker_prefix=k.annotation_prefix, label=k.borrowed_label,
+                view.lendee.node, marker_prefix=k.annotation_prefix, label=k.borrowed_label,
                 taints=[parse_taint(t) for t in k.lent_taints], dry_run=dry_run)
 
-    try:
-        removed = asyncio.run(unmark())
-    except KubeError as e:
-        print(f"hostagent: {clean(str(e), None)}", file=sys.stderr)
-        return 1
-    verb = "would take off" if dry_run else "took off"
-    if not removed:
-        print(f"{cfg.lendee.node}: nothing of hostagent's is on it")
-    for what in removed:
-        print(f"{cfg.lendee.node}: {verb} {clean(what, None)}")
+    for view in (cfg.view(name) for name in cfg.lendees):
+        try:
+            removed = asyncio.run(unmark(view))
+        except KubeError as e:
+            print(f"hostagent: {view.lendee.node}: {clean(str(e), None)}", file=sys.stderr)
+            return 1
+        verb = "would take off" if dry_run else "took off"
+        if not removed:
+            print(f"{view.lendee.node}: nothing of hostagent's is on it")
+        for what in removed:
+            print(f"{view.lendee.node}: {verb} {clean(what, None)}")
     return 0
 
 
