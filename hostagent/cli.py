@@ -323,8 +323,9 @@ def host_warnings(cfg: configuration.Config) -> list[str]:
             warnings.append(f"libvirt_uri: {cfg.libvirt_uri} cannot be read ({e}); the "
                             "domains are not checked")
     if defined is not None:
-        for key, dom in {"lendee.domain": cfg.lendee.domain,
-                         **{f"owners.{d}": d for d in cfg.owners}}.items():
+        lendees = ({"lendee.domain": cfg.lendee.domain} if len(cfg.lendees) == 1 else
+                   {f"lendees.{n}": n for n in cfg.lendees})
+        for key, dom in {**lendees, **{f"owners.{d}": d for d in cfg.owners}}.items():
             if dom not in defined:
                 warnings.append(f"{key}: libvirt at {cfg.libvirt_uri} has no domain {dom!r}: "
                                 "fix the name, define the VM (virsh define), or remove the "
@@ -341,6 +342,10 @@ def host_warnings(cfg: configuration.Config) -> list[str]:
     if kubeconfig is not None and not kubeconfig.exists():
         warnings.append(f"kubernetes.kubeconfig: {kubeconfig} does not exist; the Kubernetes "
                         "steps wait for it")
+    for name, lendee in cfg.lendees.items():  # a lendee's own credentials (several lendees)
+        if cfg.kubernetes and lendee.kubeconfig is not None and not lendee.kubeconfig.exists():
+            warnings.append(f"lendees.{name}.kubeconfig: {lendee.kubeconfig} does not exist; "
+                            "its Kubernetes steps wait for it")
     return warnings
 
 
