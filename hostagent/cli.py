@@ -98,14 +98,18 @@ def _parser() -> argparse.ArgumentParser:
     _command(sub, "run")
     st = _command(sub, "status")
     st.add_argument("--json", action="store_true", help="machine-readable output")
-    _command(sub, "hold")
-    _command(sub, "resume")
+    on_one = ("with several lendees: this one alone (its domain, lendees.NAME); "
+              "default: every lendee")
+    _command(sub, "hold").add_argument("--lendee", metavar="NAME", help=on_one)
+    _command(sub, "resume").add_argument("--lendee", metavar="NAME", help=on_one)
     for verb in ("play", "release"):
         pl = _command(sub, verb)
         pl.add_argument("vm", metavar="VM", help="an owner VM (owners.* in the configuration)")
         _following(pl)
-    _command(sub, "lend")
-    _following(_command(sub, "reclaim"))
+    _command(sub, "lend").add_argument("--lendee", metavar="NAME", help=on_one)
+    reclaim = _command(sub, "reclaim")
+    reclaim.add_argument("--lendee", metavar="NAME", help=on_one)
+    _following(reclaim)
     rs = _command(sub, "reserve")
     rs.add_argument("vm", metavar="VM", help="an owner VM (owners.* in the configuration)")
     when = rs.add_mutually_exclusive_group(required=True)
@@ -196,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         return _unmark_node(cfg, dry_run=args.dry_run, kubeconfig=args.kubeconfig)
     if args.command == "check-config":
         print(f"{args.config}: OK ({len(cfg.gpus)} GPUs, {len(cfg.owners)} owners, "
-              f"lendee {cfg.lendee.domain})")
+              f"lendee{'s' * (len(cfg.lendees) > 1)} {', '.join(cfg.lendees)})")
         from hostagent.surfaces.homeassistant import collisions
         for warning in (path_warnings(cfg) + collisions(cfg, host=socket.gethostname())
                         + host_warnings(cfg)):
@@ -204,14 +208,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "run":
         log_to_journal(cfg)
-        from hostagent.service import agent  # libvirt and friends only where needed
-        return agent.run(cfg)
+        from hostagent.service import main as service  # libvirt and friends only where needed
+        return service.run(cfg)
     if args.command in ("play", "release", "reclaim"):
         from hostagent.surfaces.follow import follow
         return follow(cfg.control_socket, args.command,
-                      {"vm": args.vm} if args.command != "reclaim" else {},
+                      {"vm": args.vm} if args.command != "reclaim" else _lendee_arg(args),
                       json_lines=args.json, timeout=args.timeout)
-    verb_args = _reserve_args(args) if args.command == "reserve" else {}
+    verb_args = _reserve_args(args) if args.command == "reserve" else _lendee_arg(args)
     try:
         reply = _last(request(cfg.control_socket, args.command, verb_args))
     except ControlError as e:
@@ -230,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command != "reserve":
             print(format_status(data))
     return 0
+
+
+def _lendee_arg(args: argparse.Namespace) -> dict[str, str]:
+    """hold, resume, lend and reclaim: {"lendee": NAME} where --lendee names one."""
+    lendee = getattr(args, "lendee", None)
+    return {} if lendee is None else {"lendee": lendee}
 
 
 def log_to_journal(cfg: configuration.Config) -> None:
@@ -322,8 +332,9 @@ def host_warnings(cfg: configuration.Config) -> list[str]:
             warnings.append(f"libvirt_uri: {cfg.libvirt_uri} cannot be read ({e}); the "
                             "domains are not checked")
     if defined is not None:
-        for key, dom in {"lendee.domain": cfg.lendee.domain,
-                         **{f"owners.{d}": d for d in cfg.owners}}.items():
+        lendees = ({"lendee.domain": cfg.lendee.domain} if len(cfg.lendees) == 1 else
+                   {f"lendees.{n}": n for n in cfg.lendees})
+        for key, dom in {**lendees, **{f"owners.{d}": d for d in cfg.owners}}.items():
             if dom not in defined:
                 warnings.append(f"{key}: libvirt at {cfg.libvirt_uri} has no domain {dom!r}: "
                                 "fix the name, define the VM (virsh define), or remove the "
@@ -340,6 +351,10 @@ def host_warnings(cfg: configuration.Config) -> list[str]:
     if kubeconfig is not None and not kubeconfig.exists():
         warnings.append(f"kubernetes.kubeconfig: {kubeconfig} does not exist; the Kubernetes "
                         "steps wait for it")
+    for name, lendee in cfg.lendees.items():  # a lendee's own credentials (several lendees)
+        if cfg.kubernetes and lendee.kubeconfig is not None and not lendee.kubeconfig.exists():
+            warnings.append(f"lendees.{name}.kubeconfig: {lendee.kubeconfig} does not exist; "
+                            "its Kubernetes steps wait for it")
     return warnings
 
 
@@ -548,35 +563,37 @@ def _unmark_node(cfg: configuration.Config, *, dry_run: bool,
               "first (systemctl stop hostagent)", file=sys.stderr)
         return 1
     import asyncio
+    import dataclasses
 
     from hostagent.cluster.cycle import parse_taint
     from hostagent.cluster.kube import Kube, KubeError
-    k = cfg.kubernetes
-    if kubeconfig is not None:
-        import dataclasses
-        k = dataclasses.replace(k, kubeconfig=kubeconfig.absolute())
 
-    async def unmark() -> list[str]:
+    async def unmark(node: str, k: configuration.Kubernetes) -> list[str]:
         async with await Kube.from_config(k) as kube:
             return await kube.unmark(
-                cfg.lendee.node, marker_prefix=k.annotation_prefix, label=k.borrowed_label,
+                node, marker_prefix=k.annotation_prefix, label=k.borrowed_label,
                 taints=[parse_taint(t) for t in k.lent_taints], dry_run=dry_run)
 
-    try:
-        removed = asyncio.run(unmark())
-    except KubeError as e:
-        print(f"hostagent: {clean(str(e), None)}", file=sys.stderr)
-        if kubeconfig is None and k.kubeconfig is not None and not k.kubeconfig.exists():
-            # NixOS's kubeconfigFile is a credential of the unit, removed when it stops.
-            print("hostagent: give the cluster's kubeconfig with --kubeconfig PATH (on "
-                  "NixOS the file services.hostagent.kubeconfigFile names: the unit's "
-                  "credential is gone once it stops)", file=sys.stderr)
-        return 1
-    verb = "would take off" if dry_run else "took off"
-    if not removed:
-        print(f"{cfg.lendee.node}: nothing of hostagent's is on it")
-    for what in removed:
-        print(f"{cfg.lendee.node}: {verb} {clean(what, None)}")
+    for view in (cfg.view(name) for name in cfg.lendees):
+        k = view.kubernetes  # each lendee's node, with its own credentials (lendees.NAME)
+        assert k is not None
+        given = k if kubeconfig is None else dataclasses.replace(
+            k, kubeconfig=kubeconfig.absolute())
+        try:
+            removed = asyncio.run(unmark(view.lendee.node, given))
+        except KubeError as e:
+            print(f"hostagent: {view.lendee.node}: {clean(str(e), None)}", file=sys.stderr)
+            if kubeconfig is None and k.kubeconfig is not None and not k.kubeconfig.exists():
+                # NixOS's kubeconfigFile is a credential of the unit, removed when it stops.
+                print("hostagent: give the cluster's kubeconfig with --kubeconfig PATH (on "
+                      "NixOS the file services.hostagent.kubeconfigFile names: the unit's "
+                      "credential is gone once it stops)", file=sys.stderr)
+            return 1
+        verb = "would take off" if dry_run else "took off"
+        if not removed:
+            print(f"{view.lendee.node}: nothing of hostagent's is on it")
+        for what in removed:
+            print(f"{view.lendee.node}: {verb} {clean(what, None)}")
     return 0
 
 

@@ -129,7 +129,16 @@ in
       default = { };
       # TOML has no null: a typed key left at null is left out, and the agent's own
       # default applies.
-      apply = lib.filterAttrsRecursive (_: v: v != null);
+      # With only lendees.NAME set, the untyped [lendee] (its domain "") is left out.
+      apply =
+        settings:
+        let
+          kept = lib.filterAttrsRecursive (_: v: v != null) settings;
+        in
+        if (kept.lendees or { }) != { } && (kept.lendee.domain or "") == "" then
+          removeAttrs kept [ "lendee" ]
+        else
+          kept;
       description = ''
         hostagent's configuration, written to `${configPath}`. Every key of that
         TOML file can be set here (they are listed in the docstring of
@@ -175,6 +184,25 @@ in
               description = "Fewer GPUs free than this, the lendee stays off; at most as many as `gpus` lists (the agent's default: `1`).";
             };
           };
+        };
+
+        lendees = mkOption {
+          default = { };
+          description = "Several Kubernetes worker VMs, by libvirt domain name, each with its own GPUs and node; instead of, or beside, `lendee`.";
+          type = types.attrsOf (table {
+            node = optionalStr "Its Kubernetes node name; by default its domain name.";
+            gpus = mkOption {
+              type = types.listOf types.str;
+              example = [ "gpu-a" ];
+              description = "Every GPU it may borrow: labels from `gpus`, or PCI addresses; a GPU belongs to one lendee. Required.";
+            };
+            min_gpus = mkOption {
+              type = types.nullOr types.ints.positive;
+              default = null;
+              example = 1;
+              description = "Fewer GPUs free than this, the lendee stays off; at most as many as `gpus` lists (the agent's default: `1`).";
+            };
+          });
         };
 
         gpus = mkOption {
@@ -346,11 +374,11 @@ in
         message = "services.hostagent needs libvirt: set virtualisation.libvirtd.enable = true (the agent drives the VMs through libvirtd, and its hook is installed through virtualisation.libvirtd.hooks.qemu).";
       }
       {
-        assertion = cfg.settings.lendee.domain != "";
+        assertion = (cfg.settings.lendee.domain or "") != "" || (cfg.settings.lendees or { }) != { };
         message = ''services.hostagent.settings.lendee.domain is not set: name the libvirt domain of the Kubernetes worker VM that borrows the GPUs, e.g. lendee.domain = "gpu-node";'';
       }
       {
-        assertion = cfg.settings.lendee.gpus != [ ];
+        assertion = !(cfg.settings ? lendee) || cfg.settings.lendee.gpus != [ ];
         message = ''services.hostagent.settings.lendee.gpus is empty: list the GPUs the lendee borrows (labels from settings.gpus, or PCI addresses), e.g. lendee.gpus = [ "gpu-a" ];'';
       }
       {

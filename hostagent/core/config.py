@@ -152,6 +152,9 @@ Rules beyond the types:
   Linux gaming VM on one card): they take turns, and a start while another owner holds
   the card is refused at once.
 - The lendee is not an owner: it borrows, it does not lend.
+- Several worker VMs may borrow, each its own GPUs and node: ``[lendees.NAME]`` sections
+  (NAME the domain; `hostagent.core.lendees`). ``[lendee]`` is the lendee named by its
+  domain. A GPU belongs to at most one lendee.
 - The lendee may borrow a GPU no owner claims: that GPU is simply always the lendee's.
 - The lendee's persistent definition lists every GPU it borrows; each boot runs with
   those that are free (``policy.partial``), and only when at least ``lendee.min_gpus``
@@ -213,12 +216,14 @@ from pathlib import Path
 from hostagent.core.config_read import (  # the readers of each key
     TOP_LEVEL_KEYS, MQTT_VERBS, LogLevel, _GPU_REFS, _Problem, _READ, _absolute_path,
     _annotation_prefix, _bool, _broker, _build, _canonical_pci, _choice, _control_verbs,
-    _count, _duration, _expected, _gather, _group, _guest_command, _join, _key, _label_key,
+    _duration, _expected, _gather, _group, _join, _key, _label_key,
     _label_key_or_off, _label_selector, _list, _listen, _listen_or_port, _mqtt_verb,
     _optional_duration, _optional_path, _pci, _port, _positive_duration, _raise_any, _section,
     _split_listen, _table_of, _taint, _text, _topic, parse_duration,
 )
 from hostagent.core.config_notify import Notify
+from hostagent.core.lendees import NO_LENDEE, Lendee, link as _link_lendees, read_lendees
+from hostagent.core.lendees import view as _view
 from hostagent.core.model import Hotplug, Regrow  # the machine's own policy values
 from hostagent.core.plugins import PLUGIN_LABELS, PLUGIN_SELECTORS
 
@@ -301,25 +306,6 @@ class Gpu:
 
     def __str__(self) -> str:
         return f"{self.label} ({self.name}, {self.pci or self.uuid})" if self.name else self.label
-
-
-@dataclass(frozen=True, kw_only=True)
-class Lendee:
-    """The Kubernetes worker VM that borrows every idle GPU."""
-
-    domain: str = field(metadata=_key(_text, example='"gpu-node"'))
-    node: str = field(default="", metadata=_key(_text))
-    gpus: tuple[str, ...] = field(metadata=_key(_GPU_REFS, example='["gpu-a"]'))
-    # Below this many free GPUs a boot is not worth its drain: the lendee stays off.
-    min_gpus: int = field(default=1, metadata=_key(_count))
-    # Run in the guest (sh -c) after a hot-add, before its plugins come back: the CDI
-    # spec a container asks its GPUs by lists those of the boot alone. "": none.
-    cdi_refresh: str = field(default="", metadata=_key(_guest_command))
-
-    def __post_init__(self) -> None:
-        # Most setups name the node after the VM, so that is the default.
-        if not self.node:
-            object.__setattr__(self, "node", self.domain)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -529,8 +515,10 @@ class Mqtt:
 class Config:
     """The whole configuration. GPU references are resolved to labels of `gpus`."""
 
-    lendee: Lendee = field(metadata=_key(
-        _section(Lendee), example='[lendee] with domain = "gpu-node" and gpus = ["gpu-a"]'))
+    # The one lendee; with [lendees.*] sections, the first of `lendees`.
+    lendee: Lendee = field(default=NO_LENDEE, metadata=_key(_section(Lendee)))
+    # Every lendee by name (its domain), [lendee] first (`hostagent.core.lendees`).
+    lendees: Mapping[str, Lendee] = field(default_factory=dict, metadata=_key(read_lendees))
     gpus: Mapping[str, Gpu] = field(default_factory=dict, metadata=_key(_table_of(Gpu, "label")))
     owners: Mapping[str, Owner] = field(
         default_factory=dict, metadata=_key(_table_of(Owner, "domain"))
@@ -584,15 +572,20 @@ class Config:
         return tuple(o.domain for o in self.owners.values() if gpu in o.gpus)
 
     def gpus_of(self, domain: str) -> tuple[str, ...]:
-        """GPU labels that `domain` (the lendee or an owner) uses; () for any other VM."""
-        if domain == self.lendee.domain:
-            return self.lendee.gpus
+        """GPU labels that `domain` (a lendee or an owner) uses; () for any other VM."""
+        if domain in self.lendees:
+            return self.lendees[domain].gpus
         owner = self.owners.get(domain)
         return owner.gpus if owner else ()
 
     def shared_gpus(self, owner: str) -> frozenset[str]:
-        """The GPUs the lendee must give back before `owner` can start."""
-        return frozenset(self.gpus_of(owner)) & frozenset(self.lendee.gpus)
+        """The GPUs the lendees must give back before `owner` can start."""
+        lent = frozenset().union(*(lendee.gpus for lendee in self.lendees.values()))
+        return frozenset(self.gpus_of(owner)) & lent
+
+    def view(self, lendee: str) -> Config:
+        """What lendee `lendee`'s machine sees (`hostagent.core.lendees.view`)."""
+        return _view(self, lendee)
 
 
 TOP_LEVEL_KEYS.update(f.name for f in dataclasses.fields(Config) if _READ in f.metadata)
@@ -685,20 +678,11 @@ def _link(config: Config) -> Config:
             'missing: verify.method = "ssh" needs it',
             "add a [verify.ssh] section with host, user, key and known_hosts",
         ))
-    lendee = dataclasses.replace(config.lendee, gpus=resolve_all(config.lendee.gpus, "lendee.gpus"))
-    # Counted only when every GPU of lendee.gpus reads: a bad one is its own problem.
-    complete = len(lendee.gpus) == len(config.lendee.gpus)
-    if complete and not 1 <= lendee.min_gpus <= len(lendee.gpus):
-        problems.append(_Problem(
-            "lendee.min_gpus",
-            f"{lendee.min_gpus} is not between 1 and the {len(lendee.gpus)} GPU(s) in lendee.gpus",
-            f"write a number from 1 to {len(lendee.gpus)} (1, the default, runs the lendee "
-            "whenever a GPU is free)",
-        ))
+    lendees = _link_lendees(config.lendee, config.lendees, resolve_all, problems)
     owners: dict[str, Owner] = {}
     for domain, owner in config.owners.items():
         key = _join("owners", domain)
-        if domain == lendee.domain:
+        if domain in lendees:
             problems.append(_Problem(
                 key,
                 f"{domain} is the lendee, and the lendee cannot also own GPUs",
@@ -717,7 +701,8 @@ def _link(config: Config) -> Config:
                 key, f'"{vm}" is not an owner VM',
                 f"list some of {', '.join(owners) or 'the [owners] (none yet)'}"))
     _raise_any(problems)
-    return dataclasses.replace(config, lendee=lendee, owners=owners, gpus=gpus)
+    lendee = next(iter(lendees.values()))  # there is one, or a problem was raised
+    return dataclasses.replace(config, lendee=lendee, lendees=lendees, owners=owners, gpus=gpus)
 
 
 # --- entry points ----------------------------------------------------------------------
@@ -743,7 +728,8 @@ def parse(text: str, source: str = "<config>") -> Config:
                 _link(p.salvaged)
             except _Problem as q:
                 named = {one.key for one in problems}
-                problems = problems + [one for one in q.each if one.key not in named]
+                problems = problems + [one for one in q.each if one.key not in named and not
+                                       any(k.startswith(f"{one.key}.") for k in named)]
         error = ConfigError.several([
             ConfigError(source=source, key=one.key, problem=one.problem, fix=one.fix)
             for one in problems])

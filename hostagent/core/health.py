@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 __all__ = ["CheckFailed", "CheckResult", "Health", "Probe", "kubernetes", "libvirt_alive",
-           "socket_answers"]
+           "of_lendee", "socket_answers"]
 
 Probe = Callable[[], Awaitable[str | None]]
 MAX_AGE = 1.0  # seconds a run's results are shared with later callers
@@ -210,4 +210,17 @@ def kubernetes(cluster: _Cluster) -> Probe:
     async def probe() -> str:
         return await cluster.health()
 
+    return probe
+
+
+def of_lendee(checks: Health, *, shared: tuple[str, ...] = ("libvirt", "hook socket")) -> Probe:
+    """Another lendee's checks as one probe of the agent's (`hostagent.service.fleet`):
+    passes when all of them do but those it `shared` with the agent, else says each that
+    failed. Its checks run on their own schedule and cache (`Health.check`)."""
+    async def probe() -> str:
+        results = [r for r in await checks.check() if r.check not in shared]
+        failed = [f"{r.check}: {r.detail}" for r in results if not r.ok]
+        if failed:
+            raise CheckFailed("; ".join(failed))
+        return ", ".join(r.check for r in results) + " pass"
     return probe

@@ -566,18 +566,24 @@ class StartFailed(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Hold(Event):
-    """An operator suspended lending."""
+    """An operator suspended lending (of `lendee` alone, where several lend; None: all)."""
+
+    lendee: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class Resume(Event):
-    """An operator resumed lending (and asked to retry whatever failed)."""
+    """An operator resumed lending (and asked to retry whatever failed); `lendee`: as Hold."""
+
+    lendee: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class Reclaim(Event):
     """An operator took the GPUs back by hand (`hostagent reclaim`): no owner is to start,
-    and the lendee is to stay off until lending is resumed."""
+    and the lendee is to stay off until lending is resumed. `lendee`: as Hold."""
+
+    lendee: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

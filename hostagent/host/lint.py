@@ -26,6 +26,7 @@ from pathlib import Path
 
 from hostagent.core import devices as gpu_devices
 from hostagent.core.config import Config
+from hostagent.core.lendees import lendee_of
 from hostagent.host import gpus as inventory
 from hostagent.host.lint_hotplug import (
     changes,
@@ -175,15 +176,16 @@ def lint(domains: Sequence[Domain], *, sysfs: Path = inventory.SYSFS,
     """Every finding for `domains`, against the host and, if given, the configuration."""
     found: list[Finding] = []
     for dom in domains:
-        lendee = None if config is None else dom.name == config.lendee.domain
+        lendee = None if config is None else dom.name in config.lendees
         found += check_domain(dom, sysfs=sysfs, lendee=lendee)
     found += _split(domains, sysfs)
     found += _shared_groups(domains, sysfs, config)
     if config is not None:
         found += _against_config(domains, config)
         found += _slot_functions(domains, config, sysfs)
-        if any(d.name == config.lendee.domain for d in domains):
-            found += _resets(config, sysfs)
+        for name in config.lendees:  # each lendee over its own view
+            if any(d.name == name for d in domains):
+                found += _resets(config.view(name), sysfs)
     return found
 
 
@@ -341,6 +343,15 @@ def _shared_groups(domains: Sequence[Domain], sysfs: Path,
             continue
         owners = {g: frozenset(config.owners_of(g)) for g in gpus}
         together = " and ".join(gpus)
+        lendees = sorted({n for g in gpus if (n := lendee_of(config, g)) is not None})
+        if len(lendees) > 1:
+            found.append(Finding(
+                domain=", ".join(lendees), check=Check.SHARED_GROUP, severity=Severity.ERROR,
+                what=f"{together} share IOMMU group {group} but are lent to "
+                     f"{' and '.join(lendees)}",
+                why="VFIO gives a group to one VM at a time: while one of those lendees "
+                    "runs with its GPU, the other cannot start with its own.",
+                fix=_ACS_FIX + "; or lend those GPUs to one lendee"))
         named = ", ".join(f"{g} ({' and '.join(sorted(o)) or 'no owner'})"
                           for g, o in owners.items())
         owned = [o for o in owners.values() if o]
@@ -355,7 +366,8 @@ def _shared_groups(domains: Sequence[Domain], sysfs: Path,
                 fix=_ACS_FIX + "; or give those GPUs to the same owners"))
         elif owned and len(owned) < len(gpus):
             found.append(Finding(
-                domain=config.lendee.domain, check=Check.SHARED_GROUP,
+                domain=lendee_of(config, gpus[0]) or config.lendee.domain,
+                check=Check.SHARED_GROUP,
                 severity=Severity.WARNING,
                 what=f"{together} share IOMMU group {group}: they move together ({named})",
                 why=f"VFIO gives a group to one VM at a time, so while "
@@ -438,7 +450,9 @@ def _against_config(domains: Sequence[Domain], config: Config) -> list[Finding]:
     by_name = {d.name: d for d in domains}
     label_of = {f: g.label for g in config.gpus.values() for f in g.pci_functions}
     roles: dict[str, tuple[str, str, tuple[str, ...]]] = {
-        config.lendee.domain: ("lendee", "lendee.gpus", config.lendee.gpus),
+        **{name: ("lendee", "lendee.gpus" if len(config.lendees) == 1
+                  else f"lendees.{name}.gpus", lendee.gpus)
+           for name, lendee in config.lendees.items()},
         **{o.domain: ("owner", f"owners.{o.domain}.gpus", o.gpus)
            for o in config.owners.values()},
     }
@@ -483,9 +497,10 @@ def _against_config(domains: Sequence[Domain], config: Config) -> list[Finding]:
                     "whenever another VM holds it.",
                 fix=f"add {label} to {key}, or remove the hostdev from {name}"))
     found += _autostart(domains, roles)
-    lendee = by_name.get(config.lendee.domain)
-    if lendee is not None:
-        found += hotplug_findings(lendee, config)
+    for name in config.lendees:
+        lendee = by_name.get(name)
+        if lendee is not None:
+            found += hotplug_findings(lendee, config.view(name))
     return found
 
 def _autostart(domains: Sequence[Domain],

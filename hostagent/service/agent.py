@@ -17,19 +17,15 @@ The agent is the composition root and owns the state and `apply`. Its parts are
 `hostagent.service.verbs` (the control verbs) and `hostagent.service.recorder` (the journal record
 of each transition); each is given what it uses (`hostagent.service.parts`: a read-only view of the
 state, `apply`, the progress channel), never the agent, and changes nothing but through
-`apply`. Only `hostagent.cli` imports this module.
+`apply`. Only `hostagent.service.main` (`hostagent run`) imports this module.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import grp
 import logging
-import os
-import subprocess
-import sys
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,15 +35,15 @@ from hostagent.core import clock, devices, health, machine
 from hostagent.host import journal, lint
 from hostagent.surfaces import metrics
 from hostagent.host import state as persisted
-from hostagent.core.backoff import keep_trying
 from hostagent.core.config import Config
-from hostagent.surfaces.control import GroupAccess, serve_control
+from hostagent.surfaces.control import serve_control
 from hostagent.service import hotplug
 from hostagent.service.executor import Executor
 from hostagent.surfaces.inbox import HookEvent, Inbox, Verdict, replay_spool, serve_hooks
 from hostagent.host.libvirt import Domains, HostError, Libvirt, Lifecycle
 from hostagent.host.lock import AlreadyRunning, lock_agent
 from hostagent.core.model import (
+    Action,
     Event,
     GpuPods,
     Hotplug,
@@ -69,37 +65,17 @@ from hostagent.service.parts import Cluster, Kept, NoCluster, Progress, Shared
 from hostagent.service.recorder import Recorder
 from hostagent.service.reservations import Reservations
 from hostagent.core.topology import topology
+from hostagent.service.fleet import Fleet
+from hostagent.service.serving import Endpoints, StartupError, boot_id, host_stopping
 from hostagent.service.verbs import Verbs
 
 log = logging.getLogger("hostagent")
-
-
-class StartupError(Exception):
-    """The agent cannot start; the message says what is wrong and how to fix it."""
 
 
 # Of the hook's 0.3 s budget for an answer: the rest is its own start and the exchange.
 HOOK_SAVE_BUDGET = 0.15
 # Waited for the last state to be on disk when the agent stops.
 EXIT_SAVE_BUDGET = 10.0
-
-
-def _boot_id() -> str | None:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return None
-
-
-def _host_stopping() -> bool:
-    """Whether the host is shutting down (systemd says "stopping"), as opposed to only
-    hostagent being stopped or restarted."""
-    try:
-        out = subprocess.run(["systemctl", "is-system-running"], capture_output=True,
-                             text=True, timeout=2, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.stdout.strip() == "stopping"
 
 
 def _persisted(state: State) -> tuple[object, ...]:
@@ -114,8 +90,16 @@ class Agent:
     libvirt: Shared[Domains] = Shared()
     cluster: Shared[Cluster] = Shared()
 
-    def __init__(self, cfg: Config, *, cluster: Cluster | None = None) -> None:
+    def __init__(self, cfg: Config, *, cluster: Cluster | None = None,
+                 whole: Config | None = None, primary: Agent | None = None) -> None:
         self.cfg = cfg
+        # With several lendees (`hostagent.service.fleet`): `cfg` is this lendee's view,
+        # `whole` the file, `fleet` steps every machine, and a lendee after the first
+        # shares the `primary`'s connection, progress and watchers; else both are `cfg`.
+        self.whole = whole or cfg
+        self.fleet: Fleet | None = None
+        self.state_file = (cfg.state_file if primary is None else
+                           cfg.state_dir / "lendees" / f"{cfg.lendee.domain}.toml")
         self.topo = topology(cfg)
         regrow = cfg.policy.regrow
         if cfg.kubernetes is None and regrow is Regrow.WHEN_IDLE:
@@ -137,23 +121,21 @@ class Agent:
         self.kept = Kept()
         self.cordoned_by_us = self.left_lent = False  # left_lent: see _load
         self.started_at = clock.now()
-        self.boot_id = _boot_id()
+        self.boot_id = boot_id()
         self.host_booted = False  # this is the agent's first start since the host booted
-        self.libvirt = Libvirt(cfg.libvirt_uri, on_lifecycle=self.lifecycle,
-                               on_reconnect=self._reconnected)
+        self.libvirt = primary.libvirt if primary else Libvirt(
+            cfg.libvirt_uri, on_lifecycle=self.lifecycle, on_reconnect=self._reconnected)
         # The state file is written from a worker thread (its fsyncs may take seconds
         # on a busy disk, and nothing on the loop may wait for them); see `request`.
-        self.saver = persisted.Saver(cfg.state_file)
+        self.saver = persisted.Saver(self.state_file)
         # Intents of requests waiting to be on disk before they are taken: every save
         # meanwhile includes them, so none overwrites them.
         self._unconfirmed: tuple[Intent, ...] = ()
         self._save_retry: asyncio.TimerHandle | None = None
         self._fatal: asyncio.Future[BaseException] | None = None
         self.metrics = metrics.Metrics(self.topo)
-        self._exporter: asyncio.Server | None = None
-        self._endpoint: Any = None  # the SSH endpoint's server, once bound
-        # Told after each change of state, on the loop, with no I/O (the MQTT device).
-        self.watchers: list[Callable[[], None]] = []
+        # Told after each change of state, on the loop, with no I/O (MQTT).
+        self.watchers: list[Callable[[], None]] = primary.watchers if primary else []
         # Set while the hook socket is served (`run` clears it until then): a lend waits
         # for it, so that the lendee's own prepare hook gets an answer.
         self.serving = asyncio.Event()
@@ -164,10 +146,9 @@ class Agent:
         self.health.add("hook socket", health.socket_answers(cfg.hook_socket, "hook socket"))
         self.health.add("last lend verified", self.metrics.lend_verified)
         self.health.add("state file", self._state_saved)
-        # The parts, each given what it uses: actions to effects, the control verbs,
-        # the journal record of each transition; progress flows from the last two to the
-        # verbs' waiting callers.
-        self.progress = Progress()
+        # The parts, each given what it uses: actions to effects, the control verbs, the
+        # journal record of each transition; progress flows from the last two to callers.
+        self.progress: Progress = primary.progress if primary else Progress()
         cluster = cluster or NoCluster()
         self.executor = Executor(cfg, self.topo, self.kept, self.apply, libvirt=self.libvirt,
                                  cluster=cluster, progress=self.progress,
@@ -183,6 +164,9 @@ class Agent:
         self.recorder = Recorder(self.topo, self.policy, self.kept, self.progress)
         self.cluster = cluster
         self.parts = (self.executor, self.verbs, self.recorder, self.reservations)
+        # /metrics, /healthz, the SSH endpoint and the control socket's access.
+        self.endpoints = Endpoints(cfg, health=self.health, metrics=self.metrics,
+                                   handlers=self.handlers, spawn=self.executor.spawn)
 
     # The state, as the parts read it through `kept`.
     @property
@@ -215,11 +199,18 @@ class Agent:
     # ---- the one place where state changes -----------------------------------------
     def apply(self, event: Event) -> bool:
         """Step the machine; persist, journal and act. False if the event was stale."""
+        if self.fleet is not None:
+            return self.fleet.apply(event, self.lendee)
         try:
             new, actions = machine.step(self.state, event, topo=self.topo, policy=self.policy)
         except machine.IllegalTransition as e:
             log.debug("ignored: %s", e)
             return False
+        self.take(event, new, actions)
+        return True
+
+    def take(self, event: Event, new: State, actions: list[Action]) -> None:
+        """`new`, the machine's step on `event`, and its `actions`: persist, journal, act."""
         old = self.state
         self.state = new
         self.metrics.transition(old, new, event)
@@ -266,7 +257,6 @@ class Agent:
             journal.notify(self.recorder.status_line())
         for watch in self.watchers:
             watch()
-        return True
 
     # ---- start-up --------------------------------------------------------------------
     async def run(self) -> None:
@@ -290,37 +280,53 @@ class Agent:
                                        f"{directory / 'agent.lock'}: {e.strerror or e}") from e
             await self._run(loop)
 
+    def _members(self) -> list[Agent]:
+        """Every lendee's agent, this one (the primary) first; [self] with one lendee."""
+        if self.fleet is None:
+            return [self]
+        return [m for m in self.fleet.members.values() if isinstance(m, Agent)]
+
     async def _run(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.serving.clear()
-        self._load()
+        members = self._members()
+        for m in members:
+            m.serving.clear()
+            m._fatal = self._fatal  # a bug in any lendee's step ends the agent
+            m._load()
+        if self.fleet is not None:
+            self.fleet.spread()  # each request to the lendees that keep its owner
         await self.libvirt.connect()
         await self._check_domains()
-        await self._decide_hotplug()
-        kube = await self._connect_cluster()
+        kubes = []
+        for m in members:
+            await m._decide_hotplug()
+            kubes.append(await m._connect_cluster())
         if self.host_booted:
             # Asked before reality is read, so that the first lend leaves their GPUs
             # out instead of booting the lendee with them only to reclaim them at once.
             self._start_at_boot()
         # Reality first: until the machine knows what runs, its verdicts would be guesses.
-        await self._observe()
-        if not self.state.phase.lendee_running:
-            # Off at start (a host reboot, a crash while the agent was down): its node
-            # must not take work before the next lend is verified.
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.cluster.lendee_down(
-                    why=f"{self.lendee} was found off at start"), 15)
+        for m in members:
+            await m._observe()
+            if not m.state.phase.lendee_running:
+                # Off at start (a reboot, a crash): no work before a verified lend.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(m.cluster.lendee_down(
+                        why=f"{m.lendee} was found off at start"), 15)
         inbox = Inbox(self._on_hook)
         # What happened while the agent was down comes before anything live; a hook that
         # spooled in the moment before the socket existed is picked up by the second pass.
         replayed = await replay_spool(self.cfg.spool_dir, inbox, log=log)
         hooks = await serve_hooks(self.cfg.hook_socket, inbox, log=log)
-        self.serving.set()
-        control = await serve_control(self.cfg.control_socket, self.verbs.handlers(), log=log,
-                                      owners=self.topo.owners, **self._control_access())
+        for m in members:
+            m.serving.set()
+        control = await serve_control(
+            self.cfg.control_socket, self.handlers(), log=log, owners=(
+                self.fleet.owners() if self.fleet is not None else self.topo.owners),
+            **self._control_access())
         try:
             replayed += await replay_spool(self.cfg.spool_dir, inbox, log=log)
-            await self._serve_ssh()
-            await self._serve_metrics()
+            await self.endpoints.serve_ssh()
+            await self.endpoints.serve_metrics()
             self._serve_mqtt()
             if replayed:
                 log.info("replayed %d hook event(s) spooled while the agent was down", replayed)
@@ -333,24 +339,26 @@ class Agent:
             assert self._fatal is not None
             raise await self._fatal
         finally:
-            if self.host_stopping():
-                await self._drain_for_shutdown()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.cluster.flush_events(), 5)
+            stopping = self.host_stopping()
+            for m in members:
+                if stopping:
+                    await m._drain_for_shutdown()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(m.cluster.flush_events(), 5)
             hooks.close()
-            if self._exporter is not None:
-                self._exporter.close()
+            self.endpoints.close()
             control.close()
-            if self._endpoint is not None:
-                self._endpoint.close()
-            for task in list(self.executor.tasks):
-                task.cancel()
-            await asyncio.gather(*self.executor.tasks, return_exceptions=True)
+            for m in members:
+                for task in list(m.executor.tasks):
+                    task.cancel()
+                await asyncio.gather(*m.executor.tasks, return_exceptions=True)
             await self.libvirt.close()
-            if kube is not None:
-                await kube.close()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.saver.flush(), EXIT_SAVE_BUDGET)
+            for kube in kubes:
+                if kube is not None:
+                    await kube.close()
+            for m in members:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(m.saver.flush(), EXIT_SAVE_BUDGET)
 
     async def _connect_cluster(self) -> Any:
         """The Kubernetes adapter, if configured (`kubewait.connect`); a kubeconfig that
@@ -376,14 +384,14 @@ class Agent:
         """The host booted: start the owners configured to start at boot, through the
         same road as a player's request (their GPUs are reclaimed first if need be)."""
         self._save()  # the boot id: once per boot, even if the agent restarts
-        for vm, owner in sorted(self.cfg.owners.items()):
+        for vm, owner in sorted(self.whole.owners.items()):
             if owner.start_at_boot and vm not in self.state.running_owners:
                 journal.record("boot", f"the host booted: starting {vm} ([owners.{vm}] "
                                "start_at_boot)", vm=vm, result="ok")
                 self.apply(OwnerWants(at=clock.now(), owner=vm, intent_id=f"boot-{vm}",
                                       source=IntentSource.CONTROL))
 
-    host_stopping = staticmethod(_host_stopping)
+    host_stopping = staticmethod(host_stopping)
 
     async def _drain_for_shutdown(self) -> None:
         """The host is going down with the lendee lent: cordon and drain its node now,
@@ -424,24 +432,31 @@ class Agent:
         write was under way); the next save replaces it, and a crash before that starts
         the owner at the next start, which is what its caller asked for."""
         try:
-            new, _ = machine.step(self.state, event, topo=self.topo, policy=self.policy)
+            if self.fleet is not None:
+                added = tuple({i.id: i for each in self.fleet.added(event).values()
+                               for i in each}.values())
+            else:
+                new, _ = machine.step(self.state, event, topo=self.topo, policy=self.policy)
+                added = tuple(i for i in new.intents if i not in self.state.intents)
         except machine.IllegalTransition:
             return self.apply(event)  # says why, and changes nothing
-        added = tuple(i for i in new.intents if i not in self.state.intents)
         if not added:
             return self.apply(event)
-        self._unconfirmed += added
-        durable = self._save()
+        # With several lendees the primary's file keeps every request (`_save`), so its
+        # save is the one the request waits for.
+        keeper = self if self.fleet is None else self._primary()
+        keeper._unconfirmed += added
+        durable = keeper._save()
         try:
             error = await asyncio.wait_for(asyncio.shield(durable), within)
         except TimeoutError:
-            self.save_failed = (f"the disk did not take {self.cfg.state_file} within "
+            self.save_failed = (f"the disk did not take {self.state_file} within "
                                 f"{within:g}s")
             return False
         finally:
-            self._unconfirmed = tuple(i for i in self._unconfirmed if i not in added)
+            keeper._unconfirmed = tuple(i for i in keeper._unconfirmed if i not in added)
             if not durable.done():  # given up on: a state without it takes its place
-                self._save()
+                keeper._save()
         return error is None and self.apply(event)
 
     def fail(self, error: BaseException) -> None:
@@ -464,33 +479,8 @@ class Agent:
         """Why the agent stopped (`stop`, `fail`); None while it goes on."""
         return self._fatal.exception() if self._fatal and self._fatal.done() else None
 
-    async def _serve_metrics(self) -> None:
-        """/metrics and /healthz; a port that cannot be bound yet (in use, an address
-        not up at boot) is tried again in the background, never a reason to exit."""
-        address = self.cfg.metrics.address
-        if address is None:
-            return
-
-        async def bind() -> None:
-            self._exporter = await keep_trying(
-                lambda: metrics.serve(address, self.metrics, self.health, log=log),
-                what=f"the metrics endpoint on {self.cfg.metrics.listen}",
-                transient=(OSError,), record=journal.retry)
-
-        await self._bind_soon(bind)
-
-    async def _bind_soon(self, bind: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        """Run `bind` now; if its first attempt does not succeed at once, leave it
-        retrying in the background (its own record says so) and go on."""
-        task = asyncio.get_running_loop().create_task(bind())
-        done, _ = await asyncio.wait({task}, timeout=1.0)
-        if task in done:
-            task.result()  # a StartupError: a person must fix the configuration
-            return
-        self.executor.spawn(asyncio.wait_for(task, None))
-
     def _load(self) -> None:
-        saved, warning = persisted.load_state(self.cfg.state_file)
+        saved, warning = persisted.load_state(self.state_file)
         if warning:
             journal.record("state", warning, result="rebuilt", priority=journal.Priority.ERR)
         self.cordoned_by_us = saved.cordoned_by_us
@@ -512,7 +502,12 @@ class Agent:
         reported once in the journal and in health, and retried every few seconds.
         """
         state = state or self.state
-        intents = (*state.intents, *(i for i in self._unconfirmed if i not in state.intents))
+        listed, reservations = state.intents, state.reservations
+        if self.fleet is not None and self._primary() is not self:
+            self._primary()._save()  # it keeps this lendee's requests too
+        elif self.fleet is not None:
+            listed, reservations = self.fleet.intents(), self.fleet.reservations()
+        intents = (*listed, *(i for i in self._unconfirmed if i not in listed))
         snapshot = persisted.State(
             intents=tuple(persisted.Intent(
                 id=i.id, owner=i.owner, source=i.source,
@@ -524,12 +519,16 @@ class Agent:
             boot_id=self.boot_id,
             relend_at=(datetime.fromtimestamp(state.relend_at, UTC)
                        if state.relend_at is not None else None),
-            reservations=state.reservations,
+            reservations=reservations,
             lendee_phase=state.phase.value,
             lendee_phase_since=datetime.fromtimestamp(self.phase_since, UTC))
         durable = self.saver.submit(snapshot)
         durable.add_done_callback(self._saved)
         return durable
+
+    def _primary(self) -> Agent:
+        """The agent that serves the endpoints and keeps every request on disk."""
+        return self._home(self.fleet.primary.lendee) if self.fleet is not None else self
 
     def _saved(self, durable: asyncio.Future[OSError | None]) -> None:
         if durable.cancelled() or durable.exception() is not None:
@@ -537,10 +536,10 @@ class Agent:
         error = durable.result()
         if error is None:
             if self.save_failed is not None:
-                journal.record("state", f"{self.cfg.state_file} is written again", result="ok")
+                journal.record("state", f"{self.state_file} is written again", result="ok")
                 self.save_failed = None
             return
-        why = f"cannot write {self.cfg.state_file}: {error.strerror or error}"
+        why = f"cannot write {self.state_file}: {error.strerror or error}"
         if why != self.save_failed:
             journal.record("state", f"{why}; requests that cannot be recorded are refused "
                            "and the save is retried (free space on its filesystem?)",
@@ -557,12 +556,14 @@ class Agent:
         """Health: fails while the state file refuses saves."""
         if self.save_failed is not None:
             raise health.CheckFailed(self.save_failed)
-        return f"{self.cfg.state_file} is up to date"
+        return f"{self.state_file} is up to date"
 
     async def _check_domains(self) -> None:
         """A configured domain libvirt lacks is said, and health is red until it is
         defined again; only what needs it waits (DESIGN.md invariant 13)."""
-        wanted = {"lendee.domain": self.lendee, **{f"owners.{d}": d for d in self.cfg.owners}}
+        lendees = ({"lendee.domain": self.lendee} if self.fleet is None else
+                   {f"lendees.{n}": n for n in self.fleet.members})
+        wanted = {**lendees, **{f"owners.{d}": d for d in self.whole.owners}}
         probe = health.domains_defined(self.libvirt, wanted, self.cfg.source)
         self.health.add("domains", probe)
         try:
@@ -612,7 +613,8 @@ class Agent:
         self.executor.spawn(self.executor.groups())
 
     def _reconnected(self) -> None:
-        self.executor.spawn(self._observe())
+        for m in self._members():
+            m.executor.spawn(m._observe())
 
     # ---- inputs ----------------------------------------------------------------------
     async def _on_hook(self, event: HookEvent) -> Verdict:
@@ -634,13 +636,17 @@ class Agent:
     async def _prepare(self, event: HookEvent) -> Verdict:
         """libvirt's ``prepare begin``: the machine's verdict, and what it implies."""
         vm = event.domain
+        home = self._home(vm)
+        if home is not self:
+            return await home._prepare(event)
         gpus = None
         if vm == self.lendee:
             # The definition being started says whether it is the agent's own start.
             with contextlib.suppress(ValueError):
                 gpus = devices.gpus_in(event.xml, self.executor.lendee_gpu_config())
-        decision, message = machine.verdict(self.state, vm, topo=self.topo, gpus=gpus,
-                                            policy=self.policy)
+        decision, message = (self.fleet.verdict(vm, gpus) if self.fleet is not None else
+                             machine.verdict(self.state, vm, topo=self.topo, gpus=gpus,
+                                             policy=self.policy))
         if decision == "refuse":
             journal.record("refuse", f"refused the start of {vm}: {message}", vm=vm,
                            result="refused")
@@ -667,7 +673,27 @@ class Agent:
                        result="deferred")
         return Verdict("defer", message)
 
+    def _home(self, domain: str) -> Agent:
+        """The agent that handles `domain` (`Fleet.home`): this one with one lendee."""
+        home = self.fleet.home(domain) if self.fleet is not None else self
+        assert isinstance(home, Agent)
+        return home
+
     def lifecycle(self, domain: str, kind: Lifecycle) -> None:
+        if self.fleet is not None and self._primary() is self:
+            # Each event to the agent it concerns (a lendee's, an owner's home); another
+            # VM's to every lendee (IOMMU groups), a stop to every executor waiting.
+            home = self._home(domain)
+            members = [m for m in self.fleet.members.values() if isinstance(m, Agent)]
+            if kind is Lifecycle.STOPPED:
+                for m in members:
+                    m.executor.facts.stopped.setdefault(domain, asyncio.Event()).set()
+            if home is not self:
+                home.lifecycle(domain, kind)
+                return
+            if domain not in self.fleet.members and not self.topo.is_owner(domain):
+                for m in members[1:]:
+                    m.lifecycle(domain, kind)
         now = clock.now()
         if kind is Lifecycle.STOPPED:
             self.executor.facts.stopped.setdefault(domain, asyncio.Event()).set()
@@ -715,25 +741,19 @@ class Agent:
             journal.notify(watchdog=True)
             await asyncio.sleep(interval)
 
-    # ---- control: its socket's access and the SSH endpoint (the verbs: hostagent.service.verbs)
+    def handlers(self) -> dict[str, Any]:
+        """The verbs the control socket, SSH and MQTT serve (`Fleet.handlers`)."""
+        mine: dict[str, Any] = dict(self.verbs.handlers())
+        return mine if self.fleet is None else self.fleet.handlers(mine, lambda vm: dict(
+            self._home(vm).verbs.handlers()), self._status)
+
+    def _status(self) -> dict[str, Any]:
+        """status' data: with several lendees, of each one (`Fleet.status`)."""
+        return self.verbs.status() if self.fleet is None else self.fleet.status(
+            {m.lendee: m.verbs.status() for m in self._members()})
+
     def _control_access(self) -> dict[str, Any]:
-        """control.sock's mode, group and what the group may do: 0660 for control_group,
-        else root's alone."""
-        name = self.cfg.control_group
-        if name is None:
-            return {"mode": 0o600}
-        try:
-            return {"mode": 0o660, "group": grp.getgrnam(name).gr_gid, "group_name": name,
-                    "group_verbs": self.cfg.control_verbs}
-        except KeyError:  # not fatal: taken up once it exists (DESIGN.md invariant 13)
-            waiting = GroupAccess(self.cfg.control_socket, name, self.cfg.control_verbs,
-                                  self.cfg.source)
-            self.health.add("control group", waiting.take_up)
-            self.executor.spawn(waiting.run())
-            journal.record("control", f"{self.cfg.source}: control_group: there is no group "
-                           f"{name!r} yet (groupadd {name}): the control socket is root's alone "
-                           "until it exists", result="waiting", priority=journal.Priority.WARNING)
-            return {"mode": 0o600, "access": waiting.rights}
+        return self.endpoints.control_access()
 
     def _serve_mqtt(self) -> None:
         """The Home Assistant device when [mqtt] is configured (see hostagent.surfaces.mqtt): its
@@ -741,52 +761,9 @@ class Agent:
         if self.cfg.mqtt is None:
             return
         from hostagent.surfaces.mqtt import Device  # aiomqtt only where it is used
-        device = Device(self.cfg, status=self.verbs.status, handlers=self.verbs.handlers(),
+        device = Device(self.whole, status=self._status, handlers=self.handlers(),
                         follow=self.progress.following)
         self.watchers.append(device.changed)
         device.changed()
         self.executor.spawn(device.run())
-
-    async def _serve_ssh(self) -> None:
-        """The SSH endpoint when [ssh] is configured (see hostagent.surfaces.ssh), else None."""
-        if self.cfg.ssh is None or self.cfg.ssh_host_key is None:
-            return None
-        from hostagent.surfaces import ssh  # asyncssh only where it is used
-        endpoint, key = self.cfg.ssh, self.cfg.ssh_host_key
-
-        async def bind() -> None:
-            try:
-                self._endpoint = await keep_trying(
-                    lambda: ssh.serve(endpoint.address, key, endpoint.authorized_keys,
-                                      self.verbs.handlers()),
-                    what=f"the SSH endpoint on {endpoint.listen}", transient=(ssh.Transient,),
-                    record=journal.retry)
-            except ssh.EndpointError as e:
-                raise StartupError(f"{self.cfg.source}: [ssh]: {e}") from e
-
-        await self._bind_soon(bind)
-
-
-def run(cfg: Config) -> int:
-    """`hostagent run`: the service's main; returns the process exit status."""
-    agent = Agent(cfg)
-
-    async def main() -> None:
-        import signal
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, agent.stop)
-        await agent.run()
-
-    try:
-        asyncio.run(main())
-    except StartupError as e:
-        journal.record("agent", f"cannot start: {e}", result="failed",
-                       priority=journal.Priority.ERR)
-        if "JOURNAL_STREAM" not in os.environ:  # under systemd, stderr *is* the journal
-            print(f"hostagent: cannot start: {e}", file=sys.stderr)
-        return 2
-    except asyncio.CancelledError:
-        return 0
-    return 0
 

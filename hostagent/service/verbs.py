@@ -26,6 +26,7 @@ from hostagent.core.config import Config
 from hostagent.surfaces.control import Reply, VerbHandler, current_caller
 from hostagent.core.health import Health
 from hostagent.host.libvirt import Domains, HostError, Lifecycle
+from hostagent.core.text import clean
 from hostagent.core.model import (
     CancelIntent,
     Hold,
@@ -116,8 +117,21 @@ class Verbs:
         await self.health.check()
         yield {"ok": True, "data": self.status()}
 
+    def _named(self, args: dict[str, Any]) -> tuple[str | None, Reply | None]:
+        """The lendee a verb names (its "lendee" argument: this one, where several lend;
+        None: every lendee), or the refusal of another."""
+        named = args.get("lendee")
+        if named is None or named == self.lendee:
+            return named, None
+        return None, {"ok": False, "error": f"{clean(str(named), 64)} is not a lendee here "
+                                            f"({self.lendee} is)"}
+
     async def _hold(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
-        self.apply(Hold(at=clock.now()))
+        named, refused = self._named(args)
+        if refused is not None:
+            yield refused
+            return
+        self.apply(Hold(at=clock.now(), lendee=named))
         message = f"lending is on hold: {self.lendee} is not lent again until `hostagent lend`"
         if self.view.state.phase is not Phase.OFF:
             message += ("; it keeps running for now (`hostagent reclaim` takes its GPUs "
@@ -126,7 +140,11 @@ class Verbs:
 
     async def _resume(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
         """`resume` and `lend`: lend again now, and retry a step that failed."""
-        self.apply(Resume(at=clock.now()))
+        named, refused = self._named(args)
+        if refused is not None:
+            yield refused
+            return
+        self.apply(Resume(at=clock.now(), lendee=named))
         yield {"ok": True, "data": {**self.status(), "message": self.lend_note()}}
 
     async def _reserve(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
@@ -393,16 +411,20 @@ class Verbs:
         The lendee stays off until `lend` (the machine's Reclaim holds). A lendee start
         that was in flight is reclaimed once it lands (see machine._reclaim_by_hand).
         """
+        named, refused = self._named(args)
+        if refused is not None:
+            yield refused
+            return
         took = _stopwatch()
         lendee, gpus = self.lendee, self.topo.gpu_names(self.topo.lendee_gpus)
         with self.progress.following() as updates:
-            self.apply(Reclaim(at=clock.now()))
+            self.apply(Reclaim(at=clock.now(), lendee=named))
             update: Reply | None = {"event": "reclaim", "message": f"reclaiming {gpus} from "
                                     f"{lendee} ({self.view.state.phase.value})"}
             while True:
                 state = self.view.state
                 if state.phase in (Phase.BOOTING, Phase.JOINING, Phase.LENT):
-                    self.apply(Reclaim(at=clock.now()))  # a start that was in flight landed
+                    self.apply(Reclaim(at=clock.now(), lendee=named))  # a start in flight landed
                     continue
                 done = state.phase is Phase.OFF and not state.lendee_starting
                 if update is not None and update.get("event") != "intent" and not (

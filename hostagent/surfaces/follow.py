@@ -172,6 +172,15 @@ def format_status(data: dict[str, Any]) -> str:
                      + ("ok" if checked["ok"] else "MISMATCH") + f" ({checked['summary']})")
     if data.get("relend_in_s") is not None:
         lines.append(f"  lending again in {_age(data['relend_in_s'])}")
+    for other in data.get("lendees", [])[1:]:  # several lendees: each other's own line
+        lines.append(f"lendee {clean(other['domain'], 64)}: {other['phase']} for "
+                     f"{_age(time.time() - other['since'])}"
+                     + (" (lending on hold)" if other["hold"] else "")
+                     + (f", runs with {', '.join(other['lent'])}" if other.get("lent") else ""))
+        if other["reason"]:
+            lines.append(f"  reason: {other['reason']}")
+        if other.get("relend_in_s") is not None:
+            lines.append(f"  lending again in {_age(other['relend_in_s'])}")
     rows: list[tuple[str, ...]] = [("GPU", "NAME", "PCI", "OWNERS", "HELD BY")]
     for g in data["gpus"]:
         rows.append(tuple(clean(c, None) for c in (

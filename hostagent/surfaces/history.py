@@ -109,8 +109,11 @@ class Swap:
 class History:
     start: float | None  # the first record's time; None when there is none
     end: float
-    lendee: str | None
+    lendee: str | None  # the first lendee seen
     transitions: list[Transition]
+    # Every lendee seen (the VMs of phase records), first seen first: with several
+    # (`[lendees.NAME]`), a GPU any of them holds is lent.
+    lendees: tuple[str, ...] = ()
     gpus: dict[str, list[Segment]] = field(default_factory=dict)
     swaps: list[Swap] = field(default_factory=list)
 
@@ -196,11 +199,12 @@ def build(records: Iterable[Mapping[str, Any]], *, until: float | None = None,
     transitions = [t for _, t in pairs if t is not None]
     if not transitions:
         return History(start=None, end=until or time.time(), lendee=None, transitions=[])
-    lendee = next((t.vm for t in transitions if t.event == "phase"), None)
+    lendees = tuple(dict.fromkeys(t.vm for t in transitions if t.event == "phase" and t.vm))
+    lendee = lendees[0] if lendees else None
     end = max(until if until is not None else transitions[-1].at, transitions[-1].at)
 
     def kind(holder: str | None) -> str:
-        return "idle" if holder is None else "lent" if holder == lendee else "gaming"
+        return "idle" if holder is None else "lent" if holder in lendees else "gaming"
 
     current: dict[str, tuple[float, str | None]] = {}  # gpu → (since, holder)
     segments: dict[str, list[Segment]] = {}
@@ -223,11 +227,11 @@ def build(records: Iterable[Mapping[str, Any]], *, until: float | None = None,
                 segments[gpu].append(Segment(start=since, end=t.at, holder=was, kind=kind(was)))
             current[gpu] = (t.at, holder)
             if holder is not None and kind(holder) == "gaming" and (
-                    was == lendee or gpu in from_lendee):
+                    was in lendees or gpu in from_lendee):
                 waits = [a.at for a in asked.values() if a.owner == holder]
                 if waits:
                     swaps.append(Swap(gpu=gpu, owner=holder, start=min(waits), end=t.at))
-            if was == lendee and holder is None:
+            if was in lendees and holder is None:
                 from_lendee.add(gpu)
             else:
                 from_lendee.discard(gpu)
@@ -238,7 +242,7 @@ def build(records: Iterable[Mapping[str, Any]], *, until: float | None = None,
         if end > since:
             segments[gpu].append(Segment(start=since, end=end, holder=holder, kind=kind(holder)))
     return History(start=transitions[0].at, end=end, lendee=lendee, transitions=transitions,
-                   gpus=dict(sorted(segments.items())), swaps=swaps)
+                   gpus=dict(sorted(segments.items())), swaps=swaps, lendees=lendees)
 
 
 @dataclass
@@ -376,8 +380,10 @@ def to_json(h: History) -> dict[str, Any]:
         "start": h.start,
         "end": h.end,
         "lendee": h.lendee,
+        "lendees": list(h.lendees),
         "transitions": [
-            {"at": t.at, "time": _clock(t.at), "event": t.event, "vm": t.vm, "from": t.from_,
+            {"at": t.at, "time": _clock(t.at), "event": t.event, "vm": t.vm,
+             "lendee": t.vm if t.event == "phase" else None, "from": t.from_,
              "to": t.to, "duration_s": t.duration, "result": t.result, "cause": t.cause,
              "holders": None if t.holders is None else dict(t.holders), "message": t.message}
             for t in h.transitions],

@@ -38,7 +38,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -63,7 +63,8 @@ MIGRATE = b'{"migrate_discovery": true}'  # Home Assistant's hand-over of an ent
 MAX_REMOVED = 64
 # The entity ids `components` makes, whatever the configuration: only those can be an
 # earlier configuration's of this device.
-_OUR_ID = re.compile(r"(owner|gpu|reserve|player)_[A-Za-z0-9_-]{1,52}|lent|phase|live_gpus|"
+_OUR_ID = re.compile(r"(owner|gpu|reserve|player|lent|phase|live_gpus)_[A-Za-z0-9_-]{1,52}|"
+                     r"lent|phase|live_gpus|"
                      r"transition|hold|reclaim|lend")
 # An owner's state as its player sees it, in the order a start goes through them: a
 # reservation holds its GPUs, a start waits while the lendee gives them back, libvirt
@@ -100,6 +101,10 @@ class Surface:
     verbs: frozenset[str]
     vms: frozenset[str]  # owners MQTT may start and stop
     per_entity: bool = False
+    # Several lendees: the lendees after the first (slug -> lendee), each with its own
+    # lent, phase and GPUs entities (`lent_<slug>`, ...) under <base>/lendee/<slug>/; the
+    # first keeps the ids a single lendee has, so that an upgrade keeps its entities.
+    others: Mapping[str, str] = field(default_factory=dict)
 
     def topic(self, *levels: str) -> str:
         return "/".join((self.base, *levels))
@@ -146,12 +151,12 @@ def surface(cfg: Config, *, version: str, host: str = "", base: str | None = Non
         base = f"{FORMER_BASE}/{host_slug(host)}"
     owners = list(cfg.owners)
     node = node or re.sub(r"[^A-Za-z0-9_-]", "_", base)
+    lent = set().union(*(lendee.gpus for lendee in cfg.lendees.values()))
     return Surface(prefix=mqtt.discovery_prefix, base=base, node=node, name=name,
                    version=version, lendee=cfg.lendee.domain, owners=_slugs(owners),
-                   gpus=_slugs(sorted(set(cfg.lendee.gpus).union(
-                       *(o.gpus for o in cfg.owners.values())))),
+                   gpus=_slugs(sorted(lent.union(*(o.gpus for o in cfg.owners.values())))),
                    verbs=mqtt.verbs, vms=frozenset(owners if mqtt.vms is None else mqtt.vms),
-                   per_entity=mqtt.per_entity)
+                   per_entity=mqtt.per_entity, others=_slugs(list(cfg.lendees)[1:]))
 
 
 # --- discovery --------------------------------------------------------------------------
@@ -184,6 +189,16 @@ def components(s: Surface) -> dict[str, dict[str, Any]]:
         dev_cla="enum", ops=[phase.value for phase in Phase])
     add("live_gpus", "sensor", f"{s.lendee} GPUs", stat_t=s.topic("live_gpus", "state"),
         ic="mdi:expansion-card-variant")
+    for slug, lendee in s.others.items():
+        add(f"lent_{slug}", "binary_sensor", f"{lendee} lent",
+            stat_t=s.topic("lendee", slug, "lent", "state"), pl_on=ON, pl_off=OFF,
+            ic="mdi:kubernetes")
+        add(f"phase_{slug}", "sensor", f"{lendee} phase",
+            stat_t=s.topic("lendee", slug, "phase", "state"), dev_cla="enum",
+            ops=[phase.value for phase in Phase])
+        add(f"live_gpus_{slug}", "sensor", f"{lendee} GPUs",
+            stat_t=s.topic("lendee", slug, "live_gpus", "state"),
+            ic="mdi:expansion-card-variant")
     add("transition", "sensor", "Last transition", stat_t=s.topic("transition", "state"),
         ic="mdi:message-text")
     if s.verbs & {"hold", "lend"}:
@@ -314,6 +329,13 @@ def states(s: Surface, status: Mapping[str, Any], transition: str) -> dict[str, 
     out[s.topic("live_gpus", "state")] = _short(", ".join(lendee["lent"]) or "none")
     out[s.topic("transition", "state")] = _short(transition or "")
     out[s.topic("hold", "state")] = _onoff(lendee["hold"])
+    each = {other["domain"]: other for other in status.get("lendees", ())}
+    for slug, name in s.others.items():
+        other = each.get(name, {"phase": "off", "lent": []})
+        out[s.topic("lendee", slug, "lent", "state")] = _onoff(other["phase"] == Phase.LENT.value)
+        out[s.topic("lendee", slug, "phase", "state")] = other["phase"]
+        out[s.topic("lendee", slug, "live_gpus", "state")] = _short(
+            ", ".join(other["lent"]) or "none")
     reserved = {r.get("vm"): r.get("at") for r in status.get("reservations", ())}
     for slug, vm in s.owners.items():
         out[s.topic("owner", slug, "player")] = player_state(vm, status)

@@ -31,6 +31,10 @@ The metrics (Prometheus naming: ``hostagent_`` prefix, base units, ``_total`` co
     hostagent_build_info{version}                    1, with the running version
     hostagent_health_check_success{check}            1 if the check passed at this scrape
 
+With several lendees (``[lendees.NAME]``) every metric but the hook's, the build's and
+the health checks' has a ``lendee`` label, the lendee's name: one series per lendee
+(`Metrics.several`). With one lendee there is no such label, as before.
+
 The HTTP side is deliberately tiny (one request per connection, GET and HEAD, three
 paths) because it runs on the loop that answers libvirt's hook: it must never block,
 and must not drag in a web framework (prometheus-client serves only from threads of
@@ -54,7 +58,7 @@ import collections
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -178,6 +182,9 @@ class Metrics:
         self.verified_at: float | None = None
         # The last lend that ended without a verification: when it started, and why.
         self.lend_failure: tuple[float, str] | None = None
+        # Several lendees: every lendee's metrics by name, the first this one, rendered
+        # together with a `lendee` label (`render`); None with one lendee.
+        self.several: Mapping[str, Metrics] | None = None
         self._show(State())
 
     # ---- inputs ----------------------------------------------------------------------
@@ -294,7 +301,40 @@ class Metrics:
         return f"verified at {_clock(self.verified_at)}"
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.several is None:
+            return generate_latest(self.registry)
+        together = CollectorRegistry(auto_describe=False)
+        together.register(_Several(self.several))
+        return generate_latest(together)
+
+
+# The agent's own, not a lendee's: rendered once, from the first lendee's metrics.
+_OF_THE_AGENT = ("hostagent_hook_events", "hostagent_build_info",
+                 "hostagent_health_check_success")
+
+
+class _Several:
+    """Every lendee's metric families as one, each sample labelled with its lendee."""
+
+    def __init__(self, members: Mapping[str, Metrics]) -> None:
+        self.members = members
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        first = next(iter(self.members))
+        for name, member in self.members.items():
+            for family in member.registry.collect():
+                agents = family.name in _OF_THE_AGENT
+                if agents and name != first:
+                    continue
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(
+                        family.name, family.documentation, family.type, family.unit)
+                merged.samples += [
+                    s if agents else s._replace(labels={"lendee": name, **s.labels})
+                    for s in family.samples]
+        yield from families.values()
 
 
 def _clock(at: float) -> str:

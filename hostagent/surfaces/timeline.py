@@ -37,10 +37,11 @@ def _attrs(**kw: object) -> str:
 
 def _colours(h: History) -> dict[str | None, str]:
     colours: dict[str | None, str] = {None: IDLE_COLOUR}
-    if h.lendee is not None:
-        colours[h.lendee] = LENDEE_COLOUR
+    lendees = h.lendees or ((h.lendee,) if h.lendee is not None else ())
+    for lendee in lendees:  # every lendee in the lent colour: lent is lent
+        colours[lendee] = LENDEE_COLOUR
     owners = sorted({s.holder for segs in h.gpus.values() for s in segs
-                     if s.holder is not None and s.holder != h.lendee})
+                     if s.holder is not None and s.holder not in lendees})
     for i, owner in enumerate(owners):
         colours[owner] = OWNER_COLOURS[i % len(OWNER_COLOURS)]
     return colours
@@ -123,7 +124,7 @@ def svg(h: History) -> str:
     # The legend.
     out.append(f'<g {_attrs(class_="legend")}>')
     lx = LEFT
-    entries = [(colours[vm], f"{vm} ({'lent' if vm == h.lendee else 'gaming'})")
+    entries = [(colours[vm], f"{vm} ({'lent' if vm in (h.lendees or (h.lendee,)) else 'gaming'})")
                for vm in colours if vm is not None]
     entries.append((IDLE_COLOUR, "idle"))
     for colour, label in entries:

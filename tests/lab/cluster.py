@@ -73,9 +73,9 @@ def close(lab: Lab) -> None:
         plane.stop()
 
 
-def agent_kubeconfig(plane: ControlPlane, path: Path) -> Path:
+def agent_kubeconfig(plane: ControlPlane, path: Path, node: str = LENDEE) -> Path:
     """The agent's kubeconfig: the token of the lendee's ServiceAccount, no more."""
-    token = plane.kubectl("create", "token", LENDEE, "-n", "hostagent",
+    token = plane.kubectl("create", "token", node, "-n", "hostagent",
                           "--duration=12h").stdout.strip()
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps({
@@ -133,6 +133,7 @@ class LabCluster:
     api: FaultProxy
     loop: asyncio.AbstractEventLoop
     placed: threading.Event = field(default_factory=threading.Event)
+    kubeconfigs: dict[str, Path] = field(default_factory=dict)  # other lendees' nodes
 
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn(*args, **kwargs)` on the loop of the kubelets and the proxy, e.g.
@@ -253,46 +254,49 @@ class LabCluster:
         self.placed.set()
 
 
-def gpus_seen(lab: Lab) -> int:
-    return len(devices_seen(lab))
+def gpus_seen(lab: Lab, vm: str = LENDEE) -> int:
+    return len(devices_seen(lab, vm))
 
 
-def devices_seen(lab: Lab) -> list[tuple[str, str]]:
+def devices_seen(lab: Lab, vm: str = LENDEE) -> list[tuple[str, str]]:
     """(UUID, name) of each GPU nvidia-smi lists inside the lendee: what NVIDIA's
     plugins would publish."""
     try:
-        out = lab.guest_exec(LENDEE, "/usr/bin/nvidia-smi", "-L", timeout=5)
+        out = lab.guest_exec(vm, "/usr/bin/nvidia-smi", "-L", timeout=5)
     except Exception:  # no agent yet, VM gone: the plugins see nothing either
         return []
     return [(m[2], m[1]) for line in out.stdout.splitlines()
             if (m := re.fullmatch(r"GPU \d+: (.*) \(UUID: (\S+)\)", line.strip()))]
 
 
-def boot_seen(lab: Lab) -> str | None:
+def boot_seen(lab: Lab, vm: str = LENDEE) -> str | None:
     """The lendee's boot id (/proc/sys/kernel/random/boot_id), which its kubelet posts
     as the node's bootID; None while the guest agent cannot tell it."""
     try:
-        out = lab.guest_exec(LENDEE, "/bin/cat", "/proc/sys/kernel/random/boot_id", timeout=5)
+        out = lab.guest_exec(vm, "/bin/cat", "/proc/sys/kernel/random/boot_id", timeout=5)
     except Exception:  # no agent yet, VM gone
         return None
     found = out.stdout.strip()
     return found if re.fullmatch(r"[0-9a-f-]{36}", found) else None
 
 
-def lendee_running(lab: Lab) -> bool:
+def lendee_running(lab: Lab, vm: str = LENDEE) -> bool:
     """What the kubelet sees of its VM: not running while libvirtd is down too."""
-    return lab.virsh("domstate", LENDEE, check=False).stdout.strip() == "running"
+    return lab.virsh("domstate", vm, check=False).stdout.strip() == "running"
+
 
 
 @contextlib.contextmanager
 def lab_cluster(lab: Lab, *, workloads: bool = True, ready_delay: float = 1.0,
                 kubelet_start: float = 2.0, cordoned: bool = False,
-                dra: bool = False) -> Iterator[LabCluster]:
+                dra: bool = False, others: tuple[str, ...] = ()) -> Iterator[LabCluster]:
     """The plane's nodes and their kubelets for `lab`; `workloads`: the usual ones
     placed on gpu-node once it is lent; `kubelet_start`: seconds from the lendee's
     start to its kubelet's (at the soonest: the guest agent must answer too);
     `cordoned`: an administrator cordoned the node before hostagent ever ran; `dra`:
-    the GPUs go through DRA, not the device plugin."""
+    the GPUs go through DRA, not the device plugin; `others`: more lendees, each its
+    own node, kubelet and ServiceAccount (deploy/rbac-node.yaml), whose kubeconfig (no
+    fault proxy in front) is `LabCluster.kubeconfigs`."""
     plane = lab_plane(lab)
     upstream = agent_kubeconfig(plane, plane.root / "agent.kubeconfig")
     if dra:  # the DeviceClass the driver's chart installs
@@ -317,21 +321,31 @@ def lab_cluster(lab: Lab, *, workloads: bool = True, ready_delay: float = 1.0,
                      start_delay=kubelet_start, lease_every=4.0,
                      **({"devices_seen": lambda: devices_seen(lab)} if dra
                         else {"gpus_seen": lambda: gpus_seen(lab)}))
+    def other(vm: str) -> Kubelet:  # another lendee's node, as gpu-node's
+        return kubelet(vm, lambda: lendee_running(lab, vm), boot_id=lambda: boot_seen(lab, vm),
+                       start_delay=kubelet_start, lease_every=4.0,
+                       gpus_seen=lambda: gpus_seen(lab, vm))
+
+    more = [other(vm) for vm in others]
+    kubeconfigs = {}
+    for vm in others:
+        plane.kubectl("apply", "-f", "-", input=node_rbac(vm))
+        kubeconfigs[vm] = agent_kubeconfig(plane, plane.root / f"{vm}.kubeconfig", vm)
     spare = kubelet(SPARE, lambda: True, start_delay=0.0)  # up before the lab began
     proxy = FaultProxy(upstream)
     try:
         run(proxy.start())
         kubeconfig = proxy.write_kubeconfig(lab.root / "agent" / "kubeconfig")
-        for k in (lendee, spare):
+        for k in (lendee, *more, spare):
             run(k.__aenter__())
         if cordoned:
             plane.kubectl("cordon", LENDEE)
-        kc = LabCluster(plane, lendee, kubeconfig, proxy, loop)
+        kc = LabCluster(plane, lendee, kubeconfig, proxy, loop, kubeconfigs=kubeconfigs)
         if workloads:
             kc.place(*usual_workloads(), pods=3)
         yield kc
     finally:
-        for k in (lendee, spare):
+        for k in (lendee, *more, spare):
             with contextlib.suppress(Exception):
                 run(k.__aexit__(None, None, None))
         with contextlib.suppress(Exception):
@@ -340,6 +354,9 @@ def lab_cluster(lab: Lab, *, workloads: bool = True, ready_delay: float = 1.0,
         thread.join(10)
         _close(loop)
         reset(plane)
+        for vm in others:
+            plane.kubectl("delete", f"node/{vm}", "--ignore-not-found")
+            plane.kubectl("delete", "lease", "-n", "kube-node-lease", vm, "--ignore-not-found")
 
 
 def _close(loop: asyncio.AbstractEventLoop) -> None:

@@ -550,10 +550,11 @@ class Lab:
         data = (first_line + "\n").encode().ljust(1 << 20, b"\0")
         self.gpu_image(gpu).write_bytes(data)
 
-    def define(self, name: str, *, agent_delay: float = 0) -> None:
+    def define(self, name: str, *, agent_delay: float = 0,
+               gpus: tuple[str, ...] | None = None) -> None:
         """(Re)define a lab domain: the lendee takes every lab GPU, an owner its own,
-        each with its extra devices."""
-        gpus = OWNERS.get(name, tuple(sorted(GPUS)))
+        each with its extra devices; `gpus`: those instead (a lendee of several)."""
+        gpus = gpus if gpus is not None else OWNERS.get(name, tuple(sorted(GPUS)))
         assert self.guest is not None, "define() needs the lab up"
         images = []
         for gpu in gpus:

@@ -215,6 +215,25 @@ in
     }
   ]);
 
+  # Two worker VMs, lendees.NAME alone: no [lendee] in the file.
+  lendees = outcome (evalNixos [
+    module
+    {
+      virtualisation.libvirtd.enable = true;
+      services.hostagent = {
+        enable = true;
+        settings = {
+          lendees.gpu-node-a.gpus = [ "gpu-a" ];
+          lendees.gpu-node-b = {
+            gpus = [ "0000:02:00.0" ];
+            node = "k8s-b";
+          };
+          gpus = { inherit gpu-a; };
+        };
+      };
+    }
+  ]);
+
   # Home Assistant over MQTT: the password a credential, the rest free-form settings.
   mqtt = outcome (evalNixos [
     module

@@ -203,6 +203,18 @@ def test_a_gpu_by_uuid_alone(evaluated: dict[str, Any]) -> None:
 
 
 @needs_nixos
+def test_several_lendees_alone(evaluated: dict[str, Any]) -> None:
+    """lendees.NAME without lendee: no assertion fires, and the file has no [lendee]
+    (its untyped domain "" would be refused), as the agent takes it."""
+    two = evaluated["lendees"]
+    assert two["failed"] == [] and two["toplevel"].endswith(".drv")
+    assert "lendee" not in two["config"]
+    cfg = config.parse(tomli_w.dumps(two["config"]))
+    assert list(cfg.lendees) == ["gpu-node-a", "gpu-node-b"]
+    assert cfg.lendees["gpu-node-b"].node == "k8s-b"
+
+
+@needs_nixos
 def test_the_mqtt_password_is_a_credential(evaluated: dict[str, Any]) -> None:
     """mqttPasswordFile: read by systemd at start (LoadCredential=), never in the store;
     the agent reads it where systemd puts it, and takes the [mqtt] section as written."""
@@ -421,7 +433,9 @@ INTEGERS = [-1, 0, 1, 2]  # as tests/packaging/nixos.nix probes them
 # A configuration to try a value in, where a table of entries is read at its first.
 BASE: dict[str, Any] = {
     "lendee": {"domain": "gpu-node", "gpus": ["gpu-a", "gpu-b"]},
-    "gpus": {"gpu-a": {"pci": "0000:01:00.0"}, "gpu-b": {"pci": "0000:02:00.0"}},
+    "lendees": {"gpu-node-b": {"gpus": ["gpu-c", "gpu-d"]}},
+    "gpus": {"gpu-a": {"pci": "0000:01:00.0"}, "gpu-b": {"pci": "0000:02:00.0"},
+             "gpu-c": {"pci": "0000:03:00.0"}, "gpu-d": {"pci": "0000:04:00.0"}},
     "owners": {"gaming1": {"gpus": ["gpu-a"]}},
 }
 

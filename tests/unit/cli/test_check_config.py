@@ -191,3 +191,12 @@ def test_a_file_root_may_read_only_with_cap_dac_read_search(
     ]
     theirs.chmod(0o644)
     assert check(tmp_path, capsys, top) == []
+
+
+def test_several_lendees_are_checked_and_named(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text('[lendees.node-a]\ngpus = ["0000:01:00.0"]\n'
+                    '[lendees.node-b]\ngpus = ["0000:02:00.0"]\n')
+    assert cli.main(["--config", str(path), "check-config"]) == 0
+    assert capsys.readouterr().out == f"{path}: OK (2 GPUs, 0 owners, lendees node-a, node-b)\n"

@@ -84,3 +84,18 @@ def test_without_libvirt_python_the_domains_are_said_unchecked(
     assert "hostagent: warning: libvirt_uri: the domains are not checked: libvirt-python " \
            "is not installed" in err
     assert "hostagent: warning: control_group: there is no group 'players'" in err
+
+
+@pytest.mark.usefixtures("host")
+def test_every_lendees_domain_and_kubeconfig_are_checked(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text('[lendees.gpu-node]\ngpus = ["0000:01:00.0"]\n'
+                    f'[lendees.gpu-node-b]\ngpus = ["0000:02:00.0"]\n'
+                    f'kubeconfig = "{tmp_path / "b.yaml"}"\n[kubernetes]\n')
+    assert cli.main(["--config", str(path), "check-config"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: lendees.gpu-node-b: libvirt at qemu:///system has no domain " \
+           "'gpu-node-b'" in err
+    assert "lendees.gpu-node:" not in err  # it is defined
+    assert f"warning: lendees.gpu-node-b.kubeconfig: {tmp_path / 'b.yaml'} does not exist" in err

@@ -147,3 +147,23 @@ async def test_the_kubeconfig_may_be_given_once_the_units_credential_is_gone(
     assert code == 0, out
     assert "gpu-node: took off its cordon (set by hostagent)" in out
     assert not (await node(api))["spec"].get("unschedulable")
+
+
+async def test_the_verb_takes_the_marks_off_every_lendees_node(
+        api: Api, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    await api.seed.node("gpu-node-b", gpus=1)
+    kc = api.write_kubeconfig(tmp_path / "kc")
+    async with await Kube.connect(kc, timing=FAST) as k:
+        await lend_marks(k)
+        await k.cordon("gpu-node-b", marker_prefix=PREFIX)
+    path = tmp_path / "config.toml"
+    path.write_text(f'control_socket = "{tmp_path}/control.sock"\n'
+                    '[lendees.gpu-node]\ngpus = ["0000:01:00.0"]\n'
+                    f'[lendees.gpu-node-b]\ngpus = ["0000:02:00.0"]\nkubeconfig = "{kc}"\n'
+                    f'[kubernetes]\nkubeconfig = "{kc}"\n')
+    code = await asyncio.to_thread(cli.main, ["--config", str(path), "unmark-node"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "gpu-node: took off its cordon (set by hostagent)" in out
+    assert "gpu-node-b: took off its cordon (set by hostagent)" in out
+    assert not (await api.seed.get_node("gpu-node-b"))["spec"].get("unschedulable")

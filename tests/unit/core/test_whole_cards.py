@@ -249,3 +249,21 @@ def test_lint_a_group_shared_with_a_device_that_is_no_gpu_names_the_vms_as_an_er
     assert shared[0].what == ("IOMMU group 1 holds 0000:05:00, no GPU, with gpu-a: gpu-a in "
                               "gaming1, gpu-node; 0000:05:00 in gaming2")
     assert "one VM at a time" in shared[0].why and "moves GPUs only" in shared[0].why
+
+
+def test_lint_per_lendee_and_a_group_split_between_two_lendees(host: Any) -> None:
+    text = CONFIG.replace('[lendee]\ndomain = "gpu-node"\ngpus = ["gpu-a", "gpu-b", "gpu-c"]',
+                          '[lendees.node-a]\ngpus = ["gpu-a", "gpu-b"]\n'
+                          '[lendees.node-c]\ngpus = ["gpu-c"]')
+    cfg = gpus.on_host(parse(text), host.root)
+    domains = [lint.parse_domain(xml("node-a", [f"0000:01:00.{f}" for f in range(4)]
+                                     + ["0000:02:00.0", "0000:02:00.1"])),
+               lint.parse_domain(xml("node-c", ["0000:03:00.0", "0000:01:00.0"]))]
+    found = lint.lint(domains, sysfs=host.root, config=cfg)
+    shared = [f for f in found if f.check is Check.SHARED_GROUP]
+    assert [(f.domain, f.severity) for f in shared][0] == ("node-a, node-c", Severity.ERROR)
+    assert shared[0].what == "gpu-b and gpu-c share IOMMU group 2 but are lent to node-a and node-c"
+    # Each lendee is checked against its own GPUs, under its own key.
+    xml_findings = [f for f in found if f.check is Check.CONFIG_XML]
+    assert [(f.domain, f.fix) for f in xml_findings] == [
+        ("node-c", "add gpu-a to lendees.node-c.gpus, or remove the hostdev from node-c")]

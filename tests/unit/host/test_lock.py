@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hostagent.service.agent import Agent, StartupError
+from hostagent.service.agent import Agent
+from hostagent.service.serving import StartupError
 from hostagent.core.config import parse
 from hostagent.host.lock import AlreadyRunning, lock_agent
 from tests.unit.agents import (  # noqa: F401 (a fixture)

@@ -333,12 +333,12 @@ async def test_a_metrics_port_in_use_is_retried_not_fatal(tmp_path: Path) -> Non
     text = TWO_OWNERS.format(root=tmp_path) + f'\n[metrics]\nlisten = "127.0.0.1:{port}"\n'
     agent = Agent(parse(text, "test.toml"))
     agent.start()
-    await agent._serve_metrics()  # returns: it keeps trying in the background
-    assert agent._exporter is None
+    await agent.endpoints.serve_metrics()  # returns: it keeps trying in the background
+    assert agent.endpoints.exporter is None
     squatter.close()
-    await until(lambda: agent._exporter is not None, timeout=10)
-    assert agent._exporter is not None
-    agent._exporter.close()
+    await until(lambda: agent.endpoints.exporter is not None, timeout=10)
+    assert agent.endpoints.exporter is not None
+    agent.endpoints.exporter.close()
     assert agent.ended is None, agent.ended
     for task in list(agent.executor.tasks):
         task.cancel()

@@ -241,3 +241,25 @@ def test_a_gpu_lent_while_another_is_in_a_game() -> None:
     segments = [[s.get("data-holder") for s in r.findall(f"{SVG}rect[@class='segment']")]
               for r in rows]
     assert "gaming1" in segments[0] and segments[1].count("gpu-node") == 3
+
+
+def test_several_lendees_each_lend_their_own_gpus() -> None:
+    """gpu-node lends gpu-a, gpu-node-b lends gpu-b; gaming1 takes gpu-a from gpu-node
+    only: gpu-b stays lent throughout, gpu-a's swap is counted."""
+    records = [
+        rec(0, "phase", "gpu-node", "joining", "lent", "gpu-a=gpu-node"),
+        rec(0, "phase", "gpu-node-b", "joining", "lent", "gpu-b=gpu-node-b"),
+        intent(10, "gaming1", "pending", "i1"),
+        rec(20, "phase", "gpu-node", "stopping", "off", "gpu-a=-"),
+        rec(25, "owner", "gaming1", "off", "running", "gpu-a=gaming1"),
+        intent(25, "gaming1", "done", "i1"),
+        rec(100, "owner", "gaming1", "running", "off", "gpu-a=-"),
+    ]
+    h = history.build(records, until=T0 + 100)
+    assert h.lendee == "gpu-node" and h.lendees == ("gpu-node", "gpu-node-b")
+    assert h.totals("gpu-b") == {"lent": 100.0, "gaming": 0.0, "idle": 0.0}
+    assert h.totals("gpu-a") == {"lent": 20.0, "gaming": 75.0, "idle": 5.0}
+    assert [(s.gpu, s.owner, s.duration) for s in h.swaps] == [("gpu-a", "gaming1", 15.0)]
+    out = history.to_json(h)
+    assert out["lendees"] == ["gpu-node", "gpu-node-b"]
+    assert [t["lendee"] for t in out["transitions"]][:2] == ["gpu-node", "gpu-node-b"]

@@ -218,3 +218,31 @@ def test_only_the_word_cancel_cancels_a_reservation() -> None:
     asked = ha.command(s, "hostagent/owner/gaming1/reserve", b"cancel")
     assert isinstance(asked, ha.Command) and asked.args == {"vm": "gaming1", "cancel": True}
     assert not ha.reservation("") and ha.reservation("cancel") and ha.reservation("20:00")
+
+
+def test_each_lendee_has_its_entities_and_the_first_keeps_its_ids() -> None:
+    """Several lendees: the first keeps lent, phase and live_gpus (an upgrade from one
+    lendee keeps its entities in Home Assistant); each other gets its own, by slug."""
+    two = CONFIG.replace('[lendee]\ndomain = "gpu-node"\ngpus = ["gpu-a", "gpu-b", "gpu-c"]\n',
+                         '[lendee]\ndomain = "gpu-node"\ngpus = ["gpu-a"]\n'
+                         '[lendees."gpu/node-b"]\ngpus = ["gpu-b", "gpu-c"]\n')
+    single, s = surface(), surface(two)
+    assert set(ha.components(s)) - set(ha.components(single)) == {
+        "lent_gpu_node-b", "phase_gpu_node-b", "live_gpus_gpu_node-b"}
+    topic, payload = ha.device_config(s)
+    message = check_device_message(topic, payload)
+    assert message["cmps"]["phase_gpu_node-b"]["name"] == "gpu/node-b phase"
+    data = {**status(lent=["gpu-a"]), "lendees": [
+        {"domain": "gpu-node", "phase": "lent", "hold": False, "lent": ["gpu-a"]},
+        {"domain": "gpu/node-b", "phase": "stopping", "hold": False, "lent": ["gpu-b"]}]}
+    out = ha.states(s, data, "")
+    assert out["hostagent/lent/state"] == "ON" and out["hostagent/live_gpus/state"] == "gpu-a"
+    assert out["hostagent/lendee/gpu_node-b/lent/state"] == "OFF"
+    assert out["hostagent/lendee/gpu_node-b/phase/state"] == "stopping"
+    assert out["hostagent/lendee/gpu_node-b/live_gpus/state"] == "gpu-b"
+    read = {c.get(k) for c in ha.components(s).values() for k in ("stat_t", "json_attr_t")}
+    assert set(out) <= read
+    # Back to one lendee: the other's entities are removed, the first's kept.
+    assert ha.removals(single, json.loads(payload)) == {
+        "lent_gpu_node-b": "binary_sensor", "phase_gpu_node-b": "sensor",
+        "live_gpus_gpu_node-b": "sensor"}

@@ -1,0 +1,129 @@
+"""Two lendees end to end: real libvirtd, the real hook, real guests, one agent.
+
+gpu-node borrows gpu-a, gpu-node-b borrows gpu-b and gpu-c, each its own worker VM.
+`virsh start gaming1` (gpu-a) reclaims gpu-node only: gpu-node-b is never drained,
+never shut down, never restarted (the same guest boot id throughout), and its machine
+records no transition; gaming1 plays, and when it stops gpu-node is lent again. With
+Kubernetes, the pods on gpu-node-b's node keep running: the same pods, started when
+they were."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.lab.cluster import LabCluster, lab_cluster, pod
+from tests.lab.lab import AGENT_CONFIG, Lab
+
+pytestmark = pytest.mark.lab
+
+OTHER = "gpu-node-b"
+ONE_LENDEE = '[lendee]\ndomain = "gpu-node"\ngpus = ["gpu-a", "gpu-b", "gpu-c"]\n'
+TWO_LENDEES = ('[lendees.gpu-node]\ngpus = ["gpu-a"]\n\n'
+               f'[lendees.{OTHER}]\ngpus = ["gpu-b", "gpu-c"]\n')
+
+
+@pytest.fixture
+def two(lab: Lab) -> Iterator[Lab]:
+    """The lab with gpu-node on gpu-a alone and gpu-node-b on gpu-b and gpu-c."""
+    config = AGENT_CONFIG.format(relend_delay="2s")
+    assert ONE_LENDEE in config
+    lab.write_config(config.replace(ONE_LENDEE, TWO_LENDEES))
+    lab.define("gpu-node", gpus=("gpu-a",))
+    lab.define(OTHER, gpus=("gpu-b", "gpu-c"))
+    try:
+        yield lab
+    finally:
+        lab.virsh("destroy", OTHER, check=False)
+        lab.virsh("undefine", OTHER, check=False)
+
+
+def boot_id(lab: Lab, vm: str) -> str:
+    out = lab.guest_exec(vm, "/bin/cat", "/proc/sys/kernel/random/boot_id").stdout.strip()
+    assert re.fullmatch(r"[0-9a-f-]{36}", out), out
+    return out
+
+
+def test_gaming1_reclaims_its_lendee_only_and_the_other_never_notices(two: Lab) -> None:
+    lab = two
+    lab.start_agent()
+    lab.wait_record(120, event="phase", to="lent", vm="gpu-node")
+    lab.wait_record(120, event="phase", to="lent", vm=OTHER)
+    before = boot_id(lab, OTHER)
+    other_phases = len(lab.records(event="phase", vm=OTHER))
+
+    answer = lab.play("gaming1")
+    assert "will start by itself" in answer.stderr, answer.stderr
+    assert "gpu-node holds gpu-a" in answer.stderr, answer.stderr
+    assert lab.state("gaming1") == "running"
+    lab.wait_state("gpu-node", "shut off")
+    # gpu-node-b: still running, the same boot, and its machine never moved.
+    assert lab.state(OTHER) == "running"
+    assert boot_id(lab, OTHER) == before
+    assert len(lab.records(event="phase", vm=OTHER)) == other_phases
+    assert not [e for e in lab.records(vm=OTHER) if e.get("HOSTAGENT_EVENT") in
+                ("shutdown", "drain", "reclaim")]
+
+    # The game ends: gpu-node is lent again; gpu-node-b still never noticed.
+    lab.virsh("destroy", "gaming1")
+    lab.wait_records(2, 120, event="phase", to="lent", vm="gpu-node")
+    assert boot_id(lab, OTHER) == before
+    deadline = time.monotonic() + 5  # nothing was pending for it: nothing comes late
+    while time.monotonic() < deadline:
+        assert len(lab.records(event="phase", vm=OTHER)) == other_phases
+        time.sleep(0.5)
+
+
+def test_gaming1_leaves_the_other_nodes_pods_running(two: Lab) -> None:
+    """With Kubernetes: gaming1's start drains gpu-node only. The pod on gpu-node-b's
+    node is the same pod, started at the same time, Running throughout, and its node
+    was never cordoned; the one on gpu-node was evicted."""
+    lab = two
+    with lab_cluster(lab, workloads=False, others=(OTHER,)) as kc:
+        # Each lendee as its own node's ServiceAccount, as deploy/rbac-node.yaml makes them.
+        config = lab.config.read_text().replace(
+            f'[lendees.{OTHER}]\n', f'[lendees.{OTHER}]\nkubeconfig = "{kc.kubeconfigs[OTHER]}"\n')
+        lab.write_config(config + f'\n[kubernetes]\nkubeconfig = "{kc.kubeconfig}"\n'
+                         'evict_retry = "1s"\n')
+        lab.start_agent()
+        lab.wait_record(240, event="phase", to="lent", vm="gpu-node")
+        lab.wait_record(240, event="phase", to="lent", vm=OTHER)
+        kc.create(*(deployment(f"job-{n}", node) for n, node in (("a", "gpu-node"),
+                                                                 ("b", OTHER))))
+        before = {n: running_on(kc, f"job-{n}", node)
+                  for n, node in (("a", "gpu-node"), ("b", OTHER))}
+
+        answer = lab.play("gaming1")
+        assert "will start by itself" in answer.stderr, answer.stderr
+        lab.wait_state("gpu-node", "shut off")
+        after = running_on(kc, "job-b", OTHER)
+        assert (after["metadata"]["uid"], after["status"]["startTime"]) == (
+            before["b"]["metadata"]["uid"], before["b"]["status"]["startTime"])
+        assert not kc.node(OTHER)["spec"].get("unschedulable")
+        assert not [p for p in kc.pods_on("gpu-node")
+                    if p == before["a"]["metadata"]["name"]]  # evicted by the drain
+        assert lab.state(OTHER) == "running"
+
+
+def deployment(name: str, node: str) -> dict[str, object]:
+    """One pod of `name`, kept on `node` by its hostname label."""
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
+            "spec": {"replicas": 1, "selector": {"matchLabels": {"app": name}},
+                     "template": pod("", app=name,
+                                     nodeSelector={"kubernetes.io/hostname": node})}}
+
+
+def running_on(kc: LabCluster, app: str, node: str, timeout: float = 120) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        pods = kc.plane.get("/api/v1/pods", fieldSelector=f"spec.nodeName={node}")["items"]
+        found = [p for p in pods if p["metadata"]["labels"].get("app") == app
+                 and p["status"].get("phase") == "Running"]
+        if found:
+            return dict(found[0])
+        assert time.monotonic() < deadline, f"no pod of {app} running on {node}"
+        time.sleep(0.5)
