@@ -42,11 +42,15 @@ class NotLent(enum.StrEnum):
 
 @dataclass(frozen=True)
 class Why:
+    """``words`` do not count down (MQTT publishes a state when it changes): the time the
+    reason ends, where one is known, is ``until`` (POSIX seconds)."""
+
     reason: NotLent
     words: str
+    until: float | None = None
 
-    def as_dict(self) -> dict[str, str]:
-        return {"reason": self.reason.value, "words": self.words}
+    def as_dict(self) -> dict[str, str | float | None]:
+        return {"reason": self.reason.value, "words": self.words, "until": self.until}
 
 
 def _s(n: int) -> str:
@@ -85,9 +89,13 @@ def _why(gpu: str, cfg: Config, topo: Topology, policy: Policy, state: State,
     reserved = _owning(topo, gpu, firm)
     if reserved:
         r = firm[reserved[0]]
+        if r.at > now:
+            return Why(NotLent.RESERVATION,
+                       f"kept for {r.vm}, reserved by {r.by} (`hostagent reserve {r.vm} "
+                       "--cancel` frees it)", until=r.at)
         return Why(NotLent.RESERVATION,
-                   f"kept for {r.vm}, reserved by {r.by} (`hostagent reserve {r.vm} --cancel`"
-                   " frees it)")
+                   f"kept for {r.vm}, reserved by {r.by}: its time has come and it is not "
+                   "used yet; lent again when it expires or is cancelled")
     if gpu in state.held:
         return Why(NotLent.IOMMU_GROUP,
                    f"{state.held[gpu]} holds another device of its IOMMU group; lent once "
@@ -119,8 +127,8 @@ def _lendee_side(cfg: Config, topo: Topology, policy: Policy, state: State,
         return Why(NotLent.OWNER_STARTING,
                    f"{', '.join(pending)} {'is' if len(pending) == 1 else 'are'} starting: "
                    f"{lendee} waits until {'it runs' if len(pending) == 1 else 'they run'}")
-    relend = (f"lent in {max(0.0, state.relend_at - now):.0f} s (policy.relend_delay = "
-              f"{policy.relend_delay:g} s after the last game)"
+    relend = (Why(NotLent.RELEND_DELAY, f"lent once policy.relend_delay ({policy.relend_delay:g}"
+                  " s after the last game) has passed", until=state.relend_at)
               if state.relend_at is not None else None)
     if state.phase is Phase.OFF:
         free = len(free_gpus(state, topo, policy))
@@ -128,7 +136,7 @@ def _lendee_side(cfg: Config, topo: Topology, policy: Policy, state: State,
             return Why(NotLent.BELOW_MIN_GPUS,
                        f"{_s(free)} free, fewer than lendee.min_gpus = {policy.min_gpus}")
         if relend is not None:
-            return Why(NotLent.RELEND_DELAY, relend)
+            return relend
         if state.reason:
             return Why(NotLent.START_FAILED,
                        f"{lendee}'s last start failed: {state.reason} (`hostagent lend` "
@@ -139,7 +147,7 @@ def _lendee_side(cfg: Config, topo: Topology, policy: Policy, state: State,
             f"{state.phase.value}: it takes it at its next start")
         return Why(NotLent.LENDEE_BUSY, f"{lendee} is {what}")
     if relend is not None:
-        return Why(NotLent.RELEND_DELAY, relend)
+        return relend
     if state.regrow_waiting:
         return Why(NotLent.REGROW, f"{lendee} takes it once no pod on its node uses a GPU "
                    '(policy.regrow = "when-idle")')
@@ -156,5 +164,5 @@ def _lendee_side(cfg: Config, topo: Topology, policy: Policy, state: State,
                f"({how})")
 
 
-def as_dicts(whys: Mapping[str, Why]) -> dict[str, dict[str, str]]:
+def as_dicts(whys: Mapping[str, Why]) -> dict[str, dict[str, str | float | None]]:
     return {gpu: why.as_dict() for gpu, why in whys.items()}

@@ -91,10 +91,12 @@ def test_a_gpu_whose_group_another_vm_holds_names_that_vm() -> None:
     assert "usb-vm" in why["gpu-c"].words
 
 
-def test_in_the_relend_delay_the_time_left_is_said() -> None:
+def test_in_the_relend_delay_the_time_it_ends_is_said() -> None:
     why = not_lent(config(relend_delay='"30s"'), State(relend_at=NOW + 12), NOW)
     assert {w.reason for w in why.values()} == {NotLent.RELEND_DELAY}
-    assert "12 s" in why["gpu-a"].words and "relend_delay" in why["gpu-a"].words
+    assert "relend_delay (30 s" in why["gpu-a"].words and why["gpu-a"].until == NOW + 12
+    # The words do not count down: MQTT publishes a state when it changes.
+    assert not_lent(config(relend_delay='"30s"'), State(relend_at=NOW + 12), NOW + 5) == why
 
 
 def test_a_reservation_keeps_its_owners_gpu_and_says_whose() -> None:
@@ -105,6 +107,10 @@ def test_a_reservation_keeps_its_owners_gpu_and_says_whose() -> None:
     assert list(why) == ["gpu-b"]
     assert why["gpu-b"].reason is NotLent.RESERVATION
     assert "gaming2" in why["gpu-b"].words and "mqtt" in why["gpu-b"].words
+    assert why["gpu-b"].until == NOW + 600
+    late = not_lent(config(), state, NOW + 601)["gpu-b"]
+    assert late.reason is NotLent.RESERVATION and late.until is None
+    assert "not used yet" in late.words
 
 
 def test_an_owner_on_its_way_keeps_its_gpu_and_the_others_wait_for_it() -> None:
