@@ -107,18 +107,17 @@ def _why(gpu: str, cfg: Config, topo: Topology, policy: Policy, state: State,
             return Why(NotLent.IOMMU_GROUP,
                        f"shares its IOMMU group with {', '.join(mates)}, which {owner} "
                        "takes: VFIO gives a group to one VM at a time")
-    taken = sorted((topo.gpus_of(claimants) | state.held.keys()) & topo.lendee_gpus)
+    taken = sorted(topo.whole(topo.gpus_of(claimants) | state.held.keys()) & topo.lendee_gpus)
     if taken and not policy.partial:
         return Why(NotLent.PARTIAL_OFF,
                    f"policy.partial = false: {lendee} runs with all its GPUs or none, and "
                    f"{', '.join(taken)} {'is' if len(taken) == 1 else 'are'} taken")
     if state.hold:
         return Why(NotLent.HOLD, "lending is on hold (`hostagent lend` lends again)")
-    return _lendee_side(cfg, topo, policy, state, now)
+    return _lendee_side(cfg, topo, policy, state)
 
 
-def _lendee_side(cfg: Config, topo: Topology, policy: Policy, state: State,
-                 now: float) -> Why:
+def _lendee_side(cfg: Config, topo: Topology, policy: Policy, state: State) -> Why:
     """The reasons that keep every free GPU alike, from where the lendee is."""
     lendee = topo.lendee
     pending = [o for o in dict.fromkeys([*state.waiting_owners, *sorted(state.starting_owners)])
