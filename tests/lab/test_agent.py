@@ -123,7 +123,9 @@ def test_gaming2_mid_game_leaves_gpu_c_and_a_second_owner_is_refused(lab: Lab) -
     lab.play("gaming2")
     lent(lab)
     assert lab.status()["lendee"]["lent"] == ["gpu-c"]
-    assert holders(lab) == {"gpu-a": "gaming1", "gpu-b": "gaming2", "gpu-c": "gpu-node"}
+    # gpu-node comes back with the GPU no game holds (its boot takes a while).
+    wait_until(lambda: holders(lab) == {"gpu-a": "gaming1", "gpu-b": "gaming2",
+                                        "gpu-c": "gpu-node"}, "gpu-node lent gpu-c", timeout=180)
 
 
 def test_all_or_nothing_keeps_the_lendee_off_while_a_game_plays(lab: Lab) -> None:
@@ -255,11 +257,13 @@ def test_an_owner_undefined_and_a_restart_leave_the_other_owners_swapping(lab: L
     text = lab.wait_record(event="config", result="waiting")["MESSAGE"]
     assert "has no domain for owners.gaming-win ('gaming-win')" in text
     assert "virsh define" in text
-    lent(lab, timeout=90)
+    lab.wait_records(2, 90, event="phase", to="lent")  # lent again (adopted as it runs)
     for owner in ("gaming1", "gaming2"):  # both asked at once: one reclaim
         assert DEFERRED in lab.ask(owner).stderr
     assert lab.wait_game("gaming1") and lab.wait_game("gaming2")
-    assert holders(lab) == {"gpu-a": "gaming1", "gpu-b": "gaming2", "gpu-c": "gpu-node"}
+    # gpu-node comes back with the GPU no game holds (its boot takes a while).
+    wait_until(lambda: holders(lab) == {"gpu-a": "gaming1", "gpu-b": "gaming2",
+                                        "gpu-c": "gpu-node"}, "gpu-node lent gpu-c", timeout=180)
     for owner in ("gaming1", "gaming2"):
         lab.virsh("destroy", owner)
     wait_until(lambda: holders(lab) == dict.fromkeys(("gpu-a", "gpu-b", "gpu-c"), "gpu-node"),
