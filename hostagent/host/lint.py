@@ -497,11 +497,42 @@ def _against_config(domains: Sequence[Domain], config: Config) -> list[Finding]:
                     "whenever another VM holds it.",
                 fix=f"add {label} to {key}, or remove the hostdev from {name}"))
     found += _autostart(domains, roles)
+    found += _not_owners(domains, config, roles)
     for name in config.lendees:
         lendee = by_name.get(name)
         if lendee is not None:
             found += hotplug_findings(lendee, config.view(name))
     return found
+
+def _not_owners(domains: Sequence[Domain], config: Config,
+                roles: dict[str, tuple[str, str, tuple[str, ...]]]) -> list[Finding]:
+    """A VM the configuration does not name that passes through a GPU the lendee borrows
+    (an old Windows VM kept around): hostagent reclaims only for an owner, so that VM's
+    start fails with libvirt's busy-device error whenever the lendee holds the GPU."""
+    found = []
+    lent = {gpu: name for name, lendee in config.lendees.items() for gpu in lendee.gpus}
+    for dom in domains:
+        if dom.name in roles:
+            continue
+        have = {h.address for h in dom.hostdevs}
+        tagged = {gpu_devices.alias_label(a, config.gpus) for a in dom.aliases}
+        for label in sorted(lent):
+            gpu = config.gpus[label]
+            mine = [a for a in gpu.pci_functions if a in have]
+            if not mine and label not in tagged:
+                continue
+            shown = f"{label} ({', '.join(mine)})" if mine else label
+            found.append(Finding(
+                domain=dom.name, check=Check.NOT_AN_OWNER, severity=Severity.WARNING,
+                what=f"{dom.name} passes through {shown}, which {lent[label]} "
+                     "borrows, but is not an owner",
+                why="hostagent frees a GPU only for an owner: while the lendee holds it, "
+                    f"virsh start {dom.name} fails with libvirt's device-in-use error, and "
+                    f"while {dom.name} runs, the lendee cannot start with it.",
+                fix=f'make it an owner ([owners.{dom.name}] gpus = ["{label}"]), or '
+                    f"remove the hostdev from {dom.name} (virsh edit {dom.name})"))
+    return found
+
 
 def _autostart(domains: Sequence[Domain],
                roles: dict[str, tuple[str, str, tuple[str, ...]]]) -> list[Finding]:

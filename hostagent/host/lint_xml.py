@@ -35,6 +35,7 @@ class Check(enum.StrEnum):
     AUTOSTART = "autostart"
     HOTPLUG = "hotplug"
     RESET = "reset"
+    NOT_AN_OWNER = "not-an-owner"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import hostagent
-from hostagent.core import clock, machine, reserve
+from hostagent.core import clock, idle, machine, reserve
 from hostagent.host import journal, lint
 from hostagent.core.config import Config
 from hostagent.surfaces.control import Reply, VerbHandler, current_caller
@@ -79,6 +79,7 @@ class Verbs:
     def status(self) -> dict[str, Any]:
         now, state, topo = clock.now(), self.view.state, self.topo
         holders = machine.holders(state, topo)
+        why = idle.not_lent(self.cfg, state, now)  # each idle GPU's reason
         gpus = []
         for label in sorted(topo.gpus):
             gpu = self.cfg.gpus.get(label)
@@ -89,7 +90,8 @@ class Verbs:
                          "functions": list(gpu.functions) if gpu else [],
                          "moves_with": sorted(topo.whole({label}) - {label}),
                          "owners": list(self.cfg.owners_of(label)),
-                         "holder": holders.get(label)})
+                         "holder": holders.get(label),
+                         "not_lent": why[label].as_dict() if label in why else None})
         return {
             "lendee": {"domain": self.lendee, "phase": state.phase.value,
                        "reason": state.reason, "since": self.view.phase_since,

@@ -194,6 +194,7 @@ def format_status(data: dict[str, Any]) -> str:
                      for g in data["gpus"] if g.get("moves_with")})
     for group in groups:
         lines.append(f"{' and '.join(group)} share an IOMMU group: lent and reclaimed together")
+    lines += _not_lent(data["gpus"])
     lines.append("")
     if data["intents"]:
         lines.append("waiting to start:")
@@ -220,6 +221,19 @@ def format_status(data: dict[str, Any]) -> str:
     if data.get("version"):
         lines.append(f"hostagent {data['version']}")
     return "\n".join(clean(line, None) for line in lines)
+
+
+def _not_lent(gpus: list[dict[str, Any]]) -> list[str]:
+    """Why each idle GPU is not lent, by the reason's name and in words
+    (`hostagent.core.idle`); a status without it (an older agent's) says nothing."""
+    lines = []
+    for g in gpus:
+        why = g.get("not_lent")
+        if why:
+            until = why.get("until")
+            when = f" (in {_age(until - time.time())})" if until is not None else ""
+            lines.append(f"{g['gpu']} is not lent ({why['reason']}): {why['words']}{when}")
+    return lines
 
 
 def _clock(at: float) -> str:

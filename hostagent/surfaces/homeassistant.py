@@ -20,7 +20,9 @@ Under ``base_topic`` (``<base>``), every state retained:
                                       "cancel" cancels (and only it: an empty message
                                       is a retained one cleared, and does nothing)
     <base>/gpu/<gpu>/state            who holds it: a VM's name, or "free"
-    <base>/gpu/<gpu>/attributes       JSON: its name, PCI address and owners
+    <base>/gpu/<gpu>/attributes       JSON: its name, PCI address and owners; while
+                                      idle, why it is not lent: not_lent (the reason's
+                                      name) and not_lent_why (in words)
     <base>/lent/state                 ON / OFF: the lendee is lent (verified, uncordoned)
     <base>/phase/state                the lendee's phase (off, booting, ... failed)
     <base>/live_gpus/state            the GPUs of the lendee's live definition, or "none"
@@ -321,9 +323,12 @@ def states(s: Surface, status: Mapping[str, Any], transition: str) -> dict[str, 
     for slug, label in s.gpus.items():
         gpu = holders.get(label, {})
         out[s.topic("gpu", slug, "state")] = _short(gpu.get("holder") or "free")
-        out[s.topic("gpu", slug, "attributes")] = json.dumps(
-            {"name": gpu.get("name"), "pci": gpu.get("pci"), "owners": gpu.get("owners", [])},
-            sort_keys=True)
+        attributes = {"name": gpu.get("name"), "pci": gpu.get("pci"),
+                      "owners": gpu.get("owners", [])}
+        why = gpu.get("not_lent")
+        if why:  # idle, and why it is not lent (`hostagent.core.idle`)
+            attributes |= {"not_lent": why.get("reason"), "not_lent_why": why.get("words")}
+        out[s.topic("gpu", slug, "attributes")] = json.dumps(attributes, sort_keys=True)
     out[s.topic("lent", "state")] = _onoff(lendee["phase"] == Phase.LENT.value)
     out[s.topic("phase", "state")] = lendee["phase"]
     out[s.topic("live_gpus", "state")] = _short(", ".join(lendee["lent"]) or "none")

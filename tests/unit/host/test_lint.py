@@ -452,3 +452,26 @@ def test_the_running_lendee_turns_auto_into_hot_unplug_or_not() -> None:
     by_hand = Policy(hotplug=Hotplug.ADD)
     assert lint.unplug_at_run_time(parse(LINT_CONFIG), by_hand, plugins_pausable=True,
                                    drain_supported=True) is by_hand
+
+
+def test_a_vm_that_is_no_owner_passing_through_a_lent_gpu_warns(host: Any, cfg: Config) -> None:
+    """An old Windows VM, kept but not configured, still has gpu-b: hostagent never frees
+    it for that VM, so its start fails while the lendee holds it."""
+    xmls = {**clean_set(), "old-win": domain("old-win", gpu("02", rom_off=False))}
+    found = only([f for f in run(xmls, host, cfg) if f.domain == "old-win"])
+    assert (found.check, found.severity) == (Check.NOT_AN_OWNER, Severity.WARNING)
+    assert found.what == ("old-win passes through gpu-b (0000:02:00.0, 0000:02:00.1), which "
+                          "gpu-node borrows, but is not an owner")
+    assert "[owners.old-win]" in found.fix and "gpu-b" in found.fix
+    # One tied to the GPU by its user alias counts too (the lab's stand-ins).
+    tied = domain("old-win", ["<disk type='file' device='disk'><source file='/x.img'/>"
+                              "<target dev='vdb' bus='virtio'/>"
+                              "<alias name='ua-hostagent-gpu-c'/></disk>"])
+    found = only([f for f in run({**clean_set(), "old-win": tied}, host, cfg)
+                  if f.domain == "old-win"])
+    assert found.check is Check.NOT_AN_OWNER and "gpu-c" in found.what
+    # A GPU the lendee does not borrow is that VM's business; without a config, nothing.
+    text = textwrap.dedent(CONFIG).replace('gpus = ["gpu-a", "gpu-b", "gpu-c"]',
+                                           'gpus = ["gpu-a", "gpu-c"]', 1)
+    assert not [f for f in run(xmls, host, parse(text)) if f.domain == "old-win"]
+    assert not [f for f in run(xmls, host) if f.check is Check.NOT_AN_OWNER]
