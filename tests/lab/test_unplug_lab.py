@@ -161,6 +161,19 @@ def test_a_game_takes_its_gpu_live_and_a_guest_that_keeps_it_falls_back(
             f"{DETACH_BOUND:g}s bound included"))
 
 
+def persistenced_holds(lab: Lab) -> list[str]:
+    """The minor numbers of the GPUs the stand-in nvidia-persistenced holds open."""
+    return guest(lab, "cat", "/var/run/nvidia-persistenced/held").split()
+
+
+def minors(lab: Lab) -> dict[str, str]:
+    """Each lab GPU the guest's nvidia-smi lists, by label: its minor number."""
+    listed = dict(line.split(", ") for line in guest(
+        lab, "/usr/bin/nvidia-smi", "--query-gpu=uuid,minor_number",
+        "--format=csv,noheader").splitlines())
+    return {gpu: listed[uuid] for gpu, (uuid, _) in GPUS.items() if uuid in listed}
+
+
 def test_gpu_operators_plugin_and_dcgm_exporter_are_paused_and_restored_as_found(
         lab: Lab) -> None:
     """gpu-operator's device plugin and DCGM exporter hold every GPU, GPU Feature
@@ -169,13 +182,20 @@ def test_gpu_operators_plugin_and_dcgm_exporter_are_paused_and_restored_as_found
     the return puts back the labels as gpu-operator left them. Then, in the same boot,
     NVIDIA's Helm chart in their place, README's term added to each of its three
     required node affinity terms: its plugin leaves by the same label, and a second
-    game takes its GPU live too."""
+    game takes its GPU live too. The guest runs the profile with nvidia-persistenced,
+    which holds every GPU: each unplug turns persistence off for its GPU alone
+    (``nvidia-smi -i ADDR -pm 0``), and persistenced lets go of that one."""
     with lab_cluster(lab, workloads=False) as kc:
         operator_node(kc)
         with GuestPlugins(lab, kc, daemonsets("operator")).running() as plugins:
             unplug_config(lab, kc)
+            define_lendee(lab, "hostagent.persistenced=1")
             lab.start_agent()
             lends(lab, 1)
+            minor = minors(lab)  # as the boot numbered them: persistenced keeps those
+            assert sorted(minor) == ["gpu-a", "gpu-b", "gpu-c"], minor
+            eventually(lambda: persistenced_holds(lab) == sorted(minor.values()),
+                       "persistenced holding every GPU")
             gpu_pods(lab, kc, {"train-b": "gpu-b", "train-c": "gpu-c"})
             held = plugins.wait_holding(3)
             lab.ask("gaming2")
@@ -183,6 +203,7 @@ def test_gpu_operators_plugin_and_dcgm_exporter_are_paused_and_restored_as_found
             assert [r["MESSAGE"] for r in lab.records(event="hotplug", result="ok")
                     if r["MESSAGE"].startswith(f"gpu-b detached from {LENDEE} in ")]
             assert set(held) <= set(plugins.ended)
+            assert persistenced_holds(lab) == sorted([minor["gpu-a"], minor["gpu-c"]])
             lends(lab, 2)
             node = kc.node()
             assert {k: v for k, v in node["metadata"]["labels"].items()
@@ -207,6 +228,7 @@ def test_gpu_operators_plugin_and_dcgm_exporter_are_paused_and_restored_as_found
             assert [r["MESSAGE"] for r in lab.records(event="hotplug", result="ok")
                     if r["MESSAGE"].startswith(f"paused {NS}/{nvdp} on node {LENDEE} in ")]
             assert nvdp in chart.ended
+            assert persistenced_holds(lab) == [minor["gpu-c"]]
             assert lab.state("gaming1") == "running"
             lends(lab, 3)
             eventually(lambda: [a for a in kc.apps_on(LENDEE) if a] == ["train-c"],
