@@ -113,6 +113,11 @@ class KubeCluster(Lent):
         # gives way, drains within what they left of timeouts.drain, not one of its own
         # (the time the guest took to let go is no drain's).
         self._vacate_spent = 0.0
+        # When a hot-unplug under way must be done with the cluster, set by `vacate`:
+        # its plugins' pause (`withdraw`) waits no longer, and adds its time to the
+        # spent, so a player waits on the cluster within one timeouts.drain, whatever
+        # road the reclaim takes. None: no hot-unplug under way.
+        self._vacate_deadline: float | None = None
         self._events: set[asyncio.Task[None]] = set()
         self.auth_retry = 30.0  # seconds between watches refused with 401/403
 
@@ -168,7 +173,7 @@ class KubeCluster(Lent):
         # A reservation's drain, ahead of its time, may take until then (`until`).
         spent = 0.0 if regrow else self._vacate_spent
         deadline = time.monotonic() + max(self.timeouts.drain - spent, until or 0.0)
-        self._vacate_spent = 0.0
+        self._vacate_spent, self._vacate_deadline = 0.0, None
         self.trouble = None
 
         def left() -> float:
@@ -246,6 +251,7 @@ class KubeCluster(Lent):
         take `until` (seconds from now: up to the reserved time) where that is longer."""
         began = time.monotonic()
         deadline = began + max(self.timeouts.drain, until or 0.0)
+        self._vacate_deadline = deadline
         names = ", ".join(sorted(gpus))
         self.trouble = None
 
@@ -298,12 +304,17 @@ class KubeCluster(Lent):
         they hold every GPU open while they run, and a deleted pod's DaemonSet makes a
         new one at once. The labels stay paused until the node's return restores them
         (every return does, whatever road it took). None, or why the reclaim by
-        restart must run instead."""
-        began = time.monotonic()
+        restart must run instead. Within what a hot-unplug's evictions left of their
+        deadline (`vacate`), else timeouts.ready (a failed hot-add's undo)."""
+        began, deadline = time.monotonic(), self._vacate_deadline
         try:
-            went = await self._pause_plugins()
+            went = await self._pause_plugins(
+                None if deadline is None else max(0.1, deadline - began))
         except KubeError as e:
             return f"could not keep the GPU plugins off node {self.node}: {e}"
+        finally:
+            if deadline is not None:
+                self._vacate_spent += time.monotonic() - began
         journal.record("hotplug", f"paused {', '.join(went)} on node {self.node} in "
                        f"{time.monotonic() - began:.1f}s: they held "
                        f"{', '.join(sorted(gpus))} open", vm=self.node, result="ok")
@@ -320,11 +331,11 @@ class KubeCluster(Lent):
         except KubeError as e:
             return False, f"node {self.node}'s GPU plugins unread: {e}"
 
-    async def _pause_plugins(self) -> list[str]:
+    async def _pause_plugins(self, timeout: float | None = None) -> list[str]:
         return await self.kube.pause_plugins(
             self.node, selectors=self.settings.plugin_selectors,
             labels=self.settings.plugin_labels, prefix=self.prefix,
-            timeout=self.timeouts.ready)
+            timeout=self.timeouts.ready if timeout is None else timeout)
 
     async def _resume_plugins(self) -> str | None:
         """The labels a pause changed, put back as they were; what was, or None if
@@ -537,7 +548,8 @@ class KubeCluster(Lent):
         guest's boot id, which the node's must equal before its status counts
         (`_this_boot`)."""
         self.trouble = None
-        self._vacate_spent = 0.0  # the hot-unplug before, if any, is over
+        # the hot-unplug before, if any, is over
+        self._vacate_spent, self._vacate_deadline = 0.0, None
         try:
             if expected is None or expected.gpus != self._labels(lent):
                 expected = await self.expect(lent)

@@ -205,14 +205,15 @@ def hotplug_findings(lendee: Domain, config: Config) -> list[Finding]:
                 "kernel modules from 595.58.03 to at least 610.57.04 hang an unbind begun "
                 "while a client holds the GPU, even once it lets go "
                 "(github.com/NVIDIA/open-gpu-kernel-modules/issues/1119). hostagent evicts "
-                "the GPU's pods and checks that nvidia-smi lists no process on it first, "
-                "and restarts the lendee when the guest keeps it past a bound, but a "
-                "client nvidia-smi does not list "
-                "(nvidia-persistenced, a display server) still holds it.",
+                "the GPU's pods, keeps its plugins off it and waits until no process in the "
+                "guest holds its device node (nvidia-persistenced and a display server as "
+                "much as a job), then takes it out through NVML's drain state where the "
+                "guest's nvidia-smi has it, else by that unbind; it restarts the lendee "
+                "when the guest keeps the GPU past a bound, and powers it off where its "
+                "driver hung there and its shutdown does not end.",
             fix="run a driver outside that range in the lendee (or one whose release notes "
-                "say the unbind is fixed), without nvidia-persistenced, or set "
-                "policy.hotplug = \"add\" (or \"auto\", which hot-unplugs only where the "
-                "running lendee shows it can)"))
+                "say the unbind is fixed), or set policy.hotplug = \"add\" (or \"auto\", "
+                "which hot-unplugs only where the running lendee shows it can)"))
     return found
 
 

@@ -560,11 +560,12 @@ async def _run(ex: Step, path: str, args: list[str], deadline: float, *,
     """`path` run in the guest within `deadline`: its result, or None and why not (None
     and None: no such command there). Past the deadline, why is `Stuck` for a `driver`
     call (nvidia-smi, the unbind: a driver that hangs hangs them); the holder scan
-    reads /proc alone, and one past it is a plain doubt."""
+    reads /proc alone, and one past it is a plain doubt, as is a call the deadline left
+    no time for (it never ran, so never hung)."""
     left = deadline - time.monotonic()
+    if left <= 0:
+        return None, f"{path} in {ex.lendee}: no time left within the {RELEASE_BOUND:g}s bound"
     try:
-        if left <= 0:
-            raise HostError(f"{path} in {ex.lendee}: no time left within the bound")
         done = await ex.libvirt.guest_exec(ex.lendee, path, args, timeout=left)
     except HostError as e:
         if in_guest.not_there(e):

@@ -4,7 +4,9 @@ shims and a training job's data loaders keep; ``hostagent.persistenced=1``: the
 profile with nvidia-persistenced holding every GPU; a CDI spec written at boot), and
 hostagent's hot-unplug on it: the holders of a GPU are found by one scan within the
 release's bound, the GPU leaves through NVML's drain state and removal, and the game
-starts with no restart of the lendee."""
+starts with no restart of the lendee. In that boot, NVIDIA's Helm chart as it ships (no term that a
+deploy label could pause) makes the next game's unplug give way to the restart, with
+the error naming the term README gives."""
 
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ from collections.abc import Callable
 
 import pytest
 
+from hostagent.core.plugins import AFFINITY_TERM
 from hostagent.service.hotplug import HOLDERS, RELEASE_BOUND
-from tests.lab.cluster import lab_cluster
+from tests.lab.cluster import NS, lab_cluster
 from tests.lab.lab import GPUS, LENDEE, Lab
 from tests.lab.helpers import eventually, lends
 from tests.lab.plugins import GuestPlugins, daemonsets, operator_node
@@ -135,3 +138,26 @@ def test_a_hot_unplug_in_a_busy_guest_is_live(lab: Lab) -> None:
             assert lab.virsh("domid", LENDEE).stdout.strip() == domid  # no restart
             listed = guest(lab, "/usr/bin/nvidia-smi", "-L")
             assert GPUS["gpu-c"][0] in listed and GPUS["gpu-a"][0] not in listed, listed
+            lends(lab, 2, timeout=180)
+
+            # NVIDIA's Helm chart as it ships: its three required node affinity terms,
+            # none a deploy label, so no label keeps its plugin off the GPU.
+            kc.kubectl("delete", "daemonset", "-n", NS, "--cascade=foreground",
+                       *(o.name for o in daemonsets("operator")))
+            eventually(lambda: not plugins.holding(), "gpu-operator's pods still hold GPUs")
+        kc.kubectl("label", "node", LENDEE, "--overwrite", "nvidia.com/gpu.present=true")
+        with GuestPlugins(lab, kc, daemonsets("chart", pausable=False)).running() as chart:
+            [nvdp] = chart.wait_holding(1)
+            gpu_pods(lab, kc, {"train-b": "gpu-b"})  # the checkpoint as the pods are now
+            lab.ask("gaming2")
+            failed = lab.wait_record(120, event="hotplug", result="failed")
+            assert failed["MESSAGE"].startswith(
+                f"could not take gpu-b from {LENDEE} live: could not keep the GPU plugins "
+                f"off node {LENDEE}: the DaemonSet of GPU plugin pod {NS}/{nvdp} selects "
+                "nodes by none of kubernetes.plugin_labels"), failed["MESSAGE"]
+            assert AFFINITY_TERM in failed["MESSAGE"]
+            assert failed["MESSAGE"].endswith(
+                "; reclaiming it by restart instead (drain, shutdown, start)")
+            lab.wait_record(180, event="intent", vm="gaming2", to="done")
+            assert lab.state("gaming2") == "running"
+            assert "lent>draining" in lab.phases()

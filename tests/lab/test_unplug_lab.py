@@ -7,7 +7,8 @@ runs (tests/lab/plugins.py): hostagent keeps them off the node through their dep
 label, sees no holder left, unbinds the GPU, detaches it, then restores the label as it
 was; the lab kubelet follows the live set. Both NVIDIA's static manifest (with README's
 affinity term) and gpu-operator's install (with a DCGM exporter holding every GPU and
-GPU Feature Discovery) are run. A guest booted to ignore unplug requests keeps the
+GPU Feature Discovery, then NVIDIA's Helm chart with README's term added to each of its
+three terms, in the same boot) are run. A guest booted to ignore unplug requests keeps the
 device: the detach times out, the journal says so, and the reclaim by restart runs
 instead. The two reclaims' times are printed side by side (figures, not assertions)."""
 
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 
 from hostagent.service.hotplug import DETACH_BOUND, HOLDERS
-from tests.lab.cluster import LabCluster, lab_cluster
+from tests.lab.cluster import NS, LabCluster, lab_cluster
 from tests.lab.plugins import OPERATOR_LABELS, GuestPlugins, daemonsets, operator_node
 from tests.lab.lab import GPUS, LENDEE, Lab
 from tests.lab.helpers import annotations_of, eventually, lends
@@ -127,18 +128,41 @@ def test_a_game_takes_its_gpu_live_and_a_guest_that_keeps_it_falls_back(
             f"{DETACH_BOUND:g}s bound included"))
 
 
+def persistenced_holds(lab: Lab) -> list[str]:
+    """The minor numbers of the GPUs the stand-in nvidia-persistenced holds open."""
+    return guest(lab, "cat", "/var/run/nvidia-persistenced/held").split()
+
+
+def minors(lab: Lab) -> dict[str, str]:
+    """Each lab GPU the guest's nvidia-smi lists, by label: its minor number."""
+    listed = dict(line.split(", ") for line in guest(
+        lab, "/usr/bin/nvidia-smi", "--query-gpu=uuid,minor_number",
+        "--format=csv,noheader").splitlines())
+    return {gpu: listed[uuid] for gpu, (uuid, _) in GPUS.items() if uuid in listed}
+
+
 def test_gpu_operators_plugin_and_dcgm_exporter_are_paused_and_restored_as_found(
         lab: Lab) -> None:
     """gpu-operator's device plugin and DCGM exporter hold every GPU, GPU Feature
     Discovery opens them each minute; all select the node by their deploy label. The
     hot-unplug sets those labels to "false", their DaemonSets take them off the node, and
-    the return puts back the labels as gpu-operator left them."""
+    the return puts back the labels as gpu-operator left them. Then, in the same boot,
+    NVIDIA's Helm chart in their place, README's term added to each of its three
+    required node affinity terms: its plugin leaves by the same label, and a second
+    game takes its GPU live too. The guest runs the profile with nvidia-persistenced,
+    which holds every GPU: each unplug turns persistence off for its GPU alone
+    (``nvidia-smi -i ADDR -pm 0``), and persistenced lets go of that one."""
     with lab_cluster(lab, workloads=False) as kc:
         operator_node(kc)
         with GuestPlugins(lab, kc, daemonsets("operator")).running() as plugins:
             unplug_config(lab, kc)
+            define_lendee(lab, "hostagent.persistenced=1")
             lab.start_agent()
             lends(lab, 1)
+            minor = minors(lab)  # as the boot numbered them: persistenced keeps those
+            assert sorted(minor) == ["gpu-a", "gpu-b", "gpu-c"], minor
+            eventually(lambda: persistenced_holds(lab) == sorted(minor.values()),
+                       "persistenced holding every GPU")
             gpu_pods(lab, kc, {"train-b": "gpu-b", "train-c": "gpu-c"})
             held = plugins.wait_holding(3)
             lab.ask("gaming2")
@@ -146,9 +170,38 @@ def test_gpu_operators_plugin_and_dcgm_exporter_are_paused_and_restored_as_found
             assert [r["MESSAGE"] for r in lab.records(event="hotplug", result="ok")
                     if r["MESSAGE"].startswith(f"gpu-b detached from {LENDEE} in ")]
             assert set(held) <= set(plugins.ended)
+            assert persistenced_holds(lab) == sorted([minor["gpu-a"], minor["gpu-c"]])
             lends(lab, 2)
             node = kc.node()
             assert {k: v for k, v in node["metadata"]["labels"].items()
                     if k.startswith("nvidia.com/gpu.deploy.")} == OPERATOR_LABELS
             assert "hostagent.io/paused-plugins" not in annotations_of(node)
             assert not set(plugins.wait_holding(3)) & set(held)
+
+            # The chart's install instead: the node labelled as its third term forces.
+            kc.kubectl("delete", "daemonset", "-n", NS, "--cascade=foreground",
+                       *(o.name for o in daemonsets("operator")))
+            eventually(lambda: not plugins.holding(), "gpu-operator's pods still hold GPUs")
+        kc.kubectl("label", "node", LENDEE, "--overwrite", "nvidia.com/gpu.present=true")
+        with GuestPlugins(lab, kc, daemonsets("chart")).running() as chart:
+            [nvdp] = chart.wait_holding(1)
+            gpu_pods(lab, kc, {"train-a": "gpu-a"})
+            lab.ask("gaming1")
+            lab.wait_record(120, event="intent", vm="gaming1", to="done")
+            assert not lab.records(event="hotplug", result="failed"), [
+                r["MESSAGE"] for r in lab.records(event="hotplug", result="failed")]
+            assert [r["MESSAGE"] for r in lab.records(event="hotplug", result="ok")
+                    if r["MESSAGE"].startswith(f"gpu-a detached from {LENDEE} in ")]
+            assert [r["MESSAGE"] for r in lab.records(event="hotplug", result="ok")
+                    if r["MESSAGE"].startswith(f"paused {NS}/{nvdp} on node {LENDEE} in ")]
+            assert nvdp in chart.ended
+            assert persistenced_holds(lab) == [minor["gpu-c"]]
+            assert lab.state("gaming1") == "running"
+            lends(lab, 3)
+            eventually(lambda: [a for a in kc.apps_on(LENDEE) if a] == ["train-c"],
+                       "train-c is not the only job left on gpu-node")
+            node = kc.node()
+            assert {k: v for k, v in node["metadata"]["labels"].items()
+                    if k.startswith("nvidia.com/gpu.deploy.")} == OPERATOR_LABELS
+            assert annotations_of(node)["hostagent.io/lent-gpus"] == "gpu-c"
+            assert chart.wait_holding(1) != [nvdp]

@@ -315,3 +315,31 @@ async def test_the_cdi_spec_is_made_anew_before_the_plugins_come_back(
     [event] = step.applied
     assert isinstance(event, AttachFailed) and "lendee.cdi_refresh" in event.reason
     assert step.order == ["verify", "cdi", "query", "holders", "unbind", "detach"]
+
+
+class ScanToTheBound(Draining):
+    """A guest whose holder scan answers "none" only as the bound runs out (a loaded
+    node): no time is left for nvidia-smi, which never ran, so never hung."""
+
+    async def guest_exec(self, name: str, path: str, args: list[str], *,
+                         timeout: float = 30) -> ExecResult:
+        if path == "/bin/sh" and args[:2] == ["-c", hotplug.HOLDERS]:
+            await asyncio.sleep(timeout)
+            return ExecResult(0, "", "")
+        return await super().guest_exec(name, path, args, timeout=timeout)
+
+
+async def test_no_time_left_for_a_driver_call_is_no_stuck_driver(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before, a driver call the bound left no time for was read as one that hung: the
+    # restart after it could then power off a guest whose driver was fine.
+    monkeypatch.setattr(hotplug, "RELEASE_BOUND", 0.3)
+    step = FakeStep()
+    step.libvirt = ScanToTheBound(step)
+    step.cluster.guest = step.libvirt
+    await unplug(step)
+    [event] = step.applied
+    assert isinstance(event, DetachFailed) and not event.stuck, event
+    assert "no time left" in event.reason and "nvidia-smi" in event.reason, event.reason
+    assert event.reason.count("nvidia-smi in ") == 1, event.reason  # said once
+    assert step.libvirt.detached == [] and step.libvirt.bound

@@ -508,6 +508,11 @@ def test_lint_says_hot_unplug_is_experimental_and_names_the_drivers_that_hang() 
     assert finding.severity is lint.Severity.WARNING
     assert "experimental: NVIDIA does not support hot-unplug" in finding.what
     assert "595.58.03 to at least 610.57.04" in finding.why and "issues/1119" in finding.why
+    # What it says hostagent does is what it does: any holder of the device node, found
+    # in /proc (nvidia-smi's list of processes misses persistenced), then NVML's drain.
+    assert "no process in the guest holds its device node" in finding.why, finding.why
+    assert "nvidia-smi lists no process" not in finding.why
+    assert "NVML's drain state" in finding.why
     # What keeps a lendee from hot-add keeps it from hot-unplug too.
     assert hot_add_findings(lendee_xml(machine="pc-i440fx-7.2"), both)[0] == (
         "error: policy.hotplug: machine pc-i440fx-7.2 has no PCIe root ports")
