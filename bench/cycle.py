@@ -155,6 +155,7 @@ class Leg:
     """One leg of a cycle: its total, {inherent step: seconds}, {overhead gap: seconds}."""
 
     total: float = 0.0
+    at: float = 0.0  # when it began (time.time())
     steps: dict[str, float] = field(default_factory=dict)
     gaps: dict[str, float] = field(default_factory=dict)
 
@@ -317,7 +318,7 @@ def reclaim(lab: Lab, kc: LabCluster, seen: Changes, ev: Events) -> tuple[Leg, f
     lendee_exit = qemu_log(lab, LENDEE, "shutting down", t0)
     owner_launch = last_launch(lab, OWNER, t0, resumed)
     return Leg(
-        total=started - t0,
+        total=started - t0, at=t0,
         steps={"drain": last_gone - first_eviction,
                "guest shutdown": lendee_exit - shutdown_sent,
                "owner start": resumed - owner_launch},
@@ -333,7 +334,7 @@ def partial_lend(lab: Lab, seen: Changes, ev: Events, started: float) -> Leg:
     uncordoned = uncordoned_after(seen, started)
     launch, agent_up, ready = back(lab, seen, ev, started, 2, uncordoned)
     return Leg(
-        total=uncordoned - started,
+        total=uncordoned - started, at=started,
         steps={"lendee boot to guest agent": agent_up - launch,
                "Ready and GPUs after that": max(0.0, ready - agent_up)},
         gaps={"owner's STARTED event → lendee launched": launch - started,
@@ -356,7 +357,7 @@ def regrow(lab: Lab, kc: LabCluster, seen: Changes, ev: Events, relend_delay: fl
     lendee_exit = qemu_log(lab, LENDEE, "shutting down", owner_exit)
     launch, agent_up, ready = back(lab, seen, ev, lendee_exit, 3, uncordoned)
     return Leg(
-        total=uncordoned - owner_exit,
+        total=uncordoned - owner_exit, at=owner_exit,
         steps={"relend_delay after the game": relend_delay,
                "drain": last_gone - first_eviction,
                "guest shutdown": lendee_exit - shutdown_sent,
@@ -372,6 +373,20 @@ def regrow(lab: Lab, kc: LabCluster, seen: Changes, ev: Events, relend_delay: fl
     )
 
 
+def timeline(lab: Lab, kc: LabCluster, name: str, start: float, end: float) -> None:
+    """What happened in a leg, in order, on stderr (`--timeline`): each request of the
+    agent as the proxy saw it arrive, each journal record of the agent as journald
+    stored it, in ms from the leg's start. For finding what is on the path."""
+    lines = [(t, f"{m} {p.split('?')[0]}{' (watch)' if 'watch=' in p else ''}")
+             for m, p, t in list(kc.api.requests) if start <= t <= end]
+    lines += [(int(e["__REALTIME_TIMESTAMP"]) / 1e6,
+               f"journal {e.get('HOSTAGENT_EVENT', '')}: {str(e.get('MESSAGE', ''))[:90]}")
+              for e in lab.records() if start <= int(e["__REALTIME_TIMESTAMP"]) / 1e6 <= end]
+    print(f"-- {name}", file=sys.stderr)
+    for t, what in sorted(lines):
+        print(f"  {(t - start) * 1000:8.1f} ms  {what}", file=sys.stderr)
+
+
 def enable_agent_log(lab: Lab) -> None:
     """libvirtd's guest-agent commands into /var/log/libvirt/libvirtd.log (the lab's
     log-libvirt/), switched on at run time: the rest of its logging is unchanged."""
@@ -381,7 +396,7 @@ def enable_agent_log(lab: Lab) -> None:
         subprocess.run(["virt-admin", "-c", admin, *args], check=True, capture_output=True)
 
 
-def run(cycles: int) -> list[dict[str, Leg]]:
+def run(cycles: int, show: bool = False) -> list[dict[str, Leg]]:
     lab = Lab(Path(tempfile.mkdtemp(prefix="hostagent-bench-")))
     relend_delay = 2.0
     done: list[dict[str, Leg]] = []
@@ -415,6 +430,9 @@ def run(cycles: int) -> list[dict[str, Leg]]:
                     lab.wait_agent(OWNER)  # `virsh shutdown --mode agent` needs it
                     legs["regrow"] = regrow(lab, kc, seen, ev, relend_delay)
                     done.append(legs)
+                    if show:
+                        for name, leg in legs.items():
+                            timeline(lab, kc, name, leg.at, leg.at + leg.total)
                     print(f"cycle {n + 1}/{cycles}: " + "; ".join(
                         f"{name} {leg.total:.2f}s (overhead {leg.overhead * 1000:.0f} ms: "
                         + ", ".join(f"{k} {v * 1000:.0f}" for k, v in {**leg.steps,
@@ -462,12 +480,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cycles", type=int, default=5)
     ap.add_argument("--markdown", type=Path, help="append the table to this file")
+    ap.add_argument("--timeline", action="store_true",
+                    help="print each leg's requests and journal records (stderr)")
     opts = ap.parse_args()
     reason = need_lab()
     if reason:
         print(f"bench: {reason}", file=sys.stderr)
         return 1
-    rows = table(run(opts.cycles))
+    rows = table(run(opts.cycles, opts.timeline))
     width = max(len(r[0]) for r in rows)
     for name, figure, note in rows:
         print(f"{name:<{width}}  {figure:<28}  {note}")

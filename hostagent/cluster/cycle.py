@@ -176,16 +176,16 @@ class KubeCluster(Lent):
         who = ", ".join(owners) or ("a restart with more GPUs" if regrow
                                     else "hostagent reclaim")
         try:
-            cordon = await self.kube.cordon(self.node, marker_prefix=self.prefix,
-                                            timeout=left())
-            if cordon.cordoned_by_us:
-                self._remember_cordon(True)
+            # The cordon and the marks of a reclaim in one write: the first round trip
+            # of a player's wait is also its last before the list and the evictions.
             labels = {self.settings.borrowed_label: None} if self.settings.borrowed_label \
                 else None
-            await self.kube.annotate(self.node, {
+            cordon = await self.kube.cordon(self.node, marker_prefix=self.prefix, annotations={
                 f"{self.prefix}state": "reclaiming",
                 f"{self.prefix}holder": ",".join(owners) or None,
             }, labels=labels, remove_taints=self.taints, timeout=left())
+            if cordon.cordoned_by_us:
+                self._remember_cordon(True)
             stops = ", ".join(f"{pods} ({gpu})" for gpu, pods in self.holders.items())
             if stops:
                 journal.record("drain", f"the drain of node {self.node} stops the pods that "
@@ -559,10 +559,13 @@ class KubeCluster(Lent):
                            "the one expected), did the passthrough work?")
                 self._event("ReturnFailed", problem, warning=True)
                 return problem
-            # Everything that keeps the wrong pods off borrowed capacity first...
+            # Everything that keeps the wrong pods off borrowed capacity, and the
+            # uncordon, in one write: no pod is scheduled between them. It lifts only
+            # our own cordon (the marker on the Node says whose it is); an
+            # administrator's stays, and the adapter says so.
             labels = {self.settings.borrowed_label: "true"} if self.settings.borrowed_label \
                 else None
-            await self.kube.annotate(self.node, {
+            await self.kube.uncordon(self.node, marker_prefix=self.prefix, annotations={
                 f"{self.prefix}state": "lent",
                 f"{self.prefix}holder": None,
                 f"{self.prefix}lent-gpus": ",".join(expected.gpus),
@@ -570,9 +573,6 @@ class KubeCluster(Lent):
                     f"{n} {r}" for r, n in sorted(expected.resources.items())) or None,
                 f"{self.prefix}gpu-holders": None,
             }, labels=labels, add_taints=self.taints)
-            # ...and the uncordon last. It lifts only our own cordon (the marker on the
-            # Node says whose it is); an administrator's stays, and the adapter says so.
-            await self.kube.uncordon(self.node, marker_prefix=self.prefix)
             self._remember_cordon(False)
         except KubeError as e:
             problem = f"could not return node {self.node} to the cluster: {e}"

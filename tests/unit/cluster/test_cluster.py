@@ -308,18 +308,70 @@ async def test_the_taints_label_and_annotations_are_there_before_the_uncordon(
         with contextlib.suppress(asyncio.CancelledError):
             await watching
     uncordon = next(i for i, v in enumerate(versions) if not v["spec"].get("unschedulable"))
-    assert uncordon > 0
-    before = versions[uncordon - 1]
+    # The very version that is schedulable has them all: one write, no version between.
+    first = versions[uncordon]
     assert {"key": "hostagent.io/borrowed", "value": "true", "effect": "NoSchedule"} in \
-        before["spec"]["taints"]
-    assert before["metadata"]["labels"]["hostagent.io/borrowed"] == "true"
-    assert before["metadata"]["annotations"][f"{PREFIX}lent-gpus"] == "gpu-a,gpu-b"
+        first["spec"]["taints"]
+    assert first["metadata"]["labels"]["hostagent.io/borrowed"] == "true"
+    assert first["metadata"]["annotations"][f"{PREFIX}lent-gpus"] == "gpu-a,gpu-b"
     # After it, only the node lifecycle controller's own taint goes.
-    for old, new in itertools.pairwise(versions[uncordon - 1:]):
+    for old, new in itertools.pairwise(versions[uncordon:]):
         assert new["metadata"]["labels"] == old["metadata"]["labels"]
         assert {t["key"] for t in old["spec"].get("taints", [])} - \
             {t["key"] for t in new["spec"].get("taints", [])} <= \
             {"node.kubernetes.io/unschedulable"}
+
+
+def node_writes(api: Api, since: int) -> list[str]:
+    """The PATCHes of gpu-node the proxy passed on after its `since`th request."""
+    return [p for m, p, _ in list(api.proxy.requests)[since:]
+            if m == "PATCH" and p.startswith("/api/v1/nodes/gpu-node")]
+
+
+async def test_a_reclaim_cordons_and_marks_the_node_in_one_write(api: Api, kube: Kube) -> None:
+    """What must be in order before the evictions is one read and one write of the
+    node (cordon, marker, state, holder, label and taints together), then the list."""
+    cluster = cluster_for(kube)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    await api.seed.pod("web", node="gpu-node", owner="ReplicaSet/web")
+    since = len(api.proxy.requests)
+    assert await cluster.reclaim(["gaming1"]) is None
+    asked = [(m, p.split("?")[0]) for m, p, _ in list(api.proxy.requests)[since:]]
+    path = asked[:asked.index(("POST", "/api/v1/namespaces/default/pods/web/eviction"))]
+    assert [a for a in path if a[1] != "/api/v1/namespaces/default/events"] == [
+        ("GET", "/api/v1/nodes/gpu-node"), ("PATCH", "/api/v1/nodes/gpu-node"),
+        ("GET", "/api/v1/pods")]
+    now = await node(api)
+    assert now["spec"]["unschedulable"] is True
+    assert now["metadata"]["annotations"][MARKER] == "hostagent"
+    assert now["metadata"]["annotations"][f"{PREFIX}state"] == "reclaiming"
+    assert now["metadata"]["annotations"][f"{PREFIX}holder"] == "gaming1"
+    assert "hostagent.io/borrowed" not in now["metadata"]["labels"]
+    assert "hostagent.io/borrowed" not in {t["key"] for t in now["spec"].get("taints", [])}
+
+
+async def test_a_reclaim_of_a_node_cordoned_by_someone_else_marks_it_and_leaves_the_cordon(
+        api: Api, kube: Kube) -> None:
+    await api.seed.patch_node("gpu-node", {"spec": {"unschedulable": True}})
+    since = len(api.proxy.requests)
+    assert await cluster_for(kube).reclaim(["gaming1"]) is None
+    assert len(node_writes(api, since)) == 1
+    now = await node(api)
+    assert now["metadata"]["annotations"][f"{PREFIX}state"] == "reclaiming"
+    assert MARKER not in now["metadata"]["annotations"]
+    assert await kube.uncordon("gpu-node", marker_prefix=PREFIX) is False
+
+
+async def test_a_return_marks_and_uncordons_the_node_in_one_write(api: Api, kube: Kube) -> None:
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    since = len(api.proxy.requests)
+    assert await cluster_for(kube).give_back(["gpu-a", "gpu-b"]) is None
+    assert len(node_writes(api, since)) == 1
+    now = await node(api)
+    assert not now["spec"].get("unschedulable")
+    assert MARKER not in now["metadata"]["annotations"]
+    assert now["metadata"]["annotations"][f"{PREFIX}state"] == "lent"
 
 
 async def test_a_lendee_destroyed_by_hand_comes_back_cordoned_until_verified(
@@ -563,6 +615,46 @@ async def test_events_and_the_borrowed_label_tell_the_cluster(api: Api, kube: Ku
                                   "--field-selector", "involvedObject.name=gpu-node",
                                   "-o", "json")
     assert {"Lent", "Reclaimed"} <= {e["reason"] for e in json.loads(out.stdout)["items"]}
+
+
+async def test_an_event_slow_to_post_delays_no_drain(api: Api, kube: Kube) -> None:
+    """The Event goes beside the reclaim: an API server that takes 1.5 s to take it
+    (the test client's requests time out at 2 s) neither delays nor fails the drain."""
+    await api.seed.pod("web", node="gpu-node", owner="ReplicaSet/web")
+    api.proxy.slow("/events", delay=1.5, method="POST")
+    cluster = cluster_for(kube)
+    assert await cluster.reclaim(["gaming1"]) is None
+    assert await api.seed.get_pod("default", "web") is None
+    [(posted, _)] = api.proxy.requests_at("POST", "/events")
+    [(evicted, _)] = api.proxy.requests_at("POST", "/eviction")
+    assert evicted < posted + 1.5  # the eviction went before the Event's answer
+    await cluster.flush_events()
+    assert ("Normal", "Reclaimed") in {(t, r) for t, r, _ in await events(api)}
+
+
+async def test_an_event_the_api_server_refuses_is_journaled_not_lost(
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
+    api.proxy.fail("/events", code=400, method="POST", times=None)
+    cluster = cluster_for(kube)
+    assert await cluster.reclaim(["gaming1"]) is None
+    await cluster.flush_events()
+    kept = result_of(records, "not-posted")
+    assert len(kept) == 1 and kept[0].fields["HOSTAGENT_REASON"] == "Reclaimed"
+    assert "GPUs reclaimed for gaming1" in kept[0].message
+
+
+async def test_events_beyond_the_bound_are_journaled_at_once(
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
+    from hostagent.cluster.lent import EVENTS_PENDING
+    api.proxy.slow("/events", delay=1.0, method="POST")
+    cluster = cluster_for(kube)
+    for n in range(EVENTS_PENDING + 2):
+        cluster._event("Test", f"event {n}")
+    kept = result_of(records, "not-posted")
+    assert [e.message.rsplit(": ", 1)[1] for e in kept] == [
+        f"event {EVENTS_PENDING}", f"event {EVENTS_PENDING + 1}"]
+    await cluster.flush_events()
+    assert len(result_of(records, "not-posted")) == 2
 
 
 async def test_unmanaged_pods_left_with_proceed_are_named_before_the_power_off(
