@@ -25,7 +25,7 @@ import contextlib
 import enum
 import logging
 import math
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -39,6 +39,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from hostagent.host import journal
 from hostagent.core.config import DrainTimeoutAction
+from hostagent.core.levers import eviction_grace
 from hostagent.cluster.client import (
     Client,
     KubeError,
@@ -171,6 +172,7 @@ class PodInfo:
     mirror: bool = False
     emptydir: bool = False
     deleted_at: datetime | None = None  # metadata.deletionTimestamp: when its grace ends
+    grace: float | None = None  # spec.terminationGracePeriodSeconds (None: the API's 30 s)
 
     @classmethod
     def from_api(cls, pod: Any) -> PodInfo:
@@ -184,6 +186,7 @@ class PodInfo:
             mirror=MIRROR_ANNOTATION in (meta.annotations or {}),
             emptydir=any(v.empty_dir is not None for v in (spec.volumes if spec else None) or []),
             deleted_at=meta.deletion_timestamp,
+            grace=spec.termination_grace_period_seconds if spec else None,
         )
 
 
@@ -259,10 +262,16 @@ class Drains(Client):
         grace_period: float | None = None,
         skip_wait_for_delete_timeout: float = 0.0,
         only: Collection[str] | None = None,
+        grace_cap: float | None = None,
+        accepted: Callable[[], None] | None = None,
     ) -> DrainReport:
         """Evict the node's pods like ``kubectl drain`` (see the module docstring).
 
         `grace_period`: given to each evicted pod instead of its own (``--grace-period``).
+        `grace_cap`: no evicted pod gets longer than this (`levers.eviction_grace`).
+        `accepted`: called once, when every eviction of the plan was accepted (or its pod
+        found gone) and every other pod it waits for is being deleted already: from
+        then on nothing the drain does can keep a pod (an incomplete drain never calls it).
         `skip_wait_for_delete_timeout` > 0: a pod whose deletion is that many seconds in
         the past counts as gone (``--skip-wait-for-delete-timeout``): on a node whose
         kubelet is unreachable, a Terminating pod never goes, and must not hold a
@@ -285,9 +294,12 @@ class Drains(Client):
             return self._finish(
                 DrainReport(node=node, error=str(e), duration=self._now() - start), on_timeout
             )
+        infos = [PodInfo.from_api(p) for p in pods.items
+                 if only is None or p.metadata.uid in only]
+        graces = {i.ref: eviction_grace(i.grace, override=grace_period, cap=grace_cap)
+                  for i in infos}
         plan = plan_drain(
-            (PodInfo.from_api(p) for p in pods.items
-             if only is None or p.metadata.uid in only),
+            infos,
             emptydir_ok=emptydir_ok,
             unmanaged_ok=unmanaged_ok,
             skip_after=skip_wait_for_delete_timeout,
@@ -299,12 +311,13 @@ class Drains(Client):
             )
             return self._finish(report, on_timeout)
         deletions = _Deletions()
+        accepting = _Accepting(len(plan.evict), accepted)
         follower: asyncio.Task[None] | None = None
         try:
             async with asyncio.TaskGroup() as group:
                 evictions = [
-                    group.create_task(self._evict(pod, deadline, deletions, grace_period,
-                                                  skip_wait_for_delete_timeout))
+                    group.create_task(self._evict(pod, deadline, deletions, graces.get(pod),
+                                                  skip_wait_for_delete_timeout, accepting))
                     for pod in plan.evict
                 ]
                 waits = [
@@ -404,9 +417,12 @@ class Drains(Client):
             await asyncio.sleep(max(0.0, min(self.timing.delete_poll, deadline - self._now())))
 
     async def _evict(self, pod: PodRef, deadline: float, deletions: _Deletions,
-                     grace_period: float | None, skip_after: float) -> LeftPod | None:
+                     grace_period: float | None, skip_after: float,
+                     accepting: _Accepting | None = None) -> LeftPod | None:
         """Evict one pod and wait until it is gone; None when it is, `_STUCK` when it
-        counts as gone (see `drain`), else why not."""
+        counts as gone (see `drain`), else why not. `accepting` hears when its eviction
+        is accepted, or the pod found gone."""
+        accepting = accepting or _Accepting(1, None)
         body = k8s.V1Eviction(
             metadata=k8s.V1ObjectMeta(name=pod.name, namespace=pod.namespace),
             delete_options=k8s.V1DeleteOptions(
@@ -425,11 +441,13 @@ class Drains(Client):
                     deadline,
                     transient=_eviction_transient,
                 )
+                accepting.one()
                 break
             except KubeUnavailable as e:
                 return why if why is not None and not e.last else self._unreachable(pod, e)
             except KubeRequestError as e:
                 if e.status == 404:
+                    accepting.one()
                     return None
                 if e.status >= 500:
                     return LeftPod(
@@ -449,6 +467,7 @@ class Drains(Client):
                 return why
             try:
                 if await self._gone(pod, deadline, 0.0) is not None:
+                    accepting.one()
                     return None
             except KubeRequestError as e:
                 return LeftPod(pod, LeftReason.REFUSED, str(e))
@@ -522,6 +541,23 @@ _GONE = LeftPod(PodRef("", ""), LeftReason.TERMINATING, "gone")
 
 
 _STUCK = LeftPod(PodRef("", ""), LeftReason.TERMINATING, "stuck terminating: counted as gone")
+
+
+class _Accepting:
+    """Counts a drain's evictions accepted; calls `then` once all `needed` were."""
+
+    def __init__(self, needed: int, then: Callable[[], None] | None) -> None:
+        self.left, self.then = needed, then
+        self.check()
+
+    def one(self) -> None:
+        self.left -= 1
+        self.check()
+
+    def check(self) -> None:
+        if self.left <= 0 and self.then is not None:
+            then, self.then = self.then, None
+            then()
 
 
 class _Deletions:

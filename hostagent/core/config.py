@@ -77,6 +77,8 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     reserve_margin = "5m"                   # long ahead; eviction at the time less their
     reserve_expiry = "30m"                  # grace and this; unused this long: lent again
 
+    [drain]                                 # the levers of a player's wait: hostagent.core.levers
+
     [verify]                                # after a lend: does the guest see its GPUs?
     method = "guest-agent"                  # "guest-agent" (guest-exec), "ssh" or "none"
     command = "nvidia-smi"                  # run in the guest (PATH is searched)
@@ -206,7 +208,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from hostagent.core.config_read import (  # the readers of each key
     TOP_LEVEL_KEYS, MQTT_VERBS, LogLevel, _GPU_REFS, _Problem, _READ, _absolute_path,
     _annotation_prefix, _bool, _broker, _build, _canonical_pci, _choice, _control_verbs,
@@ -217,6 +218,7 @@ from hostagent.core.config_read import (  # the readers of each key
     _split_listen, _table_of, _taint, _text, _topic, parse_duration,
 )
 from hostagent.core.model import Hotplug, Regrow  # the machine's own policy values
+from hostagent.core.levers import DrainPolicy
 from hostagent.core.plugins import PLUGIN_LABELS, PLUGIN_SELECTORS
 
 
@@ -534,6 +536,7 @@ class Config:
     )
     timeouts: Timeouts = field(default_factory=Timeouts, metadata=_key(_section(Timeouts)))
     policy: Policy = field(default_factory=Policy, metadata=_key(_section(Policy)))
+    drain: DrainPolicy = field(default_factory=DrainPolicy, metadata=_key(_section(DrainPolicy)))
     # None: no [kubernetes] section, the agent moves GPUs between VMs only.
     kubernetes: Kubernetes | None = field(default=None, metadata=_key(_section(Kubernetes)))
     verify: Verify = field(default_factory=Verify, metadata=_key(_section(Verify)))

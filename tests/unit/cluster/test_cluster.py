@@ -17,6 +17,7 @@ import pytest
 
 from hostagent.host import journal
 from hostagent.cluster.cycle import KubeCluster
+from hostagent.core import levers
 from hostagent.core.config import Config, parse
 from hostagent.core.health import CheckFailed
 from hostagent.cluster.kube import Kube, KubeAuthError, Timing, cordon_marker, expected_gpus
@@ -337,7 +338,8 @@ async def test_a_reclaim_cordons_and_marks_the_node_in_one_write(api: Api, kube:
     await api.seed.pod("web", node="gpu-node", owner="ReplicaSet/web")
     since = len(api.proxy.requests)
     assert await cluster.reclaim(["gaming1"]) is None
-    asked = [(m, p.split("?")[0]) for m, p, _ in list(api.proxy.requests)[since:]]
+    asked = [(m, p.split("?")[0]) for m, p, _ in list(api.proxy.requests)[since:]
+             if "watch=" not in p]  # the drain's watch of deletions goes beside
     path = asked[:asked.index(("POST", "/api/v1/namespaces/default/pods/web/eviction"))]
     assert [a for a in path if a[1] != "/api/v1/namespaces/default/events"] == [
         ("GET", "/api/v1/nodes/gpu-node"), ("PATCH", "/api/v1/nodes/gpu-node"),
@@ -606,7 +608,7 @@ async def test_events_and_the_borrowed_label_tell_the_cluster(api: Api, kube: Ku
     assert ("Normal", "Lent", "lent with 2 GPU(s) (gpu-a, gpu-b): 2 nvidia.com/gpu "
             "(2 GPUs, one nvidia.com/gpu each)") in said
     assert ("Normal", "Reclaimed", "GPUs reclaimed for gaming1: draining, then the node's "
-            "VM shuts down") in said
+            "VM shuts down; evicted pods get their full grace period") in said
     involved = (await api.seed.events())[0]["involvedObject"]
     assert involved == {"kind": "Node", "name": "gpu-node", "uid": "gpu-node",
                         "apiVersion": "v1"}
@@ -697,6 +699,73 @@ async def test_the_grace_period_override_goes_with_each_eviction(api: Api, kube:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def test_a_players_reclaim_caps_the_grace_and_says_so(api: Api, kube: Kube) -> None:
+    """drain.unplanned_grace: a pod of 300 s is evicted with 10 s; the Event says which
+    grace applies; a pod within the cap keeps its own."""
+    await api.seed.pod("web", node="gpu-node", owner="ReplicaSet/web", grace=300)
+    await api.seed.pod("quick", node="gpu-node", owner="ReplicaSet/quick", grace=5)
+    await api.seed.kubelet_gone("gpu-node")  # the evicted pods stay Terminating: read them
+    cluster = cluster_for(kube, config('skip_wait_for_delete_timeout = "0s"'))
+    said = levers.terms(levers.DrainPolicy(), players_waiting=True)
+    accepted = asyncio.Event()
+    task = asyncio.create_task(cluster.reclaim(["gaming1"], terms=said,
+                                               accepted=accepted.set))
+
+    async def deleting(name: str) -> bool:
+        pod = await api.seed.get_pod("default", name)
+        return pod is not None and "deletionGracePeriodSeconds" in pod["metadata"]
+
+    await until(lambda: deleting("web"))
+    await until(lambda: deleting("quick"))
+    graces = {n: (await api.seed.get_pod("default", n) or {})["metadata"]
+              ["deletionGracePeriodSeconds"] for n in ("web", "quick")}
+    assert graces == {"web": 10, "quick": 5}
+    await asyncio.wait_for(accepted.wait(), 5)  # accepted, the pods still there
+    assert not task.done()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await cluster.flush_events()
+    reclaimed = [m for _, r, m in await events(api) if r == "Reclaimed"]
+    assert reclaimed == ["GPUs reclaimed for gaming1: draining, then the node's VM shuts "
+                         "down; evicted pods get at most 10 s to stop (drain.unplanned_grace: "
+                         "a player is waiting); the node's VM shuts down once every eviction "
+                         "is accepted"]
+
+
+async def test_a_drain_blocked_by_a_budget_is_never_accepted(api: Api, kube: Kube) -> None:
+    """`accepted` means every eviction went through: a budget that never allows one
+    keeps it from being said, whatever on_drain_timeout does with the drain."""
+    await api.seed.pod("db-0", node="gpu-node", owner="StatefulSet/db", labels={"app": "db"})
+    await api.seed.pdb("db", match_labels={"app": "db"}, max_unavailable=0)
+    said: list[bool] = []
+    cluster = cluster_for(kube, config(policy="proceed"))
+    assert await cluster.reclaim(["gaming1"], accepted=lambda: said.append(True)) is None
+    assert said == []
+
+
+async def test_a_cordon_ahead_is_lifted_only_while_it_is_still_that_one(
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
+    cluster = cluster_for(kube)
+    why = "ahead of gaming1's usual hour (Mon 20:00)"
+    assert await cluster.cordon_ahead(why) is True
+    now = await node(api)
+    assert now["spec"]["unschedulable"] is True
+    assert now["metadata"]["annotations"][f"{PREFIX}cordoned-for"] == why
+    assert cluster.status()["cordoned_for"] == why
+    await cluster.uncordon_ahead("it passed without a start")
+    now = await node(api)
+    assert not now["spec"].get("unschedulable")
+    assert f"{PREFIX}cordoned-for" not in now["metadata"]["annotations"]
+    assert [e.fields["HOSTAGENT_RESULT"] for e in records.entries
+            if e.fields.get("HOSTAGENT_EVENT") == "ahead"] == ["cordoned", "uncordoned"]
+    # A reclaim takes the cordon over: its write drops the reason, nothing lifts it then.
+    assert await cluster.cordon_ahead(why) is True
+    assert await cluster.reclaim(["gaming1"]) is None
+    await cluster.uncordon_ahead("it passed without a start")
+    assert (await node(api))["spec"]["unschedulable"] is True
 
 
 # --- credentials the API server refuses ------------------------------------------------------------
