@@ -248,7 +248,8 @@ class KubeCluster(Lent):
     # --- hot-unplug -----------------------------------------------------------------------
 
     async def vacate(self, owners: list[str], gpus: Collection[str],
-                     pods: PodsReader, *, until: float | None = None) -> str | None:
+                     pods: PodsReader, *, until: float | None = None,
+                     grace_cap: float | None = None) -> str | None:
         """A hot-unplug's part: cordon the node (ours), then evict only the pods that use
         the GPUs `gpus`, those their ResourceClaims name (DRA) or else those `pods()`
         reads, once the node is cordoned (a pod placed before the cordon is seen): the
@@ -296,7 +297,7 @@ class KubeCluster(Lent):
                     on_timeout=DrainTimeoutAction.ABORT,
                     grace_period=self.settings.grace_period,
                     skip_wait_for_delete_timeout=self.settings.skip_wait_for_delete_timeout,
-                    only=using)
+                    only=using, grace_cap=grace_cap)
         except DrainAborted as e:
             return f"the pods using {names} were not all evicted: {e.report.summary()}"
         except KubeError as e:

@@ -123,7 +123,8 @@ class Cluster(Protocol):
         before its status counts (invariant 14)."""
 
     async def vacate(self, owners: list[str], gpus: Collection[str],
-                     pods: PodsReader, *, until: float | None = None) -> str | None:
+                     pods: PodsReader, *, until: float | None = None,
+                     grace_cap: float | None = None) -> str | None:
         """A hot-unplug: cordon, then evict only the pods using `gpus` (by DRA claim, else
         those `pods()` reads once the node is cordoned: UIDs from the kubelet's
         checkpoint, or None and why not); None once they are gone, or why the reclaim by
@@ -187,7 +188,8 @@ class NoCluster:
         return None
 
     async def vacate(self, owners: list[str], gpus: Collection[str],
-                     pods: PodsReader, *, until: float | None = None) -> str | None:
+                     pods: PodsReader, *, until: float | None = None,
+                     grace_cap: float | None = None) -> str | None:
         return None
 
     async def withdraw(self, gpus: Collection[str]) -> str | None:

@@ -327,12 +327,15 @@ class Vacating:
         self.calls: list[tuple[list[str], frozenset[str], frozenset[str] | None]] = []
         self.order: list[str] = []
         self.until: list[float | None] = []
+        self.caps: list[float | None] = []
         self.guest: Guest
 
     async def vacate(self, owners: list[str], gpus: frozenset[str],
                      pods: Callable[[], Awaitable[tuple[frozenset[str] | None, str]]],
-                     *, until: float | None = None) -> str | None:
+                     *, until: float | None = None,
+                     grace_cap: float | None = None) -> str | None:
         self.until.append(until)
+        self.caps.append(grace_cap)
         self.order.append("cordon")
         read, why = await pods()
         self.calls.append((owners, frozenset(gpus), None if read is None else frozenset(read)))
@@ -402,9 +405,11 @@ async def test_a_reservations_unplug_gives_the_pods_until_its_time() -> None:
     assert step.cluster.calls[0][0] == ["gaming1's reservation"]
     [until] = step.cluster.until
     assert until is not None and 590 < until <= 600
+    assert step.cluster.caps == [None]  # and their full grace
     step = FakeStep()  # an owner waiting: the player's wait, timeouts.drain
     await unplug(step)
     assert step.cluster.until == [None]
+    assert step.cluster.caps == [10.0]  # drain.unplanned_grace
 
 
 async def test_the_node_is_cordoned_before_the_checkpoint_is_read() -> None:
