@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import json
 import logging
 import math
 from collections.abc import Callable, Collection, Iterable
@@ -36,6 +37,7 @@ from hostagent.cluster import lazy  # noqa: F401  (before kubernetes_asyncio: se
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import watch as k8s_watch
 from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.client.rest import RESTResponse
 
 from hostagent.host import journal
 from hostagent.core.config import DrainTimeoutAction
@@ -50,7 +52,6 @@ from hostagent.cluster.client import (
     _eviction_transient,
     _malformed,
     _pod,
-    _pods,
     _raise_auth_error,
 )
 
@@ -190,6 +191,40 @@ class PodInfo:
         )
 
 
+def _of(value: Any, kind: type, what: str) -> Any:
+    """`value` if it is a `kind`; else TypeError (a reply of another shape)."""
+    if not isinstance(value, kind):
+        raise TypeError(f"{what} is not a {kind.__name__}")
+    return value
+
+
+def _pod_from_json(pod: Any) -> PodInfo:
+    """`PodInfo.from_api` of a pod as JSON: the fields the drain reads, each checked."""
+    _of(pod, dict, "a pod")
+    meta = _of(pod.get("metadata"), dict, "its metadata")
+    spec = _of(pod.get("spec") or {}, dict, "its spec")
+    status = _of(pod.get("status") or {}, dict, "its status")
+    owners = _of(meta.get("ownerReferences") or [], list, "its owners")
+    owner = next((r for r in owners if isinstance(r, dict) and r.get("controller") is True),
+                 None)
+    deleted = meta.get("deletionTimestamp")
+    grace = spec.get("terminationGracePeriodSeconds")
+    phase = status.get("phase")
+    return PodInfo(
+        ref=PodRef(_of(meta.get("namespace"), str, "its namespace"),
+                   _of(meta.get("name"), str, "its name"), _of(meta.get("uid", ""), str, "uid")),
+        phase=phase if isinstance(phase, str) else "",
+        deleting=deleted is not None,
+        controller=_of(owner.get("kind"), str, "an owner's kind") if owner else None,
+        mirror=MIRROR_ANNOTATION in _of(meta.get("annotations") or {}, dict, "annotations"),
+        emptydir=any(_of(v, dict, "a volume").get("emptyDir") is not None
+                     for v in _of(spec.get("volumes") or [], list, "its volumes")),
+        deleted_at=None if deleted is None else datetime.fromisoformat(
+            _of(deleted, str, "its deletion time")),
+        grace=float(grace) if isinstance(grace, int) and not isinstance(grace, bool) else None,
+    )
+
+
 @dataclass(frozen=True)
 class DrainPlan:
     evict: tuple[PodRef, ...] = ()
@@ -282,20 +317,13 @@ class Drains(Client):
         start = self._now()
         deadline = start + timeout
         try:
-            pods = await self._call(
-                f"list the pods on {node}",
-                lambda: self._core.list_pod_for_all_namespaces(
-                    field_selector=f"spec.nodeName={node}"
-                ),
-                deadline,
-                readable=_pods,
-            )
+            version, listed = await self._call(
+                f"list the pods on {node}", lambda: self._list_pods(node), deadline)
         except (KubeUnavailable, KubeRequestError) as e:
             return self._finish(
                 DrainReport(node=node, error=str(e), duration=self._now() - start), on_timeout
             )
-        infos = [PodInfo.from_api(p) for p in pods.items
-                 if only is None or p.metadata.uid in only]
+        infos = [i for i in listed if only is None or i.ref.uid in only]
         graces = {i.ref: eviction_grace(i.grace, override=grace_period, cap=grace_cap)
                   for i in infos}
         plan = plan_drain(
@@ -328,7 +356,7 @@ class Drains(Client):
                 # After the evictions, which go first; from the list's resourceVersion,
                 # so that no deletion since is missed.
                 follower = asyncio.create_task(
-                    self._follow_deletions(node, pods.metadata.resource_version, deletions,
+                    self._follow_deletions(node, version, deletions,
                                            deadline)
                 )
         except ExceptionGroup as group_error:
@@ -361,6 +389,25 @@ class Drains(Client):
             duration=self._now() - start,
         )
         return self._finish(report, on_timeout)
+
+    async def _list_pods(self, node: str) -> tuple[str | None, list[PodInfo]]:
+        """The pods on `node` and the list's resourceVersion, read from the answer's JSON
+        (`_pod_from_json`) rather than the client's model: the list is on a player's
+        path, and the model takes a millisecond or two a pod on a small CPU (a real
+        node runs tens). A reply of another shape raises what `Client._call` retries."""
+        reply: aiohttp.ClientResponse = await self._core.list_pod_for_all_namespaces(  # type: ignore[assignment]
+            field_selector=f"spec.nodeName={node}", _preload_content=False)
+        async with reply:
+            data = await reply.read()
+        if not 200 <= reply.status <= 299:
+            raise ApiException(http_resp=RESTResponse(reply, data))  # type: ignore[arg-type]
+        body = json.loads(data)
+        items, meta = body["items"], body.get("metadata") or {}
+        if not isinstance(items, list) or not isinstance(meta, dict):
+            raise TypeError("not a list of pods")
+        version = meta.get("resourceVersion")
+        return version if isinstance(version, str) else None, [
+            _pod_from_json(p) for p in items]
 
     def _finish(self, report: DrainReport, on_timeout: DrainTimeoutAction) -> DrainReport:
         self.last_drain = report
