@@ -75,11 +75,18 @@ class Cordons(Watches):
     """The node's cordon and our marker on it."""
 
     async def cordon(
-        self, node: str, *, marker_prefix: str, timeout: float | None = None
+        self, node: str, *, marker_prefix: str, timeout: float | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+        labels: Mapping[str, str | None] | None = None,
+        remove_taints: Sequence[Taint] = (),
     ) -> CordonResult:
-        """Make `node` unschedulable and mark it as ours, unless someone else already did."""
+        """Make `node` unschedulable and mark it as ours, unless someone else already did.
+
+        `annotations`, `labels` and `remove_taints` (as `annotate` takes them) go in the
+        same write: a reclaim's cordon and its marks are one round trip, not two."""
         marker = cordon_marker(marker_prefix)
         found: list[CordonResult] = []
+        marks = annotations is not None or labels or remove_taints
 
         def change(current: Any) -> dict[str, Any] | None:
             cordoned = _unschedulable(current)
@@ -88,14 +95,16 @@ class Cordons(Watches):
             found[:] = [
                 CordonResult(node, cordoned_by_us=ours or not cordoned, was_cordoned=cordoned)
             ]
+            body = self._marks(current, annotations or {}, labels, (), remove_taints) \
+                if marks else None
             if cordoned:
-                return None
-            return {
-                "metadata": {
-                    "annotations": {marker: MARKER_VALUE, _cordoned_at(marker_prefix): _timestamp()}
-                },
-                "spec": {"unschedulable": True},
-            }
+                return body
+            body = body or {"metadata": {}}
+            body["metadata"]["annotations"] = {
+                **body["metadata"].get("annotations", {}),
+                marker: MARKER_VALUE, _cordoned_at(marker_prefix): _timestamp()}
+            body.setdefault("spec", {})["unschedulable"] = True
+            return body
 
         await self._update_node(node, change, self._deadline(timeout))
         result = found[0]
@@ -112,11 +121,19 @@ class Cordons(Watches):
         return result
 
     async def uncordon(
-        self, node: str, *, marker_prefix: str, timeout: float | None = None
+        self, node: str, *, marker_prefix: str, timeout: float | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+        labels: Mapping[str, str | None] | None = None,
+        add_taints: Sequence[Taint] = (),
     ) -> bool:
-        """Lift the cordon if our marker says we set it; True if we did. Never lifts another's."""
+        """Lift the cordon if our marker says we set it; True if we did. Never lifts another's.
+
+        `annotations`, `labels` and `add_taints` (as `annotate` takes them) go in the
+        same write, whoever's the cordon: a return's marks and its uncordon land
+        together, so no pod is ever scheduled on the node without its taints."""
         marker = cordon_marker(marker_prefix)
         lifted: list[bool] = []
+        marks = annotations is not None or labels or add_taints
 
         def change(current: Any) -> dict[str, Any] | None:
             ours = _annotations(current).get(marker) == MARKER_VALUE
@@ -124,12 +141,16 @@ class Cordons(Watches):
             # cordon comes next is theirs. The marker goes; nothing is lifted.
             stale[:] = [ours and not _unschedulable(current)]
             lifted[:] = [ours and not stale[0]]
+            body = self._marks(current, annotations or {}, labels, add_taints, ()) \
+                if marks else None
             if not ours:
-                return None
-            body: dict[str, Any] = {
-                "metadata": {"annotations": {marker: None, _cordoned_at(marker_prefix): None}}}
+                return body
+            body = body or {"metadata": {}}
+            body["metadata"]["annotations"] = {
+                **body["metadata"].get("annotations", {}),
+                marker: None, _cordoned_at(marker_prefix): None}
             if lifted[0]:
-                body["spec"] = {"unschedulable": None}
+                body.setdefault("spec", {})["unschedulable"] = None
             return body
 
         stale: list[bool] = []
@@ -267,20 +288,26 @@ class Cordons(Watches):
         """
 
         def change(current: Any) -> dict[str, Any] | None:
-            body: dict[str, Any] = {"metadata": {"annotations": dict(annotations)}}
-            if labels:
-                body["metadata"]["labels"] = dict(labels)
-            if add_taints or remove_taints:
-                spec = current.spec
-                taints = [
-                    self._api_client.sanitize_for_serialization(t)
-                    for t in (spec.taints if spec else None) or []
-                ]
-                drop = {(t.key, t.effect) for t in (*add_taints, *remove_taints)}
-                wanted = [t for t in taints if (t.get("key"), t.get("effect")) not in drop]
-                wanted += [t.body() for t in add_taints]
-                if wanted != taints:
-                    body["spec"] = {"taints": wanted or None}
-            return body
+            return self._marks(current, annotations, labels, add_taints, remove_taints)
 
         await self._update_node(node, change, self._deadline(timeout))
+
+    def _marks(self, current: Any, annotations: Mapping[str, str | None],
+               labels: Mapping[str, str | None] | None, add_taints: Sequence[Taint],
+               remove_taints: Sequence[Taint]) -> dict[str, Any]:
+        """The merge patch of `annotate` for the node as read (`current`)."""
+        body: dict[str, Any] = {"metadata": {"annotations": dict(annotations)}}
+        if labels:
+            body["metadata"]["labels"] = dict(labels)
+        if add_taints or remove_taints:
+            spec = current.spec
+            taints = [
+                self._api_client.sanitize_for_serialization(t)
+                for t in (spec.taints if spec else None) or []
+            ]
+            drop = {(t.key, t.effect) for t in (*add_taints, *remove_taints)}
+            wanted = [t for t in taints if (t.get("key"), t.get("effect")) not in drop]
+            wanted += [t.body() for t in add_taints]
+            if wanted != taints:
+                body["spec"] = {"taints": wanted or None}
+        return body

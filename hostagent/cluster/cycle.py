@@ -51,6 +51,7 @@ from hostagent.host import journal
 from hostagent.host.verify import VerifyError
 from hostagent.core.config import Config, DrainTimeoutAction, GpuApi
 from hostagent.core.health import CheckFailed
+from hostagent.core.levers import Terms
 from hostagent.cluster.kube import (
     DrainAborted,
     ExpectedGpus,
@@ -120,6 +121,7 @@ class KubeCluster(Lent):
         self._vacate_deadline: float | None = None
         self._events: set[asyncio.Task[None]] = set()
         self.auth_retry = 30.0  # seconds between watches refused with 401/403
+        self.ahead: str | None = None  # why the lent node is cordoned ahead, if it is
 
     # --- start-up and health ------------------------------------------------------------
 
@@ -159,12 +161,18 @@ class KubeCluster(Lent):
             "trouble": self.trouble,
             "boot_id": self.boot_id,
             "waiting": self.waiting,
+            "cordoned_for": self.ahead,
         }
 
     # --- reclaim --------------------------------------------------------------------------
 
     async def reclaim(self, owners: list[str], *, regrow: bool = False,
-                      until: float | None = None) -> str | None:
+                      until: float | None = None, terms: Terms | None = None,
+                      accepted: Callable[[], None] | None = None) -> str | None:
+        """Cordon and drain under `terms` (`levers.terms`: the grace cap, said in the
+        Event and the journal; None: the pods' own grace); `accepted` is called once
+        every eviction is accepted (see `Kube.drain`)."""
+        terms = terms or Terms(None, False, "evicted pods get their full grace period")
         on_timeout = DrainTimeoutAction.ABORT if regrow else self.policy.on_drain_timeout
         abort = on_timeout is DrainTimeoutAction.ABORT
         # One budget for the whole reclaim: a player never waits longer than
@@ -181,29 +189,35 @@ class KubeCluster(Lent):
         who = ", ".join(owners) or ("a restart with more GPUs" if regrow
                                     else "hostagent reclaim")
         try:
-            cordon = await self.kube.cordon(self.node, marker_prefix=self.prefix,
-                                            timeout=left())
-            if cordon.cordoned_by_us:
-                self._remember_cordon(True)
+            # The cordon and the marks of a reclaim in one write: the first round trip
+            # of a player's wait is also its last before the list and the evictions.
             labels = {self.settings.borrowed_label: None} if self.settings.borrowed_label \
                 else None
-            await self.kube.annotate(self.node, {
+            cordon = await self.kube.cordon(self.node, marker_prefix=self.prefix, annotations={
                 f"{self.prefix}state": "reclaiming",
                 f"{self.prefix}holder": ",".join(owners) or None,
+                f"{self.prefix}cordoned-for": None,
             }, labels=labels, remove_taints=self.taints, timeout=left())
+            self.ahead = None
+            if cordon.cordoned_by_us:
+                self._remember_cordon(True)
             stops = ", ".join(f"{pods} ({gpu})" for gpu, pods in self.holders.items())
             if stops:
                 journal.record("drain", f"the drain of node {self.node} stops the pods that "
                                f"hold lent GPUs: {stops}", vm=self.node, result="holders",
                                pods=stops)
+            journal.record("drain", f"draining node {self.node} for {who}: {terms.said}",
+                           vm=self.node, result="started", grace_cap=terms.grace_cap)
             self._event("Reclaimed", f"GPUs reclaimed for {who}: draining, then the "
-                        "node's VM shuts down" + (f"; it stops {stops}" if stops else ""))
+                        "node's VM shuts down" + (f"; it stops {stops}" if stops else "")
+                        + f"; {terms.said}")
             report = await self.kube.drain(
                 self.node, timeout=left(), emptydir_ok=self.settings.drain_emptydir,
                 unmanaged_ok=self.settings.drain_unmanaged,
                 on_timeout=on_timeout,
                 grace_period=self.settings.grace_period,
-                skip_wait_for_delete_timeout=self.settings.skip_wait_for_delete_timeout)
+                skip_wait_for_delete_timeout=self.settings.skip_wait_for_delete_timeout,
+                grace_cap=terms.grace_cap, accepted=accepted)
         except DrainAborted as e:
             return f"the drain of node {self.node} did not finish: {e.report.summary()}"
         except KubeAuthError as e:
@@ -239,7 +253,8 @@ class KubeCluster(Lent):
     # --- hot-unplug -----------------------------------------------------------------------
 
     async def vacate(self, owners: list[str], gpus: Collection[str],
-                     pods: PodsReader, *, until: float | None = None) -> str | None:
+                     pods: PodsReader, *, until: float | None = None,
+                     grace_cap: float | None = None) -> str | None:
         """A hot-unplug's part: cordon the node (ours), then evict only the pods that use
         the GPUs `gpus`, those their ResourceClaims name (DRA) or else those `pods()`
         reads, once the node is cordoned (a pod placed before the cordon is seen): the
@@ -288,7 +303,7 @@ class KubeCluster(Lent):
                     on_timeout=DrainTimeoutAction.ABORT,
                     grace_period=self.settings.grace_period,
                     skip_wait_for_delete_timeout=self.settings.skip_wait_for_delete_timeout,
-                    only=using)
+                    only=using, grace_cap=grace_cap)
         except DrainAborted as e:
             return f"the pods using {names} were not all evicted: {e.report.summary()}"
         except KubeError as e:
@@ -349,6 +364,47 @@ class KubeCluster(Lent):
         journal.record("hotplug", f"restored {said} on node {self.node}: its GPU plugins "
                        "start again", vm=self.node, result="ok")
         return said
+
+    # --- ahead of an owner's usual hour ----------------------------------------------------
+
+    async def cordon_ahead(self, why: str) -> bool:
+        """Cordon the lent node (our marker), `why` in its ``cordoned-for`` annotation
+        and the journal: it takes no new pod before an owner's usual hour. True if the
+        cordon is ours (an administrator's stays theirs)."""
+        try:
+            cordon = await self.kube.cordon(self.node, marker_prefix=self.prefix,
+                                            annotations={f"{self.prefix}cordoned-for": why},
+                                            timeout=30)
+        except KubeError as e:
+            journal.record("ahead", f"could not cordon node {self.node} {why}: {e}",
+                           vm=self.node, result="failed", priority=journal.Priority.WARNING)
+            return False
+        if cordon.cordoned_by_us:
+            self._remember_cordon(True)
+        self.ahead = why if cordon.cordoned_by_us else None
+        journal.record("ahead", f"cordoned node {self.node} {why}: it takes no new pod, so "
+                       "that a start finds it idle (drain.cordon_ahead)", vm=self.node,
+                       result="cordoned" if cordon.cordoned_by_us else "cordoned-by-someone-else")
+        self._event("CordonedAhead", f"cordoned {why}: no new pod until it passes")
+        return cordon.cordoned_by_us
+
+    async def uncordon_ahead(self, why: str) -> None:
+        """Lift the cordon `cordon_ahead` set (only ours, and only while its annotation
+        says it was set ahead: a reclaim's or a return's write drops it)."""
+        self.ahead = None
+        try:
+            _, annotations, _ = await self.kube.node_metadata(self.node, timeout=30)
+            if f"{self.prefix}cordoned-for" not in annotations:
+                return
+            if await self.kube.uncordon(self.node, marker_prefix=self.prefix, annotations={
+                    f"{self.prefix}cordoned-for": None}, timeout=30):
+                self._remember_cordon(False)
+        except KubeError as e:
+            journal.record("ahead", f"could not uncordon node {self.node} after {why}: {e}",
+                           vm=self.node, result="failed", priority=journal.Priority.WARNING)
+            return
+        journal.record("ahead", f"uncordoned node {self.node}: {why}", vm=self.node,
+                       result="uncordoned")
 
     # --- the lendee went down -------------------------------------------------------------
 
@@ -576,21 +632,23 @@ class KubeCluster(Lent):
                            "the one expected), did the passthrough work?")
                 self._event("ReturnFailed", problem, warning=True)
                 return problem
-            # Everything that keeps the wrong pods off borrowed capacity first...
+            # Everything that keeps the wrong pods off borrowed capacity, and the
+            # uncordon, in one write: no pod is scheduled between them. It lifts only
+            # our own cordon (the marker on the Node says whose it is); an
+            # administrator's stays, and the adapter says so.
             labels = {self.settings.borrowed_label: "true"} if self.settings.borrowed_label \
                 else None
-            await self.kube.annotate(self.node, {
+            await self.kube.uncordon(self.node, marker_prefix=self.prefix, annotations={
                 f"{self.prefix}state": "lent",
                 f"{self.prefix}holder": None,
                 f"{self.prefix}lent-gpus": ",".join(expected.gpus),
                 f"{self.prefix}expected": ", ".join(
                     f"{n} {r}" for r, n in sorted(expected.resources.items())) or None,
                 f"{self.prefix}gpu-holders": None,
+                f"{self.prefix}cordoned-for": None,
             }, labels=labels, add_taints=self.taints)
-            # ...and the uncordon last. It lifts only our own cordon (the marker on the
-            # Node says whose it is); an administrator's stays, and the adapter says so.
-            await self.kube.uncordon(self.node, marker_prefix=self.prefix)
             self._remember_cordon(False)
+            self.ahead = None
         except KubeError as e:
             problem = f"could not return node {self.node} to the cluster: {e}"
             self._event("ReturnFailed", problem, warning=True)

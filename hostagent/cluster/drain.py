@@ -23,9 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import json
 import logging
 import math
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -36,9 +37,11 @@ from hostagent.cluster import lazy  # noqa: F401  (before kubernetes_asyncio: se
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import watch as k8s_watch
 from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.client.rest import RESTResponse
 
 from hostagent.host import journal
 from hostagent.core.config import DrainTimeoutAction
+from hostagent.core.levers import eviction_grace
 from hostagent.cluster.client import (
     Client,
     KubeError,
@@ -49,7 +52,6 @@ from hostagent.cluster.client import (
     _eviction_transient,
     _malformed,
     _pod,
-    _pods,
     _raise_auth_error,
 )
 
@@ -171,6 +173,7 @@ class PodInfo:
     mirror: bool = False
     emptydir: bool = False
     deleted_at: datetime | None = None  # metadata.deletionTimestamp: when its grace ends
+    grace: float | None = None  # spec.terminationGracePeriodSeconds (None: the API's 30 s)
 
     @classmethod
     def from_api(cls, pod: Any) -> PodInfo:
@@ -184,7 +187,42 @@ class PodInfo:
             mirror=MIRROR_ANNOTATION in (meta.annotations or {}),
             emptydir=any(v.empty_dir is not None for v in (spec.volumes if spec else None) or []),
             deleted_at=meta.deletion_timestamp,
+            grace=spec.termination_grace_period_seconds if spec else None,
         )
+
+
+def _of(value: Any, kind: type, what: str) -> Any:
+    """`value` if it is a `kind`; else TypeError (a reply of another shape)."""
+    if not isinstance(value, kind):
+        raise TypeError(f"{what} is not a {kind.__name__}")
+    return value
+
+
+def _pod_from_json(pod: Any) -> PodInfo:
+    """`PodInfo.from_api` of a pod as JSON: the fields the drain reads, each checked."""
+    _of(pod, dict, "a pod")
+    meta = _of(pod.get("metadata"), dict, "its metadata")
+    spec = _of(pod.get("spec") or {}, dict, "its spec")
+    status = _of(pod.get("status") or {}, dict, "its status")
+    owners = _of(meta.get("ownerReferences") or [], list, "its owners")
+    owner = next((r for r in owners if isinstance(r, dict) and r.get("controller") is True),
+                 None)
+    deleted = meta.get("deletionTimestamp")
+    grace = spec.get("terminationGracePeriodSeconds")
+    phase = status.get("phase")
+    return PodInfo(
+        ref=PodRef(_of(meta.get("namespace"), str, "its namespace"),
+                   _of(meta.get("name"), str, "its name"), _of(meta.get("uid", ""), str, "uid")),
+        phase=phase if isinstance(phase, str) else "",
+        deleting=deleted is not None,
+        controller=_of(owner.get("kind"), str, "an owner's kind") if owner else None,
+        mirror=MIRROR_ANNOTATION in _of(meta.get("annotations") or {}, dict, "annotations"),
+        emptydir=any(_of(v, dict, "a volume").get("emptyDir") is not None
+                     for v in _of(spec.get("volumes") or [], list, "its volumes")),
+        deleted_at=None if deleted is None else datetime.fromisoformat(
+            _of(deleted, str, "its deletion time")),
+        grace=float(grace) if isinstance(grace, int) and not isinstance(grace, bool) else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -259,10 +297,16 @@ class Drains(Client):
         grace_period: float | None = None,
         skip_wait_for_delete_timeout: float = 0.0,
         only: Collection[str] | None = None,
+        grace_cap: float | None = None,
+        accepted: Callable[[], None] | None = None,
     ) -> DrainReport:
         """Evict the node's pods like ``kubectl drain`` (see the module docstring).
 
         `grace_period`: given to each evicted pod instead of its own (``--grace-period``).
+        `grace_cap`: no evicted pod gets longer than this (`levers.eviction_grace`).
+        `accepted`: called once, when every eviction of the plan was accepted (or its pod
+        found gone) and every other pod it waits for is being deleted already: from
+        then on nothing the drain does can keep a pod (an incomplete drain never calls it).
         `skip_wait_for_delete_timeout` > 0: a pod whose deletion is that many seconds in
         the past counts as gone (``--skip-wait-for-delete-timeout``): on a node whose
         kubelet is unreachable, a Terminating pod never goes, and must not hold a
@@ -273,21 +317,17 @@ class Drains(Client):
         start = self._now()
         deadline = start + timeout
         try:
-            pods = await self._call(
-                f"list the pods on {node}",
-                lambda: self._core.list_pod_for_all_namespaces(
-                    field_selector=f"spec.nodeName={node}"
-                ),
-                deadline,
-                readable=_pods,
-            )
+            version, listed = await self._call(
+                f"list the pods on {node}", lambda: self._list_pods(node), deadline)
         except (KubeUnavailable, KubeRequestError) as e:
             return self._finish(
                 DrainReport(node=node, error=str(e), duration=self._now() - start), on_timeout
             )
+        infos = [i for i in listed if only is None or i.ref.uid in only]
+        graces = {i.ref: eviction_grace(i.grace, override=grace_period, cap=grace_cap)
+                  for i in infos}
         plan = plan_drain(
-            (PodInfo.from_api(p) for p in pods.items
-             if only is None or p.metadata.uid in only),
+            infos,
             emptydir_ok=emptydir_ok,
             unmanaged_ok=unmanaged_ok,
             skip_after=skip_wait_for_delete_timeout,
@@ -299,12 +339,13 @@ class Drains(Client):
             )
             return self._finish(report, on_timeout)
         deletions = _Deletions()
+        accepting = _Accepting(len(plan.evict), accepted)
         follower: asyncio.Task[None] | None = None
         try:
             async with asyncio.TaskGroup() as group:
                 evictions = [
-                    group.create_task(self._evict(pod, deadline, deletions, grace_period,
-                                                  skip_wait_for_delete_timeout))
+                    group.create_task(self._evict(pod, deadline, deletions, graces.get(pod),
+                                                  skip_wait_for_delete_timeout, accepting))
                     for pod in plan.evict
                 ]
                 waits = [
@@ -315,7 +356,7 @@ class Drains(Client):
                 # After the evictions, which go first; from the list's resourceVersion,
                 # so that no deletion since is missed.
                 follower = asyncio.create_task(
-                    self._follow_deletions(node, pods.metadata.resource_version, deletions,
+                    self._follow_deletions(node, version, deletions,
                                            deadline)
                 )
         except ExceptionGroup as group_error:
@@ -348,6 +389,25 @@ class Drains(Client):
             duration=self._now() - start,
         )
         return self._finish(report, on_timeout)
+
+    async def _list_pods(self, node: str) -> tuple[str | None, list[PodInfo]]:
+        """The pods on `node` and the list's resourceVersion, read from the answer's JSON
+        (`_pod_from_json`) rather than the client's model: the list is on a player's
+        path, and the model takes a millisecond or two a pod on a small CPU (a real
+        node runs tens). A reply of another shape raises what `Client._call` retries."""
+        reply: aiohttp.ClientResponse = await self._core.list_pod_for_all_namespaces(  # type: ignore[assignment]
+            field_selector=f"spec.nodeName={node}", _preload_content=False)
+        async with reply:
+            data = await reply.read()
+        if not 200 <= reply.status <= 299:
+            raise ApiException(http_resp=RESTResponse(reply, data))  # type: ignore[arg-type]
+        body = json.loads(data)
+        items, meta = body["items"], body.get("metadata") or {}
+        if not isinstance(items, list) or not isinstance(meta, dict):
+            raise TypeError("not a list of pods")
+        version = meta.get("resourceVersion")
+        return version if isinstance(version, str) else None, [
+            _pod_from_json(p) for p in items]
 
     def _finish(self, report: DrainReport, on_timeout: DrainTimeoutAction) -> DrainReport:
         self.last_drain = report
@@ -404,9 +464,12 @@ class Drains(Client):
             await asyncio.sleep(max(0.0, min(self.timing.delete_poll, deadline - self._now())))
 
     async def _evict(self, pod: PodRef, deadline: float, deletions: _Deletions,
-                     grace_period: float | None, skip_after: float) -> LeftPod | None:
+                     grace_period: float | None, skip_after: float,
+                     accepting: _Accepting | None = None) -> LeftPod | None:
         """Evict one pod and wait until it is gone; None when it is, `_STUCK` when it
-        counts as gone (see `drain`), else why not."""
+        counts as gone (see `drain`), else why not. `accepting` hears when its eviction
+        is accepted, or the pod found gone."""
+        accepting = accepting or _Accepting(1, None)
         body = k8s.V1Eviction(
             metadata=k8s.V1ObjectMeta(name=pod.name, namespace=pod.namespace),
             delete_options=k8s.V1DeleteOptions(
@@ -425,11 +488,13 @@ class Drains(Client):
                     deadline,
                     transient=_eviction_transient,
                 )
+                accepting.one()
                 break
             except KubeUnavailable as e:
                 return why if why is not None and not e.last else self._unreachable(pod, e)
             except KubeRequestError as e:
                 if e.status == 404:
+                    accepting.one()
                     return None
                 if e.status >= 500:
                     return LeftPod(
@@ -449,6 +514,7 @@ class Drains(Client):
                 return why
             try:
                 if await self._gone(pod, deadline, 0.0) is not None:
+                    accepting.one()
                     return None
             except KubeRequestError as e:
                 return LeftPod(pod, LeftReason.REFUSED, str(e))
@@ -522,6 +588,23 @@ _GONE = LeftPod(PodRef("", ""), LeftReason.TERMINATING, "gone")
 
 
 _STUCK = LeftPod(PodRef("", ""), LeftReason.TERMINATING, "stuck terminating: counted as gone")
+
+
+class _Accepting:
+    """Counts a drain's evictions accepted; calls `then` once all `needed` were."""
+
+    def __init__(self, needed: int, then: Callable[[], None] | None) -> None:
+        self.left, self.then = needed, then
+        self.check()
+
+    def one(self) -> None:
+        self.left -= 1
+        self.check()
+
+    def check(self) -> None:
+        if self.left <= 0 and self.then is not None:
+            then, self.then = self.then, None
+            then()
 
 
 class _Deletions:

@@ -27,11 +27,11 @@ class Events(Client):
     """Events on the node."""
 
     async def post_event(self, node: str, *, reason: str, message: str,
-                         warning: bool = False, timeout: float | None = None) -> None:
+                         warning: bool = False, timeout: float | None = None) -> str | None:
         """A core/v1 Event on the Node, as the kubelet writes its own (namespace default,
         involvedObject.uid = the node's name), so `kubectl describe node` and `kubectl
-        get events` show it. Best effort: the event is also in the journal, and a
-        failure to post it is logged, never raised (KubeAuthError aside)."""
+        get events` show it. Best effort: None once posted, else why not (logged, never
+        raised, KubeAuthError aside), for the caller to keep it elsewhere."""
         stamp = datetime.now(UTC)
         body = k8s.CoreV1Event(
             metadata=k8s.V1ObjectMeta(generate_name=f"{node}.", namespace="default"),
@@ -48,6 +48,8 @@ class Events(Client):
                              self._deadline(timeout))
         except (KubeUnavailable, KubeRequestError) as e:
             log.warning("could not tell the cluster (%s: %s): %s", reason, message, e)
+            return str(e)
+        return None
 
     async def notice_pods(self, node: str, *, annotation: str, value: Callable[[float], str],
                           reason: str, message: Callable[[str], str],

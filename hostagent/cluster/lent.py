@@ -4,7 +4,9 @@
 `watch_lent` follows the node until cancelled (Ready, allocatable, pods that use GPUs);
 a GPU lost or a node NotReady while lent is a journal error and a failing "kubernetes"
 health check, and the GPU pods count feeds ``hostagent_node_gpu_pods``. Events on the
-Node are posted in the background: they never delay a step.
+Node are posted in the background: they never delay a step, and none is lost: one
+that cannot be posted (the API server down past its 10 s, or `EVENTS_PENDING` already
+waiting) is written to the journal instead, with its message.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ if TYPE_CHECKING:
     from hostagent.core.config import Kubernetes
 
 log = logging.getLogger(__name__)
+# Events being posted at once, at most: beyond, an Event goes to the journal instead.
+EVENTS_PENDING = 16
 
 
 class Metrics(Protocol):
@@ -196,7 +200,12 @@ class Lent:
     # --- telling the cluster --------------------------------------------------------------
 
     def _event(self, reason: str, message: str, *, warning: bool = False) -> None:
-        """Post an Event on the Node in the background (it never delays a step)."""
+        """Post an Event on the Node in the background (it never delays a step); one
+        that cannot be posted is journaled instead (`_unposted`)."""
+        if len(self._events) >= EVENTS_PENDING:
+            self._unposted(reason, message, f"{EVENTS_PENDING} Events already wait for the "
+                           "API server", warning)
+            return
         task = asyncio.get_running_loop().create_task(
             self._post(reason, message, warning))
         self._events.add(task)
@@ -204,10 +213,18 @@ class Lent:
 
     async def _post(self, reason: str, message: str, warning: bool) -> None:
         try:
-            await self.kube.post_event(self.node, reason=reason, message=message,
-                                       warning=warning, timeout=10)
+            why = await self.kube.post_event(self.node, reason=reason, message=message,
+                                             warning=warning, timeout=10)
         except KubeError as e:
-            log.warning("could not post the %s event on node %s: %s", reason, self.node, e)
+            why = str(e)
+        if why is not None:
+            self._unposted(reason, message, why, warning)
+
+    def _unposted(self, reason: str, message: str, why: str, warning: bool) -> None:
+        journal.record("event", f"could not post the {reason} event on node {self.node} "
+                       f"({why}); it says: {message}", vm=self.node, result="not-posted",
+                       reason=reason, priority=journal.Priority.WARNING if warning
+                       else journal.Priority.NOTICE)
 
     async def flush_events(self) -> None:
         """Wait for the Events being posted (tests, and before closing the adapter)."""

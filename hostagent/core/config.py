@@ -77,6 +77,8 @@ Example (``/etc/hostagent/config.toml``; everything but ``[lendee]`` is optional
     reserve_margin = "5m"                   # long ahead; eviction at the time less their
     reserve_expiry = "30m"                  # grace and this; unused this long: lent again
 
+    [drain]                                 # the levers of a player's wait: hostagent.core.levers
+
     [verify]                                # after a lend: does the guest see its GPUs?
     method = "guest-agent"                  # "guest-agent" (guest-exec), "ssh" or "none"
     command = "nvidia-smi"                  # run in the guest (PATH is searched)
@@ -225,6 +227,7 @@ from hostagent.core.config_notify import Notify
 from hostagent.core.lendees import NO_LENDEE, Lendee, link as _link_lendees, read_lendees
 from hostagent.core.lendees import view as _view
 from hostagent.core.model import Hotplug, Regrow  # the machine's own policy values
+from hostagent.core.levers import DrainPolicy
 from hostagent.core.plugins import PLUGIN_LABELS, PLUGIN_SELECTORS
 
 
@@ -525,6 +528,7 @@ class Config:
     )
     timeouts: Timeouts = field(default_factory=Timeouts, metadata=_key(_section(Timeouts)))
     policy: Policy = field(default_factory=Policy, metadata=_key(_section(Policy)))
+    drain: DrainPolicy = field(default_factory=DrainPolicy, metadata=_key(_section(DrainPolicy)))
     # None: no [kubernetes] section, the agent moves GPUs between VMs only.
     kubernetes: Kubernetes | None = field(default=None, metadata=_key(_section(Kubernetes)))
     verify: Verify = field(default_factory=Verify, metadata=_key(_section(Verify)))

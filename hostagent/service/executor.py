@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from hostagent.core import clock, machine
+from hostagent.core import clock, levers, machine
 from hostagent.service import hotplug
 from hostagent.surfaces import notify
 from hostagent.host import iommu, journal, lint, screenshots
@@ -206,17 +206,54 @@ class Executor:
                 "reservations": sorted(state.reserved), "regrow": regrow,
                 "time": datetime.now(UTC).isoformat(timespec="seconds")})
         held = [r.at for r in state.reservations if r.holding]
+        # A player waiting: the pods' grace capped, the shutdown once the evictions are
+        # accepted (levers 1 and 2); else kubectl's drain, each pod its full grace.
+        terms = levers.terms(self.cfg.drain, players_waiting=bool(state.waiting_owners),
+                             regrow=regrow)
         if held and not state.waiting_owners and not regrow:
             # For reservations alone: their pods were told, and may take their full
             # grace period until the reserved time (its margin is for the shutdown).
             until = min(held) - clock.now()
-            problem = await self.cluster.reclaim(owners, regrow=regrow, until=until)
+            problem = await self.cluster.reclaim(owners, regrow=regrow, until=until,
+                                                 terms=terms)
+        elif terms.early_shutdown:
+            problem = await self._drain_until_accepted(owners, terms)
         else:
-            problem = await self.cluster.reclaim(owners, regrow=regrow)
+            problem = await self.cluster.reclaim(owners, regrow=regrow, terms=terms)
         if problem is None:
             self.apply(Drained(at=clock.now(), ticket=ticket))
         else:
             self.apply(DrainFailed(at=clock.now(), ticket=ticket, reason=problem))
+
+    async def _drain_until_accepted(self, owners: list[str], terms: levers.Terms) -> str | None:
+        """The reclaim, until every eviction is accepted (or it ends before): then its
+        rest, the wait for the pods to go, runs beside the shutdown (not a step of the
+        phase: the next step does not wait for it), bounded by timeouts.drain and
+        journaled when it ends. The owner still starts only once the lendee is off."""
+        accepted = asyncio.Event()
+        work = asyncio.ensure_future(self.cluster.reclaim(owners, terms=terms,
+                                                          accepted=accepted.set))
+        told = asyncio.ensure_future(accepted.wait())
+        try:
+            await asyncio.wait({work, told}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            raise
+        finally:
+            told.cancel()
+        if work.done():
+            return work.result()
+        journal.record("drain", f"every eviction from {self.lendee}'s node was accepted: "
+                       "its VM shuts down while the pods stop (drain.shutdown_when = "
+                       "\"accepted\")", vm=self.lendee, result="accepted")
+        self.spawn(self._drain_rest(work))
+        return None
+
+    async def _drain_rest(self, work: asyncio.Future[str | None]) -> None:
+        problem = await work
+        if problem is not None:
+            journal.record("drain", f"after the shutdown began: {problem}", vm=self.lendee,
+                           result="incomplete", priority=journal.Priority.WARNING)
 
     async def _wait_agent(self, ticket: int) -> None:
         """guest-ping until it answers, bounded: the agent needs 30-60 s in a fresh VM.

@@ -66,7 +66,7 @@ import time
 from collections.abc import Collection
 from typing import Any, Protocol
 
-from hostagent.core import clock
+from hostagent.core import clock, levers
 from hostagent.host import journal, lint
 from hostagent.host import verify as in_guest
 from hostagent.core.config import Config
@@ -296,6 +296,8 @@ async def hot_unplug(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
     # For reservations alone: their pods were told, and get their full grace period,
     # until the reserved time (as the drain of the reclaim by restart gives them).
     until = None if owners or not held else min(r.at for r in held) - clock.now()
+    # A player waiting: the pods using the GPUs get at most drain.unplanned_grace.
+    cap = levers.terms(ex.cfg.drain, players_waiting=bool(owners)).grace_cap
     owners = owners or [f"{r.vm}'s reservation" for r in held]
     journal.record("hotplug", f"taking {names} from {lendee} while it runs, for "
                    f"{', '.join(owners) or 'an owner'}: evicting the pods that use them",
@@ -309,7 +311,8 @@ async def hot_unplug(ex: Step, ticket: int, gpus: frozenset[str]) -> None:
     if problem is None:
         # Read once the node is cordoned: a pod placed before the cordon is among them.
         problem = await ex.cluster.vacate(
-            owners, gpus, lambda: _checkpoint(ex, frozenset(uuids.values())), until=until)
+            owners, gpus, lambda: _checkpoint(ex, frozenset(uuids.values())), until=until,
+            grace_cap=cap)
     for part in (_withdraw, _release, _detach):
         if problem is None and ex.view.state.ticket == ticket:
             problem = await part(ex, gpus, frozenset(uuids.values()))

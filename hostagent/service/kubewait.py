@@ -115,6 +115,12 @@ class WaitingCluster:
     async def reclaim(self, owners: list[str], **kw: Any) -> str | None:
         return await (await self._cluster()).reclaim(owners, **kw)
 
+    async def cordon_ahead(self, why: str) -> bool:
+        return await (await self._cluster()).cordon_ahead(why)
+
+    async def uncordon_ahead(self, why: str) -> None:
+        await (await self._cluster()).uncordon_ahead(why)
+
     async def give_back(self, lent: Collection[str], **kw: Any) -> str | None:
         return await (await self._cluster()).give_back(lent, **kw)
 

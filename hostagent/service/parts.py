@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from hostagent.core import clock
 from hostagent.surfaces.control import Reply
 from hostagent.core.model import Event, State
+from hostagent.core.levers import Terms
 
 if TYPE_CHECKING:  # the cluster's, which imports kubernetes-asyncio: only with [kubernetes]
     from hostagent.cluster.cycle import PodsReader
@@ -115,11 +116,21 @@ class Cluster(Protocol):
     """The Kubernetes steps of a cycle. Without a [kubernetes] section: `NoCluster`."""
 
     async def reclaim(self, owners: list[str], *, regrow: bool = False,
-                      until: float | None = None) -> str | None:
+                      until: float | None = None, terms: Terms | None = None,
+                      accepted: Callable[[], None] | None = None) -> str | None:
         """Cordon and drain; None when done, or why the reclaim must be aborted. A
         `regrow`'s is aborted whenever its drain cannot finish: nobody waits for it.
         `until` (seconds from now): a reservation's, whose pods were told and get their
-        full grace period, may drain that long if it is longer than timeouts.drain."""
+        full grace period, may drain that long if it is longer than timeouts.drain.
+        `terms`: the pods' grace (`levers.terms`); `accepted`: called once every
+        eviction is accepted."""
+
+    async def cordon_ahead(self, why: str) -> bool:
+        """Cordon the lent node ahead of an owner's usual hour, saying `why`; True if the
+        cordon is ours."""
+
+    async def uncordon_ahead(self, why: str) -> None:
+        """Lift the cordon `cordon_ahead` set, if it is still that one."""
 
     async def give_back(self, lent: Collection[str], *,
                         restart_plugins: bool = False,
@@ -131,7 +142,8 @@ class Cluster(Protocol):
         before its status counts (invariant 14)."""
 
     async def vacate(self, owners: list[str], gpus: Collection[str],
-                     pods: PodsReader, *, until: float | None = None) -> str | None:
+                     pods: PodsReader, *, until: float | None = None,
+                     grace_cap: float | None = None) -> str | None:
         """A hot-unplug: cordon, then evict only the pods using `gpus` (by DRA claim, else
         those `pods()` reads once the node is cordoned: UIDs from the kubelet's
         checkpoint, or None and why not); None once they are gone, or why the reclaim by
@@ -179,7 +191,14 @@ class Cluster(Protocol):
 
 class NoCluster:
     async def reclaim(self, owners: list[str], *, regrow: bool = False,
-                      until: float | None = None) -> str | None:
+                      until: float | None = None, terms: Terms | None = None,
+                      accepted: Callable[[], None] | None = None) -> str | None:
+        return None
+
+    async def cordon_ahead(self, why: str) -> bool:
+        return False
+
+    async def uncordon_ahead(self, why: str) -> None:
         return None
 
     async def give_back(self, lent: Collection[str], *,
@@ -188,7 +207,8 @@ class NoCluster:
         return None
 
     async def vacate(self, owners: list[str], gpus: Collection[str],
-                     pods: PodsReader, *, until: float | None = None) -> str | None:
+                     pods: PodsReader, *, until: float | None = None,
+                     grace_cap: float | None = None) -> str | None:
         return None
 
     async def withdraw(self, gpus: Collection[str]) -> str | None:

@@ -21,6 +21,7 @@ from hostagent.host import journal
 from hostagent.core import reserve as plan
 from hostagent.core.config import Config
 from hostagent.core.model import Reserve, Topology
+from hostagent.service.ahead import AheadOfUsual
 from hostagent.service.parts import Apply, Cluster, View
 from hostagent.core.reserve import Reservation
 
@@ -51,6 +52,7 @@ class Reservations:
                  cluster: Cluster,
                  saved: Callable[[], Awaitable[OSError | None]] | None = None) -> None:
         self.topo, self.view, self.apply, self.cluster = topo, view, apply, cluster
+        self.cfg = cfg
         # The state file's flush (the agent's saver): a reservation is on disk before
         # its caller hears it is taken.
         self.saved = saved
@@ -191,7 +193,17 @@ class Reservations:
                 for r in self.now]
 
     async def run(self) -> None:
-        """Until cancelled: do what is due, then sleep until the next moment or change."""
+        """Until cancelled: do what is due, then sleep until the next moment or change.
+        Beside it, with ``[drain] cordon_ahead``, the owners' usual hours (`ahead`)."""
+        if self.cfg.drain.cordon_ahead and self.cfg.kubernetes is not None:
+            beside = AheadOfUsual(self.cfg, self.topo, self.view, self.cluster)
+            async with asyncio.TaskGroup() as group:
+                group.create_task(beside.run())
+                group.create_task(self._run())
+            return
+        await self._run()
+
+    async def _run(self) -> None:
         while True:
             self._changed.clear()
             await self.step()

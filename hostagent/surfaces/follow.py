@@ -157,6 +157,9 @@ def format_status(data: dict[str, Any]) -> str:
                      f"{cluster['gpu_api_from']}")
     if cluster.get("waiting"):
         lines.append(f"  its return is waiting for {cluster['waiting']}")
+    if cluster.get("cordoned_for"):
+        lines.append(f"  its node is cordoned {clean(cluster['cordoned_for'], 200)}: it takes "
+                     "no new pod (drain.cordon_ahead)")
     holders = cluster.get("holders")
     if holders:
         lines.append("  its node's pods hold " + ", ".join(

@@ -162,6 +162,9 @@ class FaultProxy:
         self.max_connections = max_connections
         # (method, path with query, wall-clock time of arrival), oldest first
         self.requests: deque[tuple[str, str, float]] = deque(maxlen=max_log)
+        # (method, path with query, arrival, when its answer was out, status) of each
+        # request answered (watches once they end): what benchmarks time a step's end by
+        self.answers: deque[tuple[str, str, float, float, int]] = deque(maxlen=max_log)
         self._faults: list[Fault] = []
         self._watches: set[_Watch] = set()
         self._web: web.Server | None = None
@@ -338,7 +341,14 @@ class FaultProxy:
     # --- HTTP ----------------------------------------------------------------------------
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        self.requests.append((request.method, request.path_qs, time.time()))
+        arrived = time.time()
+        response = await self._answer(request, arrived)
+        self.answers.append((request.method, request.path_qs, arrived, time.time(),
+                             response.status))
+        return response
+
+    async def _answer(self, request: web.BaseRequest, arrived: float) -> web.StreamResponse:
+        self.requests.append((request.method, request.path_qs, arrived))
         if len(self._web.connections if self._web else ()) > self.max_connections:
             return _json(status(429, "TooManyRequests", "too many connections to the fault "
                                 "proxy"), 429, {"Retry-After": "1"})

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hostagent.core.config import parse
+from hostagent.core.levers import Terms
 from hostagent.core.model import Observed, Phase
 from hostagent.host.libvirt import HostError, Lifecycle
 from hostagent.service.agent import Agent
@@ -177,10 +178,17 @@ class HeldCluster(NoCluster):
         self.down_go = asyncio.Event()  # set: the cordon after a stop goes through at once
         self.down_go.set()
         self.returns = 0
+        self.accept = False  # True: every eviction accepted at once; the pods go at drain_go
+        self.terms: list[Terms | None] = []
 
     async def reclaim(self, owners: list[str], *, regrow: bool = False,
-                      until: float | None = None) -> str | None:
+                      until: float | None = None, terms: Terms | None = None,
+                      accepted: Callable[[], None] | None = None) -> str | None:
         self.node.append("cordon")
+        self.terms.append(terms)
+        if accepted is not None and self.accept:
+            self.node.append("evictions accepted")
+            accepted()
         await self.drain_go.wait()
         self.node.append("drained")
         return None

@@ -254,11 +254,14 @@ class Vacating(NoCluster):
         self.calls: list[tuple[list[str], frozenset[str], frozenset[str] | None]] = []
         self.order: list[str] = []
         self.until: list[float | None] = []
+        self.caps: list[float | None] = []
         self.guest: Guest
 
     async def vacate(self, owners: list[str], gpus: Collection[str], pods: PodsReader,
-                     *, until: float | None = None) -> str | None:
+                     *, until: float | None = None,
+                     grace_cap: float | None = None) -> str | None:
         self.until.append(until)
+        self.caps.append(grace_cap)
         self.order.append("cordon")
         read, why = await pods()
         self.calls.append((owners, frozenset(gpus), None if read is None else frozenset(read)))

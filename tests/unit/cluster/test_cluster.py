@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from hostagent.host import journal
+from hostagent.core import levers
 from hostagent.core.health import CheckFailed
 from hostagent.cluster.kube import Kube, KubeAuthError, Timing, expected_gpus
 from kubernetes_asyncio import watch as k8s_watch
@@ -255,18 +256,71 @@ async def test_the_taints_label_and_annotations_are_there_before_the_uncordon(
         with contextlib.suppress(asyncio.CancelledError):
             await watching
     uncordon = next(i for i, v in enumerate(versions) if not v["spec"].get("unschedulable"))
-    assert uncordon > 0
-    before = versions[uncordon - 1]
+    # The very version that is schedulable has them all: one write, no version between.
+    first = versions[uncordon]
     assert {"key": "hostagent.io/borrowed", "value": "true", "effect": "NoSchedule"} in \
-        before["spec"]["taints"]
-    assert before["metadata"]["labels"]["hostagent.io/borrowed"] == "true"
-    assert before["metadata"]["annotations"][f"{PREFIX}lent-gpus"] == "gpu-a,gpu-b"
+        first["spec"]["taints"]
+    assert first["metadata"]["labels"]["hostagent.io/borrowed"] == "true"
+    assert first["metadata"]["annotations"][f"{PREFIX}lent-gpus"] == "gpu-a,gpu-b"
     # After it, only the node lifecycle controller's own taint goes.
-    for old, new in itertools.pairwise(versions[uncordon - 1:]):
+    for old, new in itertools.pairwise(versions[uncordon:]):
         assert new["metadata"]["labels"] == old["metadata"]["labels"]
         assert {t["key"] for t in old["spec"].get("taints", [])} - \
             {t["key"] for t in new["spec"].get("taints", [])} <= \
             {"node.kubernetes.io/unschedulable"}
+
+
+def node_writes(api: Api, since: int) -> list[str]:
+    """The PATCHes of gpu-node the proxy passed on after its `since`th request."""
+    return [p for m, p, _ in list(api.proxy.requests)[since:]
+            if m == "PATCH" and p.startswith("/api/v1/nodes/gpu-node")]
+
+
+async def test_a_reclaim_cordons_and_marks_the_node_in_one_write(api: Api, kube: Kube) -> None:
+    """What must be in order before the evictions is one read and one write of the
+    node (cordon, marker, state, holder, label and taints together), then the list."""
+    cluster = cluster_for(kube)
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    assert await cluster.give_back(["gpu-a", "gpu-b"]) is None
+    await api.seed.pod("web", node="gpu-node", owner="ReplicaSet/web")
+    since = len(api.proxy.requests)
+    assert await cluster.reclaim(["gaming1"]) is None
+    asked = [(m, p.split("?")[0]) for m, p, _ in list(api.proxy.requests)[since:]
+             if "watch=" not in p]  # the drain's watch of deletions goes beside
+    path = asked[:asked.index(("POST", "/api/v1/namespaces/default/pods/web/eviction"))]
+    assert [a for a in path if a[1] != "/api/v1/namespaces/default/events"] == [
+        ("GET", "/api/v1/nodes/gpu-node"), ("PATCH", "/api/v1/nodes/gpu-node"),
+        ("GET", "/api/v1/pods")]
+    now = await node(api)
+    assert now["spec"]["unschedulable"] is True
+    assert now["metadata"]["annotations"][MARKER] == "hostagent"
+    assert now["metadata"]["annotations"][f"{PREFIX}state"] == "reclaiming"
+    assert now["metadata"]["annotations"][f"{PREFIX}holder"] == "gaming1"
+    assert "hostagent.io/borrowed" not in now["metadata"]["labels"]
+    assert "hostagent.io/borrowed" not in {t["key"] for t in now["spec"].get("taints", [])}
+
+
+async def test_a_reclaim_of_a_node_cordoned_by_someone_else_marks_it_and_leaves_the_cordon(
+        api: Api, kube: Kube) -> None:
+    await api.seed.patch_node("gpu-node", {"spec": {"unschedulable": True}})
+    since = len(api.proxy.requests)
+    assert await cluster_for(kube).reclaim(["gaming1"]) is None
+    assert len(node_writes(api, since)) == 1
+    now = await node(api)
+    assert now["metadata"]["annotations"][f"{PREFIX}state"] == "reclaiming"
+    assert MARKER not in now["metadata"]["annotations"]
+    assert await kube.uncordon("gpu-node", marker_prefix=PREFIX) is False
+
+
+async def test_a_return_marks_and_uncordons_the_node_in_one_write(api: Api, kube: Kube) -> None:
+    await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    since = len(api.proxy.requests)
+    assert await cluster_for(kube).give_back(["gpu-a", "gpu-b"]) is None
+    assert len(node_writes(api, since)) == 1
+    now = await node(api)
+    assert not now["spec"].get("unschedulable")
+    assert MARKER not in now["metadata"]["annotations"]
+    assert now["metadata"]["annotations"][f"{PREFIX}state"] == "lent"
 
 
 async def test_a_lendee_destroyed_by_hand_comes_back_cordoned_until_verified(
@@ -501,7 +555,7 @@ async def test_events_and_the_borrowed_label_tell_the_cluster(api: Api, kube: Ku
     assert ("Normal", "Lent", "lent with 2 GPU(s) (gpu-a, gpu-b): 2 nvidia.com/gpu "
             "(2 GPUs, one nvidia.com/gpu each)") in said
     assert ("Normal", "Reclaimed", "GPUs reclaimed for gaming1: draining, then the node's "
-            "VM shuts down") in said
+            "VM shuts down; evicted pods get their full grace period") in said
     involved = (await api.seed.events())[0]["involvedObject"]
     assert involved == {"kind": "Node", "name": "gpu-node", "uid": "gpu-node",
                         "apiVersion": "v1"}
@@ -510,6 +564,46 @@ async def test_events_and_the_borrowed_label_tell_the_cluster(api: Api, kube: Ku
                                   "--field-selector", "involvedObject.name=gpu-node",
                                   "-o", "json")
     assert {"Lent", "Reclaimed"} <= {e["reason"] for e in json.loads(out.stdout)["items"]}
+
+
+async def test_an_event_slow_to_post_delays_no_drain(api: Api, kube: Kube) -> None:
+    """The Event goes beside the reclaim: an API server that takes 1.5 s to take it
+    (the test client's requests time out at 2 s) neither delays nor fails the drain."""
+    await api.seed.pod("web", node="gpu-node", owner="ReplicaSet/web")
+    api.proxy.slow("/events", delay=1.5, method="POST")
+    cluster = cluster_for(kube)
+    assert await cluster.reclaim(["gaming1"]) is None
+    assert await api.seed.get_pod("default", "web") is None
+    [(posted, _)] = api.proxy.requests_at("POST", "/events")
+    [(evicted, _)] = api.proxy.requests_at("POST", "/eviction")
+    assert evicted < posted + 1.5  # the eviction went before the Event's answer
+    await cluster.flush_events()
+    assert ("Normal", "Reclaimed") in {(t, r) for t, r, _ in await events(api)}
+
+
+async def test_an_event_the_api_server_refuses_is_journaled_not_lost(
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
+    api.proxy.fail("/events", code=400, method="POST", times=None)
+    cluster = cluster_for(kube)
+    assert await cluster.reclaim(["gaming1"]) is None
+    await cluster.flush_events()
+    kept = result_of(records, "not-posted")
+    assert len(kept) == 1 and kept[0].fields["HOSTAGENT_REASON"] == "Reclaimed"
+    assert "GPUs reclaimed for gaming1" in kept[0].message
+
+
+async def test_events_beyond_the_bound_are_journaled_at_once(
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
+    from hostagent.cluster.lent import EVENTS_PENDING
+    api.proxy.slow("/events", delay=1.0, method="POST")
+    cluster = cluster_for(kube)
+    for n in range(EVENTS_PENDING + 2):
+        cluster._event("Test", f"event {n}")
+    kept = result_of(records, "not-posted")
+    assert [e.message.rsplit(": ", 1)[1] for e in kept] == [
+        f"event {EVENTS_PENDING}", f"event {EVENTS_PENDING + 1}"]
+    await cluster.flush_events()
+    assert len(result_of(records, "not-posted")) == 2
 
 
 async def test_unmanaged_pods_left_with_proceed_are_named_before_the_power_off(
@@ -552,6 +646,73 @@ async def test_the_grace_period_override_goes_with_each_eviction(api: Api, kube:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+async def test_a_players_reclaim_caps_the_grace_and_says_so(api: Api, kube: Kube) -> None:
+    """drain.unplanned_grace: a pod of 300 s is evicted with 10 s; the Event says which
+    grace applies; a pod within the cap keeps its own."""
+    await api.seed.pod("web", node="gpu-node", owner="ReplicaSet/web", grace=300)
+    await api.seed.pod("quick", node="gpu-node", owner="ReplicaSet/quick", grace=5)
+    await api.seed.kubelet_gone("gpu-node")  # the evicted pods stay Terminating: read them
+    cluster = cluster_for(kube, config('skip_wait_for_delete_timeout = "0s"'))
+    said = levers.terms(levers.DrainPolicy(), players_waiting=True)
+    accepted = asyncio.Event()
+    task = asyncio.create_task(cluster.reclaim(["gaming1"], terms=said,
+                                               accepted=accepted.set))
+
+    async def deleting(name: str) -> bool:
+        pod = await api.seed.get_pod("default", name)
+        return pod is not None and "deletionGracePeriodSeconds" in pod["metadata"]
+
+    await until(lambda: deleting("web"))
+    await until(lambda: deleting("quick"))
+    graces = {n: (await api.seed.get_pod("default", n) or {})["metadata"]
+              ["deletionGracePeriodSeconds"] for n in ("web", "quick")}
+    assert graces == {"web": 10, "quick": 5}
+    await asyncio.wait_for(accepted.wait(), 5)  # accepted, the pods still there
+    assert not task.done()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await cluster.flush_events()
+    reclaimed = [m for _, r, m in await events(api) if r == "Reclaimed"]
+    assert reclaimed == ["GPUs reclaimed for gaming1: draining, then the node's VM shuts "
+                         "down; evicted pods get at most 10 s to stop (drain.unplanned_grace: "
+                         "a player is waiting); the node's VM shuts down once every eviction "
+                         "is accepted"]
+
+
+async def test_a_drain_blocked_by_a_budget_is_never_accepted(api: Api, kube: Kube) -> None:
+    """`accepted` means every eviction went through: a budget that never allows one
+    keeps it from being said, whatever on_drain_timeout does with the drain."""
+    await api.seed.pod("db-0", node="gpu-node", owner="StatefulSet/db", labels={"app": "db"})
+    await api.seed.pdb("db", match_labels={"app": "db"}, max_unavailable=0)
+    said: list[bool] = []
+    cluster = cluster_for(kube, config(policy="proceed"))
+    assert await cluster.reclaim(["gaming1"], accepted=lambda: said.append(True)) is None
+    assert said == []
+
+
+async def test_a_cordon_ahead_is_lifted_only_while_it_is_still_that_one(
+        api: Api, kube: Kube, records: journal.ListSink) -> None:
+    cluster = cluster_for(kube)
+    why = "ahead of gaming1's usual hour (Mon 20:00)"
+    assert await cluster.cordon_ahead(why) is True
+    now = await node(api)
+    assert now["spec"]["unschedulable"] is True
+    assert now["metadata"]["annotations"][f"{PREFIX}cordoned-for"] == why
+    assert cluster.status()["cordoned_for"] == why
+    await cluster.uncordon_ahead("it passed without a start")
+    now = await node(api)
+    assert not now["spec"].get("unschedulable")
+    assert f"{PREFIX}cordoned-for" not in now["metadata"]["annotations"]
+    assert [e.fields["HOSTAGENT_RESULT"] for e in records.entries
+            if e.fields.get("HOSTAGENT_EVENT") == "ahead"] == ["cordoned", "uncordoned"]
+    # A reclaim takes the cordon over: its write drops the reason, nothing lifts it then.
+    assert await cluster.cordon_ahead(why) is True
+    assert await cluster.reclaim(["gaming1"]) is None
+    await cluster.uncordon_ahead("it passed without a start")
+    assert (await node(api))["spec"]["unschedulable"] is True
 
 
 # --- credentials the API server refuses ------------------------------------------------------------

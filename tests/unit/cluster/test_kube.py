@@ -722,3 +722,43 @@ async def test_wait_gpus_with_the_api_down_reports_what_it_last_saw(kube: Kube, 
     await api.proxy.down()
     found = await kube.wait_gpus("gpu-node", expected=gpus(2), timeout=0.3)
     assert found == {"nvidia.com/gpu": 0}
+
+
+@pytest.mark.parametrize("pod", [
+    {"metadata": {"name": "web", "namespace": "ml", "uid": "u1",
+                  "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet",
+                                       "name": "w", "uid": "x", "controller": True}],
+                  "annotations": {"kubernetes.io/config.mirror": "m"},
+                  "deletionTimestamp": "2026-01-02T03:04:05Z"},
+     "spec": {"containers": [{"name": "c"}], "terminationGracePeriodSeconds": 300,
+              "volumes": [{"name": "scratch", "emptyDir": {}}]},
+     "status": {"phase": "Running"}},
+    {"metadata": {"name": "bare", "namespace": "default", "uid": "u2",
+                  "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": "n",
+                                       "uid": "y"}]},
+     "spec": {"containers": [{"name": "c"}]}},
+])
+async def test_the_drains_reading_of_a_pods_json_is_the_models(pod: dict[str, Any]) -> None:
+    """The drain reads its list from the JSON (a player's path): the same PodInfo as the
+    client's model gives."""
+    import json
+
+    from kubernetes_asyncio import client
+
+    from hostagent.cluster.drain import PodInfo, _pod_from_json
+
+    class Reply:
+        data = json.dumps(pod)
+
+    async with client.ApiClient() as api:
+        model = api.deserialize(Reply(), "V1Pod")
+    assert _pod_from_json(pod) == PodInfo.from_api(model)
+
+
+@pytest.mark.parametrize("pod", [[], {"metadata": []}, {"metadata": {"name": 3}},
+                                 {"metadata": {"name": "a", "namespace": "b"}, "spec": ["x"]}])
+def test_a_pod_of_another_shape_is_a_reply_to_retry(pod: Any) -> None:
+    from hostagent.cluster.drain import _pod_from_json
+
+    with pytest.raises((TypeError, AttributeError)):
+        _pod_from_json(pod)

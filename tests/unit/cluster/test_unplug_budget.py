@@ -51,7 +51,8 @@ class BudgetKube:
     pause_timeouts: list[float] = field(default_factory=list)
     drain_timeouts: list[float] = field(default_factory=list)
 
-    async def cordon(self, node: str, *, marker_prefix: str, timeout: float) -> _Cordon:
+    async def cordon(self, node: str, *, marker_prefix: str, timeout: float,
+                     **_: Any) -> _Cordon:
         return _Cordon()
 
     async def annotate(self, node: str, annotations: dict[str, str | None],

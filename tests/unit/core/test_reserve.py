@@ -177,11 +177,14 @@ async def test_reserve_over_the_control_socket_then_notice_hold_use(
             return at, ["ml/train-0"]
 
     drains: list[tuple[list[str], float | None]] = []
+    caps: list[float | None] = []  # a reservation's pods keep their full grace
 
     class Drains(NoCluster):
         async def reclaim(self, owners: list[str], *, regrow: bool = False,
-                          until: float | None = None) -> str | None:
+                          until: float | None = None, terms: Any = None,
+                          **_: Any) -> str | None:
             drains.append((owners, until))
+            caps.append(terms.grace_cap)
             return None
 
     agent.cluster = Drains()
@@ -219,6 +222,7 @@ async def test_reserve_over_the_control_socket_then_notice_hold_use(
     assert ("start", "gaming1") not in fake.calls
     # Its drain may take until the reserved time: the pods get their full grace.
     assert drains == [(["gaming1's reservation"], 90 + margin)]
+    assert caps == [None]
     # The player's start, at the time: the GPU is free, and the reservation used.
     await fake.start("gaming1")
     await until(lambda: "gaming1" in agent.state.running_owners)

@@ -23,6 +23,7 @@ import pytest
 from hostagent.host import journal
 from hostagent.host import state as persisted
 from hostagent.service.agent import Agent
+from hostagent.core import levers
 from hostagent.core.config import parse
 from hostagent.surfaces.inbox import Inbox, serve_hooks
 from hostagent.host.libvirt import Lifecycle
@@ -43,6 +44,7 @@ from tests.unit.agents import (  # noqa: F401 (a fixture)
     HeldCluster,
     ask,
     hook,
+    healthy,
     make_agent,
     no_step_outlives_its_test,
 )
@@ -288,7 +290,7 @@ async def test_at_host_shutdown_the_lent_node_is_drained_first(
     assert cluster.node == ["uncordon"]
     monkeypatch.setattr(agent, "host_stopping", lambda: True)
     await agent._drain_for_shutdown()
-    assert cluster.node == ["uncordon", "cordon", "drained"]
+    assert cluster.node[:3] == ["uncordon", "cordon", "drained"]
 
 
 async def test_an_owner_starts_at_boot_once(tmp_path: Path) -> None:
@@ -459,3 +461,47 @@ async def test_a_slow_disk_never_keeps_a_hook_from_its_answer(
     finally:
         server.close()
         shutil.rmtree(short)
+
+
+async def test_a_players_reclaim_shuts_the_lendee_down_once_the_evictions_are_accepted(
+        tmp_path: Path) -> None:
+    """drain.shutdown_when = "accepted" (the default): the guest's shutdown begins while
+    the evicted pods still stop, and the owner starts only once the lendee is off."""
+    cluster = HeldCluster()
+    cluster.accept = True
+    agent, fake = agent_with(tmp_path, cluster)
+    fake.running.add("gpu-node")
+    agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
+    cluster.return_go.set()
+    await until(lambda: agent.state.phase is Phase.LENT)
+    await ask(agent, "gaming1")
+    await until(lambda: "gaming1" in fake.running)
+    assert cluster.node[:3] == ["uncordon", "cordon", "evictions accepted"]
+    assert "drained" not in cluster.node  # the pods were still going
+    order = [c for c in fake.calls if c in (("agent shutdown", "gpu-node"), ("start", "gaming1"))]
+    assert order == [("agent shutdown", "gpu-node"), ("start", "gaming1")]
+    terms = cluster.terms[0]
+    assert isinstance(terms, levers.Terms) and terms.grace_cap == 10.0
+    cluster.drain_go.set()  # the rest of the drain, beside, ends
+    await until(lambda: "drained" in cluster.node)
+    healthy(agent)
+
+
+async def test_with_shutdown_when_gone_the_shutdown_waits_for_the_pods(tmp_path: Path) -> None:
+    cluster = HeldCluster()
+    agent, fake = agent_with(tmp_path, cluster)
+    agent.cfg = dataclasses.replace(agent.cfg, drain=dataclasses.replace(
+        agent.cfg.drain, shutdown_when=levers.ShutdownWhen.GONE))
+    agent.executor.cfg = agent.cfg
+    fake.running.add("gpu-node")
+    agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
+    cluster.return_go.set()
+    await until(lambda: agent.state.phase is Phase.LENT)
+    await ask(agent, "gaming1")
+    await until(lambda: cluster.node == ["uncordon", "cordon"])
+    await asyncio.sleep(0.2)
+    assert ("agent shutdown", "gpu-node") not in fake.calls
+    cluster.drain_go.set()
+    await until(lambda: "gaming1" in fake.running)
+    assert cluster.node[:3] == ["uncordon", "cordon", "drained"]
+    healthy(agent)

@@ -11,12 +11,13 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
 
 from hostagent.core.config import ConfigError, parse
+from hostagent.core.levers import Terms
 from hostagent.core.model import Observed
 from hostagent.host import journal
 from hostagent.service.agent import Agent
@@ -100,10 +101,12 @@ class OrderedCluster(HeldCluster):
         self.cordoned_at = 0.0
 
     async def reclaim(self, owners: list[str], *, regrow: bool = False,
-                      until: float | None = None) -> str | None:
+                      until: float | None = None, terms: Terms | None = None,
+                      accepted: Callable[[], None] | None = None) -> str | None:
         self.order.append("cordon")
         self.cordoned_at = time.monotonic()
-        return await super().reclaim(owners, regrow=regrow, until=until)
+        return await super().reclaim(owners, regrow=regrow, until=until, terms=terms,
+                                     accepted=accepted)
 
 
 def agent_notifying(tmp_path: Path, port: int, cluster: HeldCluster,

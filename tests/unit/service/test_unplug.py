@@ -271,9 +271,11 @@ async def test_a_reservations_unplug_gives_the_pods_until_its_time() -> None:
     assert step.cluster.calls[0][0] == ["gaming1's reservation"]
     [until] = step.cluster.until
     assert until is not None and 590 < until <= 600
+    assert step.cluster.caps == [None]  # and their full grace
     step = FakeStep()  # an owner waiting: the player's wait, timeouts.drain
     await unplug(step)
     assert step.cluster.until == [None]
+    assert step.cluster.caps == [10.0]  # drain.unplanned_grace
 
 
 async def test_the_node_is_cordoned_before_the_checkpoint_is_read() -> None:

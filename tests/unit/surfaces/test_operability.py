@@ -117,3 +117,12 @@ async def test_the_start_record_and_status_json_say_the_version(tmp_path: Path) 
     assert agent.recorder.running_line().startswith(f"hostagent {hostagent.version()} is "
                                                     "running: gpu-node ")
     assert agent.verbs.status()["version"] == hostagent.version()
+
+
+def test_status_says_why_the_node_is_cordoned_ahead() -> None:
+    data = {"lendee": {"domain": "gpu-node", "phase": "lent", "reason": None, "since": 0,
+                       "hold": False},
+            "cluster": {"cordoned_for": "ahead of gaming1's usual hour (Mon 20:00)"},
+            "gpus": [], "intents": [], "relend_in_s": None, "health": [], "version": "1"}
+    assert ("  its node is cordoned ahead of gaming1's usual hour (Mon 20:00): it takes no "
+            "new pod (drain.cordon_ahead)") in format_status(data).splitlines()
