@@ -890,7 +890,9 @@ def test_stale_event_raises_with_its_reason(state: State, event: Event, why: str
     with pytest.raises(IllegalTransition) as info:
         go(state, event)
     assert info.value.why == why
-    assert why in str(info.value)
+    # The refusal names the event and the phase it came in (the journal's record).
+    assert (info.value.phase, info.value.event) == (state.phase, event)
+    assert str(info.value) == f"{type(event).__name__} refused in phase {state.phase}: {why}"
     assert state == before
 
 
