@@ -840,6 +840,8 @@ STALE: list[tuple[str, State, Event, str]] = [
         StartFailed(at=AT, vm=LENDEE, reason="x"),
         "no start of gpu-node is in flight",
     ),
+    ("regrow due with none scheduled", S(Phase.LENT), RelendDue(at=AT),
+     "no regrow is scheduled"),
     (
         "lendee start failure while it runs",
         S(Phase.BOOTING),
@@ -946,6 +948,20 @@ def test_two_callers_for_one_owner_both_fail_with_the_reason() -> None:
         ),
         ScheduleRelend(at=AT + 30),
     ]
+
+
+@pytest.mark.parametrize(("sent", "event", "what"), [
+    (False, AgentTimeout(at=AT, ticket=T), "its guest agent never answered guest-ping"),
+    (True, ShutdownTimeout(at=AT, ticket=T), "it did not stop after a guest-agent shutdown"),
+])
+def test_a_lendee_that_cannot_be_shut_down_says_why_whole(sent: bool, event: Event,
+                                                          what: str) -> None:
+    stuck, actions = go(S(Phase.STOPPING, intents=G1, agent_up=sent, shutdown_sent=sent), event)
+    assert (stuck.phase, actions) == (Phase.FAILED, [])
+    assert stuck.reason == (
+        f"gpu-node cannot be shut down cleanly: {what}; hostagent never destroys it unless "
+        "force_off_after is set: stop it by hand (virsh shutdown gpu-node) and the waiting "
+        "VMs start")
 
 
 def test_failed_reasons_say_what_to_do() -> None:

@@ -619,6 +619,7 @@ def test_a_regrow_waits_at_most_regrow_max_wait_for_gpu_pods() -> None:
     assert (state.phase, state.regrow_waiting) == (Phase.LENT, True)
     state, actions = go(state, RelendDue(at=AT + 150))
     assert (state.phase, actions) == (Phase.DRAINING, [Drain(ticket=state.ticket, regrow=True)])
+    assert not state.regrow_waiting  # the wait is over: a relend later does not extend it
     state, actions = _reclaim_road(state)
     state, actions = go(state, RelendDue(at=AT + 33))
     assert actions == [StartLendee(gpus=ALL)]
