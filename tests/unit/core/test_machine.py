@@ -964,6 +964,17 @@ def test_a_lendee_that_cannot_be_shut_down_says_why_whole(sent: bool, event: Eve
         "VMs start")
 
 
+def test_a_lendee_that_boots_without_its_agent_or_comes_back_short_says_why_whole() -> None:
+    silent, _ = go(S(Phase.BOOTING), AgentTimeout(at=AT, ticket=T))
+    assert (silent.phase, silent.reason) == (Phase.FAILED, (
+        "gpu-node's guest agent did not answer guest-ping after it started; it keeps running "
+        "but is not lent (is qemu-guest-agent running in the guest?)"))
+    short, _ = go(S(Phase.JOINING), ReturnFailed(at=AT, ticket=T, reason="2 of 3 GPUs"))
+    assert (short.phase, short.reason) == (Phase.FAILED, (
+        "gpu-node did not come back whole: 2 of 3 GPUs; the node stays cordoned (`hostagent "
+        "resume` retries)"))
+
+
 def test_failed_reasons_say_what_to_do() -> None:
     stuck, _ = go(S(Phase.STOPPING, intents=G1), AgentTimeout(at=AT, ticket=T))
     assert stuck.reason is not None

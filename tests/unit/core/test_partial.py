@@ -609,6 +609,16 @@ def test_the_default_regrow_never_kills_a_running_job() -> None:
     assert (state.phase, actions) == (Phase.DRAINING, [Drain(ticket=state.ticket, regrow=True)])
 
 
+def test_a_regrow_wait_of_under_a_second_is_still_a_wait() -> None:
+    # Only a bound of 0 restarts at once; half a second is waited like any other.
+    policy = replace(POLICY, regrow_max_wait=0.5)
+    state = S(Phase.LENT, lent=gpus(B, C), running_owners=vms("gaming1"), gpu_pods=1)
+    state, actions = run(state, OwnerStopped(at=AT, owner="gaming1"), RelendDue(at=AT + 30),
+                         policy=policy)
+    assert actions == [ScheduleRelend(at=AT + 30), ScheduleRelend(at=AT + 30.5)]
+    assert (state.phase, state.regrow_waiting) == (Phase.LENT, True)
+
+
 def test_a_regrow_waits_at_most_regrow_max_wait_for_gpu_pods() -> None:
     # A bounded wait: a GPU job that outlives it is killed by the restart, so the freed
     # GPU is not left idle for the rest of it.
