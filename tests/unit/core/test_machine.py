@@ -1412,6 +1412,12 @@ def test_verdict_for_the_lendee() -> None:
         "gpu-node's GPUs are being handed to gaming1; hostagent lends them again by itself "
         f"when that is over ({FOLLOW})",
     )
+    one = S(running_owners=frozenset({"gaming1", "gaming3"}))  # gaming3 shares none
+    assert verdict(one, LENDEE, topo=TOPO) == (
+        "defer",
+        "gpu-node's GPUs are in use by gaming1; hostagent lends it what is free by itself, "
+        f"and the rest when that VM stops ({FOLLOW})",
+    )
 
 
 def test_holders() -> None:
