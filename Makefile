@@ -122,7 +122,7 @@ $(STAMPS)/mutate: pyproject.toml $(STAMPS)/venv
 	@touch $@
 
 mutate: $(STAMPS)/mutate
-	HOSTAGENT_FUZZ_EXAMPLES=200 $(VENV)/bin/mutmut run --max-children $(MUTATE_WORKERS) \
+	HOSTAGENT_FUZZ_EXAMPLES=200 HOSTAGENT_STATEFUL_EXAMPLES=50 $(VENV)/bin/mutmut run --max-children $(MUTATE_WORKERS) \
 	  '$(MUTATE).*' | tr '\r' '\n' | grep -v '^[^ ]* [0-9]*/[0-9]* ' || true
 	$(VENV)/bin/python -m tests.mutation.score $(MUTATE)
 

@@ -84,6 +84,7 @@ from hostagent.core.model import (
     WaitAgent,
 )
 from tests.unit.machine_scaffold import (
+    STATEFUL_EXAMPLES,
     AT,
     FAILED_WHY,
     HOOK,
@@ -1824,7 +1825,7 @@ class World(RuleBasedStateMachine):
 
 
 World.TestCase.settings = settings(
-    max_examples=400,
+    max_examples=STATEFUL_EXAMPLES,
     stateful_step_count=80,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

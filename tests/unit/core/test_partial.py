@@ -88,6 +88,7 @@ from hostagent.core.model import (
     WaitAgent,
 )
 from tests.unit.machine_scaffold import (
+    STATEFUL_EXAMPLES,
     AT,
     FAILED_WHY,
     LENDEE,
@@ -1354,7 +1355,7 @@ class World(RuleBasedStateMachine):
 
 
 World.TestCase.settings = settings(
-    max_examples=400,
+    max_examples=STATEFUL_EXAMPLES,
     stateful_step_count=80,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
@@ -1371,7 +1372,7 @@ class GroupedWorld(World):
 
 
 GroupedWorld.TestCase.settings = settings(
-    max_examples=200,
+    max_examples=max(1, STATEFUL_EXAMPLES // 2),
     stateful_step_count=80,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
