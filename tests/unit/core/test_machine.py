@@ -976,6 +976,18 @@ def test_a_lendee_that_boots_without_its_agent_or_comes_back_short_says_why_whol
         "resume` retries)"))
 
 
+@pytest.mark.parametrize("phase", [Phase.LENT, Phase.STOPPING, Phase.FAILED])
+def test_a_stopped_lendee_leaves_nothing_of_its_run_behind(phase: Phase) -> None:
+    running = S(phase, agent_up=True, reason="old", reclaiming=True, regrow_waiting=True,
+                hotadd_failed=True, unplug_failed=True, unplug_stuck=True)
+    new, _ = go(running, LendeeStopped(at=AT))
+    assert (new.phase, new.agent_up, new.reason, new.lent, new.reclaiming,
+            new.regrow_waiting, new.hotadd_failed, new.unplug_failed, new.unplug_stuck) == (
+        Phase.OFF, False, None, frozenset(), False, False, False, False, False)
+    assert all(type(v) is bool for v in (new.agent_up, new.reclaiming, new.hotadd_failed,
+                                         new.unplug_failed, new.unplug_stuck))
+
+
 def test_failed_reasons_say_what_to_do() -> None:
     stuck, _ = go(S(Phase.STOPPING, intents=G1), AgentTimeout(at=AT, ticket=T))
     assert stuck.reason is not None

@@ -567,6 +567,16 @@ def test_a_regrow_that_would_gain_nothing_now_is_given_up_before_the_shutdown(wh
     assert (state.phase, state.lent, state.regrowing) == (Phase.JOINING, gpus(B, C), False)
 
 
+def test_a_moot_regrow_whose_agent_answers_only_now_returns_the_lendee_as_it_runs() -> None:
+    # A STOPPING regrow read back with the agent not yet up (a restart of hostagent
+    # meanwhile): its answer is what the return needs, not another wait for it.
+    state = S(Phase.STOPPING, lent=gpus(B, C), running_owners=vms("gaming1"), regrowing=True,
+              agent_up=False)
+    state, actions = go(state, AgentUp(at=AT, ticket=T))
+    assert (state.phase, state.agent_up, actions) == (Phase.JOINING, True,
+                                                      [KubeReturn(ticket=T + 1)])
+
+
 def test_a_regrow_is_cancelled_when_the_game_restarts_within_relend_delay() -> None:
     state = S(Phase.LENT, lent=gpus(B, C), running_owners=vms("gaming1"))
     state, actions = go(state, OwnerStopped(at=AT, owner="gaming1"))
