@@ -988,6 +988,24 @@ def test_a_stopped_lendee_leaves_nothing_of_its_run_behind(phase: Phase) -> None
                                          new.unplug_failed, new.unplug_stuck))
 
 
+@pytest.mark.parametrize("intents", [(), G1], ids=["lent", "reclaimed at once"])
+def test_a_started_lendee_begins_with_no_agent_and_no_old_reason(
+        intents: tuple[Intent, ...]) -> None:
+    # What the state said of a former run (read back after a restart) is not this one's.
+    off = S(lendee_starting=True, intents=intents, agent_up=True, reason="old")
+    new, _ = go(off, LendeeStarted(at=AT))
+    assert new.phase is (Phase.DRAINING if intents else Phase.BOOTING)
+    assert (new.agent_up, new.reason, new.lendee_starting) == (False, None, False)
+    assert type(new.agent_up) is bool
+
+
+def test_the_agent_answering_a_boot_is_remembered() -> None:
+    new, actions = go(S(Phase.BOOTING), AgentUp(at=AT, ticket=T))
+    assert (new.phase, new.agent_up, actions) == (Phase.JOINING, True,
+                                                  [KubeReturn(ticket=T + 1)])
+    assert new.agent_up is True
+
+
 def test_failed_reasons_say_what_to_do() -> None:
     stuck, _ = go(S(Phase.STOPPING, intents=G1), AgentTimeout(at=AT, ticket=T))
     assert stuck.reason is not None
