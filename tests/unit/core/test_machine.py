@@ -999,10 +999,12 @@ def test_a_started_lendee_begins_with_no_agent_and_no_old_reason(
     assert type(new.agent_up) is bool
 
 
-def test_the_agent_answering_a_boot_is_remembered() -> None:
-    new, actions = go(S(Phase.BOOTING), AgentUp(at=AT, ticket=T))
-    assert (new.phase, new.agent_up, actions) == (Phase.JOINING, True,
-                                                  [KubeReturn(ticket=T + 1)])
+@pytest.mark.parametrize("replug", [False, True])
+def test_the_agent_answering_a_boot_is_remembered(replug: bool) -> None:
+    # replug: a boot whose GPUs changed live before, whose plugins restart on the return.
+    new, actions = go(S(Phase.BOOTING, replug=replug), AgentUp(at=AT, ticket=T))
+    assert (new.phase, new.agent_up, actions) == (
+        Phase.JOINING, True, [KubeReturn(ticket=T + 1, restart_plugins=replug)])
     assert new.agent_up is True
 
 
