@@ -60,7 +60,7 @@ async def test_the_backoff_doubles_from_1s_to_60s_jittered_to_half_and_says_so_t
         nonlocal attempts
         attempts += 1
         if attempts < 10:
-            raise Transient("address in use")
+            raise Transient(f"address in use, attempt {attempts}")
         return "up"
 
     async def sleep(seconds: float) -> None:
@@ -70,6 +70,6 @@ async def test_the_backoff_doubles_from_1s_to_60s_jittered_to_half_and_says_so_t
                              record=lambda *r: records.append(r), sleep=sleep) == "up"
     assert slept == [factor * s for s in (1, 2, 4, 8, 16, 32, 60, 60, 60)]
     assert records == [
-        ("retrying", "the SSH endpoint cannot start yet (address in use); trying again with "
-                     "backoff up to 60s"),
+        ("retrying", "the SSH endpoint cannot start yet (address in use, attempt 1); trying "
+                     "again with backoff up to 60s"),
         ("started", "the SSH endpoint started after 9 failed attempt(s)")]
