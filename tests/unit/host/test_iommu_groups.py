@@ -9,7 +9,7 @@ from pathlib import Path
 
 from hostagent.core.config import Gpu
 from hostagent.host import iommu
-from hostagent.host.libvirt import Libvirt
+from hostagent.host.libvirt import HostError, Libvirt
 from tests.sysfs import FakeSysfs
 
 USB = "0000:0c:00.0"
@@ -36,6 +36,8 @@ class Running(Libvirt):
         return set(self.domains)
 
     async def xml(self, name: str) -> str:
+        if name == "gone":
+            raise HostError("Domain not found: no domain with matching name 'gone'")
         return self.domains[name]
 
 
@@ -81,3 +83,25 @@ def test_a_function_missing_from_the_host_does_not_end_the_scan_of_the_others(
               functions=("0000:0d:00.0", "0000:0a:00.0", "0000:0a:00.1"))
     assert iommu.group_members({"gpu-a": gpu}, sysfs.root) == {
         address: ("gpu-a", "10") for address in ("0000:0a:00.0", "0000:0a:00.1", USB)}
+
+
+async def test_a_domain_that_cannot_be_read_does_not_hide_the_next_holder(
+        sysfs: FakeSysfs) -> None:
+    # "gone" stopped between the list and the read, "broken" is not XML: both come
+    # before the one that holds the group, which is still named, in a sentence whole.
+    gpus = two_gpus_one_group(sysfs)
+    libvirt = Running({"gone": "", "broken": "<domain", "usbvm": hostdevs("usbvm", USB)})
+    found = await iommu.holders(libvirt, "gaming1", {"gpu-b": gpus["gpu-b"]}, sysfs.root)
+    assert found == {"gpu-b": ("usbvm", (
+        f"usbvm holds {USB} (in IOMMU group 10 with gpu-b) and runs: VFIO gives IOMMU group "
+        "10 to one VM at a time, so gaming1 cannot have gpu-b until usbvm stops (`hostagent "
+        "lint` says how to give the GPU a group of its own)"))}
+
+
+async def test_another_vm_holding_the_gpu_itself_is_said_so(sysfs: FakeSysfs) -> None:
+    gpus = two_gpus_one_group(sysfs)
+    libvirt = Running({"gaming2": hostdevs("gaming2", "0000:0b:00.1")})
+    [(vm, why)] = (await iommu.holders(libvirt, "gpu-node", {"gpu-b": gpus["gpu-b"]},
+                                       sysfs.root)).values()
+    assert vm == "gaming2" and why.startswith(
+        "gaming2 holds 0000:0b:00.1 (a function of gpu-b) and runs: ")
