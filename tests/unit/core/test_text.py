@@ -165,3 +165,17 @@ def test_bounded_json_refuses_one_byte_or_one_level_more(data: bytes, why: str) 
     with pytest.raises(ValueError) as e:
         text.bounded_json(data, max_bytes=8 if data.isdigit() else 64, max_depth=2)
     assert str(e.value) == why
+
+
+def test_printable_characters_beside_an_escaped_one_are_kept_as_they_are() -> None:
+    # A backslash or a quote is printable: only the control character is escaped.
+    assert clean("C:\\dir 'x' \"y\"\x1b") == "C:\\dir 'x' \"y\"\\x1b"
+
+
+def test_a_string_is_taken_as_it_is_not_through_its_str() -> None:
+    class Shown(str):
+        def __str__(self) -> str:
+            return "something else"
+
+    assert clean(Shown("the text")) == "the text"
+    assert clean(12) == "12"
