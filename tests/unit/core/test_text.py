@@ -179,3 +179,14 @@ def test_a_string_is_taken_as_it_is_not_through_its_str() -> None:
 
     assert clean(Shown("the text")) == "the text"
     assert clean(12) == "12"
+
+
+def test_bounded_json_counts_every_close_once() -> None:
+    # Three deep, then back to two and four deep: each ] lowers the depth by one level.
+    with pytest.raises(ValueError, match="^nested deeper than 3$"):
+        text.bounded_json(b'[[[1], [[2]]]]', max_bytes=64, max_depth=3)
+
+
+def test_an_escaped_text_exactly_at_the_limit_is_not_cut() -> None:
+    assert clean("ab\x1b", limit=6) == "ab\\x1b"
+    assert clean("abc\x1b", limit=6) == "abc\\x1…"
