@@ -16,7 +16,7 @@ from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 from hostagent.host import journal
 from tests.controlplane import ControlPlane, missing
@@ -34,6 +34,10 @@ settings.register_profile("ci", derandomize=True, database=None, deadline=None,
 settings.register_profile("explore", derandomize=False, database=None, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow], print_blob=True,
                           max_examples=int(os.environ.get("HOSTAGENT_EXPLORE_EXAMPLES", "2000")))
+# `make mutate` selects "mutate": the same draws, and a failure is not shrunk, since only
+# whether a test fails on a mutant counts (shrinking it took minutes each).
+settings.register_profile("mutate", parent=settings.get_profile("ci"),
+                          phases=[Phase.explicit, Phase.reuse, Phase.generate])
 settings.load_profile("ci")
 
 # The fault suite's table and the figures tests measure, printed by whichever process

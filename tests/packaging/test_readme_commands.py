@@ -136,6 +136,8 @@ NOT_RUN: list[tuple[str, str]] = [
      "run; make test runs the same property tests with fixed draws."),
     (r"make fuzz", "runs each parser's fuzzer for 50,000 examples, many minutes; make test "
      "runs the same fuzzers with fewer examples."),
+    (r"make mutate", "it reruns the unit tests of core/ and host/ for each of thousands of "
+     "mutants, hours on 2 cores; make test runs those unit tests once."),
     (r"virsh undefine", "it names what a reader may have done to an old VM, not a step "
      "to take; tests/unit/service/test_stale_entries.py checks what follows an owner "
      "libvirt no longer has."),

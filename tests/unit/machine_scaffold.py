@@ -4,6 +4,7 @@ build, intents and requests as a hook makes them, and feeding events in order.""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 from hostagent.core.machine import step
@@ -24,6 +25,9 @@ T = 7  # the ticket of every state built below; the next phase gets T + 1
 AT = 100.0
 HOOK = IntentSource.HOOK
 FAILED_WHY = "something went wrong"
+# Runs of the stateful worlds (test_machine.py 400, test_partial.py 400 and 200): make
+# mutate asks for fewer, since it runs them once per mutant of the machine.
+STATEFUL_EXAMPLES = int(os.environ.get("HOSTAGENT_STATEFUL_EXAMPLES", "400"))
 
 
 def built(phase: Phase, **changes: object) -> State:

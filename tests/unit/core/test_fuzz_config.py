@@ -4,7 +4,8 @@ Each example starts from the documented example configuration and breaks it the 
 people do: a key dropped, renamed or misspelt, a value of the wrong type, an unknown
 key, a line lost, doubled or cut, stray characters, bytes that are not UTF-8. Whatever
 comes out, `config.load` either accepts it or raises a `ConfigError` whose message says
-where: the key, or the line.
+where: the key, or the line. An accepted file asserts nothing here: that each bad value
+is refused, naming its key, is test_fuzz_config_keys.py's.
 """
 
 from __future__ import annotations

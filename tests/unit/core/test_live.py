@@ -38,7 +38,7 @@ from hostagent.core.model import (
 )
 from hostagent.core.reserve import Reservation
 from tests.unit.partial_world import POLICY, TOPO, A, B, C, S, gpus
-from tests.unit.machine_scaffold import AT, LENDEE, Stepper, T, wants
+from tests.unit.machine_scaffold import AT, LENDEE, Stepper, T, intent, wants
 
 BOTH = replace(POLICY, hotplug=Hotplug.BOTH)
 go, run = Stepper(TOPO, BOTH).go, Stepper(TOPO, BOTH).run
@@ -174,6 +174,21 @@ def test_a_stuck_guest_that_cannot_shut_down_is_powered_off_so_the_game_starts()
     assert still_wanted(new, off, topo=TOPO)
     new, actions = go(new, LendeeStopped(at=AT))
     assert actions == [StartOwner(owner="gaming1")] and not new.unplug_stuck
+
+
+@pytest.mark.parametrize(("owners", "for_whom"), [
+    (("gaming1", "gaming2"), "so that gaming1 and gaming2 can start"),
+    # gaming3's GPU is not the lendee's: its wait is for something else.
+    (("gaming1", "gaming3"), "so that gaming1 can start"),
+    ((), "so that its GPUs are free"),
+])
+def test_the_power_off_names_the_games_it_lets_start(owners: tuple[str, ...],
+                                                     for_whom: str) -> None:
+    waiting = replace(stuck(), intents=tuple(intent(o) for o in owners))
+    _, [off] = go(waiting, ShutdownTimeout(at=AT, ticket=T + 3))
+    assert isinstance(off, ForceOff) and off.reason == (
+        "gpu-node did not shut down after its driver hung letting a GPU go; powering it off "
+        f"now that its node is drained, {for_whom}")
 
 
 def test_a_stuck_guest_whose_agent_no_longer_answers_is_powered_off_too() -> None:

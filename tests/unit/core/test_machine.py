@@ -84,6 +84,7 @@ from hostagent.core.model import (
     WaitAgent,
 )
 from tests.unit.machine_scaffold import (
+    STATEFUL_EXAMPLES,
     AT,
     FAILED_WHY,
     HOOK,
@@ -820,6 +821,8 @@ STALE: list[tuple[str, State, Event, str]] = [
         StartFailed(at=AT, vm=LENDEE, reason="x"),
         "no start of gpu-node is in flight",
     ),
+    ("regrow due with none scheduled", S(Phase.LENT), RelendDue(at=AT),
+     "no regrow is scheduled"),
     (
         "lendee start failure while it runs",
         S(Phase.BOOTING),
@@ -870,7 +873,9 @@ def test_stale_event_raises_with_its_reason(state: State, event: Event, why: str
     with pytest.raises(IllegalTransition) as info:
         go(state, event)
     assert info.value.why == why
-    assert why in str(info.value)
+    # The refusal names the event and the phase it came in (the journal's record).
+    assert (info.value.phase, info.value.event) == (state.phase, event)
+    assert str(info.value) == f"{type(event).__name__} refused in phase {state.phase}: {why}"
     assert state == before
 
 
@@ -924,6 +929,63 @@ def test_two_callers_for_one_owner_both_fail_with_the_reason() -> None:
         ),
         ScheduleRelend(at=AT + 30),
     ]
+
+
+@pytest.mark.parametrize(("sent", "event", "what"), [
+    (False, AgentTimeout(at=AT, ticket=T), "its guest agent never answered guest-ping"),
+    (True, ShutdownTimeout(at=AT, ticket=T), "it did not stop after a guest-agent shutdown"),
+])
+def test_a_lendee_that_cannot_be_shut_down_says_why_whole(sent: bool, event: Event,
+                                                          what: str) -> None:
+    stuck, actions = go(S(Phase.STOPPING, intents=G1, agent_up=sent, shutdown_sent=sent), event)
+    assert (stuck.phase, actions) == (Phase.FAILED, [])
+    assert stuck.reason == (
+        f"gpu-node cannot be shut down cleanly: {what}; hostagent never destroys it unless "
+        "force_off_after is set: stop it by hand (virsh shutdown gpu-node) and the waiting "
+        "VMs start")
+
+
+def test_a_lendee_that_boots_without_its_agent_or_comes_back_short_says_why_whole() -> None:
+    silent, _ = go(S(Phase.BOOTING), AgentTimeout(at=AT, ticket=T))
+    assert (silent.phase, silent.reason) == (Phase.FAILED, (
+        "gpu-node's guest agent did not answer guest-ping after it started; it keeps running "
+        "but is not lent (is qemu-guest-agent running in the guest?)"))
+    short, _ = go(S(Phase.JOINING), ReturnFailed(at=AT, ticket=T, reason="2 of 3 GPUs"))
+    assert (short.phase, short.reason) == (Phase.FAILED, (
+        "gpu-node did not come back whole: 2 of 3 GPUs; the node stays cordoned (`hostagent "
+        "resume` retries)"))
+
+
+@pytest.mark.parametrize("phase", [Phase.LENT, Phase.STOPPING, Phase.FAILED])
+def test_a_stopped_lendee_leaves_nothing_of_its_run_behind(phase: Phase) -> None:
+    running = S(phase, agent_up=True, reason="old", reclaiming=True, regrow_waiting=True,
+                hotadd_failed=True, unplug_failed=True, unplug_stuck=True)
+    new, _ = go(running, LendeeStopped(at=AT))
+    assert (new.phase, new.agent_up, new.reason, new.lent, new.reclaiming,
+            new.regrow_waiting, new.hotadd_failed, new.unplug_failed, new.unplug_stuck) == (
+        Phase.OFF, False, None, frozenset(), False, False, False, False, False)
+    assert all(type(v) is bool for v in (new.agent_up, new.reclaiming, new.hotadd_failed,
+                                         new.unplug_failed, new.unplug_stuck))
+
+
+@pytest.mark.parametrize("intents", [(), G1], ids=["lent", "reclaimed at once"])
+def test_a_started_lendee_begins_with_no_agent_and_no_old_reason(
+        intents: tuple[Intent, ...]) -> None:
+    # What the state said of a former run (read back after a restart) is not this one's.
+    off = S(lendee_starting=True, intents=intents, agent_up=True, reason="old")
+    new, _ = go(off, LendeeStarted(at=AT))
+    assert new.phase is (Phase.DRAINING if intents else Phase.BOOTING)
+    assert (new.agent_up, new.reason, new.lendee_starting) == (False, None, False)
+    assert type(new.agent_up) is bool
+
+
+@pytest.mark.parametrize("replug", [False, True])
+def test_the_agent_answering_a_boot_is_remembered(replug: bool) -> None:
+    # replug: a boot whose GPUs changed live before, whose plugins restart on the return.
+    new, actions = go(S(Phase.BOOTING, replug=replug), AgentUp(at=AT, ticket=T))
+    assert (new.phase, new.agent_up, actions) == (
+        Phase.JOINING, True, [KubeReturn(ticket=T + 1, restart_plugins=replug)])
+    assert new.agent_up is True
 
 
 def test_failed_reasons_say_what_to_do() -> None:
@@ -1359,6 +1421,12 @@ def test_verdict_for_the_lendee() -> None:
         "gpu-node's GPUs are being handed to gaming1; hostagent lends them again by itself "
         f"when that is over ({FOLLOW})",
     )
+    one = S(running_owners=frozenset({"gaming1", "gaming3"}))  # gaming3 shares none
+    assert verdict(one, LENDEE, topo=TOPO) == (
+        "defer",
+        "gpu-node's GPUs are in use by gaming1; hostagent lends it what is free by itself, "
+        f"and the rest when that VM stops ({FOLLOW})",
+    )
 
 
 def test_holders() -> None:
@@ -1765,7 +1833,7 @@ class World(RuleBasedStateMachine):
 
 
 World.TestCase.settings = settings(
-    max_examples=400,
+    max_examples=STATEFUL_EXAMPLES,
     stateful_step_count=80,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

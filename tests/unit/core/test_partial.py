@@ -111,6 +111,7 @@ from tests.unit.partial_world import (
     G2,
 )
 from tests.unit.machine_scaffold import (
+    STATEFUL_EXAMPLES,
     AT,
     FAILED_WHY,
     LENDEE,
@@ -533,6 +534,16 @@ def test_a_regrow_that_would_gain_nothing_now_is_given_up_before_the_shutdown(wh
     assert (state.phase, state.lent, state.regrowing) == (Phase.JOINING, gpus(B, C), False)
 
 
+def test_a_moot_regrow_whose_agent_answers_only_now_returns_the_lendee_as_it_runs() -> None:
+    # A STOPPING regrow read back with the agent not yet up (a restart of hostagent
+    # meanwhile): its answer is what the return needs, not another wait for it.
+    state = S(Phase.STOPPING, lent=gpus(B, C), running_owners=vms("gaming1"), regrowing=True,
+              agent_up=False)
+    state, actions = go(state, AgentUp(at=AT, ticket=T))
+    assert (state.phase, state.agent_up, actions) == (Phase.JOINING, True,
+                                                      [KubeReturn(ticket=T + 1)])
+
+
 def test_a_regrow_is_cancelled_when_the_game_restarts_within_relend_delay() -> None:
     state = S(Phase.LENT, lent=gpus(B, C), running_owners=vms("gaming1"))
     state, actions = go(state, OwnerStopped(at=AT, owner="gaming1"))
@@ -576,6 +587,16 @@ def test_the_default_regrow_never_kills_a_running_job() -> None:
     assert (state.phase, actions) == (Phase.DRAINING, [Drain(ticket=state.ticket, regrow=True)])
 
 
+def test_a_regrow_wait_of_under_a_second_is_still_a_wait() -> None:
+    # Only a bound of 0 restarts at once; half a second is waited like any other.
+    policy = replace(POLICY, regrow_max_wait=0.5)
+    state = S(Phase.LENT, lent=gpus(B, C), running_owners=vms("gaming1"), gpu_pods=1)
+    state, actions = run(state, OwnerStopped(at=AT, owner="gaming1"), RelendDue(at=AT + 30),
+                         policy=policy)
+    assert actions == [ScheduleRelend(at=AT + 30), ScheduleRelend(at=AT + 30.5)]
+    assert (state.phase, state.regrow_waiting) == (Phase.LENT, True)
+
+
 def test_a_regrow_waits_at_most_regrow_max_wait_for_gpu_pods() -> None:
     # A bounded wait: a GPU job that outlives it is killed by the restart, so the freed
     # GPU is not left idle for the rest of it.
@@ -586,6 +607,7 @@ def test_a_regrow_waits_at_most_regrow_max_wait_for_gpu_pods() -> None:
     assert (state.phase, state.regrow_waiting) == (Phase.LENT, True)
     state, actions = go(state, RelendDue(at=AT + 150))
     assert (state.phase, actions) == (Phase.DRAINING, [Drain(ticket=state.ticket, regrow=True)])
+    assert not state.regrow_waiting  # the wait is over: a relend later does not extend it
     state, actions = _reclaim_road(state)
     state, actions = go(state, RelendDue(at=AT + 33))
     assert actions == [StartLendee(gpus=ALL)]
@@ -1310,7 +1332,7 @@ class World(RuleBasedStateMachine):
 
 
 World.TestCase.settings = settings(
-    max_examples=400,
+    max_examples=STATEFUL_EXAMPLES,
     stateful_step_count=80,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
@@ -1327,7 +1349,7 @@ class GroupedWorld(World):
 
 
 GroupedWorld.TestCase.settings = settings(
-    max_examples=200,
+    max_examples=max(1, STATEFUL_EXAMPLES // 2),
     stateful_step_count=80,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

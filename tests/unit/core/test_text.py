@@ -8,12 +8,14 @@ import os
 import time
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hostagent.surfaces import history
 from hostagent.host import journal, verify
 from hostagent.surfaces.follow import _Line, format_reply, format_status
+from hostagent.core import text
 from hostagent.core.text import clean
 
 # Clears the screen and homes the cursor; writes the clipboard (OSC 52); the 8-bit CSI;
@@ -136,3 +138,55 @@ def test_a_journal_line_on_stderr_is_one_harmless_line() -> None:
     entry = journal.Entry(message=HOSTILE, fields={"HOSTAGENT_VM": HOSTILE})
     line = entry.line()
     assert harmless(line) and "\n" not in line
+
+
+# --- bounded_json: the limits checked before parsing, to the byte and the level --------
+
+
+@pytest.mark.parametrize(("data", "value"), [
+    (b'[[1], {"a": 2}, [3]]', [[1], {"a": 2}, [3]]),  # 2 deep thrice: ] and } close
+    (b'["[[[[", "{{{"]', ["[[[[", "{{{"]),  # brackets inside a string are text
+    (b'["\\"[[[[", 1]', ['"[[[[', 1]),  # an escaped quote does not end the string
+    (b'["\\\\", [1]]', ["\\", [1]]),  # an escaped backslash does not escape the quote
+    (b'12345678', 12345678),  # exactly max_bytes
+])
+def test_bounded_json_accepts_what_is_within_both_limits(data: bytes, value: object) -> None:
+    assert text.bounded_json(data, max_bytes=len(data) if len(data) == 8 else 64,
+                             max_depth=2) == value
+
+
+@pytest.mark.parametrize(("data", "why"), [
+    (b'[[[1]]]', "nested deeper than 2"),
+    (b'{"a": {"b": {}}}', "nested deeper than 2"),
+    (b'["\\\\", [[1]]]', "nested deeper than 2"),
+    (b'123456789', "9 bytes (at most 8)"),
+])
+def test_bounded_json_refuses_one_byte_or_one_level_more(data: bytes, why: str) -> None:
+    with pytest.raises(ValueError) as e:
+        text.bounded_json(data, max_bytes=8 if data.isdigit() else 64, max_depth=2)
+    assert str(e.value) == why
+
+
+def test_printable_characters_beside_an_escaped_one_are_kept_as_they_are() -> None:
+    # A backslash or a quote is printable: only the control character is escaped.
+    assert clean("C:\\dir 'x' \"y\"\x1b") == "C:\\dir 'x' \"y\"\\x1b"
+
+
+def test_a_string_is_taken_as_it_is_not_through_its_str() -> None:
+    class Shown(str):
+        def __str__(self) -> str:
+            return "something else"
+
+    assert clean(Shown("the text")) == "the text"
+    assert clean(12) == "12"
+
+
+def test_bounded_json_counts_every_close_once() -> None:
+    # Three deep, then back to two and four deep: each ] lowers the depth by one level.
+    with pytest.raises(ValueError, match="^nested deeper than 3$"):
+        text.bounded_json(b'[[[1], [[2]]]]', max_bytes=64, max_depth=3)
+
+
+def test_an_escaped_text_exactly_at_the_limit_is_not_cut() -> None:
+    assert clean("ab\x1b", limit=6) == "ab\\x1b"
+    assert clean("abc\x1b", limit=6) == "abc\\x1…"

@@ -348,6 +348,16 @@ def test_a_lent_gpu_that_cannot_be_reset_is_an_error(sysfs: Any, cfg: Config) ->
     assert audio.what.startswith("0000:01:00.1 of GPU gpu-a cannot be reset")
 
 
+def test_a_function_missing_from_the_host_does_not_end_the_check_of_the_others(
+        sysfs: Any, cfg: Config) -> None:
+    # gpu-a's main function is gone (hostdev-missing says so); its audio function, still
+    # there and without a reset, is an error of its own.
+    sysfs.add("0000:01:00.1", cls=0x040300, device="228e", group="1", reset_method=None)
+    sysfs.gpu("02").gpu("03", device="1401")
+    [audio] = resets(sysfs, cfg)
+    assert audio.what.startswith("0000:01:00.1 of GPU gpu-a cannot be reset between VMs")
+
+
 def test_every_reset_method_turned_off_is_an_error(sysfs: Any, cfg: Config) -> None:
     sysfs.add("0000:00:01.0", cls=0x060400, device="1901", driver="pcieport", group="1")
     lent_gpus(sysfs, reset_method="", behind="0000:00:01.0")
