@@ -27,12 +27,12 @@ import asyncio
 import atexit
 import contextlib
 import json
+import logging
 import os
 import re
 import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +46,7 @@ from tests.controlplane.realkubelet import missing as real_missing
 from tests.lab.realnode import STATUS_EVERY, RealLendee
 from tests.lab.lab import LENDEE, Lab
 
+log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 SPARE = "cpu-node"
 NS = "default"
@@ -276,7 +277,7 @@ def lendee_kubelet(lab: Lab, plane: ControlPlane, gpus: GuestGpus,
                    ready_delay: float, dra: bool,
                    status_every: float | None) -> Kubelet | RealLendee:
     """gpu-node's kubelet: the real one (tests/lab/realnode.py) where it can run here,
-    else the stand-in (tests/controlplane/machine.py), saying why in a warning. The
+    else the stand-in (tests/controlplane/machine.py), saying why in the log. The
     stand-in stays where a test holds the node NotReady for `ready_delay` seconds after
     the kubelet's start, which the real kubelet does not do; HOSTAGENT_LAB_KUBELET=
     stand-in asks for it anyway (to compare)."""
@@ -290,8 +291,8 @@ def lendee_kubelet(lab: Lab, plane: ControlPlane, gpus: GuestGpus,
         return RealLendee(plane, LENDEE, root, running=lambda: lendee_running(lab),
                           boot_id=lambda: boot_seen(lab), devices_seen=gpus, dra=dra,
                           start_delay=kubelet_start, status_every=status_every)
-    warnings.warn(f"{LENDEE}'s kubelet is the lab's stand-in, not the real one: {why}",
-                  stacklevel=2)
+    # tests/controlplane/test_realkubelet.py's skip says so in the run's summary.
+    log.warning("%s's kubelet is the lab's stand-in, not the real one: %s", LENDEE, why)
     # Its Lease renewed every 4 s, not 10: the lab's node monitor grace period is 20 s,
     # not 50, and a stopped node's last status then stays 16 to 20 s, as a real one's
     # stays 40 to 50 s (v1.35.4: pkg/kubelet/kubelet.go renews every 0.25 of its 40 s
