@@ -28,7 +28,9 @@ failCgroupV1), no per-QoS cgroups and no node allocatable enforcement (no contai
 really runs), its API on loopback only. The node's address is the host's: the kubelet
 refuses a loopback node IP (kubelet_node_status.go, "nodeIP can't be loopback
 address"). Everything else is the release's default, nodeStatusUpdateFrequency (10 s)
-included: a device plugin's devices reach the node's allocatable with the next post.
+included (a device plugin's devices reach the node's allocatable with the next post),
+unless `status_every` and `lease_seconds` say otherwise (the lab's lendee,
+tests/lab/realnode.py). It is not started where iptables is installed (`missing`).
 
 What differs from a real node: containers run nowhere (the fake runtime keeps them in
 memory, so a restarted runtime has none: each start here is a reboot, not a kubelet

@@ -1,7 +1,9 @@
 """The lab's Kubernetes: the real control plane (tests/controlplane), one per lab process,
-started at its first use and stopped with the process; two nodes whose kubelet the
-lab plays (tests/controlplane/machine.py): gpu-node, the lendee, which follows the VM's
-real state, and cpu-node, always up; and, if asked, real workloads.
+started at its first use and stopped with the process; two nodes: gpu-node, the
+lendee, which follows the VM's real state, its kubelet the real one where it can run
+here (tests/lab/realnode.py, `lendee_kubelet`), else the lab's stand-in
+(tests/controlplane/machine.py); and cpu-node, always up, the stand-in's; and, if
+asked, real workloads.
 
 gpu-node's kubelet starts `kubelet_start` seconds after the VM runs, once the guest's
 boot id can be read through the guest agent (`boot_seen`): until then the API keeps
