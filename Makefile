@@ -28,6 +28,8 @@ APT_PACKAGES := libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients \
 # The lab's Kubernetes (etcd, kube-apiserver, kube-controller-manager, kube-scheduler and
 # kubectl, tests/controlplane) is built from source with Go once per release, and cached
 # outside the clone (~/.cache/hostagent-lab): a later clone on this machine builds nothing.
+# So is the real kubelet that plays the lab's lendee node (tests/controlplane/labnode,
+# after labkube: about 100 packages more and a link, 83 MB).
 # make test installs a real Home Assistant for tests/integration the same way, once
 # (about 6 minutes): 2025.4, the last on Python 3.13, with a Python 3.13 the machine has
 # (pyenv's); without one, its test skips, saying so.
@@ -35,6 +37,7 @@ GO ?= $(shell command -v go || echo /usr/local/go/bin/go)
 setup: $(STAMPS)/venv
 	$(VENV)/bin/python -m tests.lab.image
 	GO=$(GO) tests/controlplane/build.sh >/dev/null
+	GO=$(GO) tests/controlplane/labnode/build.sh >/dev/null
 
 # Packages among them whose install enables and starts the machine's own service: the lab
 # runs private instances, so when the install is what brought one, its service is

@@ -28,7 +28,9 @@ failCgroupV1), no per-QoS cgroups and no node allocatable enforcement (no contai
 really runs), its API on loopback only. The node's address is the host's: the kubelet
 refuses a loopback node IP (kubelet_node_status.go, "nodeIP can't be loopback
 address"). Everything else is the release's default, nodeStatusUpdateFrequency (10 s)
-included: a device plugin's devices reach the node's allocatable with the next post.
+included (a device plugin's devices reach the node's allocatable with the next post),
+unless `status_every` and `lease_seconds` say otherwise (the lab's lendee,
+tests/lab/realnode.py). It is not started where iptables is installed (`missing`).
 
 What differs from a real node: containers run nowhere (the fake runtime keeps them in
 memory, so a restarted runtime has none: each start here is a reboot, not a kubelet
@@ -77,6 +79,11 @@ def missing() -> str | None:
         return "the real kubelet needs root (a mount namespace of its own)"
     if not (shutil.which("unshare") and shutil.which("nsenter")):
         return "the real kubelet's mount namespace needs util-linux's unshare and nsenter"
+    path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
+    if shutil.which("iptables", path=path) or shutil.which("ip6tables", path=path):
+        # kubelet_network_linux.go syncIPTablesRules would change the host's tables.
+        return ("iptables is installed: the real kubelet would change the host's tables "
+                "(no stub bound over it here)")
     if not labnode().exists():
         return (f"{labnode()} is not built: `tests/controlplane/labnode/build.sh` builds "
                 "the real kubelet (minutes, once per release)")
@@ -103,10 +110,15 @@ def _free_port() -> int:
 class RealKubelet:
     """The kubelet of node `name`, its fake runtime and device plugins, under `root`."""
 
-    def __init__(self, plane: ControlPlane, name: str, root: Path) -> None:
+    def __init__(self, plane: ControlPlane, name: str, root: Path, *,
+                 status_every: float | None = None, lease_seconds: int | None = None) -> None:
         self.plane = plane
         self.name = name
         self.root = root
+        # nodeStatusUpdateFrequency (and nodeStatusReportFrequency with it) and
+        # nodeLeaseDurationSeconds; None: the release's default (10 s, 5 min; 40 s).
+        self.status_every = status_every
+        self.lease_seconds = lease_seconds
         self.proc: subprocess.Popen[bytes] | None = None
         self.plugins: dict[str, subprocess.Popen[bytes]] = {}
         self.boot_id = ""
@@ -115,13 +127,13 @@ class RealKubelet:
     def log_path(self) -> Path:
         return self.root / "kubelet.log"
 
-    def start(self) -> RealKubelet:
-        """Start a new boot of the node: a new kubelet with a new boot ID (what it kept
-        in /var/lib/kubelet stays, as on a real node's disk)."""
+    def start(self, boot_id: str | None = None) -> RealKubelet:
+        """Start a new boot of the node: a new kubelet with boot ID `boot_id` (a new
+        one if None; what it kept in /var/lib/kubelet stays, as on a real node's disk)."""
         binary = labnode()
         for part in ("var-lib-kubelet", "var-log", "sysctl"):
             (self.root / part).mkdir(parents=True, exist_ok=True)
-        self.boot_id = str(uuid.uuid4())
+        self.boot_id = boot_id or str(uuid.uuid4())
         (self.root / "boot_id").write_text(self.boot_id + "\n")
         q = shlex.quote
         mounts = [f"mount --bind {q(str(self.root / 'var-lib-kubelet'))} /var/lib/kubelet",
@@ -140,7 +152,10 @@ class RealKubelet:
         # under root.
         script = " && ".join([
             "mkdir -p /var/lib/kubelet", *mounts,
+            f"rm -f {q(str(cri))}",
             f"{{ {q(str(binary))} cri {q(str(cri))} >{q(str(self.root / 'cri.log'))} 2>&1 & }}",
+            # The kubelet gives up at once on a runtime not yet listening.
+            f"for i in $(seq 100); do [ -S {q(str(cri))} ] && break; sleep 0.1; done",
             f"exec {q(str(binary))} kubelet --config={q(str(config))} "
             f"--kubeconfig={q(str(credential))} --hostname-override={q(self.name)} --v=2"])
         with self.log_path.open("ab") as log:
@@ -152,7 +167,7 @@ class RealKubelet:
         return self
 
     def _config(self) -> dict[str, Any]:
-        return {
+        config = {
             "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
             "containerRuntimeEndpoint": f"unix://{self.root / 'cri.sock'}",
             "cgroupDriver": "cgroupfs", "failSwapOn": False, "failCgroupV1": False,
@@ -165,6 +180,12 @@ class RealKubelet:
             "authorization": {"mode": "AlwaysAllow"},
             "resolvConf": "/etc/resolv.conf",
         }
+        if self.status_every is not None:
+            every = f"{self.status_every:g}s"
+            config["nodeStatusUpdateFrequency"] = config["nodeStatusReportFrequency"] = every
+        if self.lease_seconds is not None:
+            config["nodeLeaseDurationSeconds"] = self.lease_seconds
+        return config
 
     def devices(self, resource: str, ids: list[str]) -> None:
         """Serve `ids` as `resource` through a device plugin registered with this

@@ -240,7 +240,11 @@ def test_host_shutdown_and_boot(lab: Lab, fault: Scenario) -> None:
         wait_for(lambda: not cordoned(kc), 30, "the node uncordoned")
         fault.recovered()
         assert marker(kc) is None
-        assert [r["HOSTAGENT_VM"] for r in lab.records(event="boot")] == ["gaming1"]
+        # The host's boot started gaming1 alone; the lendee's own boot records (the
+        # API still showing its former boot, then this boot's kubelet posting) may come
+        # too: the real kubelet posts a moment after the guest agent answers.
+        assert [r["HOSTAGENT_VM"] for r in lab.records(event="boot")
+                if r["HOSTAGENT_VM"] != LENDEE] == ["gaming1"]
         assert counted(lab, 1, event="intent", to="done", vm="gaming1") == 1
         live = gpus_in_xml(lab.virsh("dumpxml", LENDEE).stdout)
         assert live == {"gpu-b", "gpu-c"}, live
@@ -253,7 +257,7 @@ def test_host_shutdown_and_boot(lab: Lab, fault: Scenario) -> None:
         assert lab.stop_agent() == 0
         lab.start_agent()
         wait_for(lambda: lab.status()["lendee"]["phase"] == "lent", 30, "the agent back")
-        assert count(lab, event="boot") == 1
+        assert count(lab, event="boot", vm="gaming1") == 1
         assert (fault.boots("gaming1"), fault.boots(LENDEE)) == boots
         assert sorted(lab.running()) == ["gaming1", LENDEE]
     # The first lend after the boot left gaming1's GPU out: one boot, no reclaim.

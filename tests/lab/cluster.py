@@ -1,7 +1,9 @@
 """The lab's Kubernetes: the real control plane (tests/controlplane), one per lab process,
-started at its first use and stopped with the process; two nodes whose kubelet the
-lab plays (tests/controlplane/machine.py): gpu-node, the lendee, which follows the VM's
-real state, and cpu-node, always up; and, if asked, real workloads.
+started at its first use and stopped with the process; two nodes: gpu-node, the
+lendee, which follows the VM's real state, its kubelet the real one where it can run
+here (tests/lab/realnode.py, `lendee_kubelet`), else the lab's stand-in
+(tests/controlplane/machine.py); and cpu-node, always up, the stand-in's; and, if
+asked, real workloads.
 
 gpu-node's kubelet starts `kubelet_start` seconds after the VM runs, once the guest's
 boot id can be read through the guest agent (`boot_seen`): until then the API keeps
@@ -27,7 +29,10 @@ import asyncio
 import atexit
 import contextlib
 import json
+import logging
+import os
 import re
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
@@ -39,12 +44,16 @@ from tests.controlplane import ControlPlane
 from tests.controlplane.proxy import FaultProxy
 from tests.controlplane import nvidia
 from tests.controlplane.machine import Kubelet
+from tests.controlplane.realkubelet import missing as real_missing
+from tests.lab.realnode import STATUS_EVERY, RealLendee
 from tests.lab.lab import LENDEE, Lab
 
+log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 SPARE = "cpu-node"
 NS = "default"
 _planes: dict[Path, ControlPlane] = {}
+READY_DELAY = 1.0  # the stand-in's: seconds from its kubelet's start to Ready
 T = TypeVar("T")
 
 
@@ -125,13 +134,25 @@ def statefulset(name: str, replicas: int, *, min_available: int) -> list[dict[st
     ]
 
 
+class GuestGpus:
+    """What NVIDIA's plugins on gpu-node see: (UUID, name) of each GPU the stand-in
+    nvidia-smi inside the lendee lists (`devices_seen`), unless a test sets `seen`."""
+
+    def __init__(self, lab: Lab) -> None:
+        self.seen: Callable[[], list[tuple[str, str]]] = lambda: devices_seen(lab)
+
+    def __call__(self) -> list[tuple[str, str]]:
+        return self.seen()
+
+
 @dataclass
 class LabCluster:
     plane: ControlPlane
-    kubelet: Kubelet
+    kubelet: Kubelet | RealLendee
     kubeconfig: Path
     api: FaultProxy
     loop: asyncio.AbstractEventLoop
+    gpus: GuestGpus
     placed: threading.Event = field(default_factory=threading.Event)
     kubeconfigs: dict[str, Path] = field(default_factory=dict)  # other lendees' nodes
 
@@ -258,6 +279,36 @@ def gpus_seen(lab: Lab, vm: str = LENDEE) -> int:
     return len(devices_seen(lab, vm))
 
 
+def lendee_kubelet(lab: Lab, plane: ControlPlane, gpus: GuestGpus,
+                   stand_in: Callable[..., Kubelet], *, kubelet_start: float,
+                   ready_delay: float, dra: bool,
+                   status_every: float | None) -> Kubelet | RealLendee:
+    """gpu-node's kubelet: the real one (tests/lab/realnode.py) where it can run here,
+    else the stand-in (tests/controlplane/machine.py), saying why in the log. The
+    stand-in stays where a test holds the node NotReady for `ready_delay` seconds after
+    the kubelet's start, which the real kubelet does not do; HOSTAGENT_LAB_KUBELET=
+    stand-in asks for it anyway (to compare)."""
+    why = real_missing()
+    if ready_delay != READY_DELAY:
+        why = f"a node held NotReady {ready_delay:g}s after its kubelet's start"
+    elif os.environ.get("HOSTAGENT_LAB_KUBELET") == "stand-in":
+        why = "HOSTAGENT_LAB_KUBELET=stand-in"
+    if why is None:
+        root = Path(tempfile.mkdtemp(prefix="node-", dir=lab.root))
+        return RealLendee(plane, LENDEE, root, running=lambda: lendee_running(lab),
+                          boot_id=lambda: boot_seen(lab), devices_seen=gpus, dra=dra,
+                          start_delay=kubelet_start, status_every=status_every)
+    # tests/controlplane/test_realkubelet.py's skip says so in the run's summary.
+    log.warning("%s's kubelet is the lab's stand-in, not the real one: %s", LENDEE, why)
+    # Its Lease renewed every 4 s, not 10: the lab's node monitor grace period is 20 s,
+    # not 50, and a stopped node's last status then stays 16 to 20 s, as a real one's
+    # stays 40 to 50 s (v1.35.4: pkg/kubelet/kubelet.go renews every 0.25 of its 40 s
+    # lease; pkg/controller/nodelifecycle/config/v1alpha1/defaults.go: 50 s).
+    return stand_in(LENDEE, lambda: lendee_running(lab), boot_id=lambda: boot_seen(lab),
+                    start_delay=kubelet_start, lease_every=4.0,
+                    **({"devices_seen": gpus} if dra else {"gpus_seen": lambda: len(gpus())}))
+
+
 def devices_seen(lab: Lab, vm: str = LENDEE) -> list[tuple[str, str]]:
     """(UUID, name) of each GPU nvidia-smi lists inside the lendee: what NVIDIA's
     plugins would publish."""
@@ -287,16 +338,18 @@ def lendee_running(lab: Lab, vm: str = LENDEE) -> bool:
 
 
 @contextlib.contextmanager
-def lab_cluster(lab: Lab, *, workloads: bool = True, ready_delay: float = 1.0,
+def lab_cluster(lab: Lab, *, workloads: bool = True, ready_delay: float = READY_DELAY,
                 kubelet_start: float = 2.0, cordoned: bool = False,
-                dra: bool = False, others: tuple[str, ...] = ()) -> Iterator[LabCluster]:
+                dra: bool = False, others: tuple[str, ...] = (),
+                status_every: float | None = STATUS_EVERY) -> Iterator[LabCluster]:
     """The plane's nodes and their kubelets for `lab`; `workloads`: the usual ones
     placed on gpu-node once it is lent; `kubelet_start`: seconds from the lendee's
     start to its kubelet's (at the soonest: the guest agent must answer too);
     `cordoned`: an administrator cordoned the node before hostagent ever ran; `dra`:
     the GPUs go through DRA, not the device plugin; `others`: more lendees, each its
-    own node, kubelet and ServiceAccount (deploy/rbac-node.yaml), whose kubeconfig (no
-    fault proxy in front) is `LabCluster.kubeconfigs`."""
+    own node, kubelet (the stand-in) and ServiceAccount (deploy/rbac-node.yaml), whose
+    kubeconfig (no fault proxy in front) is `LabCluster.kubeconfigs`; `status_every`: the
+    real kubelet's nodeStatusUpdateFrequency (None: the release's 10 s; tests/lab/realnode.py)."""
     plane = lab_plane(lab)
     upstream = agent_kubeconfig(plane, plane.root / "agent.kubeconfig")
     if dra:  # the DeviceClass the driver's chart installs
@@ -313,14 +366,10 @@ def lab_cluster(lab: Lab, *, workloads: bool = True, ready_delay: float = 1.0,
         return Kubelet(credential, node, running=running, plugins=plane.admin,
                        ready_delay=ready_delay, grace_scale=0.02, **knobs)
 
-    # Its Lease renewed every 4 s, not 10: the lab's node monitor grace period is 20 s,
-    # not 50, and a stopped node's last status then stays 16 to 20 s, as a real one's
-    # stays 40 to 50 s (v1.35.4: pkg/kubelet/kubelet.go renews every 0.25 of its 40 s
-    # lease; pkg/controller/nodelifecycle/config/v1alpha1/defaults.go: 50 s).
-    lendee = kubelet(LENDEE, lambda: lendee_running(lab), boot_id=lambda: boot_seen(lab),
-                     start_delay=kubelet_start, lease_every=4.0,
-                     **({"devices_seen": lambda: devices_seen(lab)} if dra
-                        else {"gpus_seen": lambda: gpus_seen(lab)}))
+    gpus = GuestGpus(lab)
+    lendee = lendee_kubelet(lab, plane, gpus, kubelet, kubelet_start=kubelet_start,
+                            ready_delay=ready_delay, dra=dra, status_every=status_every)
+
     def other(vm: str) -> Kubelet:  # another lendee's node, as gpu-node's
         return kubelet(vm, lambda: lendee_running(lab, vm), boot_id=lambda: boot_seen(lab, vm),
                        start_delay=kubelet_start, lease_every=4.0,
@@ -340,7 +389,7 @@ def lab_cluster(lab: Lab, *, workloads: bool = True, ready_delay: float = 1.0,
             run(k.__aenter__())
         if cordoned:
             plane.kubectl("cordon", LENDEE)
-        kc = LabCluster(plane, lendee, kubeconfig, proxy, loop, kubeconfigs=kubeconfigs)
+        kc = LabCluster(plane, lendee, kubeconfig, proxy, loop, gpus, kubeconfigs=kubeconfigs)
         if workloads:
             kc.place(*usual_workloads(), pods=3)
         yield kc

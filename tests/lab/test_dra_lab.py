@@ -94,8 +94,7 @@ def test_a_dra_node_through_reclaim_partial_lend_and_regrow(lab: Lab) -> None:
         assert kubectl_uuids(kc) == sorted(UUID.values())
 
         # gpu-c does not come up after the next boot: the node stays cordoned, gpu-c named.
-        kc.kubelet.devices_seen = lambda: [d for d in devices_seen(lab)
-                                           if d[0] != UUID["gpu-c"]]
+        kc.gpus.seen = lambda: [d for d in devices_seen(lab) if d[0] != UUID["gpu-c"]]
         lab.ask("gaming1")
         failed = lab.wait_record(120, event="phase", to="failed")
         assert f"lack gpu-c ({UUID['gpu-c']})" in failed["MESSAGE"]

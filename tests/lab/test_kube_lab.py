@@ -95,7 +95,7 @@ def test_a_node_back_short_of_gpus_stays_cordoned_with_an_error(lab: Lab) -> Non
         lab.start_agent()
         lends(lab, 1)
         # The device plugin will find nothing after the next boot.
-        kc.kubelet.gpus_seen = lambda: 0
+        kc.gpus.seen = lambda: []
         play_and_stop(lab)
         failed = lab.wait_record(60, event="phase", to="failed")
         assert re.search(r"reports 0 allocatable nvidia.com/gpu where [1-9] were lent",
@@ -224,8 +224,12 @@ def test_a_lendee_destroyed_by_hand_comes_back_cordoned_until_verified(lab: Lab)
     ours) at once, stays cordoned while gpu-node boots again, and is uncordoned only
     once the return verified its GPUs — on what this boot's kubelet posted: the API
     still shows the last boot's Ready and GPUs when the guest answers, and the new
-    kubelet posts seconds later (invariant 14)."""
-    with lab_cluster(lab, workloads=False, kubelet_start=LATE_KUBELET) as kc:
+    kubelet posts seconds later (invariant 14). The real kubelet runs here at the
+    release's nodeStatusUpdateFrequency (10 s; the lab's others post each second): its
+    first status after the boot says the new bootID with allocatable nvidia.com/gpu 0,
+    and the GPUs come with a post up to 10 s after the device plugin registered."""
+    with lab_cluster(lab, workloads=False, kubelet_start=LATE_KUBELET,
+                     status_every=None) as kc:
         lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig))
         lab.start_agent()
         lends(lab, 1)
@@ -245,6 +249,7 @@ def test_a_lendee_destroyed_by_hand_comes_back_cordoned_until_verified(lab: Lab)
             time.sleep(0.1)
         # The read that first shows the uncordon shows the status it was decided on.
         assert node["status"]["nodeInfo"]["bootID"] == boot_seen(lab) != last_boot
+        assert node["status"]["allocatable"]["nvidia.com/gpu"] == str(len(GPUS))
         lends(lab, 2)
         assert lab.records(event="verify", result="ok")
         assert lab.records(event="boot", result="waiting")
