@@ -40,7 +40,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from hostagent.core.config_read import _bool, _choice, _count, _key, _optional_duration, _duration
+from hostagent.core.config_read import (
+    _Problem, _bool, _choice, _count, _key, _optional_duration, _duration)
 
 __all__ = ["DrainPolicy", "ShutdownWhen", "Terms", "Ahead", "ahead", "eviction_grace",
            "terms", "usual_hours"]
@@ -50,6 +51,14 @@ WEEK = 7 * 24 * HOUR
 # The grace period the API server gives a pod whose spec sets none
 # (k8s.io/api/core/v1: DefaultTerminationGracePeriodSeconds).
 API_DEFAULT_GRACE = 30.0
+
+
+def _weeks(value: object, key: str) -> int:
+    """A number of weeks of history: 1 to 52 (none, or a negative count, learns nothing)."""
+    weeks = _count(value, key)
+    if not 1 <= weeks <= 52:
+        raise _Problem(key, f"{weeks} is not a number of weeks", "write 1 to 52")
+    return weeks
 
 
 class ShutdownWhen(enum.StrEnum):
@@ -69,8 +78,8 @@ class DrainPolicy:
                                         metadata=_key(_choice(ShutdownWhen)))
     cordon_ahead: bool = field(default=False, metadata=_key(_bool))
     ahead_lead: float = field(default=900.0, metadata=_key(_duration))
-    usual_weeks: int = field(default=3, metadata=_key(_count))
-    usual_of: int = field(default=4, metadata=_key(_count))
+    usual_weeks: int = field(default=3, metadata=_key(_weeks))
+    usual_of: int = field(default=4, metadata=_key(_weeks))
 
 
 # --- 1 and 2: a drain's terms ------------------------------------------------------------

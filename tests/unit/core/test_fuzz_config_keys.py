@@ -26,13 +26,15 @@ from hypothesis import strategies as st
 
 from hostagent.core import config
 from hostagent.core.config import ConfigError
+from hostagent.core.config_notify import Notify
+from hostagent.core.levers import DrainPolicy
 from hostagent.core.config_read import _READ
 
 EXAMPLES = int(os.environ.get("HOSTAGENT_FUZZ_EXAMPLES", "2_000"))
 
 assert config.__doc__ is not None
 EXAMPLE = textwrap.dedent(config.__doc__.split("::\n", 1)[1].split("\nRules", 1)[0])
-VALID = tomllib.loads(EXAMPLE)
+VALID = {**tomllib.loads(EXAMPLE), "notify": {"url": "http://hooks.lan/x"}}  # its url is required
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
 WORD = st.text(string.ascii_letters + string.digits + "-_.", min_size=1, max_size=12)
@@ -61,6 +63,9 @@ ZERO = st.sampled_from(["0s", "0ms", "0m", "0h", "0.0s"])
 DURATION = (NOT_A_DURATION | st.just(""), SOME_TIME | ZERO)
 POSITIVE_DURATION = (NOT_A_DURATION | ZERO | st.just(""), SOME_TIME)
 OPTIONAL_DURATION = (NOT_A_DURATION, SOME_TIME | ZERO | st.just(""))
+# A number of weeks of history: 1 to 52.
+WEEKS = (st.one_of(st.integers(-(2**63), 0), st.integers(53, 2**63 - 1), st.booleans(),
+                   st.sampled_from(["3", 3.0])), st.integers(1, 4))
 BOOL = (st.one_of(INT64, st.text(max_size=6), st.sampled_from(["true", "false"])),
         st.booleans())
 PORT = (st.one_of(st.integers(-(2**63), 0), st.integers(65536, 2**63 - 1), st.booleans(),
@@ -203,6 +208,17 @@ KINDS: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]] = {
     "mqtt.vms": _lists(st.sampled_from(["nobody", "gpu-node", ""]) | INT64,
                        st.sampled_from(["gaming1", "gaming2", "gaming-win"])),
     "mqtt.per_entity": BOOL,
+    "lendee.kubeconfig": OPTIONAL_PATH,
+    "drain.unplanned_grace": OPTIONAL_DURATION,
+    "drain.shutdown_when": _enum("accepted", "gone"),
+    "drain.cordon_ahead": BOOL,
+    "drain.ahead_lead": DURATION,
+    "drain.usual_weeks": WEEKS,
+    "drain.usual_of": WEEKS,
+    "notify.url": _strings(["ftp://x", "http://", "hooks.lan", "", "http://a b/", "http://x:y/"],
+                           ["http://hooks.lan/x", "https://[::1]:8443/h?token=abc"]),
+    "notify.timeout": (NOT_A_DURATION | ZERO | st.sampled_from(["11s", "1m", ""]),
+                       st.sampled_from(["1s", "2s", "500ms", "10s"])),
 }
 
 
@@ -220,7 +236,10 @@ def _fields(cls: type[Any], prefix: str) -> Iterator[str]:
         kind = {"lendee": config.Lendee, "timeouts": config.Timeouts,
                 "policy": config.Policy, "verify": config.Verify, "ssh": config.SshEndpoint,
                 "kubernetes": config.Kubernetes, "metrics": config.Metrics,
-                "mqtt": config.Mqtt}.get(key) or ({"verify.ssh": config.Ssh}.get(key))
+                "mqtt": config.Mqtt, "drain": DrainPolicy, "notify": Notify}.get(key) \
+            or ({"verify.ssh": config.Ssh}.get(key))
+        if key == "lendees":  # [lendees.NAME]: the keys of [lendee], fuzzed there
+            continue
         if kind is not None:
             yield from _fields(kind, f"{key}.")
         else:
