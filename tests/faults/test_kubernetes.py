@@ -108,7 +108,7 @@ def test_pdb(lab: Lab, fault: Scenario, policy: str) -> None:
             # The player first: the game starts, the pods left behind are named.
             lab.wait_game("gaming1")
             fault.recovered()
-            left = lab.wait_record(event="drain")
+            left = lab.wait_record(event="drain", result="incomplete")
             assert "db-0" in left["MESSAGE"] and "db-1" in left["MESSAGE"]
             assert cordoned(kc)
         else:

@@ -61,8 +61,8 @@ def test_reclaim_drains_like_kubectl_and_the_return_uncordons(lab: Lab) -> None:
         # Evicted through the API (the PDB let the trainers go one at a time); the
         # DaemonSet's pod was left alone, as kubectl drain does.
         assert kc.apps_on(LENDEE) == ["device-plugin"]
-        drained = lab.records(event="drain")
-        assert drained and "3 pods evicted" in drained[0]["MESSAGE"]
+        drained = lab.wait_record(event="drain", result="ok")  # the drain's end, not its start
+        assert "3 pods evicted" in drained["MESSAGE"]
 
         lab.wait_agent("gaming1")
         lab.virsh("shutdown", "--mode", "agent", "gaming1")
@@ -119,7 +119,7 @@ def test_a_pdb_that_never_allows_eviction(lab: Lab, policy: str) -> None:
         if policy == "proceed":
             # The player first: the pods left behind are named, and the game starts.
             lab.wait_game("gaming1")
-            left = lab.wait_record(event="drain")
+            left = lab.wait_record(event="drain", result="incomplete")
             assert "db-0" in str(left) and "db-1" in str(left)
         else:
             failed = lab.wait_record(30, event="intent", to="failed")

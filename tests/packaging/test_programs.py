@@ -38,6 +38,10 @@ PROGRAMS: dict[str, tuple[str, ...] | str] = {
     "nix-instantiate": ("nix-bin",),
     "/usr/bin/python3": ("python3-minimal",),  # python3-venv's dependency
     "git": "what the clone was made with; tests that compare commits skip without it",
+    "iptables": "only looked for: where it is installed the lab keeps the stand-in kubelet, "
+                "which changes no host table (tests/controlplane/realkubelet.py missing)",
+    "ip6tables": "only looked for, as iptables: the real kubelet would change the host's "
+                 "tables, so its presence keeps the stand-in",
     "make": "what runs make test; tests/packaging/test_install.py skips without it",
     "go": ("Go, from go.dev, builds the lab's Kubernetes once per release "
            "(tests/controlplane skips saying so when neither Go nor the cached build is "
