@@ -169,6 +169,16 @@ class ControlPlane:
                                     timeout=30) as reply:
             return json.load(reply)
 
+    def patch(self, path: str, body: dict[str, Any]) -> Any:
+        """A JSON merge patch of `path` as the admin, in this process (see `get`)."""
+        context = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
+        context.load_cert_chain(self.pki / "admin.crt", self.pki / "admin.key")
+        request = urllib.request.Request(
+            f"{self.server}{path}", data=json.dumps(body).encode(), method="PATCH",
+            headers={"Content-Type": "application/merge-patch+json"})
+        with urllib.request.urlopen(request, context=context, timeout=30) as reply:
+            return json.load(reply)
+
     def namespace(self, name: str, timeout: float = 30.0) -> None:
         """Create namespace `name` and wait for its default ServiceAccount, which the
         controller-manager adds a moment later (a pod created before it is refused)."""

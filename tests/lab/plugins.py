@@ -29,6 +29,13 @@ Three installs (`daemonsets`):
   by its ``nvidia.com/gpu.deploy.<operand>=true`` label, which the operator's node
   labelling sets on a GPU node (`OPERATOR_LABELS`, controllers/state_manager.go).
 
+A pod leaves the API only once its process in the guest has ended, as the kubelet
+deletes a pod only when its termination is finished, its containers stopped (kubernetes
+v1.35.4 pkg/kubelet/status/status_manager.go: `canBeDeleted` waits for a terminal phase
+and SyncTerminatedPod's end, then the delete of grace 0): the lab's kubelet knows
+nothing of the guest's processes, so each pod whose process runs carries `FINALIZER`
+until `GuestPlugins` has ended it.
+
 `pausable` adds, to the static manifest's and the chart's, the term README gives so
 that they honour ``nvidia.com/gpu.deploy.device-plugin`` as gpu-operator's do.
 """
@@ -38,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import urllib.error
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +69,8 @@ CHART_TERMS = [
       "values": ["NVIDIA"]}],
     [{"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}],
 ]
+# Keeps a plugin pod in the API until its process in the guest has ended.
+FINALIZER = "lab.hostagent/guest-process"
 # The lab's nodes carry none of the chart's labels but the last, which GFD's stand-in
 # (tests/controlplane/machine.py gpu_status) posts once the GPUs are seen.
 
@@ -182,6 +192,7 @@ class GuestPlugins:
     held: dict[str, _Held] = field(default_factory=dict)  # pod UID -> its process
     started: list[tuple[str, float]] = field(default_factory=list)  # (pod, time.time())
     ended: list[str] = field(default_factory=list)  # pod names whose process was ended
+    marked: dict[str, str] = field(default_factory=dict)  # pod UID -> name, with FINALIZER
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -210,7 +221,21 @@ class GuestPlugins:
     def _boot(self) -> str:
         return self._guest("cat", "/proc/sys/kernel/random/boot_id")
 
+    def _finalizer(self, uid: str, name: str, on: bool) -> None:
+        """`FINALIZER` put on pod `name` (`on`) or taken off; a pod gone is left so."""
+        try:
+            self.kc.plane.patch(f"/api/v1/namespaces/default/pods/{name}", {"metadata": {
+                "uid": uid, "finalizers": [FINALIZER] if on else None}})
+        except urllib.error.HTTPError as e:
+            if on or e.code not in (404, 409):  # 409: the UID is another pod's now
+                raise
+        if on:
+            self.marked[uid] = name
+        else:
+            self.marked.pop(uid, None)
+
     def _start(self, uid: str, name: str, operand: Operand) -> None:
+        self._finalizer(uid, name, True)
         boot = self._boot()
         pidfile = f"/run/labplugin-{uid[:8]}"
         if operand.every is None:
@@ -234,6 +259,7 @@ class GuestPlugins:
         with self._lock:
             del self.held[uid]
             self.ended.append(held.pod)
+        self._finalizer(uid, held.pod, False)
 
     def _step(self) -> None:
         pods = self.kc.plane.get("/api/v1/namespaces/default/pods",
@@ -252,6 +278,8 @@ class GuestPlugins:
                     self._start(uid, name, operand)
         for uid in [u for u in self.held if u not in live]:
             self._end(uid)
+        for uid in [u for u in self.marked if u not in live and u not in self.held]:
+            self._finalizer(uid, self.marked[uid], False)  # its process went with a boot
 
     def _rebooted(self) -> None:
         """Processes of an earlier boot are gone with it: started again for the pods."""
@@ -282,6 +310,8 @@ class GuestPlugins:
         finally:
             self._stop.set()
             thread.join(30)
+            for uid, name in list(self.marked.items()):
+                self._finalizer(uid, name, False)
 
 
 def operator_node(kc: LabCluster) -> None:

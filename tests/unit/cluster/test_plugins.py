@@ -122,8 +122,8 @@ def records() -> Iterator[journal.ListSink]:
     journal.use_sink(previous)
 
 
-def config() -> Config:
-    return parse(lendee_toml("gpu-node") + '[timeouts]\nready = "20s"\n[kubernetes]\n',
+def config(ready: str = "20s") -> Config:
+    return parse(lendee_toml("gpu-node") + f'[timeouts]\nready = "{ready}"\n[kubernetes]\n',
                  "test.toml")
 
 
@@ -217,8 +217,10 @@ async def test_a_pause_left_by_an_agent_restarted_mid_way_is_restored_by_the_ret
     again = KubeCluster(kube, config(), remember_cordon=lambda _: None)
     assert await again.withdraw({"gpu-a"}) is None
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
-    fresh = KubeCluster(kube, config(), remember_cordon=lambda _: None)
-    await fresh.give_back({"gpu-a"})  # whatever its verdict, the labels are put back
+    # Whatever its verdict (no kubelet here: the node never shows Ready, so a short wait
+    # for it), the labels are put back.
+    fresh = KubeCluster(kube, config(ready="5s"), remember_cordon=lambda _: None)
+    await fresh.give_back({"gpu-a"})
     node = await api.seed.get_node("gpu-node")
     assert deploy_labels(node) == {DEVICE_PLUGIN: "true", DCGM_EXPORTER: "true"}
     assert f"{PREFIX}paused-plugins" not in node["metadata"]["annotations"]
