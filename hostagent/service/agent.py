@@ -332,7 +332,7 @@ class Agent:
                 log.info("replayed %d hook event(s) spooled while the agent was down", replayed)
             journal.record("agent", self.recorder.running_line(), result="ready")
             journal.notify(self.recorder.status_line(), ready=True)
-            self.executor.spawn(self.reservations.run())
+            self.executor.spawn(self.reservations.run([m.reservations for m in members]))
             watchdog = journal.watchdog_interval()
             if watchdog:
                 self.executor.spawn(self._watchdog(watchdog / 2))

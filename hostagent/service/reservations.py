@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import os
 import zoneinfo
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, tzinfo, UTC
 from typing import Any
 
@@ -192,13 +192,17 @@ class Reservations:
                  "expires_at": r.at + self.timing.expiry, "every": r.every}
                 for r in self.now]
 
-    async def run(self) -> None:
+    async def run(self, lendees: Sequence[Reservations] = ()) -> None:
         """Until cancelled: do what is due, then sleep until the next moment or change.
-        Beside it, with ``[drain] cordon_ahead``, the owners' usual hours (`ahead`)."""
-        if self.cfg.drain.cordon_ahead and self.cfg.kubernetes is not None:
-            beside = AheadOfUsual(self.cfg, self.topo, self.view, self.cluster)
+        Beside it, with ``[drain] cordon_ahead``, the owners' usual hours (`ahead`), one
+        loop per lendee (`lendees`: every lendee's part, this one's among them; none:
+        this one alone), each cordoning its own node for the owners whose GPUs it holds."""
+        ahead = [AheadOfUsual(p.cfg, p.topo, p.view, p.cluster) for p in lendees or (self,)
+                 if p.cfg.drain.cordon_ahead and p.cfg.kubernetes is not None]
+        if ahead:
             async with asyncio.TaskGroup() as group:
-                group.create_task(beside.run())
+                for beside in ahead:
+                    group.create_task(beside.run())
                 group.create_task(self._run())
             return
         await self._run()

@@ -108,6 +108,17 @@ def pod(name: str, *, app: str, grace: int = 30, **spec: Any) -> dict[str, Any]:
                 **spec}}
 
 
+def deployment(name: str, node: str, *, gpus: int = 0, **spec: Any) -> dict[str, Any]:
+    """One pod of `name`, kept on `node` by its hostname label; `gpus`: the
+    ``nvidia.com/gpu`` it holds; `spec`: more of the pod's spec."""
+    template = pod("", app=name, nodeSelector={"kubernetes.io/hostname": node}, **spec)
+    if gpus:
+        template["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": str(gpus)}}
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
+            "spec": {"replicas": 1, "selector": {"matchLabels": {"app": name}},
+                     "template": template}}
+
+
 def usual_workloads() -> list[dict[str, Any]]:
     """A web Deployment, two training pods of a StatefulSet behind a budget
     (minAvailable 1: one eviction at a time, the next once the replacement is Ready
@@ -246,6 +257,17 @@ class LabCluster:
                 return found[0]
             assert time.monotonic() < deadline, f"no pod of {app} running on {LENDEE}"
             time.sleep(0.2)
+
+    def running_on(self, app: str, node: str, timeout: float = 120) -> dict[str, Any]:
+        """The pod labelled ``app=<app>`` once it runs on `node`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [p for p in self._pods(node) if p["metadata"]["labels"].get("app") == app
+                     and p["status"].get("phase") == "Running"]
+            if found:
+                return found[0]
+            assert time.monotonic() < deadline, f"no pod of {app} running on {node}"
+            time.sleep(0.5)
 
     def pods_on(self, node: str) -> list[str]:
         """The names of the pods bound to `node` that are not being deleted."""

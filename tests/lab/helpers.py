@@ -1,7 +1,7 @@
 """What the lab's tests share: a free port and SSH keys, OpenSSH's own server in the lab,
 the waits for a lend, a node's annotations, the lendee defined with its lab GPUs and
-their plugin pods, a command in a guest, a message to the lab's broker, and the journal
-as journalctl shows it."""
+their plugin pods, the lab's lendee split in two, a command in a guest, a message to the
+lab's broker, and the journal as journalctl shows it."""
 
 from __future__ import annotations
 
@@ -103,6 +103,25 @@ def define_lendee(lab: Lab, kernel_args: str = "") -> None:
     path = lab.root / f"{LENDEE}.xml"
     path.write_text(xml)
     lab.virsh("define", str(path))
+
+
+# The two-lendee lab's second lendee: a worker VM, and a node, of its own.
+OTHER = "gpu-node-b"
+ONE_LENDEE = '[lendee]\ndomain = "gpu-node"\ngpus = ["gpu-a", "gpu-b", "gpu-c"]\n'
+
+
+def two_lendees(lab: Lab, config: str, theirs: tuple[str, ...], *,
+                kubeconfig: Path | None = None) -> str:
+    """`config` (the lab's: one [lendee] holding every lab GPU) with two lendees
+    instead: OTHER holds `theirs` (as its node's ServiceAccount, with `kubeconfig`),
+    gpu-node the rest; both VMs defined with those GPUs. OTHER is left defined."""
+    assert ONE_LENDEE in config
+    mine = [g for g in sorted(GPUS) if g not in theirs]
+    own = f'kubeconfig = "{kubeconfig}"\n' if kubeconfig is not None else ""
+    lab.define(LENDEE, gpus=tuple(mine))
+    lab.define(OTHER, gpus=theirs)
+    return config.replace(ONE_LENDEE, f"[lendees.{LENDEE}]\ngpus = {json.dumps(mine)}\n\n"
+                          f"[lendees.{OTHER}]\n{own}gpus = {json.dumps(list(theirs))}\n")
 
 
 def gpu_pods(lab: Lab, kc: LabCluster, pods: dict[str, str]) -> None:

@@ -12,29 +12,21 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
-from tests.lab.cluster import LabCluster, lab_cluster, pod
+from tests.lab.cluster import deployment, lab_cluster
+from tests.lab.helpers import OTHER, two_lendees
 from tests.lab.lab import AGENT_CONFIG, Lab
 
 pytestmark = pytest.mark.lab
-
-OTHER = "gpu-node-b"
-ONE_LENDEE = '[lendee]\ndomain = "gpu-node"\ngpus = ["gpu-a", "gpu-b", "gpu-c"]\n'
-TWO_LENDEES = ('[lendees.gpu-node]\ngpus = ["gpu-a"]\n\n'
-               f'[lendees.{OTHER}]\ngpus = ["gpu-b", "gpu-c"]\n')
 
 
 @pytest.fixture
 def two(lab: Lab) -> Iterator[Lab]:
     """The lab with gpu-node on gpu-a alone and gpu-node-b on gpu-b and gpu-c."""
-    config = AGENT_CONFIG.format(relend_delay="2s")
-    assert ONE_LENDEE in config
-    lab.write_config(config.replace(ONE_LENDEE, TWO_LENDEES))
-    lab.define("gpu-node", gpus=("gpu-a",))
-    lab.define(OTHER, gpus=("gpu-b", "gpu-c"))
+    lab.write_config(two_lendees(lab, AGENT_CONFIG.format(relend_delay="2s"),
+                                 ("gpu-b", "gpu-c")))
     try:
         yield lab
     finally:
@@ -94,13 +86,13 @@ def test_gaming1_leaves_the_other_nodes_pods_running(two: Lab) -> None:
         lab.wait_record(240, event="phase", to="lent", vm=OTHER)
         kc.create(*(deployment(f"job-{n}", node) for n, node in (("a", "gpu-node"),
                                                                  ("b", OTHER))))
-        before = {n: running_on(kc, f"job-{n}", node)
+        before = {n: kc.running_on(f"job-{n}", node)
                   for n, node in (("a", "gpu-node"), ("b", OTHER))}
 
         answer = lab.play("gaming1")
         assert "will start by itself" in answer.stderr, answer.stderr
         lab.wait_state("gpu-node", "shut off")
-        after = running_on(kc, "job-b", OTHER)
+        after = kc.running_on("job-b", OTHER)
         assert (after["metadata"]["uid"], after["status"]["startTime"]) == (
             before["b"]["metadata"]["uid"], before["b"]["status"]["startTime"])
         assert not kc.node(OTHER)["spec"].get("unschedulable")
@@ -108,22 +100,3 @@ def test_gaming1_leaves_the_other_nodes_pods_running(two: Lab) -> None:
                     if p == before["a"]["metadata"]["name"]]  # evicted by the drain
         assert lab.state(OTHER) == "running"
 
-
-def deployment(name: str, node: str) -> dict[str, object]:
-    """One pod of `name`, kept on `node` by its hostname label."""
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name},
-            "spec": {"replicas": 1, "selector": {"matchLabels": {"app": name}},
-                     "template": pod("", app=name,
-                                     nodeSelector={"kubernetes.io/hostname": node})}}
-
-
-def running_on(kc: LabCluster, app: str, node: str, timeout: float = 120) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        pods = kc.plane.get("/api/v1/pods", fieldSelector=f"spec.nodeName={node}")["items"]
-        found = [p for p in pods if p["metadata"]["labels"].get("app") == app
-                 and p["status"].get("phase") == "Running"]
-        if found:
-            return dict(found[0])
-        assert time.monotonic() < deadline, f"no pod of {app} running on {node}"
-        time.sleep(0.5)

@@ -362,8 +362,9 @@ def test_the_capacity_tables_are_bench_results() -> None:
 
 
 def test_the_timeline_is_a_partial_swap() -> None:
-    """README's docs/timeline.svg: gpu-node keeps gpu-b and gpu-c while gaming1 plays on
-    gpu-a, and holds all three before and after."""
+    """README's docs/timeline.svg, `make demo`'s two lendees: gpu-node keeps gpu-b while
+    gaming1 plays on gpu-a, and holds both before and after; gpu-node-b holds gpu-c
+    throughout, never letting it go."""
     import xml.etree.ElementTree as ET
 
     ns = "{http://www.w3.org/2000/svg}"
@@ -376,10 +377,12 @@ def test_the_timeline_is_a_partial_swap() -> None:
     games = [(a, b) for a, b, who in rows["gpu-a"] if who == "gaming1"]
     assert len(games) == 1
     middle = sum(games[0]) / 2
-    for gpu in ("gpu-b", "gpu-c"):
-        assert any(a <= middle <= b and who == "gpu-node" for a, b, who in rows[gpu]), gpu
+    assert any(a <= middle <= b and who == "gpu-node" for a, b, who in rows["gpu-b"])
     lent_a = [(a, b) for a, b, who in rows["gpu-a"] if who == "gpu-node"]
     assert lent_a[0][1] <= games[0][0] and lent_a[-1][0] >= games[0][1]
+    assert [who for _, _, who in rows["gpu-c"]] == ["gpu-node-b"]
+    (a, b, _), = rows["gpu-c"]
+    assert a <= games[0][0] and b >= lent_a[-1][1] - 1  # from before the game to the end
 
 
 def test_every_python_command_names_the_interpreter_that_has_the_project() -> None:

@@ -144,8 +144,9 @@ NOT_RUN: list[tuple[str, str]] = [
     (r"make bench", "runs for many minutes and rewrites bench/RESULTS.md; "
      "test_readme.py::test_the_figures_measure_the_code_of_head checks it measured HEAD."),
     (r"make demo|\.venv/bin/python -m tests\.lab\.demo --svg docs/timeline\.svg",
-     "a swap and a regrow with the control plane, minutes of guests the suite spends "
-     "in test_readme_lab.py and test_observability_lab.py (history --svg) already; "
+     "a swap and a regrow with the control plane, two lendees, minutes of guests the "
+     "suite spends in test_readme_lab.py, test_observability_lab.py (history --svg) and "
+     "test_lendees_lab.py (the other node's pods) already; "
      "test_readme.py::test_the_timeline_is_a_partial_swap checks the drawing it made."),
 ]
 

@@ -4,15 +4,24 @@ the history given."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
 
 from hostagent.core.config import Config, parse
 from hostagent.core.model import Phase, State
 from hostagent.core.topology import topology
+from hostagent.service import ahead
+from hostagent.service import main as service
+from hostagent.service.agent import Agent
 from hostagent.service.ahead import AheadOfUsual
 from tests.configs import lendee_toml
+from tests.waiting import until
 
 TZ = timezone(timedelta(hours=1))
 MONDAY_8PM = datetime(2026, 11, 30, 20, 0, tzinfo=TZ)
@@ -103,3 +112,63 @@ async def test_a_start_takes_the_cordon_over_and_nothing_is_lifted() -> None:
     await loop.step(MONDAY_8PM + timedelta(minutes=70))
     assert cluster.said == [f"cordon {WHY}"]
     assert loop.cordoned_for is None
+
+
+TWO_LENDEES = """\
+control_socket = "{root}/control.sock"
+hook_socket = "{root}/hook.sock"
+state_dir = "{root}/state"
+
+[lendees.node-a]
+gpus = ["gpu-a"]
+
+[lendees.node-b]
+gpus = ["gpu-b"]
+
+[gpus.gpu-a]
+pci = "0000:0a:00.0"
+
+[gpus.gpu-b]
+pci = "0000:0b:00.0"
+
+[owners.gaming1]
+gpus = ["gpu-a"]
+
+[owners.gaming2]
+gpus = ["gpu-b"]
+
+[kubernetes]
+
+[drain]
+cordon_ahead = true
+"""
+
+
+@pytest.mark.usefixtures("sink")  # journal records in memory (conftest)
+async def test_with_two_lendees_the_one_holding_the_owners_gpu_is_cordoned_ahead(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gaming2 usually plays now, on gpu-b, which node-b holds: node-b's node is cordoned
+    ahead of it, not node-a's, the first lendee (the one the loop used to look at alone)."""
+    now = datetime.now().astimezone()
+    starts = {"gaming2": [now - timedelta(weeks=n) for n in (1, 2, 3)]}
+
+    async def read() -> Mapping[str, Sequence[datetime]]:
+        return starts
+    monkeypatch.setattr(ahead, "starts_in_journal", lambda weeks: read)
+    clusters = {name: Recorder() for name in ("node-a", "node-b")}
+    primary = service.build(parse(TWO_LENDEES.format(root=tmp_path), "test.toml"),
+                            cluster=clusters.get)  # type: ignore[arg-type]
+    assert primary.fleet is not None
+    members = [m for m in primary.fleet.members.values() if isinstance(m, Agent)]
+    for member, gpu in zip(members, ("gpu-a", "gpu-b"), strict=True):
+        member.kept.state = State(phase=Phase.LENT, lent=frozenset({gpu}))
+    task = asyncio.create_task(primary.reservations.run([m.reservations for m in members]))
+    try:
+        await until(lambda: clusters["node-b"].said, "node-b cordoned ahead")
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    said = clusters["node-b"].said
+    assert len(said) == 1 and said[0].startswith("cordon ahead of gaming2's usual hour ("), said
+    assert clusters["node-a"].said == []
