@@ -96,6 +96,32 @@ class FakeLibvirt(LibvirtStub):
         return await self.xml(name)
 
 
+# Two lendees, node-a with gpu-a (gaming1's), node-b with gpu-b (gaming2's); format
+# with root=.
+TWO_LENDEES = """\
+control_socket = "{root}/control.sock"
+hook_socket = "{root}/hook.sock"
+state_dir = "{root}/state"
+
+[lendees.node-a]
+gpus = ["gpu-a"]
+
+[lendees.node-b]
+gpus = ["gpu-b"]
+
+[gpus.gpu-a]
+pci = "0000:0a:00.0"
+
+[gpus.gpu-b]
+pci = "0000:0b:00.0"
+
+[owners.gaming1]
+gpus = ["gpu-a"]
+
+[owners.gaming2]
+gpus = ["gpu-b"]
+"""
+
 CONFIG = """\
 control_socket = "{root}/control.sock"
 hook_socket = "{root}/hook.sock"

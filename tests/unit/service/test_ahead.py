@@ -22,6 +22,7 @@ from hostagent.service.agent import Agent
 from hostagent.service.ahead import AheadOfUsual
 from tests.configs import lendee_toml
 from tests.waiting import until
+from tests.unit.agents import TWO_LENDEES
 
 TZ = timezone(timedelta(hours=1))
 MONDAY_8PM = datetime(2026, 11, 30, 20, 0, tzinfo=TZ)
@@ -114,29 +115,7 @@ async def test_a_start_takes_the_cordon_over_and_nothing_is_lifted() -> None:
     assert loop.cordoned_for is None
 
 
-TWO_LENDEES = """\
-control_socket = "{root}/control.sock"
-hook_socket = "{root}/hook.sock"
-state_dir = "{root}/state"
-
-[lendees.node-a]
-gpus = ["gpu-a"]
-
-[lendees.node-b]
-gpus = ["gpu-b"]
-
-[gpus.gpu-a]
-pci = "0000:0a:00.0"
-
-[gpus.gpu-b]
-pci = "0000:0b:00.0"
-
-[owners.gaming1]
-gpus = ["gpu-a"]
-
-[owners.gaming2]
-gpus = ["gpu-b"]
-
+TWO_LENDEES_AHEAD = TWO_LENDEES + """
 [kubernetes]
 
 [drain]
@@ -156,7 +135,7 @@ async def test_with_two_lendees_the_one_holding_the_owners_gpu_is_cordoned_ahead
         return starts
     monkeypatch.setattr(ahead, "starts_in_journal", lambda weeks: read)
     clusters = {name: Recorder() for name in ("node-a", "node-b")}
-    primary = service.build(parse(TWO_LENDEES.format(root=tmp_path), "test.toml"),
+    primary = service.build(parse(TWO_LENDEES_AHEAD.format(root=tmp_path), "test.toml"),
                             cluster=clusters.get)  # type: ignore[arg-type]
     assert primary.fleet is not None
     members = [m for m in primary.fleet.members.values() if isinstance(m, Agent)]

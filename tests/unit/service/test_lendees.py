@@ -19,6 +19,7 @@ from hostagent.service.agent import Agent
 from hostagent.surfaces.follow import format_status
 from hostagent.surfaces.inbox import HookEvent
 from tests.unit.agents import (  # noqa: F401 (a fixture)
+    TWO_LENDEES,
     FakeLibvirt,
     no_step_outlives_its_test,
 )
@@ -26,29 +27,7 @@ from tests.waiting import until
 
 pytestmark = pytest.mark.usefixtures("sink")  # journal records in memory (conftest)
 
-CONFIG = """\
-control_socket = "{root}/control.sock"
-hook_socket = "{root}/hook.sock"
-state_dir = "{root}/state"
-
-[lendees.node-a]
-gpus = ["gpu-a"]
-
-[lendees.node-b]
-gpus = ["gpu-b"]
-
-[gpus.gpu-a]
-pci = "0000:0a:00.0"
-
-[gpus.gpu-b]
-pci = "0000:0b:00.0"
-
-[owners.gaming1]
-gpus = ["gpu-a"]
-
-[owners.gaming2]
-gpus = ["gpu-b"]
-
+CONFIG = TWO_LENDEES + """
 [owners.coop]
 gpus = ["gpu-a", "gpu-b"]
 
