@@ -165,7 +165,7 @@ def _build(cls: type[_T], table: object, where: str, **given: Any) -> _T:
                 problems.extend(p.each)
                 if p.salvaged is not None:
                     values[name] = p.salvaged
-        elif name in required:
+        elif name in required and name not in given:
             problems.append(
                 _Problem(key, "missing", "add " + _example(name, f.metadata[_EXAMPLE], where)))
     if problems:

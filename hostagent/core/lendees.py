@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from hostagent.core.config_read import (
-    _GPU_REFS, _Problem, _build, _count, _guest_command, _join, _key, _optional_path,
-    _raise_any, _text, _wrong_type,
+    _GPU_REFS, _Problem, _count, _table_of, _guest_command, _join, _key, _optional_path,
+    _raise_any, _text,
 )
 
 __all__ = ["Lendee", "lendee_of", "read_lendees", "view"]
@@ -74,26 +74,24 @@ NO_LENDEE = Lendee(domain="-", gpus=())
 def read_lendees(value: object, key: str) -> dict[str, Lendee]:
     """``[lendees.NAME]`` sections: NAME is the domain, so a ``domain`` key is refused
     (two names for one VM would be one too many to keep apart)."""
-    if not isinstance(value, dict):
-        raise _wrong_type(key, value, "a table", f"write entries as [{key}.NAME] sections")
-    problems: list[_Problem] = []
-    entries: dict[str, Lendee] = {}
-    for name, entry in value.items():
-        where = _join(key, name)
-        if isinstance(entry, dict) and "domain" in entry:
-            problems.append(_Problem(f"{where}.domain", "not a key here",
-                                     f"the section's name is the lendee's domain: remove it, "
-                                     f"or name the section [{_join(key, str(entry['domain']))}]"))
-        if isinstance(entry, dict):
-            entry = {**entry, "domain": name}
-        try:
-            entries[name] = _build(Lendee, entry, where)
-        except _Problem as p:
-            problems.extend(p.each)
-            if p.salvaged is not None:
-                entries[name] = p.salvaged
+    problems = [_Problem(f"{_join(key, name)}.domain", "not a key here",
+                         "the section's name is the lendee's domain: remove it, or name the "
+                         f"section [{_join(key, str(entry['domain']))}]")
+                for name, entry in (value.items() if isinstance(value, dict) else ())
+                if isinstance(entry, dict) and "domain" in entry]
+    if isinstance(value, dict):  # refused above: each entry is read without it
+        value = {name: {k: v for k, v in entry.items() if k != "domain"}
+                 if isinstance(entry, dict) else entry for name, entry in value.items()}
+    try:
+        entries: dict[str, Lendee] = _LENDEES(value, key)
+    except _Problem as p:
+        problems.extend(p.each)
+        entries = p.salvaged
     _raise_any(problems, entries)
     return entries
+
+
+_LENDEES = _table_of(Lendee, "domain")
 
 
 class _Gpu(Protocol):
