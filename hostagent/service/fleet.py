@@ -176,6 +176,12 @@ class Fleet:
         return {**first, "gpus": [rows[g] for g in sorted(rows)], "owners": owners,
                 "intents": list(intents.values()), "lendees": lendees}
 
+    def status_line(self) -> str:
+        """systemd's STATUS: each lendee's phase, then the owners waiting, each once."""
+        waiting = dict.fromkeys(o for m in self.members.values() for o in m.state.waiting_owners)
+        line = ", ".join(f"{name} {m.state.phase.value}" for name, m in self.members.items())
+        return line + (f"; waiting: {', '.join(waiting)}" if waiting else "")
+
     def owners(self) -> dict[str, frozenset[str]]:
         """Every owner and its GPUs, across the lendees."""
         out: dict[str, frozenset[str]] = {}
