@@ -166,7 +166,8 @@ class Agent:
         self.parts = (self.executor, self.verbs, self.recorder, self.reservations)
         # /metrics, /healthz, the SSH endpoint and the control socket's access.
         self.endpoints = Endpoints(cfg, health=self.health, metrics=self.metrics,
-                                   handlers=self.handlers, spawn=self.executor.spawn)
+                                   handlers=self.handlers, spawn=self.executor.spawn,
+                                   lendees=tuple(self.whole.lendees))
 
     # The state, as the parts read it through `kept`.
     @property

@@ -34,3 +34,10 @@ async def test_systemd_status_speaks_of_every_lendee(
     assert lines[-1] == "node-a lent, node-b stopping; waiting: gaming2"
     assert a.recorder.running_line(a.status_line()).endswith(
         "is running: node-a lent, node-b stopping; waiting: gaming2")
+
+
+async def test_the_ssh_endpoint_knows_every_lendees_name(tmp_path: Path) -> None:
+    """`--lendee NAME` over SSH is checked against every lendee, not the primary's view
+    (which holds the first alone)."""
+    a, b, _ = await two_lent(tmp_path)
+    assert a.endpoints.lendees == ("node-a", "node-b")
