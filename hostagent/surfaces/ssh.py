@@ -170,6 +170,7 @@ __all__ = [
     "parse_authorized_keys",
     "parse_command",
     "prefix",
+    "reserve_args",
     "serve",
 ]
 
