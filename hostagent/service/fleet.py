@@ -134,8 +134,10 @@ class Fleet:
             async def handler(args: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
                 lendee = args.get("lendee")
                 if lendee is not None and lendee not in self.members:
-                    yield {"ok": False, "error": f"{clean(str(lendee), 64)} is not a lendee "
-                                                 f"(lendees: {', '.join(self.members)})"}
+                    yield {"ok": False, "error": f"{clean(str(lendee), 64)} is not a lendee: "
+                                                 f"the lendees are {', '.join(self.members)}; "
+                                                 "name one, or leave --lendee out for every "
+                                                 "lendee"}
                     return
                 verbs = mine if lendee is None else verbs_of(lendee)
                 async for reply in verbs[verb](args):

@@ -125,8 +125,9 @@ class Verbs:
         named = args.get("lendee")
         if named is None or named == self.lendee:
             return named, None
-        return None, {"ok": False, "error": f"{clean(str(named), 64)} is not a lendee here "
-                                            f"({self.lendee} is)"}
+        return None, {"ok": False, "error": f"{clean(str(named), 64)} is not a lendee here: "
+                                            f"{self.lendee} is; name it, or leave --lendee "
+                                            "out"}
 
     async def _hold(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
         named, refused = self._named(args)

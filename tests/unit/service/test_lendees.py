@@ -213,7 +213,9 @@ async def test_hold_and_reclaim_one_lendee_or_every_lendee(tmp_path: Path) -> No
     assert replies[-1]["ok"] and "node-b is not lent again" in replies[-1]["data"]["message"]
     assert b.state.hold and not a.state.hold
     replies = [r async for r in handlers["hold"]({"lendee": "node-c"})]
-    assert replies == [{"ok": False, "error": "node-c is not a lendee (lendees: node-a, node-b)"}]
+    assert replies == [{"ok": False, "error": "node-c is not a lendee: the lendees are node-a, "
+                                              "node-b; name one, or leave --lendee out for "
+                                              "every lendee"}]
     replies = [r async for r in handlers["reclaim"]({"lendee": "node-b"})]
     assert replies[-1]["ok"], replies[-1]
     assert b.state.phase is Phase.OFF and a.state.phase is Phase.LENT
@@ -222,4 +224,5 @@ async def test_hold_and_reclaim_one_lendee_or_every_lendee(tmp_path: Path) -> No
     replies = [r async for r in handlers["resume"]({})]  # every lendee
     assert not a.state.hold and not b.state.hold
     assert [r async for r in b.verbs.handlers()["hold"]({"lendee": "node-a"})] == [
-        {"ok": False, "error": "node-a is not a lendee here (node-b is)"}]
+        {"ok": False, "error": "node-a is not a lendee here: node-b is; name it, or leave "
+                               "--lendee out"}]
