@@ -160,8 +160,9 @@ def test_commands_mqtt_may_not_give() -> None:
         "reclaim on hostagent/reclaim/press: mqtt.verbs does not allow it")
 
 
-def test_every_command_topic_is_subscribed() -> None:
-    s = surface()
+@pytest.mark.parametrize("lendees", ["one", "two"])
+def test_every_command_topic_is_subscribed(lendees: str) -> None:
+    s = surface() if lendees == "one" else surface(TWO)
     subscribed = ha.command_topics(s)
     for cmp in ha.components(s).values():
         if "cmd_t" in cmp:
