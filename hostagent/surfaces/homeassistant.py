@@ -207,10 +207,11 @@ def components(s: Surface) -> dict[str, dict[str, Any]]:
         add(f"live_gpus_{slug}", "sensor", f"{lendee} GPUs",
             stat_t=s.topic("lendee", slug, "live_gpus", "state"),
             ic="mdi:expansion-card-variant")
-        _controls(s, add, f"_{slug}", ("lendee", slug), f"{lendee} ")
+        _controls(s, add, f"_{slug}", ("lendee", slug), lendee)
     add("transition", "sensor", "Last transition", stat_t=s.topic("transition", "state"),
         ic="mdi:message-text")
-    _controls(s, add, "", (), "")
+    # The first lendee's: named by it where several lend (its ids stay one lendee's).
+    _controls(s, add, "", (), s.lendee if s.others else "")
     if "reserve" in s.verbs:
         for slug, vm in s.owners.items():
             if vm in s.vms:  # Home Assistant's MQTT text entity (min 0: "" cancels)
@@ -223,21 +224,23 @@ def components(s: Surface) -> dict[str, dict[str, Any]]:
 
 def _controls(s: Surface, add: Any, suffix: str, under: tuple[str, ...], whose: str) -> None:
     """A lendee's hold switch (a sensor where MQTT may not change it), reclaim and lend
-    buttons: ids end with `suffix`, topics are under `under`, names begin with `whose`."""
+    buttons: ids end with `suffix`, topics are under `under`, names say `whose` ("": the
+    names one lendee has)."""
     held = s.topic(*under, "hold", "state")
+    gpus = f"{whose}'s GPUs" if whose else "GPUs"
     if s.verbs & {"hold", "lend"}:
-        add(f"hold{suffix}", "switch", f"{whose}hold lending" if whose else "Hold lending",
+        add(f"hold{suffix}", "switch", f"{whose} hold lending" if whose else "Hold lending",
             stat_t=held, cmd_t=s.topic(*under, "hold", "set"), pl_on=ON, pl_off=OFF,
             ic="mdi:pause-circle")
     else:
         add(f"hold{suffix}", "binary_sensor",
-            f"{whose}lending on hold" if whose else "Lending on hold", stat_t=held,
+            f"{whose} lending on hold" if whose else "Lending on hold", stat_t=held,
             pl_on=ON, pl_off=OFF)
     if "reclaim" in s.verbs:
-        add(f"reclaim{suffix}", "button", f"Reclaim {whose}GPUs",
+        add(f"reclaim{suffix}", "button", f"Reclaim {gpus}",
             cmd_t=s.topic(*under, "reclaim", "press"), pl_prs=PRESS, ic="mdi:download")
     if "lend" in s.verbs:
-        add(f"lend{suffix}", "button", f"Lend {whose}GPUs",
+        add(f"lend{suffix}", "button", f"Lend {gpus}",
             cmd_t=s.topic(*under, "lend", "press"), pl_prs=PRESS, ic="mdi:upload")
 
 

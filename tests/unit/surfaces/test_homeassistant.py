@@ -266,6 +266,9 @@ def test_each_lendee_has_its_own_hold_reclaim_and_lend() -> None:
         check_component(cmp)
     assert cmps["hold_gpu_node-b"]["cmd_t"] == "hostagent/lendee/gpu_node-b/hold/set"
     assert cmps["hold_gpu_node-b"]["name"] == "gpu/node-b hold lending"
+    assert cmps["reclaim_gpu_node-b"]["name"] == "Reclaim gpu/node-b's GPUs"
+    assert cmps["reclaim"]["name"] == "Reclaim gpu-node's GPUs"  # the first's, by name
+    assert ha.components(surface())["reclaim"]["name"] == "Reclaim GPUs"
     assert cmps["reclaim_gpu_node-b"]["cmd_t"] == "hostagent/lendee/gpu_node-b/reclaim/press"
     assert cmps["lend_gpu_node-b"]["cmd_t"] == "hostagent/lendee/gpu_node-b/lend/press"
     assert ha.command(s, "hostagent/lendee/gpu_node-b/hold/set", b"ON") == ha.Command(
