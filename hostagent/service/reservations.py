@@ -72,7 +72,8 @@ class Reservations:
     def widen(self, topo: Topology, view: View,
               nodes: Callable[[str], list[tuple[str, Cluster]]]) -> None:
         """Several lendees: this, the first lendee's, plans every lendee's reservations,
-        one timeline each (two would each notice and hold an owner on two lendees):
+        one timeline for each reservation (one per lendee would notice and end twice a
+        reservation of an owner on two lendees):
         `topo` has every owner, `view` every lendee's reservations, running owners and
         lent GPUs, and `nodes(vm)` the lendees whose GPUs `vm` claims, with their
         clusters (read when used: connecting replaces them), which get its notice.
