@@ -8,7 +8,8 @@ At most `MAX_COMMAND` characters of printable ASCII, words separated by single s
 a VM or lendee name holds letters, digits, ``.``, ``_`` and ``-``. ``--lendee NAME``
 names one lendee where several lend (``[lendees.NAME]``): without it, ``hold``,
 ``resume``, ``lend`` and ``reclaim`` act on every lendee. A name that is no lendee is
-refused before anything happens, naming the lendees there are.
+refused before anything happens, naming the lendees there are. A key's ``vms="..."``
+does not limit the lendee it names: the verb alone without it reaches every lendee.
 """
 
 from __future__ import annotations
