@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 MOSQUITTO = shutil.which("mosquitto") or shutil.which("mosquitto", path="/usr/sbin")
@@ -100,3 +101,52 @@ class Mosquitto:
             self.process.wait(timeout=30)
             self.process = None
             self.log.close()
+
+
+DEVICE = "homeassistant/device/hostagent/config"
+
+
+class Dashboard:
+    """`mosquitto_sub` as Home Assistant: every message on the agent's topics, timed."""
+
+    def __init__(self, broker: Mosquitto, log: Path) -> None:
+        self.broker, self.log = broker, log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        sub = shutil.which("mosquitto_sub")
+        assert sub is not None
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sub, "-p", str(self.broker.port), "-u", "ha", "-P", USERS["ha"], "-i", "dash",
+                 "-q", "1", "-F", "%U\t%r\t%t\t%p", "-t", "hostagent/#", "-t", DEVICE],
+                stdout=out, stderr=subprocess.STDOUT)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(10)
+            self.proc = None
+
+    def messages(self) -> list[tuple[float, str, str]]:
+        """(time, topic, payload) of each message seen, oldest first."""
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            parts = line.split("\t", 3)
+            if len(parts) == 4:
+                out.append((float(parts[0]), parts[2], parts[3]))
+        return out
+
+    def last(self, topic: str) -> str | None:
+        values = [p for _, t, p in self.messages() if t == topic]
+        return values[-1] if values else None
+
+    def wait(self, topic: str, payload: str | Callable[[str], bool],
+             timeout: float = 120) -> None:
+        """Until the last message on `topic` is `payload` (or one it accepts): the states
+        of one change come one topic after the other (`homeassistant.states`' order)."""
+        deadline = time.monotonic() + timeout
+        while not ((last := self.last(topic)) is not None and (
+                payload(last) if callable(payload) else last == payload)):
+            assert time.monotonic() < deadline, (topic, payload, last)
+            time.sleep(0.1)

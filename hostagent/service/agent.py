@@ -166,7 +166,8 @@ class Agent:
         self.parts = (self.executor, self.verbs, self.recorder, self.reservations)
         # /metrics, /healthz, the SSH endpoint and the control socket's access.
         self.endpoints = Endpoints(cfg, health=self.health, metrics=self.metrics,
-                                   handlers=self.handlers, spawn=self.executor.spawn)
+                                   handlers=self.handlers, spawn=self.executor.spawn,
+                                   lendees=tuple(self.whole.lendees))
 
     # The state, as the parts read it through `kept`.
     @property
@@ -254,7 +255,7 @@ class Agent:
         for action in actions:
             self.executor.execute(action)
         if old.phase is not new.phase or old.intents != new.intents:
-            journal.notify(self.recorder.status_line())
+            journal.notify(self.status_line())
         for watch in self.watchers:
             watch()
 
@@ -279,6 +280,10 @@ class Agent:
                     raise StartupError(f"{self.cfg.source}: {key}: cannot lock "
                                        f"{directory / 'agent.lock'}: {e.strerror or e}") from e
             await self._run(loop)
+
+    def status_line(self) -> str:
+        """systemd's STATUS line: of every lendee, where several lend."""
+        return self.recorder.status_line() if self.fleet is None else self.fleet.status_line()
 
     def _members(self) -> list[Agent]:
         """Every lendee's agent, this one (the primary) first; [self] with one lendee."""
@@ -330,8 +335,9 @@ class Agent:
             self._serve_mqtt()
             if replayed:
                 log.info("replayed %d hook event(s) spooled while the agent was down", replayed)
-            journal.record("agent", self.recorder.running_line(), result="ready")
-            journal.notify(self.recorder.status_line(), ready=True)
+            journal.record("agent", self.recorder.running_line(self.status_line()),
+                           result="ready")
+            journal.notify(self.status_line(), ready=True)
             self.executor.spawn(self.reservations.run([m.reservations for m in members]))
             watchdog = journal.watchdog_interval()
             if watchdog:

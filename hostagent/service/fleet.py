@@ -32,7 +32,7 @@ from hostagent.core.text import clean
 
 log = logging.getLogger("hostagent")
 
-__all__ = ["Fleet"]
+__all__ = ["Fleet", "Whole"]
 
 
 class Member(Protocol):
@@ -122,8 +122,8 @@ class Fleet:
         reach every lendee through `apply`; status tells of each lendee (`status_now`:
         `status` of each one's own), or the lendee a "lendee" argument names alone, by its
         verbs (`verbs_of` that lendee). Reservations are the primary's: its part plans
-        them, and each lendee's machine gets those of its owners (so a reservation is
-        for an owner of the first lendee's GPUs, on others' too)."""
+        every lendee's (`Reservations.widen`), and each lendee's machine gets those of
+        its owners."""
         def routed(verb: str) -> Any:
             def handler(args: dict[str, Any]) -> Any:
                 vm = args.get("vm")
@@ -134,8 +134,10 @@ class Fleet:
             async def handler(args: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
                 lendee = args.get("lendee")
                 if lendee is not None and lendee not in self.members:
-                    yield {"ok": False, "error": f"{clean(str(lendee), 64)} is not a lendee "
-                                                 f"(lendees: {', '.join(self.members)})"}
+                    yield {"ok": False, "error": f"{clean(str(lendee), 64)} is not a lendee: "
+                                                 f"the lendees are {', '.join(self.members)}; "
+                                                 "name one, or leave --lendee out for every "
+                                                 "lendee"}
                     return
                 verbs = mine if lendee is None else verbs_of(lendee)
                 async for reply in verbs[verb](args):
@@ -176,6 +178,12 @@ class Fleet:
         return {**first, "gpus": [rows[g] for g in sorted(rows)], "owners": owners,
                 "intents": list(intents.values()), "lendees": lendees}
 
+    def status_line(self) -> str:
+        """systemd's STATUS: each lendee's phase, then the owners waiting, each once."""
+        waiting = dict.fromkeys(o for m in self.members.values() for o in m.state.waiting_owners)
+        line = ", ".join(f"{name} {m.state.phase.value}" for name, m in self.members.items())
+        return line + (f"; waiting: {', '.join(waiting)}" if waiting else "")
+
     def owners(self) -> dict[str, frozenset[str]]:
         """Every owner and its GPUs, across the lendees."""
         out: dict[str, frozenset[str]] = {}
@@ -206,6 +214,30 @@ class Fleet:
             for r in member.state.reservations:
                 seen.setdefault(r.vm, r)
         return tuple(seen.values())
+
+
+class Whole:
+    """Every lendee's state as the first lendee's reservations read it (a `View`, see
+    `Reservations.widen`): the first's, with every lendee's reservations, running owners
+    and lent GPUs (GPU labels are one lendee's each)."""
+
+    def __init__(self, fleet: Fleet, primary: Any) -> None:
+        self.fleet, self.primary = fleet, primary  # `primary`: its agent's `View`
+
+    @property
+    def state(self) -> State:
+        states = [m.state for m in self.fleet.members.values()]
+        return replace(states[0], reservations=self.fleet.reservations(),
+                       running_owners=frozenset().union(*(s.running_owners for s in states)),
+                       lent=frozenset().union(*(s.lent for s in states)))
+
+    @property
+    def phase_since(self) -> float:
+        return float(self.primary.phase_since)
+
+    @property
+    def save_failed(self) -> str | None:
+        return self.primary.save_failed  # type: ignore[no-any-return]
 
 
 def spread(states: Mapping[str, State], topos: Mapping[str, Topology]) -> dict[str, State]:

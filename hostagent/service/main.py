@@ -7,12 +7,14 @@ import asyncio
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 
 from hostagent.core import health
 from hostagent.core.config import Config
+from hostagent.core.topology import topology
 from hostagent.host import journal
 from hostagent.service.agent import Agent
-from hostagent.service.fleet import Fleet
+from hostagent.service.fleet import Fleet, Whole
 from hostagent.service.parts import Cluster
 from hostagent.service.serving import StartupError
 
@@ -25,8 +27,14 @@ def build(cfg: Config, *, cluster: Callable[[str], Cluster | None] = lambda name
     others = [Agent(v, cluster=cluster(v.lendee.domain), whole=cfg, primary=primary)
               for v in views[1:]]
     if others:
-        Fleet({a.lendee: a for a in (primary, *others)})  # sets each one's `fleet`
-        primary.metrics.several = {a.lendee: a.metrics for a in (primary, *others)}
+        agents = (primary, *others)
+        fleet = Fleet({a.lendee: a for a in agents})  # sets each one's `fleet`
+        primary.metrics.several = {a.lendee: a.metrics for a in agents}
+        # One timeline for every reservation, its notice to each node whose GPUs it takes.
+        primary.reservations.widen(
+            replace(topology(cfg), lendee_gpus=frozenset().union(
+                *(a.topo.lendee_gpus for a in agents))), Whole(fleet, primary.kept),
+            lambda vm: [(a.lendee, a.cluster) for a in agents if a.topo.needs_lendee_gpus(vm)])
     for a in others:  # /healthz and status: each lendee's checks, one check each
         primary.health.add(f"lendee {a.lendee}", health.of_lendee(a.health))
     return primary

@@ -140,9 +140,10 @@ class Recorder:
         self.progress.publish("intent", f"{intent.owner} asked to start ({intent.source.value})",
                               {"vm": intent.owner, "intent": intent.id, "to": "pending"})
 
-    def running_line(self) -> str:
-        """The agent's start record: which hostagent runs (an upgrade shows), and how."""
-        return f"hostagent {hostagent.version()} is running: {self.status_line()}"
+    def running_line(self, status: str | None = None) -> str:
+        """The agent's start record: which hostagent runs (an upgrade shows), and how
+        (`status`: every lendee's, where several lend; default: this one's)."""
+        return f"hostagent {hostagent.version()} is running: {status or self.status_line()}"
 
     def status_line(self) -> str:
         pending = ", ".join(self.view.state.waiting_owners)

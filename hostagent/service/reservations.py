@@ -65,6 +65,27 @@ class Reservations:
         # VM -> until when it may not be reserved again (one that held ended unused). Kept
         # in memory: a restart forgets it, which only the host's administrator can cause.
         self._cooldown: dict[str, float] = {}
+        # This lendee's own, for the usual hours (`ahead`), where `widen` plans them all.
+        self.own: tuple[Topology, View] = (topo, view)
+        self._nodes: Callable[[str], list[tuple[str, Cluster]]] | None = None
+
+    def widen(self, topo: Topology, view: View,
+              nodes: Callable[[str], list[tuple[str, Cluster]]]) -> None:
+        """Several lendees: this, the first lendee's, plans every lendee's reservations,
+        one timeline for each reservation (one per lendee would notice and end twice a
+        reservation of an owner on two lendees):
+        `topo` has every owner, `view` every lendee's reservations, running owners and
+        lent GPUs, and `nodes(vm)` the lendees whose GPUs `vm` claims, with their
+        clusters (read when used: connecting replaces them), which get its notice.
+        Each lendee's machine gets the reservations of its owners (`coordinator`)."""
+        self.topo, self.view, self._nodes = topo, view, nodes
+
+    def _lendees(self, vm: str) -> list[tuple[str, Cluster]]:
+        """The lendees `vm`'s reservation takes GPUs from, and their clusters."""
+        return self._nodes(vm) if self._nodes is not None else [(self.lendee, self.cluster)]
+
+    def _named(self, vm: str) -> str:
+        return " and ".join(name for name, _ in self._lendees(vm)) or self.lendee
 
     @property
     def now(self) -> tuple[Reservation, ...]:
@@ -196,8 +217,9 @@ class Reservations:
         """Until cancelled: do what is due, then sleep until the next moment or change.
         Beside it, with ``[drain] cordon_ahead``, the owners' usual hours (`ahead`), one
         loop per lendee (`lendees`: every lendee's part, this one's among them; none:
-        this one alone), each cordoning its own node for the owners whose GPUs it holds."""
-        ahead = [AheadOfUsual(p.cfg, p.topo, p.view, p.cluster) for p in lendees or (self,)
+        this one alone), each cordoning its own node for the owners whose GPUs it holds
+        (its `own` topology and view, not the whole that `widen` gave the first)."""
+        ahead = [AheadOfUsual(p.cfg, *p.own, p.cluster) for p in lendees or (self,)
                  if p.cfg.drain.cordon_ahead and p.cfg.kubernetes is not None]
         if ahead:
             async with asyncio.TaskGroup() as group:
@@ -268,13 +290,14 @@ class Reservations:
             gpus = self.topo.gpu_names(self.topo.claims(r.vm))
             lent = bool(self.topo.claims(r.vm) & self.view.state.lent)
             journal.record("reserve", f"{r.vm}'s reservation for {_hhmm(r.at)} holds {gpus} "
-                           "now" + (f": {self.lendee} gives them back, its pods with their "
-                                    "grace period" if lent else ""), vm=r.vm, result="holding")
+                           "now" + (f": {self._named(r.vm)} gives them back, its pods with "
+                                    "their grace period" if lent else ""), vm=r.vm,
+                           result="holding")
         for r in plan.due(self._live(), clock.now(), self.timing).yields:
             self._set(plan.changed(self.now, r.vm, yielding=True))
             journal.record("reserve", f"{r.vm}'s reservation for {_hhmm(r.at)} is unused past "
                            "its time: another owner of its GPUs may start now, which ends "
-                           f"it; else it keeps them from {self.lendee} until "
+                           f"it; else it keeps them from {self._named(r.vm)} until "
                            f"{_hhmm(r.at + self.timing.expiry)}", vm=r.vm, result="yielding")
 
     def _following(self, r: Reservation, zone: tzinfo) -> Reservation | None:
@@ -305,11 +328,16 @@ class Reservations:
         def when(grace: float) -> float:
             return plan.evict_time(r, grace, self.timing, clock.now())
 
-        def message(at: str) -> str:
-            return (f"a GPU of node {self.lendee} is reserved for {r.vm} at "
-                    f"{_hhmm(r.at)}: this pod may be evicted from {at}, with its full "
-                    "grace period; checkpoint before then")
-        evict, pods = await self.cluster.notice(when, message)
+        def message(lendee: str) -> Callable[[str], str]:
+            return lambda at: (f"a GPU of node {lendee} is reserved for {r.vm} at "
+                               f"{_hhmm(r.at)}: this pod may be evicted from {at}, with its "
+                               "full grace period; checkpoint before then")
+        # Each node its own notice; the GPUs are taken back when the earliest begins.
+        evict, pods = when(0.0), list[str]()
+        for i, (lendee, cluster) in enumerate(self._lendees(r.vm)):
+            at, pods_told = await cluster.notice(when, message(lendee))
+            evict = at if i == 0 else min(evict, at)
+            pods += pods_told
         if not any(x.vm == r.vm and x.at == r.at for x in self.now):
             return  # cancelled or replaced meanwhile
         self._set(plan.changed(self.now, r.vm, evict_at=evict))

@@ -37,8 +37,10 @@ class Endpoints:
     retries runs through `spawn` (a task the agent keeps and cancels when it stops)."""
 
     def __init__(self, cfg: Config, *, health: health.Health, metrics: metrics.Metrics,
-                 handlers: Callable[[], Mapping[str, Any]], spawn: _Spawn) -> None:
+                 handlers: Callable[[], Mapping[str, Any]], spawn: _Spawn,
+                 lendees: tuple[str, ...] = ()) -> None:
         self.cfg = cfg
+        self.lendees = lendees  # every lendee's name, which SSH's --lendee may give
         self.health = health
         self.metrics = metrics
         self.handlers = handlers
@@ -96,7 +98,7 @@ class Endpoints:
             try:
                 self.endpoint = await keep_trying(
                     lambda: ssh.serve(endpoint.address, key, endpoint.authorized_keys,
-                                      dict(self.handlers())),
+                                      dict(self.handlers()), lendees=self.lendees),
                     what=f"the SSH endpoint on {endpoint.listen}", transient=(ssh.Transient,),
                     record=journal.retry)
             except ssh.EndpointError as e:

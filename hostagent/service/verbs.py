@@ -125,8 +125,9 @@ class Verbs:
         named = args.get("lendee")
         if named is None or named == self.lendee:
             return named, None
-        return None, {"ok": False, "error": f"{clean(str(named), 64)} is not a lendee here "
-                                            f"({self.lendee} is)"}
+        return None, {"ok": False, "error": f"{clean(str(named), 64)} is not a lendee here: "
+                                            f"{self.lendee} is; name it, or leave --lendee "
+                                            "out"}
 
     async def _hold(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
         named, refused = self._named(args)
@@ -152,7 +153,8 @@ class Verbs:
     async def _reserve(self, args: dict[str, Any]) -> AsyncIterator[Reply]:
         """`vm` will be played at `at` (HH:MM, the next one, or ISO 8601); with `cancel`,
         its reservation is dropped (`hostagent.core.reserve`)."""
-        vm, problem = self._owner_arg(args, "reserve")
+        # The reservations' owners: every lendee's, where the first lendee's plan them all.
+        vm, problem = self._owner_arg(args, "reserve", self.reservations.topo)
         if vm is None:
             yield {"ok": False, "error": problem}
             return
@@ -200,16 +202,19 @@ class Verbs:
         yield {"ok": True, "data": {"vm": vm, "at": at.when.isoformat(timespec="minutes"),
                                     "message": message}}
 
-    def _owner_arg(self, args: dict[str, Any], verb: str) -> tuple[str | None, str]:
-        """(the owner VM named in args, "") or (None, why not, naming the owners)."""
+    def _owner_arg(self, args: dict[str, Any], verb: str,
+                   topo: Topology | None = None) -> tuple[str | None, str]:
+        """(the owner VM named in args, "") or (None, why not, naming the owners);
+        `topo`: whose owners (default: this lendee's)."""
         vm = args.get("vm")
-        owners = ", ".join(sorted(self.topo.owners)) or "none is configured"
+        topo = topo or self.topo
+        owners = ", ".join(sorted(topo.owners)) or "none is configured"
         if not isinstance(vm, str) or not vm:
             return None, f"{verb} needs an owner VM: {owners}"
         if vm == self.lendee:
             return None, (f"{vm} is the lendee, not an owner VM: {verb} takes one of "
                           f"{owners} (`hostagent reclaim` takes the GPUs back from {vm})")
-        if not self.topo.is_owner(vm):
+        if not topo.is_owner(vm):
             return None, (f"unknown VM {vm[:64]!r}: hostagent manages {owners} "
                           f"(owners.* in {self.cfg.source})")
         return vm, ""

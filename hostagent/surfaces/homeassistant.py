@@ -30,6 +30,10 @@ Under ``base_topic`` (``<base>``), every state retained:
     <base>/hold/state, /set           ON / OFF: lending on hold; ON = hold, OFF = lend
     <base>/reclaim/press              PRESS: take the GPUs back from the lendee
     <base>/lend/press                 PRESS: lend again now
+    <base>/lendee/<name>/...          several lendees: each after the first has its own
+                                      lent, phase, live_gpus, hold (state, set), reclaim
+                                      and lend (press), as above; those above are then
+                                      the first lendee's, and command it alone
 
 A name that is not a topic level (``+``, ``#``, ``/``, spaces) is slugged; two names
 that slug alike get a suffix, so each entity has its own topics.
@@ -65,7 +69,8 @@ MIGRATE = b'{"migrate_discovery": true}'  # Home Assistant's hand-over of an ent
 MAX_REMOVED = 64
 # The entity ids `components` makes, whatever the configuration: only those can be an
 # earlier configuration's of this device.
-_OUR_ID = re.compile(r"(owner|gpu|reserve|player|lent|phase|live_gpus)_[A-Za-z0-9_-]{1,52}|"
+_OUR_ID = re.compile(r"(owner|gpu|reserve|player|lent|phase|live_gpus|hold|reclaim|lend)_"
+                     r"[A-Za-z0-9_-]{1,52}|"
                      r"lent|phase|live_gpus|"
                      r"transition|hold|reclaim|lend")
 # An owner's state as its player sees it, in the order a start goes through them: a
@@ -104,8 +109,9 @@ class Surface:
     vms: frozenset[str]  # owners MQTT may start and stop
     per_entity: bool = False
     # Several lendees: the lendees after the first (slug -> lendee), each with its own
-    # lent, phase and GPUs entities (`lent_<slug>`, ...) under <base>/lendee/<slug>/; the
-    # first keeps the ids a single lendee has, so that an upgrade keeps its entities.
+    # lent, phase, GPUs, hold, reclaim and lend entities (`lent_<slug>`, ...) under
+    # <base>/lendee/<slug>/; the first keeps the ids a single lendee has, so that an
+    # upgrade keeps its entities, and its commands then name it (`Command.lendee`).
     others: Mapping[str, str] = field(default_factory=dict)
 
     def topic(self, *levels: str) -> str:
@@ -201,14 +207,11 @@ def components(s: Surface) -> dict[str, dict[str, Any]]:
         add(f"live_gpus_{slug}", "sensor", f"{lendee} GPUs",
             stat_t=s.topic("lendee", slug, "live_gpus", "state"),
             ic="mdi:expansion-card-variant")
+        _controls(s, add, f"_{slug}", ("lendee", slug), lendee)
     add("transition", "sensor", "Last transition", stat_t=s.topic("transition", "state"),
         ic="mdi:message-text")
-    if s.verbs & {"hold", "lend"}:
-        add("hold", "switch", "Hold lending", stat_t=s.topic("hold", "state"),
-            cmd_t=s.topic("hold", "set"), pl_on=ON, pl_off=OFF, ic="mdi:pause-circle")
-    else:
-        add("hold", "binary_sensor", "Lending on hold", stat_t=s.topic("hold", "state"),
-            pl_on=ON, pl_off=OFF)
+    # The first lendee's: named by it where several lend (its ids stay one lendee's).
+    _controls(s, add, "", (), s.lendee if s.others else "")
     if "reserve" in s.verbs:
         for slug, vm in s.owners.items():
             if vm in s.vms:  # Home Assistant's MQTT text entity (min 0: "" cancels)
@@ -216,13 +219,29 @@ def components(s: Surface) -> dict[str, dict[str, Any]]:
                     stat_t=s.topic("owner", slug, "reserved"),
                     cmd_t=s.topic("owner", slug, "reserve"), min=0, max=32,
                     ic="mdi:calendar-clock")
-    if "reclaim" in s.verbs:
-        add("reclaim", "button", "Reclaim GPUs", cmd_t=s.topic("reclaim", "press"),
-            pl_prs=PRESS, ic="mdi:download")
-    if "lend" in s.verbs:
-        add("lend", "button", "Lend GPUs", cmd_t=s.topic("lend", "press"), pl_prs=PRESS,
-            ic="mdi:upload")
     return cmps
+
+
+def _controls(s: Surface, add: Any, suffix: str, under: tuple[str, ...], whose: str) -> None:
+    """A lendee's hold switch (a sensor where MQTT may not change it), reclaim and lend
+    buttons: ids end with `suffix`, topics are under `under`, names say `whose` ("": the
+    names one lendee has)."""
+    held = s.topic(*under, "hold", "state")
+    gpus = f"{whose}'s GPUs" if whose else "GPUs"
+    if s.verbs & {"hold", "lend"}:
+        add(f"hold{suffix}", "switch", f"{whose} hold lending" if whose else "Hold lending",
+            stat_t=held, cmd_t=s.topic(*under, "hold", "set"), pl_on=ON, pl_off=OFF,
+            ic="mdi:pause-circle")
+    else:
+        add(f"hold{suffix}", "binary_sensor",
+            f"{whose} lending on hold" if whose else "Lending on hold", stat_t=held,
+            pl_on=ON, pl_off=OFF)
+    if "reclaim" in s.verbs:
+        add(f"reclaim{suffix}", "button", f"Reclaim {gpus}",
+            cmd_t=s.topic(*under, "reclaim", "press"), pl_prs=PRESS, ic="mdi:download")
+    if "lend" in s.verbs:
+        add(f"lend{suffix}", "button", f"Lend {gpus}",
+            cmd_t=s.topic(*under, "lend", "press"), pl_prs=PRESS, ic="mdi:upload")
 
 
 def _device(s: Surface) -> dict[str, Any]:
@@ -341,6 +360,7 @@ def states(s: Surface, status: Mapping[str, Any], transition: str) -> dict[str, 
         out[s.topic("lendee", slug, "phase", "state")] = other["phase"]
         out[s.topic("lendee", slug, "live_gpus", "state")] = _short(
             ", ".join(other["lent"]) or "none")
+        out[s.topic("lendee", slug, "hold", "state")] = _onoff(other.get("hold"))
     reserved = {r.get("vm"): r.get("at") for r in status.get("reservations", ())}
     for slug, vm in s.owners.items():
         out[s.topic("owner", slug, "player")] = player_state(vm, status)
@@ -382,18 +402,23 @@ class Command:
     verb: str
     vm: str | None = None
     at: str | None = None  # reserve's time; "" cancels
+    lendee: str | None = None  # several lendees: the one hold, reclaim or lend is for
 
     @property
     def args(self) -> dict[str, Any]:
         args: dict[str, Any] = {"vm": self.vm} if self.vm else {}
         if self.verb == "reserve":
             args |= {"at": self.at} if self.at else {"cancel": True}
+        if self.lendee is not None:
+            args["lendee"] = self.lendee
         return args
 
     def __str__(self) -> str:
         words = [self.verb, *([self.vm] if self.vm else [])]
         if self.verb == "reserve":
             words.append(self.at or "cancel")
+        if self.lendee is not None:
+            words += ["--lendee", self.lendee]
         return " ".join(words)
 
 
@@ -404,8 +429,13 @@ class Refused:
 
 def command_topics(s: Surface) -> list[str]:
     """What the client subscribes to for commands."""
-    return [s.topic("owner", "+", "set"), s.topic("owner", "+", "reserve"), s.topic("hold", "set"),
-            s.topic("reclaim", "press"), s.topic("lend", "press")]
+    topics = [s.topic("owner", "+", "set"), s.topic("owner", "+", "reserve"),
+              s.topic("hold", "set"), s.topic("reclaim", "press"), s.topic("lend", "press")]
+    if s.others:
+        topics += [s.topic("lendee", "+", "hold", "set"), s.topic("lendee", "+", "reclaim",
+                                                                  "press"),
+                   s.topic("lendee", "+", "lend", "press")]
+    return topics
 
 
 def command(s: Surface, topic: str, payload: bytes) -> Command | Refused:
@@ -418,6 +448,14 @@ def command(s: Surface, topic: str, payload: bytes) -> Command | Refused:
     levels = topic.split("/")[len(s.base.split("/")):] if topic.startswith(s.base + "/") else []
     wanted: dict[str, str] = {}
     vm = None
+    # Several lendees: the topics of one lendee name the first, <base>/lendee/<slug>/
+    # the others (`Surface.others`).
+    lendee = s.lendee if s.others else None
+    if levels[:1] == ["lendee"] and len(levels) == 4 and levels[1] in s.others and \
+            levels[2] in ("hold", "reclaim", "lend"):
+        lendee, levels = s.others[levels[1]], levels[2:]
+    elif levels[:1] == ["lendee"]:
+        levels = []  # no lendee of this device: commands nothing
     match levels:
         case ["owner", slug, "set"] if slug in s.owners:
             vm = s.owners[slug]
@@ -446,7 +484,7 @@ def command(s: Surface, topic: str, payload: bytes) -> Command | Refused:
         return Refused(f"{verb} on {topic}: mqtt.verbs does not allow it")
     if vm is not None and vm not in s.vms:
         return Refused(f"{verb} {vm} on {topic}: mqtt.vms does not list {vm}")
-    return Command(verb, vm)
+    return Command(verb, vm, lendee=None if vm is not None else lendee)
 
 
 def former(cfg: Config, *, version: str) -> Surface | None:

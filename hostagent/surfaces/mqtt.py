@@ -229,7 +229,9 @@ class Device:
         # topic in HISTORY keyed "<topic>#<n>" (no topic has a '#'), so none is merged away.
         self._pending: dict[str, str] = {}
         self._history = {self.surface.topic("phase", "state"),
-                         self.surface.topic("transition", "state")}
+                         self.surface.topic("transition", "state"),
+                         *(self.surface.topic("lendee", slug, "phase", "state")
+                           for slug in self.surface.others)}
         self._sequence = 0
         self._wake = asyncio.Event()
         self._removed: dict[str, str] = {}  # entities of an earlier configuration

@@ -21,7 +21,9 @@ Security model
 - The command line is never given to a shell. It is at most `MAX_COMMAND` characters of
   printable ASCII, split on single spaces into a verb and at most one VM name
   (``[A-Za-z0-9_.-]+``), and for ``reserve`` its time (``reserve gaming1 20:00``) or
-  ``cancel``; anything else is refused before anything happens.
+  ``cancel``; or ``hold``, ``resume``, ``lend`` or ``reclaim`` with ``--lendee NAME``,
+  one lendee where several lend (`hostagent.surfaces.ssh_command`); anything else is
+  refused before anything happens.
 - Each key may use only the verbs and VMs its line lists.
 - Every connection, key, command and decision is one journal record
   (``HOSTAGENT_EVENT=ssh``, with ``HOSTAGENT_KEY``, ``HOSTAGENT_FINGERPRINT``,
@@ -114,7 +116,6 @@ import asyncio
 import enum
 import ipaddress
 import logging
-import re
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -128,8 +129,15 @@ from hostagent.surfaces.control import CANCEL_ANY, Caller, serving
 from hostagent.surfaces.follow import format_reply
 from hostagent.core.ratelimit import Summarised
 from hostagent.core.text import clean
+from hostagent.surfaces.ssh_command import (
+    MAX_COMMAND,
+    VM_VERBS,
+    BadCommand,
+    lendee_args,
+    parse_command,
+    reserve_args,
+)
 from hostagent.surfaces.ssh_keys import (
-    _VM,
     EndpointError,
     Grant,
     KeysError,
@@ -162,13 +170,13 @@ __all__ = [
     "parse_authorized_keys",
     "parse_command",
     "prefix",
+    "reserve_args",
     "serve",
 ]
 
 Reply = dict[str, Any]
 VerbHandler = Callable[[dict[str, Any]], AsyncIterator[Reply]]
 
-MAX_COMMAND = 256
 MAX_CONNECTIONS = 32  # served at once
 MAX_UNAUTHENTICATED = 16  # of those, not yet authenticated
 MAX_PER_PREFIX = 4  # of those, from one /24 or /64
@@ -185,9 +193,6 @@ PEER_INTERVAL = 10.0
 MAX_PEERS = 256  # networks (or addresses) counted apart (the oldest forgotten first)
 EVICT_BURST = 1  # strangers one address may have closed to make room for its own,
 EVICT_EVERY = 5.0  # then one more each this many seconds
-VM_VERBS = frozenset({"play", "release", "reserve"})  # the verbs that name a VM
-# reserve's third word: its time (HH:MM or ISO 8601), or "cancel".
-_WHEN = re.compile(r"cancel|[0-9][0-9T:+.Z-]{3,31}")
 
 
 class ExitStatus(enum.IntEnum):
@@ -202,52 +207,6 @@ class ExitStatus(enum.IntEnum):
 class Transient(EndpointError):
     """The endpoint cannot start now but may later (the port is taken, the address is
     not configured yet): retry with backoff rather than stop."""
-
-
-class BadCommand(Exception):
-    """A command line refused before anything happened."""
-
-
-# --- the command line --------------------------------------------------------------------
-
-
-def parse_command(line: str | None, verbs: frozenset[str]) -> tuple[str, str | None]:
-    """(verb, VM or None) of an exec command line, or BadCommand. Never a shell."""
-    if line is None:
-        raise BadCommand("hostagent runs no shell: give a command, e.g. `status`")
-    if not line:
-        raise BadCommand("the command is empty: give one, e.g. `status`")
-    if len(line) > MAX_COMMAND:
-        raise BadCommand(f"the command is longer than {MAX_COMMAND} characters")
-    if not (line.isascii() and line.isprintable()):
-        raise BadCommand("the command may only hold printable ASCII characters")
-    words = line.split(" ")
-    if "" in words:
-        raise BadCommand("the words of a command are separated by exactly one space")
-    verb = words[0]
-    if verb not in verbs:
-        raise BadCommand(f"unknown verb {verb[:32]!r}; known: {', '.join(sorted(verbs))}")
-    if verb == "reserve" and len(words) == 3 and _WHEN.fullmatch(words[2]):
-        words = words[:2]  # its time, read by `reserve_args`
-    elif verb == "reserve":
-        raise BadCommand("reserve takes a VM and a time or cancel, e.g. `reserve gaming1 "
-                         "20:00`, `reserve gaming1 2026-12-04T20:00`, `reserve gaming1 cancel`")
-    if len(words) > 2:
-        raise BadCommand("a command is a verb and at most one VM name, e.g. `play gaming1`")
-    vm = words[1] if len(words) == 2 else None
-    if vm is not None and not _VM.fullmatch(vm):
-        raise BadCommand("a VM name holds only letters, digits, '.', '_' and '-'")
-    if verb in VM_VERBS and vm is None:
-        raise BadCommand(f"{verb} needs a VM name, e.g. `{verb} gaming1`")
-    if verb not in VM_VERBS and vm is not None:
-        raise BadCommand(f"{verb} takes no VM name")
-    return verb, vm
-
-
-def reserve_args(line: str) -> dict[str, Any]:
-    """The arguments of a `parse_command`-checked reserve line, for the verb."""
-    when = line.split(" ")[2]
-    return {"cancel": True} if when == "cancel" else {"at": when}
 
 
 # --- the server --------------------------------------------------------------------------
@@ -269,12 +228,14 @@ class Endpoint:
     """What every connection shares: the verbs, the keys, the journal, the limits."""
 
     def __init__(self, verbs: Mapping[str, VerbHandler], keys: Path, *,
+                 lendees: tuple[str, ...] = (),
                  max_connections: int = MAX_CONNECTIONS,
                  max_unauthenticated: int = MAX_UNAUTHENTICATED,
                  max_per_prefix: int = MAX_PER_PREFIX, max_per_key: int = MAX_PER_KEY,
                  max_running: int = MAX_RUNNING, idle_timeout: float = IDLE_TIMEOUT) -> None:
         self.verbs = verbs
         self.names = frozenset(verbs)
+        self.lendees = lendees  # the names --lendee may give
         self.keys = _KeyFile(keys, self.names | {CANCEL_ANY})  # a grant, not a command
         self.max_connections = max_connections
         self.max_unauthenticated = max_unauthenticated
@@ -419,7 +380,7 @@ class Endpoint:
         fields: dict[str, Any] = {"key": grant.comment, "fingerprint": grant.fingerprint,
                                   "peer": peer}
         try:
-            verb, vm = parse_command(command, self.names)
+            verb, vm = parse_command(command, self.names, self.lendees)
         except BadCommand as e:
             self.say(address, f"refused command {shown} from {grant.comment} at {peer}: "
                            f"{e}", result="refused", command=shown, **fields,
@@ -449,9 +410,9 @@ class Endpoint:
         try:
             # The verb runs in this task: it names its caller with control.current_caller().
             with serving(caller):
-                args = {"vm": vm} if vm else {}
-                async for reply in self.verbs[verb](
-                        args | reserve_args(command or "") if verb == "reserve" else args):
+                args = ({"vm": vm} if vm else lendee_args(command or "")) | (
+                    reserve_args(command or "") if verb == "reserve" else {})
+                async for reply in self.verbs[verb](args):
                     text = format_reply(reply) + "\n"
                     if "ok" not in reply:
                         out(text)
@@ -756,7 +717,8 @@ class _Connection(asyncssh.SSHServer):
 
 
 async def serve(address: tuple[str, int], host_key: Path, authorized_keys: Path,
-                verbs: Mapping[str, VerbHandler], *, max_connections: int = MAX_CONNECTIONS,
+                verbs: Mapping[str, VerbHandler], *, lendees: tuple[str, ...] = (),
+                max_connections: int = MAX_CONNECTIONS,
                 max_unauthenticated: int = MAX_UNAUTHENTICATED,
                 max_per_prefix: int = MAX_PER_PREFIX, max_per_key: int = MAX_PER_KEY,
                 max_running: int = MAX_RUNNING, idle_timeout: float = IDLE_TIMEOUT,
@@ -767,7 +729,8 @@ async def serve(address: tuple[str, int], host_key: Path, authorized_keys: Path,
     if the host key cannot be used (a person must act). A missing or broken
     authorized-keys file does not stop it: every key is refused until it is fixed."""
     key = load_host_key(host_key)
-    endpoint = Endpoint(verbs, authorized_keys, max_connections=max_connections,
+    endpoint = Endpoint(verbs, authorized_keys, lendees=lendees,
+                        max_connections=max_connections,
                         max_unauthenticated=max_unauthenticated,
                         max_per_prefix=max_per_prefix, max_per_key=max_per_key,
                         max_running=max_running, idle_timeout=idle_timeout)

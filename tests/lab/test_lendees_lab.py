@@ -3,8 +3,9 @@
 gpu-node borrows gpu-a, gpu-node-b borrows gpu-b and gpu-c, each its own worker VM.
 `virsh start gaming1` (gpu-a) reclaims gpu-node only: gpu-node-b is never drained,
 never shut down, never restarted (the same guest boot id throughout), and its machine
-records no transition; gaming1 plays, and when it stops gpu-node is lent again. With
-Kubernetes, the pods on gpu-node-b's node keep running: the same pods, started when
+records no transition; gaming1 plays, and when it stops gpu-node is lent again. Where
+mosquitto is installed, Home Assistant sees each lendee's own entities over MQTT, and
+gpu-node-b's hold switch holds it alone. With Kubernetes, the pods on gpu-node-b's node keep running: the same pods, started when
 they were."""
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from collections.abc import Iterator
 import pytest
 
 from tests.lab.cluster import deployment, lab_cluster
-from tests.lab.helpers import OTHER, two_lendees
+from tests.lab.helpers import OTHER, publish, two_lendees
 from tests.lab.lab import AGENT_CONFIG, Lab
+from tests.mosquitto import DEVICE, MISSING, Dashboard, Mosquitto
+from tests.unit.homeassistant_scaffold import check_device_message
 
 pytestmark = pytest.mark.lab
 
@@ -42,9 +45,33 @@ def boot_id(lab: Lab, vm: str) -> str:
 
 def test_gaming1_reclaims_its_lendee_only_and_the_other_never_notices(two: Lab) -> None:
     lab = two
+    broker = Mosquitto(lab.root / "mosquitto") if MISSING is None else None
+    if broker is not None:
+        broker.start()
+        lab.write_config(lab.config.read_text() + (
+            f'\n[mqtt]\nbroker = "mqtt://127.0.0.1:{broker.port}"\nusername = "hostagent"\n'
+            f'password_file = "{broker.root / "agent-password"}"\nbase_topic = "hostagent"\n'))
+    try:
+        reclaims_one(lab, broker)
+    finally:
+        if broker is not None:
+            broker.stop()
+
+
+def reclaims_one(lab: Lab, broker: Mosquitto | None) -> None:
+    dashboard = Dashboard(broker, lab.root / "dashboard.log") if broker else None
+    if dashboard is not None:
+        dashboard.start()
     lab.start_agent()
     lab.wait_record(120, event="phase", to="lent", vm="gpu-node")
     lab.wait_record(120, event="phase", to="lent", vm=OTHER)
+    if dashboard is not None:  # each lendee its entities, the first on the topics it had
+        dashboard.wait(f"hostagent/lendee/{OTHER}/phase/state", "lent")
+        dashboard.wait("hostagent/phase/state", "lent")
+        cmps = check_device_message(DEVICE, dashboard.last(DEVICE) or "")["cmps"]
+        assert {"hold", "reclaim", "lend", f"phase_{OTHER}", f"hold_{OTHER}",
+                f"reclaim_{OTHER}", f"lend_{OTHER}"} <= set(cmps), sorted(cmps)
+        assert dashboard.last(f"hostagent/lendee/{OTHER}/live_gpus/state") == "gpu-b, gpu-c"
     before = boot_id(lab, OTHER)
     other_phases = len(lab.records(event="phase", vm=OTHER))
 
@@ -68,6 +95,16 @@ def test_gaming1_reclaims_its_lendee_only_and_the_other_never_notices(two: Lab) 
     while time.monotonic() < deadline:
         assert len(lab.records(event="phase", vm=OTHER)) == other_phases
         time.sleep(0.5)
+    if broker is not None and dashboard is not None:
+        # gpu-node-b's own hold switch holds it alone (it keeps running: a hold lends no
+        # more), and Home Assistant sees it so.
+        publish(broker, f"hostagent/lendee/{OTHER}/hold/set", "ON")
+        dashboard.wait(f"hostagent/lendee/{OTHER}/hold/state", "ON")
+        assert dashboard.last("hostagent/hold/state") == "OFF"
+        assert [r["MESSAGE"] for r in lab.records(event="control", result="allowed")] == [
+            f"mqtt asked for hold --lendee {OTHER}"]
+        assert lab.state(OTHER) == "running" and boot_id(lab, OTHER) == before
+        dashboard.stop()
 
 
 def test_gaming1_leaves_the_other_nodes_pods_running(two: Lab) -> None:

@@ -12,72 +12,20 @@ gives its GPU back, and every phase of that lend shows over MQTT in order.
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 
 from tests.lab.lab import Lab
 from tests.lab.helpers import wait_lent
-from tests.mosquitto import MISSING, USERS, Mosquitto
+from tests.mosquitto import DEVICE, MISSING, USERS, Dashboard, Mosquitto
 from tests.unit.homeassistant_scaffold import check_device_message
 from tests.lab.helpers import (
     publish,
 )
 
 pytestmark = [pytest.mark.lab, pytest.mark.skipif(MISSING is not None, reason=MISSING or "")]
-DEVICE = "homeassistant/device/hostagent/config"
-
-
-class Dashboard:
-    """`mosquitto_sub` as Home Assistant: every message on the agent's topics, timed."""
-
-    def __init__(self, broker: Mosquitto, log: Path) -> None:
-        self.broker, self.log = broker, log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        sub = shutil.which("mosquitto_sub")
-        assert sub is not None
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sub, "-p", str(self.broker.port), "-u", "ha", "-P", USERS["ha"], "-i", "dash",
-                 "-q", "1", "-F", "%U\t%r\t%t\t%p", "-t", "hostagent/#", "-t", DEVICE],
-                stdout=out, stderr=subprocess.STDOUT)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(10)
-            self.proc = None
-
-    def messages(self) -> list[tuple[float, str, str]]:
-        """(time, topic, payload) of each message seen, oldest first."""
-        out = []
-        for line in self.log.read_text(errors="replace").splitlines():
-            parts = line.split("\t", 3)
-            if len(parts) == 4:
-                out.append((float(parts[0]), parts[2], parts[3]))
-        return out
-
-    def last(self, topic: str) -> str | None:
-        values = [p for _, t, p in self.messages() if t == topic]
-        return values[-1] if values else None
-
-    def wait(self, topic: str, payload: str | Callable[[str], bool],
-             timeout: float = 120) -> None:
-        """Until the last message on `topic` is `payload` (or one it accepts): the states
-        of one change come one topic after the other (`homeassistant.states`' order)."""
-        deadline = time.monotonic() + timeout
-        while not ((last := self.last(topic)) is not None and (
-                payload(last) if callable(payload) else last == payload)):
-            assert time.monotonic() < deadline, (topic, payload, last)
-            time.sleep(0.1)
-
-
 @pytest.fixture
 def broker(lab: Lab) -> Iterator[Mosquitto]:
     m = Mosquitto(lab.root / "mosquitto")

@@ -17,6 +17,7 @@ from hostagent.core.config import parse
 from hostagent.core.levers import Terms
 from hostagent.core.model import Observed, Phase
 from hostagent.host.libvirt import HostError, Lifecycle
+from hostagent.service import main as service
 from hostagent.service.agent import Agent
 from hostagent.service.parts import NoCluster
 from hostagent.surfaces.inbox import HookEvent
@@ -243,3 +244,38 @@ async def ask(agent: Agent, vm: str) -> None:
 def hook(vm: str, *, at: float, id: str = "h1") -> HookEvent:
     return HookEvent(id=id, time=at, domain=vm, op="prepare", sub="begin", extra="-",
                      xml="<domain/>")
+
+
+TWO_LENT = TWO_LENDEES + """
+[owners.coop]
+gpus = ["gpu-a", "gpu-b"]
+
+[timeouts]
+guest_agent = "1s"
+shutdown = "1s"
+start = "2s"
+
+[policy]
+relend_delay = "60s"
+lint_before_start = false
+
+[verify]
+method = "none"
+"""
+
+
+async def two_lent(tmp_path: Path) -> tuple[Agent, Agent, FakeLibvirt]:
+    """Node-a and node-b lent, each its own `Agent`, on one fake libvirt."""
+    primary = service.build(parse(TWO_LENT.format(root=tmp_path), "test.toml"))
+    assert primary.fleet is not None
+    a, b = (m for m in primary.fleet.members.values() if isinstance(m, Agent))
+    fake = FakeLibvirt(primary)
+    fatal = asyncio.get_running_loop().create_future()
+    for agent in (a, b):
+        agent.libvirt = fake
+        agent._fatal = fatal
+    fake.running |= {"node-a", "node-b"}
+    for agent in (a, b):
+        agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
+    await until(lambda: a.state.phase is Phase.LENT and b.state.phase is Phase.LENT)
+    return a, b, fake

@@ -119,3 +119,23 @@ def test_the_architecture_names_each_module_in_its_layer() -> None:
         if len(parts) == 3:
             found.setdefault(parts[1], set()).add(parts[2])
     assert listed == found
+
+
+def test_no_test_file_imports_another() -> None:
+    """Helpers live in helper modules (tests/unit/agents.py, tests/lab/helpers.py,
+    tests/mosquitto.py...): a test file imported by another runs its module-level setup
+    twice and ties two files' fates together. Imports inside functions count."""
+    tests = PACKAGE.parent / "tests"
+    found = []
+    for path in sorted(tests.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            found += [f"{path.relative_to(tests.parent)}:{node.lineno} imports {n}"
+                      for n in names if n.startswith("tests.")
+                      and n.rpartition(".")[2].startswith("test_")]
+    assert not found, found

@@ -10,68 +10,27 @@ from pathlib import Path
 
 import pytest
 
-from hostagent.core.config import parse
-from hostagent.core.model import Observed, Phase
+from hostagent.core.model import Phase
 from hostagent.host import state as persisted
 from hostagent.host.libvirt import Lifecycle
 from hostagent.service import main as service
 from hostagent.service.agent import Agent
 from hostagent.surfaces.follow import format_status
-from hostagent.surfaces.inbox import HookEvent
 from tests.unit.agents import (  # noqa: F401 (a fixture)
-    TWO_LENDEES,
     FakeLibvirt,
+    hook,
+    two_lent,
     no_step_outlives_its_test,
 )
 from tests.waiting import until
 
 pytestmark = pytest.mark.usefixtures("sink")  # journal records in memory (conftest)
 
-CONFIG = TWO_LENDEES + """
-[owners.coop]
-gpus = ["gpu-a", "gpu-b"]
-
-[timeouts]
-guest_agent = "1s"
-shutdown = "1s"
-start = "2s"
-
-[policy]
-relend_delay = "60s"
-lint_before_start = false
-
-[verify]
-method = "none"
-"""
-
-
-async def two_lent(tmp_path: Path) -> tuple[Agent, Agent, FakeLibvirt]:
-    import asyncio
-    primary = service.build(parse(CONFIG.format(root=tmp_path), "test.toml"))
-    assert primary.fleet is not None
-    a, b = (m for m in primary.fleet.members.values() if isinstance(m, Agent))
-    fake = FakeLibvirt(primary)
-    fatal = asyncio.get_running_loop().create_future()
-    for agent in (a, b):
-        agent.libvirt = fake
-        agent._fatal = fatal
-    fake.running |= {"node-a", "node-b"}
-    for agent in (a, b):
-        agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
-    await until(lambda: a.state.phase is Phase.LENT and b.state.phase is Phase.LENT)
-    return a, b, fake
-
-
-def hook(vm: str, id: str) -> HookEvent:
-    return HookEvent(id=id, time=time.time(), domain=vm, op="prepare", sub="begin", extra="-",
-                     xml="<domain/>")
-
-
 async def test_gaming1_reclaims_its_lendee_only_and_the_other_never_notices(
         tmp_path: Path) -> None:
     a, b, fake = await two_lent(tmp_path)
     b_state = b.state
-    verdict = await a._on_hook(hook("gaming1", "h1"))
+    verdict = await a._on_hook(hook("gaming1", at=time.time(), id="h1"))
     assert verdict.decision == "defer" and "node-a holds gpu-a" in verdict.message
     saved, _ = persisted.load_state(a.state_file)
     assert [i.owner for i in saved.intents] == ["gaming1"]  # on disk before "defer"
@@ -84,7 +43,7 @@ async def test_gaming1_reclaims_its_lendee_only_and_the_other_never_notices(
 
 async def test_an_owner_on_both_lendees_starts_once_both_have_let_go(tmp_path: Path) -> None:
     a, b, fake = await two_lent(tmp_path)
-    verdict = await a._on_hook(hook("coop", "h2"))
+    verdict = await a._on_hook(hook("coop", at=time.time(), id="h2"))
     assert verdict.decision == "defer"
     saved, _ = persisted.load_state(a.state_file)  # the primary's file keeps every request
     assert [i.owner for i in saved.intents] == ["coop"]
@@ -114,7 +73,7 @@ async def test_a_pending_start_on_the_other_lendee_survives_a_restart(tmp_path: 
     the one that keeps gaming2, not node-a's (whose machine would fail it as unknown)."""
     a, b, fake = await two_lent(tmp_path)
     fake.ignores_shutdown.add("node-b")
-    verdict = await a._on_hook(hook("gaming2", "h3"))
+    verdict = await a._on_hook(hook("gaming2", at=time.time(), id="h3"))
     assert verdict.decision == "defer"
     await a.saver.flush()
     saved, _ = persisted.load_state(a.state_file)
@@ -132,7 +91,7 @@ async def test_a_pending_start_on_the_other_lendee_survives_a_restart(tmp_path: 
 async def test_status_tells_of_each_lendee(tmp_path: Path) -> None:
     a, b, fake = await two_lent(tmp_path)
     fake.ignores_shutdown.add("node-b")
-    await a._on_hook(hook("gaming2", "h4"))
+    await a._on_hook(hook("gaming2", at=time.time(), id="h4"))
     await until(lambda: b.state.phase is Phase.STOPPING)
     replies = [r async for r in a.handlers()["status"]({})]
     data = replies[-1]["data"]
@@ -150,7 +109,7 @@ async def test_status_tells_of_each_lendee(tmp_path: Path) -> None:
 async def test_metrics_have_a_lendee_label_per_lendee(tmp_path: Path) -> None:
     from prometheus_client.parser import text_string_to_metric_families
     a, b, _ = await two_lent(tmp_path)
-    await a._on_hook(hook("gaming1", "h5"))
+    await a._on_hook(hook("gaming1", at=time.time(), id="h5"))
     await until(lambda: "gaming1" in a.state.running_owners)
     families = {f.name: f for f in text_string_to_metric_families(a.metrics.render().decode())}
     phase = {(s.labels["lendee"], s.labels["phase"]) for s in families[
@@ -192,7 +151,9 @@ async def test_hold_and_reclaim_one_lendee_or_every_lendee(tmp_path: Path) -> No
     assert replies[-1]["ok"] and "node-b is not lent again" in replies[-1]["data"]["message"]
     assert b.state.hold and not a.state.hold
     replies = [r async for r in handlers["hold"]({"lendee": "node-c"})]
-    assert replies == [{"ok": False, "error": "node-c is not a lendee (lendees: node-a, node-b)"}]
+    assert replies == [{"ok": False, "error": "node-c is not a lendee: the lendees are node-a, "
+                                              "node-b; name one, or leave --lendee out for "
+                                              "every lendee"}]
     replies = [r async for r in handlers["reclaim"]({"lendee": "node-b"})]
     assert replies[-1]["ok"], replies[-1]
     assert b.state.phase is Phase.OFF and a.state.phase is Phase.LENT
@@ -201,4 +162,5 @@ async def test_hold_and_reclaim_one_lendee_or_every_lendee(tmp_path: Path) -> No
     replies = [r async for r in handlers["resume"]({})]  # every lendee
     assert not a.state.hold and not b.state.hold
     assert [r async for r in b.verbs.handlers()["hold"]({"lendee": "node-a"})] == [
-        {"ok": False, "error": "node-a is not a lendee here (node-b is)"}]
+        {"ok": False, "error": "node-a is not a lendee here: node-b is; name it, or leave "
+                               "--lendee out"}]

@@ -160,8 +160,9 @@ def test_commands_mqtt_may_not_give() -> None:
         "reclaim on hostagent/reclaim/press: mqtt.verbs does not allow it")
 
 
-def test_every_command_topic_is_subscribed() -> None:
-    s = surface()
+@pytest.mark.parametrize("lendees", ["one", "two"])
+def test_every_command_topic_is_subscribed(lendees: str) -> None:
+    s = surface() if lendees == "one" else surface(TWO)
     subscribed = ha.command_topics(s)
     for cmp in ha.components(s).values():
         if "cmd_t" in cmp:
@@ -228,7 +229,8 @@ def test_each_lendee_has_its_entities_and_the_first_keeps_its_ids() -> None:
                          '[lendees."gpu/node-b"]\ngpus = ["gpu-b", "gpu-c"]\n')
     single, s = surface(), surface(two)
     assert set(ha.components(s)) - set(ha.components(single)) == {
-        "lent_gpu_node-b", "phase_gpu_node-b", "live_gpus_gpu_node-b"}
+        "lent_gpu_node-b", "phase_gpu_node-b", "live_gpus_gpu_node-b", "hold_gpu_node-b",
+        "reclaim_gpu_node-b", "lend_gpu_node-b"}
     topic, payload = ha.device_config(s)
     message = check_device_message(topic, payload)
     assert message["cmps"]["phase_gpu_node-b"]["name"] == "gpu/node-b phase"
@@ -245,4 +247,60 @@ def test_each_lendee_has_its_entities_and_the_first_keeps_its_ids() -> None:
     # Back to one lendee: the other's entities are removed, the first's kept.
     assert ha.removals(single, json.loads(payload)) == {
         "lent_gpu_node-b": "binary_sensor", "phase_gpu_node-b": "sensor",
-        "live_gpus_gpu_node-b": "sensor"}
+        "live_gpus_gpu_node-b": "sensor", "hold_gpu_node-b": "switch",
+        "reclaim_gpu_node-b": "button", "lend_gpu_node-b": "button"}
+
+
+TWO = CONFIG.replace('[lendee]\ndomain = "gpu-node"\ngpus = ["gpu-a", "gpu-b", "gpu-c"]\n',
+                     '[lendee]\ndomain = "gpu-node"\ngpus = ["gpu-a"]\n'
+                     '[lendees."gpu/node-b"]\ngpus = ["gpu-b", "gpu-c"]\n')
+
+
+def test_each_lendee_has_its_own_hold_reclaim_and_lend() -> None:
+    """Several lendees: hold, reclaim and lend for each, under its own topics, each
+    command naming its lendee (the first's, on the topics one lendee has, names the
+    first: it held every lendee while its state showed the first's alone)."""
+    s = surface(TWO)
+    cmps = ha.components(s)
+    for cmp in cmps.values():
+        check_component(cmp)
+    assert cmps["hold_gpu_node-b"]["cmd_t"] == "hostagent/lendee/gpu_node-b/hold/set"
+    assert cmps["hold_gpu_node-b"]["name"] == "gpu/node-b hold lending"
+    assert cmps["reclaim_gpu_node-b"]["name"] == "Reclaim gpu/node-b's GPUs"
+    assert cmps["reclaim"]["name"] == "Reclaim gpu-node's GPUs"  # the first's, by name
+    assert ha.components(surface())["reclaim"]["name"] == "Reclaim GPUs"
+    assert cmps["reclaim_gpu_node-b"]["cmd_t"] == "hostagent/lendee/gpu_node-b/reclaim/press"
+    assert cmps["lend_gpu_node-b"]["cmd_t"] == "hostagent/lendee/gpu_node-b/lend/press"
+    assert ha.command(s, "hostagent/lendee/gpu_node-b/hold/set", b"ON") == ha.Command(
+        "hold", lendee="gpu/node-b")
+    assert ha.command(s, "hostagent/lendee/gpu_node-b/hold/set", b"OFF").args == {  # type: ignore[union-attr]
+        "lendee": "gpu/node-b"}
+    assert ha.command(s, "hostagent/lendee/gpu_node-b/reclaim/press", b"PRESS") == ha.Command(
+        "reclaim", lendee="gpu/node-b")
+    assert str(ha.Command("reclaim", lendee="gpu/node-b")) == "reclaim --lendee gpu/node-b"
+    assert ha.command(s, "hostagent/lendee/gpu_node-b/lend/press", b"PRESS") == ha.Command(
+        "lend", lendee="gpu/node-b")
+    assert ha.command(s, "hostagent/reclaim/press", b"PRESS") == ha.Command(
+        "reclaim", lendee="gpu-node")
+    assert ha.command(s, "hostagent/lendee/node-c/lend/press", b"PRESS") == ha.Refused(
+        '"PRESS" on hostagent/lendee/node-c/lend/press, which commands nothing')
+    assert ha.command(surface(TWO, verbs=["hold"]), "hostagent/lendee/gpu_node-b/reclaim/press",
+                      b"PRESS") == ha.Refused("reclaim on hostagent/lendee/gpu_node-b/reclaim/"
+                                              "press: mqtt.verbs does not allow it")
+    data = {**status(lent=["gpu-a"]), "lendees": [
+        {"domain": "gpu-node", "phase": "lent", "hold": False, "lent": ["gpu-a"]},
+        {"domain": "gpu/node-b", "phase": "off", "hold": True, "lent": []}]}
+    out = ha.states(s, data, "")
+    assert out["hostagent/hold/state"] == "OFF"
+    assert out["hostagent/lendee/gpu_node-b/hold/state"] == "ON"
+    subscribed = ha.command_topics(s)
+    assert "hostagent/lendee/+/hold/set" in subscribed
+    assert isinstance(ha.command(s, "hostagent/lendee/gpu_node-b/owner/gaming1/set", b"ON"),
+                      ha.Refused)
+    # One lendee: the topics, ids and commands it always had.
+    single = surface()
+    assert not any(cid.startswith(("hold_", "reclaim_", "lend_")) for cid in ha.components(single))
+    assert ha.command(single, "hostagent/reclaim/press", b"PRESS") == ha.Command("reclaim")
+    assert ha.command_topics(single) == [
+        "hostagent/owner/+/set", "hostagent/owner/+/reserve", "hostagent/hold/set",
+        "hostagent/reclaim/press", "hostagent/lend/press"]

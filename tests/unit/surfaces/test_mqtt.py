@@ -581,3 +581,33 @@ async def test_the_shipped_acl_lets_each_do_its_part_and_no_more(
             assert await again.until(device) != b"{}"
     finally:
         broker.stop()
+
+
+async def test_each_lendee_is_commanded_on_its_own_topics_under_the_shipped_acl(
+        tmp_path: Path, sink: journal.ListSink) -> None:
+    """Several lendees: a press on the second lendee's reclaim and its hold switch reach
+    the verbs naming it, and the first's topics name the first (they held and reclaimed
+    every lendee, where the states beside them are the first's alone)."""
+    broker = Mosquitto(tmp_path / "mosquitto", acl=SHIPPED_ACL.read_text())
+    broker.start()
+    base = "hostagent/tower"
+    two = CONFIG.replace('base_topic = "hostagent"\n', "").replace(
+        'gpus = ["gpu-a", "gpu-b", "gpu-c"]\n', 'gpus = ["gpu-a"]\n'
+        '[lendees.gpu-node-b]\ngpus = ["gpu-b", "gpu-c"]\n', 1)
+    try:
+        host = Host()
+        async with running(device_config(broker, text=two), host, hostname="tower.lan"), \
+                watching(broker, user="homeassistant") as ha:
+            assert await ha.until(f"{base}/lendee/gpu-node-b/hold/state") == b"OFF"
+            await ha.client.publish(f"{base}/lendee/gpu-node-b/reclaim/press", "PRESS", qos=1)
+            await ha.client.publish(f"{base}/lendee/gpu-node-b/hold/set", "ON", qos=1)
+            await ha.client.publish(f"{base}/lend/press", "PRESS", qos=1)
+            wanted = [("reclaim", {"lendee": "gpu-node-b"}), ("hold", {"lendee": "gpu-node-b"}),
+                      ("lend", {"lendee": "gpu-node"})]
+            async with asyncio.timeout(WAIT):
+                while not all(c in host.calls for c in wanted):  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+    finally:
+        broker.stop()
+    asked = [e.message for e in sink.entries if e.fields.get("HOSTAGENT_RESULT") == "allowed"]
+    assert "mqtt asked for reclaim --lendee gpu-node-b" in asked

@@ -9,7 +9,6 @@ import os
 import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import asyncssh
 import pytest
@@ -18,9 +17,7 @@ from hostagent.host import journal
 from hostagent.surfaces import ssh
 from hostagent.surfaces import ssh_keys
 from hostagent.surfaces.ssh import BadCommand, KeysError, parse_authorized_keys, parse_command
-
-VERBS = frozenset({"status", "play", "release", "hold", "resume", "lend", "reclaim"})
-
+from tests.unit.ssh_scaffold import KEY_A, KEY_B, KEY_C, VERBS, Verbs, connect, pub, run
 
 pytestmark = pytest.mark.usefixtures("sink")  # journal records in memory (conftest)
 
@@ -83,16 +80,6 @@ def test_command_lines_refused(line: str | None, why: str) -> None:
 
 
 # --- authorized keys -----------------------------------------------------------------------
-
-KEY_A = asyncssh.generate_private_key("ssh-ed25519", comment="button")
-KEY_B = asyncssh.generate_private_key("ssh-ed25519", comment="admin")
-KEY_C = asyncssh.generate_private_key("ssh-ed25519", comment="stranger")
-
-
-def pub(key: asyncssh.SSHKey, comment: str = "") -> str:
-    line = key.export_public_key().decode().strip()
-    return " ".join(line.split()[:2]) + (f" {comment}" if comment else "")
-
 
 def test_authorized_keys_syntax() -> None:
     text = "\n".join([
@@ -167,42 +154,6 @@ def test_host_key_is_created_once(tmp_path: Path, sink: journal.ListSink) -> Non
 # --- a real server, asyncssh's client ------------------------------------------------------
 
 
-class Verbs:
-    """Stand-in verbs that record their calls: play streams two steps, then succeeds."""
-
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, dict[str, Any]]] = []
-        self.release_started = asyncio.Event()
-        self.release_closed = asyncio.Event()
-
-    def table(self) -> dict[str, Any]:
-        return {v: getattr(self, f"_{v}", self._plain(v)) for v in sorted(VERBS)}
-
-    async def _play(self, args: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        self.calls.append(("play", args))
-        yield {"event": "phase", "message": "draining gpu-node", "elapsed_s": 0.0,
-               "waiting": "gpu-node's node to drain"}
-        yield {"event": "phase", "message": "gpu-node is off", "elapsed_s": 0.1}
-        yield {"ok": True, "data": {"vm": args["vm"], "message": f"{args['vm']} is running"}}
-
-    async def _release(self, args: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        self.calls.append(("release", args))
-        try:
-            self.release_started.set()
-            yield {"event": "release", "message": "shutting down", "elapsed_s": 0.0}
-            await asyncio.sleep(3600)
-            yield {"ok": True, "data": {}}
-        finally:
-            self.release_closed.set()
-
-    def _plain(self, verb: str) -> Any:
-        async def handler(args: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-            self.calls.append((verb, args))
-            yield {"ok": verb != "reclaim", "data": {"message": f"{verb} done"},
-                   "error": "the lendee is stuck"}
-        return handler
-
-
 @pytest.fixture
 async def endpoint(tmp_path: Path) -> AsyncIterator[tuple[int, Verbs, Path]]:
     keys = tmp_path / "authorized_keys"
@@ -216,21 +167,6 @@ async def endpoint(tmp_path: Path) -> AsyncIterator[tuple[int, Verbs, Path]]:
     finally:
         server.close()
         await server.wait_closed()
-
-
-def connect(port: int, key: asyncssh.SSHKey, tmp_path: Path) -> Any:
-    host_key = asyncssh.read_private_key(tmp_path / "host_key")
-    known = asyncssh.import_known_hosts(
-        f"[127.0.0.1]:{port} {host_key.export_public_key().decode()}")
-    return asyncssh.connect("127.0.0.1", port, username="hostagent", client_keys=[key],
-                            known_hosts=known, agent_path=None, config=None,
-                            password_auth=False, kbdint_auth=False)
-
-
-async def run(port: int, key: asyncssh.SSHKey, tmp_path: Path, line: str) -> Any:
-    """One command on a connection of its own, as `ssh host verb` runs it."""
-    async with connect(port, key, tmp_path) as conn:
-        return await conn.run(line)
 
 
 async def test_an_allowed_key_plays_and_gets_the_progress_and_exit_0(
