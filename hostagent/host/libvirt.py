@@ -162,6 +162,10 @@ class Domains(Protocol):
 
     async def destroy(self, name: str) -> None: ...
 
+    async def freeze_filesystems(self, name: str, *, timeout: int = 10) -> int: ...
+
+    async def thaw_filesystems(self, name: str, *, timeout: int = 10) -> int: ...
+
     async def agent_command(self, name: str, command: dict[str, Any], *,
                             timeout: int = 5) -> Any: ...
 
@@ -414,6 +418,35 @@ class Libvirt:
 
     async def destroy(self, name: str) -> None:
         await self._call(f"force off {name}", lambda c: c.lookupByName(name).destroy())
+
+    async def freeze_filesystems(self, name: str, *, timeout: int = 10) -> int:
+        """Flush and freeze every filesystem of the guest through its agent
+        (virDomainFSFreeze, guest-fsfreeze-freeze): how many it froze. libvirt's agent
+        calls wait for the agent without end unless the domain's response timeout is
+        set (its default is "block"), so it is set to `timeout` first: for this run of
+        the domain, which only agent calls without their own bound (this one, the thaw)
+        follow; a shutdown keeps libvirt's own 60 s."""
+        def freeze(c: Any) -> int:
+            dom = c.lookupByName(name)
+            dom.agentSetResponseTimeout(timeout, 0)
+            return int(dom.fsFreeze(None, 0))
+        return await self._bounded(f"freeze the filesystems of {name}", freeze, timeout)
+
+    async def thaw_filesystems(self, name: str, *, timeout: int = 10) -> int:
+        """Thaw what `freeze_filesystems` froze (virDomainFSThaw): how many it thawed."""
+        def thaw(c: Any) -> int:
+            dom = c.lookupByName(name)
+            dom.agentSetResponseTimeout(timeout, 0)
+            return int(dom.fsThaw(None, 0))
+        return await self._bounded(f"thaw the filesystems of {name}", thaw, timeout)
+
+    async def _bounded(self, what: str, fn: Callable[[Any], T], timeout: int) -> T:
+        """`_call`, with a bound of its own beside libvirt's (a worker thread cannot be
+        cancelled; the loop stops waiting for it)."""
+        try:
+            return await asyncio.wait_for(self._call(what, fn), timeout + 5)
+        except TimeoutError as e:
+            raise HostError(f"{what}: no answer within {timeout + 5} s") from e
 
     async def agent_command(self, name: str, command: dict[str, Any], *,
                             timeout: int = 5) -> Any:
