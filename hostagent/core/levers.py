@@ -114,7 +114,6 @@ def read_drain(value: object, key: str) -> DrainPolicy:
                 "until every one of them is gone",
                 'write shutdown_when = "gone" (or remove it: with stop = "power-off" it is '
                 'the default), or stop = "shutdown" to keep shutdown_when = "accepted"'))
-            policy = replace(policy, shutdown_when=ShutdownWhen.GONE)
     _raise_any(problems, policy)
     return policy
 

@@ -6,6 +6,7 @@ libvirt, the cluster a recorder at the agent's `Cluster` seam."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from hostagent.core.config import parse
 from hostagent.core.model import Observed, Phase
 from hostagent.host import journal
 from hostagent.host.libvirt import HostError
+from hostagent.service import poweroff
 from hostagent.service.agent import Agent
 from tests.unit.agents import (
     CONFIG,
@@ -41,6 +43,8 @@ class Freezing(FakeLibvirt):
         self.frozen = 2
         self.freeze_error: HostError | None = None
         self.destroy_error: HostError | None = None
+        self.thaw_error: HostError | None = None
+        self.destroy_hangs = False
 
     async def freeze_filesystems(self, name: str, *, timeout: int = 10) -> int:
         self.calls.append(("freeze", name))
@@ -50,9 +54,14 @@ class Freezing(FakeLibvirt):
 
     async def thaw_filesystems(self, name: str, *, timeout: int = 10) -> int:
         self.calls.append(("thaw", name))
+        if self.thaw_error is not None:
+            raise self.thaw_error
         return self.frozen
 
     async def destroy(self, name: str) -> None:
+        if self.destroy_hangs:
+            self.calls.append(("destroy hangs", name))
+            await asyncio.Event().wait()
         if self.destroy_error is not None:
             self.calls.append(("destroy refused", name))
             raise self.destroy_error
@@ -121,11 +130,32 @@ async def test_a_power_off_refused_after_the_freeze_thaws_then_shuts_down(
         tmp_path: Path, sink: journal.ListSink) -> None:
     agent, fake, _ = agent_with(tmp_path)
     fake.destroy_error = HostError("force off gpu-node: Failed to terminate process 4242")
+    fake.frozen = 1
     assert await reclaimed(agent, fake) == ["freeze", "destroy refused", "thaw",
                                             "agent shutdown"]
+    assert said(sink)[0] == ("gpu-node is drained: 1 filesystem frozen through its guest "
+                             'agent, powering it off (drain.stop = "power-off")')
     assert said(sink)[-1] == ("gpu-node could not be powered off (force off gpu-node: Failed "
                               "to terminate process 4242): its filesystems thawed, shutting "
                               "it down through its guest agent instead")
+
+
+async def test_a_power_off_that_hangs_and_a_thaw_refused_are_said_and_shut_down(
+        tmp_path: Path, sink: journal.ListSink, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A QEMU that does not exit within its bound, and an agent that no longer thaws:
+    the journal says both, and the shutdown is tried all the same (its timeout and the
+    force-off policy decide what follows)."""
+    monkeypatch.setattr(poweroff, "DESTROY_TIMEOUT", 0.1)
+    agent, fake, _ = agent_with(tmp_path)
+    fake.destroy_hangs = True
+    fake.thaw_error = HostError("thaw the filesystems of gpu-node: Guest agent is not "
+                                "responding")
+    assert await reclaimed(agent, fake) == ["freeze", "destroy hangs", "thaw",
+                                            "agent shutdown"]
+    assert said(sink)[-1] == (
+        "gpu-node could not be powered off (no answer within 0.1 s): its filesystems could "
+        "not be thawed (thaw the filesystems of gpu-node: Guest agent is not responding), "
+        "shutting it down through its guest agent instead")
 
 
 async def test_a_drain_that_left_pods_is_followed_by_the_guests_shutdown(
