@@ -109,6 +109,10 @@ async def test_a_drained_lendee_is_frozen_then_powered_off(
     assert "drained" in cluster.node
     assert said(sink) == ["gpu-node is drained: 2 filesystems frozen through its guest agent, "
                           'powering it off (drain.stop = "power-off")']
+    [stopping] = [e for e in sink.entries if e.fields.get("HOSTAGENT_TO") == "stopping"]
+    assert stopping.message == (
+        "gpu-node is drained: powering it off once its guest agent answers and has frozen "
+        'its filesystems (drain.stop = "power-off"; its own shutdown if the drain left pods)')
 
 
 async def test_a_freeze_refused_falls_back_to_the_guests_shutdown(
@@ -177,6 +181,9 @@ async def test_by_default_a_drained_lendee_shuts_down_through_its_guest_agent(
     assert await reclaimed(agent, fake) == ["agent shutdown"]
     assert "drained" in cluster.node
     assert said(sink) == []
+    [stopping] = [e for e in sink.entries if e.fields.get("HOSTAGENT_TO") == "stopping"]
+    assert stopping.message == ("gpu-node is drained: shutting it down through its guest "
+                                "agent once the agent answers")
 
 
 async def test_the_fallback_shutdown_still_times_out_into_the_force_off(
