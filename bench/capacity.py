@@ -22,8 +22,8 @@ owner's start reclaims only the lendee holding its GPU) without hot-plug, alone 
 each lever: an eviction grace of `GRACE` s for unplanned starts, the lendee cordoned
 ahead of its owner's usual start (learnt from three weeks of history), the guest's
 shutdown begun once the evictions are accepted; then all three; then the grace with the
-drained lendee powered off rather than shut down, which is not built (what the wait goal
-would need).
+drained lendee powered off rather than shut down (`[drain] stop = "power-off"`: its
+filesystems frozen through the guest agent, then a power-off).
 
 Figures, per load band, median and 90th percentile over its weeks (the lent share's 10th):
 - lent share: GPU-seconds the cluster could use (`bench.capacity_replay`: a GPU on a
@@ -79,7 +79,7 @@ CONFIGS = [
     replace(PER_GPU, name="per GPU, pre-cordon", precordon=True),
     replace(PER_GPU, name="per GPU, shutdown at acceptance", early_shutdown=True),
     LEVERS,
-    replace(PER_GPU, name=f"per GPU, grace {GRACE:.0f} s + power-off once drained (not built)",
+    replace(PER_GPU, name=f'per GPU, grace {GRACE:.0f} s + drain.stop = "power-off"',
             grace=GRACE, power_off=True),
 ]
 
@@ -203,8 +203,8 @@ WHY = [
     f"{1 / _D.shutdown.tail_p:.0f} at {_D.shutdown.tail:.0f} s) before the game may start: "
     f"the shutdown alone exceeds 20 s, whatever the levers do to the drain; hot-unplug "
     f"waits a stubborn job's grace, and each fallback its {DETACH_BOUND:.0f} s bound and a "
-    f"restart. What would meet it without hot-plug: the drained lendee powered off rather "
-    f"than shut down (last column, not built).",
+    f"restart. What meets it without hot-plug: the drained lendee powered off rather "
+    f"than shut down (last column, drain.stop = \"power-off\").",
 ]
 
 

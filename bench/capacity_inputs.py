@@ -80,8 +80,11 @@ class Durations:
                           "shutdown through its agent, ~30 s (the issue); 1 in 20 waits "
                           "systemd's DefaultTimeoutStopSec, 90 s, for a containerd shim left "
                           "by k3s's KillMode=process (k3s-io/k3s#2400, containerd#5502)")
-    power_off: Dist = Dist(2.0, 0.3, source="virsh destroy of a drained lendee: QEMU's exit "
-                           "and VFIO's reset of the released card")
+    power_off: Dist = Dist(3.0, 0.3, source="drain.stop = \"power-off\": the guest agent's "
+                           "freeze of a drained node's filesystems (a sync of what the kubelet "
+                           "and containerd still hold, taken as ~1 s: the lab's initramfs "
+                           "freezes none), then virsh destroy: QEMU's exit and VFIO's reset of "
+                           "the released card, ~2 s")
     owner_start: Dist = Dist(8.0, 0.3, floor=4.0, source="libvirt starting a passthrough game "
                              "VM up to its vCPUs running: VFIO pins all its memory and resets "
                              "the card first; ~8 s (the issue; the lab's 0.35 s resets no "

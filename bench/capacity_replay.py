@@ -7,7 +7,8 @@ lendee per GPU, each its own machine and its own Kubernetes node: an owner's sta
 reaches only the lendee holding its GPU, and the others never see it. The levers of the
 per-lendee design are played by the executor: an eviction grace for unplanned starts,
 the lendee cordoned ahead of its owner's usual start, the guest's shutdown begun once the
-evictions are accepted, and (not built) the lendee powered off once drained.
+evictions are accepted, and the lendee powered off once drained (`drain.stop =
+"power-off"`).
 
 What counts as lent: a GPU the lendee holds, on a node the scheduler may place work on
 (LENT, not cordoned for a detach or ahead of a game), or that still runs a job: a GPU
@@ -104,7 +105,9 @@ class Config:
     # taken to end the pods' containers by their grace's end (a guest whose containerd
     # leaves them to systemd's final kill would wait up to 90 s for one ignoring SIGTERM).
     early_shutdown: bool = False
-    power_off: bool = False  # not built: the drained lendee powered off, not shut down
+    # drain.stop = "power-off": once drained (shutdown_when "gone", the guest agent's
+    # ping), the filesystems frozen and the lendee powered off rather than shut down.
+    power_off: bool = False
     fallback: float = 0.0  # the share of live detaches that fail (a restart follows)
 
 
@@ -282,15 +285,13 @@ class Replay:
             case Drain(ticket=t):
                 took = self.drain_time(le, self.evict(le, None))
                 le.drain_end = self.now + took
-                if cfg.early_shutdown or cfg.power_off:
+                if cfg.early_shutdown:
                     took = min(took, take("accept"))  # the rest runs beside the shutdown
                 self.later(le, took, Drained(at=0, ticket=t))
             case ShutdownLendee():
                 took = take("power_off") if cfg.power_off else take("shutdown")
                 if cfg.early_shutdown and not cfg.power_off:
                     took = max(took, le.drain_end - self.now)
-                elif cfg.power_off:
-                    took += max(0.0, le.drain_end - self.now)  # drained, then off
                 self.at(self.now + took, self.lendee_stops, le)
             case StartOwner(owner=o):
                 self.waiting.get(o, set()).discard(id(le))

@@ -74,6 +74,12 @@ class LibvirtStub(Domains):
     async def destroy(self, name: str) -> None:
         raise self._unexpected("destroy")
 
+    async def freeze_filesystems(self, name: str, *, timeout: int = 10) -> int:
+        raise self._unexpected("freeze_filesystems")
+
+    async def thaw_filesystems(self, name: str, *, timeout: int = 10) -> int:
+        raise self._unexpected("thaw_filesystems")
+
     async def agent_command(self, name: str, command: dict[str, Any], *,
                             timeout: int = 5) -> Any:
         raise self._unexpected("agent_command")

@@ -168,10 +168,12 @@ class KubeCluster(Lent):
 
     async def reclaim(self, owners: list[str], *, regrow: bool = False,
                       until: float | None = None, terms: Terms | None = None,
-                      accepted: Callable[[], None] | None = None) -> str | None:
+                      accepted: Callable[[], None] | None = None,
+                      emptied: Callable[[], None] | None = None) -> str | None:
         """Cordon and drain under `terms` (`levers.terms`: the grace cap, said in the
         Event and the journal; None: the pods' own grace); `accepted` is called once
-        every eviction is accepted (see `Kube.drain`)."""
+        every eviction is accepted (see `Kube.drain`), `emptied` if the drain ends with
+        every evicted pod gone (`DrainReport.complete`)."""
         terms = terms or Terms(None, False, "evicted pods get their full grace period")
         on_timeout = DrainTimeoutAction.ABORT if regrow else self.policy.on_drain_timeout
         abort = on_timeout is DrainTimeoutAction.ABORT
@@ -233,6 +235,8 @@ class KubeCluster(Lent):
                            "the player comes first (policy.on_drain_timeout = \"proceed\")",
                            vm=self.node, result="skipped", priority=journal.Priority.WARNING)
             return None
+        if report.complete and emptied is not None:
+            emptied()
         if not report.complete:
             journal.record("drain", f"node {self.node} not fully drained, going on as "
                            f"policy.on_drain_timeout says: {report.summary()}", vm=self.node,

@@ -227,7 +227,7 @@ from hostagent.core.config_notify import Notify
 from hostagent.core.lendees import NO_LENDEE, Lendee, link as _link_lendees, read_lendees
 from hostagent.core.lendees import view as _view
 from hostagent.core.model import Hotplug, Regrow  # the machine's own policy values
-from hostagent.core.levers import DrainPolicy
+from hostagent.core.levers import DrainPolicy, read_drain
 from hostagent.core.plugins import PLUGIN_LABELS, PLUGIN_SELECTORS
 
 
@@ -528,7 +528,7 @@ class Config:
     )
     timeouts: Timeouts = field(default_factory=Timeouts, metadata=_key(_section(Timeouts)))
     policy: Policy = field(default_factory=Policy, metadata=_key(_section(Policy)))
-    drain: DrainPolicy = field(default_factory=DrainPolicy, metadata=_key(_section(DrainPolicy)))
+    drain: DrainPolicy = field(default_factory=DrainPolicy, metadata=_key(read_drain))
     # None: no [kubernetes] section, the agent moves GPUs between VMs only.
     kubernetes: Kubernetes | None = field(default=None, metadata=_key(_section(Kubernetes)))
     verify: Verify = field(default_factory=Verify, metadata=_key(_section(Verify)))

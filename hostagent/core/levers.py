@@ -6,6 +6,8 @@ No side effects: the executor and the cluster ask these functions, then act.
                                   # stop ("" = their own grace); reservations keep theirs
     shutdown_when = "accepted"    # a player's start: the lendee's shutdown begins once every
                                   # eviction is accepted ("gone": once the pods are gone)
+    stop = "shutdown"             # how a drained lendee stops: its guest's own shutdown, or
+                                  # "power-off" (filesystems frozen, then a power-off)
     cordon_ahead = false          # cordon the lendee ahead of an owner's usual hour
     ahead_lead = "15m"            # this long before it
     usual_weeks = 3               # an hour of the week is usual when an owner started in
@@ -37,14 +39,15 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from hostagent.core.config_read import (
-    _Problem, _bool, _choice, _count, _key, _optional_duration, _duration)
+    _Problem, _bool, _build, _choice, _count, _key, _optional_duration, _duration,
+    _raise_any)
 
-__all__ = ["DrainPolicy", "ShutdownWhen", "Terms", "Ahead", "ahead", "eviction_grace",
-           "terms", "usual_hours"]
+__all__ = ["DrainPolicy", "ShutdownWhen", "Stop", "Terms", "Ahead", "ahead",
+           "eviction_grace", "power_off", "read_drain", "terms", "usual_hours"]
 
 HOUR = 3600.0
 WEEK = 7 * 24 * HOUR
@@ -68,6 +71,13 @@ class ShutdownWhen(enum.StrEnum):
     GONE = "gone"  # once the evicted pods are gone (kubectl drain's end)
 
 
+class Stop(enum.StrEnum):
+    """How a reclaim stops its drained lendee (lever 4)."""
+
+    SHUTDOWN = "shutdown"  # the guest's own shutdown, through its guest agent
+    POWER_OFF = "power-off"  # filesystems frozen through the agent, then a power-off
+
+
 @dataclass(frozen=True, kw_only=True)
 class DrainPolicy:
     """``[drain]``: the levers (see the module docstring)."""
@@ -80,6 +90,32 @@ class DrainPolicy:
     ahead_lead: float = field(default=900.0, metadata=_key(_duration))
     usual_weeks: int = field(default=3, metadata=_key(_weeks))
     usual_of: int = field(default=4, metadata=_key(_weeks))
+    stop: Stop = field(default=Stop.SHUTDOWN, metadata=_key(_choice(Stop)))
+
+
+def read_drain(value: object, key: str) -> DrainPolicy:
+    """The ``[drain]`` section: its keys, then ``stop = "power-off"`` against
+    ``shutdown_when`` (a power-off waits for every evicted pod to be gone, so "gone" is
+    its default, and "accepted" written beside it is refused)."""
+    try:
+        policy, problems = _build(DrainPolicy, value, key), []
+    except _Problem as p:
+        if p.salvaged is None:
+            raise
+        policy, problems = p.salvaged, p.each
+    if policy.stop is Stop.POWER_OFF and isinstance(value, dict):
+        if "shutdown_when" not in value:
+            policy = replace(policy, shutdown_when=ShutdownWhen.GONE)
+        elif policy.shutdown_when is ShutdownWhen.ACCEPTED:
+            problems.append(_Problem(
+                f"{key}.shutdown_when",
+                f'"accepted" cannot go with {key}.stop = "power-off": it begins the '
+                "lendee's stop while the evicted pods still run, and a power-off must wait "
+                "until every one of them is gone",
+                'write shutdown_when = "gone" (or remove it: with stop = "power-off" it is '
+                'the default), or stop = "shutdown" to keep shutdown_when = "accepted"'))
+    _raise_any(problems, policy)
+    return policy
 
 
 # --- 1 and 2: a drain's terms ------------------------------------------------------------
@@ -184,3 +220,13 @@ def ahead(usual: Mapping[str, frozenset[int]], now: datetime, *,
         return None
     hour, owner = min(found)
     return Ahead(owner, hour)
+
+
+# --- 4: the stop of a drained lendee -----------------------------------------------------
+
+
+def power_off(policy: DrainPolicy, *, emptied: bool) -> bool:
+    """Whether a reclaim powers its drained lendee off (lever 4) rather than shutting it
+    down: under ``stop = "power-off"``, and only if its drain `emptied` the node (it
+    ended with every evicted pod gone; not one the policy let pass with pods left)."""
+    return policy.stop is Stop.POWER_OFF and emptied

@@ -161,7 +161,7 @@ class Agent:
                            health=self.health, facts=self.executor.facts,
                            progress=self.progress, lifecycle=self.lifecycle,
                            reservations=self.reservations)
-        self.recorder = Recorder(self.topo, self.policy, self.kept, self.progress)
+        self.recorder = Recorder(self.topo, self.policy, self.kept, self.progress, cfg.drain.stop)
         self.cluster = cluster
         self.parts = (self.executor, self.verbs, self.recorder, self.reservations)
         # /metrics, /healthz, the SSH endpoint and the control socket's access.

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hostagent.core import clock, levers, machine
-from hostagent.service import hotplug
+from hostagent.service import hotplug, poweroff
 from hostagent.surfaces import notify
 from hostagent.host import iommu, journal, lint, screenshots
 from hostagent.host import gpus as inventory
@@ -94,6 +94,9 @@ class Executor:
         self.agent_connected = asyncio.Event()
         # Set when libvirt says the lendee let a device go: wakes a hot-unplug's wait.
         self.device_removed = asyncio.Event()
+        # The last drain ended with every evicted pod gone: its shutdown may be a
+        # power-off (drain.stop); taken by that shutdown.
+        self._emptied = False
 
     def execute(self, action: Action) -> None:
         match action:
@@ -206,6 +209,8 @@ class Executor:
                 "reservations": sorted(state.reserved), "regrow": regrow,
                 "time": datetime.now(UTC).isoformat(timespec="seconds")})
         held = [r.at for r in state.reservations if r.holding]
+        self._emptied = False
+        emptied = self._node_emptied
         # A player waiting: the pods' grace capped, the shutdown once the evictions are
         # accepted (levers 1 and 2); else kubectl's drain, each pod its full grace.
         terms = levers.terms(self.cfg.drain, players_waiting=bool(state.waiting_owners),
@@ -215,15 +220,19 @@ class Executor:
             # grace period until the reserved time (its margin is for the shutdown).
             until = min(held) - clock.now()
             problem = await self.cluster.reclaim(owners, regrow=regrow, until=until,
-                                                 terms=terms)
+                                                 terms=terms, emptied=emptied)
         elif terms.early_shutdown:
             problem = await self._drain_until_accepted(owners, terms)
         else:
-            problem = await self.cluster.reclaim(owners, regrow=regrow, terms=terms)
+            problem = await self.cluster.reclaim(owners, regrow=regrow, terms=terms,
+                                                 emptied=emptied)
         if problem is None:
             self.apply(Drained(at=clock.now(), ticket=ticket))
         else:
             self.apply(DrainFailed(at=clock.now(), ticket=ticket, reason=problem))
+
+    def _node_emptied(self) -> None:
+        self._emptied = True
 
     async def _drain_until_accepted(self, owners: list[str], terms: levers.Terms) -> str | None:
         """The reclaim, until every eviction is accepted (or it ends before): then its
@@ -294,7 +303,10 @@ class Executor:
     async def _shutdown(self, ticket: int) -> None:
         stopped = self.facts.stopped.setdefault(self.lendee, asyncio.Event())
         stopped.clear()
-        for attempt in range(3):
+        emptied, self._emptied = self._emptied, False
+        off = await poweroff.when_drained(self.cfg.drain, self.libvirt, self.lendee,
+                                          emptied=emptied)
+        for attempt in range(0 if off else 3):  # else the guest's own shutdown
             try:
                 await self.libvirt.shutdown_via_agent(self.lendee)
                 break

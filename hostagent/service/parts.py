@@ -117,13 +117,15 @@ class Cluster(Protocol):
 
     async def reclaim(self, owners: list[str], *, regrow: bool = False,
                       until: float | None = None, terms: Terms | None = None,
-                      accepted: Callable[[], None] | None = None) -> str | None:
+                      accepted: Callable[[], None] | None = None,
+                      emptied: Callable[[], None] | None = None) -> str | None:
         """Cordon and drain; None when done, or why the reclaim must be aborted. A
         `regrow`'s is aborted whenever its drain cannot finish: nobody waits for it.
         `until` (seconds from now): a reservation's, whose pods were told and get their
         full grace period, may drain that long if it is longer than timeouts.drain.
         `terms`: the pods' grace (`levers.terms`); `accepted`: called once every
-        eviction is accepted."""
+        eviction is accepted; `emptied`: called when the drain ends with every evicted
+        pod gone (not when the policy let it pass with pods left)."""
 
     async def cordon_ahead(self, why: str) -> bool:
         """Cordon the lent node ahead of an owner's usual hour, saying `why`; True if the
@@ -192,8 +194,9 @@ class Cluster(Protocol):
 class NoCluster:
     async def reclaim(self, owners: list[str], *, regrow: bool = False,
                       until: float | None = None, terms: Terms | None = None,
-                      accepted: Callable[[], None] | None = None) -> str | None:
-        return None
+                      accepted: Callable[[], None] | None = None,
+                      emptied: Callable[[], None] | None = None) -> str | None:
+        return None  # no drain: nothing says the guest's work is done (no power-off)
 
     async def cordon_ahead(self, why: str) -> bool:
         return False

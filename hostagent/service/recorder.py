@@ -8,7 +8,7 @@ Each phase change of the lendee and each new intent becomes one record
 from __future__ import annotations
 
 import hostagent
-from hostagent.core import clock, machine
+from hostagent.core import clock, levers, machine
 from hostagent.host import journal
 from hostagent.core.model import (
     DrainFailed,
@@ -31,8 +31,10 @@ from hostagent.service.parts import Progress, View
 class Recorder:
     """Journal records of the transitions of `view`'s state, told to `progress` too."""
 
-    def __init__(self, topo: Topology, policy: Policy, view: View, progress: Progress) -> None:
+    def __init__(self, topo: Topology, policy: Policy, view: View, progress: Progress,
+                 stop: levers.Stop = levers.Stop.SHUTDOWN) -> None:
         self.topo, self.policy, self.view, self.progress = topo, policy, view, progress
+        self.stop = stop  # drain.stop: how STOPPING ends, said when it begins
         self.lendee = topo.lendee
 
     def phase(self, old: State, new: State, event: Event) -> None:
@@ -84,7 +86,10 @@ class Recorder:
             Phase.LENT: f"{lendee} is lent: {gpus} are the cluster's{others}",
             Phase.DRAINING: draining,
             Phase.STOPPING: f"{lendee} is drained: shutting it down through its guest agent "
-                            "once the agent answers",
+                            "once the agent answers" if self.stop is levers.Stop.SHUTDOWN else
+                            f"{lendee} is drained: powering it off once its guest agent answers "
+                            "and has frozen its filesystems (drain.stop = \"power-off\"; its "
+                            "own shutdown if the drain left pods)",
             Phase.OFF: f"{lendee} is off: its GPUs are free",
             Phase.FAILED: f"{lendee} needs attention: {new.reason}",
         }

@@ -39,10 +39,14 @@ def config(lab: Lab, kc: LabCluster, **timeouts: str) -> None:
 
 
 def test_reclaim_drains_like_kubectl_and_the_return_uncordons(lab: Lab) -> None:
+    """With drain.stop = "power-off": the drained lendee's filesystems are frozen by its
+    real qemu-ga, then it is powered off (the guest's root is its initramfs, which no
+    freeze holds: qemu-ga answers guest-fsfreeze-freeze with 0)."""
     with lab_cluster(lab) as kc:
         lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig).replace(
             'evict_retry = "1s"',
-            'evict_retry = "1s"\nlent_taints = ["hostagent.io/borrowed=true:NoSchedule"]'))
+            'evict_retry = "1s"\nlent_taints = ["hostagent.io/borrowed=true:NoSchedule"]')
+            + '\n[drain]\nstop = "power-off"\n')
         lab.start_agent()
         lends(lab, 1)
         kc.wait_placed()
@@ -63,6 +67,10 @@ def test_reclaim_drains_like_kubectl_and_the_return_uncordons(lab: Lab) -> None:
         assert kc.apps_on(LENDEE) == ["device-plugin"]
         drained = lab.wait_record(event="drain", result="ok")  # the drain's end, not its start
         assert "3 pods evicted" in drained["MESSAGE"]
+        off = lab.wait_record(event="power-off")
+        assert off["MESSAGE"] == ("gpu-node is drained: 0 filesystems frozen through its guest "
+                                  'agent, powering it off (drain.stop = "power-off")')
+        assert [r["HOSTAGENT_RESULT"] for r in lab.records(event="power-off")] == ["frozen"]
 
         lab.wait_agent("gaming1")
         lab.virsh("shutdown", "--mode", "agent", "gaming1")

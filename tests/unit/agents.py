@@ -207,17 +207,24 @@ class HeldCluster(NoCluster):
         self.returns = 0
         self.accept = False  # True: every eviction accepted at once; the pods go at drain_go
         self.terms: list[Terms | None] = []
+        self.pods_left = False  # True: the drain ends with pods left (a budget, its timeout)
 
     async def reclaim(self, owners: list[str], *, regrow: bool = False,
                       until: float | None = None, terms: Terms | None = None,
-                      accepted: Callable[[], None] | None = None) -> str | None:
+                      accepted: Callable[[], None] | None = None,
+                      emptied: Callable[[], None] | None = None) -> str | None:
         self.node.append("cordon")
         self.terms.append(terms)
         if accepted is not None and self.accept:
             self.node.append("evictions accepted")
             accepted()
         await self.drain_go.wait()
+        if self.pods_left:
+            self.node.append("drained, pods left")
+            return None  # as policy.on_drain_timeout = "proceed" goes on
         self.node.append("drained")
+        if emptied is not None:
+            emptied()
         return None
 
     async def give_back(self, lent: object, **_: object) -> str | None:

@@ -129,7 +129,8 @@ def test_each_path_makes_the_player_wait_its_steps() -> None:
     assert wait(early, forever(stubborn=True)) == d.accept.median + ping + max(
         shutdown, JOB_GRACE + tail - d.accept.median - ping)
     off = replace(PER_GPU, grace=10.0, power_off=True)
-    assert wait(off, forever(stubborn=True)) == 10 + tail + d.power_off.median
+    # Drained (shutdown_when "gone"), the agent's ping, then the freeze and the power-off:
+    assert wait(off, forever(stubborn=True)) == 10 + tail + ping + d.power_off.median
     assert wait(UNPLUG, forever(stubborn=True)) == JOB_GRACE + tail + d.unplug.median
     failing = replace(UNPLUG, fallback=1.0)
     assert wait(failing) == 30 + drain + ping + shutdown  # the bound, then the restart

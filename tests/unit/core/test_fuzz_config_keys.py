@@ -215,6 +215,7 @@ KINDS: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]] = {
     "drain.ahead_lead": DURATION,
     "drain.usual_weeks": WEEKS,
     "drain.usual_of": WEEKS,
+    "drain.stop": _enum("shutdown", "power-off"),
     "notify.url": _strings(["ftp://x", "http://", "hooks.lan", "", "http://a b/", "http://x:y/"],
                            ["http://hooks.lan/x", "https://[::1]:8443/h?token=abc"]),
     "notify.timeout": (NOT_A_DURATION | ZERO | st.sampled_from(["11s", "1m", ""]),

@@ -12,9 +12,11 @@ from hostagent.core.levers import (
     Ahead,
     DrainPolicy,
     ShutdownWhen,
+    Stop,
     ahead,
     eviction_grace,
     hour_of_week,
+    power_off,
     terms,
     usual_hours,
 )
@@ -85,6 +87,36 @@ usual_of = 3
     assert parse(lendee_toml(uuids=False)).drain == DrainPolicy()
     with pytest.raises(ConfigError, match=r"drain\.unplanned_grace"):
         parse(lendee_toml(uuids=False) + '[drain]\nunplanned_grace = 10\n')
+
+
+# --- the stop of a drained lendee --------------------------------------------------------
+
+
+def test_power_off_is_opt_in_and_only_after_a_drain_that_emptied_the_node() -> None:
+    assert DrainPolicy().stop is Stop.SHUTDOWN  # never destroyed by default (I3)
+    assert not power_off(DrainPolicy(), emptied=True)
+    chosen = DrainPolicy(stop=Stop.POWER_OFF, shutdown_when=ShutdownWhen.GONE)
+    assert power_off(chosen, emptied=True)
+    assert not power_off(chosen, emptied=False)  # pods left: they keep their grace
+
+
+def test_power_off_waits_for_the_pods_gone() -> None:
+    """shutdown_when = "accepted" begins the stop while the evicted pods still run: it
+    cannot go with a power-off, which is "gone" unless told otherwise."""
+    base = lendee_toml(uuids=False) + '[drain]\nstop = "power-off"\n'
+    assert parse(base).drain == DrainPolicy(stop=Stop.POWER_OFF,
+                                            shutdown_when=ShutdownWhen.GONE)
+    assert parse(base + 'shutdown_when = "gone"\n').drain.shutdown_when is ShutdownWhen.GONE
+    with pytest.raises(ConfigError) as refused:
+        parse(base + 'shutdown_when = "accepted"\nunplanned_grace = "1x"\n', "host.toml")
+    assert [str(p) for p in refused.value.problems] == [
+        'host.toml: drain.unplanned_grace: "1x" is not a duration; write a number with a '
+        'unit, e.g. "500ms", "90s", "2m" or "1h30m"',
+        'host.toml: drain.shutdown_when: "accepted" cannot go with drain.stop = '
+        '"power-off": it begins the lendee\'s stop while the evicted pods still run, and a '
+        "power-off must wait until every one of them is gone; write shutdown_when = "
+        '"gone" (or remove it: with stop = "power-off" it is the default), or stop = '
+        '"shutdown" to keep shutdown_when = "accepted"']
 
 
 # --- usual hours ---------------------------------------------------------------------------

@@ -102,11 +102,12 @@ class OrderedCluster(HeldCluster):
 
     async def reclaim(self, owners: list[str], *, regrow: bool = False,
                       until: float | None = None, terms: Terms | None = None,
-                      accepted: Callable[[], None] | None = None) -> str | None:
+                      accepted: Callable[[], None] | None = None,
+                      emptied: Callable[[], None] | None = None) -> str | None:
         self.order.append("cordon")
         self.cordoned_at = time.monotonic()
         return await super().reclaim(owners, regrow=regrow, until=until, terms=terms,
-                                     accepted=accepted)
+                                     accepted=accepted, emptied=emptied)
 
 
 def agent_notifying(tmp_path: Path, port: int, cluster: HeldCluster,
