@@ -11,7 +11,7 @@ training job's data loaders keep on a real node; tests/lab/guest/init).
   (`hostagent.service.hotplug.HOLDERS`: one ``ls -l`` of every /proc/PID/fd, filtered
   by awk), run in the guest through its agent, guest-exec to its exit as this bench
   sees it; beside the scan it replaced (a readlink per open file), once. The ratio is
-  old / new. The release's whole bound is `RELEASE_BOUND`.
+  old / new. The release's whole bound is ``timeouts.release``.
 - Fallback rate: with ``policy.hotplug = "both"``, the lab's control plane, a job on
   gpu-a and one on gpu-c, and the device plugin's stand-in holding every GPU in the
   guest (tests/lab/test_unplug_lab.py), each run asks gaming1 to start (gpu-a leaves the
@@ -29,7 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hostagent.service.hotplug import HOLDERS, RELEASE_BOUND
+from hostagent.core.config import Timeouts
+from hostagent.service.hotplug import HOLDERS
 from tests.lab.cluster import lab_cluster
 from tests.lab.lab import LENDEE, Lab, need_lab
 from tests.lab.plugins import GuestPlugins, daemonsets, operator_node
@@ -126,7 +127,8 @@ def main() -> int:
     fell_back = outcomes.count("restart")
     rows = [
         (f"holder scan at {fds:,} fds in the guest", f"median {scan * 1000:.0f} ms, "
-         f"max {max(new) * 1000:.0f} ms", f"{len(new)} scans; bound {RELEASE_BOUND:g} s"),
+         f"max {max(new) * 1000:.0f} ms",
+         f"{len(new)} scans; bound {Timeouts().release:g} s (timeouts.release)"),
         ("the scan it replaced (a readlink per fd)", f"{old:.1f} s",
          f"{old / scan:.0f}x the one scan"),
         ("hot-unplugs that fell back to a restart", f"{fell_back} of {len(outcomes)}",

@@ -332,6 +332,9 @@ class Timeouts:
     start: float = field(default=120.0, metadata=_key(_positive_duration))
     drain: float = field(default=300.0, metadata=_key(_positive_duration))
     ready: float = field(default=600.0, metadata=_key(_positive_duration))
+    # A hot-unplug's part in the guest, all in all: the GPU's holders gone and its driver
+    # letting go. Past it the unplug gives way to the restart, which frees the GPU for sure.
+    release: float = field(default=10.0, metadata=_key(_positive_duration))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -38,13 +38,13 @@ running lendee (`DetachGpus`), in bounded parts, each of which must hold:
    to its time (its pods were told, and get their full grace period);
 2. the node offers it no more: its GPU plugins are stopped (`Cluster.withdraw`), for
    NVIDIA's device plugin holds every GPU it serves open for as long as it runs;
-3. in the guest, within `RELEASE_BOUND` all in all: each GPU's PCI address and device
-   node (nvidia-smi's ``pci.bus_id`` and ``minor_number``), no process holding the node
-   (any holder, by one scan of /proc/*/fd: a DCGM exporter or persistenced as much as
-   a job), then the driver lets go: through NVML's drain state and removal where the
-   guest's nvidia-smi has them (`drain_supported`; an in-use GPU answers so), else the
-   unbind from its driver: NVIDIA does not support hot-unplug of its GPUs, and some
-   drivers hang an unbind begun while a client holds the GPU;
+3. in the guest, within ``timeouts.release`` (10 s) all in all: each GPU's PCI address
+   and device node (nvidia-smi's ``pci.bus_id`` and ``minor_number``), no process
+   holding the node (any holder, by one scan of /proc/*/fd: a DCGM exporter or
+   persistenced as much as a job), then the driver lets go: through NVML's drain state
+   and removal where the guest's nvidia-smi has them (`drain_supported`; an in-use GPU
+   answers so), else the unbind from its driver: NVIDIA does not support hot-unplug of
+   its GPUs, and some drivers hang an unbind begun while a client holds the GPU;
 4. libvirt detaches every function live and the live XML must lose them within
    `DETACH_BOUND` (libvirt's device-removed event wakes the wait);
 5. only then does the owner start (`GpusDetached`); the node, verified with the rest
@@ -257,9 +257,6 @@ async def _undo(ex: Step, gpus: frozenset[str], *, grown: bool) -> frozenset[str
 # Past it the device is in doubt, the restart's shutdown frees it for sure, and the
 # player has waited this much longer than by a restart at most.
 DETACH_BOUND = 30.0
-# How long the guest may take, all in all, to let go of the GPU once its pods are
-# evicted and its plugins stopped: every holder of its device node gone, and the unbind.
-RELEASE_BOUND = 10.0
 
 CHECKPOINT = "/var/lib/kubelet/device-plugins/kubelet_internal_checkpoint"
 
@@ -270,7 +267,7 @@ class Stuck(str):
 QUERY = ("--query-gpu=uuid,pci.bus_id,minor_number", "--format=csv,noheader")
 # Each "PID/fd/N" of the guest whose link is one of the device nodes given, by one scan
 # of /proc: one `ls -l` reads every link in itself (a readlink per open file was one
-# process each, thousands on a real node, past RELEASE_BOUND on their own) and awk keeps
+# process each, thousands on a real node, past timeouts.release on their own) and awk keeps
 # the holders, at most HOLDERS_SHOWN of them (the answer is the guest's: bounded). By
 # link text, as the kernel writes it from the holder's root: a container's own /dev
 # node (runc mknods the CDI spec's device nodes) reads /dev/nvidiaN too. busybox's ls
@@ -389,7 +386,7 @@ async def _release(ex: Step, gpus: frozenset[str], uuids: frozenset[str], *,
     else the unbind from its driver. None, or why in doubt; `Stuck` only when a driver
     call (nvidia-smi, the unbind) ran past the deadline. `absent_ok` (a failed hot-add's
     undo): a GPU nvidia-smi does not list has no driver to let go of, and is skipped."""
-    deadline = time.monotonic() + RELEASE_BOUND
+    deadline = time.monotonic() + ex.cfg.timeouts.release
     found, problem = await _locate(ex, uuids, deadline, absent_ok=absent_ok)
     if found is None:
         return problem
@@ -421,7 +418,7 @@ async def _release(ex: Step, gpus: frozenset[str], uuids: frozenset[str], *,
             break
         if time.monotonic() + 0.5 >= deadline:  # no time left to look again
             return (f"process(es) {', '.join(holders[:10])} in {ex.lendee} still hold "
-                    f"{', '.join(nodes)} ({', '.join(sorted(gpus))}) {RELEASE_BOUND:g}s "
+                    f"{', '.join(nodes)} ({', '.join(sorted(gpus))}) {ex.cfg.timeouts.release:g}s "
                     "after the evictions")
         await asyncio.sleep(0.5)
     if draining:
@@ -485,7 +482,7 @@ async def drain_supported(ex: Step) -> tuple[bool, str]:
     """Whether the lendee's nvidia-smi can take a GPU out through NVML's drain state and
     removal (``nvidia-smi drain``), and why: said by `status` and `lint`, and the hot-
     unplug's choice between it and the sysfs unbind. Asks the running guest."""
-    deadline = time.monotonic() + RELEASE_BOUND
+    deadline = time.monotonic() + ex.cfg.timeouts.release
     for command in in_guest.candidates(ex.cfg.verify.command):
         try:
             done = await ex.libvirt.guest_exec(ex.lendee, command, list(DRAIN_HELP),
@@ -567,7 +564,8 @@ async def _run(ex: Step, path: str, args: list[str], deadline: float, *,
     no time for (it never ran, so never hung)."""
     left = deadline - time.monotonic()
     if left <= 0:
-        return None, f"{path} in {ex.lendee}: no time left within the {RELEASE_BOUND:g}s bound"
+        return None, (f"{path} in {ex.lendee}: no time left within the "
+                      f"{ex.cfg.timeouts.release:g}s bound (timeouts.release)")
     try:
         done = await ex.libvirt.guest_exec(ex.lendee, path, args, timeout=left)
     except HostError as e:

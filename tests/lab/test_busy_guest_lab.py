@@ -103,15 +103,21 @@ def test_a_busy_guest_holds_its_gpus_as_a_real_node_does(lab: Lab) -> None:
 
 
 def test_a_hot_unplug_in_a_busy_guest_is_live(lab: Lab) -> None:
-    # Before: the holder scan alone ran past RELEASE_BOUND in such a guest, the unplug
-    # was reported as a stuck driver, and the lendee restarted. The node as a real one
+    # Before: the holder scan alone ran past the release's bound in such a guest, the
+    # unplug was reported as a stuck driver, and the lendee restarted. The node as a real one
     # under gpu-operator: the device plugin's DaemonSet, a DCGM exporter holding every
     # GPU and GPU Feature Discovery, each pod's process in the guest holding the GPUs.
     with lab_cluster(lab, workloads=False) as kc:
         operator_node(kc)
         with GuestPlugins(lab, kc, daemonsets("operator")).running() as plugins:
+            # timeouts.release at 30 s, not 10: this TCG guest, on two cores shared with
+            # the suite's other labs, scans its 5,000 open files many times slower than a
+            # real node (bench/hotplug.py times the scan against the 10 s default; the
+            # unit tests count the processes it starts).
             lab.write_config(lab.config_text(kubeconfig=kc.kubeconfig).replace(
-                "[policy]\n", '[policy]\nhotplug = "both"\n') + '\n[verify]\ntimeout = "10s"\n')
+                "[policy]\n", '[policy]\nhotplug = "both"\n').replace(
+                "[timeouts]\n", '[timeouts]\nrelease = "30s"\n')
+                + '\n[verify]\ntimeout = "10s"\n')
             define_lendee(lab, f"hostagent.busy={BUSY}")
             lab.start_agent()
             lends(lab, 1, timeout=180)

@@ -321,3 +321,8 @@ def checkpoint(*entries: tuple[str, str, object]) -> str:
         {"PodUID": uid, "ContainerName": "main", "ResourceName": resource,
          "DeviceIDs": ids, "AllocResp": "e30="} for uid, resource, ids in entries],
         "RegisteredDevices": {"nvidia.com/gpu": [UUID_A, UUID_B]}}, "Checksum": 1})
+
+
+def release_within(cfg: Config, seconds: float) -> Config:
+    """`cfg` with ``timeouts.release`` at `seconds`: a bound a test runs out of at once."""
+    return replace(cfg, timeouts=replace(cfg.timeouts, release=seconds))

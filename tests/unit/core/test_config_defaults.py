@@ -86,7 +86,7 @@ def test_every_policy_default_is_the_careful_one() -> None:
 
 def test_every_timeout_default() -> None:
     assert parse(MINIMAL).timeouts == Timeouts(guest_agent=180.0, shutdown=120.0, start=120.0,
-                                               drain=300.0, ready=600.0)
+                                               drain=300.0, ready=600.0, release=10.0)
 
 
 def test_every_verify_default() -> None:

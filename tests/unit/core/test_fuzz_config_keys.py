@@ -146,6 +146,7 @@ KINDS: dict[str, tuple[st.SearchStrategy[Any], st.SearchStrategy[Any]]] = {
     "timeouts.start": POSITIVE_DURATION,
     "timeouts.drain": POSITIVE_DURATION,
     "timeouts.ready": POSITIVE_DURATION,
+    "timeouts.release": POSITIVE_DURATION,
     "policy.relend_delay": DURATION,
     "policy.force_off_after": OPTIONAL_DURATION,
     "policy.on_drain_timeout": _enum("proceed", "abort"),

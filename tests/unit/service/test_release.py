@@ -24,7 +24,7 @@ from tests.configs import UUID_A, UUID_B, UUID_C
 from tests.unit.partial_world import B, C, gpus
 from tests.unit.machine_scaffold import T
 from tests.unit.hotplug_scaffold import AddStep
-from tests.unit.hotplug_scaffold import FakeStep, Guest, unplug
+from tests.unit.hotplug_scaffold import FakeStep, Guest, release_within, unplug
 from tests.unit.partial_world import A
 
 # A process of a busy node: `count` files open, and the "device node" at argv[2] once,
@@ -43,7 +43,7 @@ sys.stdin.read()
 def test_the_holders_of_a_device_node_are_found_by_one_scan_of_5000_fds(
         tmp_path: Path) -> None:
     # The scan used to run readlink once per open file of the guest: thousands of
-    # processes, past RELEASE_BOUND on a real node, and the unplug then read as a stuck
+    # processes, past timeouts.release on a real node, and the unplug then read as a stuck
     # driver. Here every command the scan starts is counted through PATH.
     node = tmp_path / "nvidia0"
     node.write_text("")
@@ -122,8 +122,8 @@ async def test_a_holder_scan_past_the_bound_is_no_stuck_driver(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Only an unbind or nvidia-smi past its deadline says the driver hangs (and the
     # restart that follows may then power the guest off); a slow scan is a plain doubt.
-    monkeypatch.setattr(hotplug, "RELEASE_BOUND", 0.3)
     step = FakeStep()
+    step.cfg = release_within(step.cfg, 0.3)
     step.libvirt = SlowScan(step)
     step.cluster.guest = step.libvirt
     await unplug(step)
@@ -333,8 +333,8 @@ async def test_no_time_left_for_a_driver_call_is_no_stuck_driver(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Before, a driver call the bound left no time for was read as one that hung: the
     # restart after it could then power off a guest whose driver was fine.
-    monkeypatch.setattr(hotplug, "RELEASE_BOUND", 0.3)
     step = FakeStep()
+    step.cfg = release_within(step.cfg, 0.3)
     step.libvirt = ScanToTheBound(step)
     step.cluster.guest = step.libvirt
     await unplug(step)

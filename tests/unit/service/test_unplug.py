@@ -56,6 +56,7 @@ from tests.unit.hotplug_scaffold import LINT_CONFIG, gone, hot_add_findings, len
 from tests.unit.machine_scaffold import AT, LENDEE, T, wants
 from tests.unit.partial_world import POLICY, TOPO, B, C, S, gpus
 from tests.unit.hotplug_scaffold import (
+    release_within,
     BOTH,
     detaching,
     FakeStep,
@@ -303,8 +304,8 @@ async def test_a_process_on_the_gpu_gives_way_to_the_restart(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # nvidia-persistenced, a DCGM exporter, a display server: any holder of the device
     # node counts, not only the compute processes nvidia-smi lists.
-    monkeypatch.setattr(hotplug, "RELEASE_BOUND", 0.2)
     step = FakeStep()
+    step.cfg = release_within(step.cfg, 0.2)
     step.libvirt.holders.add("4242/fd/3")
     await unplug(step)
     [event] = step.applied
@@ -340,8 +341,8 @@ async def test_a_guest_stuck_in_nvidia_smi_gives_way_within_the_bound(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # A driver stuck in an unbind hangs nvidia-smi: the question has the part's deadline,
     # not one of its own past it, and the restart that follows may power the guest off.
-    monkeypatch.setattr(hotplug, "RELEASE_BOUND", 0.3)
     step = FakeStep()
+    step.cfg = release_within(step.cfg, 0.3)
     step.libvirt.hangs = True
     await unplug(step)
     [event] = step.applied
