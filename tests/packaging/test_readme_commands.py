@@ -138,6 +138,9 @@ NOT_RUN: list[tuple[str, str]] = [
      "runs the same fuzzers with fewer examples."),
     (r"make mutate", "it reruns the unit tests of core/ and host/ for each of thousands of "
      "mutants, hours on 2 cores; make test runs those unit tests once."),
+    (r"virsh destroy", "it names the power-off `drain.stop = \"power-off\"` makes, not a "
+     "step to take; test_kube_lab.py::test_reclaim_drains_like_kubectl_and_the_return_"
+     "uncordons reclaims so."),
     (r"virsh undefine", "it names what a reader may have done to an old VM, not a step "
      "to take; tests/unit/service/test_stale_entries.py checks what follows an owner "
      "libvirt no longer has."),
