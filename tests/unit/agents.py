@@ -271,9 +271,9 @@ method = "none"
 """
 
 
-async def two_lent(tmp_path: Path) -> tuple[Agent, Agent, FakeLibvirt]:
+async def two_lent(tmp_path: Path, config: str = TWO_LENT) -> tuple[Agent, Agent, FakeLibvirt]:
     """Node-a and node-b lent, each its own `Agent`, on one fake libvirt."""
-    primary = service.build(parse(TWO_LENT.format(root=tmp_path), "test.toml"))
+    primary = service.build(parse(config.format(root=tmp_path), "test.toml"))
     assert primary.fleet is not None
     a, b = (m for m in primary.fleet.members.values() if isinstance(m, Agent))
     fake = FakeLibvirt(primary)

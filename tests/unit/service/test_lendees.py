@@ -17,6 +17,7 @@ from hostagent.service import main as service
 from hostagent.service.agent import Agent
 from hostagent.surfaces.follow import format_status
 from tests.unit.agents import (  # noqa: F401 (a fixture)
+    TWO_LENT,
     FakeLibvirt,
     hook,
     two_lent,
@@ -70,8 +71,10 @@ async def test_a_lendee_stopped_by_hand_is_its_agents_alone(tmp_path: Path) -> N
 async def test_a_pending_start_on_the_other_lendee_survives_a_restart(tmp_path: Path) -> None:
     """gaming2 waits for node-b, which ignores its shutdown; the agent restarts: the
     primary's file lists the request, and the new agent hands it to node-b's machine,
-    the one that keeps gaming2, not node-a's (whose machine would fail it as unknown)."""
-    a, b, fake = await two_lent(tmp_path)
+    the one that keeps gaming2, not node-a's (whose machine would fail it as unknown).
+    node-b's shutdown may wait a minute: at 1 s a loaded machine saw it time out before
+    the file was read, and the request end."""
+    a, b, fake = await two_lent(tmp_path, TWO_LENT.replace('shutdown = "1s"', 'shutdown = "60s"'))
     fake.ignores_shutdown.add("node-b")
     verdict = await a._on_hook(hook("gaming2", at=time.time(), id="h3"))
     assert verdict.decision == "defer"
