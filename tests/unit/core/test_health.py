@@ -31,8 +31,8 @@ async def test_health_runs_every_check_within_its_budget(tmp_path: Path) -> None
     results = {r.check: r for r in await h.check()}
     assert list(results) == ["fine", "hangs", "breaks"]
     assert results["fine"].ok and results["fine"].detail == "all good"
-    assert not results["hangs"].ok and results["hangs"].detail == "no answer within 0.2s"
-    assert not results["breaks"].ok and results["breaks"].detail == "refused"
+    assert results["hangs"] == CheckResult("hangs", False, "no answer within 0.2s")
+    assert results["breaks"] == CheckResult("breaks", False, "refused")
     assert h.last == list(results.values())
 
 
@@ -278,3 +278,34 @@ async def test_another_lendees_checks_pass_as_one_but_those_it_shares() -> None:
         await both()
     verdict.update(kubernetes=True, libvirt=True)
     assert await both() == "kubernetes, libvirt pass"
+
+
+async def test_a_socket_nobody_listens_on_is_said_in_words(tmp_path: Path) -> None:
+    path = tmp_path / "nothing.sock"
+    with pytest.raises(CheckFailed) as info:
+        await health.socket_answers(path)()
+    assert str(info.value) == f"socket {path}: No such file or directory"
+
+
+async def test_every_forget_makes_the_results_before_it_stale() -> None:
+    now = 100.0
+    gate = asyncio.Event()
+    gate.set()
+    runs = 0
+
+    async def probe() -> str:
+        nonlocal runs
+        runs += 1
+        await gate.wait()
+        return f"run {runs}"
+
+    h = Health(clock=lambda: now)
+    h.add("x", probe)
+    h.forget()
+    assert (await h.check())[0].detail == "run 1"
+    gate.clear()
+    caller = asyncio.create_task(h.check(max_age=0))
+    await asyncio.sleep(0)
+    h.forget()  # a second change, during the run begun after the first
+    gate.set()
+    assert (await caller)[0] == CheckResult("x", True, "run 3")

@@ -5,6 +5,7 @@ series ("weekdays 20:00") read and each occurrence found, and the list kept of t
 
 from __future__ import annotations
 
+import time
 import zoneinfo
 from datetime import datetime, timedelta, timezone
 
@@ -54,6 +55,19 @@ def test_a_time_the_clock_shows_twice_is_the_first_and_says_so() -> None:
     # Written as a date without an offset, it is the first as well, and says so.
     dated = plan.read_at("2026-10-25T02:30", eve)
     assert (dated.when.utcoffset(), dated.note) == (timedelta(hours=2), at.note)
+
+
+@pytest.mark.parametrize("minute", ["00", "17", "41", "59"])
+def test_the_change_is_found_whatever_minute_within_the_hour_is_asked(minute: str) -> None:
+    forward = datetime(2026, 3, 28, 21, 0, tzinfo=BERLIN)
+    with pytest.raises(BadReservation, match=f"^02:{minute} does not exist on 2026-03-29 in "
+                       "the host's zone: the clocks go forward from 02:00 to 03:00 "):
+        plan.read_at(f"02:{minute}", forward)
+    back = datetime(2026, 10, 24, 21, 0, tzinfo=BERLIN)
+    assert plan.read_at(f"02:{minute}", back).note == (
+        f"02:{minute} happens twice on 2026-10-25 (the clocks go back from 03:00 to 02:00): "
+        f"this is the first, 2026-10-25T02:{minute}+02:00; for the second, give "
+        f"2026-10-25T02:{minute}+01:00")
 
 
 def test_a_change_of_half_an_hour_is_named_to_the_minute() -> None:
@@ -156,6 +170,27 @@ def test_a_spec_that_is_not_one_is_refused_saying_why(spec: str, said: str) -> N
     with pytest.raises(BadReservation) as e:
         plan.read_every(spec)
     assert str(e.value).startswith(said)
+
+
+def test_a_spec_is_read_from_its_first_64_characters() -> None:
+    spec = "daily" + " " * 53 + "20:00"  # 63 characters
+    assert str(plan.read_every(spec + " x")) == "daily 20:00"  # the 65th is not read
+    with pytest.raises(BadReservation, match="is not a series"):
+        plan.read_every(spec.replace("  ", " ", 1) + " x")  # 64: x is read, a word too many
+
+
+def test_the_days_are_the_zones_not_the_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 20:00 at -11:00 is 07:00 UTC the next day: the first day is the zone's own.
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    try:
+        samoa = zoneinfo.ZoneInfo("Pacific/Pago_Pago")
+        after = datetime(2026, 12, 4, 20, 0, tzinfo=samoa).timestamp()
+        at, _ = plan.next_occurrence(plan.read_every("daily 21:00"), after, samoa)
+        assert datetime.fromtimestamp(at, samoa) == datetime(2026, 12, 4, 21, 0, tzinfo=samoa)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
 
 
 def test_each_occurrence_keeps_its_wall_time_across_a_change_of_the_clocks() -> None:
