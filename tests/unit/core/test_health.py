@@ -145,6 +145,9 @@ async def test_checks_are_added_replaced_and_removed_by_name() -> None:
     async def bare() -> str:
         raise RuntimeError()  # no message: its type says what broke
 
+    async def down() -> str:
+        raise CheckFailed("libvirt: not connected")
+
     h = Health(max_age=0)
     assert (h.timeout, h.max_age, h.names) == (3.0, 0, [])
     assert Health().max_age == health.MAX_AGE == 1.0
@@ -152,8 +155,11 @@ async def test_checks_are_added_replaced_and_removed_by_name() -> None:
     h.add("b", bare)
     h.add("a", two)
     assert h.names == ["a", "b"]
+    h.add("c", down)
     assert await h.check() == [CheckResult("a", True, "ok"),
-                               CheckResult("b", False, "RuntimeError")]
+                               CheckResult("b", False, "RuntimeError"),
+                               CheckResult("c", False, "libvirt: not connected")]
+    h.remove("c")
     h.remove("a")
     h.remove("never added")
     assert h.names == ["b"]

@@ -59,7 +59,8 @@ def test_only_pci_subsystem_hostdevs_with_an_address_are_read() -> None:
         <rom bar='off'/>
       </hostdev>
       <hostdev type='pci'>
-        <source><address bus='0x2' slot='0' function='0'/></source><rom bar='on'/>
+        <source><address domain='0x1' bus='0x2' slot='0x1f' function='0'/></source>
+        <rom bar='on'/>
       </hostdev>
       <hostdev mode='subsystem' type='pci' managed='no'>
         <source><address bus='3'/></source><rom file='/x.rom'/>
@@ -77,7 +78,7 @@ def test_only_pci_subsystem_hostdevs_with_an_address_are_read() -> None:
     """
     assert parse_domain(domain(devices=devices)).hostdevs == (
         Hostdev(address="0000:01:00.1", managed=True, rom_bar_off=True),
-        Hostdev(address="0000:02:00.0", managed=False, rom_bar_off=False),
+        Hostdev(address="0001:02:1f.0", managed=False, rom_bar_off=False),
         Hostdev(address="0000:03:00.0", managed=False, rom_bar_off=False),
     )
 
