@@ -241,3 +241,76 @@ def test_nvml_on_a_real_gpu() -> None:
     on_bus = {d.address for d in gpus.sysfs_gpus()}
     if on_bus:
         assert {g.pci for g in found} <= on_bus
+
+
+# --- the whole text and JSON of one host ------------------------------------------------
+
+WARNING = ("The index is NVML's and nvidia-smi's (PCI bus order). CUDA numbers GPUs fastest "
+           "first by default, so an index can name a different card there: use UUIDs in "
+           "CUDA_VISIBLE_DEVICES (or set CUDA_DEVICE_ORDER=PCI_BUS_ID).")
+
+
+def host(sysfs: Any) -> gpus.Inventory:
+    """NVML sees the GTX 960 at 05; sysfs also has an unbound card at 0b and a 3D
+    controller at 0c on vfio-pci, both in IOMMU group 11."""
+    sysfs.gpu("05", driver="nvidia").gpu("0b", audio=False, driver=None, group="11")
+    sysfs.add("0000:0c:00.0", cls=0x030200, device="1eb8", driver="vfio-pci", group="11")
+    return gpus.inventory(sysfs.root, FakeNvml(CARDS[:1]))
+
+
+def test_the_text_of_a_host(sysfs: Any) -> None:
+    assert gpus.format_inventory(host(sysfs)) == "\n".join([
+        "NVIDIA driver 580.95.05, as NVML sees it:",
+        "  INDEX  UUID      PCI           NAME                    MEMORY    OTHER FUNCTIONS",
+        "  0      GPU-aaaa  0000:05:00.0  NVIDIA GeForce GTX 960  4096 MiB  0000:05:00.1",
+        "",
+        "note: " + WARNING,
+        "",
+        "Display devices NVML does not see (sysfs):",
+        "  PCI           IDS        DRIVER    OTHER FUNCTIONS  IOMMU GROUP  ALSO IN THE GROUP",
+        "  0000:0b:00.0  10de:2584  none      -                11           0000:0c:00.0",
+        "  0000:0c:00.0  10de:1eb8  vfio-pci  -                11           0000:0b:00.0",
+        "",
+        "Every function of a card's slot moves with it (hostagent lends and reclaims them "
+        "together).",
+    ])
+
+
+def test_the_json_of_a_host(sysfs: Any) -> None:
+    assert gpus.inventory_json(host(sysfs)) == {
+        "nvml": {"available": True, "error": None, "gpus": [{
+            "index": 0, "uuid": "GPU-aaaa", "pci": "0000:05:00.0",
+            "name": "NVIDIA GeForce GTX 960", "memory_mib": 4096,
+            "driver_version": "580.95.05", "functions": ["0000:05:00.1"]}]},
+        "pci": [
+            {"address": "0000:05:00.0", "class_code": "0x030000", "vendor": "10de",
+             "device": "2584", "driver": "nvidia", "iommu_group": "5",
+             "group_members": ["0000:05:00.1"], "functions": ["0000:05:00.1"]},
+            {"address": "0000:0b:00.0", "class_code": "0x030000", "vendor": "10de",
+             "device": "2584", "driver": None, "iommu_group": "11",
+             "group_members": ["0000:0c:00.0"], "functions": []},
+            {"address": "0000:0c:00.0", "class_code": "0x030200", "vendor": "10de",
+             "device": "1eb8", "driver": "vfio-pci", "iommu_group": "11",
+             "group_members": ["0000:0b:00.0"], "functions": []},
+        ],
+        "warning": WARNING,
+    }
+
+
+def test_nvml_that_lists_nothing_says_so(sysfs: Any) -> None:
+    sysfs.gpu("0b", audio=False)
+    inv = gpus.inventory(sysfs.root, FakeNvml([]))
+    assert gpus.format_inventory(inv) == "\n".join([
+        "NVML: no GPU (it lists none)",
+        "",
+        "Display devices (sysfs):",
+        "  PCI           IDS        DRIVER    OTHER FUNCTIONS  IOMMU GROUP  ALSO IN THE GROUP",
+        "  0000:0b:00.0  10de:2584  vfio-pci  -                11           -",
+    ])
+    data = gpus.inventory_json(inv)
+    assert (data["nvml"], data["warning"]) == ({"available": True, "error": None, "gpus": []},
+                                               None)
+    empty = gpus.Inventory(nvml=[], nvml_error=None, pci=[])
+    assert gpus.format_inventory(empty).startswith("No GPU found: NVML sees none (it lists "
+                                                   "none) and sysfs lists no display device "
+                                                   "(class 0x03) under /sys/bus/pci/devices.")
