@@ -34,7 +34,9 @@ def test_the_name_machine_and_q35() -> None:
     assert (dom.name, dom.machine, dom.q35, dom.ovmf) == ("win11", "pc-q35-8.2", True, False)
     old = parse_domain(domain("<os><type>hvm</type></os>"))
     assert (old.machine, old.q35) == ("", False)
-    assert parse_domain(domain()).machine == ""
+    bare = parse_domain(domain())  # no <os>: neither a machine nor UEFI
+    assert (bare.machine, bare.ovmf) == ("", False)
+    assert parse_domain(domain("<os firmware='efi'/>")).machine == ""
     assert parse_domain("<domain/>").name == ""
 
 
