@@ -24,3 +24,19 @@ def test_a_timeout_past_the_limit_is_refused_saying_why_and_what_to_write() -> N
         parse(lendee_toml(uuids=False) + "[notify]\n" + URL + 'timeout = "10.5s"\n')
     assert str(info.value).endswith(
         'notify.timeout: is at most 10s: the drain waits for it; e.g. "2s"')
+
+
+@pytest.mark.parametrize("url", ["ftp://hooks.lan/x", "http://hooks.lan:port/x",
+                                 "http://" + "a" * 2048, "http://hooks lan/"])
+def test_a_url_that_is_not_http_is_refused_saying_what_to_write(url: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse(lendee_toml(uuids=False) + f'[notify]\nurl = "{url}"\n')
+    assert str(info.value).endswith(
+        f'notify.url: "{url[:64]}" is not an http(s) URL; write e.g. '
+        '"https://hooks.lan/gaming-host" (http or https)')
+
+
+def test_an_http_or_https_url_is_taken_as_written() -> None:
+    for url in ("http://hooks.lan/x", "https://[::1]:8443/h?token=abc"):
+        cfg = parse(lendee_toml(uuids=False) + f'[notify]\nurl = " {url} "\n')
+        assert cfg.notify is not None and cfg.notify.url == url
