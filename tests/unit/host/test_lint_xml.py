@@ -56,6 +56,10 @@ def test_uefi_is_known_by_the_firmware_attribute_or_the_loader(os: str, ovmf: bo
 
 def test_only_pci_subsystem_hostdevs_with_an_address_are_read() -> None:
     devices = """
+      <hostdev mode='capabilities' type='pci'>
+        <source><address bus='0x09' slot='0' function='0'/></source>
+      </hostdev>
+      <hostdev mode='subsystem' type='pci'><source/></hostdev>
       <hostdev mode='subsystem' type='pci' managed='yes'>
         <source><address domain='0x0000' bus='0x01' slot='0x00' function='0x1'/></source>
         <rom bar='off'/>
