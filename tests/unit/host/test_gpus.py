@@ -4,6 +4,7 @@ configuration; and, where a real NVIDIA GPU is present, NVML itself."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -402,3 +403,42 @@ def test_the_host_reads_every_placed_gpu_whatever_comes_before_it(sysfs: Any) ->
     placed = gpus.on_host(cfg, sysfs.root)
     assert placed.gpus["gpu-a"].pci is None  # not placed yet: left as it is
     assert placed.gpus["gpu-b"].pci_functions == ("0000:0a:00.0", "0000:0a:00.1")
+
+
+def test_a_function_of_another_gpus_card_is_refused_naming_it(sysfs: Any) -> None:
+    sysfs.gpu("01").gpu("02")
+    cfg = parse(textwrap.dedent("""
+        [lendee]
+        domain = "gpu-node"
+        gpus = ["gpu-a", "gpu-b"]
+
+        [gpus.gpu-a]
+        pci = "0000:01:00.0"
+
+        [gpus.gpu-b]
+        pci = "0000:02:00.0"
+        functions = ["0000:01:00.1"]
+        """), "c.toml")
+    with pytest.raises(ConfigError) as info:
+        gpus.on_host(cfg, sysfs.root)
+    assert str(info.value) == ("c.toml: gpus.gpu-b.functions: 0000:01:00.1 is a function of "
+                               "GPU gpu-a's card; remove it here: it moves with gpu-a")
+
+
+def test_a_card_outside_any_iommu_group_has_none(sysfs: Any) -> None:
+    sysfs.add("0000:01:00.0", driver="vfio-pci")  # the IOMMU is off
+    cfg = parse('[lendee]\ndomain = "n"\ngpus = ["gpu-a"]\n[gpus.gpu-a]\npci = "0000:01:00.0"\n')
+    assert gpus.on_host(cfg, sysfs.root).gpus["gpu-a"].iommu_groups == ()
+
+
+def test_what_sysfs_leaves_out_or_garbles_is_read_as_unknown(sysfs: Any) -> None:
+    sysfs.add("0000:01:00.0", group="7")
+    dev = sysfs.root / "bus/pci/devices/0000:01:00.0"
+    (dev / "vendor").unlink()
+    (dev / "device").write_text("")
+    (dev / "class").write_text("a VGA card\n")
+    shutil.rmtree(sysfs.root / "kernel/iommu_groups/7/devices")
+    found = gpus.pci_device("0000:01:00.0", sysfs.root)
+    assert found is not None
+    assert (found.ids, found.class_code, found.iommu_group, found.group_members) == (
+        "?:?", 0, "7", ())
