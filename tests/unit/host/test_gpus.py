@@ -324,9 +324,10 @@ def test_nvml_that_lists_nothing_says_so(sysfs: Any) -> None:
     assert (data["nvml"], data["warning"]) == ({"available": True, "error": None, "gpus": []},
                                                None)
     empty = gpus.Inventory(nvml=[], nvml_error=None, pci=[])
-    assert gpus.format_inventory(empty).startswith("No GPU found: NVML sees none (it lists "
-                                                   "none) and sysfs lists no display device "
-                                                   "(class 0x03) under /sys/bus/pci/devices.")
+    assert gpus.format_inventory(empty) == (
+        "No GPU found: NVML sees none (it lists none) and sysfs lists no display device "
+        "(class 0x03) under /sys/bus/pci/devices. Is this the host (not a container), and is "
+        "the card seated and powered?")
 
 
 def test_a_domain_is_read_as_hex() -> None:
