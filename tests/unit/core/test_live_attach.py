@@ -70,3 +70,10 @@ def test_a_report_of_another_attach_is_stale(event: AttachFailed | GpusAttached)
     state = attaching()
     with pytest.raises(IllegalTransition):
         go(state, event)
+
+
+def test_a_gpu_freed_during_an_attach_is_a_regrow_due_after_the_delay() -> None:
+    # gpu-b's game ended while gpu-a was being attached: its own attach is due next.
+    state = S(Phase.LENT, lent=gpus(A, C), attaching=gpus(A))
+    state, actions = go(state, GpusAttached(at=AT + 5, ticket=T, gpus=gpus(A)))
+    assert actions == [ScheduleRelend(at=AT + 5 + POLICY.relend_delay)]
