@@ -40,3 +40,20 @@ def test_an_http_or_https_url_is_taken_as_written() -> None:
     for url in ("http://hooks.lan/x", "https://[::1]:8443/h?token=abc"):
         cfg = parse(lendee_toml(uuids=False) + f'[notify]\nurl = " {url} "\n')
         assert cfg.notify is not None and cfg.notify.url == url
+
+
+def test_a_url_of_2048_characters_and_printable_ones_is_taken() -> None:
+    longest = "http://hooks.lan/" + "a" * (2048 - len("http://hooks.lan/"))
+    for url in (longest, "http://hooks.lan/x!y"):
+        cfg = parse(lendee_toml(uuids=False) + f'[notify]\nurl = "{url}"\n')
+        assert cfg.notify is not None and cfg.notify.url == url
+    for url in (longest + "a", "http://hooks.lan/\\u007f"):
+        with pytest.raises(ConfigError, match="is not an http"):
+            parse(lendee_toml(uuids=False) + f'[notify]\nurl = "{url}"\n')
+
+
+def test_a_long_url_with_a_bad_port_is_quoted_cut_at_64() -> None:
+    url = "http://hooks.lan:port/" + "a" * 70
+    with pytest.raises(ConfigError) as info:
+        parse(lendee_toml(uuids=False) + f'[notify]\nurl = "{url}"\n')
+    assert f'notify.url: "{url[:64]}" is not an http(s) URL;' in str(info.value)
