@@ -350,12 +350,13 @@ def used(reservations: Iterable[Reservation], running: Collection[str]) -> tuple
 def put(reservations: Iterable[Reservation], new: Reservation) -> tuple[Reservation, ...]:
     """`new` in place of the owner's reservation, if it had one; sorted by time. One that
     held already hands its yield time on: a reservation moved later and later still
-    yields from the first one's time."""
+    yields from the first one's time, also when moved again before that time came (the
+    one it replaces holds nothing yet, but carries the first one's time)."""
     kept = []
     for r in reservations:
         if r.vm != new.vm:
             kept.append(r)
-        elif r.holding or r.yielding:
+        elif r.holding or r.yielding or r.yields_from is not None:
             new = replace(new, yields_from=min(new.yields_at, r.yields_at))
     return tuple(sorted([*kept, new], key=lambda r: (r.at, r.vm)))
 

@@ -1,6 +1,6 @@
 """The node's GPU plugins kept off its GPUs through their deploy labels, as NVIDIA's
-mig-manager pauses gpu-operator's operands: what honours the labels (no side effects),
-then, against the real control plane with its real DaemonSet controller and scheduler,
+mig-manager pauses gpu-operator's operands (what honours the labels, no side effects:
+tests/unit/core/test_plugins.py): against the real control plane with its real DaemonSet controller and scheduler,
 the pause (pods gone, none made again), the restore as found (an absent label stays
 absent), a restore after the agent restarted mid-way, and which installs can be paused.
 """
@@ -19,7 +19,6 @@ from kubernetes_asyncio import client
 
 from hostagent.cluster.cycle import KubeCluster
 from hostagent.cluster.kube import Kube
-from hostagent.core import plugins as rules
 from hostagent.core.config import Config, parse
 from hostagent.core.plugins import AFFINITY_TERM, PAUSED, PLUGIN_LABELS, PLUGIN_SELECTORS
 from hostagent.host import journal
@@ -28,72 +27,15 @@ from tests.controlplane import ControlPlane
 from tests.controlplane.seed import SEEDED
 from tests.unit.kube_scaffold import Api, gpu_node_api
 
-DEVICE_PLUGIN, GFD, DCGM_EXPORTER = PLUGIN_LABELS[0], PLUGIN_LABELS[1], PLUGIN_LABELS[2]
+DEVICE_PLUGIN, DCGM_EXPORTER = PLUGIN_LABELS[0], PLUGIN_LABELS[2]
 PREFIX = "hostagent.io/"
 NS = "gpu-operator"
 PAUSABLE = {"key": DEVICE_PLUGIN, "operator": "NotIn", "values": [PAUSED]}
-CHART_TERMS = [  # NVIDIA's chart's values.yaml, v0.17.4
-    [{"key": "feature.node.kubernetes.io/pci-10de.present", "operator": "In",
-      "values": ["true"]}],
-    [{"key": "nvidia.com/gpu.present", "operator": "In", "values": ["true"]}],
-]
 
 
 def affinity(*terms: list[dict[str, Any]]) -> dict[str, Any]:
     return {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
         "nodeSelectorTerms": [{"matchExpressions": t} for t in terms]}}}}
-
-
-# --- what honours the labels (no side effects) -------------------------------------------
-
-def test_gpu_operators_node_selector_is_honoured() -> None:
-    assert rules.honoured({"nodeSelector": {DEVICE_PLUGIN: "true"}}, PLUGIN_LABELS) == \
-        DEVICE_PLUGIN
-    assert rules.honoured({"nodeSelector": {"other": "x"}}, PLUGIN_LABELS) is None
-
-
-def test_the_static_manifest_honours_nothing_until_readmes_term_is_added() -> None:
-    assert rules.honoured({}, PLUGIN_LABELS) is None
-    assert rules.honoured(affinity([PAUSABLE]), PLUGIN_LABELS) == DEVICE_PLUGIN
-    assert AFFINITY_TERM == ('{key: nvidia.com/gpu.deploy.device-plugin, operator: NotIn, '
-                             'values: ["false"]}')
-
-
-def test_the_charts_terms_each_need_the_label_for_the_node_to_be_left() -> None:
-    assert rules.honoured(affinity(*CHART_TERMS), PLUGIN_LABELS) is None
-    half = affinity([*CHART_TERMS[0], PAUSABLE], CHART_TERMS[1])
-    assert rules.honoured(half, PLUGIN_LABELS) is None  # the second term still matches
-    whole = affinity(*([*t, PAUSABLE] for t in CHART_TERMS))
-    assert rules.honoured(whole, PLUGIN_LABELS) == DEVICE_PLUGIN
-
-
-@pytest.mark.parametrize(("expression", "honoured"), [
-    ({"key": DEVICE_PLUGIN, "operator": "In", "values": ["true"]}, True),
-    ({"key": DEVICE_PLUGIN, "operator": "In", "values": ["true", "false"]}, False),
-    ({"key": DEVICE_PLUGIN, "operator": "NotIn", "values": ["paused-for-mig-change"]}, False),
-    ({"key": DEVICE_PLUGIN, "operator": "Exists"}, False),
-    ({"key": DEVICE_PLUGIN, "operator": "DoesNotExist"}, True),
-    ({"key": "nvidia.com/other", "operator": "NotIn", "values": ["false"]}, False),
-])
-def test_an_affinity_expression_honours_the_label_where_false_fails_it(
-        expression: dict[str, Any], honoured: bool) -> None:
-    assert (rules.honoured(affinity([expression]), PLUGIN_LABELS) is not None) is honoured
-
-
-def test_what_is_remembered_is_only_the_labels_paused_and_the_first_pause_wins() -> None:
-    assert rules.remembered(None, PLUGIN_LABELS) is None
-    assert rules.remembered("{not json", PLUGIN_LABELS) is None
-    assert rules.remembered('["a"]', PLUGIN_LABELS) is None
-    text = json.dumps({DEVICE_PLUGIN: "true", GFD: None, "kubernetes.io/hostname": "x"})
-    assert rules.remembered(text, PLUGIN_LABELS) == {DEVICE_PLUGIN: "true", GFD: None}
-    kept = rules.to_remember({DEVICE_PLUGIN: PAUSED, DCGM_EXPORTER: "true"},
-                             [DEVICE_PLUGIN, DCGM_EXPORTER, GFD], {DEVICE_PLUGIN: "true"})
-    assert kept == {DEVICE_PLUGIN: "true", DCGM_EXPORTER: "true", GFD: None}
-
-
-def test_the_default_selectors_find_nvidias_static_manifest_chart_and_operator() -> None:
-    assert {"name=nvidia-device-plugin-ds", "app=nvidia-device-plugin-daemonset",
-            "app.kubernetes.io/name=nvidia-device-plugin"} <= set(PLUGIN_SELECTORS)
 
 
 # --- against the real control plane --------------------------------------------------------

@@ -98,14 +98,24 @@ def test_a_listed_function_the_host_lacks_is_an_error_naming_it(host: Any) -> No
     text = CONFIG.replace('functions = ["0000:01:00.1"]', 'functions = ["0000:01:00.7"]')
     with pytest.raises(ConfigError) as info:
         gpus.on_host(parse(text, "c.toml"), host.root)
-    assert str(info.value).startswith(
-        "c.toml: gpus.gpu-a.functions[0]: 0000:01:00.7 is not on this host")
-    with pytest.raises(ConfigError, match=r"gpus.gpu-c.pci: 0000:09:00.0 is not on this host"):
-        gpus.on_host(parse(CONFIG.replace("0000:03:00.0", "0000:09:00.0")), host.root)
+    devices = host.root / "bus/pci/devices"
+    assert str(info.value) == (
+        f"c.toml: gpus.gpu-a.functions[0]: 0000:01:00.7 is not on this host ({devices} has "
+        "no such device); write the address lspci -D shows (`hostagent gpus` lists the "
+        "display devices with their functions); a card's own functions need not be listed: "
+        "they move with it")
+    with pytest.raises(ConfigError) as info:
+        gpus.on_host(parse(CONFIG.replace("0000:03:00.0", "0000:09:00.0"), "c.toml"), host.root)
+    assert str(info.value) == (
+        f"c.toml: gpus.gpu-c.pci: 0000:09:00.0 is not on this host ({devices} has no such "
+        "device); write the address lspci -D shows (`hostagent gpus` lists the display "
+        "devices with their functions)")
     # Two GPUs on one card's slot: one card is one GPU.
-    with pytest.raises(ConfigError, match=r"gpus.gpu-c.pci: 0000:01:00.2 is on the slot of "
-                       "GPU gpu-a"):
-        gpus.on_host(parse(CONFIG.replace("0000:03:00.0", "0000:01:00.2")), host.root)
+    with pytest.raises(ConfigError) as info:
+        gpus.on_host(parse(CONFIG.replace("0000:03:00.0", "0000:01:00.2"), "c.toml"), host.root)
+    assert str(info.value) == (
+        "c.toml: gpus.gpu-c.pci: 0000:01:00.2 is on the slot of GPU gpu-a; one card is one "
+        "GPU: its other functions move with it, so remove one of the two")
 
 
 def test_status_shows_every_function_and_what_moves_together() -> None:

@@ -4,6 +4,7 @@ configuration; and, where a real NVIDIA GPU is present, NVML itself."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -241,3 +242,204 @@ def test_nvml_on_a_real_gpu() -> None:
     on_bus = {d.address for d in gpus.sysfs_gpus()}
     if on_bus:
         assert {g.pci for g in found} <= on_bus
+
+
+# --- the whole text and JSON of one host ------------------------------------------------
+
+WARNING = ("The index is NVML's and nvidia-smi's (PCI bus order). CUDA numbers GPUs fastest "
+           "first by default, so an index can name a different card there: use UUIDs in "
+           "CUDA_VISIBLE_DEVICES (or set CUDA_DEVICE_ORDER=PCI_BUS_ID).")
+
+
+def host(sysfs: Any) -> gpus.Inventory:
+    """NVML sees the GTX 960 at 05 (with its audio and USB functions); sysfs also has an
+    unbound card at 0b and a 3D controller at 0c on vfio-pci, both in IOMMU group 11
+    with a bridge, and a card at 0d outside any IOMMU group."""
+    sysfs.gpu("05", driver="nvidia").gpu("0b", audio=False, driver=None, group="11")
+    sysfs.add("0000:05:00.2", cls=0x0c0330, device="1ad6", driver="xhci_hcd", group="5")
+    sysfs.add("0000:0c:00.0", cls=0x030200, device="1eb8", driver="vfio-pci", group="11")
+    sysfs.add("0000:00:1c.0", cls=0x060400, device="a110", driver="pcieport", group="11")
+    sysfs.add("0000:0d:00.0", cls=0x030000, device="1c82", driver=None)  # IOMMU off
+    return gpus.inventory(sysfs.root, FakeNvml(CARDS[:1]))
+
+
+def test_the_text_of_a_host(sysfs: Any) -> None:
+    assert gpus.format_inventory(host(sysfs)) == "\n".join([
+        "NVIDIA driver 580.95.05, as NVML sees it:",
+        "  INDEX  UUID      PCI           NAME                    MEMORY    OTHER FUNCTIONS",
+        "  0      GPU-aaaa  0000:05:00.0  NVIDIA GeForce GTX 960  4096 MiB  0000:05:00.1, "
+        "0000:05:00.2",
+        "",
+        "note: " + WARNING,
+        "",
+        "Display devices NVML does not see (sysfs):",
+        "  PCI           IDS        DRIVER    OTHER FUNCTIONS  IOMMU GROUP  ALSO IN THE GROUP",
+        "  0000:0b:00.0  10de:2584  none      -                11           0000:00:1c.0, "
+        "0000:0c:00.0",
+        "  0000:0c:00.0  10de:1eb8  vfio-pci  -                11           0000:00:1c.0, "
+        "0000:0b:00.0",
+        "  0000:0d:00.0  10de:1c82  none      -                -            -",
+        "",
+        "Every function of a card's slot moves with it (hostagent lends and reclaims them "
+        "together).",
+    ])
+
+
+def test_the_json_of_a_host(sysfs: Any) -> None:
+    assert gpus.inventory_json(host(sysfs)) == {
+        "nvml": {"available": True, "error": None, "gpus": [{
+            "index": 0, "uuid": "GPU-aaaa", "pci": "0000:05:00.0",
+            "name": "NVIDIA GeForce GTX 960", "memory_mib": 4096,
+            "driver_version": "580.95.05", "functions": ["0000:05:00.1", "0000:05:00.2"]}]},
+        "pci": [
+            {"address": "0000:05:00.0", "class_code": "0x030000", "vendor": "10de",
+             "device": "2584", "driver": "nvidia", "iommu_group": "5",
+             "group_members": ["0000:05:00.1", "0000:05:00.2"],
+             "functions": ["0000:05:00.1", "0000:05:00.2"]},
+            {"address": "0000:0b:00.0", "class_code": "0x030000", "vendor": "10de",
+             "device": "2584", "driver": None, "iommu_group": "11",
+             "group_members": ["0000:00:1c.0", "0000:0c:00.0"], "functions": []},
+            {"address": "0000:0c:00.0", "class_code": "0x030200", "vendor": "10de",
+             "device": "1eb8", "driver": "vfio-pci", "iommu_group": "11",
+             "group_members": ["0000:00:1c.0", "0000:0b:00.0"], "functions": []},
+            {"address": "0000:0d:00.0", "class_code": "0x030000", "vendor": "10de",
+             "device": "1c82", "driver": None, "iommu_group": None, "group_members": [],
+             "functions": []},
+        ],
+        "warning": WARNING,
+    }
+
+
+def test_nvml_that_lists_nothing_says_so(sysfs: Any) -> None:
+    sysfs.gpu("0b", audio=False)
+    inv = gpus.inventory(sysfs.root, FakeNvml([]))
+    assert gpus.format_inventory(inv) == "\n".join([
+        "NVML: no GPU (it lists none)",
+        "",
+        "Display devices (sysfs):",
+        "  PCI           IDS        DRIVER    OTHER FUNCTIONS  IOMMU GROUP  ALSO IN THE GROUP",
+        "  0000:0b:00.0  10de:2584  vfio-pci  -                11           -",
+    ])
+    data = gpus.inventory_json(inv)
+    assert (data["nvml"], data["warning"]) == ({"available": True, "error": None, "gpus": []},
+                                               None)
+    empty = gpus.Inventory(nvml=[], nvml_error=None, pci=[])
+    assert gpus.format_inventory(empty) == (
+        "No GPU found: NVML sees none (it lists none) and sysfs lists no display device "
+        "(class 0x03) under /sys/bus/pci/devices. Is this the host (not a container), and is "
+        "the card seated and powered?")
+
+
+def test_a_domain_is_read_as_hex() -> None:
+    assert gpus.canonical_pci("0010:01:00.0") == "0010:01:00.0"
+    assert gpus.canonical_pci("000000a0:01:00.0") == "00a0:01:00.0"
+
+
+def test_pynvml_is_the_library_unless_another_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(CARDS[:1]))
+    assert [g.uuid for g in gpus.read_nvml()] == ["GPU-aaaa"]
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    with pytest.raises(NvmlUnavailable) as info:
+        gpus.read_nvml()
+    assert str(info.value).startswith("pynvml is not installed (")
+    assert str(info.value).endswith("): install nvidia-ml-py")
+
+
+def test_nvml_failing_while_listing_says_so_and_shuts_down() -> None:
+    class Broken(FakeNvml):
+        def nvmlDeviceGetCount(self) -> int:
+            raise RuntimeError("GPU is lost")
+
+    fake = Broken(CARDS)
+    with pytest.raises(NvmlUnavailable) as info:
+        gpus.read_nvml(fake)
+    assert str(info.value) == "NVML failed while listing GPUs: GPU is lost"
+    assert fake.shut
+
+
+def test_every_gpu_by_uuid_is_placed_whatever_comes_before_it() -> None:
+    cfg = parse(textwrap.dedent("""
+        [lendee]
+        domain = "gpu-node"
+        gpus = ["gpu-x", "gpu-y", "gpu-a", "gpu-b"]
+
+        [gpus.gpu-x]
+        pci = "0000:01:00.0"
+
+        [gpus.gpu-y]
+        pci = "0000:02:00.0"
+        uuid = "GPU-yyyy"
+
+        [gpus.gpu-a]
+        uuid = "GPU-aaaa"
+
+        [gpus.gpu-b]
+        uuid = "GPU-bbbb"
+        """))
+    placed = gpus.resolve_uuids(cfg, gpus.read_nvml(FakeNvml(CARDS)))
+    assert [placed.gpus[g].pci for g in ("gpu-x", "gpu-y", "gpu-a", "gpu-b")] == [
+        "0000:01:00.0", "0000:02:00.0", "0000:05:00.0", "0000:0a:00.0"]
+    # Without a reason from NVML, the refusal says none.
+    with pytest.raises(ConfigError) as info:
+        gpus.resolve_uuids(cfg, [])
+    assert str(info.value) == (
+        "<config>: gpus.gpu-a: NVML on this host does not see GPU-aaaa; a GPU bound to "
+        "vfio-pci is invisible to NVML: add its pci address (`hostagent gpus` lists the "
+        "display devices, `lspci -D` all)")
+
+
+def test_the_host_reads_every_placed_gpu_whatever_comes_before_it(sysfs: Any) -> None:
+    sysfs.gpu("05").gpu("0a")
+    cfg = parse(textwrap.dedent("""
+        [lendee]
+        domain = "gpu-node"
+        gpus = ["gpu-a", "gpu-b"]
+
+        [gpus.gpu-a]
+        uuid = "GPU-aaaa"
+
+        [gpus.gpu-b]
+        pci = "0000:0a:00.0"
+        """))
+    placed = gpus.on_host(cfg, sysfs.root)
+    assert placed.gpus["gpu-a"].pci is None  # not placed yet: left as it is
+    assert placed.gpus["gpu-b"].pci_functions == ("0000:0a:00.0", "0000:0a:00.1")
+
+
+def test_a_function_of_another_gpus_card_is_refused_naming_it(sysfs: Any) -> None:
+    sysfs.gpu("01").gpu("02")
+    cfg = parse(textwrap.dedent("""
+        [lendee]
+        domain = "gpu-node"
+        gpus = ["gpu-a", "gpu-b"]
+
+        [gpus.gpu-a]
+        pci = "0000:01:00.0"
+
+        [gpus.gpu-b]
+        pci = "0000:02:00.0"
+        functions = ["0000:01:00.1"]
+        """), "c.toml")
+    with pytest.raises(ConfigError) as info:
+        gpus.on_host(cfg, sysfs.root)
+    assert str(info.value) == ("c.toml: gpus.gpu-b.functions: 0000:01:00.1 is a function of "
+                               "GPU gpu-a's card; remove it here: it moves with gpu-a")
+
+
+def test_a_card_outside_any_iommu_group_has_none(sysfs: Any) -> None:
+    sysfs.add("0000:01:00.0", driver="vfio-pci")  # the IOMMU is off
+    cfg = parse('[lendee]\ndomain = "n"\ngpus = ["gpu-a"]\n[gpus.gpu-a]\npci = "0000:01:00.0"\n')
+    assert gpus.on_host(cfg, sysfs.root).gpus["gpu-a"].iommu_groups == ()
+
+
+def test_what_sysfs_leaves_out_or_garbles_is_read_as_unknown(sysfs: Any) -> None:
+    sysfs.add("0000:01:00.0", group="7")
+    dev = sysfs.root / "bus/pci/devices/0000:01:00.0"
+    (dev / "vendor").unlink()
+    (dev / "device").write_text("")
+    (dev / "class").write_text("a VGA card\n")
+    shutil.rmtree(sysfs.root / "kernel/iommu_groups/7/devices")
+    found = gpus.pci_device("0000:01:00.0", sysfs.root)
+    assert found is not None
+    assert (found.ids, found.class_code, found.iommu_group, found.group_members) == (
+        "?:?", 0, "7", ())

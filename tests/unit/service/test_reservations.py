@@ -22,7 +22,7 @@ from hostagent.host import journal
 from hostagent.host import state as persisted
 from hostagent.service.agent import Agent
 from hostagent.service.reservations import _hhmm
-from hostagent.core.reserve import BadReservation, Reservation
+from hostagent.core.reserve import Reservation
 from hostagent.surfaces.control import Caller, Rights, serving
 from tests.unit.partial_world import TOPO, S, gpus, A, B, C
 from tests.waiting import until
@@ -31,35 +31,6 @@ from tests.unit.reserve_scaffold import (
     BERLIN, SHARED, Pods, make_agent, reserve)
 
 # --- daylight saving ----------------------------------------------------------------------
-
-
-def test_a_time_of_day_takes_the_offset_of_its_own_date() -> None:
-    eve = datetime(2026, 10, 24, 21, 0, tzinfo=BERLIN)  # CEST, +02:00; tomorrow +01:00
-    assert plan.parse_at("20:00", eve) == datetime(2026, 10, 25, 20, 0, tzinfo=BERLIN)
-    assert plan.parse_at("20:00", eve).utcoffset().total_seconds() == 3600  # type: ignore[union-attr]
-
-
-def test_a_time_the_clock_skips_is_refused_naming_the_gap() -> None:
-    eve = datetime(2026, 3, 28, 21, 0, tzinfo=BERLIN)  # the clocks go forward at 02:00
-    for text in ("02:30", "2026-03-29T02:30"):
-        with pytest.raises(BadReservation) as info:
-            plan.read_at(text, eve)
-        assert str(info.value) == (
-            "02:30 does not exist on 2026-03-29 in the host's zone: the clocks go forward "
-            "from 02:00 to 03:00 that night; give a time outside the gap")
-    assert plan.read_at("03:00", eve).when == datetime(2026, 3, 29, 3, 0, tzinfo=BERLIN)
-
-
-def test_a_time_the_clock_shows_twice_is_the_first_and_says_so() -> None:
-    eve = datetime(2026, 10, 24, 21, 0, tzinfo=BERLIN)  # the clocks go back at 03:00
-    at = plan.read_at("02:30", eve)
-    assert at.when.isoformat() == "2026-10-25T02:30:00+02:00"
-    assert at.note == ("02:30 happens twice on 2026-10-25 (the clocks go back from 03:00 "
-                       "to 02:00): this is the first, 2026-10-25T02:30+02:00; for the "
-                       "second, give 2026-10-25T02:30+01:00")
-    second = plan.read_at("2026-10-25T02:30+01:00", eve)
-    assert second.note is None and second.when.timestamp() == at.when.timestamp() + 3600
-    assert plan.read_at("20:00", eve).note is None
 
 
 async def test_reserve_on_the_eve_of_a_change_lands_at_that_days_time(

@@ -2,12 +2,12 @@
 occurrence at that wall time with the zone's rules for its own date (daylight saving),
 one occurrence at a time in the state (the next made when one ends: used, expired,
 yielded or cancelled alone), the whole series cancelled on demand, listed in status and
-kept in the state file (`hostagent.core.reserve`, `hostagent.service.reservations`)."""
+kept in the state file (`hostagent.service.reservations`; the spec and each occurrence's
+time, pure, in tests/unit/core/test_reserve_times.py)."""
 
 from __future__ import annotations
 
 import time
-import zoneinfo
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -15,74 +15,11 @@ from typing import Any
 import pytest
 
 from hostagent.core import clock
-from hostagent.core import reserve as plan
-from hostagent.core.reserve import BadReservation, Reservation
+from hostagent.core.reserve import Reservation
 from hostagent.host import state as persisted
 from hostagent.surfaces.follow import format_status
 from tests.unit.reserve_scaffold import (
     BERLIN, Pods, make_agent, reserve)
-
-NEW_YORK = zoneinfo.ZoneInfo("America/New_York")
-
-
-# --- the spec --------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(("spec", "days", "shown"), [
-    ("weekdays 20:00", {0, 1, 2, 3, 4}, "weekdays 20:00"),
-    ("daily at 7:05", set(range(7)), "daily 07:05"),
-    ("weekends 21:30", {5, 6}, "weekends 21:30"),
-    ("Mon,wed,FRI 20:00", {0, 2, 4}, "mon,wed,fri 20:00"),
-    ("mon,tue,wed,thu,fri 20:00", {0, 1, 2, 3, 4}, "weekdays 20:00"),
-])
-def test_the_spec_is_read_and_shown_one_way(spec: str, days: set[int], shown: str) -> None:
-    every = plan.read_every(spec)
-    assert every.days == days and str(every) == shown
-
-
-@pytest.mark.parametrize(("spec", "said"), [
-    ("someday 20:00", "someday"),
-    ("weekdays 25:00", "25:00"),
-    ("weekdays", "a time"),
-    ("", "a time"),
-    ("mon,,fri 20:00", "mon,,fri"),
-    ("weekdays 2026-12-04T20:00", "HH:MM"),
-])
-def test_a_spec_that_is_not_one_is_refused_saying_why(spec: str, said: str) -> None:
-    with pytest.raises(BadReservation) as e:
-        plan.read_every(spec)
-    assert said in str(e.value)
-
-
-def test_each_occurrence_keeps_its_wall_time_across_a_change_of_the_clocks() -> None:
-    every = plan.read_every("daily 20:00")
-    # Berlin goes forward on 2026-03-29: 20:00 is 19:00 UTC the day before, 18:00 after.
-    at, skipped = plan.next_occurrence(every, datetime(2026, 3, 28, 21, 0, tzinfo=BERLIN)
-                                       .timestamp(), BERLIN)
-    assert datetime.fromtimestamp(at, BERLIN).isoformat() == "2026-03-29T20:00:00+02:00"
-    assert skipped == []
-    before = plan.next_occurrence(every, datetime(2026, 3, 28, 12, 0, tzinfo=BERLIN)
-                                  .timestamp(), BERLIN)[0]
-    assert at - before == 23 * 3600  # a day of 23 hours between two 20:00s
-
-
-def test_weekdays_skip_the_weekend() -> None:
-    friday_night = datetime(2026, 12, 4, 21, 0, tzinfo=BERLIN).timestamp()
-    at, _ = plan.next_occurrence(plan.read_every("weekdays 20:00"), friday_night, BERLIN)
-    assert datetime.fromtimestamp(at, BERLIN) == datetime(2026, 12, 7, 20, 0, tzinfo=BERLIN)
-
-
-def test_a_day_whose_time_the_clock_skips_is_passed_over_and_one_it_shows_twice_is_first(
-        ) -> None:
-    # New York skips 02:00-03:00 on 2026-03-08.
-    at, skipped = plan.next_occurrence(plan.read_every("daily 02:30"), datetime(
-        2026, 3, 7, 12, 0, tzinfo=NEW_YORK).timestamp() + 86400 - 3600 * 11, NEW_YORK)
-    assert skipped == ["2026-03-08"]
-    assert datetime.fromtimestamp(at, NEW_YORK).isoformat() == "2026-03-09T02:30:00-04:00"
-    # Berlin shows 02:30 twice on 2026-10-25: the first.
-    at, _ = plan.next_occurrence(plan.read_every("daily 02:30"), datetime(
-        2026, 10, 24, 21, 0, tzinfo=BERLIN).timestamp(), BERLIN)
-    assert datetime.fromtimestamp(at, BERLIN).isoformat() == "2026-10-25T02:30:00+02:00"
 
 
 # --- the agent ---------------------------------------------------------------------------

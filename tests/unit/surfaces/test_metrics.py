@@ -1,4 +1,5 @@
-"""Metrics fed by the real machine, health checks, and the tiny HTTP server that serves both."""
+"""Metrics fed by the real machine, and the tiny HTTP server that serves them with the health
+checks (the checks themselves: tests/unit/core/test_health.py)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,12 @@ import json
 import logging
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 import hostagent
-from hostagent.core import config, health, machine
+from hostagent.core import config, machine
 from hostagent.surfaces import metrics
 from hostagent.surfaces.follow import format_status
 from hostagent.core.health import CheckFailed, Health
@@ -125,122 +125,6 @@ async def test_last_lend_verified_follows_the_lends() -> None:
     d(OwnerStopped, 15.0, owner="gaming1")  # the game ended: lent again
     d.lend(20.0)
     assert (await d.metrics.lend_verified()).startswith("verified at ")
-
-
-async def test_health_runs_every_check_within_its_budget(tmp_path: Path) -> None:
-    async def fine() -> str:
-        return "all good"
-
-    async def hangs() -> str:
-        await asyncio.sleep(10)
-        return "never"
-
-    async def breaks() -> str:
-        raise ConnectionRefusedError("refused")
-
-    h = Health(timeout=0.2)
-    for name, probe in (("fine", fine), ("hangs", hangs), ("breaks", breaks)):
-        h.add(name, probe)
-    results = {r.check: r for r in await h.check()}
-    assert list(results) == ["fine", "hangs", "breaks"]
-    assert results["fine"].ok and results["fine"].detail == "all good"
-    assert not results["hangs"].ok and results["hangs"].detail == "no answer within 0.2s"
-    assert not results["breaks"].ok and results["breaks"].detail == "refused"
-    assert h.last == list(results.values())
-
-
-async def test_health_is_one_run_shared_by_every_caller_and_briefly_kept() -> None:
-    """Status over SSH, /healthz and /metrics, asked in a flood, cost one run per
-    max_age: each run connects to the hook socket, calls libvirt and asks the API server."""
-    runs = 0
-    now = 100.0
-    gate = asyncio.Event()
-
-    async def probe() -> str:
-        nonlocal runs
-        runs += 1
-        await gate.wait()
-        return f"run {runs}"
-
-    h = Health(clock=lambda: now)
-    h.add("kubernetes", probe)
-    callers = [asyncio.create_task(h.check()) for _ in range(200)]
-    await asyncio.sleep(0)
-    gate.set()
-    answers = await asyncio.gather(*callers)
-    assert runs == 1
-    assert all(a == answers[0] for a in answers) and answers[0][0].detail == "run 1"
-    now += h.max_age / 2
-    assert (await h.check())[0].detail == "run 1" and runs == 1  # young enough: kept
-    now += h.max_age
-    assert (await h.check())[0].detail == "run 2"
-    assert (await h.check(max_age=0))[0].detail == "run 3"  # asked for fresh
-    # A caller that stops waiting (its client hung up) leaves the run to the others.
-    gate.clear()
-    gone, stays = (asyncio.create_task(h.check(max_age=0)) for _ in range(2))
-    await asyncio.sleep(0)
-    gone.cancel()
-    gate.set()
-    assert (await stays)[0].detail == "run 4" and runs == 4
-    assert gone.cancelled()
-
-
-async def test_health_forgets_results_older_than_a_change_it_is_told_of() -> None:
-    """The state file is saved again: a status asked just after shows it, neither the
-    kept results nor a run begun before the save."""
-    now = 100.0
-    saved = False
-    gate = asyncio.Event()
-    gate.set()
-
-    async def probe() -> str:
-        seen = saved  # read at the start of a run, as the agent's check does
-        await gate.wait()
-        return "saved" if seen else "refused"
-
-    h = Health(clock=lambda: now)
-    h.add("state file", probe)
-    assert (await h.check())[0].detail == "refused"
-    saved = True
-    h.forget()
-    assert (await h.check())[0].detail == "saved"  # within max_age, yet run again
-    # A run in flight when told: its callers get the run after it.
-    saved = False
-    gate.clear()
-    caller = asyncio.create_task(h.check(max_age=0))
-    await asyncio.sleep(0)
-    saved = True
-    h.forget()
-    gate.set()
-    assert (await caller)[0].detail == "saved"
-    assert (await h.check())[0].detail == "saved"  # and that later run is kept
-
-
-async def test_socket_check_connects(tmp_path: Path) -> None:
-    path = tmp_path / "hook.sock"
-    probe = health.socket_answers(path, "hook socket")
-    with pytest.raises(CheckFailed, match="hook socket .*hook.sock"):
-        await probe()
-    server = await asyncio.start_unix_server(lambda r, w: w.close(), path=str(path))
-    async with server:
-        assert "accepts connections" in str(await probe())
-
-
-async def test_libvirt_check_says_what_is_wrong() -> None:
-    class FakeLibvirt:
-        uri = "qemu:///system"
-        connected = False
-
-        async def running_domains(self) -> set[str]:
-            raise RuntimeError("list running domains: lost libvirtd")
-
-    fake = FakeLibvirt()
-    probe = health.libvirt_alive(fake)
-    with pytest.raises(CheckFailed, match=r"^libvirt: not connected to qemu:///system"):
-        await probe()
-    fake.connected = True
-    with pytest.raises(CheckFailed, match=r"^libvirt: list running domains: lost libvirtd"):
-        await probe()
 
 
 async def test_http_serves_metrics_and_healthz() -> None:
