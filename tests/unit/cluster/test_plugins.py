@@ -1,6 +1,6 @@
 """The node's GPU plugins kept off its GPUs through their deploy labels, as NVIDIA's
 mig-manager pauses gpu-operator's operands (what honours the labels, no side effects:
-tests/unit/core/test_plugins.py): against the real control plane with its real DaemonSet controller and scheduler,
+tests/unit/core/test_plugin_labels.py): against the real control plane with its real DaemonSet controller and scheduler,
 the pause (pods gone, none made again), the restore as found (an absent label stays
 absent), a restore after the agent restarted mid-way, and which installs can be paused.
 """
