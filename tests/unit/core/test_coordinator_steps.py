@@ -1,0 +1,140 @@
+"""`hostagent.core.coordinator.step`'s own rules: what it raises and with what, a request
+failed on one lendee answered at its home and dropped by every other, the reservations
+each lendee's machine is shown. The world is tests/unit/core/test_coordinator.py's:
+node-a lends gpu-a, node-b gpu-b and gpu-c; "both" plays on gpu-a and gpu-c."""
+
+from __future__ import annotations
+
+import pytest
+
+from hostagent.core import coordinator
+from hostagent.core.config import parse
+from hostagent.core.coordinator import Fleet, Routed, World
+from hostagent.core.model import (
+    AgentUp,
+    Drained,
+    DrainFailed,
+    Event,
+    FailIntent,
+    IntentSource,
+    KubeReturn,
+    LendeeStopped,
+    OwnerStarted,
+    OwnerStopped,
+    OwnerWants,
+    Phase,
+    Policy,
+    Reserve,
+    ScheduleRelend,
+    State,
+)
+from hostagent.core.reserve import Reservation
+from hostagent.core.rules import IllegalTransition
+from hostagent.core.topology import topology
+from tests.unit.lendees_scaffold import TWO
+
+CFG = parse(TWO)
+A, B = "node-a", "node-b"
+T = 7
+
+
+def world() -> World:
+    # Built in each test, not at import: a check that runs at import is no test's.
+    return World(topos={n: topology(CFG.view(n)) for n in CFG.lendees},
+                 policies={n: Policy(relend_delay=0.0) for n in CFG.lendees})
+
+
+def go(fleet: Fleet, event: Event, lendee: str | None = None) -> tuple[Fleet, list[Routed]]:
+    return coordinator.step(fleet, event, world=world(), lendee=lendee)
+
+
+def lent(gpus: set[str]) -> State:
+    return State(phase=Phase.LENT, ticket=T, agent_up=True, lent=frozenset(gpus))
+
+
+def both_lent() -> Fleet:
+    return Fleet(states={A: lent({"gpu-a"}), B: lent({"gpu-b", "gpu-c"})})
+
+
+WANTS = OwnerWants(at=100.0, owner="both", intent_id="i-both", source=IntentSource.HOOK)
+
+
+def reclaimed(fleet: Fleet, name: str) -> Fleet:
+    for make in (lambda t: Drained(at=101.0, ticket=t), lambda t: AgentUp(at=102.0, ticket=t),
+                 lambda t: LendeeStopped(at=103.0)):
+        fleet, _ = go(fleet, make(fleet.states[name].ticket), name)
+    return fleet
+
+
+def test_an_unnamed_report_says_which_event_must_name_its_lendee() -> None:
+    with pytest.raises(ValueError, match="^LendeeStopped must name its lendee$"):
+        go(both_lent(), LendeeStopped(at=1.0))
+
+
+def test_an_event_no_lendee_concerns_is_refused_with_the_first_lendees_phase() -> None:
+    event = OwnerStopped(at=1.0, owner="stranger")
+    with pytest.raises(IllegalTransition) as info:
+        go(both_lent(), event)
+    assert (info.value.phase, info.value.event, info.value.why) == (
+        Phase.LENT, event, "no lendee concerns it")
+
+
+def test_a_request_one_lendee_refuses_is_refused_with_its_phase_and_rival() -> None:
+    fleet = Fleet(states={A: lent(set()), B: State(running_owners=frozenset({"gaming2"}))})
+    fleet, _ = go(fleet, OwnerStarted(at=1.0, owner="gaming1"))
+    with pytest.raises(IllegalTransition) as info:
+        go(fleet, WANTS)
+    assert info.value.phase is Phase.LENT and info.value.event == WANTS
+    assert "gaming1" in info.value.why and info.value.why != "no rule for it in this phase"
+
+
+def test_an_owner_already_running_is_not_refused_for_a_rival_beside_it() -> None:
+    fleet = Fleet(states={A: State(running_owners=frozenset({"both", "gaming1"})), B: State()})
+    _, actions = go(fleet, WANTS)
+    assert [r.lendee for r in actions] == [A]
+
+
+def test_an_event_every_machine_finds_stale_raises_theirs_and_changes_nothing() -> None:
+    fleet = both_lent()
+    stale = Drained(at=1.0, ticket=T + 5)
+    with pytest.raises(IllegalTransition) as info:
+        go(fleet, stale, A)
+    assert info.value.event == stale and info.value.phase is Phase.LENT
+
+
+def test_a_machine_that_finds_an_event_stale_does_not_stop_the_next_from_taking_it() -> None:
+    # node-a never saw "both" run (its view lost it): node-b's machine still hears it stop.
+    fleet = Fleet(states={A: State(), B: State(running_owners=frozenset({"both"}))})
+    after, _ = go(fleet, OwnerStopped(at=1.0, owner="both"))
+    assert after.states[A] is fleet.states[A]
+    assert after.states[B].running_owners == frozenset()
+
+
+def test_a_request_failed_on_another_lendee_is_answered_at_its_home() -> None:
+    fleet = reclaimed(go(both_lent(), WANTS)[0], A)
+    fleet, actions = go(fleet, DrainFailed(at=110.0, ticket=fleet.states[B].ticket,
+                                           reason="a PDB"), B)
+    assert [r for r in actions if isinstance(r.action, FailIntent)] == [Routed(A, FailIntent(
+        intent_id="i-both", owner="both",
+        reason="node-b could not be drained (a PDB), and the policy keeps it lent"))]
+
+
+def test_a_request_failed_on_its_home_is_dropped_by_the_other_lendee() -> None:
+    fleet = reclaimed(go(both_lent(), WANTS)[0], B)
+    fleet, actions = go(fleet, DrainFailed(at=110.0, ticket=fleet.states[A].ticket,
+                                           reason="a PDB"), A)
+    assert not fleet.states[A].intents and not fleet.states[B].intents
+    assert actions == [
+        Routed(A, FailIntent(intent_id="i-both", owner="both", reason=(
+            "node-a could not be drained (a PDB), and the policy keeps it lent"))),
+        Routed(A, KubeReturn(ticket=T + 2, restart_plugins=False)),
+        Routed(B, ScheduleRelend(at=110.0)),
+    ]
+
+
+def test_each_lendee_is_shown_only_its_own_owners_reservations_and_acts_on_them() -> None:
+    r = Reservation(vm="gaming2", at=1000.0, by="mqtt", made=0.0)
+    fleet, actions = go(Fleet(states={A: State(), B: State()}),
+                        Reserve(at=1.0, reservations=(r,)))
+    assert fleet.states[A].reservations == () and fleet.states[B].reservations == (r,)
+    assert actions == [Routed(A, ScheduleRelend(at=1.0)), Routed(B, ScheduleRelend(at=1.0))]
