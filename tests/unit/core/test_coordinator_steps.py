@@ -12,13 +12,16 @@ from hostagent.core.config import parse
 from hostagent.core.coordinator import Fleet, Routed, World
 from hostagent.core.model import (
     AgentUp,
+    CompleteIntent,
     Drained,
     DrainFailed,
     Event,
     FailIntent,
+    Hotplug,
     IntentSource,
     KubeReturn,
     LendeeStopped,
+    Observed,
     OwnerStarted,
     OwnerStopped,
     OwnerWants,
@@ -138,3 +141,21 @@ def test_each_lendee_is_shown_only_its_own_owners_reservations_and_acts_on_them(
                         Reserve(at=1.0, reservations=(r,)))
     assert fleet.states[A].reservations == () and fleet.states[B].reservations == (r,)
     assert actions == [Routed(A, ScheduleRelend(at=1.0)), Routed(B, ScheduleRelend(at=1.0))]
+
+
+def test_the_hook_answers_an_owner_with_its_lendees_policy_for_a_live_take() -> None:
+    live = World(topos={n: topology(CFG.view(n)) for n in CFG.lendees},
+                 policies={n: Policy(relend_delay=0.0, hotplug=Hotplug.BOTH, partial=True)
+                           for n in CFG.lendees})
+    fleet = both_lent()
+    decision, why = coordinator.verdict(fleet, "gaming2", world=live)
+    assert decision == "defer" and why.startswith(
+        "hostagent is taking gpu-b from node-b while it runs"), why
+
+
+def test_a_request_one_lendee_sees_completed_is_answered_at_its_home() -> None:
+    fleet, _ = go(both_lent(), WANTS)
+    seen = Observed(at=105.0, lendee_running=False, owners_running=frozenset({"both"}))
+    _, actions = go(fleet, seen, B)
+    assert actions == [Routed(A, CompleteIntent(intent_id="i-both", owner="both")),
+                       Routed(B, ScheduleRelend(at=105.0))]
