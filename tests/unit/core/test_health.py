@@ -14,6 +14,22 @@ from hostagent.core import health
 from hostagent.core.health import CheckFailed, CheckResult, Health
 
 
+class Counted:
+    """A check that counts its runs and answers "run N", N its runs so far when it ends;
+    each run waits for `gate`, open unless `held`."""
+
+    def __init__(self, *, held: bool = False) -> None:
+        self.runs = 0
+        self.gate = asyncio.Event()
+        if not held:
+            self.gate.set()
+
+    async def __call__(self) -> str:
+        self.runs += 1
+        await self.gate.wait()
+        return f"run {self.runs}"
+
+
 async def test_health_runs_every_check_within_its_budget(tmp_path: Path) -> None:
     async def fine() -> str:
         return "all good"
@@ -39,36 +55,28 @@ async def test_health_runs_every_check_within_its_budget(tmp_path: Path) -> None
 async def test_health_is_one_run_shared_by_every_caller_and_briefly_kept() -> None:
     """Status over SSH, /healthz and /metrics, asked in a flood, cost one run per
     max_age: each run connects to the hook socket, calls libvirt and asks the API server."""
-    runs = 0
     now = 100.0
-    gate = asyncio.Event()
-
-    async def probe() -> str:
-        nonlocal runs
-        runs += 1
-        await gate.wait()
-        return f"run {runs}"
-
+    probe = Counted(held=True)
     h = Health(clock=lambda: now)
     h.add("kubernetes", probe)
     callers = [asyncio.create_task(h.check()) for _ in range(200)]
     await asyncio.sleep(0)
-    gate.set()
+    probe.gate.set()
     answers = await asyncio.gather(*callers)
-    assert runs == 1
+    assert probe.runs == 1
     assert all(a == answers[0] for a in answers) and answers[0][0].detail == "run 1"
     now += h.max_age / 2
-    assert (await h.check())[0].detail == "run 1" and runs == 1  # young enough: kept
+    assert (await h.check())[0].detail == "run 1" and probe.runs == 1  # young enough: kept
     now += h.max_age
     assert (await h.check())[0].detail == "run 2"
     assert (await h.check(max_age=0))[0].detail == "run 3"  # asked for fresh
     # A caller that stops waiting (its client hung up) leaves the run to the others.
-    gate.clear()
+    probe.gate.clear()
     gone, stays = (asyncio.create_task(h.check(max_age=0)) for _ in range(2))
     await asyncio.sleep(0)
     gone.cancel()
-    gate.set()
-    assert (await stays)[0].detail == "run 4" and runs == 4
+    probe.gate.set()
+    assert (await stays)[0].detail == "run 4" and probe.runs == 4
     assert gone.cancelled()
 
 
@@ -168,13 +176,7 @@ async def test_checks_are_added_replaced_and_removed_by_name() -> None:
 
 async def test_results_are_kept_for_max_age_then_run_again() -> None:
     now = 100.0
-    runs = 0
-
-    async def probe() -> str:
-        nonlocal runs
-        runs += 1
-        return f"run {runs}"
-
+    probe = Counted()
     h = Health(clock=lambda: now, max_age=5.0)
     h.add("x", probe)
     assert (await h.check())[0].detail == "run 1"
@@ -190,24 +192,16 @@ async def test_results_are_kept_for_max_age_then_run_again() -> None:
 
 async def test_a_forget_during_a_run_keeps_its_results_from_later_callers() -> None:
     now = 100.0
-    gate = asyncio.Event()
-    runs = 0
-
-    async def probe() -> str:
-        nonlocal runs
-        runs += 1
-        await gate.wait()
-        return f"run {runs}"
-
+    probe = Counted(held=True)
     h = Health(clock=lambda: now)
     h.add("x", probe)
     first = asyncio.create_task(h.check())
     await asyncio.sleep(0)
     h.forget()
-    gate.set()
+    probe.gate.set()
     assert (await first)[0].detail == "run 2"  # the run begun before is not given
     assert h.last[0].detail == "run 2"
-    assert (await h.check())[0].detail == "run 2" and runs == 2
+    assert (await h.check())[0].detail == "run 2" and probe.runs == 2
 
 
 async def test_domains_defined_names_each_missing_domain_and_what_libvirt_has() -> None:
@@ -295,23 +289,14 @@ async def test_a_socket_nobody_listens_on_is_said_in_words(tmp_path: Path) -> No
 
 async def test_every_forget_makes_the_results_before_it_stale() -> None:
     now = 100.0
-    gate = asyncio.Event()
-    gate.set()
-    runs = 0
-
-    async def probe() -> str:
-        nonlocal runs
-        runs += 1
-        await gate.wait()
-        return f"run {runs}"
-
+    probe = Counted()
     h = Health(clock=lambda: now)
     h.add("x", probe)
     h.forget()
     assert (await h.check())[0].detail == "run 1"
-    gate.clear()
+    probe.gate.clear()
     caller = asyncio.create_task(h.check(max_age=0))
     await asyncio.sleep(0)
     h.forget()  # a second change, during the run begun after the first
-    gate.set()
+    probe.gate.set()
     assert (await caller)[0] == CheckResult("x", True, "run 3")
