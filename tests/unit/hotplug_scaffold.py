@@ -23,7 +23,7 @@ from tests.configs import UUID_A, UUID_B, UUID_C, lendee_toml
 from tests.fakes import LibvirtStub
 from tests.unit.kube_scaffold import Api
 from tests.unit.machine_scaffold import AT, LENDEE, T, Stepper, wants
-from tests.unit.partial_world import POLICY, TOPO, A, B, C, S, gpus, go
+from tests.unit.partial_world import BOTH, POLICY, TOPO, A, B, C, S, gpus, go
 
 
 ADD = replace(POLICY, hotplug=Hotplug.ADD)
@@ -166,7 +166,6 @@ class AddStep(LibvirtStub, NoCluster):
         return True
 
 
-BOTH = replace(POLICY, hotplug=Hotplug.BOTH)
 
 
 def lent(*labels: str) -> State:

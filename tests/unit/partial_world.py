@@ -9,6 +9,7 @@ from dataclasses import replace
 from hostagent.core.model import (
     CompleteIntent,
     FailIntent,
+    Hotplug,
     Phase,
     Policy,
     Regrow,
@@ -40,6 +41,8 @@ ALWAYS = replace(POLICY, regrow=Regrow.ALWAYS)
 NEVER = replace(POLICY, regrow=Regrow.NEVER)
 MIN2 = replace(POLICY, min_gpus=2)
 ALL_OR_NOTHING = replace(POLICY, partial=False)
+# Hot-add and hot-unplug on: the world of the live changes.
+BOTH = replace(POLICY, hotplug=Hotplug.BOTH)
 
 
 def gpus(*labels: str) -> frozenset[str]:
@@ -52,6 +55,7 @@ def vms(*names: str) -> frozenset[str]:
 
 STEPPER = Stepper(TOPO, POLICY)
 go, run = STEPPER.go, STEPPER.run
+LIVE = Stepper(TOPO, BOTH)
 
 
 def S(phase: Phase = Phase.OFF, **changes: object) -> State:  # a state, built like one

@@ -24,7 +24,6 @@ from hostagent.core.model import (
     Drained,
     ForceOff,
     GpusDetached,
-    Hotplug,
     KubeReturn,
     LendeeStopped,
     OwnerStarted,
@@ -37,11 +36,10 @@ from hostagent.core.model import (
     State,
 )
 from hostagent.core.reserve import Reservation
-from tests.unit.partial_world import POLICY, TOPO, A, B, C, S, gpus
-from tests.unit.machine_scaffold import AT, LENDEE, Stepper, T, intent, wants
+from tests.unit.partial_world import BOTH, LIVE, TOPO, A, B, C, S, gpus
+from tests.unit.machine_scaffold import AT, LENDEE, T, intent, wants
 
-BOTH = replace(POLICY, hotplug=Hotplug.BOTH)
-go, run = Stepper(TOPO, BOTH).go, Stepper(TOPO, BOTH).run
+go, run = LIVE.go, LIVE.run
 
 
 def lent() -> State:

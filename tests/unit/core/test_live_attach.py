@@ -5,7 +5,6 @@ gpu-c; gaming1 owns gpu-a."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 
@@ -14,17 +13,15 @@ from hostagent.core.model import (
     AttachFailed,
     AttachGpus,
     GpusAttached,
-    Hotplug,
     Phase,
     RelendDue,
     ScheduleRelend,
     State,
 )
-from tests.unit.machine_scaffold import AT, T, Stepper
-from tests.unit.partial_world import POLICY, TOPO, A, B, C, S, gpus
+from tests.unit.machine_scaffold import AT, T
+from tests.unit.partial_world import LIVE, POLICY, A, B, C, S, gpus
 
-BOTH = replace(POLICY, hotplug=Hotplug.BOTH)
-go = Stepper(TOPO, BOTH).go
+go = LIVE.go
 
 
 def attaching() -> State:

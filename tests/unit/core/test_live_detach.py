@@ -17,16 +17,14 @@ from hostagent.core.model import (
     DrainFailed,
     GpusAttached,
     GpusDetached,
-    Hotplug,
     Phase,
     ReturnDone,
     State,
 )
-from tests.unit.machine_scaffold import AT, T, Stepper, wants
-from tests.unit.partial_world import POLICY, TOPO, A, B, C, S, gpus
+from tests.unit.machine_scaffold import AT, T, wants
+from tests.unit.partial_world import LIVE, A, B, C, S, gpus
 
-BOTH = replace(POLICY, hotplug=Hotplug.BOTH)
-go = Stepper(TOPO, BOTH).go
+go = LIVE.go
 
 
 def detaching() -> State:

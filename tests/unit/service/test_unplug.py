@@ -54,10 +54,9 @@ from tests.unit.machine_scaffold import Stepper
 from tests.unit.agents import make_agent
 from tests.unit.hotplug_scaffold import LINT_CONFIG, gone, hot_add_findings, lendee_xml
 from tests.unit.machine_scaffold import AT, LENDEE, T, wants
-from tests.unit.partial_world import POLICY, TOPO, B, C, S, gpus
+from tests.unit.partial_world import BOTH, LIVE, POLICY, TOPO, B, C, S, gpus
 from tests.unit.hotplug_scaffold import (
     release_within,
-    BOTH,
     detaching,
     FakeStep,
     lent,
@@ -69,7 +68,7 @@ from tests.unit.hotplug_scaffold import (
 )
 
 A = "gpu-a"
-go, run = Stepper(TOPO, BOTH).go, Stepper(TOPO, BOTH).run
+go, run = LIVE.go, LIVE.run
 
 
 def test_a_game_takes_its_gpu_from_the_running_lendee_by_hot_unplug() -> None:
