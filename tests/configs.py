@@ -23,3 +23,13 @@ def lendee_toml(domain: str = "gpu-node", gpus: Sequence[str] = ("gpu-a", "gpu-b
         if uuids:
             text += f'uuid = "{UUIDS[label]}"\n'
     return text
+
+
+# gpu-node borrowing three GPUs; gaming1 owns gpu-a, gaming2 gpu-b, gpu-c no one.
+THREE_GPUS_TWO_OWNERS = lendee_toml(gpus=("gpu-a", "gpu-b", "gpu-c")) + """
+[owners.gaming1]
+gpus = ["gpu-a"]
+
+[owners.gaming2]
+gpus = ["gpu-b"]
+"""

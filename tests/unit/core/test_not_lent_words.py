@@ -11,17 +11,11 @@ from hostagent.core.config import Config, parse
 from hostagent.core.idle import NotLent, Why, as_dicts, not_lent
 from hostagent.core.model import Intent, IntentSource, Phase, State
 from hostagent.core.reserve import Reservation
-from tests.configs import lendee_toml
+from tests.configs import THREE_GPUS_TWO_OWNERS
 
 NOW = 1_800_000_000.0
 
-CONFIG = lendee_toml(gpus=("gpu-a", "gpu-b", "gpu-c")) + """
-[owners.gaming1]
-gpus = ["gpu-a"]
-
-[owners.gaming2]
-gpus = ["gpu-b"]
-"""
+CONFIG = THREE_GPUS_TWO_OWNERS
 
 
 def config(policy: str = "", extra: str = "") -> Config:
