@@ -1,6 +1,12 @@
 """hostagent: lends idle passthrough GPUs to a Kubernetes worker VM."""
 
 import functools
+import warnings
+
+# asyncssh (2.24) reads cryptography's DSA classes at import, which cryptography 51
+# deprecates with a warning; hostagent makes and accepts no DSA key, and the line would
+# reach the journal at every start.
+warnings.filterwarnings("ignore", message="DSA is deprecated", module=r"asyncssh\.")
 
 
 @functools.cache

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import stat
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -20,6 +22,16 @@ from hostagent.surfaces.ssh import BadCommand, KeysError, parse_authorized_keys,
 from tests.unit.ssh_scaffold import KEY_A, KEY_B, KEY_C, VERBS, Verbs, connect, pub, run
 
 pytestmark = pytest.mark.usefixtures("sink")  # journal records in memory (conftest)
+
+
+def test_loading_ssh_prints_no_warning_to_the_journal() -> None:
+    """cryptography 51 warns when asyncssh 2.24 reads its DSA classes; the agent's stderr
+    is its journal, and the line would come at every start."""
+    done = subprocess.run(
+        [sys.executable, "-W", "default", "-c",
+         "import hostagent.surfaces.ssh, hostagent.host.verify, asyncssh"],
+        capture_output=True, text=True, timeout=60, check=False)
+    assert (done.returncode, done.stderr) == (0, "")
 
 
 def ssh_records(sink: journal.ListSink) -> list[tuple[str, str]]:
