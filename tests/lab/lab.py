@@ -499,6 +499,12 @@ class Lab:
         _wait_for(lambda: proc.poll() is not None or self.agent_ready(), 30, "the agent")
         return proc
 
+    def log_lines(self) -> list[str]:
+        """hostagent's log lines in the journal since the test began: its messages that
+        are not records (no HOSTAGENT_EVENT), oldest first."""
+        return [str(e.get("MESSAGE", "")) for e in self.journal("SYSLOG_IDENTIFIER=hostagent")
+                if "HOSTAGENT_EVENT" not in e]
+
     def agent_ready(self) -> bool:
         return any(e.get("HOSTAGENT_RESULT") == "ready" and
                    int(e.get("_PID", 0)) == self.procs["agent"].pid for e in self.journal())

@@ -134,7 +134,13 @@ def test_all_or_nothing_keeps_the_lendee_off_while_a_game_plays(lab: Lab) -> Non
     lab.start_agent()
     wait_lent(lab)
     lab.play("gaming1")
-    time.sleep(3)  # past relend_delay: still off
+    # Once the agent has taken gaming1's start, gpu-node stays off with no timer left
+    # that could start it: only another VM's event could.
+    lab.wait_record(event="owner", vm="gaming1", to="running")
+    status = lab.status()
+    assert (status["lendee"]["phase"], status["relend_in_s"]) == ("off", None)
+    assert {g["gpu"]: (g["not_lent"] or {}).get("reason") for g in status["gpus"]} == {
+        "gpu-a": None, "gpu-b": "partial-off", "gpu-c": "partial-off"}
     assert lab.state("gpu-node") == "shut off"
     assert holders(lab) == {"gpu-a": "gaming1", "gpu-b": None, "gpu-c": None}
     lab.wait_agent("gaming1")
@@ -190,9 +196,11 @@ def test_owner_restarted_within_relend_delay_does_not_boot_the_lendee(lab: Lab) 
     assert lab.state("gaming1") == "running"
     # The first lend and the one with what gaming1 leaves (its record may come late) ...
     lab.wait_records(2, event="phase", to="booting")
-    time.sleep(1)  # ... and no regrow for a reboot: none more within a second.
-    assert lab.phases().count("off>booting") == 2
+    # ... and no regrow for a reboot: once the agent has taken gaming1's second start,
+    # the relend timer is gone and no boot followed.
+    lab.wait_records(2, event="owner", vm="gaming1", to="running")
     assert lab.status()["relend_in_s"] is None
+    assert lab.phases().count("off>booting") == 2
 
 
 def test_lendee_started_by_hand_mid_game_is_deferred(lab: Lab) -> None:
@@ -230,14 +238,22 @@ def test_agent_killed_mid_reclaim_finishes_after_restart(lab: Lab) -> None:
     assert same(persistent(lab), definition)
 
 
+def reconnects(lab: Lab) -> int:
+    """How often the agent said in its log that it connected to libvirtd again."""
+    return sum("reconnected to libvirtd" in m for m in lab.log_lines())
+
+
 def test_libvirtd_restart_mid_game_reconnects_and_lends_back(lab: Lab) -> None:
     lab.start_agent()
     wait_lent(lab)
     lab.play("gaming1")
+    before = reconnects(lab)
     lab.restart_libvirtd()
     assert lab.state("gaming1") == "running"  # reconnect begin did not fail
     lab.wait_agent("gaming1")
-    time.sleep(2)  # the agent's reconnect backoff
+    # The agent hears gaming1's stop only once it has connected to libvirtd again.
+    wait_until(lambda: reconnects(lab) > before,
+               "the agent reconnected to libvirtd", timeout=60)
     lab.virsh("shutdown", "--mode", "agent", "gaming1")
     lent(lab, timeout=90)
     assert lab.state("gpu-node") == "running"

@@ -158,6 +158,13 @@ def test_our_cordon_is_still_ours_after_an_agent_restart_mid_drain(lab: Lab) -> 
         assert not kc.node()["spec"].get("unschedulable")
 
 
+def said_after(lab: Lab, event: str, text: str) -> bool:
+    """Whether hostagent's journal has `text` in a message after its last `event` record."""
+    entries = lab.journal("SYSLOG_IDENTIFIER=hostagent")
+    marks = [i for i, e in enumerate(entries) if e.get("HOSTAGENT_EVENT") == event]
+    return bool(marks) and any(text in str(e.get("MESSAGE", "")) for e in entries[marks[-1]:])
+
+
 def test_the_api_down_during_the_return_delays_it_only(lab: Lab) -> None:
     with lab_cluster(lab, workloads=False) as kc:
         config(lab, kc)
@@ -168,8 +175,11 @@ def test_the_api_down_during_the_return_delays_it_only(lab: Lab) -> None:
         lab.wait_agent("gaming1")
         lab.virsh("shutdown", "--mode", "agent", "gaming1")
         lab.wait_record(60, event="phase", to="joining")
-        time.sleep(5)
-        assert len(lab.records(event="phase", to="lent")) == 1  # waiting for the API
+        # The return's check in the guest passed and its first read of the node failed:
+        # it waits for the API, and only for it.
+        eventually(lambda: said_after(lab, "verify", f"could not read node {LENDEE}"),
+                   "the return's read of the node refused", timeout=60)
+        assert len(lab.records(event="phase", to="lent")) == 1
         kc.run(kc.api.up())
         lends(lab, 2)
         assert not kc.node()["spec"].get("unschedulable")
@@ -215,7 +225,10 @@ def test_regrow_when_idle_waits_for_the_gpu_job_then_takes_the_freed_gpu(lab: La
         lab.virsh("shutdown", "--mode", "agent", "gaming1")
         waiting = lab.wait_record(30, event="regrow", result="waiting")
         assert "1 pod(s) on its node request a GPU" in waiting["MESSAGE"]
-        time.sleep(2)
+        # The regrow waits on the node's count of GPU pods: nothing but a change of that
+        # count (a node event) moves it, and the agent still counts the job.
+        status = lab.status()
+        assert status["lendee"]["regrow_waiting"] and status["cluster"]["gpu_pods"] == 1
         assert lab.phases()[-1] == "joining>lent"  # not restarted under the job
         assert annotations_of(kc.node())["hostagent.io/lent-gpus"] == "gpu-b,gpu-c"
         kc.delete_job("train")
