@@ -75,7 +75,8 @@ class Mosquitto:
             # Run as the user that runs the tests: its files stay private to it.
             f"user {getpass.getuser()}\n"
             "log_dest stderr\n"
-            "log_type error\nlog_type warning\nlog_type notice\n")
+            "log_type error\nlog_type warning\nlog_type notice\n"
+            "log_type subscribe\n")  # `subscribed` reads these
         (root / "agent-password").write_text(USERS["hostagent"] + "\n")
         (root / "agent-password").chmod(0o600)  # the agent refuses one others may read
 
@@ -94,6 +95,13 @@ class Mosquitto:
                     raise RuntimeError("mosquitto did not start: "
                                        + (self.root / "mosquitto.log").read_text()) from None
                 time.sleep(0.05)
+
+    def subscribed(self, topic: str) -> set[str]:
+        """The client ids the broker logged a subscription to `topic` for: mosquitto
+        2.0.11 logs "<client id> <qos> <topic>" for each (src/handle_subscribe.c)."""
+        log = (self.root / "mosquitto.log").read_text(errors="replace")
+        return {words[-3] for line in log.splitlines()
+                if len(words := line.split()) >= 4 and words[-1] == topic}
 
     def stop(self) -> None:
         if self.process is not None:

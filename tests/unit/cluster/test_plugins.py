@@ -113,6 +113,15 @@ async def operator(api: Api) -> None:
         await until(functools.partial(on_node, api, label), f"no {label} pod on gpu-node")
 
 
+async def scheduled_nowhere(api: Api) -> bool:
+    """Whether the DaemonSet controller's last sync of each DaemonSet found no node for
+    it (`desiredNumberScheduled`, written at the end of each sync: kubernetes v1.35.4
+    pkg/controller/daemon/daemon_controller.go `updateDaemonSetStatus`)."""
+    apps: Any = client.AppsV1Api(api.seed.core.api_client)
+    sets = (await apps.list_namespaced_daemon_set(NS)).items
+    return bool(sets) and all(d.status.desired_number_scheduled == 0 for d in sets)
+
+
 def deploy_labels(node: dict[str, Any]) -> dict[str, str]:
     return {k: v for k, v in node["metadata"]["labels"].items()
             if k.startswith("nvidia.com/gpu.deploy.")}
@@ -132,7 +141,8 @@ async def test_a_withdraw_leaves_no_plugin_pod_where_a_deletion_leaves_a_new_one
     assert json.loads(node["metadata"]["annotations"][f"{PREFIX}paused-plugins"]) == {
         **{k: None for k in PLUGIN_LABELS}, DEVICE_PLUGIN: "true", DCGM_EXPORTER: "true"}
     assert not await api.seed.pods("gpu-node", NS)  # gone, not merely being deleted
-    await asyncio.sleep(1.0)  # what a DaemonSet controller would have made by now
+    # The controller has synced both DaemonSets since the labels changed, and made none.
+    await until(functools.partial(scheduled_nowhere, api), "the DaemonSets synced")
     assert not await api.seed.pods("gpu-node", NS)
     [paused] = [e.message for e in records.entries
                 if e.fields.get("HOSTAGENT_EVENT") == "hotplug"]

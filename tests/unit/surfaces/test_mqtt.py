@@ -100,7 +100,9 @@ async def test_two_hosts_on_one_broker_keep_their_connections(
             while sum(e.fields.get("HOSTAGENT_RESULT") == "connected"  # noqa: ASYNC110
                       for e in sink.entries) < 2:
                 await asyncio.sleep(0.05)
-        await asyncio.sleep(1)  # the broker has taken both (or closed one)
+            # Each has subscribed to the command, each under its own client id.
+            while len(broker.subscribed("hostagent/lend/press")) < 2:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
         async with watching(broker) as ha:
             await ha.client.publish("hostagent/lend/press", "PRESS", qos=1)
             async with asyncio.timeout(WAIT):
