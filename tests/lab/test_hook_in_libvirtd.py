@@ -140,7 +140,10 @@ async def test_reconnect_begin_never_fails_even_when_everything_is_deferred(lab:
     server = await serve_hooks(lab.hook_socket, rec, log=log)
     try:
         await asyncio.to_thread(lab.restart_libvirtd)
-        await asyncio.sleep(2)  # the reconnect threads, and their hooks, have run
+        # libvirt runs `reconnect begin` inside the domain's job, which a monitor command
+        # waits for (src/qemu/qemu_process.c qemuProcessReconnect, alike in the releases
+        # before and after the lab's 9.0.0): once it answers, the hook has run.
+        await virsh(lab, "qemu-monitor-command", "gaming1", '{"execute":"query-status"}')
     finally:
         server.close()
     assert "reconnect begin" not in rec.ops("gaming1")

@@ -14,6 +14,7 @@ import json
 import re
 import signal
 import subprocess
+import threading
 import time
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -28,6 +29,7 @@ from tests.mosquitto import Mosquitto, free_port
 from tests.packaging.readme import block
 from tests.packaging.readme import commands, readme_ssh
 from tests.lab.helpers import (
+    eventually,
     journalctl,
 )
 
@@ -190,11 +192,25 @@ base_topic = "hostagent"
         out = lab.hostagent("reclaim")
         assert out.returncode == 0, out
         assert lab.state(LENDEE) == "shut off"
-        time.sleep(4)  # twice the lab's relend_delay, and journalctl's next read
-        follow.terminate()
-        followed = [line.split("]: ", 1)[-1] for line in follow.communicate(timeout=30)[0]
-                    .splitlines()]
+        # The lendee stays off until `lend`: on hold, and no timer left to start it.
+        status = lab.status()
+        assert status["lendee"]["hold"] and status["relend_in_s"] is None, status
+        eventually(lambda: lab.records(event="phase")[-1]["HOSTAGENT_TO"] == "off",
+                   "the reclaim's last record")
         moved = [e["MESSAGE"] for e in lab.records(event="phase")[phases:]]
+        followed: list[str] = []
+
+        def read() -> None:
+            assert follow.stdout is not None
+            for line in follow.stdout:
+                followed.append(line.rstrip("\n").split("]: ", 1)[-1])
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        eventually(lambda: set(moved) <= set(followed), "each transition followed", timeout=30)
+        follow.terminate()
+        reader.join(30)
+        follow.communicate(timeout=30)  # its pipe closed
         assert moved and [line for line in followed if line in moved] == moved, followed
         assert lab.state(LENDEE) == "shut off" and moved[-1].startswith("gpu-node is off")
         # The node's Events: "`kubectl get events`, `kubectl describe node gpu-node`".
