@@ -337,9 +337,11 @@ def test_prefixes() -> None:
     assert ssh.prefix("?") == "?"
 
 
-async def holding(port: int, source: str, first: bytes, stop: asyncio.Event) -> None:
+async def holding(port: int, source: str, first: bytes, stop: asyncio.Event,
+                  connected: list[str] | None = None) -> None:
     """A client from `source` that sends `first` and then nothing, holding its slot until
-    it is closed, and connects again at once, until `stop`."""
+    it is closed, and connects again at once, until `stop`; each connection made is
+    noted in `connected`."""
     while not stop.is_set():
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port,
@@ -347,6 +349,8 @@ async def holding(port: int, source: str, first: bytes, stop: asyncio.Event) -> 
         except OSError:
             await asyncio.sleep(0.01)
             continue
+        if connected is not None:
+            connected.append(source)
         try:
             writer.write(first)
             await reader.read()  # until it is closed
@@ -419,12 +423,15 @@ async def test_a_slowloris_from_a_handful_of_addresses_never_keeps_a_scrape_out(
 
     sources = [f"127.0.0.{n}" for n in range(2, 6) for _ in range(metrics.MAX_PER_SOURCE)]
     request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n"  # never the blank line
-    attackers = [asyncio.get_running_loop().create_task(holding(port, s, request, stop))
-                 for s in sources]
+    connected: list[str] = []
+    attackers = [asyncio.get_running_loop().create_task(
+        holding(port, s, request, stop, connected)) for s in sources]
     try:
-        # All of them in: those past the listen queue (8) get in when TCP sends their
-        # SYN again, a second later.
-        await asyncio.sleep(3)
+        # All of them connected (those past the listen queue, 8, get in when TCP sends their
+        # SYN again, a second later).
+        async with asyncio.timeout(30):
+            while len(connected) < len(sources):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
         answers = []
         for _ in range(5):
             try:
