@@ -84,7 +84,7 @@ def test_lend(lab: Lab, fault: Scenario, step: str) -> None:
         else:
             lab.wait_record(event="phase", to="booting" if step == "booting" else "joining")
         if step == "verifying the GPUs":
-            time.sleep(2)  # a first check has failed; the next is due in 3 s
+            time.sleep(2)  # checks have failed (0.25 s, then at most 1 s apart): kill mid-way
         kill_agent(lab)
         fault.fault()
         if step == "verifying the GPUs":
