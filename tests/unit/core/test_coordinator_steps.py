@@ -5,6 +5,8 @@ node-a lends gpu-a, node-b gpu-b and gpu-c; "both" plays on gpu-a and gpu-c."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from hostagent.core import coordinator
@@ -29,12 +31,13 @@ from hostagent.core.model import (
     Policy,
     Reserve,
     ScheduleRelend,
+    StartOwner,
     State,
 )
 from hostagent.core.reserve import Reservation
 from hostagent.core.rules import IllegalTransition
 from hostagent.core.topology import topology
-from tests.unit.lendees_scaffold import TWO
+from tests.unit.lendees_scaffold import GPUS, TWO
 
 CFG = parse(TWO)
 A, B = "node-a", "node-b"
@@ -120,6 +123,7 @@ def test_a_request_failed_on_another_lendee_is_answered_at_its_home() -> None:
     assert [r for r in actions if isinstance(r.action, FailIntent)] == [Routed(A, FailIntent(
         intent_id="i-both", owner="both",
         reason="node-b could not be drained (a PDB), and the policy keeps it lent"))]
+    assert not fleet.states[A].intents and not fleet.states[B].intents  # both let go of it
 
 
 def test_a_request_failed_on_its_home_is_dropped_by_the_other_lendee() -> None:
@@ -159,3 +163,60 @@ def test_a_request_one_lendee_sees_completed_is_answered_at_its_home() -> None:
     _, actions = go(fleet, seen, B)
     assert actions == [Routed(A, CompleteIntent(intent_id="i-both", owner="both")),
                        Routed(B, ScheduleRelend(at=105.0))]
+
+
+def test_an_owner_is_not_started_while_a_lendee_that_let_go_holds_its_gpu_again() -> None:
+    """The gate asks each lendee concerned whether the start is still wanted, not only
+    whether it once let go: node-a let go of gpu-a, then its VM was found running with it
+    again (started by hand); node-b letting go of gpu-c starts nothing."""
+    fleet = reclaimed(go(both_lent(), WANTS)[0], A)
+    assert fleet.ready == {"both": frozenset({A})}
+    fleet, _ = go(fleet, Observed(at=104.0, lendee_running=True, owners_running=frozenset(),
+                                  lendee_gpus=frozenset({"gpu-a"})), A)
+    assert "gpu-a" in fleet.states[A].lent
+    started = []
+    for make in (lambda t: Drained(at=105.0, ticket=t), lambda t: AgentUp(at=106.0, ticket=t),
+                 lambda t: LendeeStopped(at=107.0)):
+        fleet, actions = go(fleet, make(fleet.states[B].ticket), B)
+        started += [r for r in actions if r.action == StartOwner(owner="both")]
+    assert fleet.ready["both"] >= {A, B} and started == []
+
+
+THREE = """
+[lendees.node-a]
+gpus = ["gpu-a"]
+
+[lendees.node-b]
+gpus = ["gpu-b"]
+node = "k8s-b"
+
+[lendees.node-c]
+gpus = ["gpu-c"]
+node = "k8s-c"
+
+[owners.all]
+gpus = ["gpu-a", "gpu-b", "gpu-c"]
+""" + GPUS
+
+
+def test_a_request_failed_on_one_of_three_lendees_lends_both_others_again() -> None:
+    """node-b and node-c let go of their GPUs for `all`; node-a's drain fails: both
+    drop their copy of the request and each arms its relend (one must not replace the
+    other's)."""
+    cfg = parse(THREE)
+    world = World(topos={n: topology(cfg.view(n)) for n in cfg.lendees},
+                  policies={n: Policy(relend_delay=0.0) for n in cfg.lendees})
+    C = "node-c"
+    fleet = Fleet(states={A: lent({"gpu-a"}), B: lent({"gpu-b"}), C: lent({"gpu-c"})})
+    fleet, _ = coordinator.step(fleet, replace(WANTS, owner="all", intent_id="i-all"),
+                                world=world)
+    for name in (B, C):
+        for make in (lambda t: Drained(at=101.0, ticket=t), lambda t: AgentUp(at=102.0, ticket=t),
+                     lambda t: LendeeStopped(at=103.0)):
+            fleet, _ = coordinator.step(fleet, make(fleet.states[name].ticket), world=world,
+                                        lendee=name)
+    fleet, actions = coordinator.step(fleet, DrainFailed(
+        at=110.0, ticket=fleet.states[A].ticket, reason="a PDB"), world=world, lendee=A)
+    assert [r for r in actions if isinstance(r.action, ScheduleRelend)] == [
+        Routed(B, ScheduleRelend(at=110.0)), Routed(C, ScheduleRelend(at=110.0))]
+    assert not any(s.intents for s in fleet.states.values())
