@@ -208,6 +208,10 @@ class HeldCluster(NoCluster):
         self.accept = False  # True: every eviction accepted at once; the pods go at drain_go
         self.terms: list[Terms | None] = []
         self.pods_left = False  # True: the drain ends with pods left (a budget, its timeout)
+        # Each reclaim, once its evictions are accepted (accept): whether the agent asked
+        # to be told (the `accepted` hook, called then), as drain.shutdown_when "accepted"
+        # does to begin the shutdown at that moment.
+        self.told: list[bool] = []
 
     async def reclaim(self, owners: list[str], *, regrow: bool = False,
                       until: float | None = None, terms: Terms | None = None,
@@ -215,6 +219,8 @@ class HeldCluster(NoCluster):
                       emptied: Callable[[], None] | None = None) -> str | None:
         self.node.append("cordon")
         self.terms.append(terms)
+        if self.accept:
+            self.told.append(accepted is not None)
         if accepted is not None and self.accept:
             self.node.append("evictions accepted")
             accepted()

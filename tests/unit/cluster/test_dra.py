@@ -224,16 +224,22 @@ async def test_auto_tells_dra_from_the_node(lab: Lab) -> None:
     assert await of(driver="gpu.example.com") is None
 
 
-async def test_auto_waits_on_the_slices_a_driver_publishes_after_the_boot(lab: Lab) -> None:
+async def test_auto_waits_on_the_slices_a_driver_publishes_after_the_boot(
+        lab: Lab, tmp_path: Path) -> None:
     """The lendee just booted, its driver's plugin not yet up: the return follows the
     slices and decides DRA when they come, with the lent GPUs verified by UUID."""
     await lab.kube.cordon(NODE, marker_prefix=PREFIX)
-    cluster = lab.cluster(config())
-    returned = asyncio.create_task(cluster.give_back(["gpu-a", "gpu-b"]))
-    await asyncio.sleep(0.3)  # the return is waiting: nothing published
-    assert not returned.done()
-    await publish(lab, UUID_A, UUID_B)
-    assert await returned is None
+    async with FaultProxy(lab.kubeconfig) as proxy, await Kube.connect(
+            proxy.write_kubeconfig(tmp_path / "proxied.kubeconfig"), timing=FAST) as kube:
+        cluster = KubeCluster(kube, config(), remember_cordon=lambda _: None)
+        returned = asyncio.create_task(cluster.give_back(["gpu-a", "gpu-b"]))
+        # The return is waiting once it watches the slices: nothing is published.
+        await until(lambda: proxy.watching("/resourceslices$") or returned.done(),
+                    "the return watching the ResourceSlices")
+        assert not returned.done()
+        await publish(lab, UUID_A, UUID_B)
+        assert await returned is None
+        await cluster.flush_events()  # posted before the client closes
     assert cluster.dra == {"gpu-a": UUID_A, "gpu-b": UUID_B}
     assert cluster.gpu_api_from == f"node {NODE} publishes 2 {DRIVER} device(s) in ResourceSlices"
     assert not await lab.unschedulable()
@@ -365,9 +371,13 @@ async def test_a_lent_gpu_tainted_unhealthy_is_a_gpu_lost_and_a_none_taint_is_no
     async with watching(cluster):
         await until(lambda: cluster.view is not None and cluster.view.devices is not None)
         # An informational taint (effect None: unmonitored, a non-fatal XID) is no loss.
+        # Published with a GPU of no lend beside (gpu-c) in the same slice: the view
+        # lists it once the watch has taken in that very write, the taint with it.
         await lab.driver.publish([gpu(0, UUID_A),
-                                  gpu(1, UUID_B, taints=[health_taint("unmonitored")])])
-        await asyncio.sleep(0.5)
+                                  gpu(1, UUID_B, taints=[health_taint("unmonitored")]),
+                                  gpu(2, UUID_C)])
+        await until(lambda: cluster.view is not None and UUID_C in (cluster.view.devices or ()),
+                    "the watch taking in the slice with the taint")
         assert cluster.trouble is None
         await lab.driver.publish([gpu(0, UUID_A),
                                   gpu(1, UUID_B, taints=[health_taint("xid", "79")])])
@@ -402,7 +412,11 @@ async def test_a_pool_half_rewritten_is_not_yet_never_a_gpu_lost(lab: Lab) -> No
         await until(lambda: cluster.view is not None and cluster.view.devices is not None)
         await write_slice(lab, raw_slice("s-a", [gpu(0, UUID_A)], generation=2, count=2),
                           "replace")
-        await asyncio.sleep(0.5)
+        # Taken in once the view's devices change: unknown (None) while the pool is
+        # incomplete, {gpu-a} for a watch that counted the half-written pool.
+        await until(lambda: cluster.view is not None
+                    and cluster.view.devices != frozenset({UUID_A, UUID_B}),
+                    "the watch taking in s-a of generation 2")
         assert cluster.trouble is None  # gpu-b's slice of generation 2 is yet to come
         await write_slice(lab, raw_slice("s-b", [], generation=2, count=2), "replace")
         await until(lambda: cluster.trouble is not None)

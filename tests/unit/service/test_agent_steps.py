@@ -490,6 +490,7 @@ async def test_a_players_reclaim_shuts_the_lendee_down_once_the_evictions_are_ac
 
 async def test_with_shutdown_when_gone_the_shutdown_waits_for_the_pods(tmp_path: Path) -> None:
     cluster = HeldCluster()
+    cluster.accept = True  # every eviction accepted at once, the pods still going
     agent, fake = agent_with(tmp_path, cluster)
     agent.cfg = dataclasses.replace(agent.cfg, drain=dataclasses.replace(
         agent.cfg.drain, shutdown_when=levers.ShutdownWhen.GONE))
@@ -499,8 +500,11 @@ async def test_with_shutdown_when_gone_the_shutdown_waits_for_the_pods(tmp_path:
     cluster.return_go.set()
     await until(lambda: agent.state.phase is Phase.LENT)
     await ask(agent, "gaming1")
-    await until(lambda: cluster.node == ["uncordon", "cordon"])
-    await asyncio.sleep(0.2)
+    # The moment the default ("accepted") begins the shutdown: every eviction accepted,
+    # the agent told through the reclaim's `accepted` hook. Under "gone" it asked for
+    # no such word, so nothing can start the shutdown there.
+    await until(lambda: cluster.told)
+    assert cluster.told == [False]
     assert ("agent shutdown", "gpu-node") not in fake.calls
     cluster.drain_go.set()
     await until(lambda: "gaming1" in fake.running)

@@ -76,7 +76,12 @@ async def test_a_missing_kubeconfig_makes_the_kubernetes_steps_wait(
         f'[kubernetes]\nkubeconfig = "{kubeconfig}"\n' + MINIMAL, "t.toml").kubernetes)
     real = Real()
 
+    tries: list[bool] = []  # each read of the kubeconfig: whether the file was there
+    tried = asyncio.Event()
+
     async def connect(cfg: object, make: object) -> tuple[object, object]:
+        tries.append(kubeconfig.exists())
+        tried.set()
         if not kubeconfig.exists():
             raise kubewait.KubeConfigError(f"{kubeconfig} does not exist")
         return None, real
@@ -90,7 +95,11 @@ async def test_a_missing_kubeconfig_makes_the_kubernetes_steps_wait(
         await waiting.health()
     await waiting.lendee_down(why="gpu-node stopped")
     drain = asyncio.create_task(waiting.reclaim(["gaming1"]))
-    await asyncio.sleep(0.05)
+    asked = len(tries)
+    async with asyncio.timeout(10):  # tried twice since: the drain had its turns meanwhile
+        while len(tries) < asked + 2:
+            tried.clear()
+            await tried.wait()
     assert not drain.done() and real.calls == []
     kubeconfig.write_text("apiVersion: v1\n")
     assert await asyncio.wait_for(drain, 10) is None

@@ -152,7 +152,7 @@ async def test_what_the_former_default_published_is_cleared_first(
         assert order[:2] == [old.device_topic, new], order
     async with watching(broker) as fresh:  # what the broker keeps of the former: nothing
         await fresh.until(new)
-        await asyncio.sleep(0.5)
+        await fresh.caught_up()  # the retained messages of its subscriptions are all in
         assert not [t for t in fresh.last if t == old.device_topic or
                     t.startswith("hostagent/") and not t.startswith("hostagent/tower/")]
 
