@@ -212,6 +212,9 @@ class HeldCluster(NoCluster):
         # to be told (the `accepted` hook, called then), as drain.shutdown_when "accepted"
         # does to begin the shutdown at that moment.
         self.told: list[bool] = []
+        # Each give_back and lendee_down once it has ended, finished or cancelled: the
+        # moment a stale one could have reached the node, or no longer can.
+        self.ended: list[str] = []
 
     async def reclaim(self, owners: list[str], *, regrow: bool = False,
                       until: float | None = None, terms: Terms | None = None,
@@ -235,13 +238,19 @@ class HeldCluster(NoCluster):
 
     async def give_back(self, lent: object, **_: object) -> str | None:
         self.returns += 1
-        await self.return_go.wait()
-        self.node.append("uncordon")
-        return None
+        try:
+            await self.return_go.wait()
+            self.node.append("uncordon")
+            return None
+        finally:
+            self.ended.append("return")
 
     async def lendee_down(self, *, why: str) -> None:
-        await self.down_go.wait()
-        self.node.append("cordon (down)")
+        try:
+            await self.down_go.wait()
+            self.node.append("cordon (down)")
+        finally:
+            self.ended.append("down")
 
 
 async def ask(agent: Agent, vm: str) -> None:

@@ -75,7 +75,7 @@ async def test_a_stale_return_never_uncordons_the_node_mid_drain(tmp_path: Path)
     await ask(agent, "gaming1")
     await until(lambda: cluster.node == ["cordon"])
     cluster.return_go.set()  # the old return would now uncordon
-    await asyncio.sleep(0.1)
+    await until(lambda: cluster.ended == ["return"])  # cancelled, or done
     assert cluster.node == ["cordon"]
     cluster.drain_go.set()
     await until(lambda: "gaming1" in fake.running)
@@ -121,7 +121,7 @@ async def test_a_slow_cordon_after_a_stop_never_lands_after_the_next_return(
     agent.lifecycle("gpu-node", Lifecycle.STOPPED)
     await until(lambda: agent.state.phase is Phase.LENT and cluster.node.count("uncordon") == 2)
     cluster.down_go.set()  # the cordon of the stop, late
-    await asyncio.sleep(0.1)
+    await until(lambda: "down" in cluster.ended)  # cancelled, or done
     assert cluster.node[-1] == "uncordon", cluster.node
 
 

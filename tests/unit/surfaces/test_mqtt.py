@@ -83,7 +83,11 @@ async def test_every_phase_is_shown_however_short(broker: Mosquitto,
             host.status["lendee"]["phase"] = phase
             device.changed()
         await ha.until("hostagent/phase/state", b"off")
-        await asyncio.sleep(0.5)  # anything sent late would come now
+        # One more change, on another topic: the device sends in order, so once it is
+        # here every phase sent before it is too.
+        host.status["lendee"]["hold"] = True
+        device.changed()
+        await ha.until("hostagent/hold/state", b"ON")
         shown = [p for t, p in ha.seen if t == "hostagent/phase/state"]
         assert shown[-5:] == [b"booting", b"lent", b"draining", b"stopping", b"off"], shown
 
@@ -128,8 +132,12 @@ async def test_two_hosts_on_the_defaults_are_two_devices(broker: Mosquitto,
         await ha.client.publish("hostagent/den/lend/press", "PRESS", qos=1)
         async with asyncio.timeout(WAIT):
             await den.called.wait()
-        await asyncio.sleep(0.5)  # a command for tower would have come by now
-    assert (tower.calls, den.calls) == ([], [("lend", {})])
+        # tower's own command after it: the broker sends each client's messages in order,
+        # so den's would have reached tower first.
+        await ha.client.publish("hostagent/tower/reclaim/press", "PRESS", qos=1)
+        async with asyncio.timeout(WAIT):
+            await tower.called.wait()
+    assert (tower.calls, den.calls) == ([("reclaim", {})], [("lend", {})])
 
 
 async def test_what_the_former_default_published_is_cleared_first(
