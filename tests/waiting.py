@@ -14,15 +14,17 @@ import asyncio
 import inspect
 import time
 from collections.abc import Callable
+from typing import Any
 
 BOUND = 60.0
 
 
 async def until(cond: Callable[[], object], what: str = "the condition", *,
-                timeout: float = BOUND, every: float = 0.02) -> None:
-    """Until `cond()` (or what it returns, awaited) is true; an AssertionError saying
-    `what` after `timeout` seconds, a condition that hangs included. A condition that
-    costs a process (kubectl) is asked less often: a larger `every`."""
+                timeout: float = BOUND, every: float = 0.02) -> Any:
+    """Until `cond()` (or what it returns, awaited) is true, and that true value, for a
+    test that uses what it waited for (`[pod] = await until(...)`); an AssertionError
+    saying `what` after `timeout` seconds, a condition that hangs included. A condition
+    that costs a process (kubectl) is asked less often: a larger `every`."""
     try:
         async with asyncio.timeout(timeout):
             while True:
@@ -30,17 +32,18 @@ async def until(cond: Callable[[], object], what: str = "the condition", *,
                 if inspect.isawaitable(got):
                     got = await got
                 if got:
-                    return
+                    return got
                 await asyncio.sleep(every)
     except TimeoutError:
         raise AssertionError(f"not within {timeout:g} s: {what}") from None
 
 
 def wait_until(cond: Callable[[], object], what: str = "the condition", *,
-               timeout: float = BOUND, every: float = 0.1) -> None:
+               timeout: float = BOUND, every: float = 0.1) -> Any:
     """`until` for a test that has no event loop (its condition a plain call)."""
     deadline = time.monotonic() + timeout
-    while not cond():
+    while not (got := cond()):
         if time.monotonic() >= deadline:
             raise AssertionError(f"not within {timeout:g} s: {what}")
         time.sleep(every)
+    return got

@@ -69,11 +69,12 @@ class Node:
         node: dict[str, Any] = json.loads(out.stdout)
         return node
 
-    async def until(self, cond: Callable[[dict[str, Any]], bool], timeout: float = 10) -> None:
-        deadline = time.monotonic() + timeout
-        while not cond(await self.get()):
-            assert time.monotonic() < deadline, "timed out"
-            await asyncio.sleep(0.1)
+    async def until(self, cond: Callable[[dict[str, Any]], bool], what: str) -> None:
+        """tests.waiting.until the node, as kubectl gets it, satisfies `cond` (asked every
+        0.2 s: a process each time)."""
+        async def holds() -> bool:
+            return cond(await self.get())
+        await until(holds, what, every=0.2)
 
     async def ready(self) -> None:
         """The kubelet's Ready, as it posts it."""
@@ -124,7 +125,7 @@ async def test_a_stale_return_never_uncordons_the_node_a_new_drain_cordoned(
     await asyncio.sleep(0.3)  # the return is waiting for the node to be Ready
     await agent._on_hook(HookEvent(id="h1", time=time.time(), domain="gaming1", op="prepare",
                                    sub="begin", extra="-", xml="<domain/>"))
-    await node.until(lambda n: n["spec"].get("unschedulable") is True)
+    await node.until(lambda n: n["spec"].get("unschedulable") is True, "the node cordoned")
     await node.ready()  # a return still alive would uncordon now
     await until(lambda: "gaming1" in fake.running, timeout=15)
     await asyncio.sleep(0.5)
@@ -155,7 +156,8 @@ async def test_a_cordon_of_ours_lifted_by_hand_is_ours_no_more(
     marker = cordon_marker("hostagent.io/")
     assert (await node.get())["metadata"]["annotations"].get(marker) == "hostagent"
     await node.cordon(False)  # kubectl uncordon, mid-game
-    await node.until(lambda n: marker not in n["metadata"].get("annotations", {}))
+    await node.until(lambda n: marker not in n["metadata"].get("annotations", {}),
+                     "the cordon's marker taken off")
     await node.cordon(True)  # kubectl cordon, an administrator's, later
     fake.running.discard("gaming1")
     agent.lifecycle("gaming1", Lifecycle.STOPPED)

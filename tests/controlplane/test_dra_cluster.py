@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +26,7 @@ from tests.controlplane import ControlPlane, dralab
 from tests.controlplane.dralab import NODE, Accounts, Lab, dra_lab
 from tests.controlplane.nvidia import DRIVER, gpu, health_taint
 from tests.configs import UUID_A, UUID_B, lendee_toml
+from tests.waiting import until
 
 PREFIX = "hostagent.io/"
 LABEL = {"gpu-0": "gpu-a", "gpu-1": "gpu-b"}  # the driver's device name -> hostagent's GPU
@@ -42,20 +42,6 @@ ready = "15s"
 [kubernetes]
 drain_unmanaged = true
 """, "test.toml")
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:g}s: {what}")
-        await asyncio.sleep(0.2)
-
-
-async def settled(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    async def check() -> bool:
-        return condition()
-    await until(check, what, timeout)
 
 
 def devices(claim: dict[str, Any]) -> list[str]:
@@ -155,8 +141,8 @@ async def test_a_gpu_reclaimed_live_drains_its_claims_pod_and_the_other_stays_le
     held = LABEL[devices(await lab.claim_of("train-1"))[0]]
     other = next(g for g in DEVICE if g != held)
     async with watching(cluster):
-        await settled(lambda: cluster.status()["holders"] == {held: f"{lab.namespace}/train-1"},
-                      f"{held} held by train-1")
+        await until(lambda: cluster.status()["holders"] == {held: f"{lab.namespace}/train-1"},
+                    f"{held} held by train-1")
         assert cluster.view is not None and cluster.view.gpu_pods == 1
         assert cluster.trouble is None
     assert await cluster.vacate(["gaming1"], {held}, no_checkpoint) is None
@@ -183,8 +169,8 @@ async def test_one_claim_shared_by_two_pods_is_held_by_both(lent: Lent) -> None:
     held = LABEL[devices(shared)[0]]
     ns = lab.namespace
     async with watching(cluster):
-        await settled(lambda: cluster.status()["holders"] == {held: f"{ns}/a,{ns}/b"},
-                      f"{held} held by a and b")
+        await until(lambda: cluster.status()["holders"] == {held: f"{ns}/a,{ns}/b"},
+                    f"{held} held by a and b")
         assert cluster.view is not None and cluster.view.gpu_pods == 2
     uuid = DEVICE[held]["attributes"]["uuid"]["string"]
     assert await lab.kube.dra_holders(NODE, driver=DRIVER, uuids=[uuid], timeout=10) == {
@@ -206,7 +192,7 @@ async def test_an_admin_access_claim_blocks_nothing(lent: Lent) -> None:
     assert all(r.get("adminAccess") is True for r in results)
     held = LABEL[devices(await lab.claim_of("train-1"))[0]]
     async with watching(cluster):
-        await settled(lambda: cluster.status()["holders"] == {
+        await until(lambda: cluster.status()["holders"] == {
             held: f"{lab.namespace}/train-1"}, f"{held} held by train-1 alone")
         assert cluster.view is not None and cluster.view.gpu_pods == 1
     assert await lab.kube.dra_holders(NODE, driver=DRIVER, uuids=[UUID_A, UUID_B],
@@ -219,11 +205,11 @@ async def test_a_lent_gpu_the_driver_taints_unhealthy_is_lost_and_given_to_no_po
     counts it lost, and the scheduler gives the one GPU left to one pod of two."""
     lab, cluster = lent.lab, lent.cluster
     async with watching(cluster):
-        await settled(lambda: cluster.view is not None and cluster.view.devices is not None,
-                      "the slices seen")
+        await until(lambda: cluster.view is not None and cluster.view.devices is not None,
+                    "the slices seen")
         await lab.driver.publish([DEVICE["gpu-a"],
                                   gpu(1, UUID_B, taints=[health_taint("xid", "79")])])
-        await settled(lambda: cluster.trouble is not None, "gpu-b lost")
+        await until(lambda: cluster.trouble is not None, "gpu-b lost")
         assert f"gpu-b ({UUID_B})" in (cluster.trouble or "")
         with pytest.raises(CheckFailed, match="gpu-b"):
             await cluster.health()
@@ -241,7 +227,7 @@ async def test_a_lent_gpu_the_driver_taints_unhealthy_is_lost_and_given_to_no_po
                        if p["status"]["phase"] == "Running")
         assert devices(await lab.claim_of(running)) == ["gpu-0"]
         await lab.driver.publish([DEVICE["gpu-a"], DEVICE["gpu-b"]])  # healthy again
-        await settled(lambda: cluster.trouble is None, "gpu-b back")
+        await until(lambda: cluster.trouble is None, "gpu-b back")
 
 
 async def test_a_pod_bound_by_hand_to_a_claim_not_reserved_for_it_is_not_started(

@@ -16,6 +16,7 @@ import pytest
 from kubernetes_asyncio import client, config
 from kubernetes_asyncio import watch as k8s_watch
 
+from tests import waiting
 from tests.controlplane import ControlPlane
 from tests.controlplane.machine import Kubelet
 from tests.controlplane.nvidia import DRIVER
@@ -57,11 +58,10 @@ def uuids(plane: ControlPlane) -> list[str]:
     return sorted(d["attributes"]["uuid"]["string"] for s in slices for d in s["spec"]["devices"])
 
 
-async def until(check: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not await asyncio.to_thread(check):
-        assert time.monotonic() < deadline, f"not within {timeout:g}s: {what}"
-        await asyncio.sleep(0.2)
+async def until(check: Callable[[], bool], what: str, timeout: float = waiting.BOUND) -> None:
+    """tests.waiting.until for a check that runs kubectl: in a thread (it blocks), asked
+    every 0.2 s (a process each time)."""
+    await waiting.until(lambda: asyncio.to_thread(check), what, timeout=timeout, every=0.2)
 
 
 @pytest.fixture

@@ -16,21 +16,21 @@ import pytest
 
 from tests.controlplane import ControlPlane, nvidia
 from tests.controlplane.realkubelet import SYSCTLS, RealKubelet, former_slice, missing
+from tests.waiting import wait_until
 
 NODE = "real-node"
 NAMESPACE = "realkubelet"
 
 
-def until(check: Callable[[], Any], what: str, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
+def answered(check: Callable[[], Any]) -> Callable[[], Any]:
+    """`check` for tests.waiting.wait_until, an OSError from the API server (a 404: the
+    node not registered yet) counted as not yet."""
+    def asked() -> Any:
         try:
-            if found := check():
-                return found
+            return check()
         except OSError:
-            pass
-        assert time.monotonic() < deadline, f"not within {timeout:g}s: {what}"
-        time.sleep(0.2)
+            return None
+    return asked
 
 
 def node(plane: ControlPlane) -> Any:
@@ -72,7 +72,7 @@ def test_the_real_kubelet_registers_its_node_ready_with_this_boots_id(
         plane: ControlPlane, kubelet: RealKubelet) -> None:
     host = {key: Path(f"/proc/sys/{key}").read_text() for key in SYSCTLS}
     started = time.monotonic()
-    until(lambda: ready(plane) == "True", "the node Ready")
+    wait_until(answered(lambda: ready(plane) == "True"), "the node Ready")
     took = time.monotonic() - started
     info = node(plane)["status"]["nodeInfo"]
     assert info["kubeletVersion"] == plane.version()
@@ -85,44 +85,45 @@ def test_the_real_kubelet_registers_its_node_ready_with_this_boots_id(
 
 def test_after_a_reboot_a_pod_on_a_device_not_yet_served_again_fails_admission(
         plane: ControlPlane, kubelet: RealKubelet) -> None:
-    until(lambda: ready(plane) == "True", "the node Ready")
+    wait_until(answered(lambda: ready(plane) == "True"), "the node Ready")
     kubelet.devices("nvidia.com/gpu", ["gpu-0"])
     # Posted with the node's next status (nodeStatusUpdateFrequency, 10 s).
-    until(lambda: gpus(plane) == "1", "the plugin's GPU allocatable", timeout=30)
+    wait_until(answered(lambda: gpus(plane) == "1"), "the plugin's GPU allocatable", timeout=30)
     plane.kubectl("apply", "-f", "-", input=json.dumps({
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "gpu", "namespace": NAMESPACE},
         "spec": {"nodeName": NODE, "containers": [{
             "name": "main", "image": "registry.k8s.io/pause:3.10",
             "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}))
-    until(lambda: pod(plane, "gpu")["status"].get("phase") == "Running", "the GPU pod Running")
+    wait_until(answered(lambda: pod(plane, "gpu")["status"].get("phase") == "Running"),
+               "the GPU pod Running")
     plane.kubectl("apply", "-f", "-", input=json.dumps(former_slice(NODE)))
     before = kubelet.boot_id
 
     kubelet.stop()
     kubelet.start()  # a reboot: the plugin is not serving yet
 
-    until(lambda: node(plane)["status"]["nodeInfo"]["bootID"] == kubelet.boot_id != before,
-          "the new boot's ID")
+    wait_until(answered(lambda: node(plane)["status"]["nodeInfo"]["bootID"]
+                        == kubelet.boot_id != before), "the new boot's ID")
     assert gpus(plane) == "0"
-    until(lambda: not plane.get("/apis/resource.k8s.io/v1/resourceslices",
-                                fieldSelector=f"spec.nodeName={NODE}")["items"],
-          "the node's ResourceSlices deleted at the kubelet's start")
-    status = until(lambda: (s := pod(plane, "gpu")["status"]).get("phase") == "Failed" and s,
-                   "the GPU pod failed")
+    wait_until(answered(lambda: not plane.get("/apis/resource.k8s.io/v1/resourceslices",
+                                              fieldSelector=f"spec.nodeName={NODE}")["items"]),
+               "the node's ResourceSlices deleted at the kubelet's start")
+    status = wait_until(answered(lambda: (s := pod(plane, "gpu")["status"]).get("phase")
+                                 == "Failed" and s), "the GPU pod failed")
     assert status["reason"] == "UnexpectedAdmissionError", status
     kubelet.devices("nvidia.com/gpu", ["gpu-0"])
-    until(lambda: gpus(plane) == "1", "the GPU allocatable again", timeout=30)
+    wait_until(answered(lambda: gpus(plane) == "1"), "the GPU allocatable again", timeout=30)
 
 
 def test_a_pod_with_a_resource_claim_runs_once_the_dra_plugin_prepared_its_gpu(
         plane: ControlPlane, kubelet: RealKubelet) -> None:
-    until(lambda: ready(plane) == "True", "the node Ready")
+    wait_until(answered(lambda: ready(plane) == "True"), "the node Ready")
     plane.kubectl("apply", "-f", "-", input=json.dumps(nvidia.DEVICE_CLASS))
     kubelet.dra(nvidia.DRIVER, [("gpu-0", "GPU-7a1c0de5-0000-4000-8000-0000000000a0")],
                 plane.admin)
-    until(lambda: plane.get("/apis/resource.k8s.io/v1/resourceslices",
-                            fieldSelector=f"spec.nodeName={NODE}")["items"],
-          "the plugin's ResourceSlice")
+    wait_until(answered(lambda: plane.get("/apis/resource.k8s.io/v1/resourceslices",
+                                          fieldSelector=f"spec.nodeName={NODE}")["items"]),
+               "the plugin's ResourceSlice")
     plane.kubectl("apply", "-f", "-", input=json.dumps({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
         "metadata": {"name": "one-gpu", "namespace": NAMESPACE},
@@ -134,8 +135,8 @@ def test_a_pod_with_a_resource_claim_runs_once_the_dra_plugin_prepared_its_gpu(
                  "resourceClaims": [{"name": "gpu", "resourceClaimName": "one-gpu"}],
                  "containers": [{"name": "main", "image": "registry.k8s.io/pause:3.10",
                                  "resources": {"claims": [{"name": "gpu"}]}}]}}))
-    until(lambda: pod(plane, "claims")["status"].get("phase") == "Running",
-          "the pod with a claim Running")
+    wait_until(answered(lambda: pod(plane, "claims")["status"].get("phase") == "Running"),
+               "the pod with a claim Running")
     # The kubelet's DRA manager asked the plugin, which gave the GPU as a CDI device.
     log = (kubelet.root / f"plugin-{nvidia.DRIVER}.log").read_text()
     assert "k8s.gpu.nvidia.com/gpu=gpu-0" in log, log[-3000:]

@@ -29,7 +29,7 @@ import subprocess
 import threading
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from typing import Any
 import libvirt
 
 from tests.lab.lab import DEFERRED, GPUS, LENDEE, OWNERS, Lab
+from tests.waiting import wait_until
 
 # libvirt's reasons for VIR_DOMAIN_SHUTOFF, as `virsh domstate --reason` names them.
 SHUTOFF_REASONS = {0: "unknown", 1: "shutdown", 2: "destroyed", 3: "crashed", 4: "migrated",
@@ -421,12 +422,9 @@ def power_cut(lab: Lab) -> None:
             shutil.rmtree(f) if f.is_dir() and not f.is_symlink() else f.unlink()
 
 
-def wait_for(cond: Any, timeout: float, what: str, every: float = 0.1) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(every)
+def wait_for(cond: Callable[[], object], timeout: float, what: str) -> None:
+    """tests.waiting.wait_until, its bound first as the fault tests give it."""
+    wait_until(cond, what, timeout=timeout)
 
 
 def count(lab: Lab, **match: str) -> int:

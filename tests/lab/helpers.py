@@ -9,7 +9,6 @@ import json
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from tests.lab.cluster import LabCluster
 from tests.lab.lab import GPUS, LENDEE, Lab, domain_xml
 from tests.mosquitto import USERS, Mosquitto
 from tests.packaging.readme import commands
+from tests.waiting import BOUND, wait_until
 
 
 
@@ -40,10 +40,7 @@ def public(key: Path) -> str:
 
 def wait_lent(lab: Lab, after: int = 0, timeout: float = 60) -> None:
     """Wait for the (after+1)-th LENT record."""
-    deadline = time.monotonic() + timeout
-    while len(lab.records(event="phase", to="lent")) <= after:
-        assert time.monotonic() < deadline, f"never lent; phases: {lab.phases()}"
-        time.sleep(0.2)
+    lab.wait_records(after + 1, timeout, event="phase", to="lent")
 
 
 class OpenSsh:
@@ -71,21 +68,17 @@ class OpenSsh:
 
 
 def lends(lab: Lab, count: int, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while len(lab.records(event="phase", to="lent")) < count:
-        assert time.monotonic() < deadline, f"not lent {count}x; phases: {lab.phases()}"
-        time.sleep(0.2)
+    lab.wait_records(count, timeout, event="phase", to="lent")
 
 
 def annotations_of(node: dict[str, Any]) -> dict[str, str]:
     return node["metadata"].get("annotations") or {}
 
 
-def eventually(condition: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.2)
+def eventually(condition: Callable[[], object], what: str, timeout: float = BOUND) -> None:
+    """tests.waiting.wait_until for a lab condition, which runs a process each time
+    (kubectl, virsh, the guest agent, journalctl): asked every 0.2 s."""
+    wait_until(condition, what, timeout=timeout, every=0.2)
 
 
 # What makes the lab's guest ignore an unplug request: no ACPI hot-plug driver, and

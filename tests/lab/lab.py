@@ -35,6 +35,7 @@ import libvirt_qemu
 from hostagent.surfaces import control
 from tests.lab import image, leftovers
 from tests.sysfs import FakeSysfs
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
@@ -363,8 +364,8 @@ class Lab:
         if journald is None:
             return
         self.spawn("journald", [journald])
-        _wait_for(lambda: (self.root / "journal").exists()
-                  and any((self.root / "journal").iterdir()), 10, "journald to start")
+        wait_until(lambda: (self.root / "journal").exists()
+                   and any((self.root / "journal").iterdir()), "journald to start", timeout=10)
 
     def _start_libvirtd(self, log_filters: str = "") -> None:
         # Warnings and errors go to <root>/libvirtd.log; `log_filters` adds the debug
@@ -496,7 +497,7 @@ class Lab:
         lent = len(self.records(event="phase", to="lent"))
         proc = self.spawn("agent", argv, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.lent_before[proc.pid] = lent
-        _wait_for(lambda: proc.poll() is not None or self.agent_ready(), 30, "the agent")
+        wait_until(lambda: proc.poll() is not None or self.agent_ready(), "the agent", timeout=30)
         return proc
 
     def log_lines(self) -> list[str]:
@@ -537,10 +538,10 @@ class Lab:
         """The journal records matching, once there are at least `count`: the agent writes
         a record after the change libvirt already shows, and journald stores it later still."""
         try:
-            _wait_for(lambda: len(self.records(**match)) >= count, timeout,
-                      f"{count} journal record(s) with {match}")
-        except TimeoutError as e:
-            raise TimeoutError(f"{e}; phases so far: {self.phases()}") from None
+            wait_until(lambda: len(self.records(**match)) >= count,
+                       f"{count} journal record(s) with {match}", timeout=timeout, every=0.2)
+        except AssertionError as e:
+            raise AssertionError(f"{e}; phases so far: {self.phases()}") from None
         return self.records(**match)
 
     def phases(self) -> list[str]:
@@ -625,7 +626,7 @@ class Lab:
         raise AssertionError("unreachable")
 
     def wait_state(self, name: str, state: str, timeout: float = 60) -> None:
-        _wait_for(lambda: self.state(name) == state, timeout, f"{name} to be {state}")
+        wait_until(lambda: self.state(name) == state, f"{name} to be {state}", timeout=timeout)
 
     # ---- a player ------------------------------------------------------------
     def play(self, owner: str, *, up: bool = False,
@@ -708,8 +709,8 @@ class Lab:
         return json.loads(out)["return"]
 
     def wait_agent(self, name: str, timeout: float = 60) -> None:
-        _wait_for(lambda: self.agent(name, "guest-ping", timeout=2) is not None, timeout,
-                  f"{name}'s guest agent")
+        wait_until(lambda: self.agent(name, "guest-ping", timeout=2) is not None,
+                   f"{name}'s guest agent", timeout=timeout)
 
     def guest_exec(self, name: str, path: str, *args: str, timeout: float = 20) -> GuestResult:
         """Run a program in the guest through its agent and wait for it."""
@@ -737,7 +738,8 @@ class Lab:
         return f.read_text(errors="replace") if f.exists() else ""
 
     def wait_console(self, name: str, text: str, timeout: float = 60) -> None:
-        _wait_for(lambda: text in self.console(name), timeout, f"{text!r} on {name}'s console")
+        wait_until(lambda: text in self.console(name), f"{text!r} on {name}'s console",
+                   timeout=timeout)
 
     # ---- journal ------------------------------------------------------------
     def journal(self, *match: str) -> list[dict[str, Any]]:
@@ -894,14 +896,6 @@ def _stop(proc: subprocess.Popen[bytes], timeout: float = 10) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _wait_for(cond: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(0.2)
 
 
 def need_lab() -> str | None:

@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.lab.lab import Lab
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.lab
 
@@ -64,13 +65,6 @@ def value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: st
 
 def lent_count(lab: Lab) -> int:
     return len(lab.records(event="phase", to="lent"))
-
-
-def wait_until(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def test_metrics_health_and_history_follow_a_cycle(lab: Lab, tmp_path: Path) -> None:
@@ -124,7 +118,7 @@ def test_metrics_health_and_history_follow_a_cycle(lab: Lab, tmp_path: Path) -> 
     # The game ends: lent again.
     lab.wait_agent("gaming1")
     lab.virsh("shutdown", "--mode", "agent", "gaming1")
-    wait_until(lambda: lent_count(lab) == 2, 90, "the second lend")
+    wait_until(lambda: lent_count(lab) == 2, "the second lend", timeout=90, every=0.2)
     m = scrape.metrics()
     assert value(m, "hostagent_swaps_total", kind="lend") == 2
     assert value(m, "hostagent_gpu_holder", gpu="gpu-a", vm="gpu-node") == 1
@@ -159,7 +153,7 @@ def test_metrics_health_and_history_follow_a_cycle(lab: Lab, tmp_path: Path) -> 
     # libvirtd goes away under the agent: /healthz says so, naming libvirt.
     lab.stop_libvirtd()
     try:
-        wait_until(lambda: scrape.healthz()[0] == 503, 30, "/healthz to fail")
+        wait_until(lambda: scrape.healthz()[0] == 503, "/healthz to fail", timeout=30)
         status, health = scrape.healthz()
         failed = {c["check"]: c["detail"] for c in health["checks"] if not c["ok"]}
         # The domains cannot be read either while libvirtd is gone.
@@ -172,4 +166,4 @@ def test_metrics_health_and_history_follow_a_cycle(lab: Lab, tmp_path: Path) -> 
     finally:
         lab.start_libvirtd()
     # And recovers once the agent has reconnected.
-    wait_until(lambda: scrape.healthz()[0] == 200, 60, "/healthz to pass again")
+    wait_until(lambda: scrape.healthz()[0] == 200, "/healthz to pass again", timeout=60)

@@ -18,6 +18,7 @@ import pytest
 from tests.lab.cluster import lab_cluster, lab_plane
 from tests.lab.lab import LENDEE, Lab
 from tests.packaging.readme import README, block, section
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.lab
 GPU_LIST = re.compile(r"\bgpu-[a-z]\b(?:, gpu-[a-z]\b)*")
@@ -36,13 +37,6 @@ def step(title: str) -> str:
                       section("Your first real swap"), re.S | re.M)
     assert found, f"README's first swap has no step {title!r}"
     return " ".join(found[1].split())
-
-
-def until(condition: object, what: str, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
 
 
 def test_the_first_real_swap_and_its_undo_as_readme_says(lab: Lab, tmp_path: Path) -> None:
@@ -96,15 +90,18 @@ def test_the_first_real_swap_and_its_undo_as_readme_says(lab: Lab, tmp_path: Pat
         lab.start_agent()
         swap = step("The swap.")
         assert "`hostagent status` says `lent`" in swap
-        until(lambda: json.loads(lab.hostagent("status", "--json").stdout)["lendee"]["phase"]
-              == "lent", "the first lend")
+        # Each lend here may boot the lendee (TCG: slow), so a longer bound; each look
+        # runs a process (the CLI, journalctl), so a slower pace.
+        wait_until(lambda: json.loads(lab.hostagent("status", "--json").stdout)["lendee"]
+                   ["phase"] == "lent", "the first lend", timeout=120, every=0.5)
         assert re.search(r"\blent\b", lab.hostagent("status").stdout)
         lab.mark_us = time.time_ns() // 1000
         assert "`hostagent play gaming1`" in swap
         out = lab.hostagent("play", "gaming1")
         assert out.returncode == 0, out.stderr
         lab.wait_game("gaming1")
-        until(lambda: len(lab.records(event="phase", to="lent")) >= 1, "the partial lend")
+        wait_until(lambda: len(lab.records(event="phase", to="lent")) >= 1, "the partial lend",
+                   timeout=120, every=0.5)
         printed = section("Your first real swap").split("journalctl -u hostagent -f")[1]
         printed = printed.split("```\n", 1)[1].split("```", 1)[0]
         shown = [words(line.strip()) for line in printed.strip().splitlines()]
@@ -118,9 +115,9 @@ def test_the_first_real_swap_and_its_undo_as_readme_says(lab: Lab, tmp_path: Pat
         out = lab.hostagent("release", "gaming1")
         assert out.returncode == 0, out.stderr
         lab.wait_state("gaming1", "shut off", timeout=120)
-        until(lambda: any(GPU_LIST.search(e["MESSAGE"]) and "not lent" not in e["MESSAGE"]
-                          for e in lab.records(event="phase", to="lent")[1:]),
-              "gpu-a lent again")
+        wait_until(lambda: any(GPU_LIST.search(e["MESSAGE"]) and "not lent" not in e["MESSAGE"]
+                               for e in lab.records(event="phase", to="lent")[1:]),
+                   "gpu-a lent again", timeout=120, every=0.5)
 
         # Uninstalling: the agent stopped, unmark-node takes off what it put there.
         uninstall = block("Uninstalling", "sh", "unmark-node")

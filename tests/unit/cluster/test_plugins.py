@@ -7,11 +7,9 @@ absent), a restore after the agent restarted mid-way, and which installs can be 
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -26,6 +24,7 @@ from tests.configs import lendee_toml
 from tests.controlplane import ControlPlane
 from tests.controlplane.seed import SEEDED
 from tests.unit.kube_scaffold import Api, gpu_node_api
+from tests.waiting import until
 
 DEVICE_PLUGIN, DCGM_EXPORTER = PLUGIN_LABELS[0], PLUGIN_LABELS[2]
 PREFIX = "hostagent.io/"
@@ -91,14 +90,6 @@ async def on_node(api: Api, label: str) -> list[dict[str, Any]]:
             and not p["metadata"].get("deletionTimestamp")]
 
 
-async def until(condition: Callable[[], Any], what: str, timeout: float = 20) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (found := await condition()):
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.05)
-    return found
-
-
 async def operator(api: Api) -> None:
     """gpu-operator's device plugin and DCGM exporter, on a node labelled as its node
     labelling does (GFD's label left absent: the install has none here)."""
@@ -110,7 +101,7 @@ async def operator(api: Api) -> None:
     await daemonset(api, "nvidia-dcgm-exporter", {"app": "nvidia-dcgm-exporter"},
                     nodeSelector={DCGM_EXPORTER: "true"})
     for label in ("app=nvidia-device-plugin-daemonset", "app=nvidia-dcgm-exporter"):
-        await until(functools.partial(on_node, api, label), f"no {label} pod on gpu-node")
+        await until(functools.partial(on_node, api, label), f"a {label} pod on gpu-node")
 
 
 async def scheduled_nowhere(api: Api) -> bool:
@@ -155,7 +146,7 @@ async def test_a_withdraw_leaves_no_plugin_pod_where_a_deletion_leaves_a_new_one
     assert deploy_labels(node) == {DEVICE_PLUGIN: "true", DCGM_EXPORTER: "true"}
     assert f"{PREFIX}paused-plugins" not in node["metadata"]["annotations"]
     [after] = await until(lambda: on_node(api, "app=nvidia-device-plugin-daemonset"),
-                          "the plugin did not come back")
+                          "the plugin back on gpu-node")
     assert after["metadata"]["uid"] != before["metadata"]["uid"]
 
 
@@ -185,7 +176,8 @@ async def test_the_static_manifest_cannot_be_paused_until_readmes_term_is_added(
         False, "no GPU plugin pod on node gpu-node matches kubernetes.plugin_selectors "
         f"({', '.join(selectors)}): set it to the labels of the pods that serve the node's GPUs")
     await daemonset(api, "nvidia-device-plugin-daemonset", {"name": "nvidia-device-plugin-ds"})
-    [plugin] = await until(lambda: on_node(api, "name=nvidia-device-plugin-ds"), "no plugin")
+    [plugin] = await until(lambda: on_node(api, "name=nvidia-device-plugin-ds"),
+                           "the plugin's pod on gpu-node")
     name = f"{NS}/{plugin['metadata']['name']}"
     pausable, why = await kube.plugins_pausable("gpu-node", selectors=selectors, labels=labels)
     assert not pausable and why.startswith(f"the DaemonSet of GPU plugin pod {name} selects ")
