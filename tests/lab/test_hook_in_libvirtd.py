@@ -14,7 +14,7 @@ import pytest
 
 from hostagent.surfaces.inbox import HookEvent, Inbox, Verdict, replay_spool, serve_hooks
 from tests.lab.lab import HOOK, Lab
-from tests.waiting import until
+from tests.waiting import BOUND, until
 
 pytestmark = pytest.mark.lab
 log = logging.getLogger("test.inbox")
@@ -226,7 +226,7 @@ def lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-async def settled(what: Callable[[], object], expected: object, timeout: float = 10) -> None:
+async def settled(what: Callable[[], object], expected: object, timeout: float = BOUND) -> None:
     """Wait, bounded, until `what()` is `expected` (release end runs just after the
     state change, and the inbox reads the hook's line a moment later)."""
     with contextlib.suppress(AssertionError):  # said below, with what it was instead
