@@ -28,6 +28,7 @@ from hostagent.host.libvirt import ExecResult, HostError, Lifecycle
 from hostagent.host.verify import BOOT_ID
 from hostagent.core.model import IntentSource, Observed, OwnerWants, Phase
 from tests.controlplane import ControlPlane
+from tests.controlplane.proxy import FaultProxy
 from tests.unit.kube_scaffold import FAST
 from tests.unit.agents import (  # noqa: F401 (a fixture)
     CONFIG,
@@ -112,28 +113,51 @@ async def kube(plane: ControlPlane) -> AsyncIterator[Kube]:
         yield k
 
 
+class Returns(KubeCluster):
+    """Notes each return once it has ended, finished or cancelled: from then on it
+    can uncordon nothing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ended = 0
+
+    async def give_back(self, *args: Any, **kwargs: Any) -> str | None:
+        try:
+            return await super().give_back(*args, **kwargs)
+        finally:
+            self.ended += 1
+
+
 async def test_a_stale_return_never_uncordons_the_node_a_new_drain_cordoned(
-        node: Node, kube: Kube, tmp_path: Path) -> None:
+        node: Node, plane: ControlPlane, tmp_path: Path) -> None:
     agent = Agent(parse(KUBE_CONFIG.format(root=tmp_path), "test.toml"))
     fake = Guest(agent)
     agent.libvirt = fake
     agent.start()
-    agent.cluster = KubeCluster(kube, agent.cfg, remember_cordon=agent._remember_cordon)
-    fake.running.add("gpu-node")
-    agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
-    await until(lambda: agent.state.phase is Phase.JOINING)
-    await asyncio.sleep(0.3)  # the return is waiting for the node to be Ready
-    await agent._on_hook(HookEvent(id="h1", time=time.time(), domain="gaming1", op="prepare",
-                                   sub="begin", extra="-", xml="<domain/>"))
-    await node.until(lambda n: n["spec"].get("unschedulable") is True, "the node cordoned")
-    await node.ready()  # a return still alive would uncordon now
-    await until(lambda: "gaming1" in fake.running, timeout=15)
-    await asyncio.sleep(0.5)
-    now = await node.get()
-    spec, notes = now["spec"], now["metadata"].get("annotations", {})
-    assert spec.get("unschedulable") is True
-    assert notes.get(cordon_marker("hostagent.io/")) == "hostagent"
-    assert agent.state.phase is Phase.OFF  # all or nothing: off while gaming1 plays
+    async with FaultProxy(plane.admin) as proxy, await Kube.connect(
+            proxy.write_kubeconfig(tmp_path / "proxied.kubeconfig"), timing=FAST) as kube:
+        cluster = Returns(kube, agent.cfg, remember_cordon=agent._remember_cordon)
+        agent.cluster = cluster
+        fake.running.add("gpu-node")
+        agent.apply(Observed(at=time.time(), lendee_running=True, owners_running=frozenset()))
+        await until(lambda: agent.state.phase is Phase.JOINING)
+        # The return is waiting for the node (this boot's kubelet, then Ready): it
+        # watches it.
+        await until(lambda: proxy.watching("^/api/v1/nodes$") or cluster.ended,
+                    "the return watching the node")
+        assert not cluster.ended
+        await agent._on_hook(HookEvent(id="h1", time=time.time(), domain="gaming1",
+                                       op="prepare", sub="begin", extra="-", xml="<domain/>"))
+        await node.until(lambda n: n["spec"].get("unschedulable") is True,
+                             "the node cordoned")
+        await node.ready()  # a return still alive would uncordon now
+        await until(lambda: "gaming1" in fake.running, timeout=15)
+        await until(lambda: cluster.ended == 1, "the return to end")  # cancelled, or done
+        now = await node.get()
+        spec, notes = now["spec"], now["metadata"].get("annotations", {})
+        assert spec.get("unschedulable") is True
+        assert notes.get(cordon_marker("hostagent.io/")) == "hostagent"
+        assert agent.state.phase is Phase.OFF  # all or nothing: off while gaming1 plays
 
 
 async def test_a_cordon_of_ours_lifted_by_hand_is_ours_no_more(

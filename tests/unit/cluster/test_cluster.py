@@ -337,11 +337,15 @@ async def test_a_lendee_destroyed_by_hand_comes_back_cordoned_until_verified(
                                        "reason": "KubeletNotReady"}],
                      allocatable={"nvidia.com/gpu": "0"})
     # It boots again: Ready first, then the GPUs; cordoned until both are there.
-    returned = asyncio.create_task(cluster.give_back(["gpu-a", "gpu-b"]))
     await set_status(api, conditions=[{"type": "Ready", "status": "True",
                                        "reason": "KubeletReady"}])
-    await until(lambda: len(api.proxy.requests_to("GET", r"^/api/v1/nodes\?.*watch=")) > 0)
-    await asyncio.sleep(0.2)  # what a return that did not wait for the GPUs would do
+    returned = asyncio.create_task(cluster.give_back(["gpu-a", "gpu-b"]))
+    # Ready from its first read: the node's watch is the wait for the GPUs, open once
+    # the return has seen it Ready without them (one that did not wait would have
+    # uncordoned instead, and ended).
+    await until(lambda: api.proxy.watching("^/api/v1/nodes$") or returned.done(),
+                "the return watching the node for its GPUs")
+    assert not returned.done()
     assert (await node(api))["spec"]["unschedulable"] is True
     await boot(api, 2)
     assert await returned is None
@@ -451,8 +455,10 @@ async def test_the_watch_judges_nothing_before_both_its_lists_are_in(
     views: list[Any] = []
     watch = asyncio.create_task(cluster.watch_lent(on_view=views.append))
     try:
-        await until(lambda: views)
-        await asyncio.sleep(0.2)
+        # Each list is in before its watch opens: with both watches open, every view
+        # of the lists has been published.
+        await until(lambda: api.proxy.watching("^/api/v1/(nodes|pods)$") == 2,
+                    "the node and its pods watched")
     finally:
         watch.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -173,17 +173,21 @@ def test_the_claim_made_for_a_pods_extended_resources_is_one_of_its_claims() -> 
 
 
 async def test_a_dra_lend_is_verified_by_uuid_before_the_uncordon(
-        lab: Lab, records: journal.ListSink) -> None:
+        lab: Lab, records: journal.ListSink, tmp_path: Path) -> None:
     await publish(lab, UUID_A, UUID_B, UUID_C)  # what the last boot (with every GPU) left
     await lab.kube.cordon(NODE, marker_prefix=PREFIX)
-    cluster = lab.cluster(config())
-
-    async def republished() -> None:  # partial lend: gpu-b only, a little later
-        await asyncio.sleep(0.3)
+    async with FaultProxy(lab.kubeconfig) as proxy, await Kube.connect(
+            proxy.write_kubeconfig(tmp_path / "proxied.kubeconfig"), timing=FAST) as kube:
+        cluster = KubeCluster(kube, config(), remember_cordon=lambda _: None)
+        returned = asyncio.create_task(cluster.give_back({"gpu-b"}))
+        # The partial lend (gpu-b only) is published while the return waits for it,
+        # watching the slices that still list the last boot's GPUs.
+        await until(lambda: proxy.watching("/resourceslices$") or returned.done(),
+                    "the return watching the ResourceSlices")
+        assert not returned.done()
         await lab.driver.publish([gpu(1, UUID_B)])
-    later = asyncio.create_task(republished())
-    assert await cluster.give_back({"gpu-b"}) is None
-    await later
+        assert await returned is None
+        await cluster.flush_events()  # posted before the client closes
     assert cluster.dra == {"gpu-b": UUID_B}
     assert not await lab.unschedulable()
     assert (await lab.annotations())[f"{PREFIX}lent-gpus"] == "gpu-b"

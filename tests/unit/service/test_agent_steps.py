@@ -134,6 +134,7 @@ class GatedLibvirt(FakeLibvirt):
         self.start_go = asyncio.Event()
 
     async def xml(self, name: str) -> str:
+        self.calls.append(("reading", name))
         await self.xml_go.wait()
         return await super().xml(name)
 
@@ -161,17 +162,19 @@ async def test_release_racing_the_agents_own_start_answers_the_truth(
         fake.xml_go.set()
         await until(lambda: ("starting", "gaming1") in fake.calls)
     else:
-        await asyncio.sleep(0.05)
+        await until(lambda: ("reading", "gaming1") in fake.calls)
     replies = [r async for r in agent.verbs.handlers()["release"]({"vm": "gaming1"})]
     fake.xml_go.set()
     fake.start_go.set()
-    await asyncio.sleep(0.3)
     if when == "linting":
+        # Once every step has ended (none is left to lend: the relend is 60 s off), the
+        # start has happened or never will.
+        await until(lambda: not agent.executor.tasks, "the start step to end")
         assert replies[-1]["ok"] and replies[-1]["data"]["cancelled"], replies
         assert "gaming1" not in fake.running and ("starting", "gaming1") not in fake.calls
     else:
         assert not replies[-1]["ok"] and "cannot be withdrawn" in replies[-1]["error"]
-        assert "gaming1" in agent.state.running_owners
+        await until(lambda: "gaming1" in agent.state.running_owners)
 
 
 class DiesAtOnce(FakeLibvirt):

@@ -42,6 +42,7 @@ from tests.configs import UUID_A, UUID_B, lendee_toml
 from tests.unit.kube_scaffold import Api, gpu_node_api
 from tests.unit.machine_scaffold import AT, LENDEE, T, wants
 from tests.unit.partial_world import POLICY, TOPO, B, C, S, gpus, go, run, vms
+from tests.waiting import until
 from tests.unit.hotplug_scaffold import (
     ADD,
     AddStep,
@@ -291,8 +292,10 @@ async def test_the_node_is_told_of_the_gpu_once_its_slices_list_it(
     cluster = KubeCluster(kube, dra_config(), remember_cordon=lambda _: None)
     assert await cluster.give_back({"gpu-b"}) is None
 
-    async def restarted() -> None:  # the plugin enumerates gpu-a once restarted
-        await asyncio.sleep(0.3)
+    async def restarted() -> None:
+        # The plugin enumerates gpu-a once restarted: while the grow watches the slices.
+        await until(lambda: api.proxy.watching("/resourceslices$"),
+                    "the grow watching the ResourceSlices")
         await driver.publish([gpu_device(0, UUID_B), gpu_device(1, UUID_A)])
 
     plugin = asyncio.create_task(restarted())
@@ -347,8 +350,7 @@ async def test_an_attach_past_its_bound_counts_its_gpus_as_held(
     await hotplug.hot_add(step, T + 1, gpus(A))
     [event] = step.applied
     assert isinstance(event, AttachFailed) and event.held == gpus(A)
-    await asyncio.sleep(0.3)
-    assert step.live == {A, B, C}
+    await until(lambda: step.live == {A, B, C}, "libvirt's attach to land")
     assert go(step.state, event, ADD)[0].lent == gpus(A, B, C)
 
 

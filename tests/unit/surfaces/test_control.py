@@ -350,8 +350,11 @@ async def test_reclaim_takes_the_gpus_back_and_lend_gives_them_again(tmp_path: P
     assert steps[1]["message"] == "hostagent reclaim wants gpu-a (RTX A, 0000:0a:00.0), gpu-b: draining gpu-node"
     assert result == {"ok": True, "data": {"elapsed_s": result["data"]["elapsed_s"], "message": (
         "gpu-node is off: gpu-a (RTX A, 0000:0a:00.0), gpu-b are free; it stays off until `hostagent lend`")}}
-    await asyncio.sleep(0.4)  # longer than relend_delay: held, nothing lends
+    # Held: once the reclaim's steps have all ended, nothing is left that could lend,
+    # no relend timer armed (one would fire after relend_delay, 0.2 s).
+    await until(lambda: not agent.executor.tasks, "the reclaim's steps to end")
     assert agent.state.phase is Phase.OFF and agent.state.hold
+    assert agent.state.relend_at is None and agent.executor._relend is None
     assert not any(owner in fake.running for owner in ("gaming1", "gaming2"))
     assert (await collect(agent, "reclaim"))[-1]["ok"] is True  # already off: at once
     [result] = await collect(agent, "lend")

@@ -27,6 +27,7 @@ from tests.unit.hook_scaffold import (
     run_hook,
     XML,
 )
+from tests.waiting import until
 
 BUDGET = 0.3
 # Generous: this bounds correctness (the hook must not hang), it is not a benchmark.
@@ -46,12 +47,16 @@ class Recorder:
         self.verdict = verdict
         self.delay = delay
         self.events: list[HookEvent] = []
+        self.answered = 0  # calls that ended, answered or cancelled
 
     async def __call__(self, event: HookEvent) -> Verdict:
         self.events.append(event)
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        return self.verdict
+        try:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            return self.verdict
+        finally:
+            self.answered += 1
 
 
 @pytest.fixture
@@ -351,7 +356,7 @@ async def test_late_answer_is_spooled_but_not_handled_twice(place: Place) -> Non
     server = await serve_hooks(place.socket, inbox, log=log)
     try:
         run = await run_hook(place, "gaming1", "prepare", "begin", "-")
-        await asyncio.sleep(0.8)  # let the slow handler finish
+        await until(lambda: recorder.answered == 1, "the slow handler to finish")
     finally:
         server.close()
         await server.wait_closed()
