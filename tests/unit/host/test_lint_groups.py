@@ -1,0 +1,193 @@
+"""Lint's IOMMU-group sharing check (`_shared_groups`): each finding whole, for a host
+and domains that make it, and the sets that make none."""
+
+from __future__ import annotations
+
+import textwrap
+
+from hostagent.core.config import Config, parse
+from hostagent.host import lint
+from hostagent.host.lint import Check, Severity
+from tests.sysfs import FakeSysfs
+from tests.unit.domain_scaffold import domain, gpu, hostdev
+
+ACS_FIX = (
+    "put one of the cards in a slot with an IOMMU group of its own (usually one wired to "
+    "the CPU's own root ports rather than the chipset's), or turn on ACS for that root "
+    "port in the firmware if it offers it (`hostagent gpus` shows the groups). The "
+    "pcie_acs_override kernel patch splits the group without the hardware's isolation: "
+    "the cards can then reach each other's memory by peer-to-peer DMA, past the IOMMU, "
+    "so a VM can read or corrupt the other's")
+
+LENDEE = """
+[lendee]
+domain = "gpu-node"
+gpus = ["gpu-a", "gpu-b"]
+"""
+
+GPUS = """
+[gpus.gpu-a]
+pci = "0000:01:00.0"
+functions = ["0000:01:00.1"]
+
+[gpus.gpu-b]
+pci = "0000:02:00.0"
+functions = ["0000:02:00.1"]
+"""
+
+
+def cfg(text: str) -> Config:
+    return parse(textwrap.dedent(text))
+
+
+def shared(sysfs: FakeSysfs, xmls: list[str], config: Config | None = None
+           ) -> list[lint.Finding]:
+    return lint._shared_groups([lint.parse_domain(x) for x in xmls], sysfs.root, config)
+
+
+def one_group(sysfs: FakeSysfs) -> FakeSysfs:
+    """Two cards, both in IOMMU group 7."""
+    return sysfs.gpu("01", group="7").gpu("02", group="7")
+
+
+# --- without the configuration ------------------------------------------------------------
+
+
+def test_vms_with_disjoint_cards_of_one_group_each_get_an_error(sysfs: FakeSysfs) -> None:
+    one_group(sysfs)
+    found = shared(sysfs, [domain("gaming2", gpu("02")), domain("gaming1", gpu("01"))])
+    what = ("cards of IOMMU group 7 are given to different VMs: 0000:01:00 in gaming1; "
+            "0000:02:00 in gaming2")
+    why = ("VFIO gives a whole IOMMU group to one VM at a time, so these VMs cannot run "
+           "together even though their XML says they share nothing.")
+    assert found == [
+        lint.Finding(domain=name, check=Check.SHARED_GROUP, severity=Severity.ERROR,
+                     what=what, why=why, fix=ACS_FIX)
+        for name in ("gaming1", "gaming2")]
+
+
+def test_a_card_shared_by_vms_names_them_all(sysfs: FakeSysfs) -> None:
+    # gpu-node lends the card gaming1 has; gaming2's card is disjoint from both.
+    one_group(sysfs)
+    found = shared(sysfs, [domain("gaming1", gpu("01")), domain("gpu-node", gpu("01")),
+                           domain("gaming2", gpu("02"))])
+    assert [f.domain for f in found] == ["gaming1", "gaming2", "gpu-node"]
+    assert {f.what for f in found} == {
+        "cards of IOMMU group 7 are given to different VMs: 0000:01:00 in gaming1, gpu-node; "
+        "0000:02:00 in gaming2"}
+
+
+def test_no_finding_without_the_configuration(sysfs: FakeSysfs) -> None:
+    one_group(sysfs).gpu("03")
+    # One VM with both cards of the group: it has the whole group.
+    assert shared(sysfs, [domain("gpu-node", gpu("01") + gpu("02"))]) == []
+    # Both VMs with both cards: lending, not sharing.
+    both = gpu("01") + gpu("02")
+    assert shared(sysfs, [domain("gpu-node", both), domain("gaming1", both)]) == []
+    # Two VMs that share one card and one of them with the other too: not disjoint.
+    assert shared(sysfs, [domain("gpu-node", both), domain("gaming1", gpu("01"))]) == []
+    # Cards in groups of their own.
+    assert shared(sysfs, [domain("gaming1", gpu("01")), domain("gaming3", gpu("03"))]) == []
+    # A hostdev the host does not have has no group.
+    assert shared(sysfs, [domain("gaming1", [hostdev("0000:09:00.0")]),
+                          domain("gaming2", [hostdev("0000:0a:00.0")])]) == []
+
+
+# --- with the configuration ---------------------------------------------------------------
+
+
+def test_a_device_that_is_no_gpu_in_a_gpus_group(sysfs: FakeSysfs) -> None:
+    sysfs.gpu("01", group="7").gpu("02", group="8")
+    sysfs.add("0000:05:00.0", cls=0x0c0330, vendor="1b21", device="2142", group="7")
+    config = cfg(LENDEE + GPUS + '\n[owners.gaming1]\ngpus = ["gpu-a"]\n')
+    found = shared(sysfs, [domain("gpu-node", gpu("01") + gpu("02")),
+                           domain("gaming1", gpu("01")),
+                           domain("usb-vm", [hostdev("0000:05:00.0")])], config)
+    assert found == [lint.Finding(
+        domain="gaming1, gpu-node, usb-vm", check=Check.SHARED_GROUP, severity=Severity.ERROR,
+        what="IOMMU group 7 holds 0000:05:00, no GPU, with gpu-a: gpu-a in gaming1, gpu-node; "
+             "0000:05:00 in usb-vm",
+        why="VFIO gives a whole IOMMU group to one VM at a time and hostagent moves GPUs "
+            "only: while a VM holds one member of the group no other can start with another, "
+            "so hostagent gives the GPU to no VM (a game or the lendee, started or "
+            "hot-added) while another holds the rest of its group.",
+        fix=ACS_FIX + "; or pass the other device through to no VM")]
+
+
+def test_a_configured_gpu_in_no_vm_is_listed_as_in_no_vm(sysfs: FakeSysfs) -> None:
+    sysfs.gpu("01", group="7").gpu("02", group="8")
+    sysfs.add("0000:05:00.0", cls=0x0c0330, vendor="1b21", device="2142", group="7")
+    sysfs.add("0000:06:00.0", cls=0x0c0330, vendor="1b21", device="2142", group="7")
+    # A device in no VM is none of the group's users: only the configured GPU is listed
+    # without one.
+    found = shared(sysfs, [domain("usb-vm2", [hostdev("0000:06:00.0")]),
+                           domain("usb-vm", [hostdev("0000:05:00.0")])], cfg(LENDEE + GPUS))
+    assert [(f.domain, f.what) for f in found] == [(
+        "usb-vm, usb-vm2", "IOMMU group 7 holds 0000:05:00, 0000:06:00, no GPU, with gpu-a: "
+                           "gpu-a in no VM; 0000:05:00 in usb-vm; 0000:06:00 in usb-vm2")]
+
+
+def test_only_devices_that_are_no_gpu_in_a_group_is_no_finding(sysfs: FakeSysfs) -> None:
+    sysfs.gpu("01", group="7").gpu("02", group="8")
+    sysfs.add("0000:05:00.0", cls=0x0c0330, vendor="1b21", device="2142", group="9")
+    sysfs.add("0000:06:00.0", cls=0x0c0330, vendor="1b21", device="2142", group="9")
+    found = shared(sysfs, [domain("usb-vm", [hostdev("0000:05:00.0")]),
+                           domain("usb-vm2", [hostdev("0000:06:00.0")])], cfg(LENDEE + GPUS))
+    assert found == []
+
+
+def test_gpus_of_one_group_lent_to_two_lendees(sysfs: FakeSysfs) -> None:
+    one_group(sysfs)
+    config = cfg('[lendees.node-a]\ngpus = ["gpu-a"]\n[lendees.node-b]\ngpus = ["gpu-b"]\n'
+                 + GPUS)
+    found = shared(sysfs, [domain("node-a", gpu("01")), domain("node-b", gpu("02"))], config)
+    assert found == [lint.Finding(
+        domain="node-a, node-b", check=Check.SHARED_GROUP, severity=Severity.ERROR,
+        what="gpu-a and gpu-b share IOMMU group 7 but are lent to node-a and node-b",
+        why="VFIO gives a group to one VM at a time: while one of those lendees runs with "
+            "its GPU, the other cannot start with its own.",
+        fix=ACS_FIX + "; or lend those GPUs to one lendee")]
+
+
+def test_gpus_of_different_owners_in_one_group(sysfs: FakeSysfs) -> None:
+    one_group(sysfs)
+    config = cfg(LENDEE + GPUS + '\n[owners.gaming2]\ngpus = ["gpu-b"]\n'
+                 '\n[owners.gaming1]\ngpus = ["gpu-a"]\n'
+                 '\n[owners.gaming3]\ngpus = ["gpu-a"]\n')
+    found = shared(sysfs, [], config)
+    assert found == [lint.Finding(
+        domain="gaming1, gaming2, gaming3", check=Check.SHARED_GROUP, severity=Severity.ERROR,
+        what="GPUs of different owners share IOMMU group 7: gpu-a (gaming1 and gaming3), "
+             "gpu-b (gaming2)",
+        why="VFIO gives a group to one VM at a time: gaming1 and gaming2 and gaming3 cannot "
+            "run together, and hostagent lends and reclaims gpu-a and gpu-b together (one "
+            "owner's start takes them all from the lendee).",
+        fix=ACS_FIX + "; or give those GPUs to the same owners")]
+
+
+def test_an_owned_gpu_and_an_unowned_one_in_one_group_is_a_warning(sysfs: FakeSysfs) -> None:
+    one_group(sysfs)
+    config = cfg(LENDEE + GPUS + '\n[owners.gaming2]\ngpus = ["gpu-b"]\n'
+                 '\n[owners.gaming1]\ngpus = ["gpu-b"]\n')
+    found = shared(sysfs, [domain("gpu-node", gpu("01") + gpu("02"))], config)
+    assert found == [lint.Finding(
+        domain="gpu-node", check=Check.SHARED_GROUP, severity=Severity.WARNING,
+        what="gpu-a and gpu-b share IOMMU group 7: they move together (gpu-a (no owner), "
+             "gpu-b (gaming1 and gaming2))",
+        why="VFIO gives a group to one VM at a time, so while gaming1 or gaming2 plays, the "
+            "lendee has none of gpu-a and gpu-b.",
+        fix=ACS_FIX)]
+
+
+def test_gpus_of_one_group_and_the_same_owners_or_none_is_no_finding(
+        sysfs: FakeSysfs) -> None:
+    one_group(sysfs)
+    assert shared(sysfs, [domain("gpu-node", gpu("01") + gpu("02"))], cfg(LENDEE + GPUS)) == []
+    same = cfg(LENDEE + GPUS + '\n[owners.gaming1]\ngpus = ["gpu-a", "gpu-b"]\n')
+    assert shared(sysfs, [domain("gaming1", gpu("01") + gpu("02"))], same) == []
+    # Groups of their own: nothing is shared whoever owns them.
+    sysfs2 = FakeSysfs(sysfs.root.parent / "sys2").gpu("01").gpu("02")
+    apart = cfg(LENDEE + GPUS + '\n[owners.gaming1]\ngpus = ["gpu-a"]\n'
+                '\n[owners.gaming2]\ngpus = ["gpu-b"]\n')
+    assert shared(sysfs2, [domain("gaming1", gpu("01")), domain("gaming2", gpu("02"))],
+                  apart) == []
