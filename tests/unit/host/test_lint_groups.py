@@ -191,3 +191,74 @@ def test_gpus_of_one_group_and_the_same_owners_or_none_is_no_finding(
                 '\n[owners.gaming2]\ngpus = ["gpu-b"]\n')
     assert shared(sysfs2, [domain("gaming1", gpu("01")), domain("gaming2", gpu("02"))],
                   apart) == []
+
+
+# --- several groups: each is checked, whatever the one before made ------------------------
+
+
+def test_every_group_is_checked_without_the_configuration(sysfs: FakeSysfs) -> None:
+    # Group 3: one VM with both cards, no finding; groups 4 and 5: disjoint cards each.
+    sysfs.gpu("01", group="3").gpu("02", group="3").gpu("03", group="4").gpu("04", group="4")
+    sysfs.gpu("05", group="5").gpu("06", group="5")
+    found = shared(sysfs, [domain("both", gpu("01") + gpu("02")),
+                           domain("g3", gpu("03")), domain("g4", gpu("04")),
+                           domain("g5", gpu("05")), domain("g6", gpu("06"))])
+    assert [(f.domain, f.what) for f in found] == [
+        ("g3", "cards of IOMMU group 4 are given to different VMs: 0000:03:00 in g3; "
+               "0000:04:00 in g4"),
+        ("g4", "cards of IOMMU group 4 are given to different VMs: 0000:03:00 in g3; "
+               "0000:04:00 in g4"),
+        ("g5", "cards of IOMMU group 5 are given to different VMs: 0000:05:00 in g5; "
+               "0000:06:00 in g6"),
+        ("g6", "cards of IOMMU group 5 are given to different VMs: 0000:05:00 in g5; "
+               "0000:06:00 in g6")]
+
+
+FOUR = """
+[lendee]
+domain = "gpu-node"
+gpus = ["gpu-a", "gpu-b", "gpu-c", "gpu-d"]
+
+[gpus.gpu-a]
+pci = "0000:01:00.0"
+functions = ["0000:07:00.0"]
+
+[gpus.gpu-b]
+pci = "0000:02:00.0"
+
+[gpus.gpu-c]
+pci = "0000:03:00.0"
+
+[gpus.gpu-d]
+pci = "0000:04:00.0"
+
+[owners.gaming3]
+gpus = ["gpu-c"]
+"""
+
+
+def test_every_group_is_checked_with_the_configuration(sysfs: FakeSysfs) -> None:
+    # Group 1: gpu-a alone, though on two slots; group 2: gpu-b and gpu-c with a USB
+    # controller; group 3: gpu-c owned, gpu-d not.
+    sysfs.gpu("01", group="1", audio=False).gpu("07", group="1", audio=False)
+    sysfs.gpu("02", group="2", audio=False)
+    sysfs.add("0000:05:00.0", cls=0x0c0330, vendor="1b21", device="2142", group="2")
+    sysfs.gpu("03", group="3", audio=False).gpu("04", group="3", audio=False)
+    found = shared(sysfs, [domain("gpu-node", [hostdev(f"0000:0{b}:00.0") for b in "12347"]),
+                           domain("usb-vm", [hostdev("0000:05:00.0")])], cfg(FOUR))
+    assert [(f.domain, f.severity, f.what) for f in found] == [
+        ("gpu-node, usb-vm", Severity.ERROR,
+         "IOMMU group 2 holds 0000:05:00, no GPU, with gpu-b: gpu-b in gpu-node; "
+         "0000:05:00 in usb-vm"),
+        ("gpu-node", Severity.WARNING,
+         "gpu-c and gpu-d share IOMMU group 3: they move together (gpu-c (gaming3), "
+         "gpu-d (no owner))")]
+
+
+def test_a_device_that_is_no_gpu_in_a_group_of_two_gpus_names_both(sysfs: FakeSysfs) -> None:
+    one_group(sysfs)
+    sysfs.add("0000:05:00.0", cls=0x0c0330, vendor="1b21", device="2142", group="7")
+    found = shared(sysfs, [domain("usb-vm", [hostdev("0000:05:00.0")])], cfg(LENDEE + GPUS))
+    assert [f.what for f in found] == [
+        "IOMMU group 7 holds 0000:05:00, no GPU, with gpu-a, gpu-b: gpu-a in no VM; "
+        "gpu-b in no VM; 0000:05:00 in usb-vm"]
