@@ -262,3 +262,32 @@ def test_a_device_that_is_no_gpu_in_a_group_of_two_gpus_names_both(sysfs: FakeSy
     assert [f.what for f in found] == [
         "IOMMU group 7 holds 0000:05:00, no GPU, with gpu-a, gpu-b: gpu-a in no VM; "
         "gpu-b in no VM; 0000:05:00 in usb-vm"]
+
+
+# --- autostart (`_autostart`): its warnings whole ------------------------------------------
+
+
+def test_autostart_warnings_whole() -> None:
+    roles: dict[str, tuple[str, str, tuple[str, ...]]] = {
+        "gpu-node": ("lendee", "", ()), "gaming1": ("owner", "", ()),
+        "gaming2": ("owner", "", ())}
+    doms = [lint.parse_domain(domain("other", []), autostart=True),  # no role: nothing
+            lint.parse_domain(domain("gaming2", []), autostart=False),
+            lint.parse_domain(domain("gpu-node", []), autostart=True),
+            lint.parse_domain(domain("gaming1", []), autostart=True)]
+    before = ("libvirt starts it when libvirtd starts at host boot, before hostagent answers "
+              "its hook, which can then only spool the event: ")
+    assert lint._autostart(doms, roles) == [
+        lint.Finding(domain="gpu-node", check=Check.AUTOSTART, severity=Severity.WARNING,
+                     what="libvirt autostarts it",
+                     why=before + "the lendee boots with every GPU, those an owner starting "
+                                  "at boot needs included, and one of the two fails to start.",
+                     fix="virsh autostart --disable gpu-node; hostagent lends the free GPUs "
+                         "at boot by itself"),
+        lint.Finding(domain="gaming1", check=Check.AUTOSTART, severity=Severity.WARNING,
+                     what="libvirt autostarts it",
+                     why=before + "the owner takes its GPU while the lendee may be booting "
+                                  "with it, and one of the two fails to start.",
+                     fix="virsh autostart --disable gaming1; to start it at boot, set "
+                         "start_at_boot = true under [owners.gaming1]: hostagent then starts "
+                         "it once its GPUs are free")]
