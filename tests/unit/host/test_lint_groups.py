@@ -291,3 +291,60 @@ def test_autostart_warnings_whole() -> None:
                      fix="virsh autostart --disable gaming1; to start it at boot, set "
                          "start_at_boot = true under [owners.gaming1]: hostagent then starts "
                          "it once its GPUs are free")]
+
+
+# --- resets (`_resets`): its findings whole ------------------------------------------------
+
+RESET_WHY = ("the next VM gets the GPU as the last one left it: its memory, the previous "
+             "VM's data included, and a state its driver may not start from.")
+BRIDGE = "0000:00:01.0"
+
+
+def resets(sysfs: FakeSysfs) -> list[lint.Finding]:
+    return lint._resets(cfg(LENDEE + GPUS), sysfs.root)
+
+
+def test_no_reset_and_no_bridge_is_an_error_whole(sysfs: FakeSysfs) -> None:
+    # gpu-a's main function has FLR (nothing to say, and the check goes on), its audio
+    # function has no reset on the root bus.
+    sysfs.add("0000:01:00.0", group="1")
+    sysfs.add("0000:01:00.1", cls=0x040300, device="228e", group="1", reset_method=None)
+    sysfs.gpu("02")
+    path = "/sys/bus/pci/devices/0000:01:00.1/reset_method"
+    assert resets(sysfs) == [lint.Finding(
+        domain="gpu-node", check=Check.RESET, severity=Severity.ERROR,
+        what="0000:01:00.1 of GPU gpu-a cannot be reset between VMs: it has no reset method "
+             "and no bridge above it whose bus could be reset",
+        why=RESET_WHY,
+        fix=f"put the card in a slot behind a PCIe root port (`cat {path}` lists the methods "
+            "the kernel found; `lspci -vv` shows FLReset+ where the card has FLR)")]
+
+
+def test_every_reset_method_turned_off_is_an_error_whole(sysfs: FakeSysfs) -> None:
+    sysfs.add(BRIDGE, cls=0x060400, device="1901", driver="pcieport", group="1")
+    sysfs.gpu("01", reset_method="", behind=BRIDGE, audio=False).gpu("02")
+    path = "/sys/bus/pci/devices/0000:01:00.0/reset_method"
+    assert resets(sysfs) == [lint.Finding(
+        domain="gpu-node", check=Check.RESET, severity=Severity.ERROR,
+        what="0000:01:00.0 of GPU gpu-a cannot be reset between VMs: every reset method is "
+             "turned off (its reset_method is empty)",
+        why=RESET_WHY,
+        fix=f"echo default > {path} (and find what wrote it empty: a udev rule, a boot "
+            "script)")]
+
+
+def test_a_bus_shared_with_two_devices_is_a_warning_whole(sysfs: FakeSysfs) -> None:
+    sysfs.add(BRIDGE, cls=0x060400, device="1901", driver="pcieport", group="1")
+    sysfs.gpu("01", reset_method="bus", behind=BRIDGE, audio=False).gpu("02")
+    for slot, device in (("01", "0014"), ("02", "0015")):
+        sysfs.add(f"0000:01:{slot}.0", cls=0x0c0330, vendor="1912", device=device,
+                  driver="xhci_hcd", group="1", reset_method="bus", behind=BRIDGE)
+    assert resets(sysfs) == [lint.Finding(
+        domain="gpu-node", check=Check.RESET, severity=Severity.WARNING,
+        what="0000:01:00.0 of GPU gpu-a is reset only by a reset of its bus, which "
+             "0000:01:01.0 (1912:0014), 0000:01:02.0 (1912:0015) share",
+        why=f"a bus reset resets every device behind bridge {BRIDGE}, so it resets "
+            "0000:01:01.0, 0000:01:02.0 too, and vfio-pci resets the bus between VMs only "
+            "while none of them is in use: otherwise " + RESET_WHY,
+        fix="put the card in a slot with a root port of its own, or give the other devices "
+            "on that bus to no VM that runs while the GPU changes hands")]
