@@ -348,3 +348,25 @@ def test_a_bus_shared_with_two_devices_is_a_warning_whole(sysfs: FakeSysfs) -> N
             "while none of them is in use: otherwise " + RESET_WHY,
         fix="put the card in a slot with a root port of its own, or give the other devices "
             "on that bus to no VM that runs while the GPU changes hands")]
+
+
+# --- slot functions (`_slot_functions`): its error whole -----------------------------------
+
+
+def test_a_hostdev_on_a_gpus_slot_that_the_card_does_not_have_is_an_error_whole(
+        sysfs: FakeSysfs) -> None:
+    # 01:00.2 is not in the configuration but on the host (it moves with the slot: nothing
+    # to say, and the check goes on); 01:00.3 is on neither.
+    sysfs.gpu("01").gpu("02")
+    sysfs.add("0000:01:00.2", cls=0x0c0330, device="1ada", group="1")
+    xml = domain("gpu-node", gpu("01") + [hostdev("0000:01:00.2"), hostdev("0000:01:00.3")])
+    assert lint._slot_functions([lint.parse_domain(xml)], cfg(LENDEE + GPUS),
+                                sysfs.root) == [lint.Finding(
+        domain="gpu-node", check=Check.SLOT_FUNCTION, severity=Severity.ERROR,
+        what="<hostdev> 0000:01:00.3 is on the slot of GPU gpu-a but hostagent does not move "
+             "it with gpu-a: the card there has no such function on this host",
+        why="hostagent moves a GPU with every function its slot has on the host; a hostdev "
+            "it does not know stays in the lendee's live definition, so the owner's start "
+            "fails on a device in use.",
+        fix="remove the <hostdev> 0000:01:00.3 from gpu-node (virsh edit gpu-node): "
+            "`hostagent gpus` lists the functions the card has")]
