@@ -1,5 +1,6 @@
-"""Lint's IOMMU-group sharing check (`_shared_groups`): each finding whole, for a host
-and domains that make it, and the sets that make none."""
+"""Lint's IOMMU-group sharing check (`_shared_groups`), and its reset, autostart and
+slot-function checks: each finding whole, for a host and domains that make it, and the
+sets that make none."""
 
 from __future__ import annotations
 
