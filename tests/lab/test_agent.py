@@ -20,10 +20,7 @@ DEFER = "hostagent is draining it and shutting it down to free them"
 def lent(lab: Lab, timeout: float = 60) -> None:
     """Wait until the lendee is lent (a new LENT record after the last one seen)."""
     before = len(lab.records(event="phase", to="lent"))
-    deadline = time.monotonic() + timeout
-    while len(lab.records(event="phase", to="lent")) <= before:
-        assert time.monotonic() < deadline, f"never lent again; phases: {lab.phases()}"
-        time.sleep(0.2)
+    lab.wait_records(before + 1, timeout, event="phase", to="lent")
 
 
 def wait_lent(lab: Lab, timeout: float = 60) -> None:

@@ -30,6 +30,7 @@ from hostagent.surfaces.control import Reply, request, serve_control
 from hostagent.core.health import Health
 from hostagent.surfaces.inbox import HookEvent, Verdict, serve_hooks
 from hostagent.core.model import Topology
+from tests.waiting import until
 
 log = logging.getLogger("test.floods")
 FLOOD = 400  # connections per port: far over any cap, well under the process limit
@@ -429,9 +430,8 @@ async def test_a_slowloris_from_a_handful_of_addresses_never_keeps_a_scrape_out(
     try:
         # All of them connected (those past the listen queue, 8, get in when TCP sends their
         # SYN again, a second later).
-        async with asyncio.timeout(30):
-            while len(connected) < len(sources):  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
+        await until(lambda: len(connected) >= len(sources), "every attacker connected",
+                    timeout=30)
         answers = []
         for _ in range(5):
             try:

@@ -23,6 +23,7 @@ from hostagent.host import journal
 from hostagent.surfaces import homeassistant
 from hostagent.surfaces.mqtt import COMMANDS_BURST, MAX_PACKET, Device
 from tests.mosquitto import MISSING, USERS, Mosquitto
+from tests.waiting import until
 from tests.unit.homeassistant_scaffold import CONFIG, check_device_message, recorded, status
 from tests.unit.homeassistant_scaffold import (
     device_config,
@@ -100,13 +101,11 @@ async def test_two_hosts_on_one_broker_keep_their_connections(
     cfg = device_config(broker)
     tower, den = Host(), Host()
     async with running(cfg, tower, hostname="tower"), running(cfg, den, hostname="den"):
-        async with asyncio.timeout(WAIT):
-            while sum(e.fields.get("HOSTAGENT_RESULT") == "connected"  # noqa: ASYNC110
-                      for e in sink.entries) < 2:
-                await asyncio.sleep(0.05)
-            # Each has subscribed to the command, each under its own client id.
-            while len(broker.subscribed("hostagent/lend/press")) < 2:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
+        await until(lambda: sum(e.fields.get("HOSTAGENT_RESULT") == "connected"
+                                for e in sink.entries) >= 2, "both connected", timeout=WAIT)
+        # Each has subscribed to the command, each under its own client id.
+        await until(lambda: len(broker.subscribed("hostagent/lend/press")) >= 2,
+                    "both subscribed to the command", timeout=WAIT)
         async with watching(broker) as ha:
             await ha.client.publish("hostagent/lend/press", "PRESS", qos=1)
             async with asyncio.timeout(WAIT):
@@ -504,7 +503,6 @@ async def test_the_agent_tells_the_device_each_change_and_runs_its_commands(
     state follows."""
     from hostagent.service.agent import Agent
     from hostagent.core.model import Phase
-    from tests.waiting import until
     from tests.unit.agents import CONFIG as AGENT, FakeLibvirt, lent
 
     cfg = config.parse(AGENT.format(root=tmp_path, relend="60s") + (
