@@ -749,7 +749,10 @@ def _syntax_error(error: tomllib.TOMLDecodeError, text: str, source: str) -> Con
     m = _TOML_POSITION.search(message)
     if m is None:
         return ConfigError(source=source, problem=f"not valid TOML: {message}")
-    lines = text.splitlines()
+    # TOML ends a line at a newline only: str.splitlines would also split at U+2028.
+    lines = re.split(r"\r?\n", text)
+    if lines[-1] == "":  # the newline that ends the last line begins none
+        lines.pop()
     if m.group(1) is None:
         # Something still open when the file ends (a string, a bracket): the last line.
         line = max(len(lines), 1)

@@ -484,13 +484,17 @@ def _expected(value: object, key: str) -> dict[str, int]:
     return counts
 
 
+# Kubernetes' qualified name (apimachinery's validation.IsQualifiedName, v1.35.4): an
+# optional DNS-1123 subdomain of at most 253 characters and "/", then a name of at most 63.
+_DNS_SUBDOMAIN = r"[a-z0-9](?:[-a-z0-9]*[a-z0-9])?(?:\.[a-z0-9](?:[-a-z0-9]*[a-z0-9])?)*"
+_LABEL_KEY = rf"(?:{_DNS_SUBDOMAIN}/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]{{0,61}}[A-Za-z0-9])?"
+
+
 def _label_key_or_off(value: object, key: str) -> str | None:
     if value == "":
         return None
     label = _text(value, key)
-    prefix, _, name = label.rpartition("/")
-    if not re.fullmatch(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]", name) or len(name) > 63 \
-            or (prefix and not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", prefix)):
+    if not re.fullmatch(_LABEL_KEY, label) or len(label.rpartition("/")[0]) > 253:
         raise _Problem(key, f'"{label}" is not a label key',
                        'write e.g. "hostagent.io/borrowed", or "" for no label')
     return label
@@ -504,8 +508,6 @@ def _label_key(value: object, key: str) -> str:
     return label
 
 
-_LABEL_KEY = (r"(?:[a-z0-9](?:[-a-z0-9.]*[a-z0-9])?/)?"
-              r"[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 _LABEL_VALUE = r"(?:[A-Za-z0-9](?:[-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?"
 _REQUIREMENT = re.compile(rf"!?{_LABEL_KEY}|{_LABEL_KEY}(?:==?|!=){_LABEL_VALUE}")
 

@@ -49,6 +49,15 @@ def test_a_syntax_error_on_the_last_line_shows_that_line_stripped() -> None:
         ' in "[bad"' + FIX)
 
 
+def test_a_line_separator_inside_a_comment_does_not_shift_the_line_shown() -> None:
+    """TOML counts lines by newline alone; U+2028 and U+2029 are text a comment or string
+    may hold, so the line shown is the one the position names, not the one before it."""
+    e = error("# a\u2028b\u2029c\nx = \n")
+    assert str(e) == 't.toml:2:5: not valid TOML: Invalid value in "x ="' + FIX
+    assert message('s = "\u2028"\r\nx = \r\n') == (
+        't.toml:2:5: not valid TOML: Invalid value in "x ="' + FIX)
+
+
 def test_a_syntax_error_on_a_long_line_shows_it_whole() -> None:
     long = 'name = "' + "y" * 200 + '" oops'
     assert message(BASE + long + "\n") == (
@@ -68,6 +77,11 @@ def test_an_unterminated_string_on_the_last_of_two_lines() -> None:
     assert message('a = 1\nb = "abc') == (
         't.toml:2:9: not valid TOML: Unterminated string at the end of the file in "b = "abc"'
         + FIX)
+
+
+def test_an_open_bracket_at_the_end_of_a_file_with_crlf_lines() -> None:
+    assert message("a = 1\r\nb = [1,\r\n") == (
+        't.toml:2:8: not valid TOML: Invalid value at the end of the file in "b = [1,"' + FIX)
 
 
 def test_an_open_bracket_at_the_end_of_the_file() -> None:

@@ -317,6 +317,7 @@ LABEL_FIX = 'write e.g. "hostagent.io/borrowed", or "" for no label'
 @pytest.mark.parametrize("label", [
     "borrowed", "B", "hostagent.io/borrowed", "hostagent.io/Borrowed", "a/B_c.D-e",
     "nvidia.com/gpu.deploy.device-plugin", "x" * 63, "a.b-c/" + "N" * 63, "0/9",
+    "a-b.c-d/e", ("x" * 63 + ".") * 3 + "x" * 61 + "/a",
 ])
 def test_a_label_key(label: str) -> None:
     assert _label_key_or_off(label, "k") == label
@@ -325,7 +326,8 @@ def test_a_label_key(label: str) -> None:
 
 @pytest.mark.parametrize("label", [
     "x" * 64, "a/" + "x" * 64, "-a", "a-", "a b", "Hostagent.io/borrowed", "-a/b", "a./b",
-    "a/", "a/b/c", "a_b/c", "a/.b",
+    "a/", "a/b/c", "a_b/c", "a/.b", "/a", "/", "a..b/c", "a.-b/c", "a-.b/c", "a.b./c",
+    "x" * 254 + "/a", ".a/b",
 ])
 def test_not_a_label_key(label: str) -> None:
     for read in (_label_key_or_off, _label_key):
