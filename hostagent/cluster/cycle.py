@@ -211,7 +211,7 @@ class KubeCluster(Lent):
             journal.record("drain", f"draining node {self.node} for {who}: {terms.said}",
                            vm=self.node, result="started", grace_cap=terms.grace_cap)
             self._event("Reclaimed", f"GPUs reclaimed for {who}: draining, then the "
-                        "node's VM shuts down" + (f"; it stops {stops}" if stops else "")
+                        f"node's VM {terms.stop}" + (f"; it stops {stops}" if stops else "")
                         + f"; {terms.said}")
             report = await self.kube.drain(
                 self.node, timeout=left(), emptydir_ok=self.settings.drain_emptydir,

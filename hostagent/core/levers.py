@@ -125,20 +125,23 @@ def read_drain(value: object, key: str) -> DrainPolicy:
 class Terms:
     """How one reclaim drains: the cap on the pods' grace (None: their own), whether
     the shutdown begins once the evictions are accepted, and the words for the Event,
-    the journal and the pods' notice."""
+    the journal and the pods' notice, with how the node's VM stops (`stop`)."""
 
     grace_cap: float | None
     early_shutdown: bool
     said: str
+    stop: str = "shuts down"
 
 
 def terms(policy: DrainPolicy, *, players_waiting: bool, regrow: bool = False) -> Terms:
     """The terms of a reclaim: a player waiting (an unplanned start: ``virsh start``,
     ``hostagent play``, a button) gets the levers; a reservation alone, a regrow or a
     reclaim by hand drains as kubectl does, each pod with its full grace period."""
+    stop = ('is powered off once every evicted pod is gone (drain.stop = "power-off"; it '
+            "shuts down if one stays)") if policy.stop is Stop.POWER_OFF else "shuts down"
     if not players_waiting or regrow:
         why = "a restart nobody waits for" if regrow else "nobody is waiting to play"
-        return Terms(None, False, f"evicted pods get their full grace period ({why})")
+        return Terms(None, False, f"evicted pods get their full grace period ({why})", stop)
     cap = policy.unplanned_grace
     said = ("evicted pods get their own grace period" if cap is None else
             f"evicted pods get at most {cap:g} s to stop (drain.unplanned_grace: a player "
@@ -146,7 +149,7 @@ def terms(policy: DrainPolicy, *, players_waiting: bool, regrow: bool = False) -
     early = policy.shutdown_when is ShutdownWhen.ACCEPTED
     if early:
         said += "; the node's VM shuts down once every eviction is accepted"
-    return Terms(cap, early, said)
+    return Terms(cap, early, said, stop)
 
 
 def eviction_grace(own: float | None, *, override: float | None,

@@ -564,6 +564,16 @@ async def test_events_and_the_borrowed_label_tell_the_cluster(api: Api, kube: Ku
             "(2 GPUs, one nvidia.com/gpu each)") in said
     assert ("Normal", "Reclaimed", "GPUs reclaimed for gaming1: draining, then the node's "
             "VM shuts down; evicted pods get their full grace period") in said
+    # Under drain.stop = "power-off" the Event says so, not "shuts down".
+    off = levers.DrainPolicy(stop=levers.Stop.POWER_OFF, shutdown_when=levers.ShutdownWhen.GONE)
+    await cluster.give_back(["gpu-a", "gpu-b"])
+    assert await cluster.reclaim(["gaming2"], terms=levers.terms(
+        off, players_waiting=False)) is None
+    await cluster.flush_events()
+    assert ("Normal", "Reclaimed", "GPUs reclaimed for gaming2: draining, then the node's "
+            'VM is powered off once every evicted pod is gone (drain.stop = "power-off"; it '
+            "shuts down if one stays); evicted pods get their full grace period (nobody is "
+            "waiting to play)") in await events(api)
     involved = (await api.seed.events())[0]["involvedObject"]
     assert involved == {"kind": "Node", "name": "gpu-node", "uid": "gpu-node",
                         "apiVersion": "v1"}

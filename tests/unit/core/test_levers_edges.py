@@ -13,6 +13,7 @@ from hostagent.core.levers import (
     Ahead,
     DrainPolicy,
     ShutdownWhen,
+    Stop,
     Terms,
     ahead,
     eviction_grace,
@@ -50,6 +51,19 @@ def test_each_reclaims_terms_in_words() -> None:
     gone = DrainPolicy(unplanned_grace=None, shutdown_when=ShutdownWhen.GONE)
     assert terms(gone, players_waiting=True) == Terms(
         None, False, "evicted pods get their own grace period")
+
+
+def test_the_terms_say_how_the_nodes_vm_stops() -> None:
+    """The Event's "then the node's VM ..." follows drain.stop: a power-off is said as
+    one, with the shutdown it falls back to when a pod stays."""
+    assert terms(DrainPolicy(), players_waiting=False).stop == "shuts down"
+    assert terms(DrainPolicy(), players_waiting=True).stop == "shuts down"
+    off = DrainPolicy(stop=Stop.POWER_OFF, shutdown_when=ShutdownWhen.GONE)
+    for waiting in (False, True):
+        assert terms(off, players_waiting=waiting).stop == (
+            'is powered off once every evicted pod is gone (drain.stop = "power-off"; '
+            "it shuts down if one stays)")
+    assert terms(off, players_waiting=True, regrow=True).stop.startswith("is powered off")
 
 
 def test_a_grace_equal_to_the_cap_is_the_pods_own() -> None:
