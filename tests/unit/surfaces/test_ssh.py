@@ -19,6 +19,7 @@ from hostagent.host import journal
 from hostagent.surfaces import ssh
 from hostagent.surfaces import ssh_keys
 from hostagent.surfaces.ssh import BadCommand, KeysError, parse_authorized_keys, parse_command
+from tests.waiting import until
 from tests.unit.ssh_scaffold import KEY_A, KEY_B, KEY_C, VERBS, Verbs, connect, pub, run
 
 pytestmark = pytest.mark.usefixtures("sink")  # journal records in memory (conftest)
@@ -41,11 +42,8 @@ def ssh_records(sink: journal.ListSink) -> list[tuple[str, str]]:
 
 async def recorded(sink: journal.ListSink, result: str) -> None:
     """Wait for a record the server writes after the client is gone."""
-    for _ in range(500):
-        if any(r == result for r, _ in ssh_records(sink)):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"no {result!r} record: {ssh_records(sink)}")
+    await until(lambda: any(r == result for r, _ in ssh_records(sink)),
+                f"a {result!r} record among the SSH records")
 
 
 # --- the command line ----------------------------------------------------------------------
