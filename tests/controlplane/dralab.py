@@ -28,6 +28,7 @@ from tests.controlplane.kubelet import Pods
 from tests.controlplane.nvidia import DEVICE_CLASS, DRIVER, Driver
 from tests.controlplane.rbac import agent_kubeconfig
 from tests.unit.kube_scaffold import FAST
+from tests.waiting import until
 
 NODE = "gpu-node"
 NAMESPACES = itertools.count()
@@ -150,15 +151,15 @@ class Lab:
         return {p["metadata"]["name"]: p for p in (await self.get("pods"))["items"]
                 if not p["metadata"].get("deletionTimestamp")}
 
-    async def running(self, *names: str, timeout: float = 60) -> dict[str, dict[str, Any]]:
+    async def running(self, *names: str) -> dict[str, dict[str, Any]]:
         """Once each of `names` runs: the test's pods, by name."""
-        async with asyncio.timeout(timeout):
-            while True:
-                pods = await self.live()
-                if all(pods.get(n, {}).get("status", {}).get("phase") == "Running"
-                       for n in names):
-                    return pods
-                await asyncio.sleep(0.2)
+        async def live() -> dict[str, dict[str, Any]] | None:
+            pods = await self.live()
+            return pods if all(pods.get(n, {}).get("status", {}).get("phase") == "Running"
+                               for n in names) else None
+        found: dict[str, dict[str, Any]] = await until(
+            live, f"{', '.join(names)} running", every=0.2)
+        return found
 
     async def claim_of(self, pod: str) -> dict[str, Any]:
         """The claim made for `pod` from its template, as its status names it."""
@@ -205,11 +206,10 @@ async def dra_lab(plane: ControlPlane, accounts: Accounts) -> AsyncIterator[Lab]
         core, resource = client.CoreV1Api(admin), client.ResourceV1Api(admin)
         await core.create_namespace(client.V1Namespace(
             metadata=client.V1ObjectMeta(name=namespace)))
-        async with asyncio.timeout(30):  # pods are refused until its ServiceAccount is in
-            while True:
-                if (await core.list_namespaced_service_account(namespace)).items:
-                    break
-                await asyncio.sleep(0.05)
+        async def account() -> bool:
+            return bool((await core.list_namespaced_service_account(namespace)).items)
+        # Pods are refused until its ServiceAccount is in.
+        await until(account, f"a ServiceAccount in namespace {namespace}")
         try:
             async with Pods(accounts.node, NODE, ready=True), \
                     Driver(plane.admin, NODE) as driver, \

@@ -36,6 +36,10 @@ is unkind, as a real one is:
 While the machine is off nothing is posted or renewed, and pods being deleted stay
 until the machine runs again.
 
+Each look the kubelet takes at its machine (one each `interval`, one at a time) is
+kept in `looks` once over (the last thousand): what it found the machine doing and
+what it wrote to the API server, so that a test can wait for looks, not for time.
+
 The GPU plugins' part, as their own service accounts would (a separate kubeconfig,
 `plugins`), after a further `gpu_delay` and every `gpu_recheck` seconds while the
 kubelet runs, posting only what changed:
@@ -58,7 +62,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +78,20 @@ from tests.controlplane.kubelet import Pods, _stamp
 log = logging.getLogger(__name__)
 GPU = "nvidia.com/gpu"
 ERRORS = (ApiException, aiohttp.ClientError, OSError, TimeoutError, ValueError)
+
+
+@dataclass(frozen=True)
+class Look:
+    """One look of the kubelet at its machine, once over: the `n`th. `machine`: "off" (the
+    kubelet chose to post nothing), "booting" (it runs, its kubelet not started yet),
+    "up" (its kubelet started), "" (the look failed before it knew). `wrote`: what it
+    sent the API server in that look, in order: "start" (this boot's first status),
+    "lease", "status" (Ready), "gpus" (what the plugins see) and "pods" (its pods read,
+    and posted where they changed)."""
+
+    n: int
+    machine: str
+    wrote: tuple[str, ...]
 
 
 def gpu_status(gpus: int, *, resource: str = "nvidia.com/gpu"
@@ -116,6 +136,8 @@ class Kubelet(Pods):
         self.gpu_recheck = gpu_recheck
         self.status_every = status_every
         self.boots: list[str] = []  # the boot id of each start of the kubelet, in order
+        self.looks: deque[Look] = deque(maxlen=1000)  # the last looks, in order
+        self.looked = 0  # how many looks are over
         # The device manager's: the GPUs the plugin registered in this life of the
         # kubelet (None: not yet), the GPUs each admitted pod holds, and whether its
         # checkpoint knows the resource (it survives reboots, as the file on disk does).
@@ -142,39 +164,51 @@ class Kubelet(Pods):
             posted, since, last_post, renewed, checked = "", "", 0.0, 0.0, 0.0
             gpus_posted: Any = None
             while True:
+                machine, wrote = "", list[str]()
                 try:
                     running = await asyncio.to_thread(self.running)
                     t = loop.time()
                     if not running:
                         booted = started = None
+                        machine = "off"  # nothing posted, nothing renewed
                     else:
+                        machine = "booting"
                         if booted is None:  # a boot: no kubelet yet, nothing posted
                             booted = t
                         if started is None and t - booted >= self.start_delay:
                             found = await self._boot_id()
                             if found is not None:  # the kubelet starts
                                 boot = found
+                                wrote.append("start")
                                 await driver.withdraw()
                                 await self._register(core)
                                 await self._start(core, boot)
                                 started, posted, gpus_posted, renewed = t, "", None, -1e9
                         if started is not None:
+                            machine = "up"
                             want = "True" if t - started >= self.ready_delay else "False"
                             if t - renewed >= self.lease_every:
+                                wrote.append("lease")
                                 await self._renew(leases)
                                 renewed = t
                             if want != posted or t - last_post >= self.status_every:
                                 since = _stamp() if want != posted else since
+                                wrote.append("status")
                                 await self._post_condition(core, want, since, boot)
                                 posted, last_post = want, t
                             if (t - started >= self.ready_delay + self.gpu_delay
                                     and t - checked >= self.gpu_recheck):
                                 checked = t
                                 seen = await self._gpus(plugin_core, driver, gpus_posted)
+                                if seen is not None:
+                                    wrote.append("gpus")
                                 gpus_posted = seen if seen is not None else gpus_posted
+                            wrote.append("pods")
                             await self._sync(core)
                 except ERRORS as e:
                     log.debug("kubelet for %s: %r", self.node, e)
+                self.looked += 1
+                self.looks.append(Look(self.looked, machine, tuple(wrote)))
                 await asyncio.sleep(self.interval)
 
     async def _boot_id(self) -> str | None:

@@ -183,6 +183,11 @@ class FaultProxy:
     def is_up(self) -> bool:
         return self._listener is not None
 
+    def accepted_from(self, peer: tuple[str, int]) -> bool:
+        """Whether a connection from `peer` (its client's address) is open as accepted,
+        its TLS handshake over or not."""
+        return any(t.get_extra_info("peername") == peer for t in list(self._accepted))
+
     def write_kubeconfig(self, path: Path) -> Path:
         """A kubeconfig for the proxy: the lab's CA, and a client certificate of it."""
         c = dict(self.credential)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -33,6 +32,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 
 from tests.controlplane import ControlPlane
 from tests.controlplane.kubelet import Pods
+from tests.waiting import until
 
 __all__ = ["SEEDED", "Seed", "gpu_status", "ready_condition"]
 
@@ -165,15 +165,13 @@ class Seed:
     async def ready(self, name: str, status: str = "True") -> Obj:
         return await self.node_status(name, conditions=[ready_condition(status)])
 
-    async def schedulable(self, name: str, timeout: float = 10.0) -> None:
+    async def schedulable(self, name: str) -> None:
         """Until the node lifecycle controller has taken its not-ready taint off (the
         scheduler places nothing on the node before)."""
-        deadline = time.monotonic() + timeout
-        while any(t.key.startswith("node.kubernetes.io/")
-                  for t in (await self.core.read_node(name)).spec.taints or []):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"node {name} not schedulable within {timeout:g}s")
-            await asyncio.sleep(0.05)
+        async def untainted() -> bool:
+            return not any(t.key.startswith("node.kubernetes.io/")
+                           for t in (await self.core.read_node(name)).spec.taints or [])
+        await until(untainted, f"node {name} schedulable", every=0.05)
 
     async def get_node(self, name: str) -> Obj:
         return self.plain(await self.core.read_node(name))
@@ -355,47 +353,41 @@ class Seed:
         controller's (the older of two stays, and ours is newer)."""
         assert node is not None
         await self._owner(owner, namespace, own, labels, 0, nodes=nodes | {node})
-        deadline = time.monotonic() + 10
-        while True:
+
+        async def placed() -> Any:
             pods = (await self.core.list_namespaced_pod(
                 namespace, label_selector=f"{OWNER}={own[OWNER]}",
                 field_selector=f"spec.nodeName={node}")).items
-            if pods and (node not in self._kubelets or any(
-                    c.type == "Ready" and c.status == "True"
-                    for c in pods[0].status.conditions or [])):
-                return self.plain(pods[0])
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no pod of {owner} on {node}")
-            await asyncio.sleep(0.02)
+            return pods[0] if pods and (node not in self._kubelets or any(
+                c.type == "Ready" and c.status == "True"
+                for c in pods[0].status.conditions or [])) else None
+        return self.plain(await until(placed, f"a pod of {owner} on {node}"))
 
-    async def namespace(self, name: str, timeout: float = 10.0) -> None:
+    async def namespace(self, name: str) -> None:
         """Namespace `name`, kept for the process's later tests (a deleted one takes a while
         to go), once its default ServiceAccount is there (a pod before it is refused)."""
         if name in self.namespaces:
             return
         with contextlib.suppress(ApiException):  # 409: an earlier test's
             await self.core.create_namespace({"metadata": {"name": name}})
-        deadline = time.monotonic() + timeout
-        while True:
+
+        async def account() -> bool:
             try:
                 await self.core.read_namespaced_service_account("default", name)
-                break
             except ApiException as e:
-                if e.status != 404 or time.monotonic() > deadline:
+                if e.status != 404:
                     raise
-            await asyncio.sleep(0.02)
+                return False
+            return True
+        await until(account, f"the default ServiceAccount of namespace {name}")
         self.namespaces.add(name)
 
     async def _until(self, namespace: str, name: str, what: str,
-                     cond: Callable[[Any], bool], timeout: float = 10.0) -> Obj:
-        deadline = time.monotonic() + timeout
-        while True:
+                     cond: Callable[[Any], bool]) -> Obj:
+        async def read() -> Any:
             pod = await self.core.read_namespaced_pod(name, namespace)
-            if cond(pod):
-                return self.plain(pod)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"pod {namespace}/{name} not {what} within {timeout:g}s")
-            await asyncio.sleep(0.02)
+            return pod if cond(pod) else None
+        return self.plain(await until(read, f"pod {namespace}/{name} {what}"))
 
     async def pods(self, node: str | None = None, namespace: str | None = None) -> list[Obj]:
         """The pods (on `node`; in `namespace`), by namespace and name."""
@@ -422,8 +414,7 @@ class Seed:
     async def pdb(self, name: str, *, match_labels: dict[str, str], namespace: str = "default",
                   min_available: int | str | None = None,
                   max_unavailable: int | str | None = None,
-                  unhealthy_pod_eviction_policy: str | None = None,
-                  timeout: float = 10.0) -> Obj:
+                  unhealthy_pod_eviction_policy: str | None = None) -> Obj:
         """A PodDisruptionBudget, once the disruption controller has computed its status
         (the eviction API refuses to decide on a budget it has not: 429), or failed to:
         with maxUnavailable or a percentage it needs the pods' controller's scale, which
@@ -437,17 +428,14 @@ class Seed:
             spec["unhealthyPodEvictionPolicy"] = unhealthy_pod_eviction_policy
         await self.policy.create_namespaced_pod_disruption_budget(namespace, {
             "metadata": {"name": name, "labels": {SEEDED: "true"}}, "spec": spec})
-        deadline = time.monotonic() + timeout
-        while True:
+
+        async def computed() -> Any:
             pdb = await self.policy.read_namespaced_pod_disruption_budget(name, namespace)
             status = pdb.status
-            if status is not None and (status.observed_generation == pdb.metadata.generation
-                                       or any(c.reason == "SyncFailed"
-                                              for c in status.conditions or [])):
-                return self.plain(pdb)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no status for PodDisruptionBudget {name}")
-            await asyncio.sleep(0.02)
+            return pdb if status is not None and (
+                status.observed_generation == pdb.metadata.generation
+                or any(c.reason == "SyncFailed" for c in status.conditions or [])) else None
+        return self.plain(await until(computed, f"a status for PodDisruptionBudget {name}"))
 
     async def events(self, namespace: str = "default") -> list[Obj]:
         """The Events hostagent posted, oldest first."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -31,6 +32,9 @@ FAST = Timing(request_timeout=2.0, api_timeout=3.0, backoff_min=0.02, backoff_ma
               evict_retry=0.2, delete_poll=0.05, watch_timeout=5.0)  # fmt: skip
 NS = "kubectl"
 GPU_NODE, CPU_NODE = "gpu-node", "cpu-node"
+# kubectl -v=6's line for a request the API server answered (client-go
+# round_trippers.go: "Response" verb=... url=... status="200 OK"; status="" when none came).
+ANSWERED = re.compile(r'"Response" .*\bstatus="\d')
 
 
 class Kubectl:
@@ -41,17 +45,51 @@ class Kubectl:
     async def __call__(self, *args: str, check: bool = True, timeout: float = 90,
                        input: str | None = None) -> str:
         """kubectl's stdout and stderr together; fails the test on a non-zero exit."""
-        process = await asyncio.create_subprocess_exec(
-            str(self.plane.labkube), "kubectl", "--kubeconfig", str(self.plane.admin),
-            "--cache-dir", str(self.home / "cache"), *args,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT, env={"HOME": str(self.home), "PATH": "/usr/bin:/bin"})
+        process = await self._start(*args)
         out, _ = await asyncio.wait_for(
             process.communicate(input.encode() if input is not None else None), timeout)
         text = out.decode()
         if check:
             assert process.returncode == 0, f"kubectl {' '.join(args)}:\n{text}"
         return text
+
+    async def begin(self, *args: str, timeout: float = 90) -> asyncio.Task[str]:
+        """kubectl under way, once the API server has answered its first request (its
+        -v=6 log line for the answer); the task gives what a call gives, with kubectl's
+        log lines among it, once kubectl is done."""
+        process = await self._start("-v=6", *args)
+        lines: list[str] = []
+
+        async def finish() -> str:
+            assert process.stdout is not None
+            try:
+                async with asyncio.timeout(timeout):
+                    async for line in process.stdout:
+                        lines.append(line.decode())
+                    await process.wait()
+            finally:
+                if process.returncode is None:
+                    process.kill()
+                    await process.wait()
+            text = "".join(lines)
+            assert process.returncode == 0, f"kubectl {' '.join(args)}:\n{text}"
+            return text
+
+        done = asyncio.create_task(finish())
+        try:
+            await until(lambda: done.done() or any(ANSWERED.search(line) for line in lines),
+                        f"kubectl {args[0]}'s first request answered")
+        except BaseException:
+            done.cancel()  # and kubectl with it
+            raise
+        return done
+
+    async def _start(self, *args: str) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            str(self.plane.labkube), "kubectl", "--kubeconfig", str(self.plane.admin),
+            "--cache-dir", str(self.home / "cache"), *args,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT, env={"HOME": str(self.home), "PATH": "/usr/bin:/bin"})
 
     async def create(self, *objects: dict[str, Any]) -> None:
         await self("create", "-n", NS, "-f", "-",
@@ -247,9 +285,9 @@ async def test_hostagent_and_kubectl_draining_at_once_agree(lab: Lab) -> None:
     async with await Kube.connect(lab.plane.admin, timing=FAST) as kube:
         cordons: list[bool] = []
         cluster = KubeCluster(kube, _config(), remember_cordon=cordons.append)
-        theirs = asyncio.create_task(lab.kubectl("drain", GPU_NODE, "--ignore-daemonsets",
-                                                 "--delete-emptydir-data", "--timeout=90s"))
-        await asyncio.sleep(0.05)  # kubectl's discovery first, as a person would be
+        # kubectl first, as a person would be: under way when hostagent begins.
+        theirs = await lab.kubectl.begin("drain", GPU_NODE, "--ignore-daemonsets",
+                                         "--delete-emptydir-data", "--timeout=90s")
         assert await cluster.reclaim(["gaming1"]) is None
         out = await theirs
         ours = kube.last_drain

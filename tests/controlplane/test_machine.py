@@ -18,7 +18,7 @@ from kubernetes_asyncio import watch as k8s_watch
 
 from tests import waiting
 from tests.controlplane import ControlPlane
-from tests.controlplane.machine import Kubelet
+from tests.controlplane.machine import Kubelet, Look
 from tests.controlplane.nvidia import DRIVER
 
 NODE = "machine-node"
@@ -64,6 +64,27 @@ async def until(check: Callable[[], bool], what: str, timeout: float = waiting.B
     await waiting.until(lambda: asyncio.to_thread(check), what, timeout=timeout, every=0.2)
 
 
+async def looks(kubelet: Kubelet, count: int) -> list[Look]:
+    """The next `count` looks the kubelet takes at its machine, begun after this call,
+    once they are over. It takes one look at a time, so once the first of them is over
+    so is every look begun before."""
+    after = kubelet.looked + 1  # the look under way now, if one is: begun before
+
+    def taken() -> list[Look] | None:
+        later = [look for look in kubelet.looks if look.n > after][:count]
+        return later if len(later) == count else None
+    found: list[Look] = await waiting.until(taken, f"{count} more looks of the kubelet "
+                                                    "at its machine")
+    return found
+
+
+async def turn_off(vm: Machine, kubelet: Kubelet) -> None:
+    """The machine off, once its kubelet has seen it off: every look begun while the
+    machine ran, and what that look posted, is over."""
+    vm.on = False
+    assert [look.machine for look in await looks(kubelet, 1)] == ["off"]
+
+
 @pytest.fixture
 async def machine(plane: ControlPlane, request: pytest.FixtureRequest
                   ) -> AsyncIterator[tuple[Machine, Kubelet]]:
@@ -88,7 +109,7 @@ async def machine(plane: ControlPlane, request: pytest.FixtureRequest
 @pytest.mark.parametrize("machine", ["device plugin"], indirect=True)
 async def test_the_node_follows_the_machine(plane: ControlPlane,
                                             machine: tuple[Machine, Kubelet]) -> None:
-    vm, _ = machine
+    vm, kubelet = machine
     assert ready(plane) == "False"  # registered, as a node whose machine is off
     vm.gpus = [(UUID_A, "A"), (UUID_B, "B")]
     vm.start()
@@ -100,12 +121,12 @@ async def test_the_node_follows_the_machine(plane: ControlPlane,
     vm.gpus = vm.gpus[:1]
     await until(lambda: get(plane, "node", NODE)["status"]["allocatable"].get(
         "nvidia.com/gpu") == "1", "one GPU once the machine sees one")
-    vm.on = False
-    await asyncio.sleep(0.5)  # the look the kubelet may have begun before, over
+    await turn_off(vm, kubelet)
     renewed = get(plane, "lease", "-n", "kube-node-lease", NODE)["spec"]["renewTime"]
     heartbeat = next(c["lastHeartbeatTime"] for c in get(plane, "node", NODE)["status"][
         "conditions"] if c["type"] == "Ready")
-    await asyncio.sleep(1.5)  # a kubelet whose machine is off posts nothing
+    # A kubelet whose machine is off posts nothing: two more looks, and the API as it was.
+    assert [(look.machine, look.wrote) for look in await looks(kubelet, 2)] == [("off", ())] * 2
     assert get(plane, "lease", "-n", "kube-node-lease", NODE)["spec"]["renewTime"] == renewed
     assert next(c["lastHeartbeatTime"] for c in get(plane, "node", NODE)["status"][
         "conditions"] if c["type"] == "Ready") == heartbeat
@@ -117,7 +138,7 @@ async def test_the_node_follows_the_machine(plane: ControlPlane,
 @pytest.mark.parametrize("machine", ["dra"], indirect=True)
 async def test_a_dra_node_publishes_what_the_machine_sees(
         plane: ControlPlane, machine: tuple[Machine, Kubelet]) -> None:
-    vm, _ = machine
+    vm, kubelet = machine
     vm.gpus = [(UUID_A, "A"), (UUID_B, "B")]
     vm.start()
     await until(lambda: uuids(plane) == [UUID_A, UUID_B], "both GPUs in the node's slice")
@@ -130,8 +151,8 @@ async def test_a_dra_node_publishes_what_the_machine_sees(
     vm.gpus = vm.gpus[1:]
     await until(lambda: uuids(plane) == [UUID_B], "the slice without the GPU gone")
     # Off, the slices stay as the last boot left them; the next boot starts afresh.
-    vm.on = False
-    await asyncio.sleep(1)
+    await turn_off(vm, kubelet)
+    assert [(look.machine, look.wrote) for look in await looks(kubelet, 2)] == [("off", ())] * 2
     assert uuids(plane) == [UUID_B]
     vm.gpus = []
     vm.start()
@@ -184,8 +205,7 @@ async def test_a_reboot_keeps_the_last_boots_status_until_the_kubelet_starts(
     first = vm.start()
     await until(lambda: status_of(get(plane, "node", NODE)) == (first, "True", "2", "2"),
                 "this boot's id, Ready and both GPUs")
-    vm.on = False
-    await asyncio.sleep(0.5)  # the look the kubelet may have begun before, over
+    await turn_off(vm, kubelet)
     versions = Versions()
     watching = asyncio.create_task(versions.follow(plane))
     try:
@@ -222,7 +242,7 @@ def pod_status(plane: ControlPlane, name: str) -> tuple[str, str, str]:
 @pytest.mark.parametrize("machine", ["device plugin"], indirect=True)
 async def test_a_pod_beyond_the_registered_gpus_fails_admission(
         plane: ControlPlane, machine: tuple[Machine, Kubelet]) -> None:
-    vm, _ = machine
+    vm, kubelet = machine
     vm.gpus = [(UUID_A, "A")]
     vm.start()
     await until(lambda: get(plane, "node", NODE)["status"]["allocatable"].get(
@@ -237,8 +257,7 @@ async def test_a_pod_beyond_the_registered_gpus_fails_admission(
         "number of devices unavailable for nvidia.com/gpu. Requested: 2, Available: 0, "
         "which is unexpected")  # the one GPU is holds-one's, admitted first (by name)
     # A reboot: the kubelet admits the pod bound to it again, before the plugin registers.
-    vm.on = False
-    await asyncio.sleep(0.5)
+    await turn_off(vm, kubelet)
     vm.start()
     await until(lambda: pod_status(plane, "holds-one")[0] == "Failed",
                 "the pod of the last boot rejected by the new kubelet")

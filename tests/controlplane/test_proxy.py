@@ -18,6 +18,7 @@ import pytest
 
 from tests.controlplane import ControlPlane
 from tests.controlplane.proxy import FaultProxy, serve_in_thread
+from tests.waiting import until
 
 NAMES = itertools.count()
 
@@ -123,7 +124,8 @@ async def test_down_cuts_a_connection_still_in_its_tls_handshake(proxy: FaultPro
     # open, it outlived the outage and, once the test's loop closed, failed a later test
     # with an unclosed transport).
     reader, writer = await asyncio.open_connection(proxy.host, proxy.port)
-    await asyncio.sleep(0.2)  # accepted, no ClientHello sent
+    mine = writer.get_extra_info("sockname")
+    await until(lambda: proxy.accepted_from(mine), "the connection accepted (no ClientHello)")
     await proxy.down()
     try:
         assert await asyncio.wait_for(reader.read(), 5) == b""

@@ -14,7 +14,6 @@ import asyncio
 import itertools
 import json
 import re
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from hostagent.core.config import DrainTimeoutAction
 from hostagent.core.plugins import PLUGIN_LABELS  # every label the agent pauses by default
 from tests.controlplane import ControlPlane
 from tests.unit.kube_scaffold import FAST
+from tests.waiting import until
 from tests.controlplane.rbac import (
     agent_kubeconfig,
     NODE,
@@ -284,16 +284,15 @@ async def test_the_identity_deleted_as_it_was_applied_ends_its_tokens(
     kubeconfig = agent_kubeconfig(cluster, tmp_path / "agent.kubeconfig")
     assert cluster.kubectl("get", "node", NODE, kubeconfig=kubeconfig).returncode == 0
     cluster.kubectl("delete", "-f", "-", input=node_rbac(NODE))
-    deadline = time.monotonic() + 30
-    while True:
-        out = await asyncio.to_thread(cluster.kubectl, "get", "node", NODE,
-                                      kubeconfig=kubeconfig, check=False)
+
+    def unauthorized() -> bool:
+        """Whether the token is refused as unknown; refused it is at every read."""
+        out = cluster.kubectl("get", "node", NODE, kubeconfig=kubeconfig, check=False)
         assert out.returncode != 0 and ("(Forbidden)" in out.stderr
                                         or "(Unauthorized)" in out.stderr), out.stderr
-        if "(Unauthorized)" in out.stderr:
-            break
-        assert time.monotonic() < deadline, "the deleted ServiceAccount's token still works"
-        await asyncio.sleep(0.5)
+        return "(Unauthorized)" in out.stderr
+    await until(lambda: asyncio.to_thread(unauthorized),
+                "the deleted ServiceAccount's token refused as unknown (401)", every=0.5)
 
 
 async def test_a_right_missing_names_the_shipped_manifest(cluster: ControlPlane) -> None:

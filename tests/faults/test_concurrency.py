@@ -27,7 +27,7 @@ def test_two_owners_within_100ms(lab: Lab, fault: Scenario) -> None:
     fault.fault()
     for t in threads:
         t.start()
-        time.sleep(0.05)
+        time.sleep(0.05)  # the second press 50 ms after the first: the scenario's spacing
     for t in threads:
         t.join()
     assert all(r.returncode != 0 for r in results.values())

@@ -29,7 +29,7 @@ def outage(lab: Lab, fault: Scenario, *guests: str) -> None:
     pids = {g: qemu_pid(lab, g) for g in guests}
     kill_libvirtd(lab)
     fault.fault()
-    time.sleep(1)
+    time.sleep(1)  # the outage's length: libvirtd down for a second
     assert all(alive(pid) for pid in pids.values())
     lab.start_libvirtd()
     for g, pid in pids.items():

@@ -22,7 +22,7 @@ import shutil
 import signal
 import subprocess
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ import pytest
 from hostagent.core import config
 from hostagent.host import journal
 from tests.mosquitto import MISSING, USERS, Mosquitto
+from tests.waiting import until
 from tests.unit.homeassistant_scaffold import CONFIG
 from tests.unit.homeassistant_scaffold import Host, device_config, running
 from tests.unit.homeassistant_scaffold import (
@@ -145,6 +146,14 @@ class Hass:
     def alive(self) -> None:
         assert self.process.returncode is None, self.log.read_text()
 
+    async def until(self, cond: Callable[[], object], what: str) -> None:
+        """tests.waiting.until, asked every 0.5 s within WAIT; failed at once, with Home
+        Assistant's log, if it has ended."""
+        def alive_and() -> object:
+            self.alive()
+            return cond()
+        await until(alive_and, what, timeout=WAIT, every=0.5)
+
     async def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
         await asyncio.wait_for(self.process.wait(), 120)
@@ -193,30 +202,21 @@ async def test_home_assistant_shows_the_device_and_its_switch_plays(
     async with home_assistant_on_a_broker(tmp_path) as hass:
         home = hass.home
         async with running(with_gaming2(hass.broker), host) as device:
-            async with asyncio.timeout(WAIT):
-                while not host.calls:
-                    hass.alive()
-                    await asyncio.sleep(0.5)
+            await hass.until(lambda: host.calls, "the automation's press of the switch")
             assert host.calls == [("play", {"vm": "gaming1"})]
             # gaming1's start waits while gpu-node is reclaimed and lent again, each phase
-            # within one turn of the loop; then the game runs, and the second automation,
-            # which waits for the switch to be on, presses "Lend GPUs".
+            # within one turn of the loop, until Home Assistant has shown them; then the
+            # game runs, and the second automation, which waits for the switch to be on,
+            # presses "Lend GPUs".
             host.status["intents"] = [{"owner": "gaming1", "source": "mqtt", "age_s": 0}]
             for phase in ("draining", "stopping", "off", "booting", "joining", "lent"):
                 host.status["lendee"]["phase"] = phase
                 device.changed()
-            await asyncio.sleep(2)
+            await hass.until(lambda: shown_again(tmp_path),
+                             "the automation shown draining, then lent as the newest phase")
             host.status["owners"]["gaming1"], host.status["intents"] = True, []
             device.changed()
-            async with asyncio.timeout(WAIT):
-                while len(host.calls) < 2:  # noqa: ASYNC110
-                    await asyncio.sleep(0.5)
-            # The recording automations' queue drained (bounded: a phase never shown
-            # never comes).
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(30):
-                    while not shown_again(tmp_path):  # noqa: ASYNC110
-                        await asyncio.sleep(0.5)
+            await hass.until(lambda: len(host.calls) >= 2, "the automation's press of Lend")
             assert host.calls == [("play", {"vm": "gaming1"}), ("lend", {})]
             await hass.stop()
     registry = stored(home, "core.entity_registry")
@@ -252,10 +252,9 @@ def seen(root: Path) -> list[str]:
 
 async def until_logged(hass: Hass, count: int, *patterns: str) -> None:
     """Until Home Assistant's log has `count` lines matching any of `patterns` (bounded)."""
-    async with asyncio.timeout(WAIT):
-        while sum(len(re.findall(p, hass.log.read_text())) for p in patterns) < count:
-            hass.alive()
-            await asyncio.sleep(0.5)
+    await hass.until(lambda: sum(len(re.findall(p, hass.log.read_text()))
+                                 for p in patterns) >= count,
+                     f"{count} lines of Home Assistant's log matching {patterns}")
 
 
 async def test_home_assistant_keeps_every_entity_from_per_entity_to_device_discovery(
@@ -269,10 +268,8 @@ async def test_home_assistant_keeps_every_entity_from_per_entity_to_device_disco
         async with running(device_config(hass.broker, per_entity=True), host):
             # Home Assistant has the entities once its automation pressed the switch and
             # its registry (saved a few seconds after a change) lists them all.
-            async with asyncio.timeout(WAIT):
-                while not host.calls or len(mqtt_entities(home)) < 12:
-                    hass.alive()
-                    await asyncio.sleep(0.5)
+            await hass.until(lambda: host.calls and len(mqtt_entities(home)) >= 12,
+                             "the switch pressed and 12 entities in the registry")
         before = mqtt_entities(home)
         async with running(device_config(hass.broker), Host()):
             # Each entity either handed over and then unloaded from its old topic, or
@@ -301,18 +298,15 @@ async def test_an_upgrade_to_the_default_that_names_the_host_keeps_the_entity_id
     async with home_assistant_on_a_broker(tmp_path) as hass:
         home = hass.home
         async with running(device_config(hass.broker), Host()):  # the former default
-            async with asyncio.timeout(WAIT):
-                while len(mqtt_entities(home)) < 12:
-                    hass.alive()
-                    await asyncio.sleep(0.5)
+            await hass.until(lambda: len(mqtt_entities(home)) >= 12,
+                             "12 entities in the registry")
         before = mqtt_entities(home)
         async with running(device_config(hass.broker, text=CONFIG.replace(
                 'base_topic = "hostagent"\n', "")), Host(), hostname="tower"):
-            async with asyncio.timeout(WAIT):
-                while not all(e["unique_id"].startswith("hostagent_tower_")
-                              for e in registered(home)) or len(registered(home)) < 12:
-                    hass.alive()
-                    await asyncio.sleep(0.5)
+            await hass.until(lambda: all(e["unique_id"].startswith("hostagent_tower_")
+                                         for e in registered(home))
+                             and len(registered(home)) >= 12,
+                             "12 entities in the registry, each of tower's device")
             await hass.stop()
     assert mqtt_entities(home) == before
     assert "switch.hostagent_gaming1" in before
@@ -344,18 +338,14 @@ async def test_renaming_the_host_keeps_the_device_and_entity_ids(
         on_default = device_config(hass.broker, text=f'state_dir = "{state}"\n' + CONFIG.replace(
             'base_topic = "hostagent"\n', ""))
         async with running(on_default, Host(), hostname="tower"):
-            async with asyncio.timeout(WAIT):
-                while len(registered(home)) < 12 or not mqtt_devices(home):
-                    hass.alive()
-                    await asyncio.sleep(0.5)
+            await hass.until(lambda: len(registered(home)) >= 12 and mqtt_devices(home),
+                             "12 entities and their device in the registries")
         before, devices = registered(home), mqtt_devices(home)
         den = Host()
         den.status["lendee"]["phase"] = "draining"  # published on den's topics only
         async with running(on_default, den, hostname="den"):
-            async with asyncio.timeout(WAIT):
-                while "phase draining" not in seen(tmp_path):
-                    hass.alive()
-                    await asyncio.sleep(0.5)
+            await hass.until(lambda: "phase draining" in seen(tmp_path),
+                             "the automation shown den's draining")
             await hass.stop()
     after = registered(home)
     assert sorted((e["entity_id"], e["unique_id"], e["device_id"]) for e in after) == sorted(

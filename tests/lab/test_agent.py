@@ -171,7 +171,7 @@ def test_two_owners_within_100ms_share_one_reclaim(lab: Lab) -> None:
     threads = [threading.Thread(target=start, args=(vm,)) for vm in ("gaming1", "gaming2")]
     for t in threads:
         t.start()
-        time.sleep(0.05)
+        time.sleep(0.05)  # the second press 50 ms after the first: the scenario's spacing
     for t in threads:
         t.join()
     assert all(r.returncode != 0 for r in results.values())

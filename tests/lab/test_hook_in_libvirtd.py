@@ -59,10 +59,8 @@ async def test_libvirtd_runs_the_hook_for_each_step_in_order(
     await asyncio.to_thread(lab.wait_agent, "gaming1")
     await virsh(lab, "shutdown", "--mode", "agent", "gaming1")
     await asyncio.to_thread(lab.wait_state, "gaming1", "shut off")
-    for _ in range(50):  # release end runs just after the state change
-        if "release end" in rec.ops("gaming1"):
-            break
-        await asyncio.sleep(0.1)
+    await until(lambda: "release end" in rec.ops("gaming1"),
+                "the release hook, which runs just after the state change")
     assert rec.ops("gaming1") == ["prepare begin", "start begin", "started begin",
                                   "stopped end", "release end"]
     for e in rec.events:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import signal
-import time
 
 import pytest
 
@@ -16,6 +15,7 @@ from tests.lab.helpers import (
     eventually,
     lends,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.lab
 MARKER = "hostagent.io/cordoned-by"
@@ -256,18 +256,15 @@ def test_a_lendee_destroyed_by_hand_comes_back_cordoned_until_verified(lab: Lab)
         lends(lab, 1)
         last_boot = kc.node()["status"]["nodeInfo"]["bootID"]
         lab.virsh("destroy", LENDEE)
-        deadline = time.monotonic() + 20
-        while not kc.node()["spec"].get("unschedulable"):
-            assert time.monotonic() < deadline, "never cordoned after the destroy"
-            time.sleep(0.1)
+        eventually(lambda: kc.node()["spec"].get("unschedulable"),
+                   "gpu-node cordoned after the destroy")
         assert annotations_of(kc.node())[MARKER] == "hostagent"
-        while len(lab.records(event="phase", to="joining")) < 2:
-            assert time.monotonic() < deadline + 60, f"never booted again: {lab.phases()}"
-            time.sleep(0.1)
+        eventually(lambda: len(lab.records(event="phase", to="joining")) >= 2,
+                   "gpu-node booted again (its second joining)")
         assert kc.node()["spec"].get("unschedulable") is True  # booted, not yet verified
-        while (node := kc.node())["spec"].get("unschedulable"):
-            assert time.monotonic() < deadline + 120, f"never uncordoned: {lab.phases()}"
-            time.sleep(0.1)
+        node = wait_until(lambda: n if not (n := kc.node())["spec"].get("unschedulable")
+                          else None, "gpu-node uncordoned once its GPUs were verified",
+                          every=0.2)
         # The read that first shows the uncordon shows the status it was decided on.
         assert node["status"]["nodeInfo"]["bootID"] == boot_seen(lab) != last_boot
         assert node["status"]["allocatable"]["nvidia.com/gpu"] == str(len(GPUS))

@@ -48,12 +48,10 @@ class Listener:
         with self.lock:
             return [t for t, m in self.received if m == "WATCHDOG=1"]
 
-    def wait_for(self, predicate: str, timeout: float) -> list[str]:
+    def wait_for(self, predicate: str) -> list[str]:
         """Every message so far, once one contains `predicate`."""
-        deadline = time.monotonic() + timeout
-        while not any(predicate in m for m in self.messages()):
-            assert time.monotonic() < deadline, f"no {predicate!r} in {self.messages()}"
-            time.sleep(0.05)
+        wait_until(lambda: any(predicate in m for m in self.messages()),
+                   f"a message with {predicate!r}", every=0.05)
         return self.messages()
 
 
@@ -133,7 +131,7 @@ def test_notify_lines_reach_a_real_socket(listener: Listener) -> None:
     assert journal.notify("gpu-node off", ready=True)
     assert journal.notify("gpu-node booting; waiting: gaming1")
     assert journal.notify(watchdog=True)
-    listener.wait_for("WATCHDOG=1", 5)
+    listener.wait_for("WATCHDOG=1")
     assert listener.messages() == [
         "READY=1\nSTATUS=gpu-node off",
         "STATUS=gpu-node booting; waiting: gaming1",
@@ -149,12 +147,12 @@ def test_hostagent_run_tells_systemd_ready_status_and_pings(
     monkeypatch.setenv("WATCHDOG_USEC", "1000000")  # WatchdogSec=1s: a ping every 0.5 s
     monkeypatch.delenv("WATCHDOG_PID", raising=False)  # nsenter runs it under another pid
     lab.start_agent()  # returns once the agent has journaled that it is ready
-    messages = listener.wait_for("READY=1", 10)
+    messages = listener.wait_for("READY=1")
     ready = next(m for m in messages if "READY=1" in m)
     # Ready only with a status: what `systemctl status hostagent` shows first.
     assert ready.startswith("READY=1\nSTATUS=gpu-node "), ready
     # All VMs are off, so the agent starts lending: the status follows the lendee.
-    listener.wait_for("STATUS=gpu-node booting", 30)
+    listener.wait_for("STATUS=gpu-node booting")
     wait_until(lambda: len(listener.pings()) >= 3, "three watchdog pings")
     pings = listener.pings()
     assert max(gaps(pings)) < 1.0, gaps(pings)

@@ -22,6 +22,7 @@ from hostagent.surfaces import homeassistant as ha
 from hostagent.surfaces.control import Reply
 from hostagent.surfaces.mqtt import Device
 from tests.mosquitto import USERS, Mosquitto
+from tests.waiting import until
 
 
 CONFIG = """
@@ -281,10 +282,9 @@ ENTITIES = {
 
 async def recorded(sink: journal.ListSink, result: str) -> None:
     """Until the journal has a record with HOSTAGENT_RESULT `result` (bounded)."""
-    async with asyncio.timeout(WAIT):
-        # The sink has no event to wait on.
-        while result not in [e.fields.get("HOSTAGENT_RESULT") for e in sink.entries]:  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
+    # The sink has no event to wait on.
+    await until(lambda: result in [e.fields.get("HOSTAGENT_RESULT") for e in sink.entries],
+                f"a {result!r} record in the journal", timeout=WAIT)
 
 
 def kept_in(broker: Mosquitto, state: Path, *, default: bool = False) -> config.Config:

@@ -659,7 +659,7 @@ async def test_wait_ready_rides_out_an_api_outage(kube: Kube, api: Api) -> None:
         await until(lambda: watches(api) == 1)  # down while the wait watches
         await api.proxy.down()
         await set_node_status(api, "gpu-node", conditions=[ready_condition("True")])
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(0.4)  # the outage's length, Ready posted within it
         await api.proxy.up()
 
     task = asyncio.create_task(outage())

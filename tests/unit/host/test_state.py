@@ -18,6 +18,7 @@ from hostagent.host.state import (
     load_state,
     save_state,
 )
+from tests import waiting
 
 T0 = datetime(2026, 1, 10, 20, 15, 1, 998000, tzinfo=UTC)
 
@@ -248,22 +249,37 @@ class SlowDisk:
         self.saved.append(state)
 
 
+class HeldDisk:
+    """save_state behind a disk that holds each save, in the worker, until the test
+    lets it go (`release`, set from the event loop); `began` once a save is under way.
+    A save made on the event loop could never be let go: it gives up after the suite's
+    bound."""
+
+    def __init__(self) -> None:
+        import threading
+        self.began = threading.Event()
+        self.release = threading.Event()
+        self.saved: list[State] = []
+
+    def __call__(self, path: Path, state: State) -> None:
+        self.began.set()
+        if not self.release.wait(waiting.BOUND):
+            raise AssertionError("the save was never let go: it held the event loop")
+        save_state(path, state)
+        self.saved.append(state)
+
+
 async def test_a_slow_save_does_not_hold_the_event_loop(tmp_path: Path) -> None:
     # save_state's two fsyncs ran on the loop: on a busy disk the hook socket's answer
     # (budget 0.3 s) waited behind them.
-    import asyncio
-    import time
     from hostagent.host.state import Saver
-    disk = SlowDisk(0.5)
+    disk = HeldDisk()
     saver = Saver(tmp_path / "state.toml", write=disk)
-    started = time.monotonic()
     done = saver.submit(State(hold=True))
-    lag = time.monotonic() - started
-    ticks = 0
-    while not done.done():
-        await asyncio.sleep(0.01)
-        ticks += 1
-    assert lag < 0.05 and ticks > 20  # the loop went on while the disk worked
+    await waiting.until(disk.began.is_set, "the save under way")
+    # The loop goes on while the disk works: it is the loop that lets the save go.
+    assert not done.done()
+    disk.release.set()
     assert await done is None
     assert load_state(tmp_path / "state.toml") == (State(hold=True), None)
 
@@ -271,11 +287,12 @@ async def test_a_slow_save_does_not_hold_the_event_loop(tmp_path: Path) -> None:
 async def test_saves_queued_behind_a_slow_one_are_merged_into_one(tmp_path: Path) -> None:
     import asyncio
     from hostagent.host.state import Saver
-    disk = SlowDisk(0.2)
+    disk = HeldDisk()
     saver = Saver(tmp_path / "state.toml", write=disk)
     first = saver.submit(State(hold=True))
-    await asyncio.sleep(0.05)  # the first save is under way
+    await waiting.until(disk.began.is_set, "the first save under way")
     later = [saver.submit(State(cordoned_by_us=bool(i % 2))) for i in range(10)]
+    disk.release.set()
     assert await asyncio.gather(first, *later) == [None] * 11
     assert disk.saved == [State(hold=True), State(cordoned_by_us=True)]
     assert await saver.flush() is None and not saver.busy

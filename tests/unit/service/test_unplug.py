@@ -439,7 +439,7 @@ async def test_a_budget_that_blocks_the_vacate_leaves_its_fallback_drain_only_wh
     began = time.monotonic()
     assert await cluster.vacate(["gaming1"], {A}, none) is None
     vacated = time.monotonic()
-    await asyncio.sleep(1.0)  # the guest letting go
+    await asyncio.sleep(1.0)  # the guest letting go: the gap the budget must not lose
     asked = time.monotonic()
     assert await cluster.reclaim(["gaming1"]) is None
     reclaimed = time.monotonic()

@@ -389,7 +389,7 @@ async def test_follow_draws_one_line_on_a_tty_plain_lines_or_json_otherwise(
     async def play(args: dict[str, Any]) -> AsyncIterator[Reply]:
         yield {"event": "phase", "message": "draining gpu-node", "elapsed_s": 0.1,
                "waiting": "gpu-node's node to drain"}
-        await asyncio.sleep(0.7)
+        await asyncio.sleep(0.7)  # the step's length, the tty's line redrawn meanwhile
         yield {"event": "phase", "message": "gpu-node is off", "elapsed_s": 0.8,
                "waiting": "gaming1 to start"}
         yield {"ok": True, "data": {"vm": args["vm"], "message": "gaming1 is running (0.9s)"}}

@@ -197,11 +197,10 @@ async def test_connections_are_capped_per_caller_and_in_all(sock: Path) -> None:
     held: list[socket.socket] = []
     try:
         holder = """
-import socket, sys, time
+import socket, sys
 held = []
 for _ in range(3):
     s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); held.append(s)
-time.sleep(1.0)
 s = held[-1]; s.settimeout(5); print(s.recv(4096).decode(), flush=True)
 """
         done = await asyncio.to_thread(

@@ -233,10 +233,11 @@ async def test_commands_past_the_rate_are_refused(broker: Mosquitto,
         for _ in range(COMMANDS_BURST + 5):
             await ha.client.publish("hostagent/hold/set", "ON", qos=1)
         await ha.client.publish("hostagent/owner/gaming1/set", "ON", qos=1)
-        async with asyncio.timeout(WAIT):
-            # 3 records, then counted for the summary; and gaming1's press served.
-            while device.refusals.held < 2 or ("play", {"vm": "gaming1"}) not in host.calls:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
+        # 3 records, then counted for the summary; and gaming1's press served.
+        await until(lambda: device.refusals.held >= 2
+                    and ("play", {"vm": "gaming1"}) in host.calls,
+                    "two refusals held for the summary and gaming1's press served",
+                    timeout=WAIT)
     assert host.calls == [("hold", {})] * COMMANDS_BURST + [("play", {"vm": "gaming1"})]
     refused = [e.message for e in sink.entries if e.fields.get("HOSTAGENT_RESULT") == "refused"]
     assert refused == ["refused from MQTT: hold on hostagent/hold/set: more than 2 per second"] * 3
@@ -254,9 +255,8 @@ async def test_junk_costs_no_valid_command_its_turn(broker: Mosquitto,
             await ha.client.publish("hostagent/owner/gaming1/set", f"junk{i}", qos=1)
             await ha.client.publish("hostagent/owner/nobody/set", "ON", qos=1)
         await ha.client.publish("hostagent/owner/gaming1/set", "ON", qos=1)
-        async with asyncio.timeout(WAIT):
-            while ("play", {"vm": "gaming1"}) not in host.calls:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
+        await until(lambda: ("play", {"vm": "gaming1"}) in host.calls,
+                    "gaming1's press served after the junk", timeout=WAIT)
     assert host.calls == [("play", {"vm": "gaming1"})]
     assert device.junk == 6 * COMMANDS_BURST
 
@@ -294,9 +294,8 @@ async def test_a_deeply_nested_retained_discovery_message_is_dropped(
         await recorded(sink, "dropped")
         await ha.until("hostagent/availability", b"online")
         await ha.client.publish("hostagent/owner/gaming1/set", "ON", qos=1)
-        async with asyncio.timeout(WAIT):
-            while ("play", {"vm": "gaming1"}) not in host.calls:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
+        await until(lambda: ("play", {"vm": "gaming1"}) in host.calls,
+                    "gaming1's press served after the dropped message", timeout=WAIT)
         assert device.connected
     dropped = [e.message for e in sink.entries if e.fields.get("HOSTAGENT_RESULT") == "dropped"]
     assert dropped == ["dropped a message from the broker on "
@@ -323,9 +322,8 @@ async def test_a_message_past_the_maximum_packet_size_never_reaches_the_agent(
         device._on_message = counted  # type: ignore[method-assign]
         await ha.client.publish("homeassistant/device/hostagent/config", big, qos=1)
         await ha.client.publish("hostagent/owner/gaming1/set", "ON", qos=1)
-        async with asyncio.timeout(WAIT):
-            while ("play", {"vm": "gaming1"}) not in host.calls:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
+        await until(lambda: ("play", {"vm": "gaming1"}) in host.calls,
+                    "gaming1's press served after the message past the size", timeout=WAIT)
         assert device.connected
     assert seen and max(seen) < MAX_PACKET  # its own discovery, a few kilobytes, comes back
     assert not any("\x1b" in e.message for e in sink.entries)
@@ -579,9 +577,8 @@ async def test_the_shipped_acl_lets_each_do_its_part_and_no_more(
                 await ha.client.publish(topic, forged, qos=1, retain=True)
             await ha.client.publish(f"{base}/owner/gaming1/set", "ON", qos=1)
             await ha.client.publish(f"{base}/owner/gaming1/reserve", "20:00", qos=1)
-            async with asyncio.timeout(WAIT):
-                while ("reserve", {"vm": "gaming1", "at": "20:00"}) not in host.calls:  # noqa: ASYNC110
-                    await asyncio.sleep(0.05)
+            await until(lambda: ("reserve", {"vm": "gaming1", "at": "20:00"}) in host.calls,
+                        "gaming1's reservation for 20:00 served", timeout=WAIT)
             assert ("play", {"vm": "gaming1"}) in host.calls
         # A fresh reader sees what the broker kept: the agent's, not the forgeries.
         async with watching(broker, user="homeassistant") as again:
@@ -612,9 +609,9 @@ async def test_each_lendee_is_commanded_on_its_own_topics_under_the_shipped_acl(
             await ha.client.publish(f"{base}/lend/press", "PRESS", qos=1)
             wanted = [("reclaim", {"lendee": "gpu-node-b"}), ("hold", {"lendee": "gpu-node-b"}),
                       ("lend", {"lendee": "gpu-node"})]
-            async with asyncio.timeout(WAIT):
-                while not all(c in host.calls for c in wanted):  # noqa: ASYNC110
-                    await asyncio.sleep(0.05)
+            await until(lambda: all(c in host.calls for c in wanted),
+                        "the second lendee's reclaim and hold, and the first's lend, served",
+                        timeout=WAIT)
     finally:
         broker.stop()
     asked = [e.message for e in sink.entries if e.fields.get("HOSTAGENT_RESULT") == "allowed"]

@@ -20,6 +20,7 @@ from hostagent.host import journal
 from hostagent.surfaces import homeassistant
 from hostagent.surfaces.mqtt import CLIENT_ID_FILE, FORMER_CLEARED
 from tests.mosquitto import MISSING, USERS, Mosquitto
+from tests.waiting import until
 from tests.unit.homeassistant_scaffold import (
     WAIT, Host, device_config, kept_in, running, watching)
 
@@ -35,10 +36,9 @@ def broker(tmp_path: Path) -> Mosquitto:  # type: ignore[misc]
 
 
 async def connections(sink: journal.ListSink, n: int) -> None:
-    async with asyncio.timeout(WAIT):
-        while sum(e.fields.get("HOSTAGENT_RESULT") == "connected"  # noqa: ASYNC110
-                  for e in sink.entries) < n:
-            await asyncio.sleep(0.05)
+    await until(lambda: sum(e.fields.get("HOSTAGENT_RESULT") == "connected"
+                            for e in sink.entries) >= n, f"{n} connections recorded",
+                timeout=WAIT)
 
 
 async def test_forged_device_messages_leave_the_discovery_small(
@@ -95,10 +95,9 @@ async def test_the_client_id_is_the_installs_own_and_cannot_be_taken_over(
 
 
 async def recorded_ok(sink: journal.ListSink) -> None:
-    async with asyncio.timeout(WAIT):
-        while "ok" not in [e.fields.get("HOSTAGENT_RESULT") for e in sink.entries  # noqa: ASYNC110
-                           if e.fields.get("HOSTAGENT_VIA") == "mqtt"]:
-            await asyncio.sleep(0.05)
+    await until(lambda: "ok" in [e.fields.get("HOSTAGENT_RESULT") for e in sink.entries
+                                 if e.fields.get("HOSTAGENT_VIA") == "mqtt"],
+                "an ok record of a command from MQTT", timeout=WAIT)
 
 
 async def test_clearing_a_retained_reservation_cancels_nothing(
