@@ -147,15 +147,33 @@ async def test_a_mig_lend_completes(api: Api, kube: Kube) -> None:
     assert not (await node(api))["spec"].get("unschedulable")
 
 
+NODE_WATCH = r"^/api/v1/nodes\?.*watch="
+
+
 async def test_a_node_short_of_its_expected_gpus_stays_cordoned(
-        api: Api, kube: Kube, records: journal.ListSink) -> None:
+        api: Api, kube: Kube, records: journal.ListSink,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     await boot(api, 2, replicas=4)
     await set_status(api, allocatable={"nvidia.com/gpu": "0"})  # the kubelet restarted
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
     cluster = cluster_for(kube)
     plugin = later(0.2, lambda: boot(api, 1, replicas=4))  # one GPU of two came up
+
+    async def short_seen() -> None:
+        """The return's wait for the GPUs passes once it has read the node as the plugin
+        left it: its watch (the one node watch of a return here) is ended as the server
+        ends one, the node is read again, and its time is up at the next watch."""
+        await plugin
+        await until(lambda: api.proxy.watching("^/api/v1/nodes$"), "the wait for the GPUs")
+        asked = len(api.proxy.requests_to("GET", NODE_WATCH))
+        api.proxy.drop_watches("^/api/v1/nodes$", clean=True)
+        await Clock(kube, monkeypatch).expire_when(
+            lambda: len(api.proxy.requests_to("GET", NODE_WATCH)) > asked
+            and api.proxy.watching("^/api/v1/nodes$"), api)
+
+    expiry = asyncio.create_task(short_seen())
     problem = await cluster.give_back(["gpu-a", "gpu-b"])
-    await plugin
+    await expiry
     assert problem is not None
     assert "reports 4 allocatable nvidia.com/gpu where 8 were lent" in problem
     assert (await node(api))["spec"]["unschedulable"] is True
