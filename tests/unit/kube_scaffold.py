@@ -1,23 +1,27 @@
-"""What the tests of the Kubernetes adapter share: timings short enough for a test, and
-the real control plane behind a fault proxy (`real_api`)."""
+"""What the tests of the Kubernetes adapter share: timings short enough for a test, the
+adapter's clock moved past its deadlines once what a test waits for has happened
+(`Clock`), and the real control plane behind a fault proxy (`real_api`)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 from kubernetes_asyncio import client
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from hostagent.cluster.kube import Timing
+from hostagent.cluster.kube import Kube, Timing
 from tests.controlplane import ControlPlane
 from tests.controlplane.nvidia import DEVICE_CLASS
 from tests.controlplane.proxy import FaultProxy
 from tests.controlplane.seed import Seed
+from tests.waiting import until
 
 FAST = Timing(request_timeout=2.0, api_timeout=3.0, backoff_min=0.02, backoff_max=0.1,
               evict_retry=0.05, delete_poll=0.02, watch_timeout=5.0)
@@ -59,6 +63,24 @@ async def gpu_node_api(plane: ControlPlane, *others: str) -> AsyncIterator[Api]:
             await api.seed.node(node)
         async with api.seed.kubelet("gpu-node"):
             yield api
+
+
+class Clock:
+    """The adapter's clock, which a test moves past every deadline once what it waits
+    for has happened: a drain then meets its timeout on a condition, not after a few
+    tenths of a second that a loaded machine may need for the first answer alone."""
+
+    def __init__(self, kube: Kube, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.skew = 0.0
+        monkeypatch.setattr(kube, "_now", lambda: asyncio.get_running_loop().time() + self.skew)
+
+    async def expire_when(self, cond: Callable[[], object], api: Api | None = None) -> None:
+        """Past every deadline set so far, once `cond()`; and with `api`, its open watches
+        ended, as the server ends one (the wait then looks at its deadline at once)."""
+        await until(cond, "what ends the wait")
+        self.skew += 3600.0  # past any timeout a test gives
+        if api is not None:
+            api.proxy.drop_watches(clean=True)
 
 
 def plain_kubeconfig(path: Path, url: str) -> Path:

@@ -4,6 +4,7 @@ the lendee runs with, and each expected GPU advertised (real kube-apiserver)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from hostagent.cluster.kube import Kube
 from tests.controlplane import ControlPlane
 from tests.unit.cluster_scaffold import PREFIX, boot, cluster_for, set_status
-from tests.unit.kube_scaffold import Api, real_api
+from tests.unit.kube_scaffold import Api, Clock, real_api
 
 pytestmark = pytest.mark.usefixtures("sink")  # journal records in memory (conftest)
 
@@ -54,8 +55,13 @@ async def test_a_cordoned_node_is_not_adopted(api: Api, kube: Kube) -> None:
     assert why is not None and "cordoned" in why
 
 
-async def test_a_node_short_of_its_gpus_is_not_adopted(api: Api, kube: Kube) -> None:
+async def test_a_node_short_of_its_gpus_is_not_adopted(
+        api: Api, kube: Kube, monkeypatch: pytest.MonkeyPatch) -> None:
     await lent_by_the_previous_agent(api, kube)
     await set_status(api, allocatable={"nvidia.com/gpu": "1"})
+    # Its wait for the GPUs (5 s) passes once it watches the node, which shows one.
+    expiry = asyncio.create_task(Clock(kube, monkeypatch).expire_when(
+        lambda: api.proxy.watching("^/api/v1/nodes$"), api))
     why = await cluster_for(kube).adopt(BOTH)
+    await expiry
     assert why is not None and "1" in why and "nvidia.com/gpu" in why

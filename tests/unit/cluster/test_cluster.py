@@ -18,12 +18,13 @@ import pytest
 from hostagent.host import journal
 from hostagent.core import levers
 from hostagent.core.health import CheckFailed
+from hostagent.cluster.cycle import KubeCluster
 from hostagent.cluster.kube import Kube, KubeAuthError, Timing, expected_gpus
 from kubernetes_asyncio import watch as k8s_watch
 from tests.fakes import FakeMetrics
 from tests.controlplane import ControlPlane
 from tests.controlplane.seed import gpu_status
-from tests.unit.kube_scaffold import FAST, Api, real_api
+from tests.unit.kube_scaffold import FAST, Api, Clock, real_api
 from tests.waiting import until
 from tests.unit.cluster_scaffold import (
     boot,
@@ -146,15 +147,33 @@ async def test_a_mig_lend_completes(api: Api, kube: Kube) -> None:
     assert not (await node(api))["spec"].get("unschedulable")
 
 
+NODE_WATCH = r"^/api/v1/nodes\?.*watch="
+
+
 async def test_a_node_short_of_its_expected_gpus_stays_cordoned(
-        api: Api, kube: Kube, records: journal.ListSink) -> None:
+        api: Api, kube: Kube, records: journal.ListSink,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     await boot(api, 2, replicas=4)
     await set_status(api, allocatable={"nvidia.com/gpu": "0"})  # the kubelet restarted
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
     cluster = cluster_for(kube)
     plugin = later(0.2, lambda: boot(api, 1, replicas=4))  # one GPU of two came up
+
+    async def short_seen() -> None:
+        """The return's wait for the GPUs passes once it has read the node as the plugin
+        left it: its watch (the one node watch of a return here) is ended as the server
+        ends one, the node is read again, and its time is up at the next watch."""
+        await plugin
+        await until(lambda: api.proxy.watching("^/api/v1/nodes$"), "the wait for the GPUs")
+        asked = len(api.proxy.requests_to("GET", NODE_WATCH))
+        api.proxy.drop_watches("^/api/v1/nodes$", clean=True)
+        await Clock(kube, monkeypatch).expire_when(
+            lambda: len(api.proxy.requests_to("GET", NODE_WATCH)) > asked
+            and api.proxy.watching("^/api/v1/nodes$"), api)
+
+    expiry = asyncio.create_task(short_seen())
     problem = await cluster.give_back(["gpu-a", "gpu-b"])
-    await plugin
+    await expiry
     assert problem is not None
     assert "reports 4 allocatable nvidia.com/gpu where 8 were lent" in problem
     assert (await node(api))["spec"]["unschedulable"] is True
@@ -199,20 +218,30 @@ async def test_a_return_waits_for_the_kubelet_of_this_boot(
     assert reads == [NEW_BOOT] and cluster.status()["waiting"] is None
 
 
+def waiting_for_the_boot(api: Api, cluster: KubeCluster) -> Callable[[], bool]:
+    """Whether the return (or hot-add) waits on the node's watch for its kubelet of this
+    boot: where a test lets its timeout pass (`Clock`) rather than wait it out."""
+    return lambda: cluster.waiting is not None and bool(api.proxy.watching("^/api/v1/nodes$"))
+
+
 async def test_a_node_that_keeps_another_boots_status_stays_cordoned(
-        api: Api, kube: Kube) -> None:
+        api: Api, kube: Kube, monkeypatch: pytest.MonkeyPatch) -> None:
     await boot(api, 2)
     await set_status(api, nodeInfo={"bootID": OLD_BOOT})
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
     cluster = cluster_for(kube)
+    expiry = asyncio.create_task(Clock(kube, monkeypatch).expire_when(
+        waiting_for_the_boot(api, cluster), api))
     problem = await cluster.give_back(["gpu-a", "gpu-b"],
                                       boot_id=boot_reader(NEW_BOOT, []))
+    await expiry
     assert problem is not None and "kubelet of this boot did not post" in problem
     assert OLD_BOOT in problem and NEW_BOOT in problem
     assert (await node(api))["spec"]["unschedulable"] is True
 
 
-async def test_each_return_reads_the_boot_id_afresh(api: Api, kube: Kube) -> None:
+async def test_each_return_reads_the_boot_id_afresh(
+        api: Api, kube: Kube, monkeypatch: pytest.MonkeyPatch) -> None:
     """A reclaim stops the lendee with no `lendee_down`: the next return must not
     compare the node with the boot id of the boot before, which its stale status shows."""
     await boot(api, 2)
@@ -223,13 +252,18 @@ async def test_each_return_reads_the_boot_id_afresh(api: Api, kube: Kube) -> Non
                                    boot_id=boot_reader(OLD_BOOT, reads)) is None
     # Reclaimed and booted again; the node still shows the last boot's status.
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
+    clock = Clock(kube, monkeypatch)
+    expiry = asyncio.create_task(clock.expire_when(waiting_for_the_boot(api, cluster), api))
     problem = await cluster.give_back(["gpu-a", "gpu-b"],
                                       boot_id=boot_reader(NEW_BOOT, reads))
+    await expiry
     assert reads == [OLD_BOOT, NEW_BOOT]
     assert problem is not None and "kubelet of this boot did not post" in problem
     # A hot-add in a boot compares the node with the id its return read.
     assert cluster.boot_id == NEW_BOOT
+    expiry = asyncio.create_task(clock.expire_when(waiting_for_the_boot(api, cluster), api))
     assert "kubelet of this boot did not post" in str(await cluster.grow(["gpu-a", "gpu-b"]))
+    await expiry
 
 
 async def test_the_taints_label_and_annotations_are_there_before_the_uncordon(
@@ -700,14 +734,19 @@ async def test_a_players_reclaim_caps_the_grace_and_says_so(api: Api, kube: Kube
                          "is accepted"]
 
 
-async def test_a_drain_blocked_by_a_budget_is_never_accepted(api: Api, kube: Kube) -> None:
+async def test_a_drain_blocked_by_a_budget_is_never_accepted(
+        api: Api, kube: Kube, monkeypatch: pytest.MonkeyPatch) -> None:
     """`accepted` means every eviction went through: a budget that never allows one
     keeps it from being said, whatever on_drain_timeout does with the drain."""
     await api.seed.pod("db-0", node="gpu-node", owner="StatefulSet/db", labels={"app": "db"})
     await api.seed.pdb("db", match_labels={"app": "db"}, max_unavailable=0)
     said: list[bool] = []
     cluster = cluster_for(kube, config(policy="proceed"))
+    # The drain's timeout passes once db-0's eviction was refused and tried again.
+    expiry = asyncio.create_task(Clock(kube, monkeypatch).expire_when(
+        lambda: len(api.proxy.requests_to("POST", "/pods/db-0/eviction$")) >= 2))
     assert await cluster.reclaim(["gaming1"], accepted=lambda: said.append(True)) is None
+    await expiry
     assert said == []
 
 

@@ -42,20 +42,32 @@ FAST = Timing(request_timeout=5.0, api_timeout=10.0, backoff_min=0.0005, backoff
               evict_retry=0.0005, delete_poll=0.0005, watch_timeout=1.0)
 NOT_FOUND = (404, json.dumps({"kind": "Status", "apiVersion": "v1", "status": "Failure",
                               "reason": "NotFound", "message": "not found", "code": 404}))
+# The list that ends a wait on the slices: it comes only after every generated reply was
+# answered, and the follower takes each answer in before it asks again.
+NO_SLICES = (200, json.dumps({"kind": "ResourceSliceList", "apiVersion": "resource.k8s.io/v1",
+                              "metadata": {"resourceVersion": "1"}, "items": []}))
 Reply = tuple[int, str | bytes]
 
 
 class Server:
-    """Answers each request with the next of `replies`; when none is left, 404."""
+    """Answers each request with the next of `replies`; when none is left, 404, or
+    `ending` to a request that is not a watch (and then `ended` is set)."""
 
     def __init__(self) -> None:
         self.replies: deque[Reply] = deque()
+        self.ending: Reply | None = None
+        self.ended = False
         self.runner: web.ServerRunner | None = None
         self.url = ""
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         await request.read()
-        status, body = self.replies.popleft() if self.replies else NOT_FOUND
+        if self.replies:
+            status, body = self.replies.popleft()
+        elif self.ending is not None and request.query.get("watch", "").lower() != "true":
+            (status, body), self.ended = self.ending, True
+        else:
+            status, body = NOT_FOUND
         return web.Response(status=status, body=body if isinstance(body, bytes)
                             else body.encode("utf-8", "surrogatepass"),
                             content_type="application/json")
@@ -111,6 +123,7 @@ def call(live: Live, op: str, replies: list[Reply]) -> object:
     """The adapter's answer to one call while the server answers `replies`: its result,
     or the KubeError it raised. Anything else escapes."""
     live.server.replies = deque(replies)
+    live.server.ending, live.server.ended = (NO_SLICES if op == "slices" else None), False
     kube = live.kube
     calls: dict[str, Callable[[], Coroutine[Any, Any, object]]] = {
         "check": lambda: kube.check_node("n"),
@@ -122,8 +135,10 @@ def call(live: Live, op: str, replies: list[Reply]) -> object:
         "drain": lambda: kube.drain("n", timeout=5, emptydir_ok=True, unmanaged_ok=True,
                                     on_timeout=DrainTimeoutAction.PROCEED),
         "dra": lambda: kube.gpu_api_of("n", driver="gpu.nvidia.com", resource="nvidia.com/gpu"),
+        # Until the follower has taken in every reply (it lists again after each failure,
+        # and the list after the last is NO_SLICES): a fixed timeout waited it out.
         "slices": lambda: kube.wait_devices("n", driver="gpu.nvidia.com",
-                                            done=lambda uuids: False, timeout=0.1),
+                                            done=lambda _: live.server.ended, timeout=10),
     }
     try:
         return live.run(calls[op]())

@@ -37,7 +37,7 @@ from hostagent.cluster.kube import (
 )
 from tests.controlplane import ControlPlane
 from tests.controlplane.seed import ready_condition
-from tests.unit.kube_scaffold import Api, real_api
+from tests.unit.kube_scaffold import Api, Clock, real_api
 from tests.users import unprivileged
 from tests.waiting import until
 
@@ -96,24 +96,6 @@ async def on_node(api: Api, node: str = "gpu-node") -> list[str]:
 
 async def set_node_status(api: Api, node: str, **status: Any) -> None:
     await api.seed.node_status(node, **status)
-
-
-class Clock:
-    """The adapter's clock, which a test moves past every deadline once what it waits
-    for has happened: a drain then meets its timeout on a condition, not after a few
-    tenths of a second that a loaded machine may need for the first answer alone."""
-
-    def __init__(self, kube: Kube, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.skew = 0.0
-        monkeypatch.setattr(kube, "_now", lambda: asyncio.get_running_loop().time() + self.skew)
-
-    async def expire_when(self, cond: Callable[[], object], api: Api | None = None) -> None:
-        """Past every deadline set so far, once `cond()`; and with `api`, its open watches
-        ended, as the server ends one (the wait then looks at its deadline at once)."""
-        await until(cond, "what ends the wait")
-        self.skew += 3600.0  # past any timeout a test gives
-        if api is not None:
-            api.proxy.drop_watches(clean=True)
 
 
 def ours(node: dict[str, Any]) -> tuple[dict[str, str], list[tuple[str, str | None]]]:
@@ -574,13 +556,20 @@ async def test_an_api_down_for_the_whole_drain_is_bounded_by_its_timeout(
         )
 
 
-async def test_a_pod_whose_kubelet_is_gone_is_left_terminating(kube: Kube, api: Api) -> None:
+async def test_a_pod_whose_kubelet_is_gone_is_left_terminating(
+    kube: Kube, api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
     await api.seed.pod("web-1", node="gpu-node", owner="ReplicaSet/web", grace=1)
     await api.seed.kubelet_gone("gpu-node")
     await set_node_status(api, "gpu-node", conditions=[ready_condition("Unknown")])
+    # The timeout passes once the drain, its eviction accepted, has read the pod still
+    # there (it reads the pod only while it waits for it to go).
+    expiry = asyncio.create_task(Clock(kube, monkeypatch).expire_when(
+        lambda: api.proxy.requests_to("GET", r"/pods/web-1$"), api))
     report = await kube.drain(
-        "gpu-node", timeout=2, emptydir_ok=True, unmanaged_ok=False, on_timeout=PROCEED
+        "gpu-node", timeout=30, emptydir_ok=True, unmanaged_ok=False, on_timeout=PROCEED
     )
+    await expiry
     assert [str(p) for p in report.left] == ["default/web-1 (evicted but still terminating)"]
 
 

@@ -161,8 +161,8 @@ async def test_a_pause_left_by_an_agent_restarted_mid_way_is_restored_by_the_ret
     assert await again.withdraw({"gpu-a"}) is None
     await kube.cordon("gpu-node", marker_prefix=PREFIX)
     # Whatever its verdict (no kubelet here: the node never shows Ready, so a short wait
-    # for it), the labels are put back.
-    fresh = KubeCluster(kube, config(ready="5s"), remember_cordon=lambda _: None)
+    # for it, and one for its GPUs), the labels are put back: before either wait.
+    fresh = KubeCluster(kube, config(ready="500ms"), remember_cordon=lambda _: None)
     await fresh.give_back({"gpu-a"})
     node = await api.seed.get_node("gpu-node")
     assert deploy_labels(node) == {DEVICE_PLUGIN: "true", DCGM_EXPORTER: "true"}

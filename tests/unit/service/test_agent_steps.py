@@ -326,11 +326,20 @@ async def test_an_owner_starts_at_boot_once(tmp_path: Path) -> None:
     assert not agent().host_booted
 
 
-async def test_a_metrics_port_in_use_is_retried_not_fatal(tmp_path: Path) -> None:
+async def test_a_metrics_port_in_use_is_retried_not_fatal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The port is taken when the agent starts (another exporter, an address not up yet
     at boot): the agent goes on without it and binds it once it is free, instead of
     exiting 2 and being left failed by RestartPreventExitStatus."""
+    import functools
     import socket
+
+    from hostagent.core import backoff
+    from hostagent.service import serving
+    # Its retries 50 ms apart at first, not 1 s (keep_trying's `first`): the retry, not
+    # its pace, is what is checked.
+    monkeypatch.setattr(serving, "keep_trying", functools.partial(backoff.keep_trying,
+                                                                  first=0.05))
     squatter = socket.socket()
     squatter.bind(("127.0.0.1", 0))
     squatter.listen()

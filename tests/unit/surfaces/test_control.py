@@ -386,10 +386,15 @@ class Tty(io.StringIO):
 
 async def test_follow_draws_one_line_on_a_tty_plain_lines_or_json_otherwise(
         tmp_path: Path) -> None:
+    # The pause between the two phases, for each follow below: long enough for a tty's
+    # clock to tick (every 0.5 s), and for --timeout 0.3 to pass; plain lines and JSON
+    # lines print what the agent says when it says it, and need none.
+    pauses = iter([0.7, 0.0, 0.0, 0.7])
+
     async def play(args: dict[str, Any]) -> AsyncIterator[Reply]:
         yield {"event": "phase", "message": "draining gpu-node", "elapsed_s": 0.1,
                "waiting": "gpu-node's node to drain"}
-        await asyncio.sleep(0.7)  # the step's length, the tty's line redrawn meanwhile
+        await asyncio.sleep(next(pauses))
         yield {"event": "phase", "message": "gpu-node is off", "elapsed_s": 0.8,
                "waiting": "gaming1 to start"}
         yield {"ok": True, "data": {"vm": args["vm"], "message": "gaming1 is running (0.9s)"}}

@@ -311,17 +311,25 @@ async def test_strangers_are_counted_per_prefix_and_the_oldest_waiting_makes_roo
             pass
         return True
 
-    async with ssh_endpoint(tmp_path, verbs, max_per_prefix=3, max_unauthenticated=5) as port:
+    # A login timeout that no wait here reaches: each connection closed is one closed
+    # to make room (at 5 s, each wait was met by the timeout, whoever was closed).
+    async with ssh_endpoint(tmp_path, verbs, max_per_prefix=3, max_unauthenticated=5,
+                            login_timeout=120) as port:
         held = [await silent(f"127.0.0.{1 + i % 2}") for i in range(3)]  # one /24
-        held.append(await silent("127.0.0.2"))  # one more there: the oldest makes room
-        assert await closed(held[0][0])
-        held += [await silent("127.0.1.1") for _ in range(2)]  # another /24: 5 waiting
-        held.append(await silent("127.0.1.1"))  # the sixth: the oldest of all goes
+        # One more there: the oldest of the address that holds the most makes room (a
+        # tie, .1 two and .2 one and the newcomer: the newcomer's own).
+        held.append(await silent("127.0.0.2"))
         assert await closed(held[1][0])
-        # Its /24 full of silent connections, the button still gets in.
+        held += [await silent("127.0.1.1") for _ in range(2)]  # another /24: 5 waiting
+        # The sixth: the network that holds the most goes first (a tie, three each with
+        # the newcomer: the newcomer's own), its oldest.
+        held.append(await silent("127.0.1.1"))
+        assert await closed(held[4][0])
+        # Its /24 full of silent connections, the button still gets in: the oldest of
+        # the address that holds the most there (the button's own) makes room.
         async with client(port, BUTTON, tmp_path, local="127.0.0.1") as conn:
             assert (await conn.run("status")).exit_status == 0
-        assert await closed(held[2][0])
+        assert await closed(held[0][0])
         for _, writer in held:
             writer.close()
     assert verbs.calls == ["status"]
