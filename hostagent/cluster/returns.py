@@ -264,13 +264,26 @@ class Returns(Watches):
         deadline = self._deadline(timeout)
         current = await self._read_node(node, deadline)
 
-        def advertises(n: Any) -> bool:
-            capacity = (n.status.capacity if n.status is not None else None) or {}
-            return _gpus(n, resource) > 0 or str(capacity.get(resource, "0")) not in ("0", "")
+        def advertised(n: Any) -> str | None:
+            """The NVIDIA device plugin's resource `n` advertises: `resource`, its
+            time-slices renamed `<resource>.shared`, or a MIG profile's (mixed strategy,
+            where a partitioned GPU is no `resource` at all)."""
+            status = n.status
+            both = {**((status.capacity if status is not None else None) or {}),
+                    **((status.allocatable if status is not None else None) or {})}
+            return next((name for name, amount in sorted(both.items())
+                         if (name in (resource, f"{resource}.shared")
+                             or name.startswith("nvidia.com/mig-"))
+                         and str(amount) not in ("0", "")), None)
 
-        plugin = (False, f"node {node} advertises {resource} capacity (a device plugin)")
+        def plugin(n: Any) -> tuple[bool, str]:
+            return False, f"node {node} advertises {advertised(n)} capacity (a device plugin)"
+
+        def advertises(n: Any) -> bool:
+            return advertised(n) is not None
+
         if advertises(current):
-            return plugin
+            return plugin(current)
         try:
             listed = await self._call(
                 f"list the ResourceSlices of {driver}",
@@ -310,7 +323,7 @@ class Returns(Watches):
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if on_node in done and (last := on_node.result()[0]) is not None \
                         and advertises(last):
-                    return plugin
+                    return plugin(last)
                 if on_slices in done and (seen := on_slices.result()) is not None \
                         and (devices := seen.every()):
                     return True, (f"node {node} publishes {len(devices)} {driver} device(s) "

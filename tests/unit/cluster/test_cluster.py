@@ -147,6 +147,24 @@ async def test_a_mig_lend_completes(api: Api, kube: Kube) -> None:
     assert not (await node(api))["spec"].get("unschedulable")
 
 
+@pytest.mark.parametrize(("knobs", "advertised"), [
+    ({"mig": {"1g.10gb": 7}}, "nvidia.com/mig-1g.10gb"),  # mixed MIG: no nvidia.com/gpu
+    ({"resource": "nvidia.com/gpu.shared", "replicas": 4}, "nvidia.com/gpu.shared"),
+])
+async def test_auto_tells_the_device_plugin_by_its_mig_or_shared_resources(
+        api: Api, kube: Kube, knobs: dict[str, Any], advertised: str) -> None:
+    """With gpu_api = "auto", a node whose device plugin advertises its GPUs as MIG
+    instances (mixed strategy) or renamed time-slices, never as nvidia.com/gpu, is a
+    device-plugin node at once: not one that publishes nothing, which the return would
+    watch for the whole timeouts.ready (10 min by default) before the uncordon."""
+    await boot(api, 2, **knobs)
+    none = {"nvidia.com/gpu": "0"}  # renamed, the device plugin advertises no such GPU
+    await set_status(api, allocatable=none, capacity=none)
+    assert await kube.gpu_api_of("gpu-node", driver="gpu.nvidia.com",
+                                 resource="nvidia.com/gpu", timeout=10) == (
+        False, f"node gpu-node advertises {advertised} capacity (a device plugin)")
+
+
 NODE_WATCH = r"^/api/v1/nodes\?.*watch="
 
 
