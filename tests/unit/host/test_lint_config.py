@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
+
 from hostagent.core.config import Config, parse
 from hostagent.host import lint
 from hostagent.host.lint import Check, Finding, Severity
@@ -287,3 +289,65 @@ def test_a_gpu_given_by_uuid_alone_is_not_checked_for_resets_until_placed(
     assert [f.what for f in lint._resets(placed, sysfs.root)] == [
         f"0000:01:00.{fn} of GPU gpu-a cannot be reset between VMs: it has no reset method "
         "and no bridge above it whose bus could be reset" for fn in "01"]
+
+
+# --- which lendee hears that an owned GPU and a free one share a group ----------------------
+
+
+def test_an_owned_and_an_unowned_gpu_in_one_group_warn_the_first_gpus_lendee(
+        sysfs: FakeSysfs) -> None:
+    # gpu-a and gpu-b share group 7; gaming1 owns gpu-b, gpu-a has no owner.
+    sysfs.gpu("01", group="7").gpu("02", group="7").gpu("03")
+    what = ("gpu-a and gpu-b share IOMMU group 7: they move together (gpu-a (no owner), "
+            "gpu-b (gaming1))")
+
+    def told(text: str) -> list[tuple[str, Severity, str]]:
+        found = lint._shared_groups([], sysfs.root, cfg(text + GPUS))
+        return [(f.domain, f.severity, f.what) for f in found]
+
+    # gpu-a is node-b's, not the first lendee's (node-a), and gpu-b no lendee's.
+    assert told("""
+        [lendees.node-a]
+        gpus = ["gpu-c"]
+        [lendees.node-b]
+        gpus = ["gpu-a"]
+        [owners.gaming1]
+        gpus = ["gpu-b"]
+        """) == [("node-b", Severity.WARNING, what)]
+    # gpu-a is no lendee's (gaming2 alone uses it): the lendee hears of it.
+    assert told("""
+        [lendee]
+        domain = "gpu-node"
+        gpus = ["gpu-b", "gpu-c"]
+        [owners.gaming2]
+        gpus = ["gpu-a"]
+        """) == [("gpu-node", Severity.WARNING,
+                  "gpu-a and gpu-b share IOMMU group 7: they move together (gpu-a (gaming2), "
+                  "gpu-b (no owner))")]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "defect: _shared_groups names a group's slots that are no configured GPU by their "
+    "address, then looks those names up as GPU labels, so a GPU labelled with another "
+    "device's slot lends that device its owners"))
+def test_a_gpu_labelled_with_another_devices_slot_is_not_that_device(
+        sysfs: FakeSysfs) -> None:
+    # Two USB controllers share group 9 and no GPU; gpu-a at 01:00.0 is labelled
+    # "0000:05:00", the first controller's slot. The group holds no GPU: nothing to say.
+    sysfs.gpu("01")
+    for slot in ("05", "06"):
+        sysfs.add(f"0000:{slot}:00.0", cls=0x0c0330, vendor="1b21", device="2142", group="9")
+    config = cfg("""
+        [lendee]
+        domain = "gpu-node"
+        gpus = ["0000:05:00"]
+
+        [gpus."0000:05:00"]
+        pci = "0000:01:00.0"
+
+        [owners.gaming1]
+        gpus = ["0000:05:00"]
+        """)
+    doms = [lint.parse_domain(domain("usb-vm", [hostdev("0000:05:00.0")])),
+            lint.parse_domain(domain("usb-vm2", [hostdev("0000:06:00.0")]))]
+    assert lint._shared_groups(doms, sysfs.root, config) == []
