@@ -320,7 +320,9 @@ def _shared_groups(domains: Sequence[Domain], sysfs: Path,
                     fix=_ACS_FIX))
             continue
         others = sorted(slot for slot in users if slot not in labels)
-        if others and len(others) < len(users):
+        if len(others) == len(users):
+            continue  # no GPU in the group: none of hostagent's moves
+        if others:
             # hostagent moves GPUs only: a device of another kind in their group stays
             # where it is, and holds the whole group for its VM.
             held = sorted(set().union(*users.values()))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import textwrap
 
-import pytest
 
 from hostagent.core.config import Config, parse
 from hostagent.host import lint
@@ -326,10 +325,6 @@ def test_an_owned_and_an_unowned_gpu_in_one_group_warn_the_first_gpus_lendee(
                   "gpu-b (no owner))")]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "defect: _shared_groups names a group's slots that are no configured GPU by their "
-    "address, then looks those names up as GPU labels, so a GPU labelled with another "
-    "device's slot lends that device its owners"))
 def test_a_gpu_labelled_with_another_devices_slot_is_not_that_device(
         sysfs: FakeSysfs) -> None:
     # Two USB controllers share group 9 and no GPU; gpu-a at 01:00.0 is labelled
