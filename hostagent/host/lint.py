@@ -340,7 +340,7 @@ def _shared_groups(domains: Sequence[Domain], sysfs: Path,
                     "group.",
                 fix=_ACS_FIX + "; or pass the other device through to no VM"))
             continue
-        gpus = sorted({labels.get(slot, slot) for slot in users})
+        gpus = sorted({labels[slot] for slot in users})
         if len(gpus) < 2:
             continue
         owners = {g: frozenset(config.owners_of(g)) for g in gpus}

@@ -346,3 +346,16 @@ def test_a_gpu_labelled_with_another_devices_slot_is_not_that_device(
     doms = [lint.parse_domain(domain("usb-vm", [hostdev("0000:05:00.0")])),
             lint.parse_domain(domain("usb-vm2", [hostdev("0000:06:00.0")]))]
     assert lint._shared_groups(doms, sysfs.root, config) == []
+
+
+def test_a_group_without_a_gpu_does_not_end_the_check_of_the_groups_after_it(
+        sysfs: FakeSysfs) -> None:
+    # Group 1: two USB controllers in two VMs, no GPU; group 7, read after it: gpu-a and
+    # gpu-b of different owners.
+    for slot in ("05", "06"):
+        sysfs.add(f"0000:{slot}:00.0", cls=0x0c0330, vendor="1b21", device="2142", group="1")
+    sysfs.gpu("01", group="7").gpu("02", group="7")
+    doms = [lint.parse_domain(domain("usb-vm", [hostdev("0000:05:00.0")])),
+            lint.parse_domain(domain("usb-vm2", [hostdev("0000:06:00.0")]))]
+    assert [f.what for f in lint._shared_groups(doms, sysfs.root, cfg(CONFIG))] == [
+        "GPUs of different owners share IOMMU group 7: gpu-a (gaming1), gpu-b (gaming2)"]
