@@ -609,6 +609,7 @@ def test_listen_addresses_split() -> None:
     assert _split_listen(" [::1]:80 ") == ("::1", 80)
     assert _split_listen(":1") == ("", 1)
     assert _split_listen("h:65535") == ("h", 65535)
+    assert _split_listen("Xbox-X:9477") == ("Xbox-X", 9477)  # only brackets are stripped
     assert [_split_listen(t) for t in ("h:0", "h:65536", "a b:1", "h")] == [None] * 4
 
 
