@@ -479,6 +479,7 @@ WRONG: list[tuple[str, object, str, str, str]] = [
     ("_broker", "mqtt://u@b", "s.k", "the URL carries a user or password",
      "remove it: set username and password_file under [mqtt]"),
     ("_broker", "mqtt://b/x", "s.k", '"mqtt://b/x" has a path', BROKER_FIX),
+    ("_broker", "mqtt://b/X", "s.k", '"mqtt://b/X" has a path', BROKER_FIX),  # only "/" stripped
     ("_broker", "mqtt://b?x=1", "s.k", '"mqtt://b?x=1" has a path', BROKER_FIX),
     ("_broker", "mqtt://b#f", "s.k", '"mqtt://b#f" has a path', BROKER_FIX),
     ("_broker", "mqtt://b:0", "s.k", '"mqtt://b:0" has port 0', "write a port from 1 to 65535"),
