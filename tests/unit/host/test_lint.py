@@ -14,6 +14,7 @@ from hostagent.host import lint
 from hostagent.core.config import Config, parse
 from hostagent.core.model import Hotplug, Policy
 from hostagent.host.lint import Check, Severity
+from tests.configs import three_gpus_two_owners
 from tests.unit.domain_scaffold import (
     domain,
     gpu,
@@ -22,29 +23,7 @@ from tests.unit.domain_scaffold import (
 
 REPO = Path(__file__).resolve().parents[3]
 
-CONFIG = """
-[lendee]
-domain = "gpu-node"
-gpus = ["gpu-a", "gpu-b", "gpu-c"]
-
-[gpus.gpu-a]
-pci = "0000:01:00.0"
-functions = ["0000:01:00.1"]
-
-[gpus.gpu-b]
-pci = "0000:02:00.0"
-functions = ["0000:02:00.1"]
-
-[gpus.gpu-c]
-pci = "0000:03:00.0"
-functions = ["0000:03:00.1"]
-
-[owners.gaming1]
-gpus = ["gpu-a"]
-
-[owners.gaming2]
-gpus = ["gpu-b"]
-"""
+CONFIG = three_gpus_two_owners(uuids=False, functions=True)
 
 
 def clean_set() -> dict[str, str]:

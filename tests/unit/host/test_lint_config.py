@@ -12,34 +12,14 @@ import textwrap
 from hostagent.core.config import Config, parse
 from hostagent.host import lint
 from hostagent.host.lint import Check, Finding, Severity
+from tests.configs import gpus_toml, three_gpus_two_owners
 from tests.sysfs import FakeSysfs
 from tests.unit.domain_scaffold import domain, gpu, hostdev
 
-GPUS = """
-[gpus.gpu-a]
-pci = "0000:01:00.0"
-functions = ["0000:01:00.1"]
+GPUS = gpus_toml(("gpu-a", "gpu-b", "gpu-c"), uuids=False, functions=True)
 
-[gpus.gpu-b]
-pci = "0000:02:00.0"
-functions = ["0000:02:00.1"]
-
-[gpus.gpu-c]
-pci = "0000:03:00.0"
-functions = ["0000:03:00.1"]
-"""
-
-CONFIG = """
-[lendee]
-domain = "gpu-node"
-gpus = ["gpu-a", "gpu-b", "gpu-c"]
-
-[owners.gaming1]
-gpus = ["gpu-a"]
-
-[owners.gaming2]
-gpus = ["gpu-b"]
-""" + GPUS
+# gpu-node borrowing all three; gaming1 owns gpu-a, gaming2 gpu-b.
+CONFIG = three_gpus_two_owners(uuids=False, functions=True)
 
 TWO_LENDEES = """
 [lendees.node-a]

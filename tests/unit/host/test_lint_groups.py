@@ -9,6 +9,7 @@ import textwrap
 from hostagent.core.config import Config, parse
 from hostagent.host import lint
 from hostagent.host.lint import Check, Severity
+from tests.configs import gpus_toml
 from tests.sysfs import FakeSysfs
 from tests.unit.domain_scaffold import domain, gpu, hostdev
 
@@ -26,15 +27,7 @@ domain = "gpu-node"
 gpus = ["gpu-a", "gpu-b"]
 """
 
-GPUS = """
-[gpus.gpu-a]
-pci = "0000:01:00.0"
-functions = ["0000:01:00.1"]
-
-[gpus.gpu-b]
-pci = "0000:02:00.0"
-functions = ["0000:02:00.1"]
-"""
+GPUS = gpus_toml(("gpu-a", "gpu-b"), uuids=False, functions=True)
 
 
 def cfg(text: str) -> Config:

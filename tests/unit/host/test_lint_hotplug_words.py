@@ -19,6 +19,7 @@ from hostagent.host.lint_hotplug import (
     regrow_note,
 )
 from hostagent.host.lint_xml import Check, Domain, Finding, Severity, parse_domain
+from tests.configs import lendee_toml
 from tests.unit.hotplug_scaffold import LINT_CONFIG, lendee_xml
 
 ADD = parse(LINT_CONFIG)
@@ -366,14 +367,7 @@ def test_multifunction_off_is_a_port_of_its_own() -> None:
     assert findings(xml) == []
 
 
-ALIASED = """
-[lendee]
-domain = "gpu-node"
-gpus = ["gpu-a", "gpu-b"]
-[gpus.gpu-a]
-pci = "0000:01:00.0"
-[gpus.gpu-b]
-pci = "0000:02:00.0"
+ALIASED = lendee_toml(uuids=False) + """
 [owners.gaming1]
 gpus = ["gpu-a", "gpu-b"]
 [policy]
