@@ -265,25 +265,22 @@ class Returns(Watches):
         current = await self._read_node(node, deadline)
 
         def advertised(n: Any) -> str | None:
-            """The NVIDIA device plugin's resource `n` advertises: `resource`, its
-            time-slices renamed `<resource>.shared`, or a MIG profile's (mixed strategy,
-            where a partitioned GPU is no `resource` at all)."""
+            """The NVIDIA device plugin's resource `n` advertises in its capacity or its
+            allocatable: `resource`, its time-slices renamed `<resource>.shared`, or a
+            MIG profile's (mixed strategy, where a partitioned GPU is no `resource`)."""
             status = n.status
-            both = {**((status.capacity if status is not None else None) or {}),
-                    **((status.allocatable if status is not None else None) or {})}
-            return next((name for name, amount in sorted(both.items())
+            amounts = [] if status is None else [*(status.capacity or {}).items(),
+                                                 *(status.allocatable or {}).items()]
+            return next((name for name, amount in sorted(amounts)
                          if (name in (resource, f"{resource}.shared")
                              or name.startswith("nvidia.com/mig-"))
                          and str(amount) not in ("0", "")), None)
 
-        def plugin(n: Any) -> tuple[bool, str]:
-            return False, f"node {node} advertises {advertised(n)} capacity (a device plugin)"
+        def plugin(name: str) -> tuple[bool, str]:
+            return False, f"node {node} advertises {name} capacity (a device plugin)"
 
-        def advertises(n: Any) -> bool:
-            return advertised(n) is not None
-
-        if advertises(current):
-            return plugin(current)
+        if (name := advertised(current)) is not None:
+            return plugin(name)
         try:
             listed = await self._call(
                 f"list the ResourceSlices of {driver}",
@@ -313,7 +310,8 @@ class Returns(Watches):
             return None
         # Both followed at once, each read again as its watch starts: nothing published
         # since the reads above is missed.
-        on_node = asyncio.create_task(self._watch_node(node, advertises, self._now() + wait))
+        on_node = asyncio.create_task(self._watch_node(
+            node, lambda n: advertised(n) is not None, self._now() + wait))
         on_slices = asyncio.create_task(self.wait_devices(
             node, driver=driver, labels=labels, timeout=wait,
             done=lambda seen: bool(seen.every())))
@@ -322,8 +320,8 @@ class Returns(Watches):
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 if on_node in done and (last := on_node.result()[0]) is not None \
-                        and advertises(last):
-                    return plugin(last)
+                        and (name := advertised(last)) is not None:
+                    return plugin(name)
                 if on_slices in done and (seen := on_slices.result()) is not None \
                         and (devices := seen.every()):
                     return True, (f"node {node} publishes {len(devices)} {driver} device(s) "

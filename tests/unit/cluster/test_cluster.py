@@ -165,6 +165,17 @@ async def test_auto_tells_the_device_plugin_by_its_mig_or_shared_resources(
         False, f"node gpu-node advertises {advertised} capacity (a device plugin)")
 
 
+async def test_auto_tells_the_device_plugin_by_its_capacity_with_none_allocatable(
+        api: Api, kube: Kube) -> None:
+    """Every GPU unhealthy: the plugin's capacity counts them, allocatable none. It is
+    still a device-plugin node (read from either, as before the MIG names came in)."""
+    await set_status(api, allocatable={"nvidia.com/gpu": "0"},
+                     capacity={"nvidia.com/gpu": "2"})
+    assert await kube.gpu_api_of("gpu-node", driver="gpu.nvidia.com",
+                                 resource="nvidia.com/gpu", timeout=10) == (
+        False, "node gpu-node advertises nvidia.com/gpu capacity (a device plugin)")
+
+
 NODE_WATCH = r"^/api/v1/nodes\?.*watch="
 
 
